@@ -1,0 +1,149 @@
+"""Typed run configuration: one frozen dataclass per concern, built from flags, YAML or code.
+
+Every component receives its own slice (`RolloutConfig`, `TrainConfig`, ...), never the whole
+`RunConfig`. Flag names are miles' (`--rollout-batch-size` is `RolloutConfig.batch_size`); the
+mapping lives in `miles/cli_args.py`. Validation collects every problem and raises one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input. `problems` lists each one; the CLI exits with code 2."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(f"  - {p}" for p in self.problems) if len(self.problems) > 1 else self.problems[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    hf_checkpoint: str                  # --hf-checkpoint: HF-format folder (model + tokenizer)
+    device: str = "auto"                # --device: auto | cpu | cuda
+    dtype: str = "auto"                 # --dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    prompt_data: str                    # --prompt-data: .jsonl or .parquet
+    input_key: str = "input"            # --input-key
+    label_key: str | None = None        # --label-key
+    metadata_key: str | None = None     # --metadata-key
+    apply_chat_template: bool = False   # --apply-chat-template
+    rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
+    max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    batch_size: int                     # --rollout-batch-size: prompts per rollout
+    n_samples_per_prompt: int = 8       # --n-samples-per-prompt
+    max_response_len: int = 64          # --rollout-max-response-len
+    temperature: float = 1.0            # --rollout-temperature
+    top_p: float = 1.0                  # --rollout-top-p
+    top_k: int = -1                     # --rollout-top-k
+    num_engines: int = 1                # --rollout-num-engines
+    engine: str = "embedded"            # --rollout-engine: embedded (sglang slots in later)
+    rm_type: str = "math"               # --rm-type
+    custom_rm_path: str | None = None   # --custom-rm-path module:function
+    seed: int = 0                       # --rollout-seed (defaults to --seed)
+
+    @property
+    def num_samples(self) -> int:
+        return self.batch_size * self.n_samples_per_prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    advantage_estimator: str = "grpo"   # --advantage-estimator
+    disable_grpo_std_normalization: bool = False  # --disable-grpo-std-normalization
+    loss_type: str = "policy_loss"      # --loss-type policy_loss | sft_loss
+    eps_clip: float = 0.2               # --eps-clip
+    eps_clip_high: float | None = None  # --eps-clip-high (DAPO clip-higher); None: same as eps_clip
+    eps_clip_c: float | None = None     # --eps-clip-c (dual clip)
+    use_kl_loss: bool = False           # --use-kl-loss
+    kl_loss_coef: float = 0.0           # --kl-loss-coef
+    kl_loss_type: str = "k3"            # --kl-loss-type k1 | k2 | k3 | low_var_kl
+    entropy_coef: float = 0.0           # --entropy-coef
+    temperature: float = 1.0            # the rollout temperature: train-side logprobs use logits / temperature
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    lr: float = 1e-6                    # --lr
+    weight_decay: float = 0.0           # --weight-decay
+    adam_beta1: float = 0.9             # --adam-beta1
+    adam_beta2: float = 0.999           # --adam-beta2
+    clip_grad: float = 1.0              # --clip-grad (max grad norm; 0 disables)
+    global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
+    micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
+    seed: int = 0                       # --seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    save: str | None = None             # --save: checkpoint root
+    load: str | None = None             # --load: checkpoint root to resume from (newest complete)
+    save_interval: int | None = None    # --save-interval (rollouts)
+    save_hf: bool = True                # --no-save-hf: skip the HF export at each save
+    save_trigger_sentinel: str | None = None  # --save-trigger-sentinel: save when this file exists
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    prompt_data: tuple[tuple[str, str], ...] = ()  # --eval-prompt-data NAME PATH [NAME PATH ...]
+    interval: int | None = None         # --eval-interval (rollouts)
+    skip_before_train: bool = False     # --skip-eval-before-train
+    n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
+    temperature: float = 0.0            # --eval-temperature (0: greedy)
+    max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    ray_address: str | None = None      # --ray-address: attach to a running cluster (None: start a local one)
+    num_cpus: int | None = None         # --ray-num-cpus for a local cluster
+    namespace: str | None = None        # --ray-namespace (None: one per run)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    run_dir: str = "runs/latest"        # --run-dir: trace.jsonl, metrics.jsonl, config.yaml live here
+    console: str = "auto"               # --trace-console: auto | pretty | plain | off
+    teardown_timeout_s: float = 60.0    # --teardown-timeout: per resource
+    teardown_deadline_s: float = 300.0  # --teardown-deadline: whole unwind
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
+    num_epoch: int | None = None        # --num-epoch
+    check_weight_update_equal: bool = False  # --check-weight-update-equal
+    debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
+
+
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain-dict view (for config.yaml in the run dir)."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = as_dict(v) if hasattr(v, "__dataclass_fields__") else (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrainConfig", "as_dict", "replace",
+]
