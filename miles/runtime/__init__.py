@@ -1,1 +1,17 @@
+"""The runtime core: lifecycle machines, the runner, the disposer and the trace.
 
+Nothing here imports the rest of miles or any ML library: it can drive stub phases in unit tests.
+"""
+
+from .disposer import (
+    Disposer, DisposerClosedError, TeardownOutcome, TeardownTimeout, teardown_errors, with_disposer,
+)
+from .machine import MachineDef, MachineDefinitionError, builtin_machines, load_machine, parse_machine
+from .runner import IllegalTransition, PhaseContext, Runner
+from .trace import Trace, TraceEvent, Tracer, read_trace
+
+__all__ = [
+    "Disposer", "DisposerClosedError", "IllegalTransition", "MachineDef", "MachineDefinitionError",
+    "PhaseContext", "Runner", "TeardownOutcome", "TeardownTimeout", "Trace", "TraceEvent", "Tracer",
+    "builtin_machines", "load_machine", "parse_machine", "read_trace", "teardown_errors", "with_disposer",
+]
