@@ -63,7 +63,8 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, eps_clip: float
 
 def _masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     # off the mask the ratio is exactly 1: padding logprobs (even inf / NaN) reach neither loss nor grad
-    return torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return torch.where(mask.bool(), logprobs - old_logprobs, zero)
 
 
 def _policy_loss(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, eps_clip: float,

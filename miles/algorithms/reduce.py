@@ -31,7 +31,7 @@ sequences; a batch with no response tokens at all reduces to 0, never NaN.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -88,10 +88,6 @@ def seq_mean_token_sum_norm(
         raise ValueError(f"max_len must be > 0 (use the max response length), got {max_len}")
     per_seq = masked_sum(loss, mask, dim=-1) / max_len
     return per_seq.sum() / _denominator(count_sequences(mask), normalizer)
-
-
-class LossReduction(Protocol):
-    def __call__(self, loss: Tensor, mask: Tensor, *, normalizer: float | None = None) -> Tensor: ...
 
 
 LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
