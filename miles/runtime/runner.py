@@ -92,6 +92,7 @@ class Runner:
 
     def _fire(self, trigger: str, *, cause: int | None) -> None:
         src = self.state
+        guards = self._guard_values(src, trigger)
         try:
             moved = self._model.trigger(trigger)
         except (MachineError, AttributeError) as exc:
@@ -102,7 +103,12 @@ class Runner:
                                     f"destination ({self.definition.source})")
         self.history.append((src, trigger, self.state))
         self.tracer.emit("transition", src=src, dst=self.state, trigger=trigger,
-                         rollout_id=self.ctx.rollout_id, cause=cause)
+                         rollout_id=self.ctx.rollout_id, cause=cause, guards=guards)
+
+    def _guard_values(self, src: str, trigger: str) -> dict[str, bool] | None:
+        """The guards deciding this move, as evaluated now (the trace checker replays them)."""
+        names = {g for t in self.definition.transitions_from(src, trigger) for g in (*t.conditions, *t.unless)}
+        return {g: bool(getattr(self.ctx, g)()) for g in sorted(names)} or None
 
     def _on_failure(self, exc: BaseException) -> None:
         state = self.state

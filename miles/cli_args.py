@@ -1,0 +1,237 @@
+"""miles' flat flags → the typed `RunConfig`.
+
+One table maps every flag (miles' names, so miles/slime launch scripts carry over) to its config
+section and field. `--config run.yaml` loads a file whose keys are flag names (dashes or
+underscores); flags given on the command line override it. Every problem is collected and raised as
+one `ConfigError` before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from .config import (
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
+    RolloutConfig, RunConfig, TraceConfig, TrainConfig,
+)
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
+    "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
+    "trace": TraceConfig, "run": RunConfig,
+}
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+RM_TYPES = ("math", "exact_match")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str                       # without the leading dashes
+    section: str                    # key of SECTIONS
+    field: str
+    type: Callable[[str], Any] | None = None
+    help: str = ""
+    choices: Sequence[str] | None = None
+    kind: str = "value"             # value | true | false | pairs
+
+
+def _f(name, section, field, type=None, help="", choices=None, kind="value") -> Flag:  # noqa: A002
+    return Flag(name, section, field, type, help, choices, kind)
+
+
+FLAGS: tuple[Flag, ...] = (
+    # model
+    _f("hf-checkpoint", "model", "hf_checkpoint", str, "HF-format folder with the model and its tokenizer"),
+    _f("device", "model", "device", str, "where engines and trainers run", ("auto", "cpu", "cuda")),
+    _f("dtype", "model", "dtype", str, "parameter dtype (auto: fp32 on CPU, bf16 on GPU)", ("auto", "float32", "bfloat16")),
+    # data
+    _f("prompt-data", "data", "prompt_data", str, "training prompts: a .jsonl or .parquet file"),
+    _f("input-key", "data", "input_key", str, "the prompt's key in each row"),
+    _f("label-key", "data", "label_key", str, "the reference answer's key (for rule rewards)"),
+    _f("metadata-key", "data", "metadata_key", str, "a per-row dict passed to the reward"),
+    _f("apply-chat-template", "data", "apply_chat_template", kind="true", help="format prompts with the tokenizer's chat template"),
+    _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch (the default)"),
+    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order"),
+    _f("max-prompt-len", "data", "max_prompt_len", int, "drop prompts longer than this many tokens"),
+    # rollout
+    _f("rollout-batch-size", "rollout", "batch_size", int, "prompts per rollout"),
+    _f("n-samples-per-prompt", "rollout", "n_samples_per_prompt", int, "responses per prompt (the GRPO group size)"),
+    _f("rollout-max-response-len", "rollout", "max_response_len", int, "max new tokens per response"),
+    _f("rollout-temperature", "rollout", "temperature", float, "sampling temperature"),
+    _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
+    _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
+    _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
+    _f("rollout-engine", "rollout", "engine", str, "inference backend", ("embedded",)),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward", RM_TYPES),
+    _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
+    _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
+    # algorithm
+    _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATORS),
+    _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
+       help="GRPO: center rewards per group without dividing by their std (Dr. GRPO)"),
+    _f("loss-type", "algorithm", "loss_type", str, "training loss", ("policy_loss", "sft_loss")),
+    _f("eps-clip", "algorithm", "eps_clip", float, "PPO clip range (low side, and high unless --eps-clip-high)"),
+    _f("eps-clip-high", "algorithm", "eps_clip_high", float, "PPO clip range, high side (DAPO clip-higher)"),
+    _f("eps-clip-c", "algorithm", "eps_clip_c", float, "dual-clip constant (> 1)"),
+    _f("use-kl-loss", "algorithm", "use_kl_loss", kind="true", help="add a KL-to-reference term to the loss"),
+    _f("kl-loss-coef", "algorithm", "kl_loss_coef", float, "weight of the KL loss"),
+    _f("kl-loss-type", "algorithm", "kl_loss_type", str, "KL estimator", KL_TYPES),
+    _f("entropy-coef", "algorithm", "entropy_coef", float, "entropy bonus weight"),
+    # train
+    _f("lr", "train", "lr", float, "AdamW learning rate"),
+    _f("weight-decay", "train", "weight_decay", float, "AdamW weight decay"),
+    _f("adam-beta1", "train", "adam_beta1", float, "AdamW beta1"),
+    _f("adam-beta2", "train", "adam_beta2", float, "AdamW beta2"),
+    _f("clip-grad", "train", "clip_grad", float, "max gradient norm (0: off)"),
+    _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
+    _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
+    _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
+    # checkpoint
+    _f("save", "checkpoint", "save", str, "checkpoint root directory"),
+    _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),
+    _f("save-interval", "checkpoint", "save_interval", int, "save every N rollouts (and after the last)"),
+    _f("no-save-hf", "checkpoint", "save_hf", kind="false", help="skip the HF-format export at each save"),
+    _f("save-trigger-sentinel", "checkpoint", "save_trigger_sentinel", str, "save after the rollout during which this file appears, then delete it"),
+    # eval
+    _f("eval-prompt-data", "eval", "prompt_data", kind="pairs", help="eval datasets: NAME PATH [NAME PATH ...]"),
+    _f("eval-interval", "eval", "interval", int, "evaluate every N rollouts (and before training, and after the last)"),
+    _f("skip-eval-before-train", "eval", "skip_before_train", kind="true", help="no eval before the first rollout"),
+    _f("n-samples-per-eval-prompt", "eval", "n_samples_per_prompt", int, "responses per eval prompt (pass@k uses them)"),
+    _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy)"),
+    _f("eval-max-response-len", "eval", "max_response_len", int, "max new tokens in eval (default: the rollout's)"),
+    # cluster
+    _f("ray-address", "cluster", "ray_address", str, "attach to this Ray cluster (default: start a local one)"),
+    _f("ray-num-cpus", "cluster", "num_cpus", int, "CPUs of the local Ray cluster"),
+    _f("ray-namespace", "cluster", "namespace", str, "Ray namespace of the run's actors (default: one per run)"),
+    # trace
+    _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
+    _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
+    _f("teardown-timeout", "trace", "teardown_timeout_s", float, "seconds each resource gets to tear down before it is forced"),
+    _f("teardown-deadline", "trace", "teardown_deadline_s", float, "seconds the whole teardown may take"),
+    # the loop
+    _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
+    _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
+    _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
+       help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
+    _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
+)
+BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
+REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
+
+
+def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it")
+    p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, eval_only) or a .yaml path")
+    groups = {s: p.add_argument_group(s) for s in SECTIONS}
+    for f in FLAGS:
+        default = _default(f)
+        help_ = f"{f.help} (default: {default})" if default not in (None, False, ()) else f.help
+        g, opt = groups[f.section], f"--{f.name}"
+        if f.kind in ("true", "false"):
+            g.add_argument(opt, action="store_true", help=f.help)
+        elif f.kind == "pairs":
+            g.add_argument(opt, nargs="+", metavar="NAME PATH", help=f.help)
+        else:
+            g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar={int: "N", float: "X"}.get(f.type, "VALUE"))
+    return p
+
+
+def _default(f: Flag) -> Any:
+    fld = next(x for x in fields(SECTIONS[f.section]) if x.name == f.field)
+    return None if fld.default is MISSING else fld.default
+
+
+def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train") -> tuple[RunConfig, str | None]:
+    """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
+    ns = vars(build_parser(prog).parse_args(argv))
+    config_path, machine = ns.pop("config", None), ns.pop("machine", None)
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    if config_path:
+        file_values, machine_from_file = load_config_file(config_path, problems)
+        values.update(file_values)
+        machine = machine or machine_from_file
+    values.update(ns)
+    return build_config(values, problems), machine
+
+
+def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], str | None]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    values, machine = {}, raw.pop("machine", None)
+    base = p.parent
+    for key, value in raw.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in BY_DEST:
+            problems.append(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)")
+            continue
+        values[dest] = _relative_paths(dest, value, base)
+    return values, machine
+
+
+def _relative_paths(dest: str, value: Any, base: Path) -> Any:
+    """Paths in a config file are relative to the file, so a recipe runs from any directory."""
+    def fix(v: Any) -> Any:
+        return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
+    if dest in ("hf_checkpoint", "prompt_data"):
+        return fix(value)
+    if dest == "eval_prompt_data":
+        items = list(value.items()) if isinstance(value, dict) else value
+        flat = [x for pair in items for x in (pair if isinstance(pair, (list, tuple)) else [pair])]
+        return [fix(x) if i % 2 else x for i, x in enumerate(flat)]
+    return value
+
+
+def build_config(values: dict[str, Any], problems: list[str] | None = None) -> RunConfig:
+    """Flag values (dest names) → RunConfig; every problem is raised together as one ConfigError."""
+    problems = list(problems or [])
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for dest, value in values.items():
+        flag = BY_DEST[dest]
+        if flag.kind == "false":
+            if value:
+                sections[flag.section][flag.field] = False
+            continue
+        if flag.kind == "true" and not value:
+            continue
+        if flag.kind == "pairs":
+            value = _pairs(value, problems)
+        sections[flag.section][flag.field] = value
+    for name in REQUIRED:
+        flag = next(f for f in FLAGS if f.name == name)
+        if flag.field not in sections[flag.section]:
+            problems.append(f"--{name} is required")
+    if problems:
+        raise ConfigError(problems)
+    rollout = sections["rollout"]
+    rollout.setdefault("seed", sections["train"].get("seed", 0))
+    sections["algorithm"]["temperature"] = rollout.get("temperature", 1.0)
+    built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
+    cfg = RunConfig(**built, **sections["run"])
+    from .validate import validate   # the checks, kept apart from the parsing
+    validate(cfg)
+    return cfg
+
+
+def _pairs(value: Any, problems: list[str]) -> tuple[tuple[str, str], ...]:
+    items = list(value)
+    if len(items) % 2:
+        problems.append(f"--eval-prompt-data takes NAME PATH pairs; got {len(items)} values: {' '.join(items)}")
+        return ()
+    return tuple((str(items[i]), str(items[i + 1])) for i in range(0, len(items), 2))

@@ -1,0 +1,104 @@
+"""Cross-field checks of a RunConfig. Every problem is collected; one ConfigError names them all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ConfigError, RunConfig
+
+SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def validate(cfg: RunConfig) -> None:
+    problems: list[str] = []
+    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval):
+        check(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
+    for flag, value in (
+        ("--rollout-batch-size", cfg.rollout.batch_size), ("--n-samples-per-prompt", cfg.rollout.n_samples_per_prompt),
+        ("--rollout-max-response-len", cfg.rollout.max_response_len), ("--rollout-num-engines", cfg.rollout.num_engines),
+        ("--micro-batch-size", cfg.train.micro_batch_size), ("--global-batch-size", cfg.train.global_batch_size),
+        ("--num-rollout", cfg.num_rollout), ("--num-epoch", cfg.num_epoch), ("--save-interval", cfg.checkpoint.save_interval),
+        ("--eval-interval", cfg.eval.interval), ("--n-samples-per-eval-prompt", cfg.eval.n_samples_per_prompt),
+        ("--debug-exit-after-rollout", cfg.debug_exit_after_rollout), ("--eval-max-response-len", cfg.eval.max_response_len),
+    ):
+        if value is not None and value < (0 if flag == "--num-rollout" else 1):
+            problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
+
+
+def _ranges(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.temperature < 0:
+        problems.append(f"--rollout-temperature {r.temperature}: must be >= 0")
+    if not 0 < r.top_p <= 1:
+        problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
+    if cfg.eval.temperature < 0:
+        problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
+    if cfg.train.lr <= 0:
+        problems.append(f"--lr {cfg.train.lr}: must be > 0")
+    a = cfg.algorithm
+    if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
+        problems.append(f"--eps-clip {a.eps_clip} / --eps-clip-high {a.eps_clip_high}: clip ranges must be > 0")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        problems.append(f"--eps-clip-c {a.eps_clip_c}: the dual-clip constant must be > 1")
+
+
+def _batches(cfg: RunConfig, problems: list[str]) -> None:
+    t, n = cfg.train, cfg.rollout.num_samples
+    gbs = t.global_batch_size or n
+    if t.global_batch_size is not None and n % t.global_batch_size:
+        problems.append(f"--global-batch-size {t.global_batch_size} does not divide the {n} samples of a rollout "
+                        f"(--rollout-batch-size {cfg.rollout.batch_size} x --n-samples-per-prompt "
+                        f"{cfg.rollout.n_samples_per_prompt})")
+    if gbs % t.micro_batch_size:
+        problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
+    if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
+            and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
+        problems.append("--n-samples-per-prompt 1 gives GRPO groups of one: use at least 2 samples per prompt")
+
+
+def _algorithm(cfg: RunConfig, problems: list[str]) -> None:
+    a = cfg.algorithm
+    if a.advantage_estimator not in SUPPORTED_ESTIMATORS:
+        problems.append(f"--advantage-estimator {a.advantage_estimator}: not available yet in this build; "
+                        f"use one of {', '.join(SUPPORTED_ESTIMATORS)}")
+    if a.use_kl_loss and a.kl_loss_coef < 0:
+        problems.append(f"--kl-loss-coef {a.kl_loss_coef}: must be >= 0")
+    if not a.use_kl_loss and a.kl_loss_coef:
+        problems.append(f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss")
+    if cfg.rollout.custom_rm_path and ":" not in cfg.rollout.custom_rm_path and "." not in cfg.rollout.custom_rm_path:
+        problems.append(f"--custom-rm-path {cfg.rollout.custom_rm_path}: expected module:function")
+
+
+def _loop(cfg: RunConfig, problems: list[str]) -> None:
+    if cfg.num_rollout is None and cfg.num_epoch is None:
+        problems.append("set --num-rollout N or --num-epoch N: how long to train")
+    if cfg.num_rollout is not None and cfg.num_epoch is not None:
+        problems.append(f"--num-rollout {cfg.num_rollout} and --num-epoch {cfg.num_epoch}: give one of them")
+
+
+def _paths(cfg: RunConfig, problems: list[str]) -> None:
+    ckpt = Path(cfg.model.hf_checkpoint)
+    if not (ckpt / "config.json").is_file():
+        problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; pass an HF-format "
+                        "model folder (what save_pretrained writes)")
+    for flag, path in [("--prompt-data", cfg.data.prompt_data)] + [
+            (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data]:
+        if not Path(path).is_file():
+            problems.append(f"{flag} {path}: no such file")
+        elif Path(path).suffix not in (".jsonl", ".parquet"):
+            problems.append(f"{flag} {path}: expected a .jsonl or .parquet file")
+
+
+def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
+    c = cfg.checkpoint
+    if (c.save_interval is not None or c.save_trigger_sentinel) and not c.save:
+        problems.append("--save-interval / --save-trigger-sentinel need --save DIR")
+    if c.load and not Path(c.load).is_dir():
+        problems.append(f"--load {c.load}: no such directory")
+    if cfg.eval.interval is not None and not cfg.eval.prompt_data:
+        problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH")
