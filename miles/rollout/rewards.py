@@ -1,0 +1,268 @@
+"""Reward functions: the built-ins, loading a custom one, and scoring one group of responses.
+
+A reward function is `fn(prompt: Prompt, response_text: str, label: str | None) -> float`, sync or
+async. A *group* reward function, marked with `@group_reward`, is instead
+`fn(prompt, responses: list[str], label) -> list[float]` (sync or async) and sees every response
+to a prompt at once (for rewards that rank or compare). The function is chosen once, at startup,
+by `load_reward_fn`; `score_group` runs it on one group.
+
+Built-ins (`--rm-type`):
+- `math`: the final answer is the content of the last `\\boxed{...}`, else the last number in the
+  response (integers, decimals, negatives, `1,234` thousands separators, `3/4` fractions, and
+  `\\frac{3}{4}` inside a box). It is compared with the label numerically (relative tolerance 1e-6)
+  when both parse as numbers, else as strings with spaces and `$` removed. The label is the answer
+  itself (a number, a fraction, or `\\boxed{...}`), not a worked solution. Scores 1.0 or 0.0.
+- `exact_match`: 1.0 when the response and the label are equal after stripping whitespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from miles.config import ConfigError
+from miles.types import Prompt
+
+RewardFn = Callable[[Prompt, str, str | None], float | Awaitable[float]]
+GroupRewardFn = Callable[[Prompt, list[str], str | None], list[float] | Awaitable[list[float]]]
+F = TypeVar("F", bound=Callable[..., Any])
+
+MATH_REL_TOL = 1e-6
+_RESPONSE_PREVIEW_CHARS = 200
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, or returned something other than a finite number.
+
+    Keyword fields have defaults so that the error pickles (it crosses actor boundaries).
+    """
+
+    def __init__(self, message: str, *, fn_name: str = "", prompt_index: int = -1, response: str = ""):
+        super().__init__(message)
+        self.fn_name = fn_name
+        self.prompt_index = prompt_index
+        self.response = response
+
+
+def _reward_error(fn: Callable[..., Any], prompt: Prompt, response: str, problem: str) -> RewardError:
+    name = _name(fn)
+    preview = response if len(response) <= _RESPONSE_PREVIEW_CHARS else response[:_RESPONSE_PREVIEW_CHARS] + "..."
+    return RewardError(f"reward function {name} failed on prompt {prompt.index}, response {preview!r}: {problem}",
+                       fn_name=name, prompt_index=prompt.index, response=response)
+
+
+def group_reward(fn: F) -> F:
+    """Mark `fn` as a group reward function: it scores all responses to a prompt in one call."""
+    fn.group = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_group_reward(fn: Callable[..., Any]) -> bool:
+    return getattr(fn, "group", False) is True
+
+
+# ---- math answers -------------------------------------------------------------------------------
+
+_NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
+# A sign counts only when it does not follow an operand ("3-5" is not -5); a number does not
+# start inside a word or another number ("x2", "v1.2").
+_NUMBER_IN_TEXT = re.compile(rf"(?:(?<![\w)\]}}])(?P<sign>-))?(?<![\w.])(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?")
+_NUMBER_ONLY = re.compile(rf"(?P<sign>-)?(?P<num>{_NUM})(?:/(?P<den>{_NUM}))?")
+_FRAC = re.compile(r"(?P<sign>-)?\\[dt]?frac\{(?P<num>[^{}]+)\}\{(?P<den>[^{}]+)\}")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}")
+_LATEX_NOISE = ("$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "\\%", "%", "^\\circ", "^{\\circ}")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete `\\boxed{...}` (braces balanced) or `\\boxed x`, else None."""
+    start = text.rfind("\\boxed")
+    while start != -1:
+        rest = text[start + len("\\boxed"):]
+        if rest.startswith("{"):
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += (ch == "{") - (ch == "}")
+                if depth == 0:
+                    return rest[1:i]
+        elif rest[:1] == " " and rest.strip():
+            return rest.split()[0].rstrip(".$")
+        start = text.rfind("\\boxed", 0, start)  # unclosed (a truncated response): try an earlier one
+    return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the last box's content, else the last number in the text."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed
+    matches = list(_NUMBER_IN_TEXT.finditer(response))
+    return matches[-1].group(0) if matches else None
+
+
+def parse_number(text: str) -> float | None:
+    """`text` as a number when it is one (`-1,234.5`, `3/4`, `\\frac{3}{4}`, `x = 5`), else None."""
+    s = _normalize(text)
+    if "=" in s:
+        s = s.rsplit("=", 1)[1]
+    s = s.removeprefix("+").rstrip(".")
+    match = _FRAC.fullmatch(s) or _NUMBER_ONLY.fullmatch(s)
+    return _match_value(match) if match else None
+
+
+def _match_value(match: re.Match[str]) -> float | None:
+    num = _plain_number(match["num"])
+    den = _plain_number(match["den"]) if match["den"] is not None else 1.0
+    if num is None or den is None or den == 0:
+        return None
+    return (-num if match["sign"] else num) / den
+
+
+def _plain_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _normalize(text: str) -> str:
+    s = _TEXT_WRAPPER.sub(r"\1", text)
+    for noise in _LATEX_NOISE:
+        s = s.replace(noise, "")
+    return "".join(s.split())
+
+
+def math_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    target = _require_label(label, "math")
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    target = last_boxed(target) or target
+    got, want = parse_number(answer), parse_number(target)
+    if got is not None and want is not None:
+        return float(math.isclose(got, want, rel_tol=MATH_REL_TOL, abs_tol=1e-9))
+    return float(_normalize(answer) == _normalize(target))
+
+
+def exact_match_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return float(response.strip() == _require_label(label, "exact_match").strip())
+
+
+def _require_label(label: str | None, rm_type: str) -> str:
+    if label is None:
+        raise ValueError(f"--rm-type {rm_type} needs a label, and this prompt has none; set --label-key "
+                         "to the column that holds the reference answer")
+    return label
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
+
+
+# ---- choosing the function ----------------------------------------------------------------------
+
+def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> Callable[..., Any]:
+    """The reward function of the run: `--custom-rm-path` when given, else the built-in `rm_type`."""
+    if custom_rm_path:
+        return import_reward_fn(custom_rm_path)
+    if rm_type not in REWARD_FUNCTIONS:
+        raise ConfigError(f"--rm-type {rm_type!r} is not a built-in reward; valid types are "
+                          f"{sorted(REWARD_FUNCTIONS)}, or pass --custom-rm-path module:function")
+    return REWARD_FUNCTIONS[rm_type]
+
+
+def import_reward_fn(path: str) -> Callable[..., Any]:
+    """Import `module:function` (or `module.function`; `module:Class.method` works too)."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"--custom-rm-path {path!r} must look like module:function or module.function")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} "
+                          f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ConfigError(f"--custom-rm-path {path!r}: {module_name!r} has no {attr!r} "
+                              f"(AttributeError: {e})") from e
+    if not callable(obj):
+        raise ConfigError(f"--custom-rm-path {path!r} is not callable (a {type(obj).__name__}); "
+                          "point it at a function")
+    return obj
+
+
+# ---- scoring ------------------------------------------------------------------------------------
+
+async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
+                      label: str | None) -> list[float]:
+    """Score every response to `prompt`: async calls run concurrently, sync ones inline."""
+    if is_group_reward(fn):
+        return await _score_whole_group(fn, prompt, responses, label)
+    scores: list[float] = [0.0] * len(responses)
+    pending: list[tuple[int, Awaitable[Any]]] = []
+    try:
+        for i, response in enumerate(responses):
+            try:
+                result = fn(prompt, response, label)
+            except Exception as e:
+                raise _reward_error(fn, prompt, response, f"{type(e).__name__}: {e}") from e
+            if inspect.isawaitable(result):
+                pending.append((i, result))
+            else:
+                scores[i] = _as_score(result, fn, prompt, response)
+    except BaseException:
+        _close_unawaited(aw for _, aw in pending)
+        raise
+    results = await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
+    for (i, _), result in zip(pending, results):
+        if isinstance(result, BaseException):
+            if not isinstance(result, Exception):
+                raise result  # cancellation and the like are not reward errors
+            raise _reward_error(fn, prompt, responses[i], f"{type(result).__name__}: {result}") from result
+        scores[i] = _as_score(result, fn, prompt, responses[i])
+    return scores
+
+
+async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
+                             label: str | None) -> list[float]:
+    where = responses[0] if responses else ""
+    try:
+        result = fn(prompt, list(responses), label)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as e:
+        raise _reward_error(fn, prompt, where, f"group of {len(responses)}: {type(e).__name__}: {e}") from e
+    if not isinstance(result, (list, tuple)) or len(result) != len(responses):
+        raise _reward_error(fn, prompt, where, f"a group reward must return a list of {len(responses)} "
+                                             f"scores, one per response; got {_describe(result)}")
+    return [_as_score(r, fn, prompt, resp) for r, resp in zip(result, responses)]
+
+
+def _as_score(value: Any, fn: Callable[..., Any], prompt: Prompt, response: str) -> float:
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise _reward_error(fn, prompt, response, f"returned {_describe(value)}; expected a finite float")
+    return float(value)
+
+
+def _close_unawaited(awaitables: Any) -> None:
+    # Coroutines created but never awaited would warn at garbage collection; close them instead.
+    for aw in awaitables:
+        close = getattr(aw, "close", None)
+        if close is not None:
+            close()
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:80]}{'...' if len(text) > 80 else ''} ({type(value).__name__})"
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}.{qualname}" if module and qualname else repr(fn)
