@@ -111,7 +111,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TraceConfig:
-    run_dir: str = "runs/latest"        # --run-dir: trace.jsonl, metrics.jsonl, config.yaml live here
+    run_dir: str | None = None          # --run-dir: trace.jsonl, metrics.jsonl, config.yaml (default runs/<run id>)
     console: str = "auto"               # --trace-console: auto | pretty | plain | off
     teardown_timeout_s: float = 60.0    # --teardown-timeout: per resource
     teardown_deadline_s: float = 300.0  # --teardown-deadline: whole unwind

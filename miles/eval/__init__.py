@@ -1,1 +1,1 @@
-
+"""Evaluation: metrics and the eval phase's helpers."""

@@ -1,1 +1,1 @@
-
+"""Metrics sinks and plots."""

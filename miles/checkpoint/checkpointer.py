@@ -1,0 +1,41 @@
+"""What a checkpoint holds and how the run writes and reads it, on top of the atomic store.
+
+    iter_<id>/trainer/    weights (safetensors), optimizer, RNG states, step count (Trainer.save)
+    iter_<id>/rollout.json  the prompt iterator's position (RolloutExecutor.state_dict)
+    iter_<id>/hf/         an HF-format export (AutoModelForCausalLM.from_pretrained loads it)
+    iter_<id>/manifest.json  rollout_id, weight_version, files (written by the store at commit)
+
+Everything is written into the store's temporary directory; the rename at commit publishes it, so
+a crash at any point of a save leaves the previous checkpoint the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from miles.checkpoint.store import CheckpointStore
+
+TRAINER_DIR, ROLLOUT_FILE, HF_DIR = "trainer", "rollout.json", "hf"
+
+
+async def save_checkpoint(store: CheckpointStore, rollout_id: int, *, trainer: Any, executor: Any,
+                          weight_version: int, save_hf: bool) -> Path:
+    """`trainer` and `executor` are Ray actor handles (their methods are awaited through `.remote`)."""
+    tmp = store.begin(rollout_id)
+    try:
+        await trainer.save.remote(str(tmp / TRAINER_DIR))
+        state = await executor.state_dict.remote()
+        (tmp / ROLLOUT_FILE).write_text(json.dumps(state))
+        if save_hf:
+            await trainer.export_hf.remote(str(tmp / HF_DIR))
+        return store.commit(tmp, rollout_id, {"weight_version": weight_version, "hf_export": save_hf})
+    except BaseException:
+        store.abort(tmp)
+        raise
+
+
+async def load_checkpoint(path: Path, *, trainer: Any, executor: Any) -> None:
+    await trainer.load.remote(str(path / TRAINER_DIR))
+    await executor.load_state_dict.remote(json.loads((path / ROLLOUT_FILE).read_text()))

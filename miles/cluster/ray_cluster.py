@@ -1,0 +1,91 @@
+"""Ray for one run: start a local cluster or attach to one; create the run's actors; remove them.
+
+A run that started its cluster shuts it down last. A run attached to a cluster (`--ray-address`, or
+a host that already called `ray.init`) removes only its own actors, which live in the run's own
+namespace, and leaves everything else alone.
+
+Actors are owner-bound (not detached): if the driver dies, Ray reaps them; with
+`RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper` set before the cluster starts, the
+raylet also kills what their workers spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import ray
+
+from miles.config import ClusterConfig
+
+SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
+
+
+class RayCluster:
+    resource_name = "ray_cluster"
+
+    def __init__(self, cfg: ClusterConfig, run_id: str):
+        self.namespace = cfg.namespace or f"miles-{run_id}"
+        self.started = False          # we started a local cluster: we stop it
+        self.connected = False        # we opened the connection: we close it
+        if ray.is_initialized():
+            return                    # a host's connection: attach, own nothing but our actors
+        os.environ.setdefault(SUBREAPER_ENV, "true")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        for quiet in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+            os.environ.setdefault(quiet, "1")      # workers inherit these: no progress bars in the log
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        # workers import what the driver can import (e.g. a --custom-rm-path module in the cwd)
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *sys.path[1:]]))
+        common = dict(namespace=self.namespace, logging_level="WARNING", log_to_driver=True,
+                      configure_logging=True, include_dashboard=False)
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, **common)
+        else:
+            ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), num_gpus=None, **common)
+            self.started = True
+        self.connected = True
+
+    def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
+              concurrency: int | None = None, **kwargs: Any) -> "ActorResource":
+        """Start `cls` as a named, owner-bound actor in the run's namespace."""
+        options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
+                                       max_restarts=0, lifetime="non_detached")
+        if concurrency is not None:
+            options["max_concurrency"] = concurrency
+        handle = ray.remote(cls).options(**options).remote(*args, **kwargs)
+        return ActorResource(handle, name)
+
+    def alive_actors(self) -> list[str]:
+        """Names of this run's live named actors (what a leak check looks at)."""
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a.get("namespace") == self.namespace)
+
+    def dispose(self) -> None:
+        """Close what this run opened: stop the local cluster it started, or drop its connection."""
+        if self.connected:
+            ray.shutdown()
+
+
+class ActorResource:
+    """One actor of the run: `dispose` asks it to free what it holds, then removes it."""
+
+    def __init__(self, handle: Any, name: str):
+        self.handle, self.resource_name = handle, name
+
+    async def dispose(self) -> None:
+        """The actor releases its own resources (processes, files); then the run removes the actor."""
+        try:
+            await self.handle.dispose.remote()
+        except ray.exceptions.RayActorError:
+            pass                      # already dead: nothing left to release
+        finally:
+            self.force()
+
+    def force(self) -> None:
+        ray.kill(self.handle, no_restart=True)
+
+    async def wait_ready(self) -> None:
+        """Wait for the constructor; its exception (a bad model path, say) surfaces here."""
+        await self.handle.__ray_ready__.remote()

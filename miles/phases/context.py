@@ -1,0 +1,77 @@
+"""The training run's context: its config, components, counters, and the guards the machines name.
+
+Counters follow one convention: `next_rollout` is the id of the rollout the next `rollout` phase
+produces, so `next_rollout - 1` is the last rollout trained; weights synced after training rollout
+r carry version r + 1 (= `next_rollout`), the weights loaded from disk version 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.config import RunConfig
+from miles.runtime import Disposer, PhaseContext, Tracer
+
+
+@dataclass
+class Components:
+    """What `init` creates; every one of them is registered with the disposer where it is created."""
+
+    cluster: Any = None          # miles.cluster.RayCluster
+    engines: list[Any] | None = None   # ActorResource of EmbeddedEngine
+    executor: Any = None         # ActorResource of RolloutExecutor
+    trainer: Any = None          # ActorResource of Trainer
+    metrics: Any = None          # MetricsWriter
+    store: Any = None            # CheckpointStore (under --save), or None
+
+
+class TrainingContext(PhaseContext):
+    def __init__(self, cfg: RunConfig, *, run_id: str, run_dir: Path, tracer: Tracer, disposer: Disposer):
+        super().__init__(tracer=tracer, disposer=disposer)
+        self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
+        self.c = Components()
+        self.start_rollout = 0
+        self.next_rollout = 0
+        self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
+        self.weight_version = 0
+        self.evaluated_version: int | None = None
+        self.batch_ref: Any = None                     # the current rollout's batch (a Ray ObjectRef)
+        self.save_requested = False                    # a host asked for a save now
+        self.last_metrics: dict[str, Any] = {}
+        self.metrics_history: list[dict[str, Any]] = []
+
+    # -- guards ---------------------------------------------------------------------------------
+    def rollouts_left(self) -> bool:
+        exit_after = self.cfg.debug_exit_after_rollout
+        if exit_after is not None and self.next_rollout - self.start_rollout >= exit_after:
+            return False
+        return self.next_rollout < self.num_rollout
+
+    def eval_due(self) -> bool:
+        """Before the first rollout, every --eval-interval rollouts, and after the last one."""
+        e = self.cfg.eval
+        if not e.prompt_data or self.evaluated_version == self.weight_version:
+            return False
+        done = self.next_rollout
+        if done == self.start_rollout:
+            return not e.skip_before_train and (done == 0 or e.interval is None or done % e.interval == 0)
+        return (e.interval is not None and done % e.interval == 0) or not self.rollouts_left()
+
+    def save_due(self) -> bool:
+        """Every --save-interval rollouts, after the last one, or when asked (sentinel file or host)."""
+        c = self.cfg.checkpoint
+        if not c.save:
+            return False
+        done = self.next_rollout
+        if self.save_requested or (c.save_trigger_sentinel and os.path.exists(c.save_trigger_sentinel)):
+            return True
+        return (c.save_interval is not None and done % c.save_interval == 0) or not self.rollouts_left()
+
+    # -- helpers for phases ---------------------------------------------------------------------
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Merge metrics into the rollout's row; the row is written when the rollout is trained."""
+        self.last_metrics.update(metrics)
+        self.last_metrics["step"] = step

@@ -1,0 +1,16 @@
+"""`eval`: every eval dataset, on the weights just synced to the engines."""
+
+from __future__ import annotations
+
+from miles.phases.context import TrainingContext
+
+
+async def evaluate(ctx: TrainingContext) -> str:
+    done = ctx.next_rollout
+    metrics = await ctx.c.executor.handle.evaluate.remote(done)
+    ctx.evaluated_version = ctx.weight_version
+    row = {**metrics, "kind": "eval", "weight_version": ctx.weight_version}
+    ctx.c.metrics.log(done, row)
+    ctx.metrics_history.append({"step": done, **row})
+    ctx.tracer.emit("eval_done", rollout_id=done, **{k: v for k, v in metrics.items() if k.endswith("pass@1")})
+    return "next"

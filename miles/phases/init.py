@@ -1,0 +1,107 @@
+"""`init`: the composition root. Creates every component and registers each with the disposer
+where it is created, so whatever `init` made before failing is torn down too.
+
+Order: metrics file → Ray → engines → trainer → executor → checkpoint resume. Input is checked on
+the driver (tokenizer, prompt files, reward import) before any actor starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from miles.checkpoint.store import CheckpointStore
+from miles.cluster.ray_cluster import RayCluster
+from miles.config import ConfigError
+from miles.data.prompts import load_prompts
+from miles.phases.context import TrainingContext
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.executor import RolloutExecutor
+from miles.rollout.rewards import load_reward_fn
+from miles.tracking.metrics import MetricsWriter
+from miles.training.trainer import Trainer
+from miles.weights.hf import load_tokenizer
+
+
+async def init(ctx: TrainingContext) -> str:
+    cfg = ctx.cfg
+    tokenizer, prompts, eval_sets = _check_inputs(ctx)
+    add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
+
+    ctx.c.metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl")
+    add(ctx.c.metrics)
+    ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id)
+    add(ctx.c.cluster)
+    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
+
+    ctx.c.engines = []
+    for i in range(cfg.rollout.num_engines):
+        engine = ctx.c.cluster.actor(EmbeddedEngine, cfg.model.hf_checkpoint, name=f"engine-{i}",
+                                     device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout.seed + i)
+        add(engine, force=engine.force)
+        ctx.c.engines.append(engine)
+    ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
+                                        algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
+    add(ctx.c.trainer, force=ctx.c.trainer.force)
+    ctx.c.executor = ctx.c.cluster.actor(
+        RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
+        rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
+        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines])
+    add(ctx.c.executor, force=ctx.c.executor.force)
+    await asyncio.gather(*(a.wait_ready() for a in [*ctx.c.engines, ctx.c.trainer, ctx.c.executor]))
+    ctx.tracer.emit("components_ready", engines=len(ctx.c.engines))
+
+    await _plan_rollouts(ctx)
+    if cfg.checkpoint.save:
+        ctx.c.store = CheckpointStore(cfg.checkpoint.save)
+        removed = ctx.c.store.cleanup_partial()
+        if removed:
+            ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
+    if cfg.checkpoint.load:
+        await _resume(ctx)
+    return "ready"
+
+
+def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list]]:
+    """Everything that can be wrong with the input, found before any actor exists."""
+    cfg = ctx.cfg
+    try:
+        tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
+    prompts = load_prompts(cfg.data, tokenizer)
+    eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer)
+                 for name, path in cfg.eval.prompt_data}
+    load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    if cfg.rollout.batch_size > len(prompts):
+        raise ConfigError(f"--rollout-batch-size {cfg.rollout.batch_size} is larger than the {len(prompts)} "
+                          f"prompts of {cfg.data.prompt_data}")
+    ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
+    return tokenizer, prompts, eval_sets
+
+
+async def _plan_rollouts(ctx: TrainingContext) -> None:
+    if ctx.cfg.num_rollout is not None:
+        ctx.num_rollout = ctx.cfg.num_rollout
+    else:
+        per_epoch = await ctx.c.executor.handle.num_batches_per_epoch.remote()
+        ctx.num_rollout = per_epoch * (ctx.cfg.num_epoch or 1)
+    ctx.tracer.emit("plan", num_rollout=ctx.num_rollout)
+
+
+async def _resume(ctx: TrainingContext) -> None:
+    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
+    complete checkpoint under --load; with none there, start from --hf-checkpoint."""
+    from miles.checkpoint.checkpointer import load_checkpoint
+
+    found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
+    if found is None:
+        ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
+        return
+    rollout_id, path = found
+    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle)
+    ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+    ctx.weight_version = 0              # the engines hold the disk weights until the first sync
+    ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)

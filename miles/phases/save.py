@@ -1,0 +1,22 @@
+"""`save`: an atomic checkpoint of the rollout just trained (see miles/checkpoint/checkpointer.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from miles.checkpoint.checkpointer import save_checkpoint
+from miles.phases.context import TrainingContext
+
+
+async def save(ctx: TrainingContext) -> str:
+    rid = ctx.next_rollout - 1
+    t0 = time.monotonic()
+    path = await save_checkpoint(ctx.c.store, rid, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
+                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf)
+    ctx.save_requested = False
+    sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
+    if sentinel and os.path.exists(sentinel):
+        os.remove(sentinel)
+    ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path), duration_s=round(time.monotonic() - t0, 6))
+    return "next"

@@ -1,0 +1,258 @@
+"""The embedded inference engine: transformers + torch sampling in the caller's process (CPU or GPU).
+
+Token ids in, token ids + per-token logprobs out. Prompts are batched left-padded (attention mask,
+position ids counted from each prompt's first real token, so they match the trainer's right-padded
+forward), then a KV-cached loop of `model(...)` calls samples one token per step. Rows that stop are
+dropped from the batch and the cache, so a long answer does not make the finished ones cost compute.
+
+Logprobs are log_softmax(logits / temperature) at the sampled token, the quantity the trainer
+recomputes (`miles.algorithms.logprobs_from_logits`); greedy decoding (temperature 0) reports them
+at temperature 1. Top-p / top-k truncate the distribution that is sampled from, but the reported
+logprobs are of the untruncated one, as the trainer cannot see the truncation either.
+
+A plain class; the composition root makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+from torch import Tensor
+
+from miles.types import Generation, SamplingParams
+from miles.weights.checksum import state_dict_checksum
+from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
+                              resolve_dtype)
+
+log = structlog.get_logger().bind(role="engine")
+
+Sampler = Callable[[Tensor, torch.Generator], tuple[Tensor, Tensor]]  # logits [b, V] → (tokens [b], logprobs [b])
+
+
+class EngineDisposedError(RuntimeError):
+    pass
+
+
+class EmbeddedEngine:
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.max_batch_size = max_batch_size
+        self._model = load_causal_lm(model_path, device=self.device, dtype=self.dtype)
+        self._tokenizer = load_tokenizer(model_path)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._version = 0
+        self._eos_ids = _eos_ids(self._model, self._tokenizer)
+        self._vocab_size = self._model.config.vocab_size
+        self._max_positions = getattr(self._model.config, "max_position_embeddings", None)
+        # transformers 5 renamed the cache argument; pick the name once
+        params = inspect.signature(self._model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
+
+    # --- tokenizer accessors -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
+        pad = self._tokenizer.pad_token_id
+        return self.eos_token_id if pad is None else pad
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # --- weights -------------------------------------------------------------------------------
+    def weight_version(self) -> int:
+        """0 for the weights loaded from disk, then the version of the last `update_weights`."""
+        return self._version
+
+    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """Load the trainer's `model_weights` dict (any device/dtype; cast to the engine's).
+
+        Names and shapes are checked strictly before anything is copied (ValueError naming them).
+        """
+        model = self._live_model()
+        load_weights(model, state_dict)
+        self._version = int(version)
+        log.info("weights_updated", version=self._version)
+
+    def weights_checksum(self) -> str:
+        """`state_dict_checksum` of the engine's weights, in the engine's dtype."""
+        return state_dict_checksum(model_weights(self._live_model()))
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One Generation per prompt, in order. Batches of at most `max_batch_size` prompts.
+
+        Randomness: the engine's generator (seeded at construction, advancing call after call),
+        or a fresh one seeded with `params.seed` for this call only. The same seed, weights,
+        prompts and params give the same samples.
+        """
+        model = self._live_model()
+        self._check(prompts, params)
+        gen = self._generator if params.seed is None else \
+            torch.Generator(device=self.device).manual_seed(params.seed)
+        sampler = _make_sampler(params)
+        stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long,
+                                device=self.device)
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.max_batch_size):
+            chunk = prompts[i:i + self.max_batch_size]
+            out += self._generate_batch(model, chunk, params.max_new_tokens, sampler, gen, stop_ids)
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, model, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
+                        gen: torch.Generator, stop_ids: Tensor) -> list[Generation]:
+        from transformers import DynamicCache
+
+        ids, attn = _left_pad(prompts, self.pad_token_id, self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(model, ids, attn, pos, cache)
+        next_pos = pos[:, -1] + 1
+        rows = list(range(len(prompts)))     # original index of each row still in the batch
+        gens = [Generation([], [], "length", self._version) for _ in prompts]
+        for step in range(max_new_tokens):
+            tokens, logprobs = sampler(logits, gen)
+            stopped = torch.isin(tokens, stop_ids)
+            for row, t, lp, s in zip(rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
+                gens[row].response_ids.append(t)
+                gens[row].logprobs.append(lp)
+                if s:
+                    gens[row].finish_reason = "stop"
+            keep = ~stopped
+            if step == max_new_tokens - 1 or not keep.any():
+                break
+            if not keep.all():  # drop finished rows from the batch and the KV cache
+                idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                attn, tokens, next_pos = attn[idx], tokens[idx], next_pos[idx]
+                rows = [r for r, k in zip(rows, keep.tolist()) if k]
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            logits = self._forward(model, tokens[:, None], attn, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+        return gens
+
+    def _forward(self, model, ids: Tensor, attn: Tensor, pos: Tensor, cache) -> Tensor:
+        """Logits of the last position, float32 [b, V]; `cache` grows by ids.shape[1] positions."""
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                    logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float()
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        problems = _param_problems(params)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                problems.append(f"prompt {i} is empty; every prompt needs at least one token")
+            elif min(p) < 0 or max(p) >= self._vocab_size:
+                problems.append(f"prompt {i} has token ids outside [0, {self._vocab_size}): "
+                                f"min {min(p)}, max {max(p)}")
+            elif self._max_positions and len(p) + params.max_new_tokens > self._max_positions:
+                problems.append(f"prompt {i} ({len(p)} tokens) + max_new_tokens {params.max_new_tokens} "
+                                f"exceeds the model's {self._max_positions} positions; shorten the "
+                                f"prompt (--max-prompt-len) or the response length")
+        if problems:
+            raise ValueError("bad generate request: " + "; ".join(problems[:5]))
+
+    def _live_model(self):
+        if self._model is None:
+            raise EngineDisposedError("the engine was disposed; create a new EmbeddedEngine")
+        return self._model
+
+    def dispose(self) -> None:
+        """Free the model and the tokenizer (and the CUDA cache). Idempotent. The actor is the run's."""
+        self._model = None
+        self._tokenizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS plus the generation config's (chat models often list several)."""
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for e in (tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])):
+        if e is not None:
+            ids.add(int(e))
+    return ids
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """→ ids [B, P] int64 and attention mask [B, P] int64, prompts flush right."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p):] = 1
+    return ids.to(device), attn.to(device)
+
+
+def _param_problems(params: SamplingParams) -> list[str]:
+    problems = []
+    if params.temperature < 0:
+        problems.append(f"temperature must be >= 0 (0: greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k != -1 and params.top_k < 1:
+        problems.append(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
+    if params.max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    return problems
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+
+    def __call__(self, logits: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        scaled = logits / self.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        probs = torch.softmax(_truncate(scaled, self.top_k, self.top_p), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _greedy(logits: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    tokens = logits.argmax(dim=-1)
+    return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _make_sampler(params: SamplingParams) -> Sampler:
+    if params.temperature == 0:
+        return _greedy
+    return _Sampling(params.temperature, params.top_p, params.top_k)
+
+
+def _truncate(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k then top-p (nucleus) filtering: removed logits become -inf; the top token always stays."""
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already cover top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled

@@ -1,0 +1,62 @@
+"""Metrics sinks: one JSONL line per rollout (always), plus a short console line per rollout."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+CONSOLE_KEYS = (("reward_mean", "reward"), ("eval_pass@1", "eval"), ("kl", "kl"), ("entropy", "ent"),
+                ("clip_frac", "clip"), ("response_len_mean", "len"), ("gen_tokens_per_s", "tok/s"),
+                ("step_time_s", "step_s"))
+
+
+class MetricsWriter:
+    """Appends `{"step": rollout_id, ...}` lines to `<run_dir>/metrics.jsonl`. The run owns the file."""
+
+    resource_name = "metrics_writer"
+
+    def __init__(self, path: str | Path, *, console: TextIO | None = sys.stderr):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._console = console
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._console is not None:
+            self._console.write(console_line(step, row) + "\n")
+            self._console.flush()
+
+    def dispose(self) -> None:
+        """Flush and close metrics.jsonl."""
+        if not self._file.closed:
+            self._file.close()
+
+
+def console_line(step: int, row: dict[str, Any]) -> str:
+    parts = [f"eval after {step} rollouts" if row.get("kind") == "eval" else f"rollout {step}"]
+    for key, label in CONSOLE_KEYS:
+        v = row.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(f"{label}={v:.4g}")
+    evals = [f"{k.split('/')[1]}={v:.3f}" for k, v in row.items() if k.startswith("eval/") and k.endswith("/pass@1")]
+    return "  ".join(parts + evals)
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    p = p / "metrics.jsonl" if p.is_dir() else p
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -1,0 +1,88 @@
+"""The trainer's input: scored samples packed into right-padded [B, T] tensors.
+
+Row i holds prompt + response of sample i, then padding. Per-token tensors follow the project's
+alignment (see `miles.algorithms.entropy`): position t holds the value for tokens[:, t], so the
+response's logprobs sit under the response tokens and position 0 (a prompt token) is never used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from miles.types import Sample
+
+
+@dataclass
+class TrainBatch:
+    tokens: Tensor            # [B, T] int64, prompt + response, right-padded with pad_id
+    loss_mask: Tensor         # [B, T] bool, True on response tokens
+    advantages: Tensor        # [B, T] float32, the sample's advantage on its response tokens, 0 elsewhere
+    rollout_logprobs: Tensor  # [B, T] float32, the engine's logprobs on response tokens, 0 elsewhere
+    attention_mask: Tensor    # [B, T] int64, 1 on prompt + response, 0 on padding
+    weight_version: int       # oldest weight version among the samples
+    old_logprobs: Tensor | None = None  # [B, T] float32, the trainer's before this rollout's steps
+    ref_logprobs: Tensor | None = None  # [B, T] float32, the frozen reference model's
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens (the loss's tokens)."""
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
+
+def _check_sample(i: int, s: Sample) -> None:
+    if len(s.prompt.prompt_ids) == 0:
+        raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has an empty prompt; "
+                         f"training needs at least one prompt token before the response")
+    if len(s.rollout_logprobs) != len(s.response_ids):
+        raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
+                         f"but {len(s.rollout_logprobs)} rollout logprobs; they must pair one to one")
+
+
+def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
+    """Pack `samples` into a right-padded TrainBatch (T = longest prompt + response)."""
+    if not samples:
+        raise ValueError("make_train_batch needs at least one sample")
+    for i, s in enumerate(samples):
+        _check_sample(i, s)
+    width = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
+    b = len(samples)
+    tokens = torch.full((b, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.bool)
+    advantages = torch.zeros((b, width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((b, width), dtype=torch.float32)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt.prompt_ids), len(s.response_ids)
+        tokens[i, :p + r] = torch.tensor(list(s.prompt.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        loss_mask[i, p:p + r] = True
+        advantages[i, p:p + r] = s.advantage
+        rollout_logprobs[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        attention_mask[i, :p + r] = 1
+    return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages,
+                      rollout_logprobs=rollout_logprobs, attention_mask=attention_mask,
+                      weight_version=min(s.weight_version for s in samples))
+
+
+def split(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    """Consecutive pieces of `size` rows (the last may be smaller). Each piece drops the columns
+    that are padding in all of its rows, so short micro-batches do not pay for long ones."""
+    if size < 1:
+        raise ValueError(f"split size must be >= 1, got {size}")
+    pieces = []
+    for start in range(0, batch.size, size):
+        rows = slice(start, start + size)
+        width = int(batch.attention_mask[rows].sum(dim=1).max())  # right padding: real tokens come first
+        pieces.append(replace(batch, **{f.name: getattr(batch, f.name)[rows, :width] for f in fields(batch)
+                                        if isinstance(getattr(batch, f.name), Tensor)}))
+    return pieces
