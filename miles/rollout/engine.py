@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -81,7 +81,7 @@ class EmbeddedEngine:
         """0 for the weights loaded from disk, then the version of the last `update_weights`."""
         return self._version
 
-    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Load the trainer's `model_weights` dict (any device/dtype; cast to the engine's).
 
         Names and shapes are checked strictly before anything is copied (ValueError naming them).

@@ -1,0 +1,66 @@
+"""A tiny random Qwen2 causal LM plus a char-level tokenizer, written to a folder in HF format.
+
+Tests build it in a tmp dir (about 100 KB, milliseconds once transformers is imported) and load it like any checkpoint:
+`AutoModelForCausalLM.from_pretrained(path)`, `AutoTokenizer.from_pretrained(path)`.
+
+Vocabulary (32 ids): 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>, then one id per character of `CHARS`
+(digits, arithmetic signs, space and a few letters), so math-style prompts such as "12+7=" tokenize
+one character per id; characters outside `CHARS` are dropped. The tokenizer adds no special tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+CHARS = "0123456789+-*/=? abcdefghijk"
+VOCAB_SIZE = len(SPECIALS) + len(CHARS)
+assert VOCAB_SIZE == 32
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # byte-level symbols ("Ġ" for space), as Qwen2's tokenizer expects: AutoTokenizer loads any
+    # qwen2 checkpoint's tokenizer.json through Qwen2Tokenizer, which would drop a plain " " entry
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + tuple(CHARS.replace(" ", "Ġ")))}
+    # BPE without merges = one token per character
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS,
+                                  pad_token=PAD, unk_token=UNK)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok
+
+
+def make_tiny_model(path: str | Path, seed: int = 0) -> str:
+    """Write a random tiny Qwen2ForCausalLM (fp32, tied embeddings) and its tokenizer to `path`.
+
+    The same `seed` gives the same weights. Returns `path` as a string.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True,
+        max_position_embeddings=256, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+        # the default init (std 0.02) makes near-uniform next-token distributions; a larger scale
+        # gives peaked ones, so greedy decoding, EOS stops and logprob changes show in a few tokens
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return str(path)
