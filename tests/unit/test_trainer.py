@@ -1,0 +1,170 @@
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.config import AlgorithmConfig, ConfigError, TrainConfig
+from miles.rollout.engine import EmbeddedEngine
+from miles.training.batch import make_train_batch, split
+from miles.training.trainer import Trainer
+from miles.types import Prompt, Sample, SamplingParams
+from tests.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def sample(prompt: list[int], response: list[int], advantage: float = 0.0, logprobs: list[float] | None = None,
+           version: int = 0) -> Sample:
+    return Sample(prompt=Prompt(index=0, text="", prompt_ids=tuple(prompt)), group=0, response_ids=list(response),
+                  rollout_logprobs=logprobs if logprobs is not None else [0.0] * len(response),
+                  finish_reason="length", weight_version=version, advantage=advantage)
+
+
+# responses of different lengths, so micro-batches hold different numbers of tokens
+SAMPLES = [sample([5, 6, 14], [7, 8, 9, 10, 2], 1.0), sample([7], [21, 22], -1.0),
+           sample([9, 4, 4, 4], [25, 26, 27, 28, 29, 30, 2], 0.5), sample([11, 12], [13], -0.5)]
+
+
+def trainer(path, **kw) -> Trainer:
+    algo = {k: kw.pop(k) for k in list(kw) if k in AlgorithmConfig.__dataclass_fields__}
+    return Trainer(path, train=TrainConfig(**{"lr": 1e-2, **kw}), algorithm=AlgorithmConfig(**algo), device="cpu")
+
+
+def test_make_train_batch_layout():
+    a = sample([5, 6], [7, 8, 2], 0.5, [-1.0, -2.0, -3.0], version=3)
+    b = sample([9], [4], -1.0, [-0.5], version=2)
+    batch = make_train_batch([a, b], pad_id=0)
+    assert batch.tokens.tolist() == [[5, 6, 7, 8, 2], [9, 4, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
+    assert batch.advantages.tolist() == [[0, 0, 0.5, 0.5, 0.5], [0, -1, 0, 0, 0]]
+    assert batch.rollout_logprobs.tolist() == [[0, 0, -1, -2, -3], [0, -0.5, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch.weight_version == 2 and batch.num_tokens == 4
+    first, second = split(batch, 1)
+    assert first.tokens.shape == (1, 5) and second.tokens.tolist() == [[9, 4]]  # padding columns dropped
+    with pytest.raises(ValueError, match="3 response ids but 2 rollout logprobs"):
+        make_train_batch([sample([5], [6, 7, 8], logprobs=[0.0, 0.0])], pad_id=0)
+
+
+def seq_logprobs(t: Trainer, samples: list[Sample]) -> torch.Tensor:
+    batch = t.prepare(make_train_batch(samples, t.pad_id))
+    return (batch.old_logprobs * batch.loss_mask).sum(dim=1)
+
+
+def test_advantages_move_logprobs_their_way(model_path):
+    t = trainer(model_path, eps_clip=0.2)
+    before = seq_logprobs(t, SAMPLES)
+    for r in range(3):
+        t.train(SAMPLES, rollout_id=r)
+    change = (seq_logprobs(t, SAMPLES) - before).tolist()
+    assert change[0] > 0 and change[2] > 0      # positive advantage: more likely
+    assert change[1] < 0 and change[3] < 0      # negative advantage: less likely
+
+
+def test_micro_batched_gradient_equals_the_full_batch_gradient(model_path):
+    t = trainer(model_path, use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type="k3", entropy_coef=0.05)
+    t.train(SAMPLES, rollout_id=0)  # move off the reference, so the KL term has a gradient
+    batch = t.prepare(make_train_batch(SAMPLES, t.pad_id))
+    assert len({mb.num_tokens for mb in split(batch, 1)}) > 1  # unequal micro-batches: a mean of means would differ
+    grads = {}
+    for size in (4, 1, 3):
+        t.model.zero_grad(set_to_none=True)
+        metrics = t.accumulate_gradients(batch, micro_batch_size=size)
+        grads[size] = ([p.grad.clone() for p in t.model.parameters()], metrics)
+    full, full_metrics = grads[4]
+    for size in (1, 3):
+        g, m = grads[size]
+        for a, b in zip(full, g):  # float32 sums in another order: ~1e-7 apart; a wrong normalizer: ~10%
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        assert m == pytest.approx(full_metrics, rel=1e-5, abs=1e-7)
+    assert full_metrics["kl"] > 0 and full_metrics["entropy"] > 0
+
+
+def test_first_step_is_on_policy_and_matches_the_engine(model_path):
+    engine = EmbeddedEngine(model_path, device="cpu")
+    prompts = [list(s.prompt.prompt_ids) for s in SAMPLES]
+    gens = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=8, seed=0))
+    samples = [sample(p, g.response_ids, adv, g.logprobs) for p, g, adv in zip(prompts, gens, (1, -1, 1, -1))]
+    t = trainer(model_path, use_kl_loss=True, kl_loss_coef=0.1, temperature=0.8)
+    m = t.train(samples, rollout_id=0)
+    # one step from the weights that sampled: ratio 1 (nothing clipped), policy == reference (KL 0)
+    assert m["num_steps"] == 1 and m["clip_frac"] == 0 and m["kl"] == 0
+    assert m["logprob_diff_rollout"] < 1e-5  # engine and trainer agree on the logprobs
+    assert m["train_tokens"] == sum(len(g.response_ids) for g in gens)
+    assert set(m) >= {"loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "lr", "num_steps",
+                      "train_tokens", "logprob_diff_rollout", "step_time_s"}
+
+
+def test_global_batch_size_sets_the_number_of_steps(model_path):
+    t = trainer(model_path, global_batch_size=3, micro_batch_size=2)
+    assert t.train(SAMPLES, rollout_id=0)["num_steps"] == 2  # 4 samples: steps of 3 and 1
+    assert t.num_steps == 2
+
+
+def test_sft_loss_decreases(model_path):
+    t = trainer(model_path, loss_type="sft_loss", lr=3e-2)
+    losses = [t.train(SAMPLES, rollout_id=r)["loss"] for r in range(5)]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_save_then_load_continues_bit_identically(model_path, tmp_path):
+    cfg = dict(global_batch_size=2, micro_batch_size=1, use_kl_loss=True, kl_loss_coef=0.1, weight_decay=0.1)
+    straight = trainer(model_path, **cfg)
+    straight.train(SAMPLES, 0)
+    straight.save(tmp_path / "ckpt")
+    straight.train(SAMPLES, 1)
+    after_straight = (straight.weights_checksum(), torch.rand(2), random.random())
+
+    resumed = trainer(model_path, **cfg)  # fresh weights, fresh optimizer, reseeded RNGs
+    assert resumed.weights_checksum() != straight.weights_checksum()
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.num_steps == 2
+    resumed.train(SAMPLES, 1)
+    after_resumed = (resumed.weights_checksum(), torch.rand(2), random.random())
+    assert after_resumed[0] == after_straight[0]  # Adam moments restored: same update bit for bit
+    assert torch.equal(after_resumed[1], after_straight[1]) and after_resumed[2] == after_straight[2]
+
+
+def test_load_names_missing_files(model_path, tmp_path):
+    with pytest.raises(FileNotFoundError, match="optimizer.pt"):
+        trainer(model_path).load(tmp_path)
+
+
+def test_export_hf_loads_with_auto_model(model_path, tmp_path):
+    t = trainer(model_path, loss_type="sft_loss")
+    t.train(SAMPLES, 0)
+    t.export_hf(tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = make_train_batch(SAMPLES, 0).tokens
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens).logits, t.model(input_ids=tokens).logits)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_non_finite_gradient_stops_before_the_weights_change(model_path):
+    t = trainer(model_path)
+    before = t.weights_checksum()
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        t.train([sample([5], [6, 7], advantage=float("nan"))], rollout_id=0)
+    assert t.weights_checksum() == before
+
+
+def test_bad_config_is_reported_at_construction(model_path):
+    with pytest.raises(ConfigError) as err:
+        trainer(model_path, loss_type="dpo", micro_batch_size=0)
+    assert len(err.value.problems) == 2
+    with pytest.raises(ValueError, match="k9"):
+        trainer(model_path, use_kl_loss=True, kl_loss_type="k9")
+
+
+def test_dispose_frees_the_model(model_path):
+    t = trainer(model_path)
+    t.dispose()
+    t.dispose()
+    with pytest.raises(RuntimeError, match="disposed"):
+        t.weights()
