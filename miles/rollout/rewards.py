@@ -24,6 +24,7 @@ import math
 import numbers
 import re
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from miles.config import ConfigError
@@ -176,13 +177,15 @@ def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> Callable[
 
 
 def import_reward_fn(path: str) -> Callable[..., Any]:
-    """Import `module:function` (or `module.function`; `module:Class.method` works too)."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    """Import `module:function` (or `module.function`; `module:Class.method` works too), or load
+    `path/to/file.py:function` from a file, which needs nothing on PYTHONPATH (Ray workers included)."""
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
-        raise ConfigError(f"--custom-rm-path {path!r} must look like module:function or module.function")
+        raise ConfigError(f"--custom-rm-path {path!r} must look like module:function, module.function "
+                          "or path/to/file.py:function")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
+        obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as e:
         raise ConfigError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} "
                           f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
     for part in attr.split("."):
@@ -195,6 +198,18 @@ def import_reward_fn(path: str) -> Callable[..., Any]:
         raise ConfigError(f"--custom-rm-path {path!r} is not callable (a {type(obj).__name__}); "
                           "point it at a function")
     return obj
+
+
+def _load_file(path: str) -> Any:
+    import importlib.util
+
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file: {file}")
+    spec = importlib.util.spec_from_file_location(f"miles_custom_rm_{abs(hash(str(file)))}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 # ---- scoring ------------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""Integration fixtures: one local Ray cluster per session, a tiny model and a tiny task.
+
+Runs in these tests attach to the session's cluster (the test process holds the connection), so
+each test pays for its actors, not for a cluster start; a run that attaches removes only its own
+actors, which is what the leak checks assert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    ray = pytest.importorskip("ray")
+    root = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="miles-tests")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def miles_actors() -> list[tuple[str, str]]:
+    """Live named actors of any miles run (namespaces miles-*): a leak check."""
+    import ray
+
+    return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace", "").startswith("miles-") and a["namespace"] != "miles-tests")
+
+
+def write_addition_task(root: Path, *, n_train: int = 64, n_eval: int = 16, seed: int = 0) -> tuple[Path, Path]:
+    r = random.Random(seed)
+    paths = []
+    for name, n in (("train.jsonl", n_train), ("eval.jsonl", n_eval)):
+        path = root / name
+        with open(path, "w") as f:
+            for _ in range(n):
+                a, b = r.randint(0, 9), r.randint(0, 9)
+                f.write(json.dumps({"input": f"{a}+{b}=", "label": str(a + b)}) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_task")
+    model = make_tiny_model(root / "model")
+    train, eval_ = write_addition_task(root)
+    return {"model": model, "train": str(train), "eval": str(eval_), "root": root}
+
+
+def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:
+    flags = {"hf-checkpoint": task["model"], "prompt-data": task["train"], "label-key": "label",
+             "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 4,
+             "num-rollout": 3, "lr": 1e-3, "seed": 1, "run-dir": str(run_dir), "trace-console": "off"}
+    flags.update({k.replace("_", "-"): v for k, v in extra.items()})
+    argv: list[str] = []
+    for k, v in flags.items():
+        if v is True:
+            argv.append(f"--{k}")
+        elif isinstance(v, (list, tuple)):
+            argv += [f"--{k}", *map(str, v)]
+        elif v is not None and v is not False:
+            argv += [f"--{k}", str(v)]
+    return argv

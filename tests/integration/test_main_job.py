@@ -1,0 +1,114 @@
+"""The whole loop on real parts: local Ray, the embedded engine, the torch trainer, a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from miles.checkpoint.store import CheckpointStore
+from miles.cli_args import parse_flags
+from miles.launch import train
+from miles.runtime import read_trace, with_disposer
+from miles.train_cli import main as train_main
+from tests.integration.conftest import base_flags, miles_actors
+
+pytestmark = pytest.mark.ray
+
+TIME_KEYS = ("time", "_s", "tokens_per_s")
+
+
+def run(argv):
+    cfg, machine = parse_flags(argv)
+    return asyncio.run(with_disposer(train, cfg, machine=machine or "sync"))
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not any(t in k for t in TIME_KEYS)}
+
+
+def test_three_rollouts_end_to_end(ray_cluster, tiny_task, tmp_path):
+    result = run(base_flags(tiny_task, tmp_path / "run", save=tmp_path / "ckpt", save_interval=2,
+                            eval_prompt_data=["arith", tiny_task["eval"]], eval_interval=2,
+                            check_weight_update_equal=True))
+    assert result.final_state == "shutdown"
+    trace = read_trace(result.run_dir)
+    assert trace.events[-1].event == "run_end" and trace.events[-1].get("outcome") == "ok"
+    states = [e.state for e in trace.of("phase_start")]
+    assert states.count("rollout") == 3 and states.count("train") == 3
+    assert states[:3] == ["init", "weight_sync", "eval"] and states[-1] == "draining"
+    # every registered resource disposed, in reverse order
+    registered = [e.get("resource") for e in trace.of("registered")]
+    disposed = [e.get("resource") for e in trace.of("disposed")]
+    assert disposed == list(reversed(registered)) and all(e.get("outcome") == "ok" for e in trace.of("disposed"))
+    assert {"engine-0", "trainer", "rollout-executor", "ray_cluster", "metrics_writer"} <= set(registered)
+    # weights reached the engine with versions 0..3, and the checksums matched
+    assert [e.get("version") for e in trace.of("weights_synced")] == [0, 1, 2, 3]
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [0, 1, 2]
+    for key in ("reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "clip_frac",
+                "grad_norm", "gen_tokens_per_s", "train_time_s"):
+        assert key in train_rows[0], key
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 3]
+    # checkpoints after rollouts 1 and 2, each with an HF export transformers loads
+    store = CheckpointStore(tmp_path / "ckpt")
+    assert [rid for rid, _ in store.list()] == [1, 2]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(store.latest()[1] / "hf")
+    assert model.config.vocab_size == 32
+    assert miles_actors() == []
+
+
+def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
+    full = run(base_flags(tiny_task, tmp_path / "full", num_rollout=4, save=tmp_path / "ck_full", save_interval=2))
+    # the same run, stopped after 2 rollouts (it saves on the way out), then resumed from its checkpoint
+    run(base_flags(tiny_task, tmp_path / "first", num_rollout=4, save=tmp_path / "ck", save_interval=2,
+                   debug_exit_after_rollout=2))
+    resumed = run(base_flags(tiny_task, tmp_path / "second", num_rollout=4, save=tmp_path / "ck", save_interval=2,
+                             load=tmp_path / "ck"))
+    assert read_trace(resumed.run_dir).of("resumed")[0].rollout_id == 1
+    full_rows = {r["step"]: comparable(r) for r in full.metrics if r.get("kind") == "train"}
+    resumed_rows = {r["step"]: comparable(r) for r in resumed.metrics if r.get("kind") == "train"}
+    assert sorted(resumed_rows) == [2, 3]
+    for step in (2, 3):
+        assert resumed_rows[step] == full_rows[step], step
+    a = load_file(str(CheckpointStore(tmp_path / "ck_full").latest()[1] / "trainer" / "model.safetensors"))
+    b = load_file(str(CheckpointStore(tmp_path / "ck").latest()[1] / "trainer" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_custom_reward_by_file_path_sync_and_async(ray_cluster, tiny_task, tmp_path):
+    rm = tmp_path / "my_reward.py"
+    rm.write_text(
+        "async def length_reward(prompt, response, label):\n"
+        "    return float(len(response))\n")
+    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=1, custom_rm_path=f"{rm}:length_reward"))
+    row = result.metrics[0]
+    # the reward is the response length in characters; every char token decodes to one char (EOS to none)
+    assert row["reward_mean"] > 0
+    assert miles_actors() == []
+
+
+def test_malformed_jsonl_names_file_and_line_and_starts_no_actor(ray_cluster, tiny_task, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": \n{"input": "3+3="}\n')
+    code = train_main(base_flags({**tiny_task, "train": str(bad)}, tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{bad}" in err and "line 2" in err
+    assert miles_actors() == []
+    trace = read_trace(tmp_path / "run")
+    assert trace.events[-1].get("outcome") == "failed" and trace.of("error")[0].state == "init"
+
+
+def test_bad_flags_are_reported_together_before_anything_starts(tiny_task, tmp_path, capsys):
+    code = train_main(base_flags(tiny_task, tmp_path / "run", rollout_batch_size=0, global_batch_size=5,
+                                 micro_batch_size=2, rollout_top_p=1.5))
+    err = capsys.readouterr().err
+    assert code == 2
+    for part in ("--rollout-batch-size 0", "--rollout-top-p 1.5", "--global-batch-size 5 is not a multiple of --micro-batch-size 2"):
+        assert part in err
+    assert not (tmp_path / "run").exists()
