@@ -92,8 +92,13 @@ class EmbeddedEngine:
         log.info("weights_updated", version=self._version)
 
     def weights_checksum(self) -> str:
-        """`state_dict_checksum` of the engine's weights, in the engine's dtype."""
+        """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to
+        `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
         return state_dict_checksum(model_weights(self._live_model()))
+
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (bfloat16 on CUDA by default)."""
+        return self.dtype
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

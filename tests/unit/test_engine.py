@@ -144,6 +144,11 @@ def test_update_weights_changes_outputs_version_and_checksum(model_path):
     after = engine.generate(PROMPTS, GREEDY)
     assert engine.weight_version() == 1 and {g.weight_version for g in after} == {1}
     assert [g.response_ids for g in after] != [g.response_ids for g in before]
+    # a lower-precision engine matches the trainer's weights cast to its dtype
+    bf16 = EmbeddedEngine(model_path, device="cpu", dtype="bfloat16")
+    bf16.update_weights(trainer.weights(), version=1)
+    assert bf16.weights_dtype() == torch.bfloat16
+    assert bf16.weights_checksum() == trainer.weights_checksum(dtype=bf16.weights_dtype()) != trainer.weights_checksum()
 
 
 def test_update_weights_rejects_a_mismatched_dict(engine, hf_model):
