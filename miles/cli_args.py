@@ -39,7 +39,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     help: str = ""
     choices: Sequence[str] | None = None
-    kind: str = "value"             # value | true | false | pairs
+    kind: str = "value"             # value | true | false | pairs | list
 
 
 def _f(name, section, field, type=None, help="", choices=None, kind="value") -> Flag:  # noqa: A002
@@ -72,6 +72,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("rm-type", "rollout", "rm_type", str, "built-in reward", RM_TYPES),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
+    _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
+    _f("engine-restart-window", "rollout", "engine_restart_window_s", float, "the restart budget's window, seconds"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATORS),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
@@ -121,6 +123,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
        help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
+    _f("inject-fault", "run", "inject_faults", kind="list",
+       help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
 )
 BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
@@ -140,6 +144,8 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
             g.add_argument(opt, action="store_true", help=f.help)
         elif f.kind == "pairs":
             g.add_argument(opt, nargs="+", metavar="NAME PATH", help=f.help)
+        elif f.kind == "list":
+            g.add_argument(opt, nargs="+", metavar="VALUE", help=f.help)
         else:
             g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar={int: "N", float: "X"}.get(f.type, "VALUE"))
     return p
@@ -212,6 +218,8 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
             continue
         if flag.kind == "pairs":
             value = _pairs(value, problems)
+        elif flag.kind == "list":
+            value = tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
         sections[flag.section][flag.field] = value
     for name in REQUIRED:
         flag = next(f for f in FLAGS if f.name == name)

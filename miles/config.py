@@ -50,6 +50,8 @@ class RolloutConfig:
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
     seed: int = 0                       # --rollout-seed (defaults to --seed)
+    engine_max_restarts: int = 3        # --engine-max-restarts: restarts of dead engines allowed ...
+    engine_restart_window_s: float = 600.0  # --engine-restart-window: ... within any window of this many seconds
 
     @property
     def num_samples(self) -> int:
@@ -132,6 +134,7 @@ class RunConfig:
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
+    inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import yaml
 
 from miles.config import RunConfig, as_dict
 from miles.phases.context import TrainingContext
+from miles.phases.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
 
 
@@ -57,7 +58,10 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
     ctx = TrainingContext(cfg, run_id=run_id, run_dir=run_dir, tracer=tracer, disposer=disposer)
     if stop is not None:
         ctx.stop_requested = stop
-    return Runner(definition, ctx), ctx
+    handlers = definition.resolve_phases()
+    if cfg.inject_faults:
+        handlers = with_faults(handlers, [parse_fault(f) for f in cfg.inject_faults])
+    return Runner(definition, ctx, handlers=handlers), ctx
 
 
 async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", run_id: str | None = None,

@@ -11,7 +11,7 @@ SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval):
+    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -102,3 +102,16 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--load {c.load}: no such directory")
     if cfg.eval.interval is not None and not cfg.eval.prompt_data:
         problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH")
+
+
+def _faults(cfg: RunConfig, problems: list[str]) -> None:
+    from .phases.faults import parse_fault
+
+    for text in cfg.inject_faults:
+        try:
+            parse_fault(text)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if cfg.rollout.engine_max_restarts < 0 or cfg.rollout.engine_restart_window_s <= 0:
+        problems.append(f"--engine-max-restarts {cfg.rollout.engine_max_restarts} / --engine-restart-window "
+                        f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")

@@ -40,6 +40,8 @@ class TrainingContext(PhaseContext):
         self.evaluated_version: int | None = None
         self.batch_ref: Any = None                     # the current rollout's batch (a Ray ObjectRef)
         self.save_requested = False                    # a host asked for a save now
+        self.engine_budget: Any = None                 # RestartBudget, made at the first restart
+        self.engine_restarts = 0
         self.last_metrics: dict[str, Any] = {}
         self.metrics_history: list[dict[str, Any]] = []
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from miles.phases.context import TrainingContext
+from miles.phases.engines import with_engine_restarts
 
 
 async def evaluate(ctx: TrainingContext) -> str:
     done = ctx.next_rollout
-    metrics = await ctx.c.executor.handle.evaluate.remote(done)
+    metrics = await with_engine_restarts(ctx, lambda: ctx.c.executor.handle.evaluate.remote(done))
     ctx.evaluated_version = ctx.weight_version
     row = {**metrics, "kind": "eval", "weight_version": ctx.weight_version}
     ctx.c.metrics.log(done, row)

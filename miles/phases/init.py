@@ -17,7 +17,7 @@ from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError
 from miles.data.prompts import load_prompts
 from miles.phases.context import TrainingContext
-from miles.rollout.engine import EmbeddedEngine
+from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.rewards import load_reward_fn
 from miles.tracking.metrics import MetricsWriter
@@ -36,12 +36,7 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.cluster)
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 
-    ctx.c.engines = []
-    for i in range(cfg.rollout.num_engines):
-        engine = ctx.c.cluster.actor(EmbeddedEngine, cfg.model.hf_checkpoint, name=f"engine-{i}",
-                                     device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout.seed + i)
-        add(engine, force=engine.force)
-        ctx.c.engines.append(engine)
+    ctx.c.engines = [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
     ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
                                         algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
     add(ctx.c.trainer, force=ctx.c.trainer.force)

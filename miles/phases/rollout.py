@@ -6,13 +6,21 @@ reference and reads only the metrics.
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles.phases.context import TrainingContext
+from miles.phases.engines import with_engine_restarts
 
 
 async def rollout(ctx: TrainingContext) -> str:
     ctx.rollout_id = ctx.next_rollout
-    samples_ref, metrics_ref = ctx.c.executor.handle.generate_split.options(num_returns=2).remote(ctx.rollout_id)
-    metrics = await metrics_ref
+
+    async def attempt() -> tuple[Any, dict[str, Any]]:
+        # the executor re-serves the same prompts when a rollout id is retried after an engine restart
+        samples, metrics = ctx.c.executor.handle.generate_split.options(num_returns=2).remote(ctx.rollout_id)
+        return samples, await metrics
+
+    samples_ref, metrics = await with_engine_restarts(ctx, attempt)
     ctx.batch_ref = samples_ref
     ctx.last_metrics = {}
     ctx.record(ctx.rollout_id, metrics)

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 from miles.phases.context import TrainingContext
+from miles.phases.engines import with_engine_restarts
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -20,7 +21,11 @@ async def sync_weights(ctx: TrainingContext) -> str:
     t0 = time.monotonic()
     version = ctx.next_rollout
     weights = ctx.c.trainer.handle.weights.remote()
-    await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
+
+    async def push() -> None:
+        await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
+
+    await with_engine_restarts(ctx, push)     # a restarted engine gets the current weights, then all get these
     ctx.weight_version = version
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6)}
     if ctx.cfg.check_weight_update_equal:
@@ -30,7 +35,8 @@ async def sync_weights(ctx: TrainingContext) -> str:
 
 
 async def _check_equal(ctx: TrainingContext) -> str:
-    expected = await ctx.c.trainer.handle.weights_checksum.remote()
+    dtype = await ctx.c.engines[0].handle.weights_dtype.remote()   # compare in the engines' dtype (bf16 on GPU)
+    expected = await ctx.c.trainer.handle.weights_checksum.remote(dtype)
     got = await asyncio.gather(*(e.handle.weights_checksum.remote() for e in ctx.c.engines))
     bad = [f"engine-{i}: {g[:12]}" for i, g in enumerate(got) if g != expected]
     if bad:

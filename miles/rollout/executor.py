@@ -39,6 +39,7 @@ class RolloutExecutor:
         self._engines = list(engines)
         self._reward_fn = load_reward_fn(rollout.rm_type, rollout.custom_rm_path)
         self._advantages = _estimator(algorithm)
+        self._pending: tuple[int, list[Prompt]] | None = None   # prompts of a rollout not yet delivered
 
     # -- state ----------------------------------------------------------------------------------
     def num_batches_per_epoch(self) -> int:
@@ -50,6 +51,10 @@ class RolloutExecutor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._iterator.load_state_dict(state["iterator"])
 
+    def set_engines(self, engines: Sequence[Any]) -> None:
+        """Use these engines from now on (after the run restarted a dead one)."""
+        self._engines = list(engines)
+
     def dispose(self) -> None:
         """Drop the engine handles. The engines themselves are the run's, torn down after this."""
         self._engines.clear()
@@ -58,7 +63,9 @@ class RolloutExecutor:
     async def generate(self, rollout_id: int) -> RolloutBatch:
         """Sample n responses for the next batch of prompts, score them and compute advantages."""
         t0 = time.monotonic()
-        prompts = self._iterator.next_batch()
+        if self._pending is None or self._pending[0] != rollout_id:
+            self._pending = (rollout_id, self._iterator.next_batch())
+        prompts = self._pending[1]
         n = self._cfg.n_samples_per_prompt
         params = SamplingParams(temperature=self._cfg.temperature, top_p=self._cfg.top_p, top_k=self._cfg.top_k,
                                 max_new_tokens=self._cfg.max_response_len, seed=self._seed(rollout_id))
@@ -70,6 +77,7 @@ class RolloutExecutor:
         metrics = rollout_metrics(samples, n, rollout_id)
         metrics.update(gen_time_s=gen_s, gen_tokens_per_s=metrics["gen_tokens"] / max(gen_s, 1e-9),
                        epoch=self._iterator.epoch)
+        self._pending = None
         return RolloutBatch(rollout_id=rollout_id, samples=samples, n_samples_per_prompt=n, metrics=metrics)
 
     async def generate_split(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:

@@ -1,0 +1,75 @@
+"""Engine supervision: create engines, and restart dead ones within the run's restart budget.
+
+A phase that talks to engines runs its call through `with_engine_restarts`: when the call fails
+because an actor died, every engine is probed; each dead one is replaced by a new actor (registered
+with the disposer where it is created, given the weights the others hold, handed to the executor)
+and the call is retried. A dead actor that is not an engine (the trainer) is not restartable: the
+failure goes on to the fail route. Past the budget, RestartBudgetExceeded does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, TypeVar
+
+import ray
+
+from miles.phases.context import TrainingContext
+from miles.rollout.engine import EmbeddedEngine
+from miles.runtime.supervisor import RestartBudget
+
+T = TypeVar("T")
+PROBE_TIMEOUT_S = 10.0
+
+
+def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
+    cfg = ctx.cfg
+    engine = ctx.c.cluster.actor(EmbeddedEngine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
+                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout.seed + index)
+    ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
+    return engine
+
+
+async def with_engine_restarts(ctx: TrainingContext, call: Callable[[], Awaitable[T]]) -> T:
+    while True:
+        try:
+            return await call()
+        except ray.exceptions.RayActorError as exc:
+            dead = await dead_engines(ctx)
+            if not dead:
+                raise
+            for i in dead:
+                await restart_engine(ctx, i, cause=exc)
+
+
+async def dead_engines(ctx: TrainingContext) -> list[int]:
+    async def alive(engine: Any) -> bool:
+        try:
+            await asyncio.wait_for(engine.handle.__ray_ready__.remote(), PROBE_TIMEOUT_S)
+            return True
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            return False
+
+    states = await asyncio.gather(*(alive(e) for e in ctx.c.engines))
+    return [i for i, ok in enumerate(states) if not ok]
+
+
+async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseException) -> None:
+    if ctx.engine_budget is None:
+        r = ctx.cfg.rollout
+        ctx.engine_budget = RestartBudget(r.engine_max_restarts, r.engine_restart_window_s)
+    try:
+        count = ctx.engine_budget.spend(f"engine-{index}")
+    except Exception as exc:
+        raise exc from cause
+    ctx.engine_restarts += 1
+    seq = ctx.tracer.emit("engine_restart", engine=index, restarts_in_window=count,
+                          error={"type": type(cause).__name__, "message": str(cause)[:500]})
+    ctx.c.engines[index].force()       # make sure the old one is gone (it may be a zombie, not dead)
+    engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
+    await engine.wait_ready()
+    if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
+        await engine.handle.update_weights.remote(ctx.c.trainer.handle.weights.remote(), ctx.weight_version)
+    ctx.c.engines[index] = engine
+    await ctx.c.executor.handle.set_engines.remote([e.handle for e in ctx.c.engines])
+    ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version)
