@@ -129,8 +129,10 @@ class Runner:
         self.ctx.state = self.state
         errors = await self.ctx.disposer.unwind()
         self.failure = merge_teardown_errors(self.failure, errors)
-        outcome = "ok" if self.failure is None else (
-            "cancelled" if isinstance(self.failure, (asyncio.CancelledError, KeyboardInterrupt)) else "failed")
+        if self.failure is None:
+            outcome = "stopped" if self.ctx.stop_requested.is_set() else "ok"
+        else:
+            outcome = "cancelled" if isinstance(self.failure, (asyncio.CancelledError, KeyboardInterrupt)) else "failed"
         self.tracer.emit("run_end", state=self.state, outcome=outcome,
                          duration_s=round(time.monotonic() - t0, 6),
                          error=self.failure if self.failure is not None else None)

@@ -105,7 +105,7 @@ def test_stop_request_finishes_the_current_phase_then_drains(tmp_path):
     trace = read_trace(tmp_path)
     stop = [t for t in trace.of("transition") if t.trigger == "stop"]
     assert [(t.src, t.dst) for t in stop] == [("rollout", "draining")]
-    assert trace.events[-1].get("outcome") == "ok" and ctx.failure is None
+    assert trace.events[-1].get("outcome") == "stopped" and ctx.failure is None
 
 
 def test_teardown_error_after_a_clean_run_is_raised_and_traced(tmp_path):
