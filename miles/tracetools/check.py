@@ -209,8 +209,8 @@ class _Replay:
         outcome = self.run_end.get("outcome") if self.run_end else None
         errors = [e for e in events if e.event == "error"]
         teardown_failed = any(e.event == "disposed" and e.get("outcome") != "ok" for e in events)
-        if outcome == "ok" and errors:
-            self.violation("outcome", f"run_end says ok but seq {errors[0].seq} is an error", self.run_end)
+        if outcome in ("ok", "stopped") and errors:
+            self.violation("outcome", f"run_end says {outcome} but seq {errors[0].seq} is an error", self.run_end)
         if outcome in ("failed", "cancelled") and not errors and not teardown_failed:
             self.violation("outcome", f"run_end says {outcome} but no error or failed teardown is recorded",
                            self.run_end)

@@ -11,6 +11,7 @@ rollouts the bottom panel shows the mean per bin of consecutive rollouts.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 from .render import fmt_s
@@ -22,8 +23,9 @@ STATE_COLORS = {
     "init": "#8c8c8c", "weight_sync": "#9467bd", "eval": "#17becf", "rollout": "#1f77b4",
     "train": "#ff7f0e", "save": "#2ca02c", "draining": "#bcbd22",
 }
-OUTCOME_COLORS = {"ok": "#2ca02c", "error": "#d62728", "forced": "#ff7f0e", "timeout": "#8b0000",
+OUTCOME_COLORS = {"ok": "#555555", "error": "#d62728", "forced": "#ff7f0e", "timeout": "#8b0000",
                   "force_failed": "#8b0000"}
+NOT_PER_ROLLOUT = {"init", "draining"}     # run-level states: their time belongs to no rollout
 FAIL_COLOR = "#d62728"
 
 
@@ -79,7 +81,8 @@ def plot_timeline(tl: Timeline, out: str | Path, *, title: str | None = None) ->
 
 def _title(tl: Timeline) -> str:
     n = len(tl.rollouts)
-    return (f"{tl.machine or '?'} run {tl.run_id or '?'}: {tl.outcome}, {fmt_s(tl.duration_s)}, "
+    outcome = "cut short (no run_end)" if tl.outcome == "incomplete" else tl.outcome
+    return (f"{tl.machine or '?'} run {tl.run_id or '?'}: {outcome}, {fmt_s(tl.duration_s)}, "
             f"{n} rollout{'s' if n != 1 else ''}")
 
 
@@ -97,9 +100,11 @@ def _draw_lanes(ax, tl: Timeline, lanes: list[str]) -> None:
             if s.state == state and s.outcome != "ok":
                 _draw_abnormal(ax, s, y[state], res, unit)
     _label_rollouts(ax, tl, y, res, unit)
-    _draw_teardown(ax, tl, y["teardown"], res, unit)
+    summary = _draw_teardown(ax, tl, y["teardown"], res, unit)
     _mark_failure(ax, tl, unit, len(lanes))
-    ax.set_yticks(list(y.values()), list(y.keys()))
+    ax.set_yticks(list(y.values()), [*lanes[:-1], f"teardown\n{summary}" if summary else "teardown"])
+    if summary and not summary.endswith("all ok"):
+        ax.get_yticklabels()[-1].set_color(FAIL_COLOR)
     ax.set_ylim(-0.7, len(lanes) - 0.3)
     ax.set_xlim(-0.01 * end / unit, end * 1.01 / unit)
     ax.set_xlabel(f"time since the run started ({unit_name})")
@@ -108,36 +113,38 @@ def _draw_lanes(ax, tl: Timeline, lanes: list[str]) -> None:
 
 
 def _draw_abnormal(ax, s: PhaseSpan, y: float, res: float, unit: float) -> None:
-    width = max(s.duration_s, res)
-    style = {"error": (FAIL_COLOR, "xx"), "cancelled": ("#ff7f0e", "//"), "open": ("#bbbbbb", "//")}
-    color, hatch = style.get(s.outcome, (FAIL_COLOR, ""))
-    ax.broken_barh([(s.start_s / unit, width / unit)], (y - 0.35, 0.7), facecolors=color,
-                   edgecolor="black", hatch=hatch, linewidth=0.6)
+    width = max(s.duration_s, 4 * res)          # the phase that failed must be visible at any scale
+    # hatched and outlined, in colours no state uses: red for an error, white-on-red for a cancel
+    style = {"error": (FAIL_COLOR, "black", "xx"), "cancelled": ("white", FAIL_COLOR, "//"),
+             "open": ("#dddddd", "#555555", "//")}
+    face, edge, hatch = style.get(s.outcome, (FAIL_COLOR, "black", ""))
+    ax.broken_barh([(s.start_s / unit, width / unit)], (y - 0.35, 0.7), facecolors=face,
+                   edgecolor=edge, hatch=hatch, linewidth=0.8)
 
 
 def _label_rollouts(ax, tl: Timeline, y: dict[str, float], res: float, unit: float) -> None:
     """Rollout ids inside bars wide enough to hold them (about 30 px); none on long runs."""
     for s in tl.spans:
-        if s.rollout_id is not None and s.duration_s >= 30 * res and s.state == "rollout":
+        if s.rollout_id is not None and s.duration_s >= 30 * res and s.state == "rollout" and s.outcome == "ok":
             ax.text((s.start_s + s.duration_s / 2) / unit, y[s.state], f"r{s.rollout_id}",
                     ha="center", va="center", fontsize=7, color="white")
 
 
-def _draw_teardown(ax, tl: Timeline, y: float, res: float, unit: float) -> None:
+def _draw_teardown(ax, tl: Timeline, y: float, res: float, unit: float) -> str:
+    """One bar per disposed resource, coloured by outcome; returns the lane's one-line summary."""
     for step in tl.teardown:
         ax.broken_barh([(step.start_s / unit, max(step.duration_s, res) / unit)], (y - 0.35, 0.7),
-                       facecolors=OUTCOME_COLORS.get(step.outcome, "#d62728"), edgecolor="none")
+                       facecolors=OUTCOME_COLORS.get(step.outcome, FAIL_COLOR), edgecolor="white",
+                       linewidth=0.5)
     if not tl.teardown and not tl.registered:
-        return
-    bad = [s for s in tl.teardown if s.outcome != "ok"]
+        return ""
+    if not tl.teardown:
+        return f"not reached, {len(tl.registered)} registered"
+    outcomes = Counter(s.outcome for s in tl.teardown if s.outcome != "ok")
+    summary = f"{len(tl.teardown)} in {fmt_s(sum(s.duration_s for s in tl.teardown))}, "
+    summary += ", ".join(f"{n} {o}" for o, n in outcomes.items()) if outcomes else "all ok"
     missing = len(tl.registered) - len(tl.teardown)
-    summary = f"{len(tl.teardown)} resources, {fmt_s(sum(s.duration_s for s in tl.teardown))}"
-    summary += f", {len(bad)} failed" if bad else ", all ok"
-    if missing > 0:
-        summary += f", {missing} never disposed"
-    x = (tl.teardown[0].start_s if tl.teardown else tl.duration_s) / unit
-    ax.text(x, y, summary + "  ", ha="right", va="center", fontsize=8,
-            color=FAIL_COLOR if bad or missing > 0 else "#333333")
+    return summary + (f", {missing} never disposed" if missing > 0 else "")
 
 
 def _mark_failure(ax, tl: Timeline, unit: float, n_lanes: int) -> None:
@@ -146,9 +153,10 @@ def _mark_failure(ax, tl: Timeline, unit: float, n_lanes: int) -> None:
         ax.axvline(f.at_s / unit, color=FAIL_COLOR, linestyle="--", linewidth=1.2)
         rollout = f" (rollout {f.rollout_id})" if f.rollout_id is not None else ""
         verb = "cancelled" if f.cancelled else f"{f.error.get('type')}"
+        left = f.at_s < 0.6 * max(tl.duration_s, 1e-12)
         ax.annotate(f"{verb} in {f.state}{rollout} at {fmt_s(f.at_s)}", (f.at_s / unit, n_lanes - 0.45),
-                    xytext=(4, 0), textcoords="offset points", color=FAIL_COLOR, fontsize=8, va="top",
-                    ha="left" if f.at_s < 0.6 * max(tl.duration_s, 1e-12) else "right")
+                    xytext=(4 if left else -4, 0), textcoords="offset points", color=FAIL_COLOR,
+                    fontsize=8, va="top", ha="left" if left else "right")
     if tl.outcome == "incomplete":
         ax.axvline(tl.duration_s / unit, color="#555555", linestyle=":", linewidth=1.2)
         ax.annotate("trace cut short", (tl.duration_s / unit, -0.6), xytext=(-4, 0),
@@ -157,7 +165,8 @@ def _mark_failure(ax, tl: Timeline, unit: float, n_lanes: int) -> None:
 
 def _draw_per_rollout(ax, tl: Timeline, lanes: list[str]) -> None:
     rollouts = tl.rollouts
-    states = [s for s in lanes[:-1] if any(sp.state == s and sp.rollout_id is not None for sp in tl.spans)]
+    states = [s for s in lanes[:-1] if s not in NOT_PER_ROLLOUT
+              and any(sp.state == s and sp.rollout_id is not None for sp in tl.spans)]
     lo, n = rollouts[0], rollouts[-1] - rollouts[0] + 1
     per = {s: [0.0] * n for s in states}
     for sp in tl.spans:
@@ -173,9 +182,17 @@ def _draw_per_rollout(ax, tl: Timeline, lanes: list[str]) -> None:
         ax.bar(xs, vals, width=bin_size * 0.85, bottom=bottom, color=_color(state, i), label=state,
                align="edge" if bin_size > 1 else "center")
         bottom = [b + v for b, v in zip(bottom, vals)]
+    if bin_size > 1:                           # a mean hides a slow rollout; its bin's maximum does not
+        totals = [sum(v[i] for v in per.values()) / unit for i in range(n)]
+        peaks = [max(totals[j - lo:j - lo + bin_size]) for j in xs]
+        ax.scatter([x + bin_size * 0.425 for x in xs], peaks, marker="_", color="black", s=25,
+                   linewidths=1, label="slowest in bin", zorder=3)
+        bottom = [max(b, p) for b, p in zip(bottom, peaks)]
     f = tl.failure
     if f is not None and f.rollout_id is not None:
-        ax.axvline(f.rollout_id, color=FAIL_COLOR, linestyle="--", linewidth=1)
+        ax.annotate("✗", (f.rollout_id, max(bottom) if bin_size > 1 else bottom[(f.rollout_id - lo)]),
+                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    color=FAIL_COLOR, fontsize=12, fontweight="bold")
     what = "per rollout" if bin_size == 1 else f"per rollout, mean over bins of {bin_size} rollouts"
     ax.set_ylabel(unit_name)
     ax.set_xlabel("rollout id")

@@ -90,10 +90,15 @@ def _write_rich(blocks: list[Block], out: TextIO) -> None:
     console = Console(file=out, highlight=False)
     for b in blocks:
         if isinstance(b, Table):
-            rt = RichTable(title=b.title or None, title_justify="left", box=box.SIMPLE_HEAD,
+            rt = RichTable(title=b.title or None, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                            title_style="bold")
+            last = len(b.columns) - 1
             for i, c in enumerate(b.columns):
-                rt.add_column(c, justify="right" if i in b.right else "left")
+                # every column but the last keeps its width (names stay whole); the last one wraps
+                width = min(max([len(c), *(len(r[i]) for r in b.rows)]), 48)
+                rt.add_column(c, justify="right" if i in b.right else "left",
+                              no_wrap=i < last, min_width=width if i < last else None,
+                              overflow="fold")
             for i, r in enumerate(b.rows):
                 rt.add_row(*r, style=b.styles[i] if i < len(b.styles) else None)
             console.print(rt)

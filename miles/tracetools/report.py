@@ -66,7 +66,7 @@ def _failure_text(f: FailureView) -> Text:
     rollout = f" (rollout {f.rollout_id})" if f.rollout_id is not None else ""
     into = f", {fmt_s(f.in_phase_s)} into the phase" if f.in_phase_s is not None else ""
     lines = [f"{what} in {f.state}{rollout}, {fmt_s(f.at_s)} into the run{into} (seq {f.seq})",
-             f"{f.error.get('type')}: {f.error.get('message')}", "", "cause chain:"]
+             _error_line(f.error), "", "cause chain:"]
     for link in f.exceptions:
         lines.append(f"  {link.exception}")
         lines += [f"    note: {n}" for n in link.notes]
@@ -74,12 +74,16 @@ def _failure_text(f: FailureView) -> Text:
             lines.append(f"    ↓ {link.via}")
     lines += [f"  → {_event_line(e)}" for e in f.consequences]
     for e in f.later_errors:
-        err = e.error or {}
-        lines.append(f"then, in {e.state} (seq {e.seq}): {err.get('type')}: {err.get('message')}")
+        lines.append(f"then, in {e.state} (seq {e.seq}): {_error_line(e.error or {})}")
     tb = (f.error.get("traceback") or "").rstrip()
     if tb:
         lines += ["", "traceback:", *("  " + ln for ln in tb.splitlines())]
     return Text(lines, title="Failure", style="red")
+
+
+def _error_line(err: dict) -> str:
+    message = err.get("message")
+    return f"{err.get('type')}: {message}" if message else str(err.get("type"))
 
 
 def _event_line(e: TraceEvent) -> str:
@@ -90,20 +94,23 @@ def _event_line(e: TraceEvent) -> str:
 
 def _teardown_table(tl: Timeline) -> Table:
     total = sum(s.duration_s for s in tl.teardown)
-    title = (f"Teardown: {len(tl.teardown)} of {len(tl.registered)} registered resources, {fmt_s(total)}"
-             if tl.registered else "Teardown: nothing was registered")
+    if not tl.registered:
+        title = "Teardown: nothing was registered"
+    elif not tl.teardown:
+        title = f"Teardown: never started ({len(tl.registered)} resources registered)"
+    else:
+        title = f"Teardown: {len(tl.teardown)} of {len(tl.registered)} registered resources, {fmt_s(total)}"
     rows, styles = [], []
     for s in tl.teardown:
-        err = f"{s.error.get('type')}: {s.error.get('message')}" if s.error else ""
-        rows.append([str(s.order), s.resource, str(s.position), fmt_s(s.duration_s), s.outcome,
-                     s.escalation, err])
+        detail = "; ".join(x for x in (s.escalation, _error_line(s.error) if s.error else "") if x)
+        rows.append([str(s.order), s.resource, str(s.position), fmt_s(s.duration_s), s.outcome, detail])
         styles.append(None if s.outcome == "ok" else "red")
     disposed = {s.position for s in tl.teardown}
     for e in tl.registered:
         if e.get("position") not in disposed:
-            rows.append(["-", str(e.get("resource")), str(e.get("position")), "-", "not disposed", "", ""])
+            rows.append(["-", str(e.get("resource")), str(e.get("position")), "-", "not disposed", ""])
             styles.append("yellow")
-    return Table(title, ["order", "resource", "position", "duration", "outcome", "escalation", "error"],
+    return Table(title, ["order", "resource", "position", "duration", "outcome", "escalation / error"],
                  rows, right={0, 2, 3}, styles=styles)
 
 
@@ -163,8 +170,7 @@ def diff_blocks(d: Divergence | None, name_a: str, name_b: str, n_a: int, n_b: i
         rid = f" rollout {e.rollout_id}" if e.rollout_id is not None else ""
         lines.append(f"  {label}: {e.src} -{e.trigger}-> {e.dst}{rid}  (seq {e.seq}, {fmt_s(e.mono)})")
         if cause is not None and cause.event == "error":
-            err = cause.error or {}
-            lines.append(f"       after seq {cause.seq} error: {err.get('type')}: {err.get('message')}")
+            lines.append(f"       after seq {cause.seq} error: {_error_line(cause.error or {})}")
     if d.common:
         lines += ["", "shared before that:"]
         lines += [f"  {e.src} -{e.trigger}-> {e.dst}" for e in d.common]

@@ -158,24 +158,21 @@ def _lane_order(start: TraceEvent | None, events: list[TraceEvent]) -> list[str]
 def _spans(events: list[TraceEvent], t0: float, last_mono: float) -> list[PhaseSpan]:
     spans: list[PhaseSpan] = []
     open_: TraceEvent | None = None
-    note = ""
     for e in events:
         if e.event == "phase_start":
-            open_, note = e, ""
-        elif open_ is None:
-            continue
-        elif e.event == "stop_honoured":
-            # the phase's own span was already closed by its phase_end; rewrite its trigger
+            open_ = e
+        elif e.event == "stop_honoured" and spans and spans[-1].state == e.state:
+            # the phase's span was closed by its phase_end; the runner fired `stop` instead
             last = spans[-1]
             spans[-1] = PhaseSpan(last.state, last.rollout_id, last.start_s, last.duration_s, "stop",
                                   last.outcome, last.seq, f"returned {e.get('ignored_trigger')}; stop requested")
-        elif e.event in ("phase_end", "error") and e.state == open_.state:
+        elif open_ is not None and e.event in ("phase_end", "error") and e.state == open_.state:
             failed = e.event == "error"
             rid = e.rollout_id if e.rollout_id is not None else open_.rollout_id
             dur = e.duration_s if not failed and e.duration_s is not None else e.mono - open_.mono
             outcome = ("cancelled" if e.get("cancelled") else "error") if failed else "ok"
             spans.append(PhaseSpan(open_.state or "?", rid, open_.mono - t0, max(dur, 0.0),
-                                   "fail" if failed else e.trigger, outcome, open_.seq, note))
+                                   "fail" if failed else e.trigger, outcome, open_.seq))
             open_ = None
     if open_ is not None:
         spans.append(PhaseSpan(open_.state or "?", open_.rollout_id, open_.mono - t0,
