@@ -60,7 +60,10 @@ def check_trace(trace: Trace, definition: MachineDef) -> CheckReport:
     for line in trace.bad_lines:
         report.violations.append(Violation("unparsable_line", f"line {line} is not valid JSON"))
     if not events:
-        report.violations.append(Violation("empty", "the trace has no events"))
+        report.cut_short = True
+        report.violations.append(Violation(
+            "cut_short", "the trace has no complete event: the driver was killed (or the file was "
+            "emptied) before its first event was written"))
         return report
     _check_seq(events, report)
     replay = _Replay(definition, report)

@@ -94,6 +94,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     trace = load(args.run)
+    if not trace.events and args.machine is None:   # nothing names a machine; it is cut short anyway
+        print(f"{trace.path}: the trace is cut short: it has no complete event (the driver was killed "
+              "before its first event was written)")
+        return FOUND
     definition = machine_for(trace, args.machine)
     report = check_trace(trace, definition)
     write_blocks(check_blocks(report, str(trace.path), {e.seq: e for e in trace.events}), mode=args.format)

@@ -186,3 +186,12 @@ def test_bad_input_exits_2(tmp_path, capsys):
     events = [{**e, "machine": "mine"} for e in events_of("sync-ok")]
     assert main(["check", str(write(tmp_path, events))]) == 2
     assert "--machine path/to/mine.yaml" in capsys.readouterr().err
+
+
+def test_empty_or_one_broken_line_is_cut_short(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    for text in ("", '{"seq": 1, "eve'):
+        path.write_text(text)
+        assert main(["check", str(path)]) == 1
+        assert "cut short" in capsys.readouterr().out
+        assert check_trace(read_trace(path), load_machine("sync")).codes() == ["cut_short"]
