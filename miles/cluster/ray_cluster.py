@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import ray
 
@@ -40,12 +42,14 @@ class RayCluster:
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *sys.path[1:]]))
         common = dict(namespace=self.namespace, logging_level="WARNING", log_to_driver=True,
                       configure_logging=True, include_dashboard=False)
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, **common)
-        else:
-            ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), num_gpus=None, **common)
-            self.started = True
+        with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, **common)
+            else:
+                ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), num_gpus=None, **common)
+                self.started = True
         self.connected = True
+        restore_sigchld()
 
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
               concurrency: int | None = None, **kwargs: Any) -> "ActorResource":
@@ -89,3 +93,33 @@ class ActorResource:
     async def wait_ready(self) -> None:
         """Wait for the constructor; its exception (a bad model path, say) surfaces here."""
         await self.handle.__ray_ready__.remote()
+
+
+def restore_sigchld() -> None:
+    """With the subreaper option on, Ray's core worker sets SIGCHLD to SIG_IGN in the driver too (at
+    the C level: Python's signal.getsignal still says SIG_DFL). Children of the driver are then
+    reaped by the kernel and `subprocess` reports every exit status as 0. The raylet does the
+    reaping the option is for; the driver gets the default back."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:            # not the main thread (an embedding host's worker thread): leave it
+        pass
+
+
+@contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """Give the host (the CLI, an embedding program) back the SIGINT/SIGTERM handlers it had."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)

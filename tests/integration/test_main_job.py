@@ -13,7 +13,7 @@ from miles.cli_args import parse_flags
 from miles.launch import train
 from miles.runtime import read_trace, with_disposer
 from miles.train_cli import main as train_main
-from tests.integration.conftest import base_flags, miles_actors
+from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,4 @@
-"""Integration fixtures: one local Ray cluster per session, a tiny model and a tiny task.
+"""Shared fixtures: one local Ray cluster per session (for the tests that ask), a tiny model and task.
 
 Runs in these tests attach to the session's cluster (the test process holds the connection), so
 each test pays for its actors, not for a cluster start; a run that attaches removes only its own
@@ -26,6 +26,8 @@ def ray_cluster():
     root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="miles-tests")
+    from miles.cluster.ray_cluster import restore_sigchld
+    restore_sigchld()             # else subprocess exit codes read as 0 in this process
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -1,0 +1,148 @@
+"""The fault matrix: every state of `sync` crossed with every fault, on real parts.
+
+Each case asserts: the trace ends in `shutdown` and conforms to the machine (`trace check`);
+teardown ran in exact reverse registration order and every registered resource was disposed; no
+actor of the run is alive and no worker process of its actors is left; the outcome / exit code;
+the primary error is the one the fault causes; the newest complete checkpoint loads.
+
+In-process cases attach to the session's Ray cluster; signal cases run the CLI in a subprocess
+(attached to the same cluster), since signals are the CLI's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from miles.checkpoint.store import CheckpointStore
+from miles.cli_args import parse_flags
+from miles.launch import train
+from miles.runtime import load_machine, read_trace, teardown_errors, with_disposer
+from miles.tracetools.check import check_trace
+from tests.conftest import base_flags, miles_actors
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+STATES = ["init", "weight_sync", "eval", "rollout", "train", "save", "draining"]
+ACTOR_CLASSES = ("EmbeddedEngine", "Trainer", "RolloutExecutor")
+ROOT = Path(__file__).resolve().parents[2]
+
+# what the run ends as, and which error is primary, for each fault
+EXPECTED = {
+    "raise": ("failed", "InjectedFault"),
+    "kill_engine": ("ok", None),                      # restarted within the budget
+    "kill_trainer": ("failed", "ActorDiedError"),     # not restartable
+    "teardown_raise": ("failed", "InjectedFault"),
+    "teardown_hang": ("failed", "TeardownTimeout"),
+}
+
+
+def matrix_flags(task, tmp_path, fault):
+    # 2 rollouts, saving and evaluating after each: every state of sync is visited
+    return base_flags(task, tmp_path / "run", num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2,
+                      rollout_max_response_len=3, save=tmp_path / "ckpt", save_interval=1,
+                      eval_prompt_data=["arith", task["eval"]], eval_interval=1, teardown_timeout=20,
+                      inject_fault=[fault])
+
+
+def leftover_actor_processes() -> list[str]:
+    """Worker processes still running one of the run's actors (Ray titles them ray::ClassName)."""
+    time.sleep(0.5)
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        title = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+        if title.startswith("ray::") and any(c in title for c in ACTOR_CLASSES):
+            out.append(f"{p.pid} {title[:60]}")
+    return out
+
+
+def assert_clean_end(run_dir: Path, *, outcome: str, error_type: str | None, ckpt: Path):
+    trace = read_trace(run_dir)
+    end = trace.events[-1]
+    assert end.event == "run_end" and end.state == "shutdown", end
+    assert end.get("outcome") == outcome, (end.get("outcome"), end.error)
+    if error_type:
+        assert error_type in end.error["type"] or error_type in end.error["message"], end.error
+    report = check_trace(trace, load_machine("sync"))
+    assert report.ok, [v.message for v in report.violations]
+    registered = [e.get("position") for e in trace.of("registered")]
+    disposed = [e.get("position") for e in trace.of("disposed")]
+    assert disposed == sorted(registered, reverse=True)
+    assert miles_actors() == []
+    assert leftover_actor_processes() == []
+    latest = CheckpointStore(ckpt).latest()
+    if latest is not None:                            # the newest complete checkpoint loads
+        from transformers import AutoModelForCausalLM
+        AutoModelForCausalLM.from_pretrained(latest[1] / "hf")
+    return trace
+
+
+@pytest.mark.parametrize("fault", list(EXPECTED))
+@pytest.mark.parametrize("state", STATES)
+def test_fault_in_process(ray_cluster, tiny_task, tmp_path, state, fault):
+    outcome, error_type = EXPECTED[fault]
+    if fault == "kill_trainer" and state == "draining":
+        outcome, error_type = "ok", None              # nothing uses the trainer after draining starts
+    cfg, _ = parse_flags(matrix_flags(tiny_task, tmp_path, f"{state}:{fault}"))
+    raised = None
+    try:
+        asyncio.run(with_disposer(train, cfg))
+    except BaseException as exc:  # noqa: BLE001
+        raised = exc
+    trace = assert_clean_end(tmp_path / "run", outcome=outcome, error_type=error_type, ckpt=tmp_path / "ckpt")
+    assert trace.of("fault_injected")[0].get("state") == state
+    if outcome == "ok":
+        assert raised is None
+    else:
+        assert error_type in type(raised).__name__ or error_type in str(raised)
+    if fault == "raise":
+        assert trace.of("error")[0].state == state
+    if fault == "kill_engine":
+        assert len(trace.of("engine_restart")) == (0 if state == "draining" else 1)
+    if fault == "teardown_raise" and state != "draining":
+        assert raised is not None and teardown_errors(raised) == []   # the teardown error is primary here
+
+
+def run_cli_with_signal(task, tmp_path, gcs, fault, extra=()):
+    argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
+            *matrix_flags(task, tmp_path, fault), "--ray-address", gcs, *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("sig", ["sigint", "sigterm"])
+@pytest.mark.parametrize("state", STATES)
+def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
+    proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, f"{state}:{sig}")
+    assert proc.returncode == {"sigint": 130, "sigterm": 143}[sig], proc.stderr[-2000:]
+    trace = assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
+    if state != "draining":   # the phase that got the signal finished, then the run went to draining
+        stop = [t for t in trace.of("transition") if t.trigger == "stop"]
+        assert [(t.src, t.dst) for t in stop] == [(state, "draining")]
+
+
+def test_a_second_sigint_cuts_draining_short(ray_cluster, tiny_task, tmp_path):
+    argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
+            *matrix_flags(tiny_task, tmp_path, "rollout:sigint"), "--ray-address", ray_cluster,
+            "--num-rollout", "50"]
+    p = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trace_path = tmp_path / "run" / "trace.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and '"stop_honoured"' not in (trace_path.read_text() if trace_path.exists() else ""):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)          # the second one: cancel
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    end = read_trace(tmp_path / "run").events[-1]
+    assert end.state == "shutdown" and end.get("outcome") in ("cancelled", "stopped")
+    assert miles_actors() == [] and leftover_actor_processes() == []
