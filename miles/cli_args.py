@@ -60,6 +60,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch (the default)"),
     _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order"),
     _f("max-prompt-len", "data", "max_prompt_len", int, "drop prompts longer than this many tokens"),
+    _f("response-key", "data", "response_key", str, "SFT (--loss-type sft_loss): the response's key in each row"),
     # rollout
     _f("rollout-batch-size", "rollout", "batch_size", int, "prompts per rollout"),
     _f("n-samples-per-prompt", "rollout", "n_samples_per_prompt", int, "responses per prompt (the GRPO group size)"),
@@ -74,6 +75,16 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
     _f("engine-restart-window", "rollout", "engine_restart_window_s", float, "the restart budget's window, seconds"),
+    _f("dynamic-sampling-filter-path", "rollout", "dynamic_sampling_filter_path", str,
+       "DAPO dynamic sampling: keep a group iff this filter(group) is true, sample more prompts until the batch "
+       "is full (built-in: miles.rollout.filters:check_reward_nonzero_std)"),
+    _f("over-sampling-batch-size", "rollout", "over_sampling_batch_size", int,
+       "dynamic sampling: prompts per sampling round (default: --rollout-batch-size)"),
+    _f("dynamic-sampling-max-rounds", "rollout", "dynamic_sampling_max_rounds", int,
+       "dynamic sampling: sampling rounds per rollout before filling up with filtered-out groups"),
+    _f("overlong-buffer-len", "rollout", "overlong_buffer_len", int,
+       "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
+    _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATORS),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
@@ -86,6 +97,24 @@ FLAGS: tuple[Flag, ...] = (
     _f("kl-loss-coef", "algorithm", "kl_loss_coef", float, "weight of the KL loss"),
     _f("kl-loss-type", "algorithm", "kl_loss_type", str, "KL estimator", KL_TYPES),
     _f("entropy-coef", "algorithm", "entropy_coef", float, "entropy bonus weight"),
+    _f("normalize-advantages", "algorithm", "normalize_advantages", kind="true",
+       help="whiten advantages over the rollout's response tokens"),
+    _f("loss-agg-mode", "algorithm", "loss_agg_mode", str,
+       "loss reduction: token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO)",
+       ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")),
+    _f("kl-coef", "algorithm", "kl_coef", float, "KL penalty in the token rewards (ppo, reinforce_plus_plus)"),
+    _f("ref-load", "algorithm", "ref_load", str, "HF folder of the KL reference model (default: the initial policy)"),
+    _f("ref-update-interval", "algorithm", "ref_update_interval", int, "copy the policy into the reference every N rollouts"),
+    _f("gamma", "algorithm", "gamma", float, "discount factor (ppo, reinforce_plus_plus)"),
+    _f("lambd", "algorithm", "lambd", float, "GAE lambda (ppo)"),
+    _f("value-clip", "algorithm", "value_clip", float, "PPO value clipping range (0: off)"),
+    _f("num-critic-only-steps", "algorithm", "num_critic_only_steps", int, "first N rollouts train only the critic (ppo)"),
+    _f("use-rollout-logprobs", "algorithm", "use_rollout_logprobs", kind="true",
+       help="use the engine's logprobs as the old policy in the PPO ratio"),
+    _f("use-tis", "algorithm", "use_tis", kind="true",
+       help="truncated importance sampling: weight each token's loss by exp(train - rollout logprob), clipped"),
+    _f("tis-clip", "algorithm", "tis_clip", float, "upper bound of the TIS weight"),
+    _f("tis-clip-low", "algorithm", "tis_clip_low", float, "lower bound of the TIS weight"),
     # train
     _f("lr", "train", "lr", float, "AdamW learning rate"),
     _f("weight-decay", "train", "weight_decay", float, "AdamW weight decay"),
@@ -95,12 +124,16 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
+    _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     # checkpoint
     _f("save", "checkpoint", "save", str, "checkpoint root directory"),
     _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),
     _f("save-interval", "checkpoint", "save_interval", int, "save every N rollouts (and after the last)"),
     _f("no-save-hf", "checkpoint", "save_hf", kind="false", help="skip the HF-format export at each save"),
     _f("save-trigger-sentinel", "checkpoint", "save_trigger_sentinel", str, "save after the rollout during which this file appears, then delete it"),
+    _f("critic-load", "checkpoint", "critic_load", str,
+       "initial critic (ppo): an HF folder (new value head), a critic folder, or a checkpoint root (newest)"),
+    _f("critic-save", "checkpoint", "critic_save", str, "critic checkpoint root (default: inside --save's checkpoints)"),
     # eval
     _f("eval-prompt-data", "eval", "prompt_data", kind="pairs", help="eval datasets: NAME PATH [NAME PATH ...]"),
     _f("eval-interval", "eval", "interval", int, "evaluate every N rollouts (and before training, and after the last)"),
@@ -112,6 +145,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("ray-address", "cluster", "ray_address", str, "attach to this Ray cluster (default: start a local one)"),
     _f("ray-num-cpus", "cluster", "num_cpus", int, "CPUs of the local Ray cluster"),
     _f("ray-namespace", "cluster", "namespace", str, "Ray namespace of the run's actors (default: one per run)"),
+    _f("colocate", "cluster", "colocate", kind="true",
+       help="engines and trainer on the same devices (not supported yet; never with the async machine)"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
@@ -122,6 +157,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
     _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
        help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
+    _f("update-weights-interval", "run", "update_weights_interval", int,
+       "async machine: push the trainer's weights to the engines every N rollouts (staleness up to N)"),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
     _f("inject-fault", "run", "inject_faults", kind="list",
        help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
@@ -134,7 +171,7 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it")
-    p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, eval_only) or a .yaml path")
+    p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path")
     groups = {s: p.add_argument_group(s) for s in SECTIONS}
     for f in FLAGS:
         default = _default(f)
@@ -230,6 +267,7 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     rollout = sections["rollout"]
     rollout.setdefault("seed", sections["train"].get("seed", 0))
     sections["algorithm"]["temperature"] = rollout.get("temperature", 1.0)
+    sections["algorithm"]["max_response_len"] = rollout.get("max_response_len", RolloutConfig.max_response_len)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
     from .validate import validate   # the checks, kept apart from the parsing
@@ -243,3 +281,15 @@ def _pairs(value: Any, problems: list[str]) -> tuple[tuple[str, str], ...]:
         problems.append(f"--eval-prompt-data takes NAME PATH pairs; got {len(items)} values: {' '.join(items)}")
         return ()
     return tuple((str(items[i]), str(items[i + 1])) for i in range(0, len(items), 2))
+
+
+def config_from_yaml(path: str, *flags: str) -> RunConfig:
+    """A RunConfig from a YAML file of flag: value pairs, with optional flags overriding it."""
+    cfg, _ = parse_flags(["--config", str(path), *flags])
+    return cfg
+
+
+def config_from_flags(argv: Sequence[str]) -> RunConfig:
+    """A RunConfig from miles command-line flags, as `miles train` would build it."""
+    cfg, _ = parse_flags(list(argv))
+    return cfg

@@ -67,9 +67,18 @@ class RayCluster:
                       if a.get("namespace") == self.namespace)
 
     def dispose(self) -> None:
-        """Close what this run opened: stop the local cluster it started, or drop its connection."""
-        if self.connected:
-            ray.shutdown()
+        """Close what this run opened: stop the local cluster it started, or drop its connection.
+        A cluster this run started but other runs in this process still use is left to them (Ray
+        stops it when the process exits)."""
+        if not self.connected:
+            return
+        if self.started and self.other_runs():
+            return
+        ray.shutdown()
+
+    def other_runs(self) -> list[str]:
+        return sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a.get("namespace", "").startswith("miles-") and a["namespace"] != self.namespace})
 
 
 class ActorResource:
