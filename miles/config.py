@@ -35,6 +35,7 @@ class DataConfig:
     apply_chat_template: bool = False   # --apply-chat-template
     rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
     max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
+    response_key: str = "response"      # --response-key: the response's key in SFT data (--loss-type sft_loss)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,11 @@ class RolloutConfig:
     seed: int = 0                       # --rollout-seed (defaults to --seed)
     engine_max_restarts: int = 3        # --engine-max-restarts: restarts of dead engines allowed ...
     engine_restart_window_s: float = 600.0  # --engine-restart-window: ... within any window of this many seconds
+    dynamic_sampling_filter_path: str | None = None  # --dynamic-sampling-filter-path: keep a group iff filter(group)
+    over_sampling_batch_size: int | None = None  # --over-sampling-batch-size: prompts per sampling round (None: batch_size)
+    dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
+    overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
+    overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
 
     @property
     def num_samples(self) -> int:
@@ -71,6 +77,20 @@ class AlgorithmConfig:
     kl_loss_type: str = "k3"            # --kl-loss-type k1 | k2 | k3 | low_var_kl
     entropy_coef: float = 0.0           # --entropy-coef
     temperature: float = 1.0            # the rollout temperature: train-side logprobs use logits / temperature
+    normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
+    loss_agg_mode: str = "token_mean"   # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    max_response_len: int = 64          # the rollout's: seq_mean_token_sum_norm's constant (Dr. GRPO)
+    kl_coef: float = 0.0                # --kl-coef: KL penalty in the token rewards (ppo, reinforce_plus_plus)
+    ref_load: str | None = None         # --ref-load: HF folder of the reference model (None: the initial policy)
+    ref_update_interval: int | None = None  # --ref-update-interval: reference := policy every N rollouts
+    gamma: float = 1.0                  # --gamma: discount (ppo, reinforce_plus_plus)
+    lambd: float = 1.0                  # --lambd: GAE lambda (ppo)
+    value_clip: float = 0.2             # --value-clip: PPO value clipping (ppo); 0 disables
+    num_critic_only_steps: int = 0      # --num-critic-only-steps: rollouts that train only the critic (ppo)
+    use_rollout_logprobs: bool = False  # --use-rollout-logprobs: the engine's logprobs are the PPO ratio's old logprobs
+    use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
+    tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
+    tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +103,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
     seed: int = 0                       # --seed
+    critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +113,8 @@ class CheckpointConfig:
     save_interval: int | None = None    # --save-interval (rollouts)
     save_hf: bool = True                # --no-save-hf: skip the HF export at each save
     save_trigger_sentinel: str | None = None  # --save-trigger-sentinel: save when this file exists
+    critic_load: str | None = None      # --critic-load: initial critic (HF folder, critic folder or checkpoint root)
+    critic_save: str | None = None      # --critic-save: critic checkpoint root (None: inside --save's checkpoints)
 
 
 @dataclass(frozen=True, kw_only=True)
