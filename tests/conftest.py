@@ -32,12 +32,15 @@ def ray_cluster():
     ray.shutdown()
 
 
-def miles_actors() -> list[tuple[str, str]]:
-    """Live named actors of any miles run (namespaces miles-*): a leak check."""
+def miles_actors(namespace: str | None = None) -> list[tuple[str, str]]:
+    """Live named actors of one run's namespace, or of any miles run (namespaces miles-*): a leak check."""
     import ray
 
+    def ours(ns: str) -> bool:
+        return ns == namespace if namespace else ns.startswith("miles-") and ns != "miles-tests"
+
     return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace", "").startswith("miles-") and a["namespace"] != "miles-tests")
+                  if ours(a.get("namespace", "")))
 
 
 def write_addition_task(root: Path, *, n_train: int = 64, n_eval: int = 16, seed: int = 0) -> tuple[Path, Path]:

@@ -86,6 +86,7 @@ class ActorResource:
 
     def __init__(self, handle: Any, name: str):
         self.handle, self.resource_name = handle, name
+        self.pid: int | None = None          # the worker process, once ready (for traces and leak checks)
 
     async def dispose(self) -> None:
         """The actor releases its own resources (processes, files); then the run removes the actor."""
@@ -99,9 +100,15 @@ class ActorResource:
     def force(self) -> None:
         ray.kill(self.handle, no_restart=True)
 
-    async def wait_ready(self) -> None:
-        """Wait for the constructor; its exception (a bad model path, say) surfaces here."""
-        await self.handle.__ray_ready__.remote()
+    async def wait_ready(self) -> int:
+        """Wait for the constructor (its exception, a bad model path say, surfaces here); return the
+        actor's worker pid."""
+        self.pid = await self.handle.__ray_call__.remote(_getpid)
+        return self.pid
+
+
+def _getpid(_actor: Any) -> int:
+    return os.getpid()
 
 
 def restore_sigchld() -> None:

@@ -67,9 +67,10 @@ async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseExcepti
                           error={"type": type(cause).__name__, "message": str(cause)[:500]})
     ctx.c.engines[index].force()       # make sure the old one is gone (it may be a zombie, not dead)
     engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
-    await engine.wait_ready()
+    pid = await engine.wait_ready()
     if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
         await engine.handle.update_weights.remote(ctx.c.trainer.handle.weights.remote(), ctx.weight_version)
     ctx.c.engines[index] = engine
     await ctx.c.executor.handle.set_engines.remote([e.handle for e in ctx.c.engines])
-    ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version)
+    ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version,
+                    pids={engine.resource_name: pid})

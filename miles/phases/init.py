@@ -45,8 +45,10 @@ async def init(ctx: TrainingContext) -> str:
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines])
     add(ctx.c.executor, force=ctx.c.executor.force)
-    await asyncio.gather(*(a.wait_ready() for a in [*ctx.c.engines, ctx.c.trainer, ctx.c.executor]))
-    ctx.tracer.emit("components_ready", engines=len(ctx.c.engines))
+    actors = [*ctx.c.engines, ctx.c.trainer, ctx.c.executor]
+    pids = await asyncio.gather(*(a.wait_ready() for a in actors))
+    ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
+                    pids={a.resource_name: pid for a, pid in zip(actors, pids)})
 
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:

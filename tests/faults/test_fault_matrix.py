@@ -33,7 +33,6 @@ from tests.conftest import base_flags, miles_actors
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STATES = ["init", "weight_sync", "eval", "rollout", "train", "save", "draining"]
-ACTOR_CLASSES = ("EmbeddedEngine", "Trainer", "RolloutExecutor")
 ROOT = Path(__file__).resolve().parents[2]
 
 # what the run ends as, and which error is primary, for each fault
@@ -54,15 +53,25 @@ def matrix_flags(task, tmp_path, fault):
                       inject_fault=[fault])
 
 
-def leftover_actor_processes() -> list[str]:
-    """Worker processes still running one of the run's actors (Ray titles them ray::ClassName)."""
-    time.sleep(0.5)
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        title = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
-        if title.startswith("ray::") and any(c in title for c in ACTOR_CLASSES):
-            out.append(f"{p.pid} {title[:60]}")
-    return out
+def leftover_actor_processes(trace) -> list[str]:
+    """The run's actor worker processes (pids from the trace) that are still running."""
+    pids = {}
+    for e in trace.of("components_ready", "engine_restarted"):
+        pids.update(e.get("pids") or {})
+    assert pids, "the trace names no actor processes"
+    deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
+    while True:
+        alive = [f"{name} pid {pid}" for name, pid in pids.items() if _running(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def assert_clean_end(run_dir: Path, *, outcome: str, error_type: str | None, ckpt: Path):
@@ -77,8 +86,11 @@ def assert_clean_end(run_dir: Path, *, outcome: str, error_type: str | None, ckp
     registered = [e.get("position") for e in trace.of("registered")]
     disposed = [e.get("position") for e in trace.of("disposed")]
     assert disposed == sorted(registered, reverse=True)
-    assert miles_actors() == []
-    assert leftover_actor_processes() == []
+    cluster = trace.of("cluster_ready")
+    if cluster:
+        assert miles_actors(cluster[0].get("namespace")) == []
+    if trace.of("components_ready"):
+        assert leftover_actor_processes(trace) == []
     latest = CheckpointStore(ckpt).latest()
     if latest is not None:                            # the newest complete checkpoint loads
         from transformers import AutoModelForCausalLM
@@ -143,6 +155,8 @@ def test_a_second_sigint_cuts_draining_short(ray_cluster, tiny_task, tmp_path):
     p.send_signal(signal.SIGINT)          # the second one: cancel
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-2000:]
-    end = read_trace(tmp_path / "run").events[-1]
+    trace = read_trace(tmp_path / "run")
+    end = trace.events[-1]
     assert end.state == "shutdown" and end.get("outcome") in ("cancelled", "stopped")
-    assert miles_actors() == [] and leftover_actor_processes() == []
+    assert miles_actors(trace.of("cluster_ready")[0].get("namespace")) == []
+    assert leftover_actor_processes(trace) == []
