@@ -19,7 +19,8 @@ from tests.tiny_model import make_tiny_model
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+    # no subreaper option here: it would make this process a subreaper, and a driver subprocess
+    # killed with -9 would leave its cluster's processes reparented to pytest, where they live on
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ray = pytest.importorskip("ray")

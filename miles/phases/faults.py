@@ -10,6 +10,7 @@ the phase ends, since nothing exists to break before. Kinds:
     sigint/sigterm  the driver sends itself the signal (the CLI drains, then exits 130/143)
     teardown_raise  register a teardown that raises
     teardown_hang   register a teardown that hangs past a 1 s timeout, with no force
+    hang            the phase hangs (a stuck collective, say) until cancelled or killed
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, Callable
 from miles.config import ConfigError
 from miles.runtime.machine import STATES
 
-FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang")
+FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
+               "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -90,6 +92,8 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         ctx.disposer.add(_raise_on_teardown, name="injected_teardown_raise")
     elif f.kind == "teardown_hang":
         ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=1.0)
+    elif f.kind == "hang":
+        await asyncio.sleep(1e9)
 
 
 def _raise_on_teardown() -> None:
