@@ -6,12 +6,14 @@ from pathlib import Path
 
 from .config import ConfigError, RunConfig
 
-SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "ppo")
+TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards can carry --kl-coef
 
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults):
+    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults,
+                  _kl_and_reference, _critic, _off_policy, _sampling, _sft):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -96,7 +98,7 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
 
 def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
     c = cfg.checkpoint
-    if (c.save_interval is not None or c.save_trigger_sentinel) and not c.save:
+    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save):
         problems.append("--save-interval / --save-trigger-sentinel need --save DIR")
     if c.load and not Path(c.load).is_dir():
         problems.append(f"--load {c.load}: no such directory")
@@ -115,3 +117,92 @@ def _faults(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.engine_max_restarts < 0 or cfg.rollout.engine_restart_window_s <= 0:
         problems.append(f"--engine-max-restarts {cfg.rollout.engine_max_restarts} / --engine-restart-window "
                         f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")
+
+
+# -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
+
+def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
+    a = cfg.algorithm
+    if a.kl_coef < 0:
+        problems.append(f"--kl-coef {a.kl_coef}: must be >= 0")
+    if a.kl_coef and a.use_kl_loss:
+        problems.append(f"--kl-coef {a.kl_coef} (KL in the reward) and --use-kl-loss (KL in the loss) are mutually "
+                        "exclusive: penalize the KL once; drop one of them")
+    elif a.kl_coef and a.advantage_estimator not in TOKEN_LEVEL:
+        problems.append(f"--kl-coef {a.kl_coef} puts a per-token KL penalty into the token rewards, which only "
+                        f"{' and '.join(TOKEN_LEVEL)} use; with --advantage-estimator {a.advantage_estimator} use "
+                        "--use-kl-loss --kl-loss-coef X instead")
+    uses_ref = a.use_kl_loss or a.kl_coef > 0
+    if a.ref_update_interval is not None and a.ref_update_interval < 1:
+        problems.append(f"--ref-update-interval {a.ref_update_interval}: must be a positive integer")
+    for flag, value in (("--ref-load", a.ref_load), ("--ref-update-interval", a.ref_update_interval)):
+        if value is not None and not uses_ref:
+            problems.append(f"{flag} {value} has no effect without a reference: add --use-kl-loss or --kl-coef")
+    if a.ref_load and not (Path(a.ref_load) / "config.json").is_file():
+        problems.append(f"--ref-load {a.ref_load}: no config.json there; pass an HF-format model folder")
+
+
+def _critic(cfg: RunConfig, problems: list[str]) -> None:
+    a, c, ppo = cfg.algorithm, cfg.checkpoint, cfg.algorithm.advantage_estimator == "ppo"
+    if not (0 <= a.gamma <= 1 and 0 <= a.lambd <= 1):
+        problems.append(f"--gamma {a.gamma} / --lambd {a.lambd}: both must be in [0, 1]")
+    if a.value_clip < 0:
+        problems.append(f"--value-clip {a.value_clip}: must be >= 0 (0 turns value clipping off)")
+    if a.num_critic_only_steps < 0:
+        problems.append(f"--num-critic-only-steps {a.num_critic_only_steps}: must be >= 0")
+    if cfg.train.critic_lr is not None and cfg.train.critic_lr <= 0:
+        problems.append(f"--critic-lr {cfg.train.critic_lr}: must be > 0")
+    extra = [(flag, v) for flag, v in (("--num-critic-only-steps", a.num_critic_only_steps or None),
+                                       ("--critic-lr", cfg.train.critic_lr), ("--critic-load", c.critic_load),
+                                       ("--critic-save", c.critic_save)) if v is not None]
+    if extra and not ppo:
+        problems.append(f"{', '.join(f'{k} {v}' for k, v in extra)}: only PPO has a critic; add "
+                        "--advantage-estimator ppo or drop them")
+    if c.critic_load and not Path(c.critic_load).exists():
+        problems.append(f"--critic-load {c.critic_load}: no such file or directory")
+
+
+def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
+    a = cfg.algorithm
+    if a.use_tis and a.use_rollout_logprobs:
+        problems.append("--use-tis and --use-rollout-logprobs are two corrections for the same mismatch: with "
+                        "--use-rollout-logprobs the ratio already divides by the engine's probabilities; keep one")
+    if not 0 <= a.tis_clip_low <= a.tis_clip or a.tis_clip <= 0:
+        problems.append(f"--tis-clip-low {a.tis_clip_low} / --tis-clip {a.tis_clip}: need 0 <= low <= clip and clip > 0")
+
+
+def _sampling(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.over_sampling_batch_size is not None and not r.dynamic_sampling_filter_path:
+        problems.append(f"--over-sampling-batch-size {r.over_sampling_batch_size} has no effect without "
+                        "--dynamic-sampling-filter-path (e.g. miles.rollout.filters:check_reward_nonzero_std)")
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < 1:
+        problems.append(f"--over-sampling-batch-size {r.over_sampling_batch_size}: must be a positive integer")
+    if r.dynamic_sampling_max_rounds < 1:
+        problems.append(f"--dynamic-sampling-max-rounds {r.dynamic_sampling_max_rounds}: must be a positive integer")
+    per_round = r.over_sampling_batch_size or r.batch_size
+    if r.dynamic_sampling_filter_path and per_round * r.dynamic_sampling_max_rounds < r.batch_size:
+        problems.append(f"--over-sampling-batch-size {per_round} x --dynamic-sampling-max-rounds "
+                        f"{r.dynamic_sampling_max_rounds} prompts cannot fill --rollout-batch-size {r.batch_size}")
+    if r.overlong_buffer_len is not None and not 0 < r.overlong_buffer_len <= r.max_response_len:
+        problems.append(f"--overlong-buffer-len {r.overlong_buffer_len}: must be in [1, --rollout-max-response-len "
+                        f"{r.max_response_len}]")
+    if r.overlong_penalty_factor < 0:
+        problems.append(f"--overlong-penalty-factor {r.overlong_penalty_factor}: must be >= 0")
+
+
+def _sft(cfg: RunConfig, problems: list[str]) -> None:
+    if cfg.algorithm.loss_type != "sft_loss":
+        return
+    r, a = cfg.rollout, cfg.algorithm
+    if r.n_samples_per_prompt != 1:
+        problems.append(f"--n-samples-per-prompt {r.n_samples_per_prompt}: SFT reads one response per prompt "
+                        "from the data; use 1")
+    ignored = [flag for flag, on in (("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path),
+                                     ("--overlong-buffer-len", r.overlong_buffer_len),
+                                     ("--use-kl-loss", a.use_kl_loss), ("--kl-coef", a.kl_coef),
+                                     ("--use-tis", a.use_tis), ("--use-rollout-logprobs", a.use_rollout_logprobs),
+                                     ("--advantage-estimator ppo", a.advantage_estimator == "ppo")) if on]
+    if ignored:
+        problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(ignored)} do not apply; "
+                        "drop them")

@@ -43,11 +43,13 @@ from miles.algorithms.reduce import (
     token_mean,
 )
 from miles.algorithms.registry import select
+from miles.algorithms.shaping import group_reward_std, overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_REDUCTIONS", "NORMALIZER_COUNTS", "POLICY_LOSSES",
     "TOKEN_LEVEL_ESTIMATORS", "broadcast_to_tokens", "count_sequences", "count_tokens", "entropy_from_logits",
-    "gae", "get_advantage_estimator", "get_kl_estimator", "get_policy_loss", "grpo_advantages", "gspo_loss",
+    "gae", "get_advantage_estimator", "get_kl_estimator", "get_policy_loss", "group_reward_std", "grpo_advantages",
+    "gspo_loss", "overlong_penalty",
     "kl_estimate", "last_token_rewards", "logprobs_from_logits", "masked_mean", "masked_sum",
     "mismatch_metrics", "normalize_advantages", "ppo_clip_loss", "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns", "rloo_advantages", "select", "seq_mean_token_mean",

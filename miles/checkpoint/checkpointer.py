@@ -3,6 +3,7 @@
     iter_<id>/trainer/    weights (safetensors), optimizer, RNG states, step count (Trainer.save)
     iter_<id>/rollout.json  the prompt iterator's position (RolloutExecutor.state_dict)
     iter_<id>/hf/         an HF-format export (AutoModelForCausalLM.from_pretrained loads it)
+    iter_<id>/critic/     PPO's critic (Critic.save), unless --critic-save keeps it in a store of its own
     iter_<id>/manifest.json  rollout_id, weight_version, files (written by the store at commit)
 
 Everything is written into the store's temporary directory; the rename at commit publishes it, so
@@ -17,12 +18,13 @@ from typing import Any
 
 from miles.checkpoint.store import CheckpointStore
 
-TRAINER_DIR, ROLLOUT_FILE, HF_DIR = "trainer", "rollout.json", "hf"
+TRAINER_DIR, ROLLOUT_FILE, HF_DIR, CRITIC_DIR = "trainer", "rollout.json", "hf", "critic"
 
 
 async def save_checkpoint(store: CheckpointStore, rollout_id: int, *, trainer: Any, executor: Any,
-                          weight_version: int, save_hf: bool) -> Path:
-    """`trainer` and `executor` are Ray actor handles (their methods are awaited through `.remote`)."""
+                          weight_version: int, save_hf: bool, critic: Any = None) -> Path:
+    """`trainer`, `executor` (and `critic`, when given) are Ray actor handles (their methods are
+    awaited through `.remote`)."""
     tmp = store.begin(rollout_id)
     try:
         await trainer.save.remote(str(tmp / TRAINER_DIR))
@@ -30,12 +32,30 @@ async def save_checkpoint(store: CheckpointStore, rollout_id: int, *, trainer: A
         (tmp / ROLLOUT_FILE).write_text(json.dumps(state))
         if save_hf:
             await trainer.export_hf.remote(str(tmp / HF_DIR))
-        return store.commit(tmp, rollout_id, {"weight_version": weight_version, "hf_export": save_hf})
+        if critic is not None:
+            await critic.save.remote(str(tmp / CRITIC_DIR))
+        return store.commit(tmp, rollout_id, {"weight_version": weight_version, "hf_export": save_hf,
+                                              "critic": critic is not None})
     except BaseException:
         store.abort(tmp)
         raise
 
 
-async def load_checkpoint(path: Path, *, trainer: Any, executor: Any) -> None:
+async def save_critic_checkpoint(store: CheckpointStore, rollout_id: int, *, critic: Any) -> Path:
+    """The critic alone, as `iter_<id>/critic/` of its own store (--critic-save)."""
+    tmp = store.begin(rollout_id)
+    try:
+        await critic.save.remote(str(tmp / CRITIC_DIR))
+        return store.commit(tmp, rollout_id, {"critic": True})
+    except BaseException:
+        store.abort(tmp)
+        raise
+
+
+async def load_checkpoint(path: Path, *, trainer: Any, executor: Any, critic: Any = None) -> None:
+    """Restore trainer and data position, and the critic when given and the checkpoint holds one (a
+    critic kept under --critic-save comes back through --critic-load instead)."""
     await trainer.load.remote(str(path / TRAINER_DIR))
     await executor.load_state_dict.remote(json.loads((path / ROLLOUT_FILE).read_text()))
+    if critic is not None and (path / CRITIC_DIR).is_dir():
+        await critic.load.remote(str(path / CRITIC_DIR))

@@ -26,6 +26,8 @@ class Components:
     trainer: Any = None          # ActorResource of Trainer
     metrics: Any = None          # MetricsWriter
     store: Any = None            # CheckpointStore (under --save), or None
+    critic: Any = None           # ActorResource of Critic (--advantage-estimator ppo), or None
+    critic_store: Any = None     # CheckpointStore of the critic alone (--critic-save elsewhere than --save), or None
 
 
 class TrainingContext(PhaseContext):
@@ -65,7 +67,7 @@ class TrainingContext(PhaseContext):
     def save_due(self) -> bool:
         """Every --save-interval rollouts, after the last one, or when asked (sentinel file or host)."""
         c = self.cfg.checkpoint
-        if not c.save:
+        if not (c.save or c.critic_save):
             return False
         done = self.next_rollout
         if self.save_requested or (c.save_trigger_sentinel and os.path.exists(c.save_trigger_sentinel)):

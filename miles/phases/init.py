@@ -1,8 +1,9 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics file → Ray → engines → trainer → executor → checkpoint resume. Input is checked on
-the driver (tokenizer, prompt files, reward import) before any actor starts.
+Order: metrics file → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
+is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
+starts.
 """
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError
 from miles.data.prompts import load_prompts
+from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
+from miles.rollout.filters import load_filter
 from miles.rollout.rewards import load_reward_fn
 from miles.tracking.metrics import MetricsWriter
+from miles.training.critic import Critic
 from miles.training.trainer import Trainer
 from miles.weights.hf import load_tokenizer
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
-    tokenizer, prompts, eval_sets = _check_inputs(ctx)
+    tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
     ctx.c.metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl")
@@ -40,12 +44,17 @@ async def init(ctx: TrainingContext) -> str:
     ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
                                         algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
     add(ctx.c.trainer, force=ctx.c.trainer.force)
+    if cfg.algorithm.advantage_estimator == "ppo":
+        ctx.c.critic = ctx.c.cluster.actor(
+            Critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
+        add(ctx.c.critic, force=ctx.c.critic.force)
     ctx.c.executor = ctx.c.cluster.actor(
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
-        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines])
+        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses)
     add(ctx.c.executor, force=ctx.c.executor.force)
-    actors = [*ctx.c.engines, ctx.c.trainer, ctx.c.executor]
+    actors = [*ctx.c.engines, ctx.c.trainer, *([ctx.c.critic] if ctx.c.critic is not None else []), ctx.c.executor]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
@@ -56,27 +65,38 @@ async def init(ctx: TrainingContext) -> str:
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
+    critic_save = cfg.checkpoint.critic_save
+    if ctx.c.critic is not None and critic_save and critic_save != cfg.checkpoint.save:
+        ctx.c.critic_store = CheckpointStore(critic_save)
+        ctx.c.critic_store.cleanup_partial()
     if cfg.checkpoint.load:
         await _resume(ctx)
     return "ready"
 
 
-def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list]]:
+def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
-    prompts = load_prompts(cfg.data, tokenizer)
+    sft_responses = None
+    if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
+        prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
+    else:
+        prompts = load_prompts(cfg.data, tokenizer)
     eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer)
                  for name, path in cfg.eval.prompt_data}
     load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
-    if cfg.rollout.batch_size > len(prompts):
-        raise ConfigError(f"--rollout-batch-size {cfg.rollout.batch_size} is larger than the {len(prompts)} "
-                          f"prompts of {cfg.data.prompt_data}")
+    if cfg.rollout.dynamic_sampling_filter_path:
+        load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
+                       ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
+        if size is not None and size > len(prompts):
+            raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
     ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
-    return tokenizer, prompts, eval_sets
+    return tokenizer, prompts, eval_sets, sft_responses
 
 
 async def _plan_rollouts(ctx: TrainingContext) -> None:
@@ -98,7 +118,8 @@ async def _resume(ctx: TrainingContext) -> None:
         ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
         return
     rollout_id, path = found
-    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle)
+    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
+                          critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
     ctx.start_rollout = ctx.next_rollout = rollout_id + 1
     ctx.weight_version = 0              # the engines hold the disk weights until the first sync
     ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)

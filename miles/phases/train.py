@@ -1,4 +1,9 @@
-"""`train`: the trainer takes one rollout's samples and steps the policy."""
+"""`train`: the trainer takes one rollout's samples and steps the policy.
+
+With PPO's critic (--advantage-estimator ppo) the critic goes first, as miles does: its values feed
+the trainer's GAE, it steps on the returns, then the policy steps, except during the first
+--num-critic-only-steps rollouts, which train the critic alone.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,10 @@ from miles.phases.context import TrainingContext
 async def train(ctx: TrainingContext) -> str:
     rid = ctx.rollout_id
     t0 = time.monotonic()
-    metrics = await ctx.c.trainer.handle.train.remote(ctx.batch_ref, rid)   # Ray resolves the ref in the trainer
+    if ctx.c.critic is not None:
+        metrics = await _train_with_critic(ctx, rid)
+    else:
+        metrics = await ctx.c.trainer.handle.train.remote(ctx.batch_ref, rid)   # Ray resolves the ref in the trainer
     ctx.batch_ref = None
     ctx.next_rollout = rid + 1
     ctx.record(rid, {**metrics, "train_time_s": time.monotonic() - t0, "kind": "train"})
@@ -19,3 +27,13 @@ async def train(ctx: TrainingContext) -> str:
     ctx.tracer.emit("metrics", rollout_id=rid, **{k: v for k, v in ctx.last_metrics.items()
                                                   if k in ("reward_mean", "loss", "kl", "grad_norm")})
     return "next"
+
+
+async def _train_with_critic(ctx: TrainingContext, rid: int) -> dict:
+    critic, actor, batch = ctx.c.critic.handle, ctx.c.trainer.handle, ctx.batch_ref
+    values = critic.values.remote(batch)                      # before the critic's step: GAE's and the clip's anchor
+    returns = actor.prepare_rollout.remote(batch, rid, values)   # advantages stay in the trainer for its step
+    metrics = await critic.train.remote(batch, values, returns, rid)
+    if rid < ctx.cfg.algorithm.num_critic_only_steps:
+        return {**metrics, "actor_trained": 0.0}
+    return {**metrics, **await actor.train.remote(batch, rid), "actor_trained": 1.0}

@@ -1,27 +1,41 @@
-"""The rollout executor: prompts → engines → rewards → groups → advantages → a RolloutBatch.
+"""The rollout executor: prompts → engines → rewards → groups → filters → shaping → advantages → a RolloutBatch.
 
 It owns the prompt iterator (its position is part of every checkpoint) and the reward function; it
 uses the engines but does not own them (the run does). A plain class with async methods; the
 composition root makes it an async Ray actor, and engines are anything with an awaitable
 `generate(prompts, params)` — Ray actor handles in a run, plain objects in unit tests.
+
+How a rollout's samples are collected is chosen once, at construction:
+- plain: `--rollout-batch-size` prompts, `--n-samples-per-prompt` responses each;
+- dynamic sampling (`--dynamic-sampling-filter-path`, DAPO): rounds of `--over-sampling-batch-size`
+  prompts until `--rollout-batch-size` groups pass the filter (see `miles.rollout.filters`); after
+  `--dynamic-sampling-max-rounds` rounds, filtered-out groups fill what is missing;
+- SFT (`--loss-type sft_loss`): the next prompts with their responses from the data, no engine.
+Then DAPO's overlong penalty (`--overlong-buffer-len`) is added to the rewards, and sequence-level
+advantages are computed (grpo, gspo, rloo, reinforce_plus_plus_baseline). Token-level estimators
+(ppo, reinforce_plus_plus) need the reference's KL and the critic's values, so the trainer computes
+them (`Trainer.prepare_rollout`); their samples leave here with advantage 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import torch
 
-from miles.algorithms import get_advantage_estimator, normalize_advantages
+from miles.algorithms import TOKEN_LEVEL_ESTIMATORS, get_advantage_estimator, normalize_advantages, overlong_penalty
 from miles.config import AlgorithmConfig, EvalConfig, RolloutConfig
 from miles.data.iterator import PromptIterator
 from miles.eval.metrics import pass_at_k
+from miles.rollout.filters import load_filter
 from miles.rollout.rewards import load_reward_fn, score_group
 from miles.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
 GenerateFn = Callable[[int, list[list[int]], SamplingParams], Awaitable[list[Generation]]]
+Collected = tuple[list[Sample], dict[str, float]]   # a rollout's samples, grouped, and how they were collected
 
 
 class Decoder(Protocol):
@@ -31,15 +45,24 @@ class Decoder(Protocol):
 class RolloutExecutor:
     def __init__(self, *, prompts: list[Prompt], eval_sets: dict[str, list[Prompt]], rollout: RolloutConfig,
                  algorithm: AlgorithmConfig, eval: EvalConfig, shuffle: bool, tokenizer: Decoder,  # noqa: A002
-                 engines: Sequence[Any]):
+                 engines: Sequence[Any], sft_responses: dict[int, tuple[int, ...]] | None = None):
         self._cfg, self._eval_cfg = rollout, eval
-        self._iterator = PromptIterator(prompts, rollout.batch_size, shuffle=shuffle, seed=rollout.seed)
+        dynamic = rollout.dynamic_sampling_filter_path
+        per_round = (rollout.over_sampling_batch_size or rollout.batch_size) if dynamic else rollout.batch_size
+        self._iterator = PromptIterator(prompts, per_round, shuffle=shuffle, seed=rollout.seed)
         self._eval_sets = eval_sets
         self._tokenizer = tokenizer
         self._engines = list(engines)
         self._reward_fn = load_reward_fn(rollout.rm_type, rollout.custom_rm_path)
         self._advantages = _estimator(algorithm)
-        self._pending: tuple[int, list[Prompt]] | None = None   # prompts of a rollout not yet delivered
+        self._sft_responses = sft_responses
+        self._filter = load_filter(dynamic) if dynamic else None
+        self._collect: Callable[[int], Awaitable[Collected]] = (
+            self._sft_samples if algorithm.loss_type == "sft_loss" else
+            self._dynamic_samples if dynamic else self._plain_samples)
+        self._shape = (partial(overlong_penalty, max_len=rollout.max_response_len, buffer_len=rollout.overlong_buffer_len,
+                               factor=rollout.overlong_penalty_factor) if rollout.overlong_buffer_len else None)
+        self._pending: tuple[int, list[list[Prompt]]] | None = None   # prompts drawn for a rollout not yet delivered
 
     # -- state ----------------------------------------------------------------------------------
     def num_batches_per_epoch(self) -> int:
@@ -61,24 +84,83 @@ class RolloutExecutor:
 
     # -- rollout --------------------------------------------------------------------------------
     async def generate(self, rollout_id: int) -> RolloutBatch:
-        """Sample n responses for the next batch of prompts, score them and compute advantages."""
+        """Collect the rollout's samples (generated and scored, or read for SFT), shape the rewards and
+        compute sequence-level advantages."""
         t0 = time.monotonic()
-        if self._pending is None or self._pending[0] != rollout_id:
-            self._pending = (rollout_id, self._iterator.next_batch())
-        prompts = self._pending[1]
-        n = self._cfg.n_samples_per_prompt
-        params = SamplingParams(temperature=self._cfg.temperature, top_p=self._cfg.top_p, top_k=self._cfg.top_k,
-                                max_new_tokens=self._cfg.max_response_len, seed=self._seed(rollout_id))
-        samples = await self._sample(prompts, n, params)
+        samples, collect_metrics = await self._collect(rollout_id)
         gen_s = time.monotonic() - t0
+        n = self._group_size
+        if self._shape is not None:
+            lengths = torch.tensor([s.response_length for s in samples])
+            penalties = self._shape(lengths).tolist()
+            for s, p in zip(samples, penalties):
+                s.reward += p
+            collect_metrics["overlong_penalty_mean"] = sum(penalties) / len(penalties)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         for s, a in zip(samples, self._advantages(rewards, n).tolist()):
             s.advantage = a
         metrics = rollout_metrics(samples, n, rollout_id)
-        metrics.update(gen_time_s=gen_s, gen_tokens_per_s=metrics["gen_tokens"] / max(gen_s, 1e-9),
+        metrics.update(collect_metrics, gen_time_s=gen_s, gen_tokens_per_s=metrics["gen_tokens"] / max(gen_s, 1e-9),
                        epoch=self._iterator.epoch)
         self._pending = None
         return RolloutBatch(rollout_id=rollout_id, samples=samples, n_samples_per_prompt=n, metrics=metrics)
+
+    @property
+    def _group_size(self) -> int:
+        return 1 if self._sft_responses is not None else self._cfg.n_samples_per_prompt
+
+    def _prompts(self, rollout_id: int, round_: int) -> list[Prompt]:
+        """The prompts of round `round_` of this rollout: drawn once, so a rollout retried after an
+        engine restart re-serves the same prompts."""
+        if self._pending is None or self._pending[0] != rollout_id:
+            self._pending = (rollout_id, [])
+        drawn = self._pending[1]
+        if round_ == len(drawn):
+            drawn.append(self._iterator.next_batch())
+        return drawn[round_]
+
+    def _params(self, rollout_id: int, round_: int = 0) -> SamplingParams:
+        c = self._cfg
+        seed = (self._seed(rollout_id) + round_ * 104_729) % (2**31)
+        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                              max_new_tokens=c.max_response_len, seed=seed)
+
+    async def _plain_samples(self, rollout_id: int) -> Collected:
+        return await self._sample(self._prompts(rollout_id, 0), self._group_size, self._params(rollout_id)), {}
+
+    async def _dynamic_samples(self, rollout_id: int) -> Collected:
+        """DAPO dynamic sampling: rounds of prompts until `batch_size` groups pass the filter."""
+        n, want = self._cfg.n_samples_per_prompt, self._cfg.batch_size
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        rounds = 0
+        while len(kept) < want and rounds < self._cfg.dynamic_sampling_max_rounds:
+            samples = await self._sample(self._prompts(rollout_id, rounds), n, self._params(rollout_id, rounds))
+            for group in (samples[i:i + n] for i in range(0, len(samples), n)):
+                (kept if self._filter(group) else dropped).append(group)
+            rounds += 1
+        fill = max(0, want - len(kept))
+        groups = kept[:want] + dropped[:fill]
+        if len(groups) < want:
+            raise RuntimeError(f"dynamic sampling produced {len(groups)} groups in {rounds} rounds, fewer than "
+                               f"--rollout-batch-size {want}; raise --over-sampling-batch-size or "
+                               f"--dynamic-sampling-max-rounds")
+        for index, group in enumerate(groups):
+            for s in group:
+                s.group = index
+        metrics = {"dynamic_sampling_rounds": float(rounds), "dynamic_sampling_filled_groups": float(fill),
+                   "dynamic_sampling_pass_ratio": len(kept) / (len(kept) + len(dropped))}
+        return [s for g in groups for s in g], metrics
+
+    async def _sft_samples(self, rollout_id: int) -> Collected:
+        """SFT: the next prompts with their responses from the data; nothing is generated or scored."""
+        prompts = self._prompts(rollout_id, 0)
+        samples = []
+        for i, p in enumerate(prompts):
+            response = list(self._sft_responses[p.index])
+            samples.append(Sample(prompt=p, group=i, response_ids=response, rollout_logprobs=[0.0] * len(response),
+                                  finish_reason="stop", weight_version=rollout_id, response_text=p.label or ""))
+        return samples, {}
 
     async def generate_split(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """`generate` as (samples, metrics): as a two-return Ray call the samples go from the object
@@ -143,8 +225,14 @@ async def _call(method: Any, *args: Any) -> Any:
     return await result if asyncio.isfuture(result) or hasattr(result, "__await__") else result
 
 
+def _zero_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros_like(rewards)
+
+
 def _estimator(algorithm: AlgorithmConfig) -> Callable[[torch.Tensor, int], torch.Tensor]:
     name = algorithm.advantage_estimator
+    if algorithm.loss_type == "sft_loss" or name in TOKEN_LEVEL_ESTIMATORS:
+        return _zero_advantages    # SFT has none; token-level ones are the trainer's (see the module docstring)
     if name in ("grpo", "gspo"):
         return get_advantage_estimator(name, std_norm=not algorithm.disable_grpo_std_normalization)
     base = get_advantage_estimator(name)

@@ -20,11 +20,15 @@ class TrainBatch:
     tokens: Tensor            # [B, T] int64, prompt + response, right-padded with pad_id
     loss_mask: Tensor         # [B, T] bool, True on response tokens
     advantages: Tensor        # [B, T] float32, the sample's advantage on its response tokens, 0 elsewhere
+    token_rewards: Tensor     # [B, T] float32, the sample's reward on its last response token, 0 elsewhere
     rollout_logprobs: Tensor  # [B, T] float32, the engine's logprobs on response tokens, 0 elsewhere
     attention_mask: Tensor    # [B, T] int64, 1 on prompt + response, 0 on padding
     weight_version: int       # oldest weight version among the samples
     old_logprobs: Tensor | None = None  # [B, T] float32, the trainer's before this rollout's steps
     ref_logprobs: Tensor | None = None  # [B, T] float32, the frozen reference model's
+    is_weights: Tensor | None = None    # [B, T] float32, truncated importance-sampling weights (--use-tis)
+    values: Tensor | None = None        # [B, T] float32, the critic's values before its step (PPO)
+    returns: Tensor | None = None       # [B, T] float32, the critic's GAE targets (PPO)
 
     @property
     def size(self) -> int:
@@ -60,6 +64,7 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((b, width), dtype=torch.bool)
     advantages = torch.zeros((b, width), dtype=torch.float32)
+    token_rewards = torch.zeros((b, width), dtype=torch.float32)
     rollout_logprobs = torch.zeros((b, width), dtype=torch.float32)
     attention_mask = torch.zeros((b, width), dtype=torch.long)
     for i, s in enumerate(samples):
@@ -67,9 +72,11 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
         tokens[i, :p + r] = torch.tensor(list(s.prompt.prompt_ids) + list(s.response_ids), dtype=torch.long)
         loss_mask[i, p:p + r] = True
         advantages[i, p:p + r] = s.advantage
+        if r:
+            token_rewards[i, p + r - 1] = s.reward
         rollout_logprobs[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         attention_mask[i, :p + r] = 1
-    return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages,
+    return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages, token_rewards=token_rewards,
                       rollout_logprobs=rollout_logprobs, attention_mask=attention_mask,
                       weight_version=min(s.weight_version for s in samples))
 

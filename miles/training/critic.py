@@ -1,0 +1,208 @@
+"""PPO's critic: an HF causal LM's backbone with a scalar value head, trained on GAE returns.
+
+A value sits where the project's per-token tensors sit (see `miles.algorithms.entropy`): values[:, t]
+is V(tokens[:, :t]), the value of the prefix before token t, read from the hidden state at t - 1;
+position 0 is 0. So `gae(token_rewards, values, loss_mask, ...)` sees V(s_t) for each response token.
+
+One rollout, as the train phase drives it (critic first, as miles does):
+
+    values = critic.values(samples)                               # old values, before the critic's step
+    returns = trainer.prepare_rollout(samples, rid, values)       # GAE with the policy's KL in the rewards
+    critic.train(samples, values, returns, rid)                   # 0.5 (V - R)^2, value-clipped around `values`
+    trainer.train(samples, rid)                                   # skipped for --num-critic-only-steps rollouts
+
+Where the critic starts (`init_from`, --critic-load): an HF causal-LM folder (default: the policy's
+--hf-checkpoint) gets a new zero-initialised head, so every first value is 0; a folder written by
+`Critic.save` restores backbone, head, optimizer and step count; a checkpoint root (CheckpointStore)
+means its newest complete checkpoint's `critic/` folder.
+
+A plain class; the composition root makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+import torch
+from torch import Tensor, nn
+
+from miles.algorithms import masked_mean, token_mean, value_loss
+from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder inside a checkpoint
+from miles.config import AlgorithmConfig, TrainConfig
+from miles.training.batch import TrainBatch, make_train_batch, split
+from miles.training.rng import seed_everything
+from miles.types import Sample
+from miles.weights.checksum import state_dict_to_cpu
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
+
+log = structlog.get_logger().bind(role="critic")
+
+# a critic folder is an HF folder of the backbone (save_pretrained) plus these
+HEAD_FILE, OPTIMIZER_FILE, STATE_FILE = "value_head.safetensors", "optimizer.pt", "critic_state.json"
+
+
+class ValueModel(nn.Module):
+    """A causal LM's backbone (its lm_head unused) + Linear(hidden, 1)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.value_head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)    # start at V = 0: no made-up baseline before any data
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, T] values, aligned to tokens: out[:, t] from the hidden state at t - 1, out[:, 0] = 0."""
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        v = self.value_head(hidden).squeeze(-1).float()
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+def resolve_critic_source(path: str) -> tuple[str, Path | None]:
+    """(HF folder to build the backbone from, critic folder to restore or None) for --critic-load `path`."""
+    from miles.checkpoint.store import CheckpointStore
+
+    p = Path(path)
+    for folder in (p, p / CRITIC_DIR):
+        if (folder / HEAD_FILE).is_file():
+            return str(folder), folder
+    if (p / "config.json").is_file():
+        return str(p), None
+    found = CheckpointStore(p).latest() if p.is_dir() else None
+    if found is not None and (found[1] / CRITIC_DIR / HEAD_FILE).is_file():
+        return str(found[1] / CRITIC_DIR), found[1] / CRITIC_DIR
+    raise FileNotFoundError(f"--critic-load {path}: neither an HF model folder (config.json), a critic folder "
+                            f"({HEAD_FILE}) nor a checkpoint root whose newest checkpoint has {CRITIC_DIR}/")
+
+
+class Critic:
+    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from: str | None = None,
+                 device: str = "auto", dtype: str = "auto"):
+        seed_everything(train.seed)
+        self.device = resolve_device(device)
+        self.compute_dtype = resolve_dtype(dtype, self.device)
+        self._cfg = train
+        self._value_clip = algorithm.value_clip or None      # 0 turns value clipping off
+        self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
+        backbone, restore = resolve_critic_source(init_from or model_path)
+        self._model = ValueModel(load_causal_lm(backbone, device=self.device, dtype=torch.float32)).to(self.device)
+        self._tokenizer = tokenizer = load_tokenizer(backbone)
+        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                            betas=(train.adam_beta1, train.adam_beta2))
+        self._num_steps = 0
+        if restore is not None:          # the backbone came from the folder already; head, optimizer, steps
+            self._load_state(restore)
+        log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device))
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    # --- values and training -------------------------------------------------------------------
+    @torch.no_grad()
+    def values(self, samples: list[Sample]) -> Tensor:
+        """[B, T] float32 CPU values of the packed samples (`make_train_batch` layout), 0 off the response."""
+        batch = make_train_batch(samples, self.pad_id).to(self.device)
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        start = 0
+        for mb in split(batch, self._cfg.micro_batch_size):
+            out[start:start + mb.size, :mb.tokens.shape[1]] = self._forward(mb)
+            start += mb.size
+        return torch.where(batch.loss_mask, out, torch.zeros((), device=self.device)).cpu()
+
+    def train(self, samples: list[Sample], values: Tensor, returns: Tensor, rollout_id: int) -> dict[str, float]:
+        """Value-loss steps on one rollout, one per global batch; `values` are `values(samples)` from
+        before this call (the clipping anchor), `returns` the trainer's GAE targets. Metrics are
+        prefixed `critic/`."""
+        batch = make_train_batch(samples, self.pad_id)
+        if values.shape != batch.tokens.shape or returns.shape != batch.tokens.shape:
+            raise ValueError(f"values {tuple(values.shape)} / returns {tuple(returns.shape)} do not match the packed "
+                             f"samples {tuple(batch.tokens.shape)}")
+        batch = replace(batch, values=values.float(), returns=returns.float()).to(self.device)
+        size = self._cfg.global_batch_size or batch.size
+        steps = [self._step(gb) for gb in split(batch, size)]
+        metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        mask = batch.loss_mask
+        metrics.update({"critic/values_mean": float(masked_mean(batch.values, mask)),
+                        "critic/returns_mean": float(masked_mean(batch.returns, mask)),
+                        "critic/num_steps": float(len(steps))})
+        log.info("critic_train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
+        return metrics
+
+    def _step(self, batch: TrainBatch) -> dict[str, float]:
+        start = time.perf_counter()
+        self._optimizer.zero_grad(set_to_none=True)
+        normalizer = max(batch.num_tokens, 1)
+        sums: dict[str, float] = defaultdict(float)
+        for mb in split(batch, self._cfg.micro_batch_size):
+            v = self._forward(mb)
+            loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, value_clip=self._value_clip,
+                                 reduce=token_mean, normalizer=normalizer)
+            loss.backward()
+            sums["value_loss"] += loss.item()
+            sums["value_clip_frac"] += float(m["value_clip_frac"]) * mb.num_tokens / normalizer
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"critic gradient norm is {grad_norm} at step {self._num_steps}; "
+                                     f"lower --critic-lr or set --clip-grad")
+        self._optimizer.step()
+        self._num_steps += 1
+        return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
+
+    def _forward(self, mb: TrainBatch) -> Tensor:
+        with torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
+                            enabled=self.compute_dtype != torch.float32):
+            return self._model(mb.tokens, mb.attention_mask)
+
+    # --- state -----------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Into the folder `path`: the backbone as an HF folder (save_pretrained, with the tokenizer), the
+        value head, the optimizer state and the step count."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        model = self._live()
+        model.lm.save_pretrained(str(path))
+        self._tokenizer.save_pretrained(str(path))
+        save_file(state_dict_to_cpu(model_weights(model.value_head)), str(path / HEAD_FILE))
+        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps}))
+
+    def load(self, path: str | Path) -> None:
+        """Restore what `save` wrote: backbone, head, optimizer state, step count."""
+        path = Path(path)
+        if not (path / HEAD_FILE).is_file():
+            raise FileNotFoundError(f"critic checkpoint {path} lacks {HEAD_FILE}; pass a folder written by Critic.save")
+        saved = load_causal_lm(str(path), device=self.device, dtype=torch.float32)   # sharded or not
+        load_weights(self._live().lm, model_weights(saved))
+        self._load_state(path)
+
+    def _load_state(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        load_weights(self._live().value_head, load_file(str(path / HEAD_FILE)))
+        if (path / OPTIMIZER_FILE).is_file():
+            self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                       weights_only=True))
+        if (path / STATE_FILE).is_file():
+            self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
+
+    def _live(self) -> ValueModel:
+        if self._model is None:
+            raise RuntimeError("the critic was disposed; create a new Critic")
+        return self._model
+
+    def dispose(self) -> None:
+        """Free the value model and the optimizer state. Idempotent. The actor itself is the run's."""
+        self._model = self._optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,121 @@
+"""Every recipe end to end on real parts (local Ray, embedded engine, torch trainer, tiny model).
+
+The task: the reward is the number of "1"s in the response (a dense reward: every group has spread).
+A recipe works when, after 3 rollouts, the trained policy gives the all-"1" response a higher
+log-probability than the initial model did, by more than a nat on average over the first training
+prompts: a property of the whole distribution, so it does not hinge on which responses were sampled
+(the recipes move it by 5 to 10 nats). SFT: its loss falls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from miles.checkpoint.store import CheckpointStore
+from miles.cli_args import parse_flags
+from miles.launch import train
+from miles.runtime import read_trace, with_disposer
+from tests.conftest import base_flags
+
+pytestmark = pytest.mark.ray
+
+REWARD = "def ones(prompt, response, label):\n    return float(response.count('1'))\n"
+FILTER = "miles.rollout.filters:check_reward_nonzero_std"
+
+RECIPES = {
+    # name: extra flags (docs/algorithms.md has a row for each)
+    "grpo_tis_kl_loss": dict(advantage_estimator="grpo", use_tis=True, tis_clip=2.0, use_kl_loss=True,
+                             kl_loss_coef=0.01, kl_loss_type="low_var_kl"),
+    "dr_grpo": dict(advantage_estimator="grpo", disable_grpo_std_normalization=True,
+                    loss_agg_mode="seq_mean_token_sum_norm"),
+    "gspo": dict(advantage_estimator="gspo", loss_agg_mode="seq_mean_token_mean", eps_clip=3e-4, eps_clip_high=4e-4),
+    "dapo_rloo": dict(advantage_estimator="rloo", eps_clip_high=0.28, dynamic_sampling_filter_path=FILTER,
+                      over_sampling_batch_size=4, overlong_buffer_len=2, overlong_penalty_factor=0.1),
+    "reinforce_plus_plus": dict(advantage_estimator="reinforce_plus_plus", kl_coef=0.01),
+    "reinforce_plus_plus_baseline": dict(advantage_estimator="reinforce_plus_plus_baseline", use_kl_loss=True,
+                                         kl_loss_coef=0.01, ref_update_interval=2, eps_clip_c=3.0),
+    "ppo": dict(advantage_estimator="ppo", normalize_advantages=True, gamma=1.0, lambd=0.95, value_clip=0.2,
+                critic_lr=1e-2),
+}
+
+
+def run(argv):
+    cfg, machine = parse_flags(argv)
+    return asyncio.run(with_disposer(train, cfg, machine=machine or "sync"))
+
+
+def all_ones_logprob(model_dir: str, prompts: list[str]) -> torch.Tensor:
+    """log p("1111" | prompt) for each prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for text in prompts:
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        target = tok("1111", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + target])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        out.append(sum(logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(target)))
+    return torch.tensor(out)
+
+
+@pytest.fixture(scope="module")
+def ones_reward(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "ones_reward.py"
+    path.write_text(REWARD)
+    return f"{path}:ones"
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_makes_rewarded_responses_more_likely(recipe, ray_cluster, tiny_task, ones_reward, tmp_path):
+    torch.set_num_threads(1)
+    train_prompts = [json.loads(x)["input"] for x in open(tiny_task["train"]).read().splitlines()[:8]]
+    result = run(base_flags(tiny_task, tmp_path / "run", custom_rm_path=ones_reward, lr=1e-2, num_rollout=3,
+                            save=tmp_path / "ckpt", no_rollout_shuffle=True, rollout_batch_size=4,
+                            **RECIPES[recipe]))
+    assert result.final_state == "shutdown"
+    rows = [r for r in result.metrics if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward_mean", "logprob_diff_rollout", "train_rollout_k3_kl", "grad_norm"):
+        assert key in rows[0], key
+    final = CheckpointStore(tmp_path / "ckpt").latest()[1] / "hf"
+    before, after = all_ones_logprob(tiny_task["model"], train_prompts), all_ones_logprob(str(final), train_prompts)
+    assert (after - before).mean() > 1.0, (recipe, before.tolist(), after.tolist())
+    check_recipe_metrics(recipe, rows, result)
+
+
+def check_recipe_metrics(recipe: str, rows: list[dict], result) -> None:
+    if recipe == "grpo_tis_kl_loss":
+        assert all("tis_weight_mean" in r for r in rows) and rows[-1]["kl"] > 0
+    if recipe == "dapo_rloo":
+        assert all(r["dynamic_sampling_rounds"] >= 1 and r["zero_std_group_ratio"] == 0 for r in rows)
+    if recipe == "reinforce_plus_plus":
+        assert rows[0]["reward_kl"] == 0 and rows[-1]["reward_kl"] != 0
+    if recipe == "reinforce_plus_plus_baseline":
+        assert [r.get("ref_updated", 0) for r in rows] == [0, 1, 0]
+    if recipe == "ppo":
+        assert all(r["actor_trained"] == 1 for r in rows)
+        # a fresh head values everything at 0; it learns the (positive) returns
+        assert rows[0]["critic/values_mean"] == 0 and rows[-1]["critic/values_mean"] > 0
+        assert "critic" in {e.get("resource") for e in read_trace(result.run_dir).of("disposed")}
+        assert (CheckpointStore(result.run_dir.parent / "ckpt").latest()[1] / "critic").is_dir()
+
+
+def test_sft_trains_on_the_data_responses_through_the_same_machine(ray_cluster, tiny_task, tmp_path):
+    torch.set_num_threads(1)
+    rows = [json.loads(x) for x in open(tiny_task["train"]).read().splitlines()]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"input": r["input"], "response": r["label"]}) + "\n" for r in rows))
+    result = run(base_flags({**tiny_task, "train": str(sft)}, tmp_path / "run", loss_type="sft_loss",
+                            n_samples_per_prompt=1, rollout_batch_size=16, lr=1e-2, num_rollout=4,
+                            eval_prompt_data=["arith", tiny_task["eval"]], eval_interval=4))
+    losses = [r["loss"] for r in result.metrics if r.get("kind") == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+    evals = [r for r in result.metrics if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [0, 4]       # the engines serve the SFT'd weights to eval

@@ -1,0 +1,50 @@
+"""Algorithm flags: exclusive or meaningless combinations are reported, naming the flags and the fix."""
+
+import pytest
+
+from miles.cli_args import parse_flags
+from miles.config import ConfigError
+
+
+@pytest.fixture
+def base(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "train.jsonl"),
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+
+
+def problems(argv):
+    with pytest.raises(ConfigError) as err:
+        parse_flags(argv)
+    return "\n".join(err.value.problems)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kl-coef", "0.1", "--use-kl-loss", "--advantage-estimator", "ppo"], "mutually exclusive"),
+    (["--kl-coef", "0.1"], "only ppo and reinforce_plus_plus use; with --advantage-estimator grpo use --use-kl-loss"),
+    (["--use-tis", "--use-rollout-logprobs"], "keep one"),
+    (["--critic-lr", "1e-5", "--num-critic-only-steps", "2"], "only PPO has a critic"),
+    (["--ref-update-interval", "4"], "has no effect without a reference"),
+    (["--over-sampling-batch-size", "8"], "no effect without --dynamic-sampling-filter-path"),
+    (["--overlong-buffer-len", "100", "--rollout-max-response-len", "64"], "--overlong-buffer-len 100"),
+    (["--loss-type", "sft_loss", "--use-tis"], "SFT reads one response per prompt"),
+    (["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--use-tis"], "--use-tis do not apply"),
+    (["--gamma", "1.5"], "--gamma 1.5"),
+])
+def test_bad_algorithm_flags_are_named(base, flags, message):
+    assert message in problems(base + flags)
+
+
+def test_recipes_from_the_docs_validate(base):
+    for flags in (["--advantage-estimator", "ppo", "--kl-coef", "0.05", "--critic-lr", "1e-5", "--value-clip", "0.2",
+                   "--num-critic-only-steps", "1", "--normalize-advantages", "--lambd", "0.95"],
+                  ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
+                  ["--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl", "--ref-update-interval", "2"],
+                  ["--dynamic-sampling-filter-path", "miles.rollout.filters:check_reward_nonzero_std",
+                   "--over-sampling-batch-size", "1", "--eps-clip-high", "0.28", "--overlong-buffer-len", "16"],
+                  ["--use-tis", "--tis-clip", "2", "--tis-clip-low", "0.5", "--loss-agg-mode", "seq_mean_token_sum_norm"],
+                  ["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--response-key", "answer"]):
+        cfg, _ = parse_flags(base + flags)
+        assert cfg.algorithm.max_response_len == cfg.rollout.max_response_len
