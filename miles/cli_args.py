@@ -125,6 +125,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
+    _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
+       ("constant", "linear", "cosine")),
+    _f("lr-warmup-iters", "train", "lr_warmup_iters", int, "optimizer steps of linear learning-rate warmup"),
+    _f("lr-decay-iters", "train", "lr_decay_iters", int, "optimizer step where linear/cosine decay reaches --min-lr"),
+    _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
     # checkpoint
     _f("save", "checkpoint", "save", str, "checkpoint root directory"),
     _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),

@@ -104,6 +104,10 @@ class TrainConfig:
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
     seed: int = 0                       # --seed
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
+    lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine
+    lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
+    lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
+    min_lr: float = 0.0                 # --min-lr
 
 
 @dataclass(frozen=True, kw_only=True)

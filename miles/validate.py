@@ -13,7 +13,7 @@ TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults,
-                  _kl_and_reference, _critic, _off_policy, _sampling, _sft):
+                  _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -189,6 +189,16 @@ def _sampling(cfg: RunConfig, problems: list[str]) -> None:
                         f"{r.max_response_len}]")
     if r.overlong_penalty_factor < 0:
         problems.append(f"--overlong-penalty-factor {r.overlong_penalty_factor}: must be >= 0")
+
+
+def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
+    t = cfg.train
+    if t.lr_warmup_iters < 0 or not 0 <= t.min_lr <= t.lr:
+        problems.append(f"--lr-warmup-iters {t.lr_warmup_iters} / --min-lr {t.min_lr}: need warmup >= 0 and "
+                        f"0 <= min-lr <= --lr {t.lr}")
+    if t.lr_decay_style != "constant" and (t.lr_decay_iters is None or t.lr_decay_iters <= t.lr_warmup_iters):
+        problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters N (optimizer steps) greater "
+                        f"than --lr-warmup-iters {t.lr_warmup_iters}; got {t.lr_decay_iters}")
 
 
 def _sft(cfg: RunConfig, problems: list[str]) -> None:

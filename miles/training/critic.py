@@ -38,6 +38,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder ins
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.rng import seed_everything
+from miles.training.schedule import lr_schedule
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
@@ -91,6 +92,7 @@ class Critic:
         self._cfg = train
         self._value_clip = algorithm.value_clip or None      # 0 turns value clipping off
         self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
+        self._lr_at = lr_schedule(train)         # the run's schedule at --critic-lr
         backbone, restore = resolve_critic_source(init_from or model_path)
         self._model = ValueModel(load_causal_lm(backbone, device=self.device, dtype=torch.float32)).to(self.device)
         self._tokenizer = tokenizer = load_tokenizer(backbone)
@@ -153,6 +155,8 @@ class Critic:
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"critic gradient norm is {grad_norm} at step {self._num_steps}; "
                                      f"lower --critic-lr or set --clip-grad")
+        for group in self._optimizer.param_groups:
+            group["lr"] = self._lr_at(self._num_steps)
         self._optimizer.step()
         self._num_steps += 1
         return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}

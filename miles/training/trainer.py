@@ -46,6 +46,7 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_l
 from miles.config import AlgorithmConfig, ConfigError, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.rng import rng_state, seed_everything, set_rng_state
+from miles.training.schedule import lr_schedule
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
@@ -200,6 +201,7 @@ class Trainer:
         self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
         self._ref_interval = algorithm.ref_update_interval
         self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
+        self._lr_at = lr_schedule(train)
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._tokenizer = load_tokenizer(model_path)
         pad = self._tokenizer.pad_token_id
@@ -292,6 +294,8 @@ class Trainer:
             # stepping would write NaN/inf into every weight; stop with the weights still good
             raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
                                      f"lower --lr, set --clip-grad, or look for bad samples")
+        for group in self._optimizer.param_groups:
+            group["lr"] = self._lr_at(self._num_steps)
         self._optimizer.step()
         self._num_steps += 1
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),

@@ -111,3 +111,16 @@ def test_the_reference_refreshes_every_interval_and_survives_a_checkpoint(model_
 def test_ref_load_takes_another_model_as_the_reference(model_path, tmp_path):
     other = make_tiny_model(tmp_path / "other", seed=1)
     assert trainer(model_path, use_kl_loss=True, kl_loss_coef=0.1, ref_load=other).train(SAMPLES, 0)["kl"] > 0
+
+
+def test_cosine_schedule_with_warmup_sets_each_steps_rate(model_path):
+    from miles.training.schedule import lr_at
+
+    # warmup 2: .5 lr, 1 lr; then cosine over steps 2..6 (decay_iters 6): p = (s - 2) / 4
+    # s = 4: p = .5 -> min + (lr - min) * .5 = .1 + .9 * .5 = .55; s = 6 and later: min = .1
+    rates = [lr_at(s, lr=1.0, min_lr=0.1, warmup_iters=2, decay_iters=6, style="cosine") for s in range(8)]
+    assert rates[:3] == pytest.approx([0.5, 1.0, 1.0]) and rates[4] == pytest.approx(0.55)
+    assert rates[6:] == pytest.approx([0.1, 0.1])
+    assert lr_at(4, lr=1.0, warmup_iters=2, decay_iters=6, style="linear") == pytest.approx(0.5)
+    t = trainer(model_path, lr=1e-2, lr_warmup_iters=2, global_batch_size=2, micro_batch_size=2)
+    assert t.train(SAMPLES, 0)["lr"] == pytest.approx((0.5e-2 + 1e-2) / 2)   # two steps: .5 lr, then lr
