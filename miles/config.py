@@ -136,6 +136,7 @@ class ClusterConfig:
     ray_address: str | None = None      # --ray-address: attach to a running cluster (None: start a local one)
     num_cpus: int | None = None         # --ray-num-cpus for a local cluster
     namespace: str | None = None        # --ray-namespace (None: one per run)
+    colocate: bool = False              # --colocate: engines and trainer share devices (not supported yet)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +161,7 @@ class RunConfig:
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
+    update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
 

@@ -19,6 +19,7 @@ from miles.config import RunConfig, as_dict
 from miles.phases.context import TrainingContext
 from miles.phases.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
+from miles.validate import validate_for_machine
 
 
 @dataclass
@@ -47,6 +48,7 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
                 stop: asyncio.Event | None = None) -> tuple[Runner, TrainingContext]:
     """Everything up to the first phase: run dir, config.yaml, trace, context and runner."""
     definition = load_machine(machine)
+    validate_for_machine(cfg, definition)        # before the run dir exists: bad input starts nothing
     run_id = run_id or new_run_id()
     run_dir = Path(cfg.trace.run_dir or f"runs/{run_id}")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ class Components:
     store: Any = None            # CheckpointStore (under --save), or None
     critic: Any = None           # ActorResource of Critic (--advantage-estimator ppo), or None
     critic_store: Any = None     # CheckpointStore of the critic alone (--critic-save elsewhere than --save), or None
+    prefetch: Any = None         # async machine: miles.phases.prefetch.Prefetcher
+    evals: Any = None            # async machine: miles.phases.eval_dispatch.EvalDispatcher
 
 
 class TrainingContext(PhaseContext):
@@ -46,13 +48,23 @@ class TrainingContext(PhaseContext):
         self.engine_restarts = 0
         self.last_metrics: dict[str, Any] = {}
         self.metrics_history: list[dict[str, Any]] = []
+        self.in_flight: list[Any] = []                 # work running between phases; `draining` settles each
+        self.data_states: dict[int, Any] = {}          # async: data position right after rollout r's prompts
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:
+        return self.will_run(self.next_rollout)
+
+    def will_run(self, rollout_id: int) -> bool:
+        """Whether this invocation produces rollout `rollout_id` (the async machine asks ahead)."""
         exit_after = self.cfg.debug_exit_after_rollout
-        if exit_after is not None and self.next_rollout - self.start_rollout >= exit_after:
+        if exit_after is not None and rollout_id - self.start_rollout >= exit_after:
             return False
-        return self.next_rollout < self.num_rollout
+        return rollout_id < self.num_rollout
+
+    def weights_due(self) -> bool:
+        """Async: push weights every --update-weights-interval rollouts, and after the last one."""
+        return self.next_rollout % self.cfg.update_weights_interval == 0 or not self.rollouts_left()
 
     def eval_due(self) -> bool:
         """Before the first rollout, every --eval-interval rollouts, and after the last one."""

@@ -1,6 +1,8 @@
 """`miles trace plot`: a run's timeline as a PNG Gantt chart (matplotlib, Agg backend).
 
-Top panel: one lane per state over time, one lane for the teardown, the failure marked by a red
+Top panel: one lane per state over time, one lane per kind of work in flight beside the phases
+(async: `prefetch`, the rollout generating ahead, and `eval (bg)`; each bar labelled with its
+rollout and the weight version it read), one lane for the teardown, the failure marked by a red
 line. Bottom panel: the time each rollout spent in each state, stacked, so a slow rollout shows as
 a tall bar. Both stay readable from 3 rollouts to thousands: phases closer together than a pixel
 are merged into one bar per lane (so the chart draws at most about `width_px` rectangles per lane),
@@ -15,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from .render import fmt_s
-from .timeline import PhaseSpan, Timeline
+from .timeline import BACKGROUND_LANES, BackgroundSpan, PhaseSpan, Timeline
 
 MAX_ROLLOUT_BARS = 150
 WIDTH_IN, DPI = 12.0, 110
@@ -62,7 +64,7 @@ def plot_timeline(tl: Timeline, out: str | Path, *, title: str | None = None) ->
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    lanes = [s for s in tl.states if any(sp.state == s for sp in tl.spans)] + ["teardown"]
+    lanes = lanes_of(tl)
     per_rollout = len(tl.rollouts) >= 2
     height = 1.3 + 0.42 * len(lanes) + (2.3 if per_rollout else 0)
     fig = plt.figure(figsize=(WIDTH_IN, height), dpi=DPI)
@@ -79,6 +81,12 @@ def plot_timeline(tl: Timeline, out: str | Path, *, title: str | None = None) ->
     return out
 
 
+def lanes_of(tl: Timeline) -> list[str]:
+    """Top to bottom: the states the run visited, the kinds of work in flight it had, the teardown."""
+    background = [lane for lane, _ in BACKGROUND_LANES.values() if any(b.lane == lane for b in tl.background)]
+    return [s for s in tl.states if any(sp.state == s for sp in tl.spans)] + background + ["teardown"]
+
+
 def _title(tl: Timeline) -> str:
     n = len(tl.rollouts)
     outcome = "cut short (no run_end)" if tl.outcome == "incomplete" else tl.outcome
@@ -92,6 +100,9 @@ def _draw_lanes(ax, tl: Timeline, lanes: list[str]) -> None:
     res = end / (WIDTH_IN * DPI)            # seconds per pixel, roughly
     y = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
     for i, state in enumerate(lanes[:-1]):
+        if any(b.lane == state for b in tl.background):
+            _draw_background(ax, [b for b in tl.background if b.lane == state], y[state], res, unit)
+            continue
         ok = [(s.start_s, s.duration_s) for s in tl.spans if s.state == state and s.outcome == "ok"]
         bars = merge_bars(ok, res)
         ax.broken_barh([(a / unit, w / unit) for a, w in bars], (y[state] - 0.35, 0.7),
@@ -120,6 +131,20 @@ def _draw_abnormal(ax, s: PhaseSpan, y: float, res: float, unit: float) -> None:
     face, edge, hatch = style.get(s.outcome, (FAIL_COLOR, "black", ""))
     ax.broken_barh([(s.start_s / unit, width / unit)], (y - 0.35, 0.7), facecolors=face,
                    edgecolor=edge, hatch=hatch, linewidth=0.8)
+
+
+def _draw_background(ax, spans: list[BackgroundSpan], y: float, res: float, unit: float) -> None:
+    """Thinner bars than the phases' (the work is beside them, not a state); a cancelled or failed
+    one hatched like an abnormal phase; 'r<id> v<version>' inside bars wide enough (about 60 px)."""
+    style = {"ok": ("#7f7f7f", "none", ""), "error": (FAIL_COLOR, "black", "xx"),
+             "cancelled": ("white", FAIL_COLOR, "//"), "open": ("#dddddd", "#555555", "//")}
+    for b in spans:
+        face, edge, hatch = style.get(b.outcome, style["error"])
+        ax.broken_barh([(b.start_s / unit, max(b.duration_s, res) / unit)], (y - 0.25, 0.5), facecolors=face,
+                       edgecolor=edge, hatch=hatch, linewidth=0.8)
+        if b.duration_s >= 60 * res and b.rollout_id is not None:
+            ax.text((b.start_s + b.duration_s / 2) / unit, y, f"r{b.rollout_id} v{b.weight_version}",
+                    ha="center", va="center", fontsize=7, color="white" if b.outcome == "ok" else "black")
 
 
 def _label_rollouts(ax, tl: Timeline, y: dict[str, float], res: float, unit: float) -> None:

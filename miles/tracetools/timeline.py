@@ -5,6 +5,9 @@ runner awaited, one `TeardownStep` per disposed resource, a `FailureView` for th
 per-state totals. `show`, `plot` and `diff` all read the run through it, so they agree on what a
 phase's start, duration and rollout are. Event kinds it does not know (`metrics`,
 `weights_synced`, ...) are skipped: training phases add events without touching this module.
+Work that runs beside the phases (the async machine's rollout generating ahead, background evals)
+is traced as `<kind>_start` / `<kind>_end` pairs, the end naming its start as `cause`; each pair is
+one `BackgroundSpan` in its own lane.
 """
 
 from __future__ import annotations
@@ -40,6 +43,27 @@ class PhaseSpan:
     @property
     def end_s(self) -> float:
         return self.start_s + self.duration_s
+
+
+@dataclass(frozen=True)
+class BackgroundSpan:
+    """Work in flight beside the phases: from its `*_start` to the `*_end` that names it as cause."""
+
+    lane: str                   # one of BACKGROUND_LANES' names: prefetch | eval (bg)
+    rollout_id: int | None
+    weight_version: int | None  # the weights it read
+    start_s: float
+    duration_s: float
+    outcome: str                # ok | error | cancelled | open (no end event)
+    seq: int                    # seq of its start event
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+
+# start event -> (lane, end event)
+BACKGROUND_LANES = {"prefetch_start": ("prefetch", "prefetch_end"), "eval_start": ("eval (bg)", "eval_end")}
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,7 @@ class Timeline:
     end_state: str | None               # the state the transitions reached last
     truncated: bool
     markers: list[TraceEvent] = field(default_factory=list)   # stop_honoured and the like
+    background: list[BackgroundSpan] = field(default_factory=list)   # async: prefetch, evals in flight
 
     @property
     def rollouts(self) -> list[int]:
@@ -146,6 +171,7 @@ def build_timeline(trace: Trace) -> Timeline:
         end_state=transitions[-1].dst if transitions else (start.state if start else None),
         truncated=trace.truncated or end is None,
         markers=[e for e in events if e.event == "stop_honoured"],
+        background=_background(events, t0, last_mono),
     )
 
 
@@ -177,6 +203,19 @@ def _spans(events: list[TraceEvent], t0: float, last_mono: float) -> list[PhaseS
     if open_ is not None:
         spans.append(PhaseSpan(open_.state or "?", open_.rollout_id, open_.mono - t0,
                                max(last_mono - open_.mono, 0.0), None, "open", open_.seq))
+    return spans
+
+
+def _background(events: list[TraceEvent], t0: float, last_mono: float) -> list[BackgroundSpan]:
+    starts = {e.seq: e for e in events if e.event in BACKGROUND_LANES}
+    ends = {e.cause: e for e in events if e.cause in starts and e.event == BACKGROUND_LANES[starts[e.cause].event][1]}
+    spans = []
+    for seq, s in starts.items():
+        end = ends.get(seq)
+        stop = end.mono if end is not None else last_mono
+        spans.append(BackgroundSpan(BACKGROUND_LANES[s.event][0], s.rollout_id, s.get("weight_version"),
+                                    s.mono - t0, max(stop - s.mono, 0.0),
+                                    end.get("outcome", "ok") if end is not None else "open", seq))
     return spans
 
 
