@@ -119,3 +119,21 @@ def test_sft_trains_on_the_data_responses_through_the_same_machine(ray_cluster, 
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
     evals = [r for r in result.metrics if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 4]       # the engines serve the SFT'd weights to eval
+
+
+def test_critic_warm_up_saves_only_the_critic_and_a_later_run_starts_from_it(ray_cluster, tiny_task, ones_reward,
+                                                                              tmp_path):
+    torch.set_num_threads(1)
+    ppo = dict(advantage_estimator="ppo", custom_rm_path=ones_reward, lr=1e-2, rollout_batch_size=4)
+    warm = run(base_flags(tiny_task, tmp_path / "warm", num_rollout=2, num_critic_only_steps=2,
+                          critic_save=tmp_path / "critic", save_interval=1, check_weight_update_equal=True, **ppo))
+    rows = [r for r in warm.metrics if r.get("kind") == "train"]
+    assert [r["actor_trained"] for r in rows] == [0, 0] and "pg_loss" not in rows[0]
+    assert [rid for rid, _ in CheckpointStore(tmp_path / "critic").list()] == [0, 1]
+    assert (CheckpointStore(tmp_path / "critic").latest()[1] / "critic" / "value_head.safetensors").is_file()
+    # the policy never stepped: every weight sync carried the initial weights
+    checksums = [e.get("checksum") for e in read_trace(warm.run_dir).of("weights_synced")]
+    assert len(checksums) == 3 and len(set(checksums)) == 1
+    main = run(base_flags(tiny_task, tmp_path / "main", num_rollout=1, critic_load=tmp_path / "critic", **ppo))
+    first = [r for r in main.metrics if r.get("kind") == "train"][0]
+    assert first["critic/values_mean"] != 0 and first["actor_trained"] == 1   # a fresh head would value 0
