@@ -1,5 +1,6 @@
 """RL math as pure functions on torch tensors: advantages, policy/value/SFT losses, KL estimators,
-entropies and logprobs, loss reductions. No Ray, no I/O, no config objects.
+entropies and logprobs, loss reductions, reward shaping (DAPO's overlong penalty, the group reward
+spread dynamic sampling filters on). No Ray, no I/O, no config objects.
 
 Variants live in registries (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
 `LOSS_REDUCTIONS`) and are picked once at start-up with the `get_*` helpers, which fail on unknown
