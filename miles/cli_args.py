@@ -18,13 +18,20 @@ import yaml
 
 from .config import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrainConfig,
+    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
-    "trace": TraceConfig, "run": RunConfig,
+    "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+}
+GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
+    "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
+    "algorithm": "algorithm (advantages, losses, KL)", "train": "train (optimizer, batches)",
+    "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
+    "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
+    "run": "the loop and debugging",
 }
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -157,6 +164,22 @@ FLAGS: tuple[Flag, ...] = (
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
     _f("teardown-timeout", "trace", "teardown_timeout_s", float, "seconds each resource gets to tear down before it is forced"),
     _f("teardown-deadline", "trace", "teardown_deadline_s", float, "seconds the whole teardown may take"),
+    # tracking
+    _f("progress", "tracking", "progress", str,
+       "live progress on stderr: rich on a terminal, plain lines otherwise (auto), or off", ("auto", "rich", "plain", "off")),
+    _f("use-tensorboard", "tracking", "use_tensorboard", kind="true",
+       help="also write metrics as TensorBoard scalars (pip install miles[tensorboard])"),
+    _f("tensorboard-dir", "tracking", "tensorboard_dir", str, "TensorBoard event folder (default: <run-dir>/tensorboard)"),
+    _f("use-wandb", "tracking", "use_wandb", kind="true", help="also log metrics to Weights & Biases (pip install miles[wandb])"),
+    _f("wandb-project", "tracking", "wandb_project", str, "W&B project"),
+    _f("wandb-team", "tracking", "wandb_team", str, "W&B entity (team or user; default: your W&B default)"),
+    _f("wandb-group", "tracking", "wandb_group", str, "W&B group of runs"),
+    _f("wandb-mode", "tracking", "wandb_mode", str,
+       "W&B mode; offline needs no network (`wandb sync` later) (default: $WANDB_MODE, else online)",
+       ("online", "offline", "disabled")),
+    _f("wandb-dir", "tracking", "wandb_dir", str, "W&B's local files (default: <run-dir>/wandb)"),
+    _f("worker-log-level", "tracking", "worker_log_level", str,
+       "lowest level the actors write to <run-dir>/logs/<role>-<rank>.jsonl", ("debug", "info", "warning", "error")),
     # the loop
     _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
@@ -174,23 +197,38 @@ REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
+                                usage=f"{prog} [--config FILE] [--machine NAME] --hf-checkpoint DIR --prompt-data FILE "
+                                      "--rollout-batch-size N [flags ...]",
                                 argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it")
-    p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path")
-    groups = {s: p.add_argument_group(s) for s in SECTIONS}
+    p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it (default: none)")
+    p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
+                                     "(default: sync)")
+    groups = {s: p.add_argument_group(GROUP_TITLES[s]) for s in SECTIONS}
     for f in FLAGS:
-        default = _default(f)
-        help_ = f"{f.help} (default: {default})" if default not in (None, False, ()) else f.help
-        g, opt = groups[f.section], f"--{f.name}"
+        g, opt, help_ = groups[f.section], f"--{f.name}", help_line(f)
         if f.kind in ("true", "false"):
-            g.add_argument(opt, action="store_true", help=f.help)
+            g.add_argument(opt, action="store_true", help=help_)
         elif f.kind == "pairs":
-            g.add_argument(opt, nargs="+", metavar="NAME PATH", help=f.help)
+            g.add_argument(opt, nargs="+", metavar="NAME PATH", help=help_)
         elif f.kind == "list":
-            g.add_argument(opt, nargs="+", metavar="VALUE", help=f.help)
+            g.add_argument(opt, nargs="+", metavar="VALUE", help=help_)
         else:
-            g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar={int: "N", float: "X"}.get(f.type, "VALUE"))
+            metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
+            g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
     return p
+
+
+def help_line(f: Flag) -> str:
+    """The flag's help with its default; a help that states its default itself keeps its wording."""
+    if f.name in REQUIRED:
+        return f"{f.help} (required)"
+    if "default" in f.help:
+        return f.help
+    if f.kind in ("true", "false"):
+        return f"{f.help} (default: off)"
+    default = _default(f)
+    shown = "none" if default in (None, ()) else default
+    return f"{f.help} (default: {shown})"
 
 
 def _default(f: Flag) -> Any:
@@ -275,8 +313,15 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     sections["algorithm"]["max_response_len"] = rollout.get("max_response_len", RolloutConfig.max_response_len)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
+    from .tracking.sinks import tracking_problems
     from .validate import validate   # the checks, kept apart from the parsing
-    validate(cfg)
+    missing = tracking_problems(cfg.tracking)     # a sink whose package is not installed
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems + missing) from None
+    if missing:
+        raise ConfigError(missing)
     return cfg
 
 

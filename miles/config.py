@@ -148,6 +148,20 @@ class TraceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    progress: str = "auto"              # --progress: auto | rich | plain | off (the CLI's live display)
+    use_tensorboard: bool = False       # --use-tensorboard (pip install miles[tensorboard])
+    tensorboard_dir: str | None = None  # --tensorboard-dir (None: <run_dir>/tensorboard)
+    use_wandb: bool = False             # --use-wandb (pip install miles[wandb])
+    wandb_project: str = "miles"        # --wandb-project
+    wandb_team: str | None = None       # --wandb-team: the W&B entity (None: your default)
+    wandb_group: str | None = None      # --wandb-group
+    wandb_mode: str | None = None       # --wandb-mode online | offline | disabled (None: $WANDB_MODE, else online)
+    wandb_dir: str | None = None        # --wandb-dir (None: <run_dir>/wandb)
+    worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
     data: DataConfig
@@ -158,6 +172,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
@@ -177,5 +192,5 @@ def as_dict(cfg: Any) -> dict[str, Any]:
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrainConfig", "as_dict", "replace",
+    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
 ]

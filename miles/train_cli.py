@@ -30,9 +30,12 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
 
 
 def run_with_signals(cfg, machine: str, *, prog: str) -> int:
-    from miles.launch import train      # torch and Ray load only once the flags are known good
+    from miles.launch import new_run_id, train      # torch and Ray load only once the flags are known good
+    from miles.tracking.logs import LogContext, process_logging
 
     received: list[int] = []
+    run_id = new_run_id()
+    cfg, progress = _with_progress(cfg, run_id)
 
     async def main_task() -> None:
         loop = asyncio.get_running_loop()
@@ -51,14 +54,19 @@ def run_with_signals(cfg, machine: str, *, prog: str) -> int:
         for sig in SIGNAL_EXIT:
             loop.add_signal_handler(sig, on_signal, sig)
         try:
-            result = await with_disposer(train, cfg, machine=machine, stop=stop)
+            result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id, listeners=[progress])
             print(f"{prog}: done: {result.run_dir}", file=sys.stderr)
         finally:
             for sig in SIGNAL_EXIT:
                 loop.remove_signal_handler(sig)
 
     try:
-        asyncio.run(main_task())
+        with process_logging(LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
+                                         level=cfg.tracking.worker_log_level)):
+            try:
+                asyncio.run(main_task())
+            finally:
+                progress.close()
     except (ConfigError, MachineDefinitionError) as exc:
         print(f"{prog}: bad input:\n{_indent(exc)}", file=sys.stderr)
         return EXIT_INPUT
@@ -73,6 +81,20 @@ def run_with_signals(cfg, machine: str, *, prog: str) -> int:
             print(f"  {note}", file=sys.stderr)
         return EXIT_FAILED
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
+
+
+def _with_progress(cfg, run_id: str):
+    """The run dir made explicit (the progress display follows its metrics.jsonl) and the progress
+    listener; with progress on, the trace's `auto` console is off (the display shows the states)."""
+    from dataclasses import replace
+
+    from miles.tracking.progress import Expected, Progress
+
+    progress = Progress.for_terminal(cfg.tracking.progress, run_dir=cfg.trace.run_dir or f"runs/{run_id}",
+                                     expected=Expected.of(cfg))
+    console = "off" if progress.mode != "off" and cfg.trace.console == "auto" else cfg.trace.console
+    trace = replace(cfg.trace, run_dir=cfg.trace.run_dir or f"runs/{run_id}", console=console)
+    return replace(cfg, trace=trace), progress
 
 
 def _is_input_error(exc: BaseException) -> bool:

@@ -27,7 +27,10 @@ SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 class RayCluster:
     resource_name = "ray_cluster"
 
-    def __init__(self, cfg: ClusterConfig, run_id: str):
+    def __init__(self, cfg: ClusterConfig, run_id: str, *, log_dir: str | os.PathLike | None = None,
+                 log_level: str = "info"):
+        self.run_id = run_id
+        self.log_dir, self.log_level = log_dir, log_level     # with a log_dir, actors log into it
         self.namespace = cfg.namespace or f"miles-{run_id}"
         self.started = False          # we started a local cluster: we stop it
         self.connected = False        # we opened the connection: we close it
@@ -53,11 +56,16 @@ class RayCluster:
 
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
               concurrency: int | None = None, **kwargs: Any) -> "ActorResource":
-        """Start `cls` as a named, owner-bound actor in the run's namespace."""
+        """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
+        structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs)."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
                                        max_restarts=0, lifetime="non_detached")
         if concurrency is not None:
             options["max_concurrency"] = concurrency
+        if self.log_dir is not None:
+            from miles.tracking.logs import context_for_actor, logged_actor_class
+            cls = logged_actor_class(cls, context_for_actor(name, run_id=self.run_id, log_dir=self.log_dir,
+                                                            level=self.log_level))
         handle = ray.remote(cls).options(**options).remote(*args, **kwargs)
         return ActorResource(handle, name)
 

@@ -16,5 +16,7 @@ async def drain(ctx: TrainingContext) -> str:
         await settle(ctx)
     dropped = ctx.batch_ref is not None
     ctx.batch_ref = None
+    if ctx.c.metrics is not None:        # every sink's rows on disk before the teardown closes them
+        ctx.c.metrics.flush()
     ctx.tracer.emit("drained", dropped_rollout=dropped, after_failure=ctx.failure is not None)
     return "finish"

@@ -1,7 +1,7 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics file → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
+Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
 is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
 starts.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError
+from miles.config import ConfigError, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
@@ -23,7 +23,7 @@ from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.rewards import load_reward_fn
-from miles.tracking.metrics import MetricsWriter
+from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.critic import Critic
 from miles.training.trainer import Trainer
 from miles.weights.hf import load_tokenizer
@@ -34,9 +34,12 @@ async def init(ctx: TrainingContext) -> str:
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
-    ctx.c.metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl")
-    add(ctx.c.metrics)
-    ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id)
+    ctx.c.metrics = Tracker()
+    for sink in open_sinks(cfg.tracking, run_dir=ctx.run_dir, run_id=ctx.run_id, run_config=as_dict(cfg)):
+        add(sink)                # as each opens: a W&B login that fails leaves the others to the teardown
+        ctx.c.metrics.add(sink)
+    ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
+                               log_level=cfg.tracking.worker_log_level)
     add(ctx.c.cluster)
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 

@@ -1,10 +1,14 @@
-"""Metrics sinks: one JSONL line per rollout (always), plus a short console line per rollout."""
+"""The metrics file: one JSONL line per trained rollout and per eval, `<run_dir>/metrics.jsonl`.
+
+It is the run's record of its numbers (`miles plot`, `read_metrics`, the demo's summary read it); the
+other sinks (TensorBoard, W&B, in `miles.tracking.sinks`) are views of the same rows. Library code
+prints nothing: `console_line` is what the CLI's plain progress lines show.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -18,7 +22,7 @@ class MetricsWriter:
 
     resource_name = "metrics_writer"
 
-    def __init__(self, path: str | Path, *, console: TextIO | None = sys.stderr):
+    def __init__(self, path: str | Path, *, console: TextIO | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -31,6 +35,10 @@ class MetricsWriter:
         if self._console is not None:
             self._console.write(console_line(step, row) + "\n")
             self._console.flush()
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
 
     def dispose(self) -> None:
         """Flush and close metrics.jsonl."""
@@ -57,6 +65,13 @@ def _plain(v: Any) -> Any:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run dir's (or a file's) metrics.jsonl; a line cut off by a killed driver is skipped."""
     p = Path(path)
     p = p / "metrics.jsonl" if p.is_dir() else p
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,146 @@
+"""Where a run's metrics go: metrics.jsonl always, TensorBoard and W&B when asked, behind one `Tracker`.
+
+The phases call `ctx.c.metrics.log(step, row)` once per trained rollout and once per eval; the
+`Tracker` hands each row to every sink. `init` opens the sinks one at a time (`open_sinks`) and
+registers each with the run's disposer as it opens, so a W&B login that fails still leaves the
+metrics file and the TensorBoard writer to be closed by the teardown; `draining` flushes them.
+
+TensorBoard and W&B are optional extras (`pip install miles[tensorboard]`, `miles[wandb]`): asking for
+one that is not installed is a configuration error, found with the flags (`tracking_problems`).
+Both get numbers only, tagged `<kind>/<key>` (`train/reward_mean`) unless the key already has a
+section (`eval/arith/pass@1`), against the rollout id; W&B plots them over its own `rollout` axis
+because evals of the async machine can arrive after the next rollout's row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+from miles.config import ConfigError, TrackingConfig
+from miles.tracking.metrics import MetricsWriter
+
+EXTRAS = {"use_tensorboard": ("tensorboard", "--use-tensorboard", "tensorboard"),
+          "use_wandb": ("wandb", "--use-wandb", "wandb")}   # field: (module, flag, extra)
+
+
+class Sink(Protocol):
+    resource_name: str
+
+    def log(self, step: int, row: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def dispose(self) -> None: ...
+
+
+class Tracker:
+    """Fan-out of metrics rows to the run's sinks. Owns none of them: each sink is registered with
+    the run's disposer where `init` opens it, and closed by the teardown."""
+
+    def __init__(self, sinks: list[Sink] | None = None):
+        self.sinks: list[Sink] = list(sinks or [])
+
+    def add(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+
+def tracking_problems(cfg: TrackingConfig) -> list[str]:
+    """Sinks asked for whose package is missing, each with the install line that fixes it."""
+    problems = []
+    for field_name, (module, flag, extra) in EXTRAS.items():
+        if getattr(cfg, field_name) and importlib.util.find_spec(module) is None:
+            problems.append(f"{flag}: the {module!r} package is not installed; "
+                            f"pip install 'miles[{extra}]' (or drop {flag})")
+    return problems
+
+
+def open_sinks(cfg: TrackingConfig, *, run_dir: Path, run_id: str, run_config: dict[str, Any]) -> Iterator[Sink]:
+    """Open the run's sinks one by one: the caller registers each with the disposer before the next opens."""
+    problems = tracking_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    yield MetricsWriter(run_dir / "metrics.jsonl")
+    if cfg.use_tensorboard:
+        yield TensorBoardSink(Path(cfg.tensorboard_dir or run_dir / "tensorboard"))
+    if cfg.use_wandb:
+        yield WandbSink(cfg, run_dir=run_dir, run_id=run_id, run_config=run_config)
+
+
+def scalars(step: int, row: dict[str, Any]) -> dict[str, float]:
+    """The row's finite numbers as `section/key` tags (bools and the bookkeeping keys left out)."""
+    kind = row.get("kind") or "train"
+    out = {}
+    for key, value in row.items():
+        if key in ("step", "kind", "rollout_id") or isinstance(value, bool):
+            continue
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key if "/" in key else f"{kind}/{key}"] = float(value)
+    return out
+
+
+class TensorBoardSink:
+    """Scalars in a TensorBoard event folder (torch's SummaryWriter). The run owns the writer."""
+
+    resource_name = "tensorboard"
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter   # needs the `tensorboard` package
+
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        for tag, value in scalars(step, row).items():
+            self._writer.add_scalar(tag, value, global_step=step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def dispose(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+
+class WandbSink:
+    """One W&B run per miles run (its id is the run id), in online, offline or disabled mode. The run
+    owns the W&B run and finishes it; W&B's service process is W&B's own business."""
+
+    resource_name = "wandb"
+
+    def __init__(self, cfg: TrackingConfig, *, run_dir: Path, run_id: str, run_config: dict[str, Any]):
+        import wandb
+
+        wandb_dir = Path(cfg.wandb_dir or run_dir / "wandb")
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+        # console="off": W&B must not wrap stdout/stderr under the CLI's live display;
+        # reinit="create_new": two runs embedded in one process each get their own W&B run
+        settings = wandb.Settings(console="off", silent=True, reinit="create_new")
+        self.mode = mode
+        self._run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_team, group=cfg.wandb_group,
+                               name=run_id, id=run_id, dir=str(wandb_dir), mode=mode, config=run_config,
+                               settings=settings)
+        self._run.define_metric("rollout")
+        self._run.define_metric("*", step_metric="rollout")
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        self._run.log({"rollout": step, **scalars(step, row)})
+
+    def flush(self) -> None:
+        """W&B writes rows as they come; nothing is buffered on our side."""
+
+    def dispose(self) -> None:
+        """Finish the W&B run (uploads what is left in online mode; closes the offline files)."""
+        self._run.finish()

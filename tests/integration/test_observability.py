@@ -1,0 +1,75 @@
+"""Observability on real parts: the CLI's plain progress, the sinks (JSONL, TensorBoard, W&B offline)
+as disposer resources, the actors' logs in the run dir with the run's context, and `miles plot`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from miles.cli import main as miles_main
+from miles.runtime import read_trace
+from miles.train_cli import main as train_main
+from tests.conftest import base_flags
+
+pytestmark = pytest.mark.ray
+
+HAS_TB = importlib.util.find_spec("tensorboard") is not None
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(ray_cluster, tiny_task, tmp_path, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    extra = {"use_tensorboard": HAS_TB, "use_wandb": HAS_WANDB, "wandb_mode": "offline" if HAS_WANDB else None}
+    argv = base_flags(tiny_task, run_dir, num_rollout=2, eval_prompt_data=["arith", tiny_task["eval"]],
+                      eval_interval=2, progress="plain", **extra)
+    assert train_main(argv) == 0
+    err = capsys.readouterr().err
+
+    # progress: plain lines (not a terminal), one per trained rollout and eval, with an ETA
+    lines = [line for line in err.splitlines() if line.startswith("miles: ")]
+    assert lines[0].startswith("miles: run ") and lines[0].endswith(" started")
+    rollout_lines = [line for line in lines if line.startswith("miles: rollout ")]
+    assert [line.split()[1:4] for line in rollout_lines] == [["rollout", "0", "(1/2)"], ["rollout", "1", "(2/2)"]]
+    assert "reward=" in rollout_lines[0] and "tok/s=" in rollout_lines[0] and "eta=0:00:00" in rollout_lines[1]
+    assert sum(line.startswith("miles: eval after") for line in lines) == 2     # before training, after the last
+    assert lines[-1].startswith("miles: run ") and " ended: ok after " in lines[-1]
+
+    # sinks: registered in init as each opened, torn down in reverse, flushed by draining first
+    trace = read_trace(run_dir)
+    registered = [e.get("resource") for e in trace.of("registered")]
+    sinks = ["metrics_writer"] + ["tensorboard"] * HAS_TB + ["wandb"] * HAS_WANDB
+    assert registered[:len(sinks) + 1] == sinks + ["ray_cluster"]
+    disposed = [e.get("resource") for e in trace.of("disposed")]
+    assert disposed[-len(sinks):] == list(reversed(sinks))
+    assert all(e.get("outcome") == "ok" for e in trace.of("disposed"))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]
+    if HAS_TB:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        acc = EventAccumulator(str(run_dir / "tensorboard"))
+        acc.Reload()
+        assert [s.step for s in acc.Scalars("train/reward_mean")] == [0, 1]
+        assert [s.step for s in acc.Scalars("eval/arith/pass@1")] == [0, 2]
+    if HAS_WANDB:
+        assert len(list((run_dir / "wandb" / "wandb").glob(f"offline-run-*-{trace.events[0].run_id}"))) == 1
+
+    # logs: one file per actor and the driver, each line with the run's context
+    run_id = trace.events[0].run_id
+    files = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert files == ["driver-0.jsonl", "engine-0.jsonl", "rollout-executor-0.jsonl", "trainer-0.jsonl"]
+    trainer = [json.loads(x) for x in (run_dir / "logs" / "trainer-0.jsonl").read_text().splitlines()]
+    assert all(e["run_id"] == run_id and e["role"] == "trainer" and e["rank"] == 0 for e in trainer)
+    assert [e["rollout_id"] for e in trainer if e["event"] == "train_done"] == [0, 1]
+    engine = [json.loads(x) for x in (run_dir / "logs" / "engine-0.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in engine][:2] == ["engine_ready", "actor_ready"] and engine[0]["role"] == "engine"
+    assert "train_done" not in err                       # info lines went to the files, not the console
+    config = (run_dir / "config.yaml").read_text()
+    assert f"run_dir: {run_dir}" in config and "progress: plain" in config
+
+    # the plot of that run
+    assert miles_main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "plots" / "metrics.png").stat().st_size > 10_000
