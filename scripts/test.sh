@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh with the dev extra) and run the whole test suite on the CPU.
+# Set up (scripts/setup.sh with the dev and tensorboard extras) and run the whole test suite on the CPU.
 # Usage: bash scripts/test.sh [pytest args ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev
+bash scripts/setup.sh dev tensorboard      # tensorboard: the --use-tensorboard tests run, not skip
 PY=python; [ -z "${VIRTUAL_ENV:-}" ] && PY=.venv/bin/python
 exec "$PY" -m pytest -q -p no:cacheprovider --timeout=900 "$@"
