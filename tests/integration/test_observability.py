@@ -3,8 +3,14 @@ as disposer resources, the actors' logs in the run dir with the run's context, a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+import os
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -17,17 +23,26 @@ pytestmark = pytest.mark.ray
 
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(ray_cluster, tiny_task, tmp_path, capsys,
-                                                                      monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def observed_run(ray_cluster, tiny_task, tmp_path_factory):
+    """One CLI run with every sink on (those installed) and plain progress; its dir and its stderr."""
+    run_dir = tmp_path_factory.mktemp("observed") / "run"
     extra = {"use_tensorboard": HAS_TB, "use_wandb": HAS_WANDB, "wandb_mode": "offline" if HAS_WANDB else None}
     argv = base_flags(tiny_task, run_dir, num_rollout=2, eval_prompt_data=["arith", tiny_task["eval"]],
                       eval_interval=2, progress="plain", **extra)
-    assert train_main(argv) == 0
-    err = capsys.readouterr().err
+    err = io.StringIO()
+    os.environ.setdefault("WANDB_SILENT", "true")
+    with contextlib.redirect_stderr(err):
+        code = train_main(argv)
+    assert code == 0, err.getvalue()[-3000:]
+    return run_dir, err.getvalue()
+
+
+def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(observed_run):
+    run_dir, err = observed_run
 
     # progress: plain lines (not a terminal), one per trained rollout and eval, with an ETA
     lines = [line for line in err.splitlines() if line.startswith("miles: ")]
@@ -73,3 +88,29 @@ def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(ray_cluster
     # the plot of that run
     assert miles_main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "metrics.png").stat().st_size > 10_000
+
+
+def docs_commands(page: Path) -> list[str]:
+    """The `miles` commands of a page's ```bash blocks that run in seconds (not a training)."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+    commands = []
+    lines = (x.split("#")[0].strip() for block in blocks for x in block.replace("\\\n", " ").splitlines())
+    for line in lines:
+        words = shlex.split(line) if line else []
+        if words and words[0].endswith("miles") and (words[1] != "train" or "--help" in words):
+            commands.append(line)
+    return commands
+
+
+def test_the_commands_of_docs_running_md_work_on_a_real_run(observed_run, capsys):
+    run_dir, _ = observed_run
+    commands = docs_commands(DOCS / "running.md")
+    assert len(commands) >= 5                # --help, plot, trace show/check/plot
+    for line in commands:
+        argv = shlex.split(line.replace("runs/demo", str(run_dir)))[1:]
+        try:
+            code = miles_main(argv)
+        except SystemExit as exc:             # argparse's --help
+            code = exc.code
+        assert code == 0, (line, capsys.readouterr())
+    assert (run_dir / "plots" / "gantt.png").exists()
