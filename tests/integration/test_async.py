@@ -25,8 +25,6 @@ from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
 
-SLOW_EVAL_S = 2.0
-
 
 def run_async(argv: list[str]) -> tuple[object, dict[int, list[tuple[int, int]]], BaseException | None]:
     """Run the async machine; record (prompt index, weight version) of every sample the trainer gets."""
@@ -129,11 +127,18 @@ def test_checkpoint_holds_the_data_position_of_the_rollout_it_saved(ray_cluster,
 
 
 def slow_eval_flags(task, tmp_path, **extra):
-    """Evals that take SLOW_EVAL_S in scoring (the executor), training rollouts that are quick."""
+    """Evals that finish only once the run has failed (their reward waits for the trace's first
+    `error`, up to a minute); training rollouts are scored at once."""
+    trace = tmp_path / "run" / "trace.jsonl"
     rm = tmp_path / "slow_eval_reward.py"
-    rm.write_text("import asyncio\n"
+    rm.write_text("import asyncio, pathlib, time\n"
+                  f"TRACE = pathlib.Path({str(trace)!r})\n"
                   "async def reward(prompt, response, label):\n"
-                  f"    if label == 'slow':\n        await asyncio.sleep({SLOW_EVAL_S})\n        return 0.0\n"
+                  "    if label == 'slow':\n"
+                  "        deadline = time.monotonic() + 60\n"
+                  "        while time.monotonic() < deadline and '\"event\": \"error\"' not in TRACE.read_text():\n"
+                  "            await asyncio.sleep(0.05)\n"
+                  "        return 0.0\n"
                   "    return float(response.strip() == label)\n")
     slow = tmp_path / "slow_eval.jsonl"
     slow.write_text("".join(json.dumps({"input": f"{i}+1=", "label": "slow"}) + "\n" for i in range(4)))
@@ -167,7 +172,8 @@ def test_a_failure_while_an_eval_is_in_flight_lets_it_finish_first(ray_cluster, 
 def test_draining_cut_short_still_settles_the_eval_before_the_executor(ray_cluster, tiny_task, tmp_path):
     # the final eval is dispatched, then `draining` fails before settling anything: the disposer's
     # eval_dispatcher entry (registered after the executor and models) awaits it first
-    ctx, _, error = run_async(slow_eval_flags(tiny_task, tmp_path, num_rollout=1, inject_fault=["draining:raise"]))
+    ctx, _, error = run_async(slow_eval_flags(tiny_task, tmp_path, num_rollout=1, skip_eval_before_train=True,
+                                              inject_fault=["draining:raise"]))
     assert isinstance(error, InjectedFault)
     trace = read_trace(ctx.run_dir)
     assert check_trace(trace, load_machine("async")).ok
