@@ -188,6 +188,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("update-weights-interval", "run", "update_weights_interval", int,
        "async machine: push the trainer's weights to the engines every N rollouts (staleness up to N)"),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
+    _f("save-debug-rollout-data", "run", "save_debug_rollout_data", str,
+       "write each rollout's samples and metrics to PATH, a template with {rollout_id} (else a folder: "
+       "PATH/rollout_{rollout_id}.pt)"),
+    _f("load-debug-rollout-data", "run", "load_debug_rollout_data", str,
+       "train on rollouts saved by --save-debug-rollout-data (same PATH) instead of generating: no engines, "
+       "no weight sync, no eval (picks --machine train_only)"),
+    _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
+       help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
        help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
 )

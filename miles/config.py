@@ -178,6 +178,9 @@ class RunConfig:
     check_weight_update_equal: bool = False  # --check-weight-update-equal
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
+    save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path
+    load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
+    debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
 
 

@@ -26,7 +26,9 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     except ConfigError as exc:
         print(f"{prog}: bad configuration:\n{_indent(exc)}", file=sys.stderr)
         return EXIT_INPUT
-    return run_with_signals(cfg, machine or default_machine, prog=prog)
+    from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
+
+    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog)
 
 
 def run_with_signals(cfg, machine: str, *, prog: str) -> int:

@@ -19,6 +19,7 @@ from miles.config import ConfigError, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
+from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
@@ -31,6 +32,7 @@ from miles.weights.hf import load_tokenizer
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
+    check_debug_flags(cfg, ctx.tracer.machine)
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -43,21 +45,16 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.cluster)
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 
-    ctx.c.engines = [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
-    ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
-                                        algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
-    add(ctx.c.trainer, force=ctx.c.trainer.force)
-    if cfg.algorithm.advantage_estimator == "ppo":
-        ctx.c.critic = ctx.c.cluster.actor(
-            Critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
-            algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
-        add(ctx.c.critic, force=ctx.c.critic.force)
+    # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
+    ctx.c.engines = [] if cfg.load_debug_rollout_data else [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
+    if not cfg.debug_rollout_only:
+        _make_models(ctx, add)
     ctx.c.executor = ctx.c.cluster.actor(
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses)
     add(ctx.c.executor, force=ctx.c.executor.force)
-    actors = [*ctx.c.engines, ctx.c.trainer, *([ctx.c.critic] if ctx.c.critic is not None else []), ctx.c.executor]
+    actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
@@ -75,6 +72,19 @@ async def init(ctx: TrainingContext) -> str:
     if cfg.checkpoint.load:
         await _resume(ctx)
     return "ready"
+
+
+def _make_models(ctx: TrainingContext, add: Any) -> None:
+    """The trainer, and PPO's critic; each registered as it is created."""
+    cfg = ctx.cfg
+    ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
+                                        algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
+    add(ctx.c.trainer, force=ctx.c.trainer.force)
+    if cfg.algorithm.advantage_estimator == "ppo":
+        ctx.c.critic = ctx.c.cluster.actor(
+            Critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
+        add(ctx.c.critic, force=ctx.c.critic.force)
 
 
 def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:

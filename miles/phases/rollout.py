@@ -26,4 +26,15 @@ async def rollout(ctx: TrainingContext) -> str:
     ctx.record(ctx.rollout_id, metrics)
     ctx.tracer.emit("rollout_done", rollout_id=ctx.rollout_id, reward_mean=metrics["reward_mean"],
                     samples=int(metrics["num_samples"]))
+    if ctx.cfg.save_debug_rollout_data:
+        await _save_debug_data(ctx, samples_ref, metrics)
     return "next"
+
+
+async def _save_debug_data(ctx: TrainingContext, samples_ref: Any, metrics: dict[str, Any]) -> None:
+    """--save-debug-rollout-data: the samples come to the driver (a debugging cost, off by default)."""
+    from miles.tracking.rollout_data import rollout_data_path, save_rollout_data
+
+    path = rollout_data_path(ctx.cfg.save_debug_rollout_data, ctx.rollout_id)
+    save_rollout_data(path, ctx.rollout_id, await samples_ref, metrics)
+    ctx.tracer.emit("rollout_data_saved", rollout_id=ctx.rollout_id, path=str(path))

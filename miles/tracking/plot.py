@@ -19,9 +19,10 @@ Series = dict[str, tuple[list[int], list[float]]]      # label -> (rollout ids, 
 
 
 def train_series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """`key` of each trained rollout (and of each rollout of a --debug-rollout-only run)."""
     xs, ys = [], []
     for r in rows:
-        if r.get("kind", "train") == "train" and isinstance(r.get(key), (int, float)):
+        if r.get("kind", "train") in ("train", "rollout") and isinstance(r.get(key), (int, float)):
             xs.append(int(r["step"]))
             ys.append(float(r[key]))
     return xs, ys

@@ -32,7 +32,7 @@ def observed_run(ray_cluster, tiny_task, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("observed") / "run"
     extra = {"use_tensorboard": HAS_TB, "use_wandb": HAS_WANDB, "wandb_mode": "offline" if HAS_WANDB else None}
     argv = base_flags(tiny_task, run_dir, num_rollout=2, eval_prompt_data=["arith", tiny_task["eval"]],
-                      eval_interval=2, progress="plain", **extra)
+                      eval_interval=2, progress="plain", save_debug_rollout_data=run_dir.parent / "rollouts", **extra)
     err = io.StringIO()
     os.environ.setdefault("WANDB_SILENT", "true")
     with contextlib.redirect_stderr(err):
@@ -114,3 +114,41 @@ def test_the_commands_of_docs_running_md_work_on_a_real_run(observed_run, capsys
             code = exc.code
         assert code == 0, (line, capsys.readouterr())
     assert (run_dir / "plots" / "gantt.png").exists()
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_saved_rollouts_replay_without_engines_to_the_same_losses(observed_run, tiny_task, tmp_path):
+    run_dir, _ = observed_run
+    saved = run_dir.parent / "rollouts"
+    assert sorted(p.name for p in saved.iterdir()) == ["rollout_0.pt", "rollout_1.pt"]
+    replay_dir = tmp_path / "replay"
+    assert train_main(base_flags(tiny_task, replay_dir, num_rollout=2, load_debug_rollout_data=saved,
+                                 progress="off")) == 0
+    trace = read_trace(replay_dir)
+    assert trace.events[0].machine == "train_only"            # picked by the flag
+    registered = {e.get("resource") for e in trace.of("registered")}
+    assert "trainer" in registered and not any(r.startswith("engine") for r in registered)
+    assert [e.get("loaded_from") for e in trace.of("rollout_done")] == [str(saved / "rollout_0.pt"),
+                                                                      str(saved / "rollout_1.pt")]
+    # the same samples from the same initial weights: the same steps, loss for loss
+    trained = {r["step"]: r for r in rows_of(run_dir) if r["kind"] == "train"}
+    replayed = {r["step"]: r for r in rows_of(replay_dir) if r["kind"] == "train"}
+    assert sorted(replayed) == [0, 1]
+    for step in (0, 1):
+        for key in ("loss", "grad_norm", "entropy", "reward_mean"):
+            assert replayed[step][key] == trained[step][key], (step, key)
+
+
+def test_rollout_only_generates_and_logs_without_a_trainer(ray_cluster, tiny_task, tmp_path):
+    run_dir = tmp_path / "ro"
+    assert train_main(base_flags(tiny_task, run_dir, num_rollout=1, debug_rollout_only=True,
+                                 save_debug_rollout_data=tmp_path / "d" / "{rollout_id}.pt", progress="off")) == 0
+    trace = read_trace(run_dir)
+    assert trace.events[0].machine == "rollout_only"
+    registered = {e.get("resource") for e in trace.of("registered")}
+    assert "engine-0" in registered and "trainer" not in registered
+    assert [(r["step"], r["kind"]) for r in rows_of(run_dir)] == [(0, "rollout")]
+    assert (tmp_path / "d" / "0.pt").is_file() and trace.of("rollout_data_saved")[0].rollout_id == 0

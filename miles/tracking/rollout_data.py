@@ -1,0 +1,66 @@
+"""Rollouts saved to disk for debugging: `--save-debug-rollout-data`, `--load-debug-rollout-data`.
+
+A saved rollout is one `.pt` file (`torch.save` of plain lists and dicts, read back with
+`weights_only=True`): the rollout id, its samples (prompt, response ids, rollout logprobs, reward,
+advantage, ...) and the executor's metrics. Saving them lets a training step be replayed without
+engines (`--machine train_only`), and a rollout be looked at sample by sample:
+
+    python -c "from miles.tracking.rollout_data import load_rollout_data as l; print(l('d/rollout_3.pt').samples[0])"
+
+PATH is a template with `{rollout_id}` (miles' convention, `dump/{rollout_id}.pt`), or a folder, in
+which case files are `PATH/rollout_<id>.pt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.config import ConfigError
+from miles.types import Prompt, Sample
+
+FORMAT = "miles-rollout-v1"
+
+
+@dataclass
+class SavedRollout:
+    rollout_id: int
+    samples: list[Sample]
+    metrics: dict[str, Any]
+
+
+def rollout_data_path(template: str, rollout_id: int) -> Path:
+    if "{rollout_id}" in template:
+        return Path(template.format(rollout_id=rollout_id))
+    return Path(template) / f"rollout_{rollout_id}.pt"
+
+
+def save_rollout_data(path: Path, rollout_id: int, samples: list[Sample], metrics: dict[str, Any]) -> Path:
+    """Write one rollout (atomically: a reader never sees half a file)."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": FORMAT, "rollout_id": rollout_id, "samples": [asdict(s) for s in samples],
+                "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_rollout_data(path: str | Path, *, expect_rollout_id: int | None = None) -> SavedRollout:
+    """Read a saved rollout; a missing file or another rollout's file is a ConfigError naming it."""
+    import torch
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--load-debug-rollout-data: no saved rollout at {p}; save them first with "
+                          f"--save-debug-rollout-data (e.g. with --debug-rollout-only), or lower --num-rollout")
+    raw = torch.load(p, weights_only=True)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ConfigError(f"--load-debug-rollout-data: {p} is not a rollout saved by miles ({FORMAT})")
+    if expect_rollout_id is not None and raw["rollout_id"] != expect_rollout_id:
+        raise ConfigError(f"--load-debug-rollout-data: {p} holds rollout {raw['rollout_id']}, "
+                          f"not {expect_rollout_id}: check the {{rollout_id}} in the path")
+    samples = [Sample(**{**s, "prompt": Prompt(**s["prompt"])}) for s in raw["samples"]]
+    return SavedRollout(rollout_id=raw["rollout_id"], samples=samples, metrics=dict(raw["metrics"]))
