@@ -228,6 +228,14 @@ class Progress:
     def __call__(self, ev: dict[str, Any]) -> None:
         if self.mode == "off":
             return
+        try:
+            self._show(ev)
+        except Exception as exc:  # noqa: BLE001 - the tracer calls us inside the run: a display bug must not fail it
+            self.close()
+            self.mode = "off"
+            print(f"miles: progress display off after {type(exc).__name__}: {exc}", file=self._stream, flush=True)
+
+    def _show(self, ev: dict[str, Any]) -> None:
         with self._lock:
             if self._mono0 is None and "mono" in ev:
                 self._mono0 = self._clock() - float(ev["mono"])

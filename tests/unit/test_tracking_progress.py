@@ -132,3 +132,16 @@ def test_rich_live_starts_and_stops_with_the_run():
     p(ev("run_end", 1.0, outcome="ok", duration_s=1.0))
     assert p._live is None and "run run-1 ended: ok" in out.getvalue()
     p.close()                                  # idempotent: the CLI closes it again in a finally
+
+
+def test_a_display_bug_turns_the_display_off_instead_of_failing_the_run():
+    out = io.StringIO()
+    p = Progress("plain", stream=out)
+
+    def broken(ev):
+        raise KeyError("oops")
+
+    p.model.update = broken
+    p(ev("run_start", 0.0))                   # the tracer would have raised into the runner
+    p(ev("run_end", 1.0, outcome="ok"))
+    assert p.mode == "off" and out.getvalue() == "miles: progress display off after KeyError: 'oops'\n"
