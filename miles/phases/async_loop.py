@@ -52,8 +52,9 @@ async def save(ctx: TrainingContext) -> str:
     if state is None:                          # nothing was asked for since: the executor's position is rid's
         return await sync_save.save(ctx)
     t0 = time.monotonic()
+    critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
     path = await save_checkpoint(ctx.c.store, rid, trainer=ctx.c.trainer.handle, executor=_DataPosition(state),
-                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf)
+                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf, critic=critic)
     ctx.save_requested = False                 # as the sync save does
     sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
     if sentinel and os.path.exists(sentinel):

@@ -82,8 +82,10 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         raise InjectedFault(f"injected fault in {f.state} (visit {f.visit})")
     if f.kind in ("kill_engine", "kill_trainer"):
         actor = ctx.c.engines[0] if f.kind == "kill_engine" else ctx.c.trainer
-        pid = await actor.handle.__ray_call__.remote(lambda self: os.getpid())
-        os.kill(pid, signal.SIGKILL)
+        if actor.pid is None or not _running(actor.pid):
+            ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the actor is dead already")
+            return
+        os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
     elif f.kind in ("sigint", "sigterm"):
         os.kill(os.getpid(), signal.SIGINT if f.kind == "sigint" else signal.SIGTERM)
@@ -94,6 +96,15 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=1.0)
     elif f.kind == "hang":
         await asyncio.sleep(1e9)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _raise_on_teardown() -> None:
