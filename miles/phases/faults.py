@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from miles.config import ConfigError
 from miles.runtime.machine import STATES
+from miles.runtime.procs import pid_running
 
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
                "hang")
@@ -82,7 +83,7 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         raise InjectedFault(f"injected fault in {f.state} (visit {f.visit})")
     if f.kind in ("kill_engine", "kill_trainer"):
         actor = ctx.c.engines[0] if f.kind == "kill_engine" else ctx.c.trainer
-        if actor.pid is None or not _running(actor.pid):
+        if actor.pid is None or not pid_running(actor.pid):
             ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the actor is dead already")
             return
         os.kill(actor.pid, signal.SIGKILL)
@@ -96,15 +97,6 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=1.0)
     elif f.kind == "hang":
         await asyncio.sleep(1e9)
-
-
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _raise_on_teardown() -> None:

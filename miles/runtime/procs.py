@@ -71,3 +71,11 @@ class OwnedProcess:
             return False
         _, still = psutil.wait_procs(strays, timeout=max(deadline - time.monotonic(), 0))
         return not still
+
+
+def pid_running(pid: int) -> bool:
+    """True while `pid` is a live process (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

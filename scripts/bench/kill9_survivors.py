@@ -22,13 +22,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+from miles.runtime.procs import pid_running  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +49,8 @@ def main() -> None:
     driver.wait()
     t0, timeline, actors_gone_s = time.monotonic(), [], None
     while time.monotonic() - t0 < a.wait:
-        alive = {pid: n for pid, n in spawned.items() if running(pid)}
-        if actors_gone_s is None and not any(running(pid) for pid in actors.values()):
+        alive = {pid: n for pid, n in spawned.items() if pid_running(pid)}
+        if actors_gone_s is None and not any(pid_running(pid) for pid in actors.values()):
             actors_gone_s = round(time.monotonic() - t0, 1)
         timeline.append((round(time.monotonic() - t0, 1), sorted(set(alive.values()))))
         if not alive:

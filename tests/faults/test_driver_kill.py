@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from miles.cli_args import parse_flags
 from miles.launch import train
 from miles.runtime import read_trace, with_disposer
+from miles.runtime.procs import pid_running
 from tests.conftest import base_flags
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -31,13 +31,6 @@ def flags(task, tmp_path, name, **kw):
 def train_rows(result):
     return {r["step"]: {k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
             for r in result.metrics if r.get("kind") == "train"}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_kill_9_mid_rollout_then_resume_matches_uninterrupted(ray_cluster, tiny_task, tmp_path):
@@ -56,7 +49,7 @@ def test_kill_9_mid_rollout_then_resume_matches_uninterrupted(ray_cluster, tiny_
     driver.wait()
     # owner-bound actors die with their owner: bounded, not forever
     t0 = time.monotonic()
-    while any(alive(p) for p in pids.values()):
+    while any(pid_running(p) for p in pids.values()):
         assert time.monotonic() - t0 < 30, f"actors outlived the driver by 30 s: {pids}"
         time.sleep(0.2)
     trace = read_trace(trace_path)

@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 
@@ -30,6 +29,7 @@ from miles.checkpoint.store import CheckpointStore
 from miles.cli_args import parse_flags
 from miles.launch import train
 from miles.runtime import load_machine, read_trace, with_disposer
+from miles.runtime.procs import pid_running
 from miles.tracetools.check import check_trace
 from miles.train_cli import run_with_signals
 from tests.conftest import base_flags, miles_actors
@@ -66,17 +66,10 @@ def leftover_actor_processes(trace) -> list[str]:
     assert pids, "the trace names no actor processes"
     deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
     while True:
-        alive = [f"{name} pid {pid}" for name, pid in pids.items() if _running(pid)]
+        alive = [f"{name} pid {pid}" for name, pid in pids.items() if pid_running(pid)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _report(run_dir: Path, trace, outcome: str) -> None:
