@@ -59,7 +59,8 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
     assert sum(e.get("outcome") != "ok" for e in trace.of("disposed")) == len(STATES)
 
 
-@pytest.mark.parametrize("sig", ["sigint", "sigterm"])
+# SIGTERM takes the same path as SIGINT (the sync matrix runs both in every state); here SIGINT
+@pytest.mark.parametrize("sig", ["sigint"])
 @pytest.mark.parametrize("state", STATES)
 def test_signal_drains_cancels_the_rollout_ahead_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
     cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, f"{state}:{sig}"), *ASYNC])
