@@ -195,3 +195,14 @@ def test_empty_or_one_broken_line_is_cut_short(tmp_path, capsys):
         assert main(["check", str(path)]) == 1
         assert "cut short" in capsys.readouterr().out
         assert check_trace(read_trace(path), load_machine("sync")).codes() == ["cut_short"]
+
+
+@pytest.mark.parametrize("name, outcome", [("real-demo-ok", "ok"), ("real-failed-train", "failed")])
+def test_golden_traces_from_real_runs_conform(name, outcome):
+    # real-demo-ok: the arithmetic demo (40 rollouts, local Ray, CPU); real-failed-train: a tiny-model
+    # run with --inject-fault train:raise:2. Both written by the real runner, disposer and phases.
+    trace = read_trace(GOLDEN / f"{name}.jsonl")
+    assert trace.events[-1].get("outcome") == outcome
+    report = check(GOLDEN / f"{name}.jsonl", "sync")
+    assert report.ok, report.violations
+    assert main(["check", str(GOLDEN / f"{name}.jsonl")]) == 0
