@@ -5,6 +5,10 @@ of `make_tokenizer.py`. Supervised fine-tuning on `data/sft.jsonl` (loss on resp
 teaches it addition the way the teacher does it, dropping most carries, so its greedy accuracy is
 low but not zero and the right answer stays among its samples: the start GRPO needs.
 
+The SFT is the project's own trainer, `miles.training.Trainer` with `loss_type="sft_loss"`, run in
+this process (no Ray): each `train(samples, rollout_id=step)` call gets one batch of SFT rows as
+`Sample` records and takes one optimizer step.
+
 Deterministic: same seed, same machine, same torch build -> byte-identical model.safetensors. It runs
 on one CPU thread because the thread count changes the order of floating-point sums.
 
@@ -15,16 +19,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
-from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from miles.config import AlgorithmConfig, TrainConfig
+from miles.training.trainer import Trainer
+from miles.types import Prompt, Sample
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -45,17 +53,10 @@ class ModelSpec:
 class SftSpec:
     steps: int = 2500
     batch_size: int = 128           # examples per optimizer step
-    lr: float = 1e-3                # peak; linear warmup, then cosine decay to 0
+    lr: float = 1e-3                # peak; linear warmup, then cosine decay to 0 at the last step
     warmup_steps: int = 100
     clip_grad: float = 1.0
     seed: int = 0
-
-
-@dataclass
-class SftBatch:
-    tokens: Tensor                  # [B, T] int64, right-padded prompt + response + <eos>
-    attention_mask: Tensor          # [B, T] int64, 1 on real tokens
-    loss_mask: Tensor               # [B, T] bool, True on response tokens (and <eos>)
 
 
 def build_model(spec: ModelSpec, tokenizer, seed: int) -> LlamaForCausalLM:
@@ -70,61 +71,48 @@ def build_model(spec: ModelSpec, tokenizer, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def encode(tokenizer, row: dict[str, str]) -> tuple[list[int], list[bool]]:
-    """Token ids of prompt + response + <eos>, and which of them the loss covers."""
+def to_sample(tokenizer, row: dict[str, str], index: int) -> Sample:
+    """An SFT row as the trainer's input: the loss covers the response ids and <eos>.
+
+    SFT reads only the tokens and the loss mask, so the advantage, the reward and the rollout
+    logprobs (zeros here) are placeholders the record requires.
+    """
     prompt = tokenizer(row["input"], add_special_tokens=False)["input_ids"]
     response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return prompt + response, [False] * len(prompt) + [True] * len(response)
+    return Sample(prompt=Prompt(index=index, text=row["input"], prompt_ids=tuple(prompt)), group=index,
+                  response_ids=response, rollout_logprobs=[0.0] * len(response), finish_reason="stop",
+                  weight_version=0, response_text=row["response"])
 
 
-def collate(examples: list[tuple[list[int], list[bool]]], pad_id: int) -> SftBatch:
-    width = max(len(ids) for ids, _ in examples)
-    tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), width), dtype=torch.bool)
-    for i, (ids, mask) in enumerate(examples):
-        tokens[i, :len(ids)] = torch.tensor(ids)
-        attention[i, :len(ids)] = 1
-        loss_mask[i, :len(ids)] = torch.tensor(mask)
-    return SftBatch(tokens=tokens, attention_mask=attention, loss_mask=loss_mask)
+def sft_trainer(model_dir: str | Path, spec: SftSpec) -> Trainer:
+    """The trainer over the HF folder `model_dir`: AdamW without weight decay, token-mean NLL, one
+    optimizer step (one micro-batch) per call of `spec.batch_size` samples, warmup then cosine to 0."""
+    warmup = min(spec.warmup_steps, spec.steps - 1)     # the schedule needs decay steps after the warmup
+    train = TrainConfig(lr=spec.lr, clip_grad=spec.clip_grad, global_batch_size=spec.batch_size,
+                        micro_batch_size=spec.batch_size, seed=spec.seed, lr_decay_style="cosine",
+                        lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0)
+    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_type="sft_loss"), device="cpu")
 
 
-def sft_step(model, optimizer: torch.optim.Optimizer, batch: SftBatch, clip_grad: float) -> float:
-    """One optimizer step of token-mean NLL over response tokens; returns the loss.
-
-    This is the piece `miles.training.Trainer` with `loss_type="sft_loss"` replaces.
-    """
-    model.train()
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(
-        logits.transpose(1, 2).float(), batch.tokens[:, 1:], reduction="none")     # [B, T-1]
-    mask = batch.loss_mask[:, 1:].float()     # position t predicts token t+1
-    loss = (nll * mask).sum() / mask.sum()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    optimizer.step()
-    return loss.item()
-
-
-def lr_at(step: int, spec: SftSpec) -> float:
-    warm = min(1.0, (step + 1) / spec.warmup_steps)
-    return spec.lr * warm * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
-
-
-def run_sft(model, tokenizer, rows: list[dict[str, str]], spec: SftSpec, log_every: int = 250) -> None:
-    examples = [encode(tokenizer, r) for r in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+def run_sft(trainer: Trainer, tokenizer, rows: list[dict[str, str]], spec: SftSpec, log_every: int = 250) -> None:
+    samples = [to_sample(tokenizer, r, i) for i, r in enumerate(rows)]
     rng = random.Random(spec.seed)
     start = time.perf_counter()
     for step in range(spec.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, spec)
-        loss = sft_step(model, optimizer, collate(rng.sample(examples, spec.batch_size),
-                                                  tokenizer.pad_token_id), spec.clip_grad)
+        metrics = trainer.train(rng.sample(samples, spec.batch_size), rollout_id=step)
         if (step + 1) % log_every == 0:
-            print(f"sft step {step + 1}/{spec.steps} loss {loss:.3f} "
+            print(f"sft step {step + 1}/{spec.steps} loss {metrics['loss']:.3f} "
                   f"({time.perf_counter() - start:.0f}s)", flush=True)
+
+
+def quiet_info_logs() -> None:
+    """The trainer logs every step at info level; keep only its warnings and errors on the console.
+    In place, because the trainer's module-level logger already holds the processor list."""
+    def drop_info(_logger, method: str, event: dict) -> dict:
+        if method in ("debug", "info"):
+            raise structlog.DropEvent
+        return event
+    structlog.get_config()["processors"].insert(0, drop_info)
 
 
 def file_sha256(path: Path) -> str:
@@ -140,13 +128,17 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    quiet_info_logs()
     tokenizer = build_tokenizer()
     spec = SftSpec(steps=args.steps, seed=args.seed)
-    model = build_model(ModelSpec(), tokenizer, seed=spec.seed)
-    run_sft(model, tokenizer, load_jsonl(args.data / "sft.jsonl"), spec)
-    model.save_pretrained(args.out)
-    save_tokenizer(tokenizer, args.out)
-    accuracy = greedy_accuracy(model, tokenizer, load_jsonl(args.data / "eval.jsonl"))
+    with tempfile.TemporaryDirectory() as init_dir:     # the trainer starts from an HF folder
+        build_model(ModelSpec(), tokenizer, seed=spec.seed).save_pretrained(init_dir)
+        save_tokenizer(tokenizer, init_dir)
+        trainer = sft_trainer(init_dir, spec)
+    run_sft(trainer, tokenizer, load_jsonl(args.data / "sft.jsonl"), spec)
+    trainer.export_hf(args.out)
+    save_tokenizer(tokenizer, args.out)     # over export_hf's copy: keeps the class name transformers 4.x reads
+    accuracy = greedy_accuracy(trainer.model, tokenizer, load_jsonl(args.data / "eval.jsonl"))
     print(f"saved {args.out}: greedy eval accuracy {accuracy:.3f}, "
           f"model.safetensors sha256 {file_sha256(args.out / 'model.safetensors')}")
 

@@ -13,8 +13,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic"
 sys.path.insert(0, str(EXAMPLE))
 
 import make_data  # noqa: E402
-from make_base_model import ModelSpec, build_model, collate, encode, sft_step  # noqa: E402
-from make_tokenizer import build_tokenizer  # noqa: E402
+from miles.training.batch import make_train_batch  # noqa: E402
+from make_base_model import ModelSpec, SftSpec, build_model, sft_trainer, to_sample  # noqa: E402
+from make_tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from task import final_number, greedy_responses, load_jsonl, reward  # noqa: E402
 
 DATA = EXAMPLE / "data"
@@ -103,7 +104,7 @@ def test_base_greedy_accuracy_is_low_but_not_zero(base, rows):
     sample = rows["eval"][:50]
     answers = greedy_responses(model, tok, [r["input"] for r in sample])
     accuracy = sum(reward(a, r["label"]) for a, r in zip(answers, sample)) / len(sample)
-    assert 0.15 <= accuracy <= 0.55, accuracy       # 0.40 on this slice, 0.412 on all 500 (README)
+    assert 0.15 <= accuracy <= 0.55, accuracy       # 0.38 on this slice, 0.376 on all 500 (README)
 
 
 def test_base_samples_often_hold_the_answer_greedy_misses(base, rows):
@@ -119,38 +120,47 @@ def test_base_samples_often_hold_the_answer_greedy_misses(base, rows):
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     found = [any(reward(texts[8 * i + j], r["label"]) for j in range(8)) for i, r in enumerate(missed)]
-    assert sum(found) / len(found) >= 0.25, sum(found) / len(found)    # 0.47 when measured
+    assert sum(found) / len(found) >= 0.25, sum(found) / len(found)    # 0.63 when measured
 
 
 def test_sft_loss_covers_the_response_and_eos_only():
     tok = build_tokenizer()
-    ids, mask = encode(tok, {"input": "12+7=", "response": "19"})
-    assert tok.decode(ids) == "12+7=19<eos>"
-    assert mask == [False] * 5 + [True] * 3
-    batch = collate([(ids, mask), encode(tok, {"input": "1+1=", "response": "2"})], tok.pad_token_id)
-    assert batch.tokens.shape == (2, 8)
+    sample = to_sample(tok, {"input": "12+7=", "response": "19"}, index=0)
+    assert tok.decode(list(sample.prompt.prompt_ids) + sample.response_ids) == "12+7=19<eos>"
+    batch = make_train_batch([sample, to_sample(tok, {"input": "1+1=", "response": "2"}, index=1)],
+                             tok.pad_token_id)
+    assert batch.tokens.shape == (2, 8)                     # "12+7=" + "19" + <eos>
+    assert batch.loss_mask[0].tolist() == [False] * 5 + [True] * 3
     assert batch.loss_mask.sum().item() == 3 + 2
     assert batch.attention_mask[1].tolist() == [1] * 6 + [0] * 2
 
 
-def _tiny_sft(seed: int) -> tuple[list[float], torch.nn.Module]:
+def _tiny_sft(seed: int, folder: Path) -> tuple[list[dict[str, float]], torch.nn.Module]:
+    """Five steps of the project trainer on 8 rows, from a 1-layer model saved to `folder`."""
     tok = build_tokenizer()
-    model = build_model(ModelSpec(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2), tok, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = collate([encode(tok, {"input": f"{a}+{a}=", "response": str(2 * a)}) for a in range(8)],
-                    tok.pad_token_id)
-    return [sft_step(model, optimizer, batch, clip_grad=1.0) for _ in range(5)], model
+    build_model(ModelSpec(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2), tok,
+                seed).save_pretrained(folder)
+    save_tokenizer(tok, folder)
+    trainer = sft_trainer(folder, SftSpec(steps=100, batch_size=8, lr=1e-2, warmup_steps=2, seed=seed))
+    samples = [to_sample(tok, {"input": f"{a}+{a}=", "response": str(2 * a)}, index=a) for a in range(8)]
+    return [trainer.train(samples, rollout_id=step) for step in range(5)], trainer.model
 
 
-def test_sft_step_starts_near_uniform_and_learns():
-    losses, _ = _tiny_sft(seed=0)
+def test_sft_with_the_trainer_starts_near_uniform_learns_and_follows_the_schedule(tmp_path):
+    metrics, _ = _tiny_sft(seed=0, folder=tmp_path)
+    losses = [m["loss"] for m in metrics]
     # Initial weights are N(0, 0.02): logits are ~0, so the NLL is ~ln(vocab) = ln 24 = 3.178.
     assert losses[0] == pytest.approx(3.178, abs=0.05)
     assert losses[-1] < losses[0] - 0.5
+    assert all(m["num_steps"] == 1 for m in metrics)        # one optimizer step per call
+    # Warmup 2: 1e-2 * 1/2, 1e-2; then cosine over steps 2..100: p = (step - 2) / 98, so step 2 has
+    # p = 0 (1e-2) and step 3 has 1e-2 * (1 + cos(pi / 98)) / 2 = 0.99974e-2.
+    assert [m["lr"] for m in metrics[:4]] == pytest.approx([5e-3, 1e-2, 1e-2, 0.99974e-2], rel=1e-5)
 
 
-def test_sft_is_deterministic_for_a_seed():
-    (losses_a, model_a), (losses_b, model_b) = _tiny_sft(seed=3), _tiny_sft(seed=3)
-    assert losses_a == losses_b
+def test_sft_is_deterministic_for_a_seed(tmp_path):
+    (metrics_a, model_a), (metrics_b, model_b) = (_tiny_sft(seed=3, folder=tmp_path / "a"),
+                                                  _tiny_sft(seed=3, folder=tmp_path / "b"))
+    assert [m["loss"] for m in metrics_a] == [m["loss"] for m in metrics_b]
     for (name, p), q in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(p, q), name
