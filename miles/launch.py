@@ -33,10 +33,6 @@ class RunResult:
     def trace_path(self) -> Path:
         return self.run_dir / "trace.jsonl"
 
-    @property
-    def last_eval(self) -> dict[str, Any]:
-        evals = [m for m in self.metrics if m.get("kind") == "eval"]
-        return evals[-1] if evals else {}
 
 
 def new_run_id() -> str:

@@ -21,6 +21,7 @@ import ray
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
+from miles.phases.prefetch import elapsed_since, await_span
 from miles.runtime.trace import Tracer
 
 Evaluate = Callable[[int], Awaitable[dict[str, float]]]    # step -> eval metrics (a Ray ObjectRef is one)
@@ -56,20 +57,13 @@ class EvalDispatcher:
         task = asyncio.ensure_future(self._run(step, weight_version, pending, span, t0))
         # a task cancelled before it ever ran skips its body: its end is traced here
         task.add_done_callback(lambda t: t.cancelled() and self._tracer.emit(
-            "eval_end", outcome="cancelled", duration_s=_since(t0), **span))
+            "eval_end", outcome="cancelled", duration_s=elapsed_since(t0), **span))
         self.jobs.append(EvalJob(step, weight_version, pending, task))
 
     async def _run(self, step: int, version: int, pending: Awaitable[Any], span: dict[str, Any], t0: float) -> None:
-        try:
-            metrics = await pending
-        except ray.exceptions.TaskCancelledError:
-            self._tracer.emit("eval_end", outcome="cancelled", duration_s=_since(t0), **span)
-            raise
-        except Exception as exc:
-            self._tracer.emit("eval_end", outcome="error", duration_s=_since(t0), error=exc, **span)
-            raise
+        metrics = await await_span(self._tracer, "eval_end", pending, span, t0)
         self._on_result(step, version, metrics)
-        self._tracer.emit("eval_end", outcome="ok", duration_s=_since(t0), **span,
+        self._tracer.emit("eval_end", outcome="ok", duration_s=elapsed_since(t0), **span,
                           **{k: v for k, v in metrics.items() if k.endswith("pass@1")})
 
     async def wait(self) -> list[EvalJob]:
@@ -106,10 +100,6 @@ class EvalDispatcher:
         """Cancel the tasks (async: the disposer runs a plain callable in a thread, tasks are the loop's)."""
         for j in self.jobs:
             j.task.cancel()
-
-
-def _since(t0: float) -> float:
-    return round(time.monotonic() - t0, 6)
 
 
 # -- the composition root's part, the phase, and settling -------------------------------------------

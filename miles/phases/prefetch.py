@@ -60,19 +60,12 @@ class Prefetcher:
         task = asyncio.ensure_future(self._finish(metrics, span, t0))
         # a task cancelled before it ever ran skips its body: its end is traced here
         task.add_done_callback(lambda t: t.cancelled() and self._tracer.emit(
-            "prefetch_end", outcome="cancelled", duration_s=_since(t0), **span))
+            "prefetch_end", outcome="cancelled", duration_s=elapsed_since(t0), **span))
         self.job = PrefetchJob(rollout_id, weight_version, samples, metrics, task, seq)
 
     async def _finish(self, metrics_ref: Any, span: dict[str, Any], t0: float) -> dict[str, Any]:
-        try:
-            metrics = await metrics_ref
-        except ray.exceptions.TaskCancelledError:
-            self._tracer.emit("prefetch_end", outcome="cancelled", duration_s=_since(t0), **span)
-            raise
-        except Exception as exc:
-            self._tracer.emit("prefetch_end", outcome="error", duration_s=_since(t0), error=exc, **span)
-            raise
-        self._tracer.emit("prefetch_end", outcome="ok", duration_s=_since(t0), staleness_max=metrics["staleness_max"],
+        metrics = await await_span(self._tracer, "prefetch_end", metrics_ref, span, t0)
+        self._tracer.emit("prefetch_end", outcome="ok", duration_s=elapsed_since(t0), staleness_max=metrics["staleness_max"],
                           samples_weight_version=metrics["weight_version_min"], **span)
         return metrics
 
@@ -116,8 +109,21 @@ class Prefetcher:
             self.job = None
 
 
-def _since(t0: float) -> float:
+def elapsed_since(t0: float) -> float:
     return round(time.monotonic() - t0, 6)
+
+
+async def await_span(tracer: Tracer, end_event: str, pending: Any, span: dict[str, Any], t0: float) -> Any:
+    """Await a span's work; if it is cancelled or fails, write its end event (with the outcome) and
+    re-raise. On success the caller writes the end event, with what the result adds."""
+    try:
+        return await pending
+    except ray.exceptions.TaskCancelledError:
+        tracer.emit(end_event, outcome="cancelled", duration_s=elapsed_since(t0), **span)
+        raise
+    except Exception as exc:
+        tracer.emit(end_event, outcome="error", duration_s=elapsed_since(t0), error=exc, **span)
+        raise
 
 
 # -- the phase ------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from miles.rollout.filters import load_filter
 from miles.rollout.rewards import load_reward_fn, score_group
 from miles.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
-GenerateFn = Callable[[int, list[list[int]], SamplingParams], Awaitable[list[Generation]]]
 Collected = tuple[list[Sample], dict[str, float]]   # a rollout's samples, grouped, and how they were collected
 
 
