@@ -80,7 +80,7 @@ def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_custom_reward_by_file_path_sync_and_async(ray_cluster, tiny_task, tmp_path):
+def test_custom_async_reward_by_file_path(ray_cluster, tiny_task, tmp_path):
     rm = tmp_path / "my_reward.py"
     rm.write_text(
         "async def length_reward(prompt, response, label):\n"
