@@ -19,8 +19,11 @@ import bisect
 import os
 from collections.abc import Callable
 
+import structlog
 import torch
 from torch import Tensor
+
+log = structlog.get_logger().bind(role="engine", engine="fast")
 
 GiB = 1 << 30
 MIN_POSITIONS = 16       # a cache that holds fewer positions per slot is surely a misconfiguration
@@ -138,7 +141,14 @@ class DecodeGraphs:
             return
         graph = self._graphs.get((b, span))
         if graph is None:
-            graph = self._graphs[(b, span)] = self._capture(b, span)
+            try:
+                graph = self._graphs[(b, span)] = self._capture(b, span)
+            except Exception as e:  # noqa: BLE001 - graphs only save launches; the eager step computes the same
+                log.warning("cuda_graph_capture_failed", batch=b, span=span, error=repr(e)[:2000], fallback="eager")
+                self.enabled = False
+                self._graphs.clear()
+                self._step(b, span)
+                return
         graph.replay()
 
     def _capture(self, b: int, span: int) -> torch.cuda.CUDAGraph:

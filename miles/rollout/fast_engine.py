@@ -23,6 +23,7 @@ import gc
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import structlog
 import torch
@@ -32,7 +33,8 @@ from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
 from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, span_buckets)
 from miles.rollout.fast_model import Arch, Forward, pack_weights, supports
-from miles.rollout.fast_sampling import STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race
+from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
+                                         stop_table)
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -76,6 +78,7 @@ class FastEngine:
         self._greedy, self._race = (_compiled(greedy), _compiled(race)) if self._forward.compiled else (greedy, race)
         self._graphs = DecodeGraphs(self._decode_forward, enabled=cuda_graph and cuda)
         self._cache: KVCache | None = None
+        self.last_stats: dict = {}       # of the last generate call: decode steps, graphs, prefills, seconds
         self.resume_memory()
         self.compile_seconds = self._warm_up() if self._forward.compiled else 0.0
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
@@ -159,9 +162,10 @@ class FastEngine:
         try:
             self._cache = KVCache(layers=a.n_layers, slots=rows, kv_heads=a.n_kv_heads, max_len=self.max_len,
                                   head_dim=a.head_dim, dtype=self.dtype, device=self.device)
-            self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
-                                       device=self.device)
-            self._noise = torch.empty((rows, a.vocab), dtype=torch.float32, device=self.device)
+            with torch.inference_mode():  # like every tensor a step makes (one set of compiled guards)
+                self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
+                                           device=self.device)
+                self._noise = torch.empty((rows, a.vocab), dtype=torch.float32, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
             self._cache = self._logits = self._noise = None
             raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
@@ -243,13 +247,16 @@ class FastEngine:
         gen = self._generator if params.seed is None else \
             torch.Generator(device=self.device).manual_seed(params.seed)
         sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
-        stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long,
-                                device=self.device)
+        is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
         version = self._version
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = CallOutputs(len(prompts), params.max_new_tokens, self.device)
-            self._run(prompts, params.max_new_tokens, sampler, stop_ids, out)
+            call = _Call(prompts, params.max_new_tokens, sampler, is_stop, out)
+            steps = self._run(call)
             tokens, logprobs, lengths, reasons = out.to_host()
+        self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
+                               seconds=time.perf_counter() - t0)
         return [Generation(t[:n], lp[:n], "stop" if r == STOP else "length", version)
                 for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
 
@@ -264,13 +271,11 @@ class FastEngine:
                     f"shorten the prompt (--max-prompt-len) or the response length, or raise "
                     f"--rollout-max-context-len / --rollout-mem-fraction")
 
-    def _run(self, prompts: list[list[int]], max_new: int, sampler: Sampler, stop_ids: Tensor,
-             out: CallOutputs) -> int:
+    def _run(self, call: _Call) -> int:
         """The continuous-batching loop; returns the number of decode steps."""
-        table = _Slots(self.max_batch_size, max_new)
-        call = _Call(prompts, max_new, sampler, stop_ids, out)
-        self._state.reset(spare=len(prompts))
-        queue, step, pending = deque(range(len(prompts))), 0, False
+        table = _Slots(self.max_batch_size, call.max_new)
+        self._state.reset(spare=len(call.prompts))
+        queue, step, pending = deque(range(len(call.prompts))), 0, False
         while True:
             checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
             if pending and checkpoint:
@@ -294,7 +299,7 @@ class FastEngine:
         self._graphs.run(b, bucket(table.span(step), self._span_buckets))
         tokens, logprobs = call.sampler(self._logits[:b])
         st = self._state
-        still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.stop_ids,
+        still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.is_stop,
                            call.max_new)
         st.pos[:b] += still
         st.active[:b] = still
@@ -336,7 +341,8 @@ class FastEngine:
         logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
         tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
-                           call.stop_ids, call.max_new)
+                           call.is_stop, call.max_new)
+        call.prefills += 1
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
     def _compact(self, table: _Slots, step: int) -> None:
@@ -346,7 +352,7 @@ class FastEngine:
             return
         movers = sorted(s for s in table.running if s >= busy)
         holes = [s for s in range(busy) if s not in table.running]
-        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (movers, holes))
+        src, dst = (_to_device(torch.tensor(x, dtype=torch.long), self.device) for x in (movers, holes))
         self._cache.move(src, dst, table.span(step))
         self._state.move(src, dst)
         table.move(movers, holes)
@@ -357,6 +363,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+@lru_cache(maxsize=None)
 def _compiled(fn):
     """`torch.compile(fn)` with the leading (batch) dimension of its tensor arguments dynamic."""
     compiled = torch.compile(fn, fullgraph=True)
@@ -373,9 +380,10 @@ def _compiled(fn):
 class _Call:
     """What one generate call's steps share."""
 
-    def __init__(self, prompts: list[list[int]], max_new: int, sampler: Sampler, stop_ids: Tensor,
+    def __init__(self, prompts: list[list[int]], max_new: int, sampler: Sampler, is_stop: Tensor,
                  out: CallOutputs):
-        self.prompts, self.max_new, self.sampler, self.stop_ids, self.out = prompts, max_new, sampler, stop_ids, out
+        self.prompts, self.max_new, self.sampler, self.is_stop, self.out = prompts, max_new, sampler, is_stop, out
+        self.prefills = 0
 
 
 class _SlotState:

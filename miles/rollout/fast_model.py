@@ -6,13 +6,13 @@ addressable as *views* into the fused tensors (`PackedWeights.named`), so weight
 place under HF names (a captured CUDA graph keeps reading the same memory) and checksums are those
 of the HF-named dict, byte for byte.
 
-Two entry points, both pure functions of tensors so the engine may `torch.compile` them and
-capture them in CUDA graphs, and CI runs them eagerly on CPU:
-- `prefill_layer`: right-padded prompts [n, P], causal attention over the prompt itself, K/V
+Two entry points (`Forward`), built from pure functions of tensors so the engine may
+`torch.compile` them and capture them in CUDA graphs, and CI runs them eagerly on CPU:
+- `prefill`: right-padded prompts [n, P], causal attention over the prompt itself, K/V
   written into the prompt's cache slot at positions 0..P-1.
-- `decode_layer`: one token per slot for the first B slots, K/V written at each slot's position,
+- `decode`: one token per slot for the first B slots, K/V written at each slot's position,
   attention over the slot's first L cache positions with a length mask (L is a bucket >= every
-  active slot's length, so one captured graph serves many steps).
+  busy slot's length, so one captured graph serves many steps).
 
 The numerics follow transformers' Llama/Qwen2 modules (RMSNorm in float32 then cast, RoPE cos/sin
 in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's to
@@ -22,7 +22,7 @@ float rounding.
 from __future__ import annotations
 
 import re
-from functools import partial
+from functools import lru_cache
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +183,10 @@ def _pack_layer(src, named, prefix: str, arch: Arch, device) -> LayerWeights:
 
 
 # --- the forward ---------------------------------------------------------------------------------
+# Each layer is three pieces: `*_qkv` (norm, QKV projection, RoPE, K/V into the cache), the
+# attention (one stock SDPA call, left out of compilation on purpose: it is one kernel already),
+# and `out_mlp` (output projection, residual, norm, MLP, residual). The engine compiles the two
+# pieces on CUDA (fusing their elementwise work) and runs them eagerly on CPU.
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
@@ -203,20 +207,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def mlp(h: Tensor, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
-    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_w)
+def additive_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where attended, -inf elsewhere: built once per step, not once per layer."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
-def decode_layer(x: Tensor, w: LayerWeights, kc: Tensor, vc: Tensor, cos: Tensor, sin: Tensor,
-                 pos: Tensor, mask: Tensor, arch: Arch) -> Tensor:
-    """One layer for one new token in each of the first B cache slots.
-
-    x [B, H]; kc, vc [slots, kv_heads, max_len, head_dim] (written at [b, :, pos[b]]);
-    cos, sin [B, head_dim]; pos [B]; mask [B, 1, 1, L] (True where a key position is attended).
-    """
-    ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w = w
-    b, span = x.shape[0], mask.shape[-1]
+def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
+               cos: Tensor, sin: Tensor, pos: Tensor, arch: Arch) -> Tensor:
+    """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
+    b = x.shape[0]
     q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = apply_rope(q.view(b, arch.n_heads, arch.head_dim), cos[:, None], sin[:, None])
@@ -224,22 +223,15 @@ def decode_layer(x: Tensor, w: LayerWeights, kc: Tensor, vc: Tensor, cos: Tensor
     rows = torch.arange(b, device=x.device)
     kc[rows, :, pos] = k
     vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim)
-    # the query heads that share a KV head become that head's "query positions": plain
-    # multi-head attention with no KV repeat, reading the cache once
-    o = F.scaled_dot_product_attention(q.view(b, arch.n_kv_heads, arch.group, arch.head_dim),
-                                       kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, scale=arch.scale)
-    x = x + F.linear(o.reshape(b, arch.q_size), o_w, o_b)
-    return x + mlp(rms_norm(x, ln2, arch.eps), gate_up_w, down_w)
+    # the query heads that share a KV head become that head's "query positions": plain multi-head
+    # attention with no K/V repeat, reading the cache once
+    return q.view(b, arch.n_kv_heads, arch.group, arch.head_dim)
 
 
-def prefill_layer(x: Tensor, w: LayerWeights, kc: Tensor, vc: Tensor, slots: Tensor, cos: Tensor,
-                  sin: Tensor, mask: Tensor, arch: Arch) -> Tensor:
-    """One layer over right-padded prompts that start at position 0.
-
-    x [n, P, H]; slots [n] (cache slot of each prompt; K/V written at positions 0..P-1);
-    cos, sin [P, head_dim]; mask [n, 1, P, P] (causal and not padding).
-    """
-    ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w = w
+def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
+                slots: Tensor, cos: Tensor, sin: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+    """x [n, P, H] -> q [n, heads, P, head_dim] and k, v repeated to every query head; K/V of
+    prompt i written at positions 0..P-1 of cache slot slots[i]."""
     n, p = x.shape[:2]
     q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
@@ -248,10 +240,15 @@ def prefill_layer(x: Tensor, w: LayerWeights, kc: Tensor, vc: Tensor, slots: Ten
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     kc[slots, :, :p] = k
     vc[slots, :, :p] = v
-    o = F.scaled_dot_product_attention(q, k.repeat_interleave(arch.group, dim=1),
-                                       v.repeat_interleave(arch.group, dim=1), attn_mask=mask, scale=arch.scale)
-    x = x + F.linear(o.transpose(1, 2).reshape(n, p, arch.q_size), o_w, o_b)
-    return x + mlp(rms_norm(x, ln2, arch.eps), gate_up_w, down_w)
+    return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
+
+
+def out_mlp(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, gate_up_w: Tensor,
+            down_w: Tensor, arch: Arch) -> Tensor:
+    """x [T, H] (residual stream), o [T, heads * head_dim] (attention output) -> x after the layer."""
+    x = x + F.linear(o, o_w, o_b)
+    gate, up = F.linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w)
 
 
 def final_logits(x: Tensor, w: PackedWeights, arch: Arch, out: Tensor | None = None) -> Tensor:
@@ -266,44 +263,61 @@ def _dynamic(*dims: tuple[Tensor, int]) -> None:
         torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+@lru_cache(maxsize=None)
+def _compiled_pieces() -> tuple:
+    """Compiled once per process (dynamo caches per function and guards on `arch`'s values)."""
+    return tuple(torch.compile(f, fullgraph=True) for f in (decode_qkv, prefill_qkv, out_mlp))
+
+
 class Forward:
-    """Embedding -> layers -> logits over a KV cache, with the layer functions eager or compiled."""
+    """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled."""
 
     def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool):
         self.arch, self.weights = arch, weights
         self.use_compiled(compiled)
 
     def use_compiled(self, compiled: bool) -> None:
-        decode = partial(decode_layer, arch=self.arch)
-        prefill = partial(prefill_layer, arch=self.arch)
-        if compiled:
-            decode, prefill = torch.compile(decode, fullgraph=True), torch.compile(prefill, fullgraph=True)
-        self._decode_layer, self._prefill_layer, self.compiled = decode, prefill, compiled
+        pieces = _compiled_pieces() if compiled else (decode_qkv, prefill_qkv, out_mlp)
+        (self._decode_qkv, self._prefill_qkv, self._out_mlp), self.compiled = pieces, compiled
 
     def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
                out: Tensor) -> None:
-        """Feed tokens [B] at positions pos [B] of cache slots 0..B-1; logits [B, V] into `out`."""
-        w = self.weights
+        """Feed tokens [B] at positions pos [B] of cache slots 0..B-1, attending over the first
+        `span` positions; logits [B, V] into `out`."""
+        a, w = self.arch, self.weights
+        b = tokens.shape[0]
         x = F.embedding(tokens, w.embed)
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
-        mask = (torch.arange(span, device=pos.device) <= pos[:, None])[:, None, None, :]
-        if self.compiled:
-            _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), (mask, 0), (mask, 3))
-        for lw, (kc, vc) in zip(w.layers, layers):
-            x = self._decode_layer(x, lw, kc, vc, cos, sin, pos, mask)
-        final_logits(x, w, self.arch, out=out)
+        mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+            if self.compiled:
+                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0))
+            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, kc, vc, cos, sin, pos, a)
+            o = F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, scale=a.scale)
+            o = o.reshape(b, a.q_size)
+            if self.compiled:
+                _dynamic((x, 0), (o, 0))
+            x = self._out_mlp(x, o, o_w, o_b, ln2, gate_up_w, down_w, a)
+        final_logits(x, w, a, out=out)
 
     def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Right-padded prompts ids [n, P] of lengths lens [n] into cache `slots` [n]; -> logits [n, V]
         of each prompt's last token."""
-        w = self.weights
+        a, w = self.arch, self.weights
         n, p = ids.shape
         x = F.embedding(ids, w.embed)
         pos = torch.arange(p, device=ids.device)
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
-        mask = ((pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :])[:, None]
-        if self.compiled:
-            _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0), (mask, 0), (mask, 2), (mask, 3))
-        for lw, (kc, vc) in zip(w.layers, layers):
-            x = self._prefill_layer(x, lw, kc, vc, slots, cos, sin, mask)
-        return final_logits(x[torch.arange(n, device=ids.device), lens - 1], w, self.arch)
+        valid = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]   # causal, not padding
+        mask = additive_mask(valid, x.dtype)[:, None]
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+            if self.compiled:
+                _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0))
+            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, kc, vc, slots, cos, sin, a)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
+            o = o.transpose(1, 2).reshape(n * p, a.q_size)
+            flat = x.view(n * p, a.hidden)
+            if self.compiled:
+                _dynamic((flat, 0), (o, 0))
+            x = self._out_mlp(flat, o, o_w, o_b, ln2, gate_up_w, down_w, a).view(n, p, a.hidden)
+        return final_logits(x[torch.arange(n, device=ids.device), lens - 1], w, a)

@@ -76,13 +76,20 @@ def make_sampler(params: SamplingParams, noise: Tensor, generator: torch.Generat
     return NoisySampler(truncated, noise, params.temperature, generator)
 
 
+def stop_table(stop_ids: set[int], vocab: int, device: torch.device) -> Tensor:
+    """[V] bool, True at stop tokens: one gather per step (`torch.isin` would sync with the host)."""
+    table = torch.zeros(vocab, dtype=torch.bool)
+    table[torch.tensor([i for i in stop_ids if 0 <= i < vocab], dtype=torch.long)] = True  # others never come
+    return table.to(device)
+
+
 def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen: Tensor,
-            out: CallOutputs, stop_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+            out: CallOutputs, is_stop: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor]:
     """Record each active slot's sampled token; -> (still active [b] bool, tokens generated [b]).
 
     All inputs are per slot [b]: `req` the request a slot serves, `ngen` the tokens it has
-    generated so far. Inactive slots write only to the outputs' spare row, so their (garbage)
-    samples never reach a request.
+    generated so far; `is_stop` is `stop_table`'s [V]. Inactive slots write only to the outputs'
+    spare row, so their (garbage) samples never reach a request.
     """
     spare = out.lengths.shape[0] - 1
     row = torch.where(active, req, spare)
@@ -91,7 +98,7 @@ def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen:
     out.logprobs[row, col] = logprobs
     n = ngen + active.long()
     out.lengths[row] = n
-    stopped = active & torch.isin(tokens, stop_ids)
+    stopped = active & is_stop[tokens]
     done = stopped | (active & (n >= max_new_tokens))
     out.reason[torch.where(done, req, spare)] = torch.where(stopped, STOP, LENGTH)
     return active & ~done, n
