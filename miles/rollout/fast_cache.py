@@ -135,6 +135,10 @@ class DecodeGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def captured(self) -> dict[tuple[int, int], torch.cuda.CUDAGraph]:
+        """(batch, span) -> graph, for the graphs captured so far."""
+        return dict(self._graphs)
+
     def run(self, b: int, span: int) -> None:
         if not self.enabled:
             self._step(b, span)

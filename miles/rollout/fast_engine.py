@@ -284,6 +284,7 @@ class FastEngine:
             table.expire(step)
             if queue and len(table.running) < table.n and (checkpoint or not table.running):
                 self._refill(table, queue, step, call)
+                table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
             if not table.running:
                 return step
             if checkpoint and not queue:

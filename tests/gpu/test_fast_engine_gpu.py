@@ -115,7 +115,8 @@ def test_sampling_matches_the_distribution(model_path, fp32, temperature, top_k,
 def test_update_weights_in_place_keeps_graphs_valid(model_path, fp32):
     engine = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=4)
     before = engine.generate(PROMPTS, GREEDY)            # graphs captured with the old weights
-    graphs = len(engine._graphs)
+    graphs = engine._graphs.captured()
+    assert (4, 64) in graphs                             # the first step's: all four slots busy
     model = hf(model_path)
     with torch.no_grad():
         for t in model_weights(model).values():
@@ -125,7 +126,7 @@ def test_update_weights_in_place_keeps_graphs_valid(model_path, fp32):
     embedded.update_weights(model_weights(model), version=2)
     assert engine.weights_checksum() == embedded.weights_checksum()
     after = engine.generate(PROMPTS, GREEDY)
-    assert len(engine._graphs) == graphs                 # the same graphs replayed ...
+    assert all(engine._graphs.captured()[k] is g for k, g in graphs.items())  # the same graphs replayed ...
     assert [g.response_ids for g in after] != [g.response_ids for g in before]
     for prompt, g in zip(PROMPTS, after):                # ... now computing with the new weights
         assert g.response_ids == full_forward_logits(model, prompt, g.response_ids).argmax(-1).tolist()
