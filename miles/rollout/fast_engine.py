@@ -29,6 +29,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from miles.rollout import fast_attention
 from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
 from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, span_buckets)
@@ -50,10 +51,11 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 class FastEngine:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = 64, mem_fraction: float = 0.5, max_context_len: int | None = None,
-                 cuda_graph: bool = True, torch_compile: bool = True):
+                 cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
-        fits); `cuda_graph` / `torch_compile`: CUDA only, off for debugging."""
+        fits); `cuda_graph` / `torch_compile` / `attention_kernel` (the length-aware decode
+        attention): CUDA only, off for debugging or comparison."""
         from transformers import AutoConfig
 
         if max_batch_size < 1:
@@ -70,20 +72,23 @@ class FastEngine:
             free_bytes=free_memory(self.device), mem_fraction=mem_fraction, slots=max_batch_size,
             bytes_per_position=self.arch.kv_bytes_per_position(self.dtype), model_limit=self._max_positions,
             max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
-        self._batch_buckets, self._span_buckets = batch_buckets(max_batch_size), span_buckets(self.max_len)
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)
         self._snapshot = Snapshot(max_batch_size + 1, self.device)
-        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda)
+        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda,
+                                length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
+                                                                                        self.device))
+        self._set_buckets()
         self._greedy, self._race = (_compiled(greedy), _compiled(race)) if self._forward.compiled else (greedy, race)
         self._graphs = DecodeGraphs(self._decode_forward, enabled=cuda_graph and cuda)
         self._cache: KVCache | None = None
         self.last_stats: dict = {}       # of the last generate call: decode steps, graphs, prefills, seconds
         self.resume_memory()
-        self.compile_seconds = self._warm_up() if self._forward.compiled else 0.0
+        self.compile_seconds = self._warm_up() if cuda else 0.0
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
                  slots=max_batch_size, max_len=self.max_len, kv_cache_gib=round(self._cache.nbytes / GiB, 2),
-                 cuda_graph=self._graphs.enabled, compiled=self._forward.compiled)
+                 cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
+                 length_aware_attention=self._forward.length_aware)
 
     @staticmethod
     def supports(config) -> str | None:
@@ -111,19 +116,41 @@ class FastEngine:
         prefill = PREFILL_TOKENS * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
         return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
 
+    def _set_buckets(self) -> None:
+        """Decode batch buckets, and span buckets: one (the whole slot) when the attention kernel
+        reads each sequence's own length, so only the batch size keys a graph."""
+        self._batch_buckets = batch_buckets(self.max_batch_size)
+        self._span_buckets = [self.max_len] if self._forward.length_aware else span_buckets(self.max_len)
+
     def _warm_up(self) -> float:
-        """Compile the layer and sampling kernels now (for dynamic batch and span sizes), not in the
-        first call. The compiled path is an optimisation of the same math: if compiling fails, log
-        it and run eagerly. Returns the seconds spent."""
+        """Check the attention kernel and compile the layer and sampling kernels now (for dynamic
+        batch and span sizes), not in the first call. Both are optimisations of the same math: if
+        one fails, log it and run the stock path. Returns the seconds spent."""
         t0 = time.perf_counter()
-        try:
-            self._compile_shapes()
-        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path, which is correct
-            log.warning("torch_compile_failed", error=repr(e)[:2000], fallback="eager")
-            self._forward.use_compiled(False)
-            self._greedy, self._race = greedy, race
-            self._graphs.clear()
+        if self._forward.length_aware and not self._attention_kernel_ok():
+            self._forward.length_aware = False
+            self._set_buckets()
+        if self._forward.compiled:
+            try:
+                self._compile_shapes()
+            except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path, which is correct
+                log.warning("torch_compile_failed", error=repr(e)[:2000], fallback="eager")
+                self._forward.use_compiled(False)
+                self._greedy, self._race = greedy, race
+                self._graphs.clear()
         return time.perf_counter() - t0
+
+    def _attention_kernel_ok(self) -> bool:
+        a = self.arch
+        try:
+            ok = fast_attention.matches_sdpa(a.n_kv_heads, a.group, a.head_dim, self.dtype, self.device,
+                                             self.max_len)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build leaves the stock attention call
+            log.warning("attention_kernel_failed", error=repr(e)[:2000], fallback="sdpa")
+            return False
+        if not ok:
+            log.warning("attention_kernel_mismatch", fallback="sdpa")
+        return ok
 
     @torch.inference_mode()
     def _compile_shapes(self) -> None:

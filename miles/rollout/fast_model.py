@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
+
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
@@ -270,10 +272,11 @@ def _compiled_pieces() -> tuple:
 
 
 class Forward:
-    """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled."""
+    """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled, and
+    decode attention by the stock call over a span bucket or by the length-aware kernel."""
 
-    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool):
-        self.arch, self.weights = arch, weights
+    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False):
+        self.arch, self.weights, self.length_aware = arch, weights, length_aware
         self.use_compiled(compiled)
 
     def use_compiled(self, compiled: bool) -> None:
@@ -288,12 +291,16 @@ class Forward:
         b = tokens.shape[0]
         x = F.embedding(tokens, w.embed)
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
-        mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
+        if not self.length_aware:
+            mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
         for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
                 _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0))
             q = self._decode_qkv(x, ln1, qkv_w, qkv_b, kc, vc, cos, sin, pos, a)
-            o = F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, scale=a.scale)
+            if self.length_aware:
+                o = decode_attention(q, kc, vc, pos, a.scale)
+            else:
+                o = sdpa_decode_attention(q, kc, vc, pos, a.scale, span, mask)
             o = o.reshape(b, a.q_size)
             if self.compiled:
                 _dynamic((x, 0), (o, 0))

@@ -12,7 +12,8 @@ project's small test tokenizer) and generates token ids from random prompts, all
 For each shape and engine: generated tokens (up to and including a stop token), seconds, tok/s,
 the ratio to `model.generate`, peak GPU memory, and for FastEngine its cold call (first use of
 each (batch, span) graph captured on the way) and warm call; construction time (weights, cache,
-torch.compile) is reported separately.
+torch.compile) is reported separately. FastEngine runs twice: with its length-aware decode
+attention kernel ("fast") and with the stock attention call ("fast_sdpa"), to pick the default.
 
 Bandwidth bound: a decode step must read every weight once and the K/V of every cached position
 of every sequence in the batch. For the tokens actually generated, at the engine's batch size S:
@@ -22,7 +23,7 @@ and bound_s = bytes / 4.3e12 (the H200's device-to-device copy rate measured on 
 `bw_fraction` = bound_s / measured seconds (the measured time includes prefill and sampling).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/rollout_gpu.py
-  [--shapes short,long] [--skip-long-baselines] [--skip-embedded] [--out result.json]
+  [--shapes short,long] [--skip-long-baselines] [--skip-embedded] [--skip-sdpa-variant] [--out result.json]
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ def main() -> None:
     p.add_argument("--stop-tokens", type=int, default=380, help="long shape: random stop tokens (EOS is always on)")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--skip-sdpa-variant", action="store_true",
+                   help="do not also run FastEngine with the stock attention call (attention_kernel=False)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (checks the script, on CPU too)")
     args = p.parse_args()
@@ -189,9 +192,13 @@ def main() -> None:
                                                "stop_tokens": len(shape["stop"]) + 1}
         run_baselines(path, shapes, args, report)
         run_fast(path, shapes, args, report)
+        if not args.skip_sdpa_variant:
+            run_fast(path, shapes, args, report, label="fast_sdpa", attention_kernel=False)
     for shape in report["shapes"].values():
         if "generate" in shape and "fast" in shape:
             shape["fast_vs_generate"] = round(shape["fast"]["tok_s"] / shape["generate"]["tok_s"], 1)
+        if "generate" in shape and "fast_sdpa" in shape:
+            shape["fast_sdpa_vs_generate"] = round(shape["fast_sdpa"]["tok_s"] / shape["generate"]["tok_s"], 1)
         if "embedded" in shape and "fast" in shape:
             shape["fast_vs_embedded"] = round(shape["fast"]["tok_s"] / shape["embedded"]["tok_s"], 1)
     report["total_s"] = round(time.perf_counter() - t_start, 1)
@@ -219,31 +226,33 @@ def run_baselines(path: str, shapes: list[dict], args, report: dict) -> None:
         log(f"  {report['shapes'][shape['name']]['embedded']}")
 
 
-def run_fast(path: str, shapes: list[dict], args, report: dict) -> None:
+def run_fast(path: str, shapes: list[dict], args, report: dict, *, label: str = "fast",
+             attention_kernel: bool = True) -> None:
     from miles.rollout.fast_engine import FastEngine
 
     context = max(max(len(q) for q in s["prompts"]) + s["max_new_tokens"] for s in shapes)
-    log(f"FastEngine: max_batch_size={args.max_batch_size} max_context_len={context}")
+    log(f"FastEngine ({label}): max_batch_size={args.max_batch_size} max_context_len={context}")
     t0 = time.perf_counter()
     engine = FastEngine(path, device=DEVICE, max_batch_size=args.max_batch_size, mem_fraction=args.mem_fraction,
                         max_context_len=context, cuda_graph=not args.no_cuda_graph,
-                        torch_compile=not args.no_compile)
-    a = engine.arch
+                        torch_compile=not args.no_compile, attention_kernel=attention_kernel)
     weight_bytes = sum(t.numel() * t.element_size() for t in engine._weights.named.values())
-    kv_bytes = a.kv_bytes_per_position(engine.dtype)
-    report["fast_engine"] = dict(construct_s=round(time.perf_counter() - t0, 1),
-                                 compile_s=round(engine.compile_seconds, 1), compiled=engine._forward.compiled,
-                                 cuda_graph=engine._graphs.enabled, max_len=engine.max_len,
-                                 kv_cache_gib=round(engine._cache.nbytes / 2**30, 2),
-                                 weight_bytes=weight_bytes, kv_bytes_per_position=kv_bytes)
+    kv_bytes = engine.arch.kv_bytes_per_position(engine.dtype)
+    report[f"{label}_engine"] = dict(
+        construct_s=round(time.perf_counter() - t0, 1), warm_up_s=round(engine.compile_seconds, 1),
+        compiled=engine._forward.compiled, cuda_graph=engine._graphs.enabled,
+        length_aware_attention=engine._forward.length_aware, max_len=engine.max_len,
+        kv_cache_gib=round(engine._cache.nbytes / 2**30, 2), weight_bytes=weight_bytes,
+        kv_bytes_per_position=kv_bytes)
     for shape in shapes:
-        log(f"{shape['name']}: FastEngine (cold, then warm)")
+        log(f"{shape['name']}: FastEngine {label} (cold, then warm)")
         res, lengths = run_engine(engine, shape, warm=True)
         bound = bound_seconds(shape["prompts"], lengths, args.max_batch_size, weight_bytes, kv_bytes)
-        res.update(bw_bound_s=round(bound, 4), bw_fraction=round(bound / res["seconds"], 3))
-        report["shapes"][shape["name"]]["fast"] = res
+        res.update(bw_bound_s=round(bound, 4), bw_fraction=round(bound / res["seconds"], 3),
+                   decode_steps=engine.last_stats["decode_steps"], prefills=engine.last_stats["prefills"])
+        report["shapes"][shape["name"]][label] = res
         log(f"  {res}")
-    report["fast_engine"]["graphs_captured"] = len(engine._graphs)
+    report[f"{label}_engine"]["graphs_captured"] = len(engine._graphs)
     engine.dispose()
 
 

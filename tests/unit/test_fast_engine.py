@@ -6,6 +6,7 @@ request errors and the checksums to match.
 """
 
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _truncate
+from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
 from miles.rollout.fast_cache import batch_buckets, plan_positions, span_buckets
 from miles.rollout.fast_engine import FastEngine
 from miles.types import SamplingParams
@@ -313,6 +315,43 @@ def test_cache_plan_fits_the_memory_or_names_the_flags():
         plan_positions(mem_fraction=0.95, model_limit=None, max_context_len=None, **plan)
     with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
         plan_positions(mem_fraction=0.5, model_limit=512, max_context_len=600, **plan)
+
+
+def _interpreter_scalars_as_loop_bounds(monkeypatch) -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds
+    with int(array), which numpy >= 2.? refuses for arrays that are not 0-d: take the element."""
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_length_aware_attention_kernel_equals_the_masked_stock_call(dtype, monkeypatch):
+    # on CPU only under Triton's interpreter: TRITON_INTERPRET=1 with triton installed (CI skips it)
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
+        _interpreter_scalars_as_loop_bounds(monkeypatch)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kv_heads, group, dim, max_len = 2, 7, 64, 150            # 150: the last key block is partial
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn((4, kv_heads, group, dim), generator=g).to(device, dtype)
+    kc, vc = (torch.randn((6, kv_heads, max_len, dim), generator=g).to(device, dtype) for _ in range(2))
+    pos = torch.tensor([0, 63, 64, 149], device=device)       # 1 key, a full block, one past it, all
+    valid = torch.arange(max_len, device=device) <= pos[:, None]
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))[:, None, None]
+    want = sdpa_decode_attention(q, kc, vc, pos, dim ** -0.5, max_len, mask).float()
+    got = decode_attention(q, kc, vc, pos, dim ** -0.5).float()
+    assert (got - want).abs().max() < (1e-4 if dtype == torch.float32 else 5e-3)
+    # slot 0 attends to its first key only: its output is that key's value
+    assert torch.allclose(got[0], vc[0, :, :1].float().expand(kv_heads, group, dim), atol=1e-3)
 
 
 def test_buckets_cover_every_size_with_little_waste():
