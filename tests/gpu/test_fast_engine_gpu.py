@@ -52,6 +52,22 @@ def full_forward_logits(model, prompt: list[int], response: list[int]) -> torch.
 def assert_fast_path(engine: FastEngine) -> None:
     assert engine._forward.compiled, "torch.compile fell back to eager (see the torch_compile_failed log line)"
     assert engine._graphs.enabled and len(engine._graphs) > 0
+    if engine.dtype != torch.float32:   # float32 keeps the stock attention call by design
+        assert engine._forward.length_aware, "the attention kernel was refused (see attention_kernel_* log lines)"
+
+
+def test_attention_kernel_equals_the_masked_stock_call_in_bf16():
+    from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
+
+    kv_heads, group, dim, max_len = 2, 7, 64, 1000
+    q = torch.randn((6, kv_heads, group, dim), device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn((9, kv_heads, max_len, dim), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.tensor([0, 1, 63, 64, 500, 999], device="cuda")
+    valid = torch.arange(max_len, device="cuda") <= pos[:, None]
+    mask = torch.zeros(valid.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~valid, float("-inf"))
+    want = sdpa_decode_attention(q, kc, vc, pos, dim ** -0.5, max_len, mask[:, None, None]).float()
+    got = decode_attention(q, kc, vc, pos, dim ** -0.5).float()
+    assert (got - want).abs().max() < 2e-2
 
 
 def test_fp32_greedy_equals_the_full_forward_argmax(model_path, fp32):
