@@ -125,9 +125,21 @@ def import_handler(path: str) -> Callable[..., Any]:
 # -- loading ---------------------------------------------------------------------------------------
 
 
+# a source checkout run with only PYTHONPATH set has no `miles.machines` (setup.py maps the top-level
+# machines/ folder to it at install time): the checkout's own folder is the same files
+_CHECKOUT_MACHINES = Path(__file__).resolve().parents[2] / "machines"
+
+
+def builtin_dir() -> Any:
+    """The folder of the built-in machines: the installed `miles.machines`, else the checkout's machines/."""
+    try:
+        return importlib.resources.files("miles.machines")
+    except ModuleNotFoundError:
+        return _CHECKOUT_MACHINES
+
+
 def builtin_machines() -> list[str]:
-    return sorted(p.name[:-5] for p in importlib.resources.files("miles.machines").iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in builtin_dir().iterdir() if p.name.endswith(".yaml"))
 
 
 def machine_path(name_or_path: str | Path) -> Path | None:
@@ -135,7 +147,7 @@ def machine_path(name_or_path: str | Path) -> Path | None:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
-    res = importlib.resources.files("miles.machines") / f"{name_or_path}.yaml"
+    res = builtin_dir() / f"{name_or_path}.yaml"
     return Path(str(res)) if res.is_file() else None
 
 

@@ -15,12 +15,12 @@ import json
 import pytest
 
 from miles.checkpoint.store import CheckpointStore
-from miles.cli_args import parse_flags
-from miles.launch import prepare_run
+from miles.config.flags import parse_flags
+from miles.api.launch import prepare_run
 from miles.phases.faults import InjectedFault
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.tracetools.check import check_trace
-from miles.train_cli import main as train_main
+from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray

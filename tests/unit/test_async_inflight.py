@@ -13,7 +13,7 @@ from miles.config import (
 from miles.phases.eval_dispatch import EvalDispatcher
 from miles.phases.prefetch import Prefetcher
 from miles.runtime import Tracer, load_machine
-from miles.validate import validate_for_machine
+from miles.config.validate import validate_for_machine
 
 
 class FakeExecutor:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.cli_args import parse_flags
+from miles.config.flags import parse_flags
 from miles.config import ConfigError
 
 

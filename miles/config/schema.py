@@ -2,7 +2,7 @@
 
 Every component receives its own slice (`RolloutConfig`, `TrainConfig`, ...), never the whole
 `RunConfig`. Flag names are miles' (`--rollout-batch-size` is `RolloutConfig.batch_size`); the
-mapping lives in `miles/cli_args.py`. Validation collects every problem and raises one `ConfigError`.
+mapping lives in `miles/config/flags.py`. Validation collects every problem and raises one `ConfigError`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ConfigError, RunConfig
-from .runtime.machine import MachineDef
+from .schema import ConfigError, RunConfig
+from miles.runtime.machine import MachineDef
 
 SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "ppo")
 TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards can carry --kl-coef
@@ -109,7 +109,7 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _faults(cfg: RunConfig, problems: list[str]) -> None:
-    from .phases.faults import parse_fault
+    from miles.phases.faults import parse_fault
 
     for text in cfg.inject_faults:
         try:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from .config import (
+from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
@@ -321,7 +321,7 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     sections["algorithm"]["max_response_len"] = rollout.get("max_response_len", RolloutConfig.max_response_len)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
-    from .tracking.sinks import tracking_problems
+    from miles.tracking.sinks import tracking_problems
     from .validate import validate   # the checks, kept apart from the parsing
     missing = tracking_problems(cfg.tracking)     # a sink whose package is not installed
     try:

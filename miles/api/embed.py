@@ -102,8 +102,8 @@ class Run:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         """Validate, prepare the run directory and trace, and start the lifecycle in a task."""
-        from miles.launch import prepare_run
-        from miles.validate import validate
+        from miles.api.launch import prepare_run
+        from miles.config.validate import validate
 
         if self._task is not None:
             raise RuntimeError("this Run was started already; make a new Run for another training")
