@@ -16,6 +16,9 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from miles.rollout.protocol import ENGINES
+from miles.training.protocol import TRAIN_BACKENDS
+
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
@@ -76,7 +79,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
-    _f("rollout-engine", "rollout", "engine", str, "inference backend", ("embedded",)),
+    _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
     _f("rm-type", "rollout", "rm_type", str, "built-in reward", RM_TYPES),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
@@ -131,6 +134,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", tuple(TRAIN_BACKENDS)),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),

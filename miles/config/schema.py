@@ -47,7 +47,7 @@ class RolloutConfig:
     top_p: float = 1.0                  # --rollout-top-p
     top_k: int = -1                     # --rollout-top-k
     num_engines: int = 1                # --rollout-num-engines
-    engine: str = "embedded"            # --rollout-engine: embedded (sglang slots in later)
+    engine: str = "embedded"            # --rollout-engine: a name in miles.rollout.protocol.ENGINES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
     seed: int = 0                       # --rollout-seed (defaults to --seed)
@@ -103,6 +103,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
     seed: int = 0                       # --seed
+    backend: str = "torch"              # --train-backend: a name in miles.training.protocol.TRAIN_BACKENDS
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
     lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup

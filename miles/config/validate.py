@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .schema import ConfigError, RunConfig
+from miles.rollout.protocol import ENGINES
 from miles.runtime.machine import MachineDef
+from miles.training.protocol import TRAIN_BACKENDS
 
 SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "ppo")
 TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards can carry --kl-coef
@@ -13,11 +15,23 @@ TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults,
-                  _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
+    for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
+                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
+
+
+def _backends(cfg: RunConfig, problems: list[str]) -> None:
+    """Names the registries know (a config built in code skips the flags' `choices`)."""
+    if cfg.rollout.engine not in ENGINES:
+        problems.append(f"--rollout-engine {cfg.rollout.engine}: no such engine; use one of {', '.join(ENGINES)}")
+    spec = TRAIN_BACKENDS.get(cfg.train.backend)
+    if spec is None:
+        problems.append(f"--train-backend {cfg.train.backend}: no such backend; use one of {', '.join(TRAIN_BACKENDS)}")
+    elif spec.critic is None and cfg.algorithm.advantage_estimator == "ppo":
+        problems.append(f"--train-backend {cfg.train.backend} has no critic: --advantage-estimator ppo needs one; "
+                        f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
 
 
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:

@@ -37,6 +37,7 @@ class TrainingContext(PhaseContext):
         super().__init__(tracer=tracer, disposer=disposer)
         self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
         self.c = Components()
+        self.backends: Any = None                      # miles.phases.init.Backends, picked by init
         self.start_rollout = 0
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed

@@ -3,19 +3,21 @@ where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
 is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
-starts.
+starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
+`miles.rollout.protocol` and `miles.training.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, as_dict
+from miles.config import ConfigError, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
@@ -23,16 +25,35 @@ from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.protocol import ENGINES, Engine
 from miles.rollout.rewards import load_reward_fn
+from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
-from miles.training.critic import Critic
-from miles.training.trainer import Trainer
+from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The implementation classes a run uses; the composition root makes them actors."""
+
+    engine: type[Engine]
+    trainer: type[TrainerBackend]
+    critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
+
+
+def pick_backends(cfg: RunConfig) -> Backends:
+    """--rollout-engine and --train-backend → classes, imported now (validate checked the names)."""
+    spec = TRAIN_BACKENDS[cfg.train.backend]
+    ppo = cfg.algorithm.advantage_estimator == "ppo"
+    return Backends(engine=import_object(ENGINES[cfg.rollout.engine]), trainer=import_object(spec.trainer),
+                    critic=import_object(spec.critic) if ppo and spec.critic else None)
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
+    ctx.backends = pick_backends(cfg)
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -77,12 +98,12 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
-    ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
+    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
                                         algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
     add(ctx.c.trainer, force=ctx.c.trainer.force)
-    if cfg.algorithm.advantage_estimator == "ppo":
+    if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
-            Critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
 

@@ -110,13 +110,19 @@ class MachineDef:
                        auto_transitions=False, send_event=False, queued=False)
 
 
-def import_handler(path: str) -> Callable[..., Any]:
+def import_object(path: str) -> Any:
+    """The object a `package.module:name` path names (phase handlers, backend classes)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError("expected 'package.module:function'")
+        raise ValueError(f"{path!r}: expected 'package.module:name'")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
+    return obj
+
+
+def import_handler(path: str) -> Callable[..., Any]:
+    obj = import_object(path)
     if not inspect.iscoroutinefunction(obj):
         raise TypeError(f"{path} must be an async function taking the run context")
     return obj
