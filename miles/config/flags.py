@@ -319,10 +319,6 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
             problems.append(f"--{name} is required")
     if problems:
         raise ConfigError(problems)
-    rollout = sections["rollout"]
-    rollout.setdefault("seed", sections["train"].get("seed", 0))
-    sections["algorithm"]["temperature"] = rollout.get("temperature", 1.0)
-    sections["algorithm"]["max_response_len"] = rollout.get("max_response_len", RolloutConfig.max_response_len)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
     from miles.tracking.sinks import tracking_problems

@@ -50,7 +50,7 @@ class RolloutConfig:
     engine: str = "embedded"            # --rollout-engine: a name in miles.rollout.protocol.ENGINES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
-    seed: int = 0                       # --rollout-seed (defaults to --seed)
+    seed: int | None = None             # --rollout-seed (None: --seed; read it as RunConfig.rollout_seed)
     engine_max_restarts: int = 3        # --engine-max-restarts: restarts of dead engines allowed ...
     engine_restart_window_s: float = 600.0  # --engine-restart-window: ... within any window of this many seconds
     dynamic_sampling_filter_path: str | None = None  # --dynamic-sampling-filter-path: keep a group iff filter(group)
@@ -76,10 +76,8 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0           # --kl-loss-coef
     kl_loss_type: str = "k3"            # --kl-loss-type k1 | k2 | k3 | low_var_kl
     entropy_coef: float = 0.0           # --entropy-coef
-    temperature: float = 1.0            # the rollout temperature: train-side logprobs use logits / temperature
     normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
     loss_agg_mode: str = "token_mean"   # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    max_response_len: int = 64          # the rollout's: seq_mean_token_sum_norm's constant (Dr. GRPO)
     kl_coef: float = 0.0                # --kl-coef: KL penalty in the token rewards (ppo, reinforce_plus_plus)
     ref_load: str | None = None         # --ref-load: HF folder of the reference model (None: the initial policy)
     ref_update_interval: int | None = None  # --ref-update-interval: reference := policy every N rollouts
@@ -183,6 +181,11 @@ class RunConfig:
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+
+    @property
+    def rollout_seed(self) -> int:
+        """The seed of the prompt order and the engines' sampling: --rollout-seed, else --seed."""
+        return self.train.seed if self.rollout.seed is None else self.rollout.seed
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from torch import Tensor
 from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
                               get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
                               normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
-from miles.config import AlgorithmConfig, ConfigError, TrainConfig
+from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule
@@ -65,7 +65,7 @@ AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | N
 TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")
 
 
-def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig) -> list[str]:
+def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
     problems = []
     if train.micro_batch_size < 1:
         problems.append(f"--micro-batch-size must be >= 1, got {train.micro_batch_size}")
@@ -79,9 +79,9 @@ def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig) -> list[str
         problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_REDUCTIONS)}, got {algorithm.loss_agg_mode!r}")
     if algorithm.use_tis and algorithm.use_rollout_logprobs:
         problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
-    if not algorithm.temperature > 0:
-        problems.append(f"the train-side temperature must be > 0 (greedy rollouts cannot be trained on), "
-                        f"got {algorithm.temperature}")
+    if not rollout.temperature > 0:
+        problems.append(f"--rollout-temperature must be > 0 to train on the rollouts (greedy ones cannot be), "
+                        f"got {rollout.temperature}")
     return problems
 
 
@@ -102,10 +102,11 @@ def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
     return logprobs.new_zeros(()), {}
 
 
-def _pick_reduction(algorithm: AlgorithmConfig) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
+def _pick_reduction(algorithm: AlgorithmConfig,
+                    max_response_len: int) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
     """The loss reduction of --loss-agg-mode and what each micro-batch adds to its normalizer."""
     mode = algorithm.loss_agg_mode
-    options = {"max_len": algorithm.max_response_len} if mode == "seq_mean_token_sum_norm" else {}
+    options = {"max_len": max_response_len} if mode == "seq_mean_token_sum_norm" else {}
     return select(LOSS_REDUCTIONS, "loss reduction (--loss-agg-mode)", mode, **options), NORMALIZER_COUNTS[mode]
 
 
@@ -179,20 +180,22 @@ def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tup
 
 
 class Trainer:
-    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, device: str = "auto",
-                 dtype: str = "auto"):
-        problems = _config_problems(train, algorithm)
+    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
+                 device: str = "auto", dtype: str = "auto"):
+        """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
+        recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant."""
+        problems = _config_problems(train, algorithm, rollout)
         if problems:
             raise ConfigError(problems)
         seed_everything(train.seed)
         self.device = resolve_device(device)
         self.compute_dtype = resolve_dtype(dtype, self.device)
         self._train_cfg = train
-        self._temperature = algorithm.temperature
+        self._temperature = rollout.temperature
         self._kl_coef = algorithm.kl_loss_coef
         self._entropy_coef = algorithm.entropy_coef
         self._entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
-        self._reduce, self._count = _pick_reduction(algorithm)
+        self._reduce, self._count = _pick_reduction(algorithm, rollout.max_response_len)
         self._policy_term, self._kl_term = _pick_terms(algorithm, self._reduce)
         self._advantages = _pick_advantages(algorithm)
         self._is_sft = algorithm.loss_type == "sft_loss"     # SFT needs neither old logprobs nor advantages

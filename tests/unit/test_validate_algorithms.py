@@ -46,5 +46,4 @@ def test_recipes_from_the_docs_validate(base):
                    "--over-sampling-batch-size", "1", "--eps-clip-high", "0.28", "--overlong-buffer-len", "16"],
                   ["--use-tis", "--tis-clip", "2", "--tis-clip-low", "0.5", "--loss-agg-mode", "seq_mean_token_sum_norm"],
                   ["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--response-key", "answer"]):
-        cfg, _ = parse_flags(base + flags)
-        assert cfg.algorithm.max_response_len == cfg.rollout.max_response_len
+        parse_flags(base + flags)          # a documented recipe that stopped validating raises ConfigError here
