@@ -8,6 +8,9 @@ machine with only torch, transformers and structlog (no Ray):
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -17,7 +20,7 @@ from miles.rollout.fast_engine import FastEngine
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, make_tiny_model
-from tests.unit.test_fast_engine import MANY, PROMPTS, make_tiny_llama, sampling_p_values
+from tests.unit.test_fast_engine import MANY, PROMPTS, chi_square_p, make_tiny_llama, sampling_p_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -128,6 +131,27 @@ def test_sampling_matches_the_distribution(model_path, fp32, temperature, top_k,
     assert p_first > 1e-3 and p_second > 1e-3, (p_first, p_second)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_bf16_sampling_matches_the_engines_own_logprobs(bf16, temperature):
+    # bf16 logits differ from any reference's in the last bits, so the expected distribution is
+    # the engine's own: the logprob it reports for each token (first tokens: the prefill's logits;
+    # second tokens after the most common first one: a graph-replayed decode step)
+    n = 10000
+    gens = bf16.generate([[5, 6, 14]] * n, SamplingParams(temperature=temperature, max_new_tokens=2, seed=3))
+    t1 = Counter(g.response_ids[0] for g in gens).most_common(1)[0][0]
+    for pos, chosen in ((0, gens), (1, [g for g in gens if g.response_ids[0] == t1 and len(g.response_ids) == 2])):
+        counts = Counter(g.response_ids[pos] for g in chosen)
+        lps: dict[int, list[float]] = {}
+        for g in chosen:
+            lps.setdefault(g.response_ids[pos], []).append(g.logprobs[pos])
+        toks = sorted(counts)
+        probs = torch.tensor([math.exp(sum(lps[t]) / len(lps[t])) for t in toks], dtype=torch.float64)
+        assert probs.sum() <= 1.0 + 1e-2
+        probs = torch.cat([probs, (1 - probs.sum()).clamp(min=0)[None]])   # tokens never drawn: one bin
+        observed = Counter({i: counts[t] for i, t in enumerate(toks)})
+        assert chi_square_p(observed, probs / probs.sum(), len(chosen)) > 1e-3, (temperature, pos)
+
+
 def test_update_weights_in_place_keeps_graphs_valid(model_path, fp32):
     engine = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=4)
     before = engine.generate(PROMPTS, GREEDY)            # graphs captured with the old weights
@@ -170,7 +194,7 @@ def test_twenty_calls_leave_peak_memory_flat(model_path):
 
 
 def test_release_and_resume_memory_on_the_gpu(model_path):
-    engine = FastEngine(model_path, device="cuda", max_batch_size=64, max_context_len=256)
+    engine = FastEngine(model_path, device="cuda", max_batch_size=64, max_context_len=128)
     params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=2)
     before = engine.generate(MANY, params)
     torch.cuda.synchronize()
