@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
-from miles.rollout.protocol import ENGINES
+from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BATCH_SIZE
 from miles.rollout.rewards import REWARD_FUNCTIONS
 from miles.training.protocol import TRAIN_BACKENDS
 
@@ -94,6 +94,18 @@ FLAGS: tuple[Flag, ...] = (
     _f("overlong-buffer-len", "rollout", "overlong_buffer_len", int,
        "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
+    # rollout: the engine's limits and switches (FastEngine: --rollout-engine fast, or embedded on CUDA)
+    _f("rollout-max-batch-size", "rollout", "max_batch_size", int,
+       f"sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
+       f"{FAST_MAX_BATCH_SIZE} for FastEngine, {EMBEDDED_MAX_BATCH_SIZE} for EmbeddedEngine)"),
+    _f("rollout-mem-fraction", "rollout", "mem_fraction", float,
+       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded"),
+    _f("disable-cuda-graph", "rollout", "cuda_graph", kind="false",
+       help="FastEngine: run decode steps eagerly, not as captured CUDA graphs (debugging)"),
+    _f("disable-torch-compile", "rollout", "torch_compile", kind="false",
+       help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
+    _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
+       help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",

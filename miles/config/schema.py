@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
+from miles.rollout.protocol import FAST_MEM_FRACTION
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,12 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
+    # the engine's limits and switches (miles.rollout.protocol says which engine reads which)
+    max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
+    mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
+    cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
+    torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
+    attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
 
     @property
     def num_samples(self) -> int:

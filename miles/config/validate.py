@@ -43,6 +43,7 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--eval-interval", cfg.eval.interval), ("--n-samples-per-eval-prompt", cfg.eval.n_samples_per_prompt),
         ("--debug-exit-after-rollout", cfg.debug_exit_after_rollout), ("--eval-max-response-len", cfg.eval.max_response_len),
         ("--update-weights-interval", cfg.update_weights_interval),
+        ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
@@ -54,6 +55,9 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--rollout-temperature {r.temperature}: must be >= 0")
     if not 0 < r.top_p <= 1:
         problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
+    if not 0 < r.mem_fraction < 1:
+        problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
+                        "free after the weights that the KV cache takes")
     if cfg.eval.temperature < 0:
         problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.train.lr <= 0:

@@ -11,14 +11,14 @@ starts. `pick_backends` is the one place an implementation is chosen: the engine
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, RunConfig, as_dict
+from miles.config import ConfigError, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
@@ -41,20 +41,81 @@ class Backends:
     engine: type[Engine]
     trainer: type[TrainerBackend]
     critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
+    engine_name: str = "embedded"           # the ENGINES entry `engine` is
+    engine_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options past device/dtype/seed
+    fast_path_refused: str | None = None    # why --rollout-engine embedded on CUDA stayed on transformers
 
 
 def pick_backends(cfg: RunConfig) -> Backends:
-    """--rollout-engine and --train-backend → classes, imported now (validate checked the names)."""
+    """--rollout-engine and --train-backend → classes, imported now (validate checked the names).
+
+    Raises ConfigError when --rollout-engine fast names a model FastEngine does not implement.
+    """
     spec = TRAIN_BACKENDS[cfg.train.backend]
     ppo = cfg.algorithm.advantage_estimator == "ppo"
-    return Backends(engine=import_object(ENGINES[cfg.rollout.engine]), trainer=import_object(spec.trainer),
-                    critic=import_object(spec.critic) if ppo and spec.critic else None)
+    name, refused = pick_engine(cfg)
+    return Backends(engine=import_object(ENGINES[name]), trainer=import_object(spec.trainer),
+                    critic=import_object(spec.critic) if ppo and spec.critic else None, engine_name=name,
+                    engine_options=engine_options(cfg.rollout, name), fast_path_refused=refused)
+
+
+def pick_engine(cfg: RunConfig) -> tuple[str, str | None]:
+    """The ENGINES name the run uses, and why the fast path was refused (None: taken, or not on CUDA).
+
+    `embedded` on CUDA is FastEngine when it implements the model, else EmbeddedEngine; on CPU it is
+    EmbeddedEngine, as always. `fast` is FastEngine (CPU too: eager, what CI tests) or a ConfigError.
+    """
+    asked = cfg.rollout.engine
+    if asked == "embedded" and not _engines_on_cuda(cfg.model.device):
+        return "embedded", None
+    if asked not in ("embedded", "fast"):
+        return asked, None
+    refused = _fast_engine_refuses(cfg.model.hf_checkpoint)
+    if refused and asked == "fast":
+        raise ConfigError(f"--rollout-engine fast cannot run --hf-checkpoint {cfg.model.hf_checkpoint}: {refused}; "
+                          "use --rollout-engine embedded (transformers)")
+    return ("embedded", refused) if refused else ("fast", None)
+
+
+def _engines_on_cuda(device: str) -> bool:
+    # read on the driver: with --device auto, a driver without a GPU (attached to a remote cluster)
+    # keeps the transformers engine; --device cuda picks the fast path wherever the driver runs
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _fast_engine_refuses(hf_checkpoint: str) -> str | None:
+    """None when FastEngine implements the checkpoint's model; else why not."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+    except (OSError, ValueError) as exc:
+        return f"its config does not load ({exc})"
+    return import_object(ENGINES["fast"]).supports(config)
+
+
+def engine_options(rollout: RolloutConfig, name: str) -> dict[str, Any]:
+    """The engine's constructor options from the rollout slice: what that engine reads (protocol.py)."""
+    options: dict[str, Any] = {}
+    if rollout.max_batch_size is not None:        # else the engine's own default
+        options["max_batch_size"] = rollout.max_batch_size
+    if name == "fast":
+        options.update(mem_fraction=rollout.mem_fraction, cuda_graph=rollout.cuda_graph,
+                       torch_compile=rollout.torch_compile, attention_kernel=rollout.attention_kernel)
+    return options
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
     ctx.backends = pick_backends(cfg)
+    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
+                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
+                    fast_path_refused=ctx.backends.fast_path_refused)
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 

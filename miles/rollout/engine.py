@@ -24,6 +24,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
@@ -40,7 +41,7 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = 64):
+                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = resolve_device(device)

@@ -35,6 +35,7 @@ from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batc
 from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
+from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -49,7 +50,8 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 class FastEngine:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = 64, mem_fraction: float = 0.5, max_context_len: int | None = None,
+                 max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
+                 max_context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
