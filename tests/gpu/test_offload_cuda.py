@@ -29,9 +29,9 @@ def test_offload_frees_gpu_memory_and_onload_restores_it_exactly(weights):
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
 
     off = HostOffload(opt, model, weights=weights)
-    twin_used = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated()
     off.offload()
-    freed = twin_used - torch.cuda.memory_allocated()
+    freed = before - torch.cuda.memory_allocated()
     # state (2x) + grads (1x) + weights (1x when asked)
     assert freed >= (3 + weights) * param_bytes * 0.99, (freed, param_bytes)
     assert all(v.device.type == "cpu" and v.is_pinned() for s in opt.state.values() for v in s.values() if v.numel() > 1)
