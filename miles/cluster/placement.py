@@ -3,8 +3,7 @@
 The flags keep miles' meanings:
 - `--actor-num-nodes` x `--actor-num-gpus-per-node`: the trainer's GPUs (the critic shares them);
 - `--rollout-num-gpus`: the engines' GPUs in all (default: `--rollout-num-engines` x
-  `--rollout-num-gpus-per-engine`; with `--colocate`, the trainer's GPUs), each engine taking
-  `--rollout-num-gpus-per-engine` of them;
+  `--rollout-num-gpus-per-engine`), each engine taking `--rollout-num-gpus-per-engine` of them;
 - `--num-gpus-per-node`: GPUs on each node, which an engine may not span;
 - `--colocate`: the engines run on the trainer's GPUs.
 
@@ -17,7 +16,10 @@ then (unless colocated) the engines'. Each actor asks for a share of one bundle:
 Ray's fractions are bookkeeping, not memory limits: they only have to sum to at most 1 per GPU so
 that Ray places the colocated actors together. 0.4 / 0.4 / 0.2 (miles' numbers) fits PPO's three
 roles on one GPU; memory is shared by handing it back and forth (engine release/resume, optimizer
-offload). Engines beyond the trainer's GPUs in a colocated run are an error, not a silent spill.
+offload). Colocated engines fill the trainer's GPUs from the first; more engine GPUs than the
+trainer has is an error, not a silent spill. (miles' colocated default is one engine GPU per
+trainer GPU; here the engine count stays what --rollout-num-engines / --rollout-num-gpus say, so a
+flag is never silently overridden.)
 
 A CPU run has no placement group and every actor asks for 0 GPUs: today's layout, unchanged.
 `plan_placement` is pure; `PlacementGroupResource` is the thin Ray layer (create, wait, remove).
@@ -26,8 +28,12 @@ A CPU run has no placement group and every actor asks for 0 GPUs: today's layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from miles.config import ConfigError
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 TRAINER_SHARE, CRITIC_SHARE, COLOCATED_ENGINE_SHARE = 0.4, 0.4, 0.2
 PLACEMENT_READY_TIMEOUT_S = 120.0
@@ -71,6 +77,18 @@ class PlacementPlan:
 CPU_ACTOR = Placement(bundle=None, num_gpus=0)
 
 
+def placement_request(cfg: "RunConfig", *, use_gpus: bool) -> PlacementRequest:
+    """The request a run's config makes (the debug halves drop the trainer or the engines)."""
+    c = cfg.cluster
+    return PlacementRequest(
+        use_gpus=use_gpus, colocate=c.colocate, num_engines=cfg.rollout.num_engines,
+        rollout_num_gpus=c.rollout_num_gpus, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine,
+        actor_num_nodes=c.actor_num_nodes, actor_num_gpus_per_node=c.actor_num_gpus_per_node,
+        num_gpus_per_node=c.num_gpus_per_node, has_trainer=not cfg.debug_rollout_only,
+        has_critic=cfg.algorithm.advantage_estimator == "ppo" and not cfg.debug_rollout_only,
+        has_engines=cfg.load_debug_rollout_data is None)
+
+
 def _problems(r: PlacementRequest) -> list[str]:
     problems = [f"--{flag} must be >= 1, got {v}" for flag, v in (
         ("actor-num-nodes", r.actor_num_nodes), ("actor-num-gpus-per-node", r.actor_num_gpus_per_node),
@@ -99,11 +117,9 @@ def _problems(r: PlacementRequest) -> list[str]:
 
 
 def rollout_gpus(r: PlacementRequest) -> int:
-    """The engines' GPUs: --rollout-num-gpus, else the trainer's when colocated, else engines x per engine."""
+    """The engines' GPUs: --rollout-num-gpus, else engines x GPUs per engine."""
     if r.rollout_num_gpus is not None:
         return r.rollout_num_gpus
-    if r.colocate and r.has_trainer:
-        return r.actor_num_nodes * r.actor_num_gpus_per_node
     return r.num_engines * r.rollout_num_gpus_per_engine
 
 
@@ -180,3 +196,17 @@ def cluster_gpus() -> float:
     import ray
 
     return float(ray.cluster_resources().get("GPU", 0))
+
+
+@dataclass
+class RunPlacement:
+    """The run's plan and its placement group (None on CPU): what each actor asks Ray for."""
+    plan: PlacementPlan
+    group: PlacementGroupResource | None = None
+
+    @property
+    def gpus(self) -> bool:
+        return self.plan.bundles > 0
+
+    def options(self, placement: Placement) -> dict:
+        return {"num_gpus": placement.num_gpus} if self.group is None else self.group.options(placement)

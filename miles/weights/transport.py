@@ -223,7 +223,10 @@ class WeightReceiver:
         self._pending: tuple[int, set[str], int] | None = None   # (version, names loaded, next index)
 
     def load(self, bucket: WeightBucket) -> int | None:
-        """Copy `bucket` in; returns its version once the version is complete, else None."""
+        """Copy `bucket` in; returns its version once the version is complete, else None. A bucket 0
+        starts a version afresh (a sync retried after an engine restart begins again)."""
+        if bucket.index == 0:
+            self._pending = None
         version, loaded, expected = self._pending or (bucket.version, set(), 0)
         if bucket.version != version or bucket.index != expected:
             raise ValueError(f"weight bucket {bucket.index}/{bucket.count} of version {bucket.version} arrived "

@@ -67,7 +67,7 @@ def trl_reward(prompts, completions, **kwargs):   # TRL: reward_funcs=[trl_rewar
     return [score(c) for c in completions]
 '''
 # the fastest configuration miles has; override with --miles-flags
-MILES_FLAGS = "--colocate --use-dynamic-batch-size --max-tokens-per-gpu 32768"
+MILES_FLAGS = "--colocate --rollout-engine fast --use-dynamic-batch-size --max-tokens-per-gpu 32768"
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -293,6 +293,8 @@ def miles_iterations(trace: list[dict]) -> list[dict]:
                 current = None
         elif e.get("event") == "weights_synced" and current is not None:
             current["sync_s"] = e.get("duration_s")
+        elif e.get("event") in ("memory_to_engines", "memory_to_trainer") and current is not None:
+            current[e["event"] + "_s"] = e.get("duration_s")
     return iters
 
 
@@ -315,8 +317,11 @@ def summarize_miles(run_dir: Path, mem: MemorySampler, params: int, a: argparse.
     return {"steady_iteration_s": steady(iter_s), "first_iteration_s": iter_s[0], "iteration_s": iter_s,
             "phase_s": phase, "steady_phase_s": {p: steady(v) for p, v in phase.items()},
             "weight_sync_s": [it.get("sync_s") for it in iters],
+            "memory_handoff_s": {k: [it.get(k + "_s") for it in iters] for k in ("memory_to_trainer", "memory_to_engines")},
             "train_mfu": mfu, "steady_train_mfu": steady(mfu) if mfu else None,
             "gpu_mem_peak_mib_per_iteration": peaks, "gpu_mem_peak_mib": mem.peak_mib(),
+            "trainer_gpu_mem_peak_gib": [round(m["gpu_mem_peak_gib"], 3) for m in metrics if "gpu_mem_peak_gib" in m],
+            "logprob_passes": [m.get("logprob_passes") for m in metrics],
             "trainer_metrics_last": {k: v for k, v in (metrics[-1] if metrics else {}).items()
                                      if isinstance(v, (int, float))}}
 

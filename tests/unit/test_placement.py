@@ -29,12 +29,14 @@ def test_colocated_on_one_gpu_trainer_critic_and_engine_share_the_bundle():
     assert plan.engines == (Placement(0, 0.2),)
 
 
-def test_colocated_engines_cover_the_trainers_gpus_by_default():
-    # 2 nodes x 2 GPUs for the trainer; engines of 2 GPUs each: 2 engines on bundles 0 and 2
+def test_colocated_engines_fill_the_trainers_gpus_from_the_first():
+    # 2 nodes x 2 GPUs for the trainer; 4 engine GPUs, 2 per engine: 2 engines on bundles 0 and 2
     plan = plan_placement(PlacementRequest(use_gpus=True, colocate=True, actor_num_nodes=2, actor_num_gpus_per_node=2,
-                                           rollout_num_gpus_per_engine=2))
+                                           rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
     assert plan.bundles == 4 and [e.bundle for e in plan.engines] == [0, 2]
     assert [t.bundle for t in plan.trainers] == [0, 1, 2, 3]
+    # the engine count is --rollout-num-engines' (1), not one per trainer GPU
+    assert plan_placement(PlacementRequest(use_gpus=True, colocate=True, actor_num_gpus_per_node=4)).num_engines == 1
 
 
 def test_rollout_num_gpus_sets_the_engine_count():
@@ -57,7 +59,7 @@ def test_every_bundle_is_used_and_no_gpu_is_oversubscribed(colocate, critic, nod
     try:
         plan = plan_placement(r)
     except ConfigError:
-        assert colocate and (nodes * per_node) % per_engine      # engines cannot tile the trainer's GPUs
+        assert colocate and engines * per_engine > nodes * per_node     # more engine GPUs than the trainer's
         return
     shares = shares_per_bundle(plan)
     assert all(s <= 1.0 + 1e-9 for s in shares.values())

@@ -108,6 +108,9 @@ def test_receiver_rejects_out_of_order_wrong_shapes_and_missing_tensors():
     with pytest.raises(ValueError, match="1 tensors were not sent"):
         load_weight_buckets(extra, [sender.bucket(i, 2) for i in range(sender.num_buckets)])
     assert load_weight_buckets(target, [sender.bucket(i, 3) for i in range(sender.num_buckets)]) == 3
+    retried = WeightReceiver(target)                          # a sync that starts again from bucket 0
+    retried.load(sender.bucket(0, 4))
+    assert [retried.load(sender.bucket(i, 4)) for i in range(sender.num_buckets)][-1] == 4
     assert all(torch.equal(target[k], w[k]) for k in w)
 
 
