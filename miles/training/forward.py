@@ -20,8 +20,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from miles.algorithms.entropy import entropy_from_logits, logprobs_from_logits
-from miles.algorithms.fused_logprobs import masked_logprobs_entropy
+from miles.algorithms import entropy_from_logits, logprobs_from_logits, masked_logprobs_entropy
 from miles.training.batch import TrainBatch
 
 # (model, micro-batch, want entropy, entropy gets gradients) -> (logprobs, entropy or None)
