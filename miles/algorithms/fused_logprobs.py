@@ -65,15 +65,30 @@ def _chunk_grad(z: Tensor, lse: Tensor, entropy: Tensor, target: Tensor, g_lp: T
     return grad
 
 
+_MM_OUT_DTYPE: list[bool] = []   # [whether torch.mm(..., out_dtype=) works here], learned at the first call
+
+
 def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out += a @ b, with a float32 (or float64) product: the weight gradient sums one product per
     chunk, and rounding each to bf16 first would add one bf16 error per chunk."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-    elif a.is_cuda:
-        out += torch.mm(a, b, out_dtype=out.dtype)   # bf16 inputs, float32 accumulate and output
-    else:
+    elif not a.is_cuda:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))  # CPU: the same numbers, exactly
+    else:
+        if not _MM_OUT_DTYPE:
+            try:        # bf16 inputs, float32 accumulate and output (CUDA, torch >= 2.8)
+                out += torch.mm(a, b, out_dtype=out.dtype)
+                _MM_OUT_DTYPE.append(True)
+                return
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except (TypeError, RuntimeError, NotImplementedError):   # this torch has no out_dtype for mm
+                _MM_OUT_DTYPE.append(False)
+        if _MM_OUT_DTYPE[0]:
+            out += torch.mm(a, b, out_dtype=out.dtype)
+        else:
+            out += (a @ b).to(out.dtype)     # rounded to bf16 per chunk, as autocast's own gradient is
 
 
 class _LinearLogprobsEntropy(torch.autograd.Function):

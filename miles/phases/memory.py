@@ -2,8 +2,8 @@
 
 Once per iteration, on GPUs only (a CPU run never moves memory):
 - `to_engines`, at the end of `weight_sync` (before rollout and eval): the trainer's optimizer
-  state goes to host memory (--offload-train / --offload; not with PPO's critic, as in miles), then
-  the engines take their KV cache back (`resume_memory`).
+  state goes to host memory (--offload-train / --offload; not with PPO's critic, as in miles), the
+  trainer returns its cached CUDA blocks, then the engines take their KV cache back (`resume_memory`).
 - `to_trainer`, at the start of `train`: the engines free their KV cache (`release_memory`;
   --offload-rollout / --offload / --colocate), then the trainer takes its optimizer state back.
 Engines without `release_memory` keep theirs. Each hand-off is a trace event with its duration.
@@ -42,6 +42,8 @@ async def to_engines(ctx: TrainingContext) -> None:
     t0 = time.monotonic()
     moved = await ctx.c.trainer.handle.offload.remote() if offload else 0
     if release:
+        if ctx.c.trainer is not None and hasattr(ctx.backends.trainer, "release_cached_memory"):
+            await ctx.c.trainer.handle.release_cached_memory.remote()   # the last step's activations, cached
         await _engines(ctx, "resume_memory")
     ctx.tracer.emit("memory_to_engines", duration_s=round(time.monotonic() - t0, 6), trainer_offloaded_bytes=moved,
                     engines_resumed=release)

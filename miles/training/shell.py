@@ -93,6 +93,12 @@ class OptimizedModel:
             self._host = HostOffload(self._optimizer, self._live())
         return self._host.offload()
 
+    def release_cached_memory(self) -> None:
+        """Return the CUDA blocks the allocator keeps cached (activations of the last step) to the
+        device, for a colocated engine to take."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def onload(self) -> int:
         """Back from `offload` (a no-op when nothing is offloaded); bytes moved."""
         return 0 if self._host is None else self._host.onload()
