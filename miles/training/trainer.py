@@ -263,8 +263,9 @@ class Trainer(OptimizedModel):
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
             load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
             metrics["ref_updated"] = 1.0
