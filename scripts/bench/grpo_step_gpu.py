@@ -298,6 +298,12 @@ def miles_iterations(trace: list[dict]) -> list[dict]:
     return iters
 
 
+def _spread(values: list) -> float | None:
+    """max / min of the per-iteration values (1.05 = within 5%), None without samples."""
+    vals = [v for v in values if v]
+    return round(max(vals) / min(vals), 4) if vals else None
+
+
 def summarize_miles(run_dir: Path, mem: MemorySampler, params: int, a: argparse.Namespace) -> dict:
     iters = miles_iterations(read_jsonl(run_dir / "trace.jsonl"))
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("kind") == "train" or "train_time_s" in m]
@@ -321,6 +327,7 @@ def summarize_miles(run_dir: Path, mem: MemorySampler, params: int, a: argparse.
             "train_mfu": mfu, "steady_train_mfu": steady(mfu) if mfu else None,
             "gpu_mem_peak_mib_per_iteration": peaks, "gpu_mem_peak_mib": mem.peak_mib(),
             "trainer_gpu_mem_peak_gib": [round(m["gpu_mem_peak_gib"], 3) for m in metrics if "gpu_mem_peak_gib" in m],
+            "gpu_mem_peak_max_over_min": _spread(peaks),
             "logprob_passes": [m.get("logprob_passes") for m in metrics],
             "trainer_metrics_last": {k: v for k, v in (metrics[-1] if metrics else {}).items()
                                      if isinstance(v, (int, float))}}
