@@ -85,6 +85,8 @@ def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: Ro
         problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
     if train.clip_grad < 0:
         problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
+    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
+        problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
     if algorithm.loss_type not in LOSS_TYPES:
         problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
     if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
