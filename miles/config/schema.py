@@ -116,6 +116,9 @@ class TrainConfig:
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
+    use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
+    max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
+    recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +147,24 @@ class ClusterConfig:
     ray_address: str | None = None      # --ray-address: attach to a running cluster (None: start a local one)
     num_cpus: int | None = None         # --ray-num-cpus for a local cluster
     namespace: str | None = None        # --ray-namespace (None: one per run)
-    colocate: bool = False              # --colocate: engines and trainer share devices (not supported yet)
+    colocate: bool = False              # --colocate: engines on the trainer's GPUs (miles.cluster.placement)
+    actor_num_nodes: int = 1            # --actor-num-nodes: nodes of the trainer
+    actor_num_gpus_per_node: int = 1    # --actor-num-gpus-per-node: the trainer's GPUs on each of them
+    rollout_num_gpus: int | None = None  # --rollout-num-gpus: the engines' GPUs (None: engines x GPUs per engine)
+    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine
+    num_gpus_per_node: int = 8          # --num-gpus-per-node: GPUs of a node (an engine may not span nodes)
+    offload: bool = False               # --offload: both of the next two
+    offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
+    offload_rollout: bool = False       # --offload-rollout: the engines' KV cache freed during training
+
+    @property
+    def offloads_train(self) -> bool:
+        return self.offload or self.offload_train
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """--colocate frees the engines' cache during training too (miles: colocate turns it on)."""
+        return self.offload or self.offload_rollout or self.colocate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +204,7 @@ class RunConfig:
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
+    update_weight_buffer_size: int = 512 * 1024 ** 2  # --update-weight-buffer-size: bytes per weight bucket (CUDA IPC)
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path

@@ -1,9 +1,10 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
-is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
-starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → engines → trainer →
+critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
+any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
 `--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
 `miles.rollout.protocol` and `miles.training.protocol`.
 """
@@ -17,6 +18,8 @@ from typing import Any, Mapping
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore
+from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
+                                     placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
@@ -24,6 +27,7 @@ from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.protocol import ENGINES, Engine
@@ -128,8 +132,9 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.cluster)
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 
+    ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
-    ctx.c.engines = [] if cfg.load_debug_rollout_data else [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
+    ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
     ctx.c.executor = ctx.c.cluster.actor(
@@ -143,6 +148,7 @@ async def init(ctx: TrainingContext) -> str:
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
 
+    await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
         ctx.c.store = CheckpointStore(cfg.checkpoint.save)
@@ -161,14 +167,50 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
+    place = ctx.c.placement
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
-                                        **trainer_options(cfg))
+                                        placement=place.options(place.plan.trainers[0]), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", placement=place.options(place.plan.critics[0]),
+            train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
+    """The GPU plan (miles.cluster.placement): checked against the cluster, and its placement group
+    made and registered, before any actor starts. A CPU run (--device cpu, or auto without GPUs in
+    the cluster) asks for no GPU, as before."""
+    cfg = ctx.cfg
+    gpus = cluster_gpus()
+    use_gpus = cfg.model.device == "cuda" or (cfg.model.device == "auto" and gpus > 0)
+    plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    place = RunPlacement(plan)
+    if plan.bundles:
+        check_cluster(plan, gpus)
+        place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus")
+        add(place.group)
+    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, colocate=cfg.cluster.colocate,
+                    trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
+    return place
+
+
+async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
+    """CUDA IPC buckets when the engines share the trainer's GPUs and both sides speak buckets; else
+    the object store (`ctx.c.ipc_weights` stays None)."""
+    cfg, b = ctx.cfg, ctx.backends
+    if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
+            and hasattr(b.engine, "load_weight_bucket") and hasattr(b.trainer, "weight_bucket_count")):
+        ctx.tracer.emit("weight_transport", transport="object_store")
+        return
+    dtype = await ctx.c.engines[0].handle.weights_dtype.remote()
+    count = await ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size)
+    ctx.c.ipc_weights = IpcWeights(ctx.c.trainer.handle, count)
+    add(ctx.c.ipc_weights)
+    ctx.tracer.emit("weight_transport", transport="cuda_ipc", buckets=count, dtype=str(dtype),
+                    bucket_bytes=cfg.update_weight_buffer_size)
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
 
@@ -107,6 +108,7 @@ class FastEngine:
         del model
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
+        self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
 
     def _workspace_bytes(self) -> int:
         """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
@@ -241,6 +243,18 @@ class FastEngine:
                 t.copy_(state_dict[name])
         self._version = int(version)
         log.info("weights_updated", version=self._version)
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
+        """One bucket of a bucketed update (CUDA IPC, miles.weights.transport), copied in place into
+        the engine's tensors (graphs stay valid); returns the version once its last bucket is in."""
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self._live_weights().named)
+        with torch.inference_mode():
+            version = self._receiver.load(bucket)
+        if version is not None:
+            self._version = version
+            log.info("weights_updated", version=version, buckets=bucket.count)
+        return version
 
     def weights_checksum(self) -> str:
         """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same

@@ -58,6 +58,12 @@ class Engine(Protocol):
         """`miles.weights.checksum.state_dict_checksum` of the weights as the engine holds them."""
         ...
 
+    # Optional capabilities, used when the class has them (the composition root looks):
+    #   load_weight_bucket(bucket: miles.weights.transport.WeightBucket) -> int | None
+    #       one bucket of a CUDA IPC weight update; without it weights go through the object store
+    #   release_memory() / resume_memory()
+    #       free the KV cache (and graphs) while a colocated trainer trains, and take it back
+
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""
         ...
