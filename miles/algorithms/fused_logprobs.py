@@ -25,12 +25,10 @@ from torch import Tensor
 DEFAULT_CHUNK_ROWS = 2048  # 2048 rows x 152k vocab x 4 bytes ≈ 1.2 GB per float32 temporary
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, matmul_dtype: torch.dtype, temperature: float) -> Tensor:
-    """[rows, V] float32 logits / temperature of one chunk, with autocast off (the dtype is ours)."""
+def _chunk_logits(h: Tensor, weight: Tensor, matmul_dtype: torch.dtype) -> Tensor:
+    """[rows, V] logits of one chunk in `matmul_dtype`, with autocast off (the dtype is ours)."""
     with torch.autocast(device_type=h.device.type, enabled=False):
-        logits = h.to(matmul_dtype) @ weight.to(matmul_dtype).T
-    z = logits.to(_softmax_dtype(logits.dtype))
-    return z.div_(temperature) if temperature != 1.0 else z
+        return h.to(matmul_dtype) @ weight.to(matmul_dtype).T
 
 
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,31 +36,58 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_values(z: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprob of target [rows], entropy [rows], lse [rows]) of scaled logits z [rows, V]."""
+def _chunk_values(logits: Tensor, target: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprob of target [rows], entropy [rows], lse [rows]) of one chunk's logits [rows, V]."""
+    z = logits.to(_softmax_dtype(logits.dtype)) / temperature
     lse = torch.logsumexp(z, dim=-1)
     logprob = z.gather(-1, target[:, None]).squeeze(-1) - lse
     p = torch.exp(z - lse[:, None])
-    entropy = lse - torch.linalg.vecdot(p, z)
+    entropy = lse - (p * z).sum(-1)
     return logprob, entropy, lse
 
 
-def _chunk_grad(z: Tensor, lse: Tensor, entropy: Tensor, target: Tensor, g_lp: Tensor | None,
-                g_ent: Tensor | None) -> Tensor:
-    """d(loss)/dz [rows, V] from the upstream grads of logprob and entropy; overwrites z.
-    grad = -p * (g_ent * (log p + H) + g_lp) + onehot(y) * g_lp, computed in place."""
-    logp = z.sub_(lse[:, None])
+def _chunk_grad(logits: Tensor, lse: Tensor, entropy: Tensor, target: Tensor, g_lp: Tensor, g_ent: Tensor,
+                temperature: float) -> Tensor:
+    """d(loss)/d(logits) [rows, V] in the logits' dtype, from the upstream grads of logprob and entropy:
+    d/dz = -p * (g_ent * (log p + H) + g_lp) + onehot(y) * g_lp, and d/dlogits = d/dz / T."""
+    logp = logits.to(lse.dtype) / temperature - lse[:, None]
     p = torch.exp(logp)
-    if g_ent is not None:
-        grad = logp.add_(entropy[:, None]).mul_(g_ent[:, None])
-        if g_lp is not None:
-            grad.add_(g_lp[:, None])
-        grad.mul_(p).neg_()
-    else:
-        grad = p.mul_(g_lp[:, None]).neg_()
-    if g_lp is not None:
-        grad.scatter_add_(-1, target[:, None], g_lp[:, None].to(grad.dtype))
-    return grad
+    grad = -p * (g_ent[:, None] * (logp + entropy[:, None]) + g_lp[:, None])
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == target[:, None]
+    grad = torch.where(onehot, grad + g_lp[:, None], grad)
+    return (grad / temperature).to(logits.dtype)
+
+
+# On CUDA the chunk math runs compiled: eager, each of its ~15 float32 passes over [rows, 152k] reads
+# and writes the whole chunk (measured on an H200: ~0.5 s of a 1.15 s GRPO step at 65k response
+# tokens); fused, each function reads the bf16 logits about twice and writes once. Compiled once per
+# process; a compile failure falls back to the eager functions (same numbers), once, with a warning.
+_COMPILED: dict[str, object] = {}
+
+
+def _math(name: str, fn, device: torch.device):
+    if device.type != "cuda":
+        return fn
+    if name not in _COMPILED:
+        try:
+            _COMPILED[name] = torch.compile(fn)
+        except Exception as e:  # noqa: BLE001 (no compiler here: the eager function is exact)
+            import warnings
+            warnings.warn(f"fused_logprobs: torch.compile unavailable ({e!r}); running eager", stacklevel=2)
+            _COMPILED[name] = fn
+    compiled = _COMPILED[name]
+
+    def call(*args):
+        try:
+            return compiled(*args)
+        except Exception as e:  # noqa: BLE001 (Inductor/triton failures; the eager path is the reference)
+            if compiled is fn or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            import warnings
+            warnings.warn(f"fused_logprobs: compiled {name} failed ({e!r}); running eager from now on", stacklevel=2)
+            _COMPILED[name] = fn
+            return fn(*args)
+    return call
 
 
 _MM_OUT_DTYPE: list[bool] = []   # [whether torch.mm(..., out_dtype=) works here], learned at the first call
@@ -98,10 +123,11 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         logprobs = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
+        values = _math("values", _chunk_values, hidden.device)
         for s in range(0, n, chunk_rows):
-            z = _chunk_logits(hidden[s:s + chunk_rows], weight, matmul_dtype, temperature)
+            logits = _chunk_logits(hidden[s:s + chunk_rows], weight, matmul_dtype)
             logprobs[s:s + chunk_rows], entropy[s:s + chunk_rows], lse[s:s + chunk_rows] = \
-                _chunk_values(z, target[s:s + chunk_rows])
+                values(logits, target[s:s + chunk_rows], temperature)
         ctx.save_for_backward(hidden, weight, target, entropy, lse)
         ctx.options = (temperature, chunk_rows, matmul_dtype)
         ctx.set_materialize_grads(False)
@@ -117,14 +143,14 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=_softmax_dtype(weight.dtype)) if ctx.needs_input_grad[1] else None
         w = weight.to(matmul_dtype)
+        g_logprobs = torch.zeros_like(lse) if g_logprobs is None else g_logprobs.to(lse.dtype)
+        g_entropy = torch.zeros_like(lse) if g_entropy is None else g_entropy.to(lse.dtype)
+        grad = _math("grad", _chunk_grad, hidden.device)
         for s in range(0, hidden.shape[0], chunk_rows):
             rows = slice(s, s + chunk_rows)
             h = hidden[rows].to(matmul_dtype)
-            z = _chunk_logits(h, weight, matmul_dtype, temperature)
-            grad_z = _chunk_grad(z, lse[rows], entropy[rows], target[rows],
-                                 None if g_logprobs is None else g_logprobs[rows],
-                                 None if g_entropy is None else g_entropy[rows])
-            grad_logits = (grad_z.div_(temperature) if temperature != 1.0 else grad_z).to(matmul_dtype)
+            grad_logits = grad(_chunk_logits(h, weight, matmul_dtype), lse[rows], entropy[rows], target[rows],
+                               g_logprobs[rows], g_entropy[rows], temperature)
             with torch.autocast(device_type=h.device.type, enabled=False):
                 if grad_h is not None:
                     grad_h[rows] = grad_logits @ w
