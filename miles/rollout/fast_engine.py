@@ -181,7 +181,7 @@ class FastEngine:
         if self._cache is None:
             return
         cuda = self.device.type == "cuda"
-        expected = self._cache.nbytes() if cuda else 0
+        expected = self._cache.nbytes if cuda else 0
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self._graphs.clear()
         self._cache = self._logits = self._noise = None
