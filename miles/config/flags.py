@@ -158,6 +158,8 @@ FLAGS: tuple[Flag, ...] = (
        "token budget of a micro-batch with --use-dynamic-batch-size (rows x longest row)"),
     _f("recompute-activations", "train", "recompute_activations", kind="true",
        help="activation checkpointing: recompute each layer's activations in the backward (less memory)"),
+    _f("disable-trainer-compile", "train", "compile_layers", kind="false",
+       help="CUDA trainer: run the decoder layers eagerly, not torch.compile'd (debugging; faster start)"),
     # checkpoint
     _f("save", "checkpoint", "save", str, "checkpoint root directory"),
     _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),

@@ -119,6 +119,7 @@ class TrainConfig:
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
+    compile_layers: bool = True         # --disable-trainer-compile: on CUDA, each decoder layer runs torch.compile'd
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,20 @@ def pick_forward(model: nn.Module, *, temperature: float, autocast: Callable[[],
     return partial(logits_forward, temperature, autocast), "logits"
 
 
+def compile_decoder_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer in place (CUDA trainer): the layers' elementwise work (norms
+    in float32, rotary, SiLU x up, residual adds, their backward) fuses into a few kernels instead of
+    one pass over the activations each. One layer class compiles once (the others reuse its code);
+    micro-batch shapes become dynamic after the second one. Returns the layers compiled (0: the model
+    has no `.layers` list to compile, and runs as it is)."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    if not isinstance(layers, nn.ModuleList):
+        return 0
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Every decoder layer recomputes its activations in the backward (--recompute-activations)."""
     kwargs = {"use_reentrant": False}

@@ -55,7 +55,7 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, gae, get_kl_es
 from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training.forward import enable_activation_checkpointing, pick_forward
+from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
@@ -234,10 +234,12 @@ class Trainer(OptimizedModel):
             self._is_sft or self._tis_bounds or self._use_rollout_logprobs or self._reward_kl_coef)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
+        compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers else 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
-                 kl=self._ref is not None, forward=forward_name, may_skip_old_logprobs=self._may_skip_old_pass)
+                 kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
+                 may_skip_old_logprobs=self._may_skip_old_pass)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
