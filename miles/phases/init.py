@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError, RunConfig, as_dict
@@ -152,15 +153,16 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 async def _resume(ctx: TrainingContext) -> None:
     """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
     complete checkpoint under --load; with none there, start from --hf-checkpoint."""
-    from miles.checkpoint.checkpointer import load_checkpoint
-
     found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
     if found is None:
         ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
         return
     rollout_id, path = found
-    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
-                          critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
+    await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+    # a critic kept under --critic-save comes back through --critic-load instead
+    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+        await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
     ctx.start_rollout = ctx.next_rollout = rollout_id + 1
     ctx.weight_version = 0              # the engines hold the disk weights until the first sync
     ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)

@@ -43,6 +43,7 @@ from torch import Tensor
 from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
                               get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
                               normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
+from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.rng import rng_state, seed_everything, set_rng_state
@@ -62,7 +63,6 @@ Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
 # (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
 # fills batch.advantages
 AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
-TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")
 
 
 def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
@@ -73,10 +73,10 @@ def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: Ro
         problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
     if train.clip_grad < 0:
         problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
-    if algorithm.loss_type not in ("policy_loss", "sft_loss"):
-        problems.append(f"--loss-type must be policy_loss or sft_loss, got {algorithm.loss_type!r}")
-    if algorithm.loss_agg_mode not in LOSS_REDUCTIONS:
-        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_REDUCTIONS)}, got {algorithm.loss_agg_mode!r}")
+    if algorithm.loss_type not in LOSS_TYPES:
+        problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
+    if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
     if algorithm.use_tis and algorithm.use_rollout_logprobs:
         problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
     if not rollout.temperature > 0:
