@@ -140,6 +140,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("lr-warmup-iters", "train", "lr_warmup_iters", int, "optimizer steps of linear learning-rate warmup"),
     _f("lr-decay-iters", "train", "lr_decay_iters", int, "optimizer step where linear/cosine decay reaches --min-lr"),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
+    # train: the megatron backend's parallelism (--train-backend megatron)
+    _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
+       "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),
+    _f("pipeline-model-parallel-size", "train", "pipeline_model_parallel_size", int,
+       "megatron: pipeline stages (must divide the layers)"),
+    _f("context-parallel-size", "train", "context_parallel_size", int,
+       "megatron: context-parallel ranks (needs Transformer Engine)"),
+    _f("sequence-parallel", "train", "sequence_parallel", kind="true",
+       help="megatron: split norms' and dropouts' activations along the sequence over the TP ranks"),
     # checkpoint
     _f("save", "checkpoint", "save", str, "checkpoint root directory"),
     _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),

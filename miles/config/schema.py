@@ -109,6 +109,11 @@ class TrainConfig:
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
+    # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
+    tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
+    pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size
+    context_parallel_size: int = 1         # --context-parallel-size
+    sequence_parallel: bool = False        # --sequence-parallel
 
 
 @dataclass(frozen=True, kw_only=True)

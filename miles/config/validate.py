@@ -8,7 +8,7 @@ from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import MachineDef
+from miles.runtime.machine import MachineDef, import_object
 from miles.training.protocol import TRAIN_BACKENDS
 
 
@@ -32,6 +32,19 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
     elif spec.critic is None and cfg.algorithm.advantage_estimator == "ppo":
         problems.append(f"--train-backend {cfg.train.backend} has no critic: --advantage-estimator ppo needs one; "
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
+    if spec is None:
+        return
+    t = cfg.train
+    parallel = [f"{flag} {v}" for flag, v, default in (
+        ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
+        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
+        ("--context-parallel-size", t.context_parallel_size, 1),
+        ("--sequence-parallel", t.sequence_parallel, False)) if v != default]
+    if parallel and not spec.model_parallel:
+        problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
+                        f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
+    if spec.check:      # the backend's own checks (its package installed, the model fits it), before any actor
+        problems.extend(import_object(spec.check)(cfg))
 
 
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:

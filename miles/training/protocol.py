@@ -27,11 +27,15 @@ if TYPE_CHECKING:
 class TrainBackendSpec:
     trainer: str                    # "module:Class" of the policy trainer (a TrainerBackend)
     critic: str | None = None       # "module:Class" of PPO's critic (a CriticBackend); None: no PPO here
+    check: str | None = None        # "module:function" (RunConfig -> list of problems), run by validate before any actor
+    model_parallel: bool = False    # reads --tensor/--pipeline/--context-parallel-size and --sequence-parallel
 
 
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic"),
+    "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
+                                 check="miles.training.megatron.checks:run_problems", model_parallel=True),
 }
 
 

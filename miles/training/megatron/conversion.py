@@ -235,6 +235,11 @@ def _check_names(given: Mapping[str, Tensor], expected: list[str], side: str) ->
 
 
 # --- tensor-parallel shards -------------------------------------------------------------------------
+def is_tp_split(name: str) -> bool:
+    """Whether TP ranks hold different parts of `name` (else each holds all of it)."""
+    return _split_dim(name) is not None
+
+
 def _split_dim(name: str) -> int | None:
     """The dimension a TP shard of `name` splits (None: every rank holds all of it)."""
     if name in (EMBEDDING, OUTPUT) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):

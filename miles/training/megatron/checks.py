@@ -1,0 +1,69 @@
+"""What makes a run unfit for the megatron backend, found on the driver before any actor starts:
+megatron-core not installed, a model this backend cannot convert, parallel sizes that do not fit
+the model or the batch. `run_problems` is the backend's `check` in `TRAIN_BACKENDS`; the group
+checks the same again with the GPUs it was given (`group_problems`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.training.megatron.conversion import spec_problems, tp_problems
+from miles.training.megatron.layout import ParallelLayout, batch_problems, layout_problems
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig, TrainConfig
+
+INSTALL_HINT = "pip install 'miles[megatron]' (megatron-core)"
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package counts as missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def requested_layout(train: TrainConfig, world_size: int | None = None) -> ParallelLayout:
+    """The layout of `world_size` trainer ranks; without it, one model replica (data parallel 1)."""
+    tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
+    return ParallelLayout(world_size or tp * pp * cp, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel)
+
+
+def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: ParallelLayout,
+                   rollout_samples: int) -> list[str]:
+    """Everything wrong with training this HF config on this layout (empty: fine)."""
+    if not installed("megatron.core"):
+        return [f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
+    problems = layout_problems(layout.world_size, layout.tp, layout.pp, layout.cp, layout.sequence_parallel,
+                               hf_config.get("num_hidden_layers"))
+    if layout.cp > 1 and not installed("transformer_engine"):
+        problems.append(f"--context-parallel-size {layout.cp} needs Transformer Engine's attention, which is not "
+                        "installed; use --context-parallel-size 1")
+    model = spec_problems(hf_config)
+    problems += model
+    if not model and not problems:
+        from miles.training.megatron.conversion import model_spec
+        problems += tp_problems(model_spec(hf_config), layout.tp)
+    if not problems:
+        problems += batch_problems(layout, rollout_samples, train.global_batch_size, train.micro_batch_size)
+    return problems
+
+
+def read_hf_config(model_path: str | Path) -> dict[str, Any] | None:
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_problems(cfg: RunConfig) -> list[str]:
+    """The backend's check of a run (validate calls it): the model's config.json against the flags.
+    Data parallelism is 1 here until the run's placement gives the trainer more GPUs."""
+    hf_config = read_hf_config(cfg.model.hf_checkpoint)
+    if hf_config is None:        # validate reports the missing config.json itself
+        return [] if installed("megatron.core") else [
+            f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
+    return group_problems(hf_config, cfg.train, requested_layout(cfg.train), cfg.rollout.num_samples)
