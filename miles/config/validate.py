@@ -35,7 +35,7 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
     if spec is None:
         return
     t = cfg.train
-    parallel = [f"{flag} {v}" for flag, v, default in (
+    parallel = [flag if isinstance(v, bool) else f"{flag} {v}" for flag, v, default in (
         ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
         ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
         ("--context-parallel-size", t.context_parallel_size, 1),
