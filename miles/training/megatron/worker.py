@@ -302,6 +302,7 @@ class MegatronWorker:
         _load_strict(model.gpt, loaded["model"], self.rank)
         with torch.no_grad():        # fp32 main weights can be views of the parameters
             model.optimizer.load_state_dict(loaded["optimizer"])
+        _set_adam_steps(model.optimizer, state["num_steps"])
         if "reference" in loaded:
             _load_strict(self._ref.gpt, {k.removeprefix("reference."): v for k, v in loaded["reference"].items()},
                          self.rank)
@@ -313,6 +314,8 @@ class MegatronWorker:
 
     def _sharded_state(self, *, loading: bool) -> dict:
         model = self._live()
+        if loading:
+            _create_adam_state(model.optimizer)
         state = {"model": model.gpt.sharded_state_dict()}
         state["optimizer"] = model.optimizer.sharded_state_dict(state["model"], is_loading=loading,
                                                                 metadata=OPTIMIZER_METADATA)
@@ -350,6 +353,38 @@ def _take(batch: TrainBatch, rows: range) -> TrainBatch:
 
     return replace(batch, **{f.name: getattr(batch, f.name)[rows.start:rows.stop] for f in fields(batch)
                              if isinstance(getattr(batch, f.name), Tensor)})
+
+
+@torch.no_grad()
+def _create_adam_state(optimizer) -> None:
+    """Give a never-stepped optimizer its Adam state (zeros, step 1) for a checkpoint to load into:
+    without Apex or Transformer Engine, megatron's distributed optimizer reads every parameter's
+    `step` when it describes its state. A zero-gradient Adam step leaves the parameters as they are
+    (no weight decay here) and the load then replaces all of it."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        if torch_optimizer.state:
+            continue
+        saved = [(g, g["weight_decay"]) for g in torch_optimizer.param_groups]
+        for group, _ in saved:
+            group["weight_decay"] = 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        torch_optimizer.step()
+        for group, decay in saved:
+            group["weight_decay"] = decay
+        torch_optimizer.zero_grad(set_to_none=True)
+
+
+def _set_adam_steps(optimizer, steps: int) -> None:
+    """Every parameter's torch Adam `step` := the optimizer steps taken, each its own tensor. megatron-core
+    0.19 without Apex or Transformer Engine restores that count as one tensor shared by every parameter
+    and, when the state existed before the load, with the pre-load value; torch's multi-tensor Adam
+    would then add 1 to it once per parameter, and every bias correction after a resume would be off."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if isinstance(state.get("step"), Tensor):
+                state["step"] = torch.tensor(float(steps), dtype=state["step"].dtype, device=state["step"].device)
 
 
 def _load_strict(gpt: torch.nn.Module, state: dict, rank: int) -> None:
