@@ -28,9 +28,6 @@ A plain class; the composition root makes it a Ray actor.
 from __future__ import annotations
 
 import copy
-import gc
-import json
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -41,20 +38,22 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training.rng import rng_state, seed_everything, set_rng_state
-from miles.training.schedule import lr_schedule
+from miles.training.rng import rng_state, set_rng_state
+from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective, config_problems
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
-from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
 
 log = structlog.get_logger().bind(role="trainer")
 
 # files written by save(); load() needs all of them (REF_FILE only with --ref-update-interval)
-MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"
+MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
 
-class Trainer:
+class Trainer(OptimizedModel):
+    role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
+
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto"):
         """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
@@ -62,22 +61,15 @@ class Trainer:
         problems = config_problems(train, algorithm, rollout)
         if problems:
             raise ConfigError(problems)
-        seed_everything(train.seed)
-        self.device = resolve_device(device)
-        self.compute_dtype = resolve_dtype(dtype, self.device)
-        self._train_cfg = train
+        super().__init__(train=train, device=device, dtype=dtype)
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
-        self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
-        self._lr_at = lr_schedule(train)
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._tokenizer = load_tokenizer(model_path)
         pad = self._tokenizer.pad_token_id
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
         self._ref = self._make_reference(algorithm)
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                            betas=(train.adam_beta1, train.adam_beta2))
-        self._num_steps = 0
+        self._start_optimizer(self._model)
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None)
@@ -93,11 +85,6 @@ class Trainer:
     @property
     def model(self):
         return self._live()
-
-    @property
-    def num_steps(self) -> int:
-        """Optimizer steps taken since the initial weights (restored by `load`)."""
-        return self._num_steps
 
     # --- training ------------------------------------------------------------------------------
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
@@ -144,15 +131,7 @@ class Trainer:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(batch)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not math.isfinite(grad_norm):
-            # stepping would write NaN/inf into every weight; stop with the weights still good
-            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
-                                     f"lower --lr, set --clip-grad, or look for bad samples")
-        for group in self._optimizer.param_groups:
-            group["lr"] = self._lr_at(self._num_steps)
-        self._optimizer.step()
-        self._num_steps += 1
+        grad_norm = self._optimizer_step()
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
@@ -186,10 +165,6 @@ class Trainer:
             start += mb.size
         return out
 
-    def _autocast(self):
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
-                              enabled=self.compute_dtype != torch.float32)
-
     # --- weights and state ---------------------------------------------------------------------
     def weights(self) -> dict[str, Tensor]:
         """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
@@ -207,9 +182,8 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         save_file(self.weights(), str(path / MODEL_FILE))
-        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        self._save_optimizer(path)
         torch.save(rng_state(), path / RNG_FILE)
-        (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps}))
         if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
             save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
 
@@ -223,9 +197,8 @@ class Trainer:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")
         load_weights(self._live(), load_file(str(path / MODEL_FILE)))
-        self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+        self._load_optimizer(path)
         set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-        self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
         if self._ref_interval and (path / REF_FILE).is_file():
             load_weights(self._ref, load_file(str(path / REF_FILE)))
         self._prepared = None
@@ -235,15 +208,5 @@ class Trainer:
         self._live().save_pretrained(str(path))
         self._tokenizer.save_pretrained(str(path))
 
-    def _live(self):
-        if self._model is None:
-            raise RuntimeError("the trainer was disposed; create a new Trainer")
-        return self._model
-
-    def dispose(self) -> None:
-        """Free the model, the reference and the optimizer state (and the CUDA cache). Idempotent.
-        The actor itself is the run's."""
-        self._model = self._ref = self._optimizer = self._prepared = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def _release(self) -> None:
+        self._ref = self._prepared = None
