@@ -77,7 +77,7 @@ class MegatronTrainer:
         self._model_path, self._spec = model_path, model_spec(hf_config)
         options = options or [{"num_gpus": 1 if on_gpu else 0}] * layout.world_size
         remote = ray.remote(MegatronWorker)
-        self._ranks = [remote.options(**{"num_cpus": 0, **o}).remote(
+        self._ranks = [remote.options(**{"num_cpus": 0, "name": f"trainer-rank-{r}", **o}).remote(
             model_path, train=train, algorithm=algorithm, rollout=rollout, rank=r, world_size=layout.world_size,
             device_type="cuda" if on_gpu else "cpu", dtype=dtype) for r, o in enumerate(options)]
         try:
