@@ -146,7 +146,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("pipeline-model-parallel-size", "train", "pipeline_model_parallel_size", int,
        "megatron: pipeline stages (must divide the layers)"),
     _f("context-parallel-size", "train", "context_parallel_size", int,
-       "megatron: context-parallel ranks (needs Transformer Engine)"),
+       "megatron: context-parallel ranks (only 1 for now)"),
     _f("sequence-parallel", "train", "sequence_parallel", kind="true",
        help="megatron: split norms' and dropouts' activations along the sequence over the TP ranks"),
     # checkpoint

@@ -72,11 +72,17 @@ def test_layout_problems_come_together(task, megatron_installed):
     assert any("--pipeline-model-parallel-size 3 does not divide the model's 2 layers" in p for p in problems)
 
 
-def test_context_parallel_needs_transformer_engine(task, monkeypatch):
-    monkeypatch.setattr(checks, "installed", lambda m: m == "megatron.core")
+def test_sequence_parallel_needs_fused_norms(task, monkeypatch):
+    monkeypatch.setattr(checks, "installed", lambda m: m == "megatron.core")      # neither TE nor Apex
+    problems = problems_of(task, "--sequence-parallel")
+    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in problems[0]
+    assert problems[1].startswith("--sequence-parallel needs Transformer Engine's or Apex's norms")
+
+
+def test_context_parallel_is_refused_until_it_is_built(task, megatron_installed):
     problems = problems_of(task, "--context-parallel-size", "2")
-    assert problems == ["--context-parallel-size 2 needs Transformer Engine's attention, which is not installed; "
-                        "use --context-parallel-size 1"]
+    assert problems == ["--context-parallel-size 2: context parallelism is not supported by the megatron backend "
+                        "yet; use --context-parallel-size 1"]
 
 
 def test_parallel_flags_on_the_torch_backend(task):

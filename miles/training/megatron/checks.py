@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.training.megatron.conversion import spec_problems, tp_problems
+from miles.training.megatron.conversion import model_spec, spec_problems, tp_problems
 from miles.training.megatron.layout import ParallelLayout, batch_problems, layout_problems
 
 if TYPE_CHECKING:
@@ -41,13 +41,17 @@ def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: Parall
         return [f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
     problems = layout_problems(layout.world_size, layout.tp, layout.pp, layout.cp, layout.sequence_parallel,
                                hf_config.get("num_hidden_layers"))
-    if layout.cp > 1 and not installed("transformer_engine"):
-        problems.append(f"--context-parallel-size {layout.cp} needs Transformer Engine's attention, which is not "
-                        "installed; use --context-parallel-size 1")
+    if layout.sequence_parallel and not (installed("transformer_engine") or installed("apex")):
+        problems.append("--sequence-parallel needs Transformer Engine's or Apex's norms (megatron's torch norms do "
+                        "not split the sequence); install one or drop --sequence-parallel")
+    if layout.cp > 1:
+        # megatron's context-parallel attention is Transformer Engine's, and the ranks would have to
+        # split each sequence and gather per-token results (layout.cp_positions): not built yet
+        problems.append(f"--context-parallel-size {layout.cp}: context parallelism is not supported by the megatron "
+                        "backend yet; use --context-parallel-size 1")
     model = spec_problems(hf_config)
     problems += model
     if not model and not problems:
-        from miles.training.megatron.conversion import model_spec
         problems += tp_problems(model_spec(hf_config), layout.tp)
     if not problems:
         problems += batch_problems(layout, rollout_samples, train.global_batch_size, train.micro_batch_size)
