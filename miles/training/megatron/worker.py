@@ -79,6 +79,9 @@ class MegatronWorker:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")  # Ray's GPU
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.dtype == torch.float16:
+            raise ConfigError("--dtype float16 is not supported by the megatron backend (it has no loss scaling); "
+                              "use bfloat16 or float32")
         self.layout = requested_layout(train, world_size)
         self.coords = self.layout.coords(rank)
         # the last stage's first TP / CP rank of each data-parallel replica contributes results to sums
