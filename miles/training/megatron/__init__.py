@@ -4,9 +4,11 @@
     layout.py      the parallel layout (TP x CP x DP x PP ranks, pipeline stages, data-parallel rows): pure
     checks.py      what makes a run unfit for this backend, said before any actor starts
     model.py       megatron-core objects: the GPTModel of one rank, its bf16 wrapper, DDP, the optimizer
+    steps.py       batches through megatron's pipeline schedule; per-rank results gathered on every rank
     worker.py      one rank: loads, prepares, trains, exports, saves and loads its shard
     group.py       the trainer the phases talk to: a group of rank actors over torch.distributed
     cpu_shim.py    points megatron-core's CUDA-only calls at the CPU, for gloo runs without a GPU
 
-Only model.py, worker.py and cpu_shim.py import megatron-core, and only when a run picks this backend.
+model.py, steps.py, worker.py and cpu_shim.py import megatron-core, inside their functions: the
+package imports without it (validation says when it is missing), and only a rank loads it.
 """
