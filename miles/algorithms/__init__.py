@@ -1,6 +1,7 @@
 """RL math as pure functions on torch tensors: advantages, policy/value/SFT losses, KL estimators,
-entropies and logprobs, loss reductions, reward shaping (DAPO's overlong penalty, the group reward
-spread dynamic sampling filters on). No Ray, no I/O, no config objects.
+entropies and logprobs (from logits, or chunked from hidden states and the LM head), loss
+reductions, reward shaping (DAPO's overlong penalty, the group reward spread dynamic sampling
+filters on). No Ray, no I/O, no config objects.
 
 Variants live in registries (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
 `LOSS_REDUCTIONS`) and are picked once at start-up with the `get_*` helpers, which fail on unknown
@@ -20,6 +21,7 @@ _MODULES = {   # submodule: the names it exports here
                    "get_advantage_estimator", "grpo_advantages", "last_token_rewards", "normalize_advantages",
                    "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns", "rloo_advantages"),
     "entropy": ("entropy_from_logits", "logprobs_from_logits"),
+    "fused_logprobs": ("linear_logprobs_entropy", "masked_logprobs_entropy"),
     "kl": ("KL_ESTIMATORS", "get_kl_estimator", "kl_estimate"),
     "losses": ("POLICY_LOSSES", "get_policy_loss", "gspo_loss", "mismatch_metrics", "ppo_clip_loss", "sft_loss",
                "tis_weights", "value_loss"),

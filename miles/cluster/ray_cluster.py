@@ -55,11 +55,14 @@ class RayCluster:
         restore_sigchld()
 
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
-              concurrency: int | None = None, **kwargs: Any) -> "ActorResource":
+              concurrency: int | None = None, placement: dict[str, Any] | None = None,
+              **kwargs: Any) -> "ActorResource":
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
-        structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs)."""
+        structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
+        `placement`: the GPUs it asks for and where (PlacementGroupResource.options)."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
                                        max_restarts=0, lifetime="non_detached")
+        options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
         if self.log_dir is not None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
-from miles.rollout.protocol import ENGINES
+from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BATCH_SIZE
 from miles.rollout.rewards import REWARD_FUNCTIONS
 from miles.training.protocol import TRAIN_BACKENDS
 
@@ -94,6 +94,18 @@ FLAGS: tuple[Flag, ...] = (
     _f("overlong-buffer-len", "rollout", "overlong_buffer_len", int,
        "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
+    # rollout: the engine's limits and switches (FastEngine: --rollout-engine fast, or embedded on CUDA)
+    _f("rollout-max-batch-size", "rollout", "max_batch_size", int,
+       f"sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
+       f"{FAST_MAX_BATCH_SIZE} for FastEngine, {EMBEDDED_MAX_BATCH_SIZE} for EmbeddedEngine)"),
+    _f("rollout-mem-fraction", "rollout", "mem_fraction", float,
+       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded"),
+    _f("disable-cuda-graph", "rollout", "cuda_graph", kind="false",
+       help="FastEngine: run decode steps eagerly, not as captured CUDA graphs (debugging)"),
+    _f("disable-torch-compile", "rollout", "torch_compile", kind="false",
+       help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
+    _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
+       help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
@@ -140,6 +152,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("lr-warmup-iters", "train", "lr_warmup_iters", int, "optimizer steps of linear learning-rate warmup"),
     _f("lr-decay-iters", "train", "lr_decay_iters", int, "optimizer step where linear/cosine decay reaches --min-lr"),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
+    _f("use-dynamic-batch-size", "train", "use_dynamic_batch_size", kind="true",
+       help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples"),
+    _f("max-tokens-per-gpu", "train", "max_tokens_per_gpu", int,
+       "token budget of a micro-batch with --use-dynamic-batch-size (rows x longest row)"),
+    _f("recompute-activations", "train", "recompute_activations", kind="true",
+       help="activation checkpointing: recompute each layer's activations in the backward (less memory)"),
     # train: the megatron backend's parallelism (--train-backend megatron)
     _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
        "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),
@@ -170,7 +188,19 @@ FLAGS: tuple[Flag, ...] = (
     _f("ray-num-cpus", "cluster", "num_cpus", int, "CPUs of the local Ray cluster"),
     _f("ray-namespace", "cluster", "namespace", str, "Ray namespace of the run's actors (default: one per run)"),
     _f("colocate", "cluster", "colocate", kind="true",
-       help="engines and trainer on the same devices (not supported yet; never with the async machine)"),
+       help="engines on the trainer's GPUs, weights synced by CUDA IPC, the engines' cache freed while training "
+            "(sync machine only)"),
+    _f("actor-num-nodes", "cluster", "actor_num_nodes", int, "nodes of the trainer"),
+    _f("actor-num-gpus-per-node", "cluster", "actor_num_gpus_per_node", int, "the trainer's GPUs on each node"),
+    _f("rollout-num-gpus", "cluster", "rollout_num_gpus", int,
+       "the engines' GPUs in all (default: --rollout-num-engines x --rollout-num-gpus-per-engine)"),
+    _f("rollout-num-gpus-per-engine", "cluster", "rollout_num_gpus_per_engine", int, "GPUs of one engine"),
+    _f("num-gpus-per-node", "cluster", "num_gpus_per_node", int, "GPUs of each node"),
+    _f("offload", "cluster", "offload", kind="true", help="--offload-train and --offload-rollout"),
+    _f("offload-train", "cluster", "offload_train", kind="true",
+       help="the trainer's optimizer state goes to host memory while the engines roll out"),
+    _f("offload-rollout", "cluster", "offload_rollout", kind="true",
+       help="the engines free their KV cache while the trainer trains (on with --colocate)"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
@@ -197,6 +227,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
     _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
        help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
+    _f("update-weight-buffer-size", "run", "update_weight_buffer_size", int,
+       "bytes of one weight bucket when weights travel by CUDA IPC (--colocate on GPUs)"),
     _f("update-weights-interval", "run", "update_weights_interval", int,
        "async machine: push the trainer's weights to the engines every N rollouts (staleness up to N)"),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),

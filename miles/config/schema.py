@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
+from miles.rollout.protocol import FAST_MEM_FRACTION
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,12 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
+    # the engine's limits and switches (miles.rollout.protocol says which engine reads which)
+    max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
+    mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
+    cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
+    torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
+    attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
 
     @property
     def num_samples(self) -> int:
@@ -109,6 +116,9 @@ class TrainConfig:
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
+    use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
+    max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
+    recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
     pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size
@@ -142,7 +152,24 @@ class ClusterConfig:
     ray_address: str | None = None      # --ray-address: attach to a running cluster (None: start a local one)
     num_cpus: int | None = None         # --ray-num-cpus for a local cluster
     namespace: str | None = None        # --ray-namespace (None: one per run)
-    colocate: bool = False              # --colocate: engines and trainer share devices (not supported yet)
+    colocate: bool = False              # --colocate: engines on the trainer's GPUs (miles.cluster.placement)
+    actor_num_nodes: int = 1            # --actor-num-nodes: nodes of the trainer
+    actor_num_gpus_per_node: int = 1    # --actor-num-gpus-per-node: the trainer's GPUs on each of them
+    rollout_num_gpus: int | None = None  # --rollout-num-gpus: the engines' GPUs (None: engines x GPUs per engine)
+    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine
+    num_gpus_per_node: int = 8          # --num-gpus-per-node: GPUs of a node (an engine may not span nodes)
+    offload: bool = False               # --offload: both of the next two
+    offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
+    offload_rollout: bool = False       # --offload-rollout: the engines' KV cache freed during training
+
+    @property
+    def offloads_train(self) -> bool:
+        return self.offload or self.offload_train
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """--colocate frees the engines' cache during training too (miles: colocate turns it on)."""
+        return self.offload or self.offload_rollout or self.colocate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +209,7 @@ class RunConfig:
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
+    update_weight_buffer_size: int = 512 * 1024 ** 2  # --update-weight-buffer-size: bytes per weight bucket (CUDA IPC)
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path

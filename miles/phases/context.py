@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     import ray
 
     from miles.checkpoint.store import CheckpointStore
+    from miles.cluster.placement import RunPlacement
     from miles.cluster.ray_cluster import ActorResource, RayCluster
+    from miles.phases.weights import IpcWeights
     from miles.phases.init import Backends
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
@@ -32,6 +34,8 @@ class Components:
     """What `init` creates; every one of them is registered with the disposer where it is created."""
 
     cluster: RayCluster | None = None
+    placement: RunPlacement | None = None         # which GPUs each actor asks for (none on CPU)
+    ipc_weights: IpcWeights | None = None         # weight sync by CUDA IPC buckets; None: the object store
     engines: list[ActorResource] | None = None    # each an engine actor (miles.rollout.protocol.Engine)
     executor: ActorResource | None = None         # the RolloutExecutor actor
     trainer: ActorResource | None = None          # the trainer actor (miles.training.protocol.TrainerBackend)

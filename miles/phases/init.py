@@ -1,9 +1,10 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
-is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
-starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → engines → trainer →
+critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
+any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
 `--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
 `miles.rollout.protocol` and `miles.training.protocol`.
 """
@@ -11,19 +12,22 @@ starts. `pick_backends` is the one place an implementation is chosen: the engine
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore
+from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
+                                     placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, RunConfig, as_dict
+from miles.config import ConfigError, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.protocol import ENGINES, Engine
@@ -41,20 +45,81 @@ class Backends:
     engine: type[Engine]
     trainer: type[TrainerBackend]
     critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
+    engine_name: str = "embedded"           # the ENGINES entry `engine` is
+    engine_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options past device/dtype/seed
+    fast_path_refused: str | None = None    # why --rollout-engine embedded on CUDA stayed on transformers
 
 
 def pick_backends(cfg: RunConfig) -> Backends:
-    """--rollout-engine and --train-backend → classes, imported now (validate checked the names)."""
+    """--rollout-engine and --train-backend → classes, imported now (validate checked the names).
+
+    Raises ConfigError when --rollout-engine fast names a model FastEngine does not implement.
+    """
     spec = TRAIN_BACKENDS[cfg.train.backend]
     ppo = cfg.algorithm.advantage_estimator == "ppo"
-    return Backends(engine=import_object(ENGINES[cfg.rollout.engine]), trainer=import_object(spec.trainer),
-                    critic=import_object(spec.critic) if ppo and spec.critic else None)
+    name, refused = pick_engine(cfg)
+    return Backends(engine=import_object(ENGINES[name]), trainer=import_object(spec.trainer),
+                    critic=import_object(spec.critic) if ppo and spec.critic else None, engine_name=name,
+                    engine_options=engine_options(cfg.rollout, name), fast_path_refused=refused)
+
+
+def pick_engine(cfg: RunConfig) -> tuple[str, str | None]:
+    """The ENGINES name the run uses, and why the fast path was refused (None: taken, or not on CUDA).
+
+    `embedded` on CUDA is FastEngine when it implements the model, else EmbeddedEngine; on CPU it is
+    EmbeddedEngine, as always. `fast` is FastEngine (CPU too: eager, what CI tests) or a ConfigError.
+    """
+    asked = cfg.rollout.engine
+    if asked == "embedded" and not _engines_on_cuda(cfg.model.device):
+        return "embedded", None
+    if asked not in ("embedded", "fast"):
+        return asked, None
+    refused = _fast_engine_refuses(cfg.model.hf_checkpoint)
+    if refused and asked == "fast":
+        raise ConfigError(f"--rollout-engine fast cannot run --hf-checkpoint {cfg.model.hf_checkpoint}: {refused}; "
+                          "use --rollout-engine embedded (transformers)")
+    return ("embedded", refused) if refused else ("fast", None)
+
+
+def _engines_on_cuda(device: str) -> bool:
+    # read on the driver: with --device auto, a driver without a GPU (attached to a remote cluster)
+    # keeps the transformers engine; --device cuda picks the fast path wherever the driver runs
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _fast_engine_refuses(hf_checkpoint: str) -> str | None:
+    """None when FastEngine implements the checkpoint's model; else why not."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+    except (OSError, ValueError) as exc:
+        return f"its config does not load ({exc})"
+    return import_object(ENGINES["fast"]).supports(config)
+
+
+def engine_options(rollout: RolloutConfig, name: str) -> dict[str, Any]:
+    """The engine's constructor options from the rollout slice: what that engine reads (protocol.py)."""
+    options: dict[str, Any] = {}
+    if rollout.max_batch_size is not None:        # else the engine's own default
+        options["max_batch_size"] = rollout.max_batch_size
+    if name == "fast":
+        options.update(mem_fraction=rollout.mem_fraction, cuda_graph=rollout.cuda_graph,
+                       torch_compile=rollout.torch_compile, attention_kernel=rollout.attention_kernel)
+    return options
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
     ctx.backends = pick_backends(cfg)
+    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
+                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
+                    fast_path_refused=ctx.backends.fast_path_refused)
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -67,8 +132,9 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.cluster)
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 
+    ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
-    ctx.c.engines = [] if cfg.load_debug_rollout_data else [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
+    ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
     ctx.c.executor = ctx.c.cluster.actor(
@@ -82,6 +148,7 @@ async def init(ctx: TrainingContext) -> str:
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
 
+    await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
         ctx.c.store = CheckpointStore(cfg.checkpoint.save)
@@ -100,14 +167,50 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
+    place = ctx.c.placement
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
-                                        **trainer_options(cfg))
+                                        placement=place.options(place.plan.trainers[0]), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", placement=place.options(place.plan.critics[0]),
+            train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
+    """The GPU plan (miles.cluster.placement): checked against the cluster, and its placement group
+    made and registered, before any actor starts. A CPU run (--device cpu, or auto without GPUs in
+    the cluster) asks for no GPU, as before."""
+    cfg = ctx.cfg
+    gpus = cluster_gpus()
+    use_gpus = cfg.model.device == "cuda" or (cfg.model.device == "auto" and gpus > 0)
+    plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    place = RunPlacement(plan)
+    if plan.bundles:
+        check_cluster(plan, gpus)
+        place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus")
+        add(place.group)
+    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, colocate=cfg.cluster.colocate,
+                    trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
+    return place
+
+
+async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
+    """CUDA IPC buckets when the engines share the trainer's GPUs and both sides speak buckets; else
+    the object store (`ctx.c.ipc_weights` stays None)."""
+    cfg, b = ctx.cfg, ctx.backends
+    if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
+            and hasattr(b.engine, "load_weight_bucket") and hasattr(b.trainer, "weight_bucket_count")):
+        ctx.tracer.emit("weight_transport", transport="object_store")
+        return
+    dtype = await ctx.c.engines[0].handle.weights_dtype.remote()
+    count = await ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size)
+    ctx.c.ipc_weights = IpcWeights(ctx.c.trainer.handle, count)
+    add(ctx.c.ipc_weights)
+    ctx.tracer.emit("weight_transport", transport="cuda_ipc", buckets=count, dtype=str(dtype),
+                    bucket_bytes=cfg.update_weight_buffer_size)
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:

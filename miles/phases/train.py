@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 
 from miles.phases.context import TrainingContext
+from miles.phases.memory import to_trainer
 
 
 async def train(ctx: TrainingContext) -> str:
     rid = ctx.rollout_id
     t0 = time.monotonic()
+    await to_trainer(ctx)          # colocated GPUs: the engines' cache out, the optimizer state in
     if ctx.c.critic is not None:
         metrics = await _train_with_critic(ctx, rid)
     else:

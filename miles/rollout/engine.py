@@ -24,10 +24,12 @@ import structlog
 import torch
 from torch import Tensor
 
+from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
                               resolve_dtype)
+from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine")
 
@@ -40,7 +42,7 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = 64):
+                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = resolve_device(device)
@@ -50,6 +52,7 @@ class EmbeddedEngine:
         self._tokenizer = load_tokenizer(model_path)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
+        self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
         self._eos_ids = _eos_ids(self._model, self._tokenizer)
         self._vocab_size = self._model.config.vocab_size
         self._max_positions = getattr(self._model.config, "max_position_embeddings", None)
@@ -90,6 +93,17 @@ class EmbeddedEngine:
         load_weights(model, state_dict)
         self._version = int(version)
         log.info("weights_updated", version=self._version)
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
+        """One bucket of a bucketed update (CUDA IPC, miles.weights.transport): copied into the
+        model's tensors by name; the version is set when the version's last bucket is in (returned)."""
+        if self._receiver is None:
+            self._receiver = WeightReceiver(model_weights(self._live_model()))
+        version = self._receiver.load(bucket)
+        if version is not None:
+            self._version = version
+            log.info("weights_updated", version=version, buckets=bucket.count)
+        return version
 
     def weights_checksum(self) -> str:
         """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to

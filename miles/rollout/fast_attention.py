@@ -32,7 +32,7 @@ def _kernel():
     @triton.jit
     def decode_attention_kernel(Q, K, V, O, POS, scale, sqb, sqh, sqg, skb, skh, skn, svb, svh, svn,
                                 sob, soh, sog, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                                BLOCK: tl.constexpr):
+                                BLOCK: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_keys = tl.load(POS + b) + 1
@@ -49,14 +49,14 @@ def _kernel():
             keys = start + n
             valid = keys < n_keys
             k = tl.load(k_base + keys[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_base + keys[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / total[:, None]
         tl.store(O + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(O.dtype.element_ty),
@@ -68,7 +68,7 @@ def _kernel():
 def usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel may run here (it is then still checked with `matches_sdpa`)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False   # float32 stays on the stock call: tl.dot would round it to tf32
+        return False   # float32 engines are the exact reference: they keep the stock call
     if head_dim < 16 or head_dim & (head_dim - 1):
         return False
     try:
@@ -84,8 +84,13 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: floa
     b, kv_heads, group, dim = q.shape
     out = torch.empty_like(q)
     g_pad = max(16, 1 << (group - 1).bit_length())
+    # float32 operands in IEEE precision, not Triton's default TF32 (a 10-bit mantissa), so the kernel
+    # computes what it says for every dtype it takes (the engine runs it in bf16/fp16 only, where
+    # this choice has no effect; "tf32" is the default it had before)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _kernel()[(b, kv_heads)](q, kc, vc, out, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
-                             *out.stride()[:3], G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, num_warps=4)
+                             *out.stride()[:3], G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision,
+                             num_warps=4)
     return out
 
 

@@ -117,9 +117,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def move(self, src: Tensor, dst: Tensor, span: int) -> None:
-        """Copy the first `span` positions of slots `src` into slots `dst` (all layers)."""
-        self.data[:, :, dst, :, :span] = self.data[:, :, src, :, :span]
+    def move(self, src: list[int], dst: list[int], span: int) -> None:
+        """Copy the first `span` positions of slots `src` into slots `dst` (all layers), one slot at a
+        time: an indexed copy of all of them would first gather them into a temporary, as large as
+        their whole cache (GBs for long answers), and only at the tail of some calls."""
+        for s, d in zip(src, dst):
+            self.data[:, :, d, :, :span].copy_(self.data[:, :, s, :, :span])
 
 
 class DecodeGraphs:
@@ -131,6 +134,9 @@ class DecodeGraphs:
         self.enabled = enabled
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
+        # one side stream for every capture's warm-up: cuBLAS keeps a workspace (MBs, never freed) per
+        # stream it runs on, and a fresh torch.cuda.Stream() per capture would add one per new bucket
+        self._side = torch.cuda.Stream() if enabled else None
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -158,7 +164,7 @@ class DecodeGraphs:
     def _capture(self, b: int, span: int) -> torch.cuda.CUDAGraph:
         # the warm-up runs the real step once (it rewrites each busy slot's K/V at its current
         # position with the same values the replay writes, so it changes no state)
-        side = torch.cuda.Stream()
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._step(b, span)

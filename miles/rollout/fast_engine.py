@@ -23,7 +23,6 @@ import gc
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 
 import structlog
 import torch
@@ -33,12 +32,14 @@ from miles.rollout import fast_attention
 from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
 from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, span_buckets)
-from miles.rollout.fast_model import Arch, Forward, pack_weights, supports
+from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
+from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
 
@@ -50,7 +51,8 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 class FastEngine:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = 64, mem_fraction: float = 0.5, max_context_len: int | None = None,
+                 max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
+                 max_context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
@@ -79,7 +81,7 @@ class FastEngine:
                                 length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
                                                                                         self.device))
         self._set_buckets()
-        self._greedy, self._race = (_compiled(greedy), _compiled(race)) if self._forward.compiled else (greedy, race)
+        self._use_compiled(self._forward.compiled)
         self._graphs = DecodeGraphs(self._decode_forward, enabled=cuda_graph and cuda)
         self._cache: KVCache | None = None
         self.last_stats: dict = {}       # of the last generate call: decode steps, graphs, prefills, seconds
@@ -106,6 +108,7 @@ class FastEngine:
         del model
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
+        self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
 
     def _workspace_bytes(self) -> int:
         """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
@@ -135,10 +138,15 @@ class FastEngine:
                 self._compile_shapes()
             except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path, which is correct
                 log.warning("torch_compile_failed", error=repr(e)[:2000], fallback="eager")
-                self._forward.use_compiled(False)
-                self._greedy, self._race = greedy, race
+                self._use_compiled(False)
                 self._graphs.clear()
         return time.perf_counter() - t0
+
+    def _use_compiled(self, compiled: bool) -> None:
+        """The layer pieces and the samplers' kernels, compiled (for this model and dtype) or eager."""
+        self._forward.use_compiled(compiled)
+        self._greedy, self._race = (tuple(_compiled(f, self.arch, self.dtype) for f in (greedy, race))
+                                    if compiled else (greedy, race))
 
     def _attention_kernel_ok(self) -> bool:
         a = self.arch
@@ -160,12 +168,11 @@ class FastEngine:
             self._decode_forward(b, span)
             self._greedy(self._logits[:b])
             self._race(self._logits[:b], self._noise[:b].exponential_(), one)
-        for n, p in ((2, 2), (3, 5)):
-            ids = torch.zeros((n, p), dtype=torch.long, device=self.device)
-            lens = torch.full((n,), p, dtype=torch.long, device=self.device)
-            slots = torch.full((n,), self._scratch, dtype=torch.long, device=self.device)
+        for n, p in ((2, 2), (3, 5)):   # built like a real prefill's inputs (the guards check strides too)
+            ids, lens, _, slots = self._prefill_inputs([([self.pad_token_id] * p, 0, self._scratch)] * n)
             self._forward.prefill(ids, lens, slots, self._cache.layers)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # --- memory --------------------------------------------------------------------------------
     def release_memory(self) -> None:
@@ -237,6 +244,18 @@ class FastEngine:
         self._version = int(version)
         log.info("weights_updated", version=self._version)
 
+    def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
+        """One bucket of a bucketed update (CUDA IPC, miles.weights.transport), copied in place into
+        the engine's tensors (graphs stay valid); returns the version once its last bucket is in."""
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self._live_weights().named)
+        with torch.inference_mode():
+            version = self._receiver.load(bucket)
+        if version is not None:
+            self._version = version
+            log.info("weights_updated", version=version, buckets=bucket.count)
+        return version
+
     def weights_checksum(self) -> str:
         """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
         as `EmbeddedEngine.weights_checksum()` for the same weights."""
@@ -273,11 +292,11 @@ class FastEngine:
         self._check(prompts, params)
         gen = self._generator if params.seed is None else \
             torch.Generator(device=self.device).manual_seed(params.seed)
-        sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
-        is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
         version = self._version
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode():  # every tensor a step sees is an inference tensor: one set of compiled guards
+            sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
+            is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
             out = CallOutputs(len(prompts), params.max_new_tokens, self.device)
             call = _Call(prompts, params.max_new_tokens, sampler, is_stop, out)
             steps = self._run(call)
@@ -357,13 +376,7 @@ class FastEngine:
         rows = [(call.prompts[r], r, s) for r, s in chunk]
         if len(rows) == 1:  # a second row in the scratch slot: no size-1 dims (compiled kernels stay generic)
             rows.append(([self.pad_token_id], len(call.prompts), self._scratch))
-        width = max(2, max(len(p) for p, _, _ in rows))
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        for i, (p, _, _) in enumerate(rows):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        meta = torch.tensor([[len(p), r, s] for p, r, s in rows], dtype=torch.long)
-        ids, meta = _to_device(ids, self.device), _to_device(meta, self.device)
-        lens, reqs, slots = meta.unbind(1)
+        ids, lens, reqs, slots = self._prefill_inputs(rows)
         st = self._state
         st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
         logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
@@ -373,6 +386,17 @@ class FastEngine:
         call.prefills += 1
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
+    def _prefill_inputs(self, rows: list[tuple[list[int], int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(prompt, request, slot) rows -> ids [n, P] right-padded, lens, reqs, slots [n], on the device."""
+        width = max(2, max(len(p) for p, _, _ in rows))
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        for i, (p, _, _) in enumerate(rows):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        meta = torch.tensor([[len(p), r, s] for p, r, s in rows], dtype=torch.long)
+        ids, meta = _to_device(ids, self.device), _to_device(meta, self.device)
+        lens, reqs, slots = meta.unbind(1)
+        return ids, lens, reqs, slots
+
     def _compact(self, table: _Slots, step: int) -> None:
         """Move busy slots into free lower ones when that lets the decode batch bucket shrink."""
         busy = len(table.running)
@@ -380,8 +404,8 @@ class FastEngine:
             return
         movers = sorted(s for s in table.running if s >= busy)
         holes = [s for s in range(busy) if s not in table.running]
+        self._cache.move(movers, holes, table.span(step))
         src, dst = (_to_device(torch.tensor(x, dtype=torch.long), self.device) for x in (movers, holes))
-        self._cache.move(src, dst, table.span(step))
         self._state.move(src, dst)
         table.move(movers, holes)
 
@@ -391,10 +415,9 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-@lru_cache(maxsize=None)
-def _compiled(fn):
-    """`torch.compile(fn)` with the leading (batch) dimension of its tensor arguments dynamic."""
-    compiled = torch.compile(fn, fullgraph=True)
+def _compiled(fn, arch: Arch, dtype: torch.dtype):
+    """`compile_for(fn, arch, dtype)` with the leading (batch) dimension of its tensor arguments dynamic."""
+    compiled = compile_for(fn, arch, dtype)
 
     def call(*args):
         for a in args:

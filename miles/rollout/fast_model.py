@@ -22,6 +22,7 @@ float rounding.
 from __future__ import annotations
 
 import re
+import types
 from functools import lru_cache
 from dataclasses import dataclass
 
@@ -260,15 +261,41 @@ def final_logits(x: Tensor, w: PackedWeights, arch: Arch, out: Tensor | None = N
 
 
 def _dynamic(*dims: tuple[Tensor, int]) -> None:
-    """Mark batch/length dimensions dynamic so one compiled kernel serves every bucket."""
+    """Mark batch/length dimensions, and the cache's slot and position counts, dynamic: one compiled
+    kernel serves every bucket, and every engine of one model and dtype."""
     for t, d in dims:
         torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+def _cache_dims(kc: Tensor, vc: Tensor) -> tuple[tuple[Tensor, int], ...]:
+    """A layer's K/V cache [slots, kv_heads, max_len, head_dim]: slots and max_len vary by engine."""
+    return (kc, 0), (kc, 2), (vc, 0), (vc, 2)
+
+
+COMPILE_BACKEND = "inductor"   # a unit test swaps in "eager": dynamo's guards and recompiles are the same
+
+
+def compile_for(fn, arch: Arch, dtype: torch.dtype):
+    """`torch.compile(fn, fullgraph=True)`, one per (fn, arch, dtype) in a process: see `_compile_isolated`."""
+    return _compile_isolated(fn, arch, dtype, COMPILE_BACKEND)
+
+
 @lru_cache(maxsize=None)
-def _compiled_pieces() -> tuple:
-    """Compiled once per process (dynamo caches per function and guards on `arch`'s values)."""
-    return tuple(torch.compile(f, fullgraph=True) for f in (decode_qkv, prefill_qkv, out_mlp))
+def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str):
+    # Dynamo keeps its compiled variants of a function, and counts them against recompile_limit
+    # (8), per *code object*. Shared by every engine of a process, a piece gathers a variant per
+    # model and dtype (qwen2 then llama, fp32 and bf16: each changes the guards) until the limit
+    # hits, which fullgraph=True turns into an error and the engine into eager. So each (model
+    # shape, dtype) compiles its own copy of the code, named for it (dynamo's automatic-dynamic
+    # memory is keyed by name): its variants and limit are its own, and the engines that share it
+    # differ only in dims marked dynamic. torch >= 2.12 offers this as torch.compile(...,
+    # isolate_recompiles=True); the copy works on every version we support.
+    tag = (f"{str(dtype).removeprefix('torch.')}_{arch.n_layers}x{arch.hidden}_{arch.n_heads}q"
+           f"{arch.n_kv_heads}kv{arch.head_dim}_{arch.vocab}")
+    name = f"{fn.__name__}__{tag}"
+    copy = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
+                              fn.__defaults__, fn.__closure__)
+    return torch.compile(copy, fullgraph=True, backend=backend)
 
 
 class Forward:
@@ -280,7 +307,9 @@ class Forward:
         self.use_compiled(compiled)
 
     def use_compiled(self, compiled: bool) -> None:
-        pieces = _compiled_pieces() if compiled else (decode_qkv, prefill_qkv, out_mlp)
+        pieces = (decode_qkv, prefill_qkv, out_mlp)
+        if compiled:
+            pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype) for f in pieces)
         (self._decode_qkv, self._prefill_qkv, self._out_mlp), self.compiled = pieces, compiled
 
     def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
@@ -295,7 +324,7 @@ class Forward:
             mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
         for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
-                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0))
+                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc))
             q = self._decode_qkv(x, ln1, qkv_w, qkv_b, kc, vc, cos, sin, pos, a)
             if self.length_aware:
                 o = decode_attention(q, kc, vc, pos, a.scale)
@@ -319,7 +348,7 @@ class Forward:
         mask = additive_mask(valid, x.dtype)[:, None]
         for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
-                _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0))
+                _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0), *_cache_dims(kc, vc))
             q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, kc, vc, slots, cos, sin, a)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)

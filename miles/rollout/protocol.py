@@ -7,7 +7,13 @@ the class once, by name, and makes it a Ray actor; nothing else names an engine.
 path, SGLang) is a module of its own implementing `Engine`, plus one `ENGINES` entry; its heavy
 imports stay in its module, which loads only when a run picks it.
 
-Constructor, for every engine: `Cls(model_path, *, device, dtype, seed)`.
+Constructor, for every engine: `Cls(model_path, *, device, dtype, seed, **options)`, the options
+being what `pick_backends` reads from the rollout flags for that engine (`--rollout-max-batch-size`
+for both; `--rollout-mem-fraction` and the `--disable-*` switches for FastEngine).
+
+`--rollout-engine embedded` is the embedded engine wherever it can be fast: on CUDA it is FastEngine
+(our own forward, KV cache, CUDA graphs) for the models FastEngine implements, and EmbeddedEngine
+(transformers) otherwise or on CPU; `--rollout-engine fast` asks for FastEngine outright.
 """
 
 from __future__ import annotations
@@ -22,7 +28,19 @@ if TYPE_CHECKING:
 # --rollout-engine NAME -> "module:Class", imported only when a run picks it
 ENGINES: dict[str, str] = {
     "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
+    "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
 }
+
+# sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
+# vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
+# past that, so 256 rows cost little more per step than 64 (issue 12's H200 bench: 256 requests in
+# one batch), and RL rollouts bring hundreds of requests per call. EmbeddedEngine keeps its 64 (the
+# CPU path, as before).
+EMBEDDED_MAX_BATCH_SIZE = 64
+FAST_MAX_BATCH_SIZE = 256
+# FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
+# left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
+FAST_MEM_FRACTION = 0.5
 
 
 class Engine(Protocol):
@@ -39,6 +57,12 @@ class Engine(Protocol):
     def weights_checksum(self) -> str:
         """`miles.weights.checksum.state_dict_checksum` of the weights as the engine holds them."""
         ...
+
+    # Optional capabilities, used when the class has them (the composition root looks):
+    #   load_weight_bucket(bucket: miles.weights.transport.WeightBucket) -> int | None
+    #       one bucket of a CUDA IPC weight update; without it weights go through the object store
+    #   release_memory() / resume_memory()
+    #       free the KV cache (and graphs) while a colocated trainer trains, and take it back
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""

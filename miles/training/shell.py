@@ -3,7 +3,8 @@
 What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
 run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
 step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the optimizer
-state and step count on disk, and the disposal. What a model computes (policy loss, value loss) and
+state and step count on disk, the optimizer state's trips to host memory while a colocated engine
+needs the GPU (`offload` / `onload`, --offload-train), and the disposal. What a model computes (policy loss, value loss) and
 what else it saves are the subclass's.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from miles.config import TrainConfig
 from miles.training.rng import seed_everything
+from miles.training.offload import HostOffload
 from miles.training.schedule import lr_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
@@ -43,6 +45,7 @@ class OptimizedModel:
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._num_steps = 0
+        self._host: HostOffload | None = None       # made at the first offload
 
     def _start_optimizer(self, model: nn.Module) -> None:
         t = self._train_cfg
@@ -84,6 +87,22 @@ class OptimizedModel:
         if (path / self.state_file).is_file():
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
+    def offload(self) -> int:
+        """The optimizer state to host memory, the gradients dropped (--offload-train); bytes moved."""
+        if self._host is None:
+            self._host = HostOffload(self._optimizer, self._live())
+        return self._host.offload()
+
+    def release_cached_memory(self) -> None:
+        """Return the CUDA blocks the allocator keeps cached (activations of the last step) to the
+        device, for a colocated engine to take."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> int:
+        """Back from `offload` (a no-op when nothing is offloaded); bytes moved."""
+        return 0 if self._host is None else self._host.onload()
+
     def _live(self) -> nn.Module:
         if self._model is None:
             raise RuntimeError(f"the {self.role} was disposed; create a new one")
@@ -96,7 +115,9 @@ class OptimizedModel:
         """Free the model and the optimizer state (and the CUDA cache). Idempotent. The actor itself
         is the run's."""
         self._release()
-        self._model = self._optimizer = None
+        if self._host is not None:
+            self._host.dispose()
+        self._model = self._optimizer = self._host = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

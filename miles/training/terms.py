@@ -4,13 +4,20 @@ in the token rewards, advantages) and how a micro-batch's loss is made (policy l
 + kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term reduced by
 --loss-agg-mode with the global batch's normalizer).
 
-A backend computes logits or logprobs its own way (an HF model, a megatron-core pipeline) and hands
-them to `PolicyObjective`; the losses, advantages and reductions themselves are `miles.algorithms`'.
-Which function computes each term is decided in `PolicyObjective.__init__`; the step never looks at a name.
+A backend computes logits or logprobs its own way (an HF model's logits or chunked from its hidden
+states, a megatron-core pipeline) and hands them to `PolicyObjective`; the losses, advantages and
+reductions themselves are `miles.algorithms`'. Which function computes each term is decided in
+`PolicyObjective.__init__`; the step never looks at a name.
+
+The skipped old-logprob pass: when a rollout takes one optimizer step and nothing but the PPO ratio
+reads the pre-step logprobs (`may_skip_old_pass`), a backend may prepare without them (`train_lp`
+None); the step's own logprobs, detached, are then the old ones (ratio 1 at the step, exactly what
+the pass would have given), and the backend reports the mismatch metrics from them (`mismatch`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -39,6 +46,8 @@ def config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: Rol
         problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
     if train.clip_grad < 0:
         problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
+    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
+        problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
     if algorithm.loss_type not in LOSS_TYPES:
         problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
     if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
@@ -158,22 +167,45 @@ class PolicyObjective:
         self._advantages = _pick_advantages(algorithm)
         self._kl_coef = algorithm.kl_loss_coef
         self._entropy_coef = algorithm.entropy_coef
-        self._entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
+        self.entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
         self.is_sft = algorithm.loss_type == "sft_loss"       # SFT needs neither old logprobs nor advantages
         self.uses_reference = algorithm.use_kl_loss or algorithm.kl_coef > 0
         self._reward_kl_coef = algorithm.kl_coef
         self._use_rollout_logprobs = algorithm.use_rollout_logprobs
         self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
+        # the pre-step logprobs are read for more than the PPO ratio (or not at all, SFT): keep the pass
+        self.may_skip_old_pass = not (self.is_sft or self._tis_bounds or self._use_rollout_logprobs
+                                      or self._reward_kl_coef)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
         """[B, T] float32 logprobs of `tokens` under `logits` [B, T, V] at the rollout's temperature."""
         return logprobs_from_logits(logits, tokens, self.temperature)
 
-    def prepare(self, batch: TrainBatch, train_lp: Tensor, ref_lp: Tensor | None,
+    def prepare(self, batch: TrainBatch, train_lp: Tensor | None, ref_lp: Tensor | None,
                 values: Tensor | None) -> tuple[Tensor | None, dict[str, float]]:
         """Fill old_logprobs, ref_logprobs, is_weights (--use-tis) and the advantages of `batch` from
-        the current weights' logprobs `train_lp` [B, T] and the reference's `ref_lp` (None without
-        one); returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
+        the current weights' logprobs `train_lp` [B, T] (None: the pass was skipped, allowed only when
+        `may_skip_old_pass`; old_logprobs stay None) and the reference's `ref_lp` (None without one);
+        returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
+        if train_lp is None and not self.may_skip_old_pass:
+            raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
+                             "(no --use-tis, --use-rollout-logprobs, --kl-coef or SFT); pass the trainer's logprobs")
+        mask = batch.loss_mask
+        metrics = {} if train_lp is None else self._old_policy(batch, train_lp)
+        kl = None
+        if ref_lp is not None:
+            batch.ref_logprobs = ref_lp
+            if self._reward_kl_coef:    # train_lp is there: may_skip_old_pass is False
+                kl = torch.where(mask, train_lp - ref_lp, torch.zeros((), device=mask.device))  # k1
+                metrics["reward_kl"] = float(masked_mean(kl, mask))
+        metrics["logprob_passes"] = float((train_lp is not None) + (ref_lp is not None))   # no-grad forwards (MFU)
+        returns = self._advantages(batch, None if values is None else values.to(mask.device), kl)
+        metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
+        return returns, metrics
+
+    def _old_policy(self, batch: TrainBatch, train_lp: Tensor) -> dict[str, float]:
+        """old_logprobs (the trainer's, or the engine's with --use-rollout-logprobs) and TIS weights from
+        the pre-step logprobs; the train-vs-rollout mismatch metrics."""
         mask = batch.loss_mask
         batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
         metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
@@ -181,15 +213,11 @@ class PolicyObjective:
             batch.is_weights = tis_weights(train_lp, batch.rollout_logprobs, mask, clip=self._tis_bounds[1],
                                            clip_low=self._tis_bounds[0])
             metrics.update(_tis_metrics(train_lp, batch.rollout_logprobs, mask, self._tis_bounds))
-        kl = None
-        if ref_lp is not None:
-            batch.ref_logprobs = ref_lp
-            if self._reward_kl_coef:
-                kl = torch.where(mask, train_lp - ref_lp, torch.zeros((), device=mask.device))  # k1
-                metrics["reward_kl"] = float(masked_mean(kl, mask))
-        returns = self._advantages(batch, None if values is None else values.to(mask.device), kl)
-        metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
-        return returns, metrics
+        return metrics
+
+    def mismatch(self, train_lp: Tensor, batch: TrainBatch) -> dict[str, float]:
+        """Train vs rollout logprobs of `batch`'s sampled tokens (after a skipped pass: the step's own)."""
+        return _mismatch(train_lp, batch.rollout_logprobs, batch.loss_mask)
 
     def normalizers(self, batch: TrainBatch) -> tuple[float, int]:
         """(the reduction's normalizer, response tokens) of a global batch, each at least 1: a batch
@@ -199,18 +227,22 @@ class PolicyObjective:
     def micro_loss(self, logits: Tensor, mb: TrainBatch, normalizer: float,
                    num_tokens: int) -> tuple[Tensor, dict[str, float]]:
         """The loss of micro-batch `mb` from its logits [B, T, V]; see `loss`."""
-        return self.loss(self.logprobs(logits, mb.tokens),
-                         lambda: entropy_from_logits(logits, self.temperature), mb, normalizer, num_tokens)
+        with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits, self.temperature)
+        return self.loss(self.logprobs(logits, mb.tokens), entropy, mb, normalizer, num_tokens)
 
-    def loss(self, logprobs: Tensor, entropy: Callable[[], Tensor], mb: TrainBatch, normalizer: float,
+    def loss(self, logprobs: Tensor, entropy: Tensor, mb: TrainBatch, normalizer: float,
              num_tokens: int) -> tuple[Tensor, dict[str, float]]:
         """The loss of micro-batch `mb` (a share of the global batch's, by `normalizer`) from its
-        logprobs [B, T] and `entropy()` [B, T] (called with gradients only when --entropy-coef needs
-        them); its terms as floats, clip_frac weighted by the micro-batch's share of `num_tokens`."""
+        logprobs [B, T] and token entropies [B, T] (with gradients only when `entropy_has_grad`); its
+        terms as floats, clip_frac weighted by the micro-batch's share of `num_tokens`. Without
+        old_logprobs (the skipped pass) the old policy is this step's own logprobs, detached."""
+        if mb.old_logprobs is None and not self.is_sft:
+            mb = replace(mb, old_logprobs=logprobs.detach())
         pg, pg_metrics = self._policy_term(logprobs, mb, normalizer)
         kl, _ = self._kl_term(logprobs, mb, normalizer)
-        with torch.set_grad_enabled(self._entropy_has_grad and torch.is_grad_enabled()):
-            ent = self.reduce(entropy(), mb.loss_mask, normalizer=normalizer)
+        with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):
+            ent = self.reduce(entropy, mb.loss_mask, normalizer=normalizer)
         loss = pg + self._kl_coef * kl - self._entropy_coef * ent
         share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
         terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": ent.item(),

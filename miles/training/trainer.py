@@ -11,8 +11,9 @@ the executor's per-sample ones for the sequence-level estimators, or token-level
 the reference and the critic's `values` are (REINFORCE++ returns, PPO's GAE, both with --kl-coef's
 KL in the token rewards); for PPO it returns the critic's targets. `train(samples, rollout_id)` then
 takes one optimizer step per global batch of `train.global_batch_size` samples, each accumulated
-over micro-batches of `train.micro_batch_size` samples (it prepares the rollout itself when nothing
-was prepared). Every micro-batch term is reduced with the *global* batch's count (tokens, or
+over micro-batches of `train.micro_batch_size` samples, or of at most `train.max_tokens_per_gpu`
+padded tokens with --use-dynamic-batch-size (it prepares the rollout itself when nothing was
+prepared). Every micro-batch term is reduced with the *global* batch's count (tokens, or
 sequences for the seq-mean reductions) as the denominator, so the accumulated gradient equals the
 gradient of the reduction over the whole global batch.
 
@@ -21,6 +22,16 @@ The loss: policy loss (PPO clip, or GSPO when the advantage estimator is gspo; o
 reduced by --loss-agg-mode. Which functions compute each term, the advantages and the reduction is
 decided once, by `miles.training.terms.PolicyObjective` (shared with the megatron backend); the step
 never looks at a name.
+
+On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
+chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). When a rollout takes exactly
+one optimizer step and nothing but the PPO ratio reads the trainer's pre-step logprobs (no TIS, no
+--use-rollout-logprobs, no KL in the reward), the no-grad pass that computes them is skipped: they
+are, by construction, the step's own logprobs before its update, so the step uses them detached
+(metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
+
+Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
+memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
 
 A plain class; the composition root makes it a Ray actor.
 """
@@ -38,12 +49,15 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
+from miles.training.forward import enable_activation_checkpointing, pick_forward
+from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective, config_problems
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer")
 
@@ -51,13 +65,17 @@ log = structlog.get_logger().bind(role="trainer")
 MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
 
+
 class Trainer(OptimizedModel):
     role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
-                 device: str = "auto", dtype: str = "auto"):
+                 device: str = "auto", dtype: str = "auto", hidden_forward: bool | None = None,
+                 skip_old_logprobs: bool | None = None):
         """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
-        recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant."""
+        recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant.
+        `hidden_forward` (chunked logprobs from hidden states) and `skip_old_logprobs` (no no-grad
+        pass when it equals the step's own): None = on CUDA only, so CPU runs compute as they did."""
         problems = config_problems(train, algorithm, rollout)
         if problems:
             raise ConfigError(problems)
@@ -70,9 +88,18 @@ class Trainer(OptimizedModel):
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
         self._ref = self._make_reference(algorithm)
         self._start_optimizer(self._model)
+        on_cuda = self.device.type == "cuda"
+        self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
+                                                   compute_dtype=self.compute_dtype,
+                                                   hidden=on_cuda if hidden_forward is None else hidden_forward)
+        self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
+                                   and self._objective.may_skip_old_pass)
+        if train.recompute_activations:
+            enable_activation_checkpointing(self._model)
+        self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
-                 kl=self._ref is not None)
+                 kl=self._ref is not None, forward=forward_name, may_skip_old_logprobs=self._may_skip_old_pass)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
@@ -91,14 +118,18 @@ class Trainer(OptimizedModel):
         """Train on one rollout's samples (prepared by `prepare_rollout` for this rollout id, or here);
         returns metrics averaged over its optimizer steps, with the rollout's mismatch metrics."""
         self._live()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self._prepared is None or self._prepared[0] != rollout_id:
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
-        size = self._train_cfg.global_batch_size or batch.size
-        steps = [self._step(gb) for gb in split(batch, size)]
+        steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
+        if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
+            metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
             load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
             metrics["ref_updated"] = 1.0
@@ -109,7 +140,7 @@ class Trainer(OptimizedModel):
         """Pack and prepare one rollout for `train(samples, rollout_id)` (see `prepare`); returns the
         critic's targets [B, T] on CPU for PPO (then `values` [B, T] are the critic's), else None."""
         self._live()
-        batch, returns, metrics = self._prepare(make_train_batch(samples, self.pad_id), values)
+        batch, returns, metrics = self._prepare(make_train_batch(samples, self.pad_id), values, may_skip=True)
         self._prepared = (rollout_id, batch, metrics)
         return None if returns is None else returns.cpu()
 
@@ -118,11 +149,16 @@ class Trainer(OptimizedModel):
         is_weights (--use-tis) and the advantages filled."""
         return self._prepare(batch, values)[0]
 
-    def _prepare(self, batch: TrainBatch, values: Tensor | None) -> tuple[TrainBatch, Tensor | None, dict[str, float]]:
+    def _global_batch_size(self, batch: TrainBatch) -> int:
+        return self._train_cfg.global_batch_size or batch.size
+
+    def _prepare(self, batch: TrainBatch, values: Tensor | None,
+                 may_skip: bool = False) -> tuple[TrainBatch, Tensor | None, dict[str, float]]:
         batch = batch.to(self.device)
         if self._objective.is_sft:
             return batch, None, {}
-        train_lp = self._logprobs(self._model, batch)
+        skip = may_skip and self._may_skip_old_pass and self._global_batch_size(batch) >= batch.size
+        train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
         ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
         returns, metrics = self._objective.prepare(batch, train_lp, ref_lp, values)
         return batch, returns, metrics
@@ -130,45 +166,78 @@ class Trainer(OptimizedModel):
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch)
+        seen = None
+        if batch.old_logprobs is None and not self._objective.is_sft:   # the skipped pass: the step records them instead
+            seen = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        metrics = self.accumulate_gradients(batch, record=seen)
+        if seen is not None:
+            metrics.update(self._objective.mismatch(seen, batch))
         grad_norm = self._optimizer_step()
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
-    def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None) -> dict[str, float]:
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
+        """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows,
+        or token-budget groups with --use-dynamic-batch-size."""
+        t = self._train_cfg
+        groups = plan_micro_batches(batch.attention_mask, micro_batch_size=micro_batch_size or t.micro_batch_size,
+                                    max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None)
+        for rows in groups:
+            yield torch.as_tensor(rows, device=batch.tokens.device), take_rows(batch, rows)
+
+    def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
+                             record: Tensor | None = None) -> dict[str, float]:
         """Backward over the micro-batches of a prepared global batch; gradients add up in `.grad`
         to those of the global batch's loss under --loss-agg-mode. Returns that loss's terms (loss,
-        pg_loss, kl, entropy) reduced the same way, and clip_frac over the global batch's tokens."""
+        pg_loss, kl, entropy) reduced the same way, and clip_frac over the global batch's tokens.
+        `record` [B, T], when given, receives the logprobs the micro-batches computed (detached)."""
         normalizer, num_tokens = self._objective.normalizers(batch)
         sums: dict[str, float] = defaultdict(float)
-        for mb in split(batch, micro_batch_size or self._train_cfg.micro_batch_size):
-            loss, terms = self._micro_loss(mb, normalizer, num_tokens)
+        for rows, mb in self._micro_batches(batch, micro_batch_size):
+            loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             loss.backward()
+            if record is not None:
+                record[rows, :logprobs.shape[1]] = logprobs.detach()
             for k, v in terms.items():
                 sums[k] += v
         return dict(sums)
 
-    def _micro_loss(self, mb: TrainBatch, normalizer: float, num_tokens: int) -> tuple[Tensor, dict[str, float]]:
-        with self._autocast():
-            logits = self._model(input_ids=mb.tokens, attention_mask=mb.attention_mask).logits
-        return self._objective.micro_loss(logits, mb, normalizer, num_tokens)
+    def _micro_loss(self, mb: TrainBatch, normalizer: float,
+                    num_tokens: int) -> tuple[Tensor, dict[str, float], Tensor]:
+        logprobs, token_entropy = self._forward(self._model, mb, True, self._objective.entropy_has_grad)
+        loss, terms = self._objective.loss(logprobs, token_entropy, mb, normalizer, num_tokens)
+        return loss, terms, logprobs
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        start = 0
-        for mb in split(batch, self._train_cfg.micro_batch_size):
-            with self._autocast():
-                logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask).logits
-            out[start:start + mb.size, :mb.tokens.shape[1]] = self._objective.logprobs(logits, mb.tokens)
-            start += mb.size
+        for rows, mb in self._micro_batches(batch):
+            out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]
         return out
 
     # --- weights and state ---------------------------------------------------------------------
     def weights(self) -> dict[str, Tensor]:
         """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
         return state_dict_to_cpu(model_weights(self._live()))
+
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Buckets of the CUDA IPC transport (made once): the weights cast to `dtype` in flat buffers
+        of at most `bucket_bytes`. Call before `weight_bucket`."""
+        if self._sender is None:
+            self._sender = BucketSender(lambda: model_weights(self._live()), dtype=dtype, bucket_bytes=bucket_bytes,
+                                        ipc=True)
+        return self._sender.num_buckets
+
+    def weight_bucket(self, index: int, version: int) -> WeightBucket:
+        """Fill bucket `index` with the current weights and hand out its IPC handle; the buffer lives
+        until `release_weight_buckets` (after every engine has loaded it)."""
+        return self._sender.bucket(index, version)
+
+    def release_weight_buckets(self, index: int | None = None) -> None:
+        """Free bucket `index` (or all): every engine has copied it."""
+        if self._sender is not None:
+            self._sender.release(index)
 
     def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
         """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
@@ -209,4 +278,6 @@ class Trainer(OptimizedModel):
         self._tokenizer.save_pretrained(str(path))
 
     def _release(self) -> None:
-        self._ref = self._prepared = None
+        if self._sender is not None:
+            self._sender.dispose()
+        self._ref = self._prepared = self._sender = None

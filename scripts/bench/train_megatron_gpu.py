@@ -9,16 +9,22 @@ first, then --rollouts timed ones, each timed in its two calls as the train phas
 
   prepare_s   prepare_rollout: the forward pass for the old logprobs (and packing)
   step_s      train: forward + backward + optimizer step
+  logprob_passes  no-grad forwards prepare made (the train metric of that name: 0 when the torch
+              trainer skipped the old-logprob pass)
   tokens_per_s  tokens (prompt + response, no padding) / (prepare_s + step_s)
-  mfu         model FLOPs / time / peak: 2 N tokens for prepare, 6 N tokens for the step (N = the
-              parameters, the tied embedding once, as the LM head's matmul), plus the causal
+  mfu         model FLOPs / time / peak: 2 N tokens per no-grad pass, 6 N tokens for the step (N =
+              the parameters, the tied embedding once, as the LM head's matmul), plus the causal
               attention's 2 L h T per token forward (x 3 with the backward); peak --peak-tflops
               (989: H200 bf16 dense)
   peak_mem_gib  torch.cuda.max_memory_allocated over the backend's timed rollouts
 
-torch: HF model, float32 master weights and AdamW, bf16 autocast. megatron: GPTModel (local layer
-spec without Transformer Engine), bf16 parameters, float32 main weights and Adam state in the
-distributed optimizer, one rank in this process (NCCL world of 1).
+Backends (--backends, in this order by default):
+  torch        the torch trainer as a CUDA run gets it: HF model, float32 master weights and AdamW,
+               bf16 autocast, logprobs chunked from the hidden states, the old-logprob pass skipped
+  torch-plain  the same trainer computing what megatron computes: full logits, the old-logprob pass
+  megatron     GPTModel (local layer spec without Transformer Engine), bf16 parameters, float32 main
+               weights and Adam state in the distributed optimizer, one rank in this process (NCCL
+               world of 1); full logits and the old-logprob pass
 
 Usage (GPU machine, from the checkout, megatron-core installed):
   PYTHONPATH=$PWD python3 scripts/bench/train_megatron_gpu.py [--out result.json]
@@ -97,7 +103,7 @@ def time_backend(trainer, args, shape: dict) -> dict:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    prepare_s = step_s = 0.0
+    prepare_s = step_s = passes = 0.0
     for r in range(args.warmup, args.warmup + args.rollouts):
         samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
         t0 = time.perf_counter()
@@ -105,15 +111,18 @@ def time_backend(trainer, args, shape: dict) -> dict:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        trainer.train(samples, r)
+        metrics = trainer.train(samples, r)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         prepare_s, step_s = prepare_s + t1 - t0, step_s + time.perf_counter() - t1
+        passes += metrics["logprob_passes"]
     fwd, fwd_bwd = flops_per_token(shape, args.prompt_len + args.response_len)
     seconds = prepare_s + step_s
+    flops = (passes * fwd + args.rollouts * fwd_bwd) * tokens
     return {"prepare_s": round(prepare_s / args.rollouts, 4), "step_s": round(step_s / args.rollouts, 4),
+            "logprob_passes": passes / args.rollouts,
             "tokens_per_rollout": tokens, "tokens_per_s": round(tokens * args.rollouts / seconds),
-            "mfu": round((fwd + fwd_bwd) * tokens * args.rollouts / seconds / (args.peak_tflops * 1e12), 6),
+            "mfu": round(flops / seconds / (args.peak_tflops * 1e12), 6),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None}
 
 
@@ -128,9 +137,12 @@ def make(backend: str, model: str, args):
 
     train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples)
     rollout_cfg = RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8, max_response_len=args.response_len)
-    if backend == "torch":
+    if backend in ("torch", "torch-plain"):
         from miles.training.trainer import Trainer
-        return Trainer(model, train=train, algorithm=AlgorithmConfig(), rollout=rollout_cfg, device=DEVICE)
+        plain = {"hidden_forward": False, "skip_old_logprobs": False} if backend == "torch-plain" else {}
+        return Trainer(model, train=train, algorithm=AlgorithmConfig(), rollout=rollout_cfg, device=DEVICE, **plain)
+    if backend != "megatron":
+        raise SystemExit(f"--backends: unknown backend {backend!r}; use torch, torch-plain, megatron")
     from miles.training.megatron.worker import MegatronWorker
     worker = MegatronWorker(model, train=train, algorithm=AlgorithmConfig(), rollout=rollout_cfg, rank=0,
                             world_size=1, device_type=DEVICE)
@@ -147,7 +159,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rollouts", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--backends", default="torch,megatron")
+    p.add_argument("--backends", default="torch,torch-plain,megatron")
     p.add_argument("--smoke", action="store_true", help="tiny shape and batch (CPU too)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
@@ -171,9 +183,11 @@ def main() -> None:
             gc.collect()
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    if {"torch", "megatron"} <= result["backends"].keys():
-        result["megatron_over_torch"] = round(result["backends"]["megatron"]["tokens_per_s"]
-                                              / result["backends"]["torch"]["tokens_per_s"], 3)
+    done = result["backends"]
+    for torch_name in ("torch", "torch-plain"):
+        if {torch_name, "megatron"} <= done.keys():
+            key = "megatron_over_" + torch_name.replace("-", "_")
+            result[key] = round(done["megatron"]["tokens_per_s"] / done[torch_name]["tokens_per_s"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

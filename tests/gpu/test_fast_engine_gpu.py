@@ -8,9 +8,6 @@ machine with only torch, transformers and structlog (no Ray):
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,7 +17,7 @@ from miles.rollout.fast_engine import FastEngine
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, make_tiny_model
-from tests.unit.test_fast_engine import MANY, PROMPTS, chi_square_p, make_tiny_llama, sampling_p_values
+from tests.unit.test_fast_engine import MANY, PROMPTS, make_tiny_llama, own_logprob_p_values, sampling_p_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -103,10 +100,14 @@ def test_bf16_logprobs_and_greedy_within_bf16_tolerance(model_path, bf16):
 
 def test_continuous_batching_equals_one_by_one_and_eager(model_path, fp32):
     params = SamplingParams(temperature=0.0, max_new_tokens=24)
-    small = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=3)
+    # the fp32 engine (256 slots) compiled this model's pieces: an engine of other slot counts, batch
+    # and prompt sizes reuses them (a recompile here would raise, and the warm-up fall back to eager)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        small = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=3)
+        batched = small.generate(MANY, params)
     eager = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=3, cuda_graph=False,
                        torch_compile=False)
-    batched, plain = small.generate(MANY, params), eager.generate(MANY, params)
+    plain = eager.generate(MANY, params)
     for prompt, b, e in zip(MANY, batched, plain):
         alone, = fp32.generate([prompt], params)
         assert b.response_ids == alone.response_ids == e.response_ids
@@ -135,21 +136,11 @@ def test_sampling_matches_the_distribution(model_path, fp32, temperature, top_k,
 def test_bf16_sampling_matches_the_engines_own_logprobs(bf16, temperature):
     # bf16 logits differ from any reference's in the last bits, so the expected distribution is
     # the engine's own: the logprob it reports for each token (first tokens: the prefill's logits;
-    # second tokens after the most common first one: a graph-replayed decode step)
-    n = 10000
-    gens = bf16.generate([[5, 6, 14]] * n, SamplingParams(temperature=temperature, max_new_tokens=2, seed=3))
-    t1 = Counter(g.response_ids[0] for g in gens).most_common(1)[0][0]
-    for pos, chosen in ((0, gens), (1, [g for g in gens if g.response_ids[0] == t1 and len(g.response_ids) == 2])):
-        counts = Counter(g.response_ids[pos] for g in chosen)
-        lps: dict[int, list[float]] = {}
-        for g in chosen:
-            lps.setdefault(g.response_ids[pos], []).append(g.logprobs[pos])
-        toks = sorted(counts)
-        probs = torch.tensor([math.exp(sum(lps[t]) / len(lps[t])) for t in toks], dtype=torch.float64)
-        assert probs.sum() <= 1.0 + 1e-2
-        probs = torch.cat([probs, (1 - probs.sum()).clamp(min=0)[None]])   # tokens never drawn: one bin
-        observed = Counter({i: counts[t] for i, t in enumerate(toks)})
-        assert chi_square_p(observed, probs / probs.sum(), len(chosen)) > 1e-3, (temperature, pos)
+    # second tokens, after the most common first token that did not stop: a graph-replayed decode
+    # step). The CPU twin of this test shows it fails a sampler that reports other logprobs.
+    gens = bf16.generate([[5, 6, 14]] * 10000, SamplingParams(temperature=temperature, max_new_tokens=2, seed=3))
+    p_first, p_second = own_logprob_p_values(gens)
+    assert p_first > 1e-3 and p_second > 1e-3, (temperature, p_first, p_second)
 
 
 def test_update_weights_in_place_keeps_graphs_valid(model_path, fp32):
@@ -174,22 +165,31 @@ def test_update_weights_in_place_keeps_graphs_valid(model_path, fp32):
 
 
 def test_twenty_calls_leave_peak_memory_flat(model_path):
-    # each call's outputs take ~150 KB on the device (265 x 48 x 12 bytes): keeping them (a leak)
-    # would grow memory by ~3 MB over 20 calls, six times the slack allowed here
+    # Each call's outputs take ~150 KB on the device (265 x 48 x 12 bytes): keeping them (a leak) would
+    # grow memory by ~3 MB over 20 calls, six times the slack allowed here. Identical calls (one seed)
+    # make identical allocations, so once the first has captured the graphs it needs, their peak must
+    # not move. Calls that differ refill slots in other patterns (prefills of other sizes, graphs of
+    # batch sizes not seen yet): their peak may differ by such transients, within 1% of the warm
+    # peak, and what they leave allocated must not grow at all.
     engine = FastEngine(model_path, device="cuda", max_batch_size=64)
-    prompts, params = MANY * 24, SamplingParams(temperature=1.0, max_new_tokens=48)
-    for _ in range(4):
-        engine.generate(prompts, params)
+    prompts, same = MANY * 24, SamplingParams(temperature=1.0, max_new_tokens=48, seed=5)
+    for _ in range(2):
+        engine.generate(prompts, same)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    engine.generate(prompts, params)
+    engine.generate(prompts, same)
     torch.cuda.synchronize()
     warm_peak = torch.cuda.max_memory_allocated()
     for _ in range(20):
-        engine.generate(prompts, params)
+        engine.generate(prompts, same)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() <= warm_peak + (1 << 19)
+    assert torch.cuda.memory_allocated() <= allocated + (1 << 19)
+    for _ in range(20):
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=48))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() <= warm_peak * 1.01
     assert torch.cuda.memory_allocated() <= allocated + (1 << 19)
 
 

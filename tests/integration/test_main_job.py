@@ -92,6 +92,37 @@ def test_custom_async_reward_by_file_path(ray_cluster, tiny_task, tmp_path):
     assert miles_actors() == []
 
 
+def test_rollout_engine_fast_runs_the_loop_with_its_options_and_checked_weights(ray_cluster, tiny_task, tmp_path):
+    # FastEngine through the whole loop (on CPU: eager, the CUDA path minus graphs and compilation):
+    # its options reach the actor, weights land in place, and their checksums match the trainer's
+    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=2, rollout_engine="fast",
+                            rollout_max_batch_size=8, check_weight_update_equal=True))
+    assert result.final_state == "shutdown"
+    trace = read_trace(result.run_dir)
+    picked, = trace.of("engine_picked")
+    assert (picked.get("engine"), picked.get("cls")) == ("fast", "FastEngine")
+    assert picked.get("options") == dict(max_batch_size=8, mem_fraction=0.5, cuda_graph=True, torch_compile=True,
+                                         attention_kernel=True)
+    assert [e.get("version") for e in trace.of("weights_synced")] == [0, 1, 2]
+    assert result.metrics[0]["response_len_mean"] > 0
+    assert miles_actors() == []
+
+
+def test_rollout_engine_fast_refuses_a_model_it_does_not_implement_before_any_actor(ray_cluster, tiny_task,
+                                                                                     tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32)).save_pretrained(tmp_path / "gpt2")
+    code = train_main(base_flags({**tiny_task, "model": str(tmp_path / "gpt2")}, tmp_path / "run",
+                                 rollout_engine="fast"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--rollout-engine fast cannot run" in err and "model_type 'gpt2' is not implemented" in err
+    assert miles_actors() == []
+    trace = read_trace(tmp_path / "run")
+    assert trace.of("error")[0].state == "init" and not trace.of("cluster_ready")
+
+
 def test_malformed_jsonl_names_file_and_line_and_starts_no_actor(ray_cluster, tiny_task, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": \n{"input": "3+3="}\n')

@@ -187,12 +187,13 @@ def test_async_policy_loss_needs_an_off_policy_correction():
     assert problems(cfg(), "sync") == []
 
 
-def test_colocate_is_rejected_with_a_reason_for_each_machine():
+def test_colocate_and_offload_are_for_the_sync_machine_only():
     tis = AlgorithmConfig(use_tis=True)
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(colocate=True)), "async")
     assert msg.startswith("--colocate cannot be used with the async machine")
-    [msg] = problems(cfg(cluster=ClusterConfig(colocate=True)), "sync")
-    assert "--colocate: not supported yet" in msg
+    [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(offload_train=True)), "async")
+    assert msg.startswith("--offload-train cannot be used with the async machine")
+    assert problems(cfg(cluster=ClusterConfig(colocate=True, offload=True)), "sync") == []
 
 
 def test_update_weights_interval_belongs_to_async_and_bounds_the_eval_interval():

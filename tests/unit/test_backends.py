@@ -84,3 +84,86 @@ def test_validate_names_unknown_backends_and_a_missing_critic(tmp_path, monkeypa
                   algorithm=replace(cfg.algorithm, advantage_estimator="ppo"))
     with pytest.raises(ConfigError, match="--train-backend nocritic has no critic"):
         validate(cfg)
+
+
+# --- which engine a run gets, and its options ------------------------------------------------------
+
+def engine_cfg(model: str, **rollout) -> RunConfig:
+    device = rollout.pop("device", "cpu")
+    cfg = cfg_with()
+    return replace(cfg, model=ModelConfig(hf_checkpoint=model, device=device), rollout=replace(cfg.rollout, **rollout))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32)).save_pretrained(gpt2)
+    return {"qwen2": make_tiny_model(tmp_path_factory.mktemp("qwen2")), "gpt2": str(gpt2)}
+
+
+def test_embedded_on_cpu_stays_the_transformers_engine_with_its_options(models):
+    picked = pick_backends(engine_cfg(models["qwen2"]))
+    assert picked.engine.__name__ == "EmbeddedEngine" and picked.engine_name == "embedded"
+    assert picked.engine_options == {} and picked.fast_path_refused is None      # as before: nothing changes
+    picked = pick_backends(engine_cfg(models["qwen2"], max_batch_size=16, mem_fraction=0.3, cuda_graph=False))
+    assert picked.engine_options == {"max_batch_size": 16}                        # what EmbeddedEngine reads
+
+
+def test_embedded_on_cuda_is_the_fast_engine_for_models_it_implements(models):
+    # --device cuda is read as written (the driver needs no GPU to pick): selection runs on CPU here
+    picked = pick_backends(engine_cfg(models["qwen2"], device="cuda"))
+    assert picked.engine.__name__ == "FastEngine" and picked.engine_name == "fast"
+    assert picked.engine_options == dict(mem_fraction=0.5, cuda_graph=True, torch_compile=True, attention_kernel=True)
+    picked = pick_backends(engine_cfg(models["qwen2"], device="cuda:1", max_batch_size=512, mem_fraction=0.8,
+                                      cuda_graph=False, torch_compile=False, attention_kernel=False))
+    assert picked.engine_options == dict(max_batch_size=512, mem_fraction=0.8, cuda_graph=False,
+                                         torch_compile=False, attention_kernel=False)
+    refused = pick_backends(engine_cfg(models["gpt2"], device="cuda"))
+    assert refused.engine.__name__ == "EmbeddedEngine" and refused.engine_options == {}
+    assert "model_type 'gpt2' is not implemented" in refused.fast_path_refused
+
+
+def test_rollout_engine_fast_runs_anywhere_but_refuses_models_it_does_not_implement(models):
+    picked = pick_backends(engine_cfg(models["qwen2"], engine="fast"))              # CPU: eager, as CI runs it
+    assert picked.engine.__name__ == "FastEngine" and picked.engine_options["mem_fraction"] == 0.5
+    with pytest.raises(ConfigError, match=r"--rollout-engine fast cannot run --hf-checkpoint .*gpt2.*: "
+                                          r"model_type 'gpt2' is not implemented.*use --rollout-engine embedded"):
+        pick_backends(engine_cfg(models["gpt2"], engine="fast", device="cuda"))
+
+
+def test_engine_defaults_live_in_one_place():
+    import inspect
+
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.fast_engine import FastEngine
+    from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+
+    fast, embedded = (inspect.signature(c).parameters for c in (FastEngine, EmbeddedEngine))
+    assert fast["max_batch_size"].default == FAST_MAX_BATCH_SIZE == 256
+    assert embedded["max_batch_size"].default == EMBEDDED_MAX_BATCH_SIZE == 64
+    assert fast["mem_fraction"].default == RolloutConfig(batch_size=1).mem_fraction == FAST_MEM_FRACTION
+
+
+def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):
+    from miles.config.flags import parse_flags
+
+    model = make_tiny_model(tmp_path / "model")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", model, "--prompt-data", str(data), "--rollout-batch-size", "1", "--num-rollout", "1",
+            "--n-samples-per-prompt", "2"]
+    cfg, _ = parse_flags(base + ["--rollout-engine", "fast", "--rollout-max-batch-size", "128",
+                                 "--rollout-mem-fraction", "0.7", "--disable-cuda-graph", "--disable-torch-compile",
+                                 "--disable-attention-kernel"])
+    r = cfg.rollout
+    assert (r.engine, r.max_batch_size, r.mem_fraction, r.cuda_graph, r.torch_compile, r.attention_kernel) == \
+           ("fast", 128, 0.7, False, False, False)
+    default, _ = parse_flags(base)
+    assert (default.rollout.max_batch_size, default.rollout.mem_fraction, default.rollout.cuda_graph) == (None, 0.5, True)
+    for fraction in ("0", "1", "1.5", "-0.2"):
+        with pytest.raises(ConfigError) as err:
+            parse_flags(base + ["--rollout-mem-fraction", fraction, "--rollout-max-batch-size", "0"])
+        assert f"--rollout-mem-fraction {float(fraction)}: must be in (0, 1)" in str(err.value)
+        assert "--rollout-max-batch-size 0: must be a positive integer" in str(err.value)

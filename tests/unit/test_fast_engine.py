@@ -8,11 +8,13 @@ request errors and the checksums to match.
 import math
 import os
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
+from miles.rollout import fast_model
 from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _truncate
 from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
 from miles.rollout.fast_cache import batch_buckets, plan_positions, span_buckets
@@ -140,18 +142,53 @@ def test_top_k_1_and_tiny_top_p_sample_the_argmax(engine):
         assert all(lp < -1e-3 for g in gens for lp in g.logprobs)  # untruncated, at T = 1.5
 
 
+MIN_EXPECTED = 5.0   # Pearson's chi-square approximation wants about this many expected counts per bin
+
+
 def chi_square_p(counts: Counter, probs: torch.Tensor, n: int) -> float:
-    """p-value of the counts under `probs`, bins with expected count < 5 pooled into one."""
-    expected = probs * n
-    big = expected >= 5
+    """p-value of Pearson's test of `counts` (bin index -> observations, n in all) against `probs` [bins].
+
+    Bins are merged, smallest expected count first, until each merged bin expects >= MIN_EXPECTED
+    (the merging reads only `probs`, so the test stays valid). An observation in a bin of
+    probability 0 cannot happen under `probs`: p = 0. Fewer than two merged bins test nothing: an
+    error, not a pass (nor a nan).
+    """
     obs = torch.tensor([counts.get(i, 0) for i in range(len(probs))], dtype=torch.float64)
-    o = torch.cat([obs[big], obs[~big].sum()[None]])
-    e = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = e > 0
-    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+    if n < 1 or obs.sum() != n or sum(counts.values()) != n:
+        raise ValueError(f"{sum(counts.values())} observations ({obs.sum():.0f} in range) for n = {n}")
+    expected = probs.double() * n
+    if obs[expected == 0].sum() > 0:
+        return 0.0
+    bins, e_acc, o_acc = [], 0.0, 0.0
+    for i in expected.argsort().tolist():
+        e_acc, o_acc = e_acc + float(expected[i]), o_acc + float(obs[i])
+        if e_acc >= MIN_EXPECTED:
+            bins.append((e_acc, o_acc))
+            e_acc = o_acc = 0.0
+    if bins:  # what is left (< MIN_EXPECTED in all) joins the last bin
+        bins[-1] = (bins[-1][0] + e_acc, bins[-1][1] + o_acc)
+    else:
+        bins = [(e_acc, o_acc)]
+    if len(bins) < 2:
+        raise ValueError(f"{n} observations make {len(bins)} bin of >= {MIN_EXPECTED} expected: the test needs "
+                         f"more samples or a less certain distribution")
+    stat = sum((o - e) ** 2 / e for e, o in bins)
+    return float(torch.special.gammaincc(torch.tensor((len(bins) - 1) / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi_square_p_accepts_the_right_distribution_and_rejects_wrong_ones():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.0495, 0.0005, 0.0], dtype=torch.float64)  # a tiny and a zero bin
+    draws = torch.multinomial(probs, 4000, replacement=True, generator=g).tolist()
+    assert chi_square_p(Counter(draws), probs, 4000) > 1e-3
+    wrong = torch.tensor([0.45, 0.35, 0.15, 0.0495, 0.0005, 0.0], dtype=torch.float64)
+    assert chi_square_p(Counter(draws), wrong, 4000) < 1e-6
+    assert chi_square_p(Counter(draws + [5]), probs, 4001) == 0.0          # a draw of probability 0
+    with pytest.raises(ValueError, match="0 observations"):
+        chi_square_p(Counter(), probs, 0)                                    # was nan: no test at all
+    with pytest.raises(ValueError, match="1 bin"):                          # a near-certain outcome
+        chi_square_p(Counter([0] * 100), torch.tensor([0.999, 0.001], dtype=torch.float64), 100)
 
 
 def sampling_p_values(engine, model, params: SamplingParams, n: int, prompt=(5, 6, 14),
@@ -192,6 +229,39 @@ def test_sampling_follows_the_distribution(model_path, hf_model, temperature, to
     with torch.no_grad():
         lp = torch.log_softmax(hf_model(input_ids=torch.tensor([[5, 6, 14]])).logits[0, -1] / temperature, -1)
     assert max(abs(g.logprobs[0] - float(lp[g.response_ids[0]])) for g in gens) < 1e-4  # untruncated logprobs
+
+
+def own_logprob_p_values(gens: list) -> tuple[float, float]:
+    """Chi-square p-values of the first sampled tokens, and of the second tokens after the most common
+    first token of the answers that went on, against the probabilities the engine itself reported
+    for them (exp of its logprobs; the tokens never drawn share one bin with the mass left over)."""
+    going_on = [g for g in gens if len(g.response_ids) == 2]
+    t1 = Counter(g.response_ids[0] for g in going_on).most_common(1)[0][0]   # not EOS: that answer stopped
+    p_values = []
+    for pos, chosen in ((0, gens), (1, [g for g in going_on if g.response_ids[0] == t1])):
+        lps: dict[int, list[float]] = {}
+        for g in chosen:
+            lps.setdefault(g.response_ids[pos], []).append(g.logprobs[pos])
+        toks = sorted(lps)
+        probs = torch.tensor([math.exp(sum(lps[t]) / len(lps[t])) for t in toks], dtype=torch.float64)
+        assert probs.sum() <= 1.0 + 1e-2, (pos, float(probs.sum()))
+        probs = torch.cat([probs, (1 - probs.sum()).clamp(min=0)[None]])
+        observed = Counter({i: len(lps[t]) for i, t in enumerate(toks)})
+        p_values.append(chi_square_p(observed, probs / probs.sum(), len(chosen)))
+    return p_values[0], p_values[1]
+
+
+def test_sampling_follows_the_engines_own_logprobs(engine, hf_model):
+    # the check the GPU test makes in bf16 (where no reference has the engine's exact logits); on the
+    # tiny Llama, EOS is the most common first token, so the second tokens must follow another one
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=3)
+    gens = engine.generate([[5, 6, 14]] * 3000, params)
+    assert min(own_logprob_p_values(gens)) > 1e-3
+    # the test has power: the same draws reported with the logprobs of half the temperature fail
+    with torch.no_grad():
+        cold = torch.log_softmax(hf_model(input_ids=torch.tensor([[5, 6, 14]])).logits[0, -1] / 0.5, -1)
+    misreported = [replace(g, logprobs=[float(cold[g.response_ids[0]])] + g.logprobs[1:]) for g in gens]
+    assert own_logprob_p_values(misreported)[0] < 1e-6
 
 
 def test_stop_tokens_and_lengths_are_decided_on_the_device(engine):
@@ -299,6 +369,25 @@ def test_supports_names_what_it_cannot_run(tmp_path):
         FastEngine(str(tmp_path), device="cpu")
 
 
+def test_compiled_pieces_serve_every_engine_and_size_of_a_model_without_recompiling(monkeypatch, tmp_path):
+    # dynamo's guards and recompile counting do not depend on the backend: "eager" shows them on CPU in
+    # seconds. Three (model, dtype) pairs and two slot counts in one process, as in a GPU test session:
+    # one shared compile would need a variant per pair (recompile_limit 2 stops that at the third);
+    # each pair must instead compile once, for every engine and every batch and prompt size
+    monkeypatch.setattr(fast_model, "COMPILE_BACKEND", "eager")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
+    qwen2, llama = make_tiny_model(tmp_path / "qwen2"), make_tiny_llama(tmp_path / "llama")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for path, dtype in ((qwen2, "float32"), (qwen2, "bfloat16"), (llama, "float32")):
+            for slots in (3, 64):
+                engine = FastEngine(path, device="cpu", dtype=dtype, max_batch_size=slots)
+                engine._use_compiled(True)
+                engine._compile_shapes()      # the CUDA warm-up's compile: raises past the limit
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                gens = engine.generate(MANY, params)   # prefills of several sizes, decode buckets 2..64
+            assert engine._forward.compiled and len({len(g.response_ids) for g in gens}) > 1
+
+
 def test_cache_plan_fits_the_memory_or_names_the_flags():
     gib = 1 << 30
     plan = dict(free_bytes=10 * gib, slots=8, bytes_per_position=1 << 20, workspace_bytes=gib)
@@ -349,6 +438,7 @@ def test_length_aware_attention_kernel_equals_the_masked_stock_call(dtype, monke
     mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))[:, None, None]
     want = sdpa_decode_attention(q, kc, vc, pos, dim ** -0.5, max_len, mask).float()
     got = decode_attention(q, kc, vc, pos, dim ** -0.5).float()
+    # float32 runs the kernel's dots in IEEE precision (TF32 would give ~2e-3): a tight check of the algorithm
     assert (got - want).abs().max() < (1e-4 if dtype == torch.float32 else 5e-3)
     # slot 0 attends to its first key only: its output is that key's value
     assert torch.allclose(got[0], vc[0, :, :1].float().expand(kv_heads, group, dim), atol=1e-3)

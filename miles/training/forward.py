@@ -1,0 +1,96 @@
+"""How the trainer gets per-token logprobs and entropies out of its model; one way is picked at start-up.
+
+- `logits_forward` (CPU, and models the other path cannot read): the model's [B, T, V] logits, then
+  `logprobs_from_logits` / `entropy_from_logits`. What the trainer always did.
+- `hidden_forward` (CUDA): the decoder's last hidden states and the LM head's weight go to
+  `masked_logprobs_entropy`, which computes only the positions of the loss mask, chunk by chunk of
+  rows, and keeps no [rows, V] logits for the backward. The rows are right-padded, so under causal
+  attention no real token sees padding: the forward runs without an attention mask (exact on the real
+  tokens, and SDPA keeps its flash kernel). Outside the loss mask its logprobs and entropies are 0.
+
+Both return (logprobs [B, T] float32, entropy [B, T] float32 or None), aligned to tokens as in
+`miles.algorithms.entropy`; every consumer reads them under the loss mask only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor, nn
+
+from miles.algorithms import entropy_from_logits, logprobs_from_logits, masked_logprobs_entropy
+from miles.training.batch import TrainBatch
+
+# (model, micro-batch, want entropy, entropy gets gradients) -> (logprobs, entropy or None)
+Forward = Callable[[nn.Module, TrainBatch, bool, bool], tuple[Tensor, Tensor | None]]
+
+
+def logits_forward(temperature: float, autocast: Callable[[], AbstractContextManager], model: nn.Module,
+                   mb: TrainBatch, entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    with autocast():
+        logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
+    logprobs = logprobs_from_logits(logits, mb.tokens, temperature)
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, entropy_from_logits(logits, temperature)
+
+
+def hidden_forward(temperature: float, autocast: Callable[[], AbstractContextManager], matmul_dtype: torch.dtype,
+                   model: nn.Module, mb: TrainBatch, entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    with autocast():
+        # right padding + causal attention: the mask would change only the padding's own outputs
+        hidden = model.get_decoder()(input_ids=mb.tokens, use_cache=False).last_hidden_state
+    weight = model.get_output_embeddings().weight
+    logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature,
+                                            matmul_dtype=matmul_dtype)
+    if not entropy:
+        return logprobs, None
+    return logprobs, ent if entropy_grad else ent.detach()   # detached: no backward work for a metric
+
+
+def hidden_path_problem(model: nn.Module) -> str | None:
+    """None when `hidden_forward` computes exactly what the model's logits would; else why not."""
+    get_decoder, head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", lambda: None)()
+    if get_decoder is None or not isinstance(head, nn.Linear):
+        return "no decoder / linear LM head to read"
+    if head.bias is not None:
+        return "the LM head has a bias"
+    cfg = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(cfg, name, None) not in (None, 1.0):
+            return f"the model transforms its logits ({name})"
+    return None
+
+
+def pick_forward(model: nn.Module, *, temperature: float, autocast: Callable[[], AbstractContextManager],
+                 compute_dtype: torch.dtype, hidden: bool) -> tuple[Forward, str]:
+    """The forward to use and its name; `hidden` asks for the chunked path where the model allows it."""
+    from functools import partial
+
+    if hidden and hidden_path_problem(model) is None:
+        return partial(hidden_forward, temperature, autocast, compute_dtype), "hidden"
+    return partial(logits_forward, temperature, autocast), "logits"
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Every decoder layer recomputes its activations in the backward (--recompute-activations)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    disable_dropout(model)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Train mode is needed for activation checkpointing (transformers checkpoints only in training);
+    the logprobs must still be those of the distribution the engine samples from: no dropout."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0

@@ -1,0 +1,73 @@
+"""Micro-batches of a global batch: a fixed number of samples, or a token budget (--use-dynamic-batch-size).
+
+With a token budget (`--max-tokens-per-gpu`), rows are sorted by length, longest first (ties by row
+index, so the plan is deterministic), and consecutive rows go into one micro-batch while
+rows x longest row <= the budget: what a right-padded micro-batch costs in memory and compute is its
+padded size, and sorting keeps the padding small. A row longer than the budget gets a micro-batch
+of its own (it cannot be split). Which rows share a micro-batch does not change the loss: every
+micro-batch term is divided by the global batch's normalizer (miles.training.trainer), so the
+accumulated gradient is the same for any partition of the rows.
+
+Why padded rows and not padding-free packing: transformers (5.x) packs sequences when given
+`position_ids` that restart per sequence and no attention mask, but with SDPA it then builds a
+[T, T] block-diagonal mask over the whole pack and runs attention over all T² pairs (no flash
+kernel): at a 64 x 300-token micro-batch that is ~19k² pairs per layer, more FLOPs than the model
+itself. Right-padded rows need no mask at all under causal attention (a real token never looks at
+the padding after it), so a forward with `attention_mask=None` is exact on the real tokens and keeps
+SDPA's flash kernel; the price is the padding, which the length sort keeps small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields, replace
+
+import torch
+from torch import Tensor
+
+from miles.training.batch import TrainBatch
+
+
+def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch: longest rows first, each micro-batch's rows x longest <= max_tokens
+    (one row alone may exceed it). Every index appears exactly once."""
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        # rows come longest first, so a group's first row is its longest
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def fixed_size_groups(num_rows: int, size: int) -> list[list[int]]:
+    """Consecutive rows, `size` at a time (the last group may be smaller)."""
+    if size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {size}")
+    return [list(range(s, min(s + size, num_rows))) for s in range(0, num_rows, size)]
+
+
+def take_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
+    """The rows `rows` of `batch`, in that order, without the columns that are padding in all of them."""
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=batch.tokens.device)
+    width = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())  # right padding: real tokens first
+    return replace(batch, **{f.name: getattr(batch, f.name).index_select(0, index)[:, :width] for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), Tensor)})
+
+
+def plan_micro_batches(attention_mask: Tensor, *, micro_batch_size: int,
+                       max_tokens_per_gpu: int | None = None) -> list[list[int]]:
+    """Row groups of a right-padded batch: by token budget when `max_tokens_per_gpu` is set, else by
+    `micro_batch_size` rows."""
+    if max_tokens_per_gpu is None:
+        return fixed_size_groups(attention_mask.shape[0], micro_batch_size)
+    return token_budget_groups(attention_mask.sum(dim=1).tolist(), max_tokens_per_gpu)
+
+
+def padded_tokens(batch: TrainBatch) -> int:
+    """What a right-padded micro-batch costs: rows x width (its real tokens plus padding)."""
+    return batch.tokens.shape[0] * batch.tokens.shape[1]

@@ -1,0 +1,98 @@
+"""The placement plan: bundles and GPU shares from miles' placement flags; errors before any actor starts."""
+
+import itertools
+from collections import defaultdict
+
+import pytest
+
+from miles.cluster.placement import CPU_ACTOR, Placement, PlacementRequest, check_cluster, plan_placement
+from miles.config import ConfigError
+
+
+def test_cpu_runs_keep_num_gpus_0_and_no_placement_group():
+    plan = plan_placement(PlacementRequest(use_gpus=False, num_engines=3, has_critic=True, colocate=True))
+    assert plan.bundles == 0
+    assert plan.trainers == (CPU_ACTOR,) and plan.critics == (CPU_ACTOR,) and plan.engines == (CPU_ACTOR,) * 3
+    assert CPU_ACTOR == Placement(bundle=None, num_gpus=0)
+
+
+def test_one_gpu_each_when_not_colocated():
+    plan = plan_placement(PlacementRequest(use_gpus=True))
+    assert plan.bundles == 2
+    assert plan.trainers == (Placement(0, 0.4),) and plan.engines == (Placement(1, 1.0),)
+
+
+def test_colocated_on_one_gpu_trainer_critic_and_engine_share_the_bundle():
+    plan = plan_placement(PlacementRequest(use_gpus=True, colocate=True, has_critic=True))
+    assert plan.bundles == 1
+    assert plan.trainers == (Placement(0, 0.4),) and plan.critics == (Placement(0, 0.4),)
+    assert plan.engines == (Placement(0, 0.2),)
+
+
+def test_colocated_engines_fill_the_trainers_gpus_from_the_first():
+    # 2 nodes x 2 GPUs for the trainer; 4 engine GPUs, 2 per engine: 2 engines on bundles 0 and 2
+    plan = plan_placement(PlacementRequest(use_gpus=True, colocate=True, actor_num_nodes=2, actor_num_gpus_per_node=2,
+                                           rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+    assert plan.bundles == 4 and [e.bundle for e in plan.engines] == [0, 2]
+    assert [t.bundle for t in plan.trainers] == [0, 1, 2, 3]
+    # the engine count is --rollout-num-engines' (1), not one per trainer GPU
+    assert plan_placement(PlacementRequest(use_gpus=True, colocate=True, actor_num_gpus_per_node=4)).num_engines == 1
+
+
+def test_rollout_num_gpus_sets_the_engine_count():
+    plan = plan_placement(PlacementRequest(use_gpus=True, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+    assert plan.bundles == 1 + 4 and [e.bundle for e in plan.engines] == [1, 3]
+
+
+def shares_per_bundle(plan):
+    total = defaultdict(float)
+    for p in (*plan.trainers, *plan.critics, *plan.engines):
+        total[p.bundle] += p.num_gpus
+    return total
+
+
+@pytest.mark.parametrize("colocate,critic,nodes,per_node,per_engine,engines",
+                         list(itertools.product([False, True], [False, True], [1, 2], [1, 4], [1, 2], [1, 2])))
+def test_every_bundle_is_used_and_no_gpu_is_oversubscribed(colocate, critic, nodes, per_node, per_engine, engines):
+    r = PlacementRequest(use_gpus=True, colocate=colocate, has_critic=critic, actor_num_nodes=nodes,
+                         actor_num_gpus_per_node=per_node, rollout_num_gpus_per_engine=per_engine, num_engines=engines)
+    try:
+        plan = plan_placement(r)
+    except ConfigError:
+        assert colocate and engines * per_engine > nodes * per_node     # more engine GPUs than the trainer's
+        return
+    shares = shares_per_bundle(plan)
+    assert all(s <= 1.0 + 1e-9 for s in shares.values())
+    assert set(shares) <= set(range(plan.bundles))
+    assert len(plan.trainers) == nodes * per_node and len(plan.critics) == (nodes * per_node if critic else 0)
+    # an engine of k GPUs owns bundles [b, b + k): they are not the trainer's unless colocated
+    trainer_bundles = {t.bundle for t in plan.trainers}
+    for e in plan.engines:
+        assert (e.bundle in trainer_bundles) == colocate
+
+
+def test_inconsistent_requests_are_config_errors_naming_the_flags():
+    with pytest.raises(ConfigError, match="--colocate puts the engines on the trainer's 1 GPU"):
+        plan_placement(PlacementRequest(use_gpus=True, colocate=True, rollout_num_gpus=2))
+    with pytest.raises(ConfigError, match="not a multiple of --rollout-num-gpus-per-engine"):
+        plan_placement(PlacementRequest(use_gpus=True, rollout_num_gpus=3, rollout_num_gpus_per_engine=2))
+    with pytest.raises(ConfigError, match="cannot span nodes"):
+        plan_placement(PlacementRequest(use_gpus=True, rollout_num_gpus_per_engine=16, rollout_num_gpus=16))
+    with pytest.raises(ConfigError) as err:
+        plan_placement(PlacementRequest(use_gpus=True, actor_num_nodes=0, rollout_num_gpus=0))
+    assert len(err.value.problems) == 2          # every problem at once
+
+
+def test_too_few_gpus_in_the_cluster_is_a_config_error():
+    plan = plan_placement(PlacementRequest(use_gpus=True))
+    check_cluster(plan, 2.0)
+    with pytest.raises(ConfigError, match="needs 2 GPU.*has 1"):
+        check_cluster(plan, 1.0)
+    check_cluster(plan_placement(PlacementRequest(use_gpus=True, colocate=True)), 1.0)
+
+
+def test_debug_halves_drop_their_actors():
+    rollout_only = plan_placement(PlacementRequest(use_gpus=True, has_trainer=False, colocate=True))
+    assert rollout_only.trainers == () and rollout_only.bundles == 1 and rollout_only.engines == (Placement(0, 1.0),)
+    train_only = plan_placement(PlacementRequest(use_gpus=True, has_engines=False))
+    assert train_only.engines == () and train_only.bundles == 1

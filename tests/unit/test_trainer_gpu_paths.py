@@ -1,0 +1,112 @@
+"""The trainer's GPU paths, run on the CPU in float32 against the plain path: chunked logprobs from
+hidden states, token-budget micro-batches, the skipped old-logprob pass, activation recomputation,
+and the optimizer offload. Each must change nothing but memory and time."""
+
+import pytest
+import torch
+
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.batch import make_train_batch
+from miles.training.trainer import Trainer
+from tests.tiny_model import make_tiny_model
+from tests.unit.test_trainer import SAMPLES, sample
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def trainer(path, *, hidden_forward=False, skip_old_logprobs=False, algorithm=None, **train) -> Trainer:
+    return Trainer(path, train=TrainConfig(**{"lr": 1e-2, "micro_batch_size": 2, **train}),
+                   algorithm=algorithm or AlgorithmConfig(entropy_coef=0.01), rollout=RolloutConfig(batch_size=1),
+                   device="cpu", hidden_forward=hidden_forward, skip_old_logprobs=skip_old_logprobs)
+
+
+def grads(t: Trainer, samples=SAMPLES) -> tuple[dict, dict[str, torch.Tensor]]:
+    batch = t.prepare(make_train_batch(samples, t.pad_id))
+    t._optimizer.zero_grad(set_to_none=True)
+    terms = t.accumulate_gradients(batch)
+    return terms, {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, tol=1e-5):
+    (terms_a, grads_a), (terms_b, grads_b) = a, b
+    assert terms_a.keys() == terms_b.keys()
+    for k in terms_a:
+        assert terms_a[k] == pytest.approx(terms_b[k], abs=tol), k
+    assert grads_a.keys() == grads_b.keys()
+    for n in grads_a:
+        torch.testing.assert_close(grads_a[n], grads_b[n], atol=tol, rtol=1e-4)
+
+
+def test_hidden_forward_gives_the_logits_paths_logprobs_loss_and_gradients(model_path):
+    plain, hidden = trainer(model_path), trainer(model_path, hidden_forward=True)
+    batch = make_train_batch(SAMPLES, plain.pad_id)
+    lp_plain, lp_hidden = plain.prepare(batch).old_logprobs, hidden.prepare(batch).old_logprobs
+    torch.testing.assert_close(lp_hidden[batch.loss_mask], lp_plain[batch.loss_mask], atol=1e-5, rtol=1e-5)
+    assert (lp_hidden[~batch.loss_mask] == 0).all()          # computed on the response tokens only
+    assert_same(grads(plain), grads(hidden))
+
+
+def test_token_budget_micro_batches_give_the_same_gradient(model_path):
+    # lengths 8, 3, 11, 3: a budget of 16 tokens makes [11] [8] [3, 3 ...]; the normalizer is the global batch's
+    fixed = grads(trainer(model_path))
+    dynamic = grads(trainer(model_path, use_dynamic_batch_size=True, max_tokens_per_gpu=16))
+    assert_same(fixed, dynamic)
+
+
+def saved_bytes_of_a_step(t: Trainer) -> int:
+    """What autograd keeps for the backward during the step's forwards."""
+    batch = t.prepare(make_train_batch(SAMPLES, t.pad_id))
+    saved = [0]
+
+    def pack(x):
+        saved[0] += x.numel() * x.element_size()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        t.accumulate_gradients(batch)
+    return saved[0]
+
+
+def test_recompute_activations_keeps_less_and_changes_nothing(model_path):
+    plain, recompute = trainer(model_path), trainer(model_path, recompute_activations=True)
+    assert_same(grads(plain), grads(recompute))
+    assert saved_bytes_of_a_step(recompute) < 0.5 * saved_bytes_of_a_step(plain)
+
+
+def weights_after_one_rollout(t: Trainer):
+    metrics = t.train(SAMPLES, rollout_id=0)
+    return metrics, {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+
+def test_the_old_logprob_pass_is_skipped_only_when_it_equals_the_steps_own(model_path):
+    with_pass, m_pass = trainer(model_path), None
+    m_pass, w_pass = weights_after_one_rollout(with_pass)
+    m_skip, w_skip = weights_after_one_rollout(trainer(model_path, skip_old_logprobs=True))
+    assert m_pass["logprob_passes"] == 1.0 and m_skip["logprob_passes"] == 0.0
+    for k in ("logprob_diff_rollout", "logprob_diff_rollout_max", "train_rollout_k3_kl", "pg_loss", "entropy"):
+        assert m_skip[k] == pytest.approx(m_pass[k], abs=1e-5), k   # the step saw the same logprobs
+    for n in w_pass:
+        torch.testing.assert_close(w_skip[n], w_pass[n], atol=1e-6, rtol=1e-5)
+    # two optimizer steps per rollout, or TIS: the second step's old logprobs are not its own: no skip
+    assert trainer(model_path, skip_old_logprobs=True, global_batch_size=2).train(SAMPLES, 0)["logprob_passes"] == 1
+    tis = AlgorithmConfig(use_tis=True)
+    assert trainer(model_path, skip_old_logprobs=True, algorithm=tis).train(SAMPLES, 0)["logprob_passes"] == 1
+
+
+def test_offload_between_rollouts_leaves_training_unchanged(model_path):
+    a, b = trainer(model_path), trainer(model_path)
+    more = [sample([5, 6], [7, 8, 2], 1.0), sample([9], [4, 4], -1.0)]
+    a.train(SAMPLES, 0)
+    b.train(SAMPLES, 0)
+    assert a.offload() > 0 and all(p.grad is None for p in a.model.parameters())
+    assert a.onload() > 0 and a.onload() == 0
+    a.train(more, 1)
+    b.train(more, 1)
+    for (n, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), n
+    assert a.offload() > 0          # and dispose frees what is offloaded
+    a.dispose()
