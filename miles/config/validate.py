@@ -45,7 +45,10 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
                         f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
     if spec.check:      # the backend's own checks (its package installed, the model fits it), before any actor
-        problems.extend(import_object(spec.check)(cfg))
+        # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan
+        c = cfg.cluster
+        gpus = c.actor_num_nodes * c.actor_num_gpus_per_node if cfg.model.device == "cuda" else None
+        problems.extend(import_object(spec.check)(cfg, gpus))
 
 
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
@@ -318,9 +321,13 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
     from miles.cluster.placement import placement_request, plan_placement
 
     c = cfg.cluster
-    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1:
+    spec = TRAIN_BACKENDS.get(cfg.train.backend)
+    ranked = spec is not None and spec.ranked     # one rank per trainer GPU (megatron): its check sizes them
+    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1 and not ranked:
         problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
-                        f"{c.actor_num_gpus_per_node}: the torch trainer runs on one GPU (no FSDP yet); use 1 x 1")
+                        f"{c.actor_num_gpus_per_node}: the {cfg.train.backend} trainer runs on one GPU (no FSDP "
+                        f"yet); use 1 x 1, or --train-backend "
+                        f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
     if c.rollout_num_gpus_per_engine != 1:
         problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engines run "
                         "on one GPU each (no tensor parallelism); use 1 and more engines")

@@ -148,14 +148,18 @@ def test_save_load_resume_continue_and_teardown_frees_everything(tmp_path):
 def test_demo_grpo_with_the_megatron_backend_learns(tmp_path):
     """The arithmetic demo's recipe, 10 rollouts of 4 optimizer steps each (40 steps, as the 40-rollout
     recipe takes), through `miles train --train-backend megatron` on CUDA: +15 points of greedy
-    accuracy on the held-out problems, and a resume from its checkpoint continues."""
+    accuracy on the held-out problems, and a resume from its checkpoint continues. Colocated, so
+    one GPU holds the run: the rank gets the trainer's share of the placement plan's GPU, the
+    engine frees its KV cache while the rank trains, the weights go by the object store (checked
+    equal after every sync)."""
     pytest.importorskip("ray")
     from miles.api.launch import train
     from miles.config.flags import parse_flags
-    from miles.runtime import with_disposer
+    from miles.runtime import read_trace, with_disposer
 
     def run(*flags):
         cfg, _ = parse_flags(["--config", str(ROOT / "examples/arithmetic/grpo.yaml"), "--train-backend", "megatron",
+                              "--device", "cuda", "--colocate", "--check-weight-update-equal",
                               "--global-batch-size", "64", "--trace-console", "off", "--progress", "off", *flags])
         return asyncio.run(with_disposer(train, cfg))
 
@@ -163,6 +167,9 @@ def test_demo_grpo_with_the_megatron_backend_learns(tmp_path):
                 "--save", str(tmp_path / "ck"), "--save-interval", "5")
     evals = [r["eval/arith/pass@1"] for r in first.metrics if r.get("kind") == "eval"]
     assert len(evals) == 3 and evals[-1] - evals[0] >= 0.15, evals
+    trace = read_trace(first.run_dir)
+    assert [e.get("transport") for e in trace.of("weights_synced")] == ["object_store"] * 11
+    assert trace.of("memory_to_engines") and trace.of("memory_to_trainer")      # the engine handed its cache over
     resumed = run("--num-rollout", "12", "--eval-interval", "12", "--skip-eval-before-train", "--run-dir",
                   str(tmp_path / "resumed"), "--load", str(tmp_path / "ck"))
     trained = [r["step"] for r in resumed.metrics if r.get("kind") == "train"]

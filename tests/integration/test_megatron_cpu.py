@@ -70,17 +70,31 @@ def configs(**algorithm):
 
 
 # --- the ranks' side -----------------------------------------------------------------------------
+def count_recomputed_backwards() -> list[int]:
+    """A counter of megatron's checkpointed-layer backwards (each recomputes its layers), from now on."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    calls, backward = [0], tp_random.CheckpointFunction.backward
+
+    def counted(ctx, *args):
+        calls[0] += 1
+        return backward(ctx, *args)
+    tp_random.CheckpointFunction.backward = staticmethod(counted)
+    return calls
+
+
 def train_rollouts(worker, rollouts, save_to=None, save_after=None, load_from=None):
     """Train `rollouts` (ids), loading a checkpoint first or saving one after rollout `save_after`;
-    returns the metrics and this rank's stage weights."""
+    returns the metrics, this rank's stage weights and how many recomputed-layer backwards ran."""
     if load_from:
         worker.load(Path(load_from) / "trainer")
+    recomputed = count_recomputed_backwards()
     metrics = []
     for r in rollouts:
         metrics.append(worker.train(make_samples(r), r))
         if r == save_after:
             worker.save(Path(save_to) / "trainer")
-    return {"metrics": metrics, "stage": worker.stage_weights()}
+    return {"metrics": metrics, "stage": worker.stage_weights(), "recomputed": recomputed[0]}
 
 
 def run_rank(rank, world, port, model, cfg, body_kwargs, out_dir):
@@ -195,6 +209,18 @@ def test_every_layout_trains_like_the_torch_trainer(models, tmp_path, tp, pp, wo
     for r in results:                                           # every rank reports the same metrics
         assert timeless(r["metrics"]) == timeless(results[0]["metrics"]) and r["after_dispose"] == (False, False)
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
+
+
+def test_recompute_activations_recomputes_every_layer_and_trains_the_same(models, tmp_path):
+    train, algorithm, rollout = configs(**ALGORITHMS["kl_entropy_tis"])
+    cfg = (replace(train, recompute_activations=True), algorithm, rollout)
+    want, want_w = torch_trainer_run(models["qwen2"], cfg, [0, 1])
+    results = run_ranks(1, models["qwen2"], cfg, tmp_path, rollouts=[0, 1])
+    # 2 rollouts x 2 optimizer steps x 2 micro-batches, each recomputing its 2 layers one by one
+    assert results[0]["recomputed"] == 2 * 2 * 2 * 2
+    assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
+    plain = run_ranks(1, models["qwen2"], configs(**ALGORITHMS["kl_entropy_tis"]), tmp_path / "plain", rollouts=[0])
+    assert plain[0]["recomputed"] == 0
 
 
 def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path):

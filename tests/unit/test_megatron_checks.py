@@ -105,3 +105,35 @@ def test_a_fitting_run_passes(task, megatron_installed):
     cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",
                           "--num-rollout", "1", "--train-backend", "megatron"])
     assert cfg.train.backend == "megatron" and cfg.train.tensor_model_parallel_size == 1
+
+
+def test_the_torch_trainers_memory_flags_it_lacks_are_refused_by_name(task, megatron_installed):
+    problems = problems_of(task, "--offload-train", "--update-weight-buffer-size", "1024", "--use-dynamic-batch-size",
+                           "--max-tokens-per-gpu", "64")
+    flags = [p.split(":")[0] for p in problems]
+    assert flags == ["--offload-train", "--update-weight-buffer-size", "--use-dynamic-batch-size",
+                     "--max-tokens-per-gpu"], problems
+    assert all("not supported by --train-backend megatron yet" in p and p.endswith("use --train-backend torch")
+               for p in problems)
+    assert problems_of(task, "--offload")[0].startswith("--offload: not supported by --train-backend megatron yet")
+
+
+def test_colocation_activation_recompute_and_engine_offload_are_accepted(task, megatron_installed):
+    _, model, data = task
+    cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",
+                          "--num-rollout", "1", "--train-backend", "megatron", "--colocate", "--offload-rollout",
+                          "--recompute-activations"])
+    assert cfg.cluster.colocate and cfg.train.recompute_activations
+
+
+def test_on_cuda_the_ranks_are_the_trainers_gpus(task, megatron_installed):
+    # 3 trainer GPUs cannot hold pipelines of 2 stages; 4 can (data parallel 2 over the 4 samples)
+    problems = problems_of(task, "--device", "cuda", "--actor-num-gpus-per-node", "3",
+                           "--pipeline-model-parallel-size", "2")
+    assert problems == ["the trainer's 3 GPU(s) are not a multiple of TP 1 x PP 2 x CP 1 = 2; give it a multiple of "
+                        "that many GPUs (--actor-num-nodes x --actor-num-gpus-per-node) or lower the sizes"]
+    _, model, data = task
+    cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",
+                          "--n-samples-per-prompt", "2", "--num-rollout", "1", "--train-backend", "megatron",
+                          "--device", "cuda", "--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2"])
+    assert checks.run_problems(cfg, 4) == [] and checks.run_problems(cfg, 6) != []

@@ -1,13 +1,16 @@
 """What makes a run unfit for the megatron backend, found on the driver before any actor starts:
 megatron-core not installed, a model this backend cannot convert, parallel sizes that do not fit
-the model or the batch. `run_problems` is the backend's `check` in `TRAIN_BACKENDS`; the group
-checks the same again with the GPUs it was given (`group_problems`).
+the model, the batch or the trainer's GPUs, a GPU-memory flag of the torch trainer this backend does
+not have. `run_problems` is the backend's `check` in `TRAIN_BACKENDS` (validate runs it, init again
+with the placement plan's trainer GPUs); the group checks the same again with the ranks it was
+given (`group_problems`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,11 +66,41 @@ def read_hf_config(model_path: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def run_problems(cfg: RunConfig) -> list[str]:
-    """The backend's check of a run (validate calls it): the model's config.json against the flags.
-    Data parallelism is 1 here until the run's placement gives the trainer more GPUs."""
+def unsupported_features(cfg: RunConfig) -> list[str]:
+    """The torch trainer's GPU-memory features this backend does not have yet, each refused by its
+    flag rather than silently ignored. --colocate is supported: the ranks take the trainer's shares
+    of the plan's GPUs, the engines free their KV cache while the ranks train and the ranks return
+    their cached CUDA blocks before the engines take it back; the weights go by the object store,
+    and the optimizer state stays on the GPU."""
+    c, t = cfg.cluster, cfg.train
+    default_bucket = next(f.default for f in fields(cfg) if f.name == "update_weight_buffer_size")
+    why = {
+        "--offload": "its ranks cannot move their optimizer state to host memory yet (--offload-rollout alone "
+                     "is fine: that is the engines')",
+        "--offload-train": "its ranks cannot move their optimizer state to host memory yet",
+        "--update-weight-buffer-size": "its weights reach the engines through Ray's object store, colocated or "
+                                       "not, never as CUDA IPC buckets",
+        "--use-dynamic-batch-size": "its micro-batches are --micro-batch-size rows (a pipeline needs equal "
+                                    "micro-batch counts on every rank)",
+        "--max-tokens-per-gpu": "its micro-batches are --micro-batch-size rows, not a token budget",
+    }
+    used = [flag for flag, on in (
+        ("--offload", c.offload), ("--offload-train", c.offload_train),
+        ("--update-weight-buffer-size", cfg.update_weight_buffer_size != default_bucket),
+        ("--use-dynamic-batch-size", t.use_dynamic_batch_size), ("--max-tokens-per-gpu", t.max_tokens_per_gpu is not None),
+    ) if on]
+    return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
+            f"--train-backend torch" for flag in used]
+
+
+def run_problems(cfg: RunConfig, trainer_gpus: int | None = None) -> list[str]:
+    """The backend's check of a run (validate calls it, and init again with the placement plan):
+    the model's config.json against the flags. The ranks are the trainer's GPUs (`trainer_gpus`:
+    --actor-num-nodes x --actor-num-gpus-per-node) on GPUs, else TP x PP x CP (data parallel 1)."""
+    problems = unsupported_features(cfg)
     hf_config = read_hf_config(cfg.model.hf_checkpoint)
     if hf_config is None:        # validate reports the missing config.json itself
-        return [] if installed("megatron.core") else [
-            f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
-    return group_problems(hf_config, cfg.train, requested_layout(cfg.train), cfg.rollout.num_samples)
+        return problems + ([] if installed("megatron.core") else [
+            f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"])
+    layout = requested_layout(cfg.train, trainer_gpus)
+    return problems + group_problems(hf_config, cfg.train, layout, cfg.rollout.num_samples)

@@ -2,10 +2,10 @@
 
 megatron-core is written for CUDA: it allocates with `device="cuda"` or `torch.cuda.current_device()`,
 asks `tensor.type()` for "torch.cuda.*Tensor" names, waits on CUDA streams, and forks CUDA RNG
-states around dropout. `apply()` points those at the CPU, in the calling process only: a megatron
+states around dropout and around recomputed layers. `apply()` points those at the CPU, in the calling process only: a megatron
 rank calls it before building anything when its device is the CPU, in a process that is that
 rank's alone (a Ray actor or a test subprocess). Dropout is 0 in miles' megatron models, so the RNG
-fork has nothing to fork. Never applied on a GPU.
+fork has nothing to fork and a recomputed layer no CUDA RNG state to restore. Never applied on a GPU.
 
 What megatron's modules call `torch` is replaced, in those modules only, by a stand-in that moves
 CUDA allocations to the CPU: patching torch's own factories would reach every library in the
@@ -108,4 +108,7 @@ def apply() -> None:
     def fork(self, name=None):
         yield
     tp_random.CudaRNGStatesTracker.fork = fork
+    # activation recomputation saves and restores the CUDA RNG state around each layer: nothing to keep
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True

@@ -118,6 +118,10 @@ class MegatronTrainer:
 
         return self._all("train", ray.put(samples), rollout_id)[0]
 
+    def release_cached_memory(self) -> None:
+        """Every rank returns its cached CUDA blocks (before colocated engines take their KV cache back)."""
+        self._all("release_cached_memory")
+
     def weights(self) -> dict[str, Tensor]:
         """The weights under HF names on the CPU, in the parameters' dtype (bf16 on GPUs)."""
         merged: dict[str, Tensor] = {}

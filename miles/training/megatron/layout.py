@@ -91,7 +91,8 @@ def layout_problems(world_size: int, tp: int, pp: int, cp: int, sequence_paralle
         return problems
     if world_size % (tp * pp * cp):
         problems.append(f"the trainer's {world_size} GPU(s) are not a multiple of TP {tp} x PP {pp} x CP {cp} "
-                        f"= {tp * pp * cp}; give it a multiple of that many GPUs or lower the sizes")
+                        f"= {tp * pp * cp}; give it a multiple of that many GPUs (--actor-num-nodes x "
+                        f"--actor-num-gpus-per-node) or lower the sizes")
     if sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
                         "over the TP ranks); drop it or raise TP")

@@ -31,10 +31,15 @@ class RankModel:
     use_te: bool
 
 
-def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.dtype, on_cpu: bool):
+def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.dtype, on_cpu: bool,
+                       recompute: bool = False):
+    """`recompute` (--recompute-activations): every transformer layer's activations are recomputed
+    in the backward (megatron's full, uniform, one layer per unit: what the torch trainer does)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    recompute_options = dict(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1) if recompute else {}
+    return TransformerConfig(**recompute_options,
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,

@@ -130,7 +130,8 @@ class MegatronWorker:
     def _build(self, path: str, *, train: TrainConfig | None) -> RankModel:
         from miles.training.megatron.model import build_gpt, transformer_config, wrap
 
-        config = transformer_config(self.spec, self.layout, dtype=self.dtype, on_cpu=self.device.type == "cpu")
+        config = transformer_config(self.spec, self.layout, dtype=self.dtype, on_cpu=self.device.type == "cpu",
+                                    recompute=train is not None and train.recompute_activations)
         gpt, use_te = build_gpt(self.spec, self.layout, config, pp_rank=self.coords.pp)
         self._load_shard(gpt, hf_to_mcore(load_hf_weights(path), self.spec), use_te)
         module, optimizer = wrap(gpt, config, train=train, distributed_optimizer=True)
@@ -241,6 +242,13 @@ class MegatronWorker:
         ref = dict(self._ref.gpt.named_parameters())
         for name, p in self._live().gpt.named_parameters():
             ref[name].copy_(p)
+
+    def release_cached_memory(self) -> None:
+        """Return the CUDA blocks the allocator keeps cached (the last step's activations) to the
+        device, for a colocated engine to take (miles.phases.memory)."""
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _live(self) -> RankModel:
         if self._policy is None:
