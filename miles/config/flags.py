@@ -160,6 +160,15 @@ FLAGS: tuple[Flag, ...] = (
        help="activation checkpointing: recompute each layer's activations in the backward (less memory)"),
     _f("disable-trainer-compile", "train", "compile_layers", kind="false",
        help="CUDA trainer: run the decoder layers eagerly, not torch.compile'd (debugging; faster start)"),
+    # train: the megatron backend's parallelism (--train-backend megatron)
+    _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
+       "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),
+    _f("pipeline-model-parallel-size", "train", "pipeline_model_parallel_size", int,
+       "megatron: pipeline stages (must divide the layers)"),
+    _f("context-parallel-size", "train", "context_parallel_size", int,
+       "megatron: context-parallel ranks (only 1 for now)"),
+    _f("sequence-parallel", "train", "sequence_parallel", kind="true",
+       help="megatron: split norms' and dropouts' activations along the sequence over the TP ranks"),
     # checkpoint
     _f("save", "checkpoint", "save", str, "checkpoint root directory"),
     _f("load", "checkpoint", "load", str, "resume from the newest complete checkpoint under this root"),

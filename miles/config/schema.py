@@ -120,6 +120,11 @@ class TrainConfig:
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
     compile_layers: bool = True         # --disable-trainer-compile: on CUDA, each decoder layer runs torch.compile'd
+    # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
+    tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
+    pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size
+    context_parallel_size: int = 1         # --context-parallel-size
+    sequence_parallel: bool = False        # --sequence-parallel
 
 
 @dataclass(frozen=True, kw_only=True)

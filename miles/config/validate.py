@@ -8,7 +8,7 @@ from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import MachineDef
+from miles.runtime.machine import MachineDef, import_object
 from miles.training.protocol import TRAIN_BACKENDS
 
 
@@ -33,6 +33,22 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
     elif spec.critic is None and cfg.algorithm.advantage_estimator == "ppo":
         problems.append(f"--train-backend {cfg.train.backend} has no critic: --advantage-estimator ppo needs one; "
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
+    if spec is None:
+        return
+    t = cfg.train
+    parallel = [flag if isinstance(v, bool) else f"{flag} {v}" for flag, v, default in (
+        ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
+        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
+        ("--context-parallel-size", t.context_parallel_size, 1),
+        ("--sequence-parallel", t.sequence_parallel, False)) if v != default]
+    if parallel and not spec.model_parallel:
+        problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
+                        f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
+    if spec.check:      # the backend's own checks (its package installed, the model fits it), before any actor
+        # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan
+        c = cfg.cluster
+        gpus = c.actor_num_nodes * c.actor_num_gpus_per_node if cfg.model.device == "cuda" else None
+        problems.extend(import_object(spec.check)(cfg, gpus))
 
 
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
@@ -305,9 +321,13 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
     from miles.cluster.placement import placement_request, plan_placement
 
     c = cfg.cluster
-    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1:
+    spec = TRAIN_BACKENDS.get(cfg.train.backend)
+    ranked = spec is not None and spec.ranked     # one rank per trainer GPU (megatron): its check sizes them
+    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1 and not ranked:
         problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
-                        f"{c.actor_num_gpus_per_node}: the torch trainer runs on one GPU (no FSDP yet); use 1 x 1")
+                        f"{c.actor_num_gpus_per_node}: the {cfg.train.backend} trainer runs on one GPU (no FSDP "
+                        f"yet); use 1 x 1, or --train-backend "
+                        f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
     if c.rollout_num_gpus_per_engine != 1:
         problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engines run "
                         "on one GPU each (no tensor parallelism); use 1 and more engines")

@@ -167,9 +167,8 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
-    place = ctx.c.placement
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
-                                        placement=place.options(place.plan.trainers[0]), **trainer_options(cfg))
+                                        **_trainer_placement(ctx), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
@@ -177,6 +176,15 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
             train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
+    """Where the trainer runs: the plan's first trainer placement; a `ranked` backend (megatron)
+    on GPUs gets no GPU itself and hands each of its ranks one trainer placement of the plan."""
+    place = ctx.c.placement
+    if TRAIN_BACKENDS[ctx.cfg.train.backend].ranked and place.gpus:
+        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers]}
+    return {"placement": place.options(place.plan.trainers[0])}
 
 
 def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
@@ -187,6 +195,11 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
     gpus = cluster_gpus()
     use_gpus = cfg.model.device == "cuda" or (cfg.model.device == "auto" and gpus > 0)
     plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    check = TRAIN_BACKENDS[cfg.train.backend].check
+    if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
+        problems = import_object(check)(cfg, len(plan.trainers))
+        if problems:
+            raise ConfigError(problems)
     place = RunPlacement(plan)
     if plan.bundles:
         check_cluster(plan, gpus)

@@ -8,6 +8,7 @@ implementing `TrainerBackend` (and `CriticBackend` if it trains PPO's critic), p
 
 Constructors, for every backend:
     Trainer(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, device, dtype)
+        (+ rank_options: list of Ray actor options, one per rank, for a `ranked` backend on GPUs)
     Critic(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from, device, dtype)
 """
 
@@ -27,11 +28,21 @@ if TYPE_CHECKING:
 class TrainBackendSpec:
     trainer: str                    # "module:Class" of the policy trainer (a TrainerBackend)
     critic: str | None = None       # "module:Class" of PPO's critic (a CriticBackend); None: no PPO here
+    # "module:function" (RunConfig, trainer GPUs or None when not known yet -> list of problems), run by
+    # validate and again by init once the placement plan says how many GPUs the trainer has; before any actor
+    check: str | None = None
+    model_parallel: bool = False    # reads --tensor/--pipeline/--context-parallel-size and --sequence-parallel
+    # the trainer actor starts one rank actor per trainer GPU itself: init gives it no GPU and passes
+    # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs)
+    ranked: bool = False
 
 
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic"),
+    "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
+                                 check="miles.training.megatron.checks:run_problems", model_parallel=True,
+                                 ranked=True),
 }
 
 

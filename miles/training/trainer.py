@@ -20,7 +20,8 @@ gradient of the reduction over the whole global batch.
 The loss: policy loss (PPO clip, or GSPO when the advantage estimator is gspo; or SFT's NLL for
 --loss-type sft_loss) + kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term
 reduced by --loss-agg-mode. Which functions compute each term, the advantages and the reduction is
-decided once in `__init__`; the step never looks at a name.
+decided once, by `miles.training.terms.PolicyObjective` (shared with the megatron backend); the step
+never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
 chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). When a rollout takes exactly
@@ -40,25 +41,19 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import structlog
 import torch
 from torch import Tensor
 
-from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, gae, get_kl_estimator, get_policy_loss,
-                              masked_mean, mismatch_metrics, normalize_advantages, reinforce_plus_plus_returns, select,
-                              sft_loss, tis_weights)
-from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
+from miles.training.terms import PolicyObjective, config_problems
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -69,128 +64,6 @@ log = structlog.get_logger().bind(role="trainer")
 # files written by save(); load() needs all of them (REF_FILE only with --ref-update-interval)
 MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
-
-# (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
-Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
-# (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
-# fills batch.advantages
-AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
-
-
-def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
-    problems = []
-    if train.micro_batch_size < 1:
-        problems.append(f"--micro-batch-size must be >= 1, got {train.micro_batch_size}")
-    if train.global_batch_size is not None and train.global_batch_size < 1:
-        problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
-    if train.clip_grad < 0:
-        problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
-    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
-        problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
-    if algorithm.loss_type not in LOSS_TYPES:
-        problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
-    if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
-        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
-    if algorithm.use_tis and algorithm.use_rollout_logprobs:
-        problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
-    if not rollout.temperature > 0:
-        problems.append(f"--rollout-temperature must be > 0 to train on the rollouts (greedy ones cannot be), "
-                        f"got {rollout.temperature}")
-    return problems
-
-
-def _policy_term(loss_fn: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
-    return loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, normalizer=normalizer,
-                   is_weights=mb.is_weights)
-
-
-def _sft_term(reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
-    return sft_loss(logprobs, mb.loss_mask, reduce=reduce, normalizer=normalizer), {}
-
-
-def _kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
-    return reduce(estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
-
-
-def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
-    return logprobs.new_zeros(()), {}
-
-
-def _pick_reduction(algorithm: AlgorithmConfig,
-                    max_response_len: int) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
-    """The loss reduction of --loss-agg-mode and what each micro-batch adds to its normalizer."""
-    mode = algorithm.loss_agg_mode
-    options = {"max_len": max_response_len} if mode == "seq_mean_token_sum_norm" else {}
-    return select(LOSS_REDUCTIONS, "loss reduction (--loss-agg-mode)", mode, **options), NORMALIZER_COUNTS[mode]
-
-
-def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tuple[Term, Term]:
-    if algorithm.loss_type == "sft_loss":
-        policy: Term = partial(_sft_term, reduce)
-    else:
-        name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
-        loss_fn = get_policy_loss(name, eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high,
-                                  eps_clip_c=algorithm.eps_clip_c, reduce=reduce)
-        policy = partial(_policy_term, loss_fn)
-    kl: Term = (partial(_kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
-                else _no_kl)
-    return policy, kl
-
-
-# --- advantage stages (one is picked at start-up) --------------------------------------------------
-def _sequence_advantages(normalize: bool, batch: TrainBatch, values: Tensor | None, kl: Tensor | None):
-    """grpo, gspo, rloo, reinforce_plus_plus_baseline: the executor's per-sample advantages, already on
-    the response tokens; --normalize-advantages whitens them over the rollout's response tokens."""
-    if normalize:
-        batch.advantages = normalize_advantages(batch.advantages, batch.loss_mask)
-    return None
-
-
-def _reinforce_plus_plus(gamma: float, kl_coef: float, batch: TrainBatch, values: Tensor | None,
-                         kl: Tensor | None):
-    """REINFORCE++: discounted return-to-go of the token rewards (reward on the last token, -kl_coef * KL
-    on every token), whitened over the rollout's response tokens as the paper does."""
-    returns = reinforce_plus_plus_returns(batch.token_rewards, batch.loss_mask, gamma, kl=kl, kl_coef=kl_coef)
-    batch.advantages = normalize_advantages(returns, batch.loss_mask)
-    return None
-
-
-def _ppo_gae(gamma: float, lambd: float, kl_coef: float, normalize: bool, batch: TrainBatch,
-             values: Tensor | None, kl: Tensor | None):
-    """PPO: GAE over the token rewards (reward on the last token, -kl_coef * KL on every token) and the
-    critic's values; returns the critic's targets (advantages + values)."""
-    if values is None:
-        raise ValueError("--advantage-estimator ppo needs the critic's values: call "
-                         "prepare_rollout(samples, rollout_id, values) with Critic.values(samples) first")
-    if values.shape != batch.loss_mask.shape:
-        raise ValueError(f"critic values {tuple(values.shape)} do not match the batch {tuple(batch.loss_mask.shape)}; "
-                         "critic and trainer must pack the same samples")
-    rewards = batch.token_rewards if kl is None else batch.token_rewards - kl_coef * kl
-    advantages, returns = gae(rewards, values, batch.loss_mask, gamma, lambd)
-    batch.advantages = normalize_advantages(advantages, batch.loss_mask) if normalize else advantages
-    return returns
-
-
-def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
-    if a.advantage_estimator == "ppo":
-        return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
-    if a.advantage_estimator == "reinforce_plus_plus":
-        return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)
-    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type == "policy_loss")
-
-
-def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Train vs rollout logprobs of the sampled tokens, logged every step."""
-    m = mismatch_metrics(train_lp, rollout_lp, mask)
-    return {"logprob_diff_rollout": float(m["logprob_abs_diff_mean"]),
-            "logprob_diff_rollout_max": float(m["logprob_abs_diff_max"]), "train_rollout_k3_kl": float(m["k3_kl"])}
-
-
-def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tuple[float, float]) -> dict[str, float]:
-    raw = torch.exp(torch.where(mask, train_lp - rollout_lp, torch.zeros((), device=mask.device)))
-    clipped = (raw < bounds[0]) | (raw > bounds[1])
-    return {"tis_weight_mean": float(masked_mean(raw.clamp(*bounds), mask)),
-            "tis_clip_frac": float(masked_mean(clipped.float(), mask))}
 
 
 class Trainer(OptimizedModel):
@@ -203,21 +76,11 @@ class Trainer(OptimizedModel):
         recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant.
         `hidden_forward` (chunked logprobs from hidden states) and `skip_old_logprobs` (no no-grad
         pass when it equals the step's own): None = on CUDA only, so CPU runs compute as they did."""
-        problems = _config_problems(train, algorithm, rollout)
+        problems = config_problems(train, algorithm, rollout)
         if problems:
             raise ConfigError(problems)
         super().__init__(train=train, device=device, dtype=dtype)
-        self._temperature = rollout.temperature
-        self._kl_coef = algorithm.kl_loss_coef
-        self._entropy_coef = algorithm.entropy_coef
-        self._entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
-        self._reduce, self._count = _pick_reduction(algorithm, rollout.max_response_len)
-        self._policy_term, self._kl_term = _pick_terms(algorithm, self._reduce)
-        self._advantages = _pick_advantages(algorithm)
-        self._is_sft = algorithm.loss_type == "sft_loss"     # SFT needs neither old logprobs nor advantages
-        self._reward_kl_coef = algorithm.kl_coef
-        self._use_rollout_logprobs = algorithm.use_rollout_logprobs
-        self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
+        self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._tokenizer = load_tokenizer(model_path)
@@ -226,12 +89,11 @@ class Trainer(OptimizedModel):
         self._ref = self._make_reference(algorithm)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
-        self._forward, forward_name = pick_forward(self._model, temperature=self._temperature, autocast=self._autocast,
+        self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward)
-        # the pre-step logprobs are needed for more than the PPO ratio: keep the pass
-        self._may_skip_old_pass = (on_cuda if skip_old_logprobs is None else skip_old_logprobs) and not (
-            self._is_sft or self._tis_bounds or self._use_rollout_logprobs or self._reward_kl_coef)
+        self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
+                                   and self._objective.may_skip_old_pass)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers else 0
@@ -243,7 +105,7 @@ class Trainer(OptimizedModel):
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
-        if not (algorithm.use_kl_loss or algorithm.kl_coef > 0):
+        if not self._objective.uses_reference:
             return None
         if algorithm.ref_load:
             return load_causal_lm(algorithm.ref_load, device=self.device, dtype=torch.float32).requires_grad_(False)
@@ -295,44 +157,23 @@ class Trainer(OptimizedModel):
     def _prepare(self, batch: TrainBatch, values: Tensor | None,
                  may_skip: bool = False) -> tuple[TrainBatch, Tensor | None, dict[str, float]]:
         batch = batch.to(self.device)
-        if self._is_sft:
+        if self._objective.is_sft:
             return batch, None, {}
-        mask = batch.loss_mask
         skip = may_skip and self._may_skip_old_pass and self._global_batch_size(batch) >= batch.size
-        metrics, train_lp = ({}, None) if skip else self._old_logprobs(batch)   # skipped: the step's own, detached
-        kl = None
-        if self._ref is not None:
-            batch.ref_logprobs = self._logprobs(self._ref, batch)
-            if self._reward_kl_coef:    # never skipped then (_may_skip_old_pass)
-                kl = torch.where(mask, train_lp - batch.ref_logprobs, torch.zeros((), device=self.device))  # k1
-                metrics["reward_kl"] = float(masked_mean(kl, mask))
-        metrics["logprob_passes"] = float((not skip) + (self._ref is not None))   # no-grad forwards (MFU)
-        returns = self._advantages(batch, None if values is None else values.to(self.device), kl)
-        metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
+        train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
+        ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
+        returns, metrics = self._objective.prepare(batch, train_lp, ref_lp, values)
         return batch, returns, metrics
-
-    def _old_logprobs(self, batch: TrainBatch) -> tuple[dict[str, float], Tensor]:
-        """The no-grad pass: the trainer's pre-step logprobs, the old policy of the ratio (or the
-        engine's with --use-rollout-logprobs), TIS weights; returns the mismatch metrics and the logprobs."""
-        mask = batch.loss_mask
-        train_lp = self._logprobs(self._model, batch)
-        batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
-        metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
-        if self._tis_bounds is not None:
-            batch.is_weights = tis_weights(train_lp, batch.rollout_logprobs, mask, clip=self._tis_bounds[1],
-                                           clip_low=self._tis_bounds[0])
-            metrics.update(_tis_metrics(train_lp, batch.rollout_logprobs, mask, self._tis_bounds))
-        return metrics, train_lp
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         seen = None
-        if batch.old_logprobs is None and not self._is_sft:   # the skipped pass: the step records them instead
+        if batch.old_logprobs is None and not self._objective.is_sft:   # the skipped pass: the step records them instead
             seen = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         metrics = self.accumulate_gradients(batch, record=seen)
         if seen is not None:
-            metrics.update(_mismatch(seen, batch.rollout_logprobs, batch.loss_mask))
+            metrics.update(self._objective.mismatch(seen, batch))
         grad_norm = self._optimizer_step()
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
@@ -352,8 +193,7 @@ class Trainer(OptimizedModel):
         to those of the global batch's loss under --loss-agg-mode. Returns that loss's terms (loss,
         pg_loss, kl, entropy) reduced the same way, and clip_frac over the global batch's tokens.
         `record` [B, T], when given, receives the logprobs the micro-batches computed (detached)."""
-        normalizer = max(self._count(batch.loss_mask), 1)  # a batch without response tokens has loss 0, not NaN
-        num_tokens = max(batch.num_tokens, 1)
+        normalizer, num_tokens = self._objective.normalizers(batch)
         sums: dict[str, float] = defaultdict(float)
         for rows, mb in self._micro_batches(batch, micro_batch_size):
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
@@ -366,17 +206,8 @@ class Trainer(OptimizedModel):
 
     def _micro_loss(self, mb: TrainBatch, normalizer: float,
                     num_tokens: int) -> tuple[Tensor, dict[str, float], Tensor]:
-        logprobs, token_entropy = self._forward(self._model, mb, True, self._entropy_has_grad)
-        if mb.old_logprobs is None and not self._is_sft:   # the skipped pass (see _prepare): ratio 1 at the step
-            mb = replace(mb, old_logprobs=logprobs.detach())
-        pg, pg_metrics = self._policy_term(logprobs, mb, normalizer)
-        kl, _ = self._kl_term(logprobs, mb, normalizer)
-        with torch.set_grad_enabled(self._entropy_has_grad):
-            entropy = self._reduce(token_entropy, mb.loss_mask, normalizer=normalizer)
-        loss = pg + self._kl_coef * kl - self._entropy_coef * entropy
-        share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
-        terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": entropy.item(),
-                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share}
+        logprobs, token_entropy = self._forward(self._model, mb, True, self._objective.entropy_has_grad)
+        loss, terms = self._objective.loss(logprobs, token_entropy, mb, normalizer, num_tokens)
         return loss, terms, logprobs
 
     @torch.no_grad()

@@ -65,7 +65,7 @@ def test_code_and_cli_configs_train_identically(paths):
     results = []
     for cfg in (cli, code):
         trainer = Trainer(model, **{**trainer_options(cfg), "device": "cpu"})
-        assert trainer._temperature == 0.7
+        assert trainer._objective.temperature == 0.7
         metrics = trainer.train(samples(), 0)
         metrics.pop("step_time_s")                           # wall time, the one number allowed to differ
         results.append((metrics, trainer.weights_checksum()))

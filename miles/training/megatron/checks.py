@@ -1,0 +1,106 @@
+"""What makes a run unfit for the megatron backend, found on the driver before any actor starts:
+megatron-core not installed, a model this backend cannot convert, parallel sizes that do not fit
+the model, the batch or the trainer's GPUs, a GPU-memory flag of the torch trainer this backend does
+not have. `run_problems` is the backend's `check` in `TRAIN_BACKENDS` (validate runs it, init again
+with the placement plan's trainer GPUs); the group checks the same again with the ranks it was
+given (`group_problems`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.training.megatron.conversion import model_spec, spec_problems, tp_problems
+from miles.training.megatron.layout import ParallelLayout, batch_problems, layout_problems
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig, TrainConfig
+
+INSTALL_HINT = "pip install 'miles[megatron]' (megatron-core)"
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package counts as missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def requested_layout(train: TrainConfig, world_size: int | None = None) -> ParallelLayout:
+    """The layout of `world_size` trainer ranks; without it, one model replica (data parallel 1)."""
+    tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
+    return ParallelLayout(world_size or tp * pp * cp, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel)
+
+
+def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: ParallelLayout,
+                   rollout_samples: int) -> list[str]:
+    """Everything wrong with training this HF config on this layout (empty: fine)."""
+    if not installed("megatron.core"):
+        return [f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
+    problems = layout_problems(layout.world_size, layout.tp, layout.pp, layout.cp, layout.sequence_parallel,
+                               hf_config.get("num_hidden_layers"))
+    if layout.sequence_parallel and not (installed("transformer_engine") or installed("apex")):
+        problems.append("--sequence-parallel needs Transformer Engine's or Apex's norms (megatron's torch norms do "
+                        "not split the sequence); install one or drop --sequence-parallel")
+    if layout.cp > 1:
+        # megatron's context-parallel attention is Transformer Engine's, and the ranks would have to
+        # split each sequence and gather per-token results (layout.cp_positions): not built yet
+        problems.append(f"--context-parallel-size {layout.cp}: context parallelism is not supported by the megatron "
+                        "backend yet; use --context-parallel-size 1")
+    model = spec_problems(hf_config)
+    problems += model
+    if not model and not problems:
+        problems += tp_problems(model_spec(hf_config), layout.tp)
+    if not problems:
+        problems += batch_problems(layout, rollout_samples, train.global_batch_size, train.micro_batch_size)
+    return problems
+
+
+def read_hf_config(model_path: str | Path) -> dict[str, Any] | None:
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def unsupported_features(cfg: RunConfig) -> list[str]:
+    """The torch trainer's GPU-memory features this backend does not have yet, each refused by its
+    flag rather than silently ignored. --colocate is supported: the ranks take the trainer's shares
+    of the plan's GPUs, the engines free their KV cache while the ranks train and the ranks return
+    their cached CUDA blocks before the engines take it back; the weights go by the object store,
+    and the optimizer state stays on the GPU."""
+    c, t = cfg.cluster, cfg.train
+    default_bucket = next(f.default for f in fields(cfg) if f.name == "update_weight_buffer_size")
+    why = {
+        "--offload": "its ranks cannot move their optimizer state to host memory yet (--offload-rollout alone "
+                     "is fine: that is the engines')",
+        "--offload-train": "its ranks cannot move their optimizer state to host memory yet",
+        "--update-weight-buffer-size": "its weights reach the engines through Ray's object store, colocated or "
+                                       "not, never as CUDA IPC buckets",
+        "--use-dynamic-batch-size": "its micro-batches are --micro-batch-size rows (a pipeline needs equal "
+                                    "micro-batch counts on every rank)",
+        "--max-tokens-per-gpu": "its micro-batches are --micro-batch-size rows, not a token budget",
+    }
+    used = [flag for flag, on in (
+        ("--offload", c.offload), ("--offload-train", c.offload_train),
+        ("--update-weight-buffer-size", cfg.update_weight_buffer_size != default_bucket),
+        ("--use-dynamic-batch-size", t.use_dynamic_batch_size), ("--max-tokens-per-gpu", t.max_tokens_per_gpu is not None),
+    ) if on]
+    return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
+            f"--train-backend torch" for flag in used]
+
+
+def run_problems(cfg: RunConfig, trainer_gpus: int | None = None) -> list[str]:
+    """The backend's check of a run (validate calls it, and init again with the placement plan):
+    the model's config.json against the flags. The ranks are the trainer's GPUs (`trainer_gpus`:
+    --actor-num-nodes x --actor-num-gpus-per-node) on GPUs, else TP x PP x CP (data parallel 1)."""
+    problems = unsupported_features(cfg)
+    hf_config = read_hf_config(cfg.model.hf_checkpoint)
+    if hf_config is None:        # validate reports the missing config.json itself
+        return problems + ([] if installed("megatron.core") else [
+            f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"])
+    layout = requested_layout(cfg.train, trainer_gpus)
+    return problems + group_problems(hf_config, cfg.train, layout, cfg.rollout.num_samples)

@@ -1,0 +1,250 @@
+"""The policy trainer's algorithm, picked once from the run's flags and shared by every training
+backend: how a rollout is prepared (old logprobs, truncated importance sampling, the reference's KL
+in the token rewards, advantages) and how a micro-batch's loss is made (policy loss, or SFT's NLL,
++ kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term reduced by
+--loss-agg-mode with the global batch's normalizer).
+
+A backend computes logits or logprobs its own way (an HF model's logits or chunked from its hidden
+states, a megatron-core pipeline) and hands them to `PolicyObjective`; the losses, advantages and
+reductions themselves are `miles.algorithms`'. Which function computes each term is decided in
+`PolicyObjective.__init__`; the step never looks at a name.
+
+The skipped old-logprob pass: when a rollout takes one optimizer step and nothing but the PPO ratio
+reads the pre-step logprobs (`may_skip_old_pass`), a backend may prepare without them (`train_lp`
+None); the step's own logprobs, detached, are then the old ones (ratio 1 at the step, exactly what
+the pass would have given), and the backend reports the mismatch metrics from them (`mismatch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
+                              get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
+                              normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
+from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.batch import TrainBatch
+
+# (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
+Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
+# (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
+# fills batch.advantages
+AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
+
+
+def config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
+    problems = []
+    if train.micro_batch_size < 1:
+        problems.append(f"--micro-batch-size must be >= 1, got {train.micro_batch_size}")
+    if train.global_batch_size is not None and train.global_batch_size < 1:
+        problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
+    if train.clip_grad < 0:
+        problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
+    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
+        problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
+    if algorithm.loss_type not in LOSS_TYPES:
+        problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
+    if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
+    if algorithm.use_tis and algorithm.use_rollout_logprobs:
+        problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
+    if not rollout.temperature > 0:
+        problems.append(f"--rollout-temperature must be > 0 to train on the rollouts (greedy ones cannot be), "
+                        f"got {rollout.temperature}")
+    return problems
+
+
+def _policy_term(loss_fn: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    return loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, normalizer=normalizer,
+                   is_weights=mb.is_weights)
+
+
+def _sft_term(reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    return sft_loss(logprobs, mb.loss_mask, reduce=reduce, normalizer=normalizer), {}
+
+
+def _kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    return reduce(estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
+
+
+def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    return logprobs.new_zeros(()), {}
+
+
+def _pick_reduction(algorithm: AlgorithmConfig,
+                    max_response_len: int) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
+    """The loss reduction of --loss-agg-mode and what each micro-batch adds to its normalizer."""
+    mode = algorithm.loss_agg_mode
+    options = {"max_len": max_response_len} if mode == "seq_mean_token_sum_norm" else {}
+    return select(LOSS_REDUCTIONS, "loss reduction (--loss-agg-mode)", mode, **options), NORMALIZER_COUNTS[mode]
+
+
+def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tuple[Term, Term]:
+    if algorithm.loss_type == "sft_loss":
+        policy: Term = partial(_sft_term, reduce)
+    else:
+        name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
+        loss_fn = get_policy_loss(name, eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high,
+                                  eps_clip_c=algorithm.eps_clip_c, reduce=reduce)
+        policy = partial(_policy_term, loss_fn)
+    kl: Term = (partial(_kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
+                else _no_kl)
+    return policy, kl
+
+
+# --- advantage stages (one is picked at start-up) --------------------------------------------------
+def _sequence_advantages(normalize: bool, batch: TrainBatch, values: Tensor | None, kl: Tensor | None):
+    """grpo, gspo, rloo, reinforce_plus_plus_baseline: the executor's per-sample advantages, already on
+    the response tokens; --normalize-advantages whitens them over the rollout's response tokens."""
+    if normalize:
+        batch.advantages = normalize_advantages(batch.advantages, batch.loss_mask)
+    return None
+
+
+def _reinforce_plus_plus(gamma: float, kl_coef: float, batch: TrainBatch, values: Tensor | None,
+                         kl: Tensor | None):
+    """REINFORCE++: discounted return-to-go of the token rewards (reward on the last token, -kl_coef * KL
+    on every token), whitened over the rollout's response tokens as the paper does."""
+    returns = reinforce_plus_plus_returns(batch.token_rewards, batch.loss_mask, gamma, kl=kl, kl_coef=kl_coef)
+    batch.advantages = normalize_advantages(returns, batch.loss_mask)
+    return None
+
+
+def _ppo_gae(gamma: float, lambd: float, kl_coef: float, normalize: bool, batch: TrainBatch,
+             values: Tensor | None, kl: Tensor | None):
+    """PPO: GAE over the token rewards (reward on the last token, -kl_coef * KL on every token) and the
+    critic's values; returns the critic's targets (advantages + values)."""
+    if values is None:
+        raise ValueError("--advantage-estimator ppo needs the critic's values: call "
+                         "prepare_rollout(samples, rollout_id, values) with Critic.values(samples) first")
+    if values.shape != batch.loss_mask.shape:
+        raise ValueError(f"critic values {tuple(values.shape)} do not match the batch {tuple(batch.loss_mask.shape)}; "
+                         "critic and trainer must pack the same samples")
+    rewards = batch.token_rewards if kl is None else batch.token_rewards - kl_coef * kl
+    advantages, returns = gae(rewards, values, batch.loss_mask, gamma, lambd)
+    batch.advantages = normalize_advantages(advantages, batch.loss_mask) if normalize else advantages
+    return returns
+
+
+def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
+    if a.advantage_estimator == "ppo":
+        return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
+    if a.advantage_estimator == "reinforce_plus_plus":
+        return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)
+    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type == "policy_loss")
+
+
+def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train vs rollout logprobs of the sampled tokens, logged every step."""
+    m = mismatch_metrics(train_lp, rollout_lp, mask)
+    return {"logprob_diff_rollout": float(m["logprob_abs_diff_mean"]),
+            "logprob_diff_rollout_max": float(m["logprob_abs_diff_max"]), "train_rollout_k3_kl": float(m["k3_kl"])}
+
+
+def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tuple[float, float]) -> dict[str, float]:
+    raw = torch.exp(torch.where(mask, train_lp - rollout_lp, torch.zeros((), device=mask.device)))
+    clipped = (raw < bounds[0]) | (raw > bounds[1])
+    return {"tis_weight_mean": float(masked_mean(raw.clamp(*bounds), mask)),
+            "tis_clip_frac": float(masked_mean(clipped.float(), mask))}
+
+
+class PolicyObjective:
+    """The policy's side of one rollout: `prepare` it from the backend's logprobs, then the loss of
+    each micro-batch from the backend's logits (`micro_loss`) or logprobs (`loss`)."""
+
+    def __init__(self, algorithm: AlgorithmConfig, rollout: RolloutConfig):
+        """`rollout` says how the samples were drawn: its temperature divides the logits logprobs are
+        recomputed from, its max_response_len is seq_mean_token_sum_norm's constant."""
+        self.temperature = rollout.temperature
+        self.reduce, self.count = _pick_reduction(algorithm, rollout.max_response_len)
+        self._policy_term, self._kl_term = _pick_terms(algorithm, self.reduce)
+        self._advantages = _pick_advantages(algorithm)
+        self._kl_coef = algorithm.kl_loss_coef
+        self._entropy_coef = algorithm.entropy_coef
+        self.entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
+        self.is_sft = algorithm.loss_type == "sft_loss"       # SFT needs neither old logprobs nor advantages
+        self.uses_reference = algorithm.use_kl_loss or algorithm.kl_coef > 0
+        self._reward_kl_coef = algorithm.kl_coef
+        self._use_rollout_logprobs = algorithm.use_rollout_logprobs
+        self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
+        # the pre-step logprobs are read for more than the PPO ratio (or not at all, SFT): keep the pass
+        self.may_skip_old_pass = not (self.is_sft or self._tis_bounds or self._use_rollout_logprobs
+                                      or self._reward_kl_coef)
+
+    def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
+        """[B, T] float32 logprobs of `tokens` under `logits` [B, T, V] at the rollout's temperature."""
+        return logprobs_from_logits(logits, tokens, self.temperature)
+
+    def prepare(self, batch: TrainBatch, train_lp: Tensor | None, ref_lp: Tensor | None,
+                values: Tensor | None) -> tuple[Tensor | None, dict[str, float]]:
+        """Fill old_logprobs, ref_logprobs, is_weights (--use-tis) and the advantages of `batch` from
+        the current weights' logprobs `train_lp` [B, T] (None: the pass was skipped, allowed only when
+        `may_skip_old_pass`; old_logprobs stay None) and the reference's `ref_lp` (None without one);
+        returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
+        if train_lp is None and not self.may_skip_old_pass:
+            raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
+                             "(no --use-tis, --use-rollout-logprobs, --kl-coef or SFT); pass the trainer's logprobs")
+        mask = batch.loss_mask
+        metrics = {} if train_lp is None else self._old_policy(batch, train_lp)
+        kl = None
+        if ref_lp is not None:
+            batch.ref_logprobs = ref_lp
+            if self._reward_kl_coef:    # train_lp is there: may_skip_old_pass is False
+                kl = torch.where(mask, train_lp - ref_lp, torch.zeros((), device=mask.device))  # k1
+                metrics["reward_kl"] = float(masked_mean(kl, mask))
+        metrics["logprob_passes"] = float((train_lp is not None) + (ref_lp is not None))   # no-grad forwards (MFU)
+        returns = self._advantages(batch, None if values is None else values.to(mask.device), kl)
+        metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
+        return returns, metrics
+
+    def _old_policy(self, batch: TrainBatch, train_lp: Tensor) -> dict[str, float]:
+        """old_logprobs (the trainer's, or the engine's with --use-rollout-logprobs) and TIS weights from
+        the pre-step logprobs; the train-vs-rollout mismatch metrics."""
+        mask = batch.loss_mask
+        batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
+        metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
+        if self._tis_bounds is not None:
+            batch.is_weights = tis_weights(train_lp, batch.rollout_logprobs, mask, clip=self._tis_bounds[1],
+                                           clip_low=self._tis_bounds[0])
+            metrics.update(_tis_metrics(train_lp, batch.rollout_logprobs, mask, self._tis_bounds))
+        return metrics
+
+    def mismatch(self, train_lp: Tensor, batch: TrainBatch) -> dict[str, float]:
+        """Train vs rollout logprobs of `batch`'s sampled tokens (after a skipped pass: the step's own)."""
+        return _mismatch(train_lp, batch.rollout_logprobs, batch.loss_mask)
+
+    def normalizers(self, batch: TrainBatch) -> tuple[float, int]:
+        """(the reduction's normalizer, response tokens) of a global batch, each at least 1: a batch
+        without response tokens has loss 0, not NaN."""
+        return max(self.count(batch.loss_mask), 1), max(batch.num_tokens, 1)
+
+    def micro_loss(self, logits: Tensor, mb: TrainBatch, normalizer: float,
+                   num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+        """The loss of micro-batch `mb` from its logits [B, T, V]; see `loss`."""
+        with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits, self.temperature)
+        return self.loss(self.logprobs(logits, mb.tokens), entropy, mb, normalizer, num_tokens)
+
+    def loss(self, logprobs: Tensor, entropy: Tensor, mb: TrainBatch, normalizer: float,
+             num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+        """The loss of micro-batch `mb` (a share of the global batch's, by `normalizer`) from its
+        logprobs [B, T] and token entropies [B, T] (with gradients only when `entropy_has_grad`); its
+        terms as floats, clip_frac weighted by the micro-batch's share of `num_tokens`. Without
+        old_logprobs (the skipped pass) the old policy is this step's own logprobs, detached."""
+        if mb.old_logprobs is None and not self.is_sft:
+            mb = replace(mb, old_logprobs=logprobs.detach())
+        pg, pg_metrics = self._policy_term(logprobs, mb, normalizer)
+        kl, _ = self._kl_term(logprobs, mb, normalizer)
+        with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):
+            ent = self.reduce(entropy, mb.loss_mask, normalizer=normalizer)
+        loss = pg + self._kl_coef * kl - self._entropy_coef * ent
+        share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
+        terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": ent.item(),
+                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share}
+        return loss, terms
