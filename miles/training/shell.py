@@ -50,10 +50,8 @@ class OptimizedModel:
     def _start_optimizer(self, model: nn.Module) -> None:
         t = self._train_cfg
         self._model = model
-        # on CUDA one fused kernel steps every parameter (the foreach default launches several per group)
-        fused = all(p.is_cuda for p in model.parameters())
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                            betas=(t.adam_beta1, t.adam_beta2), fused=fused or None)
+                                            betas=(t.adam_beta1, t.adam_beta2))
 
     @property
     def num_steps(self) -> int:

@@ -110,3 +110,22 @@ def test_offload_between_rollouts_leaves_training_unchanged(model_path):
         assert torch.equal(pa, pb), n
     assert a.offload() > 0          # and dispose frees what is offloaded
     a.dispose()
+
+
+def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from miles.config.flags import parse_flags
+    from miles.training.forward import compile_decoder_layers
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", str(model_path), "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1"]
+    assert parse_flags(base + ["--trainer-compile"])[0].train.compile_layers is True
+    assert parse_flags(base)[0].train.compile_layers is False       # opt-in until the GPU tests pass with it
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    names = list(model.state_dict())
+    assert compile_decoder_layers(model) == model.config.num_hidden_layers
+    assert list(model.state_dict()) == names       # in place: weight names (checkpoints, weight sync) unchanged
+    assert all(layer._compiled_call_impl is not None for layer in model.get_decoder().layers)
