@@ -11,6 +11,7 @@ raylet also kills what their workers spawned.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -45,6 +46,7 @@ class RayCluster:
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *sys.path[1:]]))
         common = dict(namespace=self.namespace, logging_level="WARNING", log_to_driver=True,
                       configure_logging=True, include_dashboard=False)
+        quiet_token_auth_notice()
         with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, **common)
@@ -117,6 +119,25 @@ class ActorResource:
 
 def _getpid(_actor: Any) -> int:
     return os.getpid()
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+
+def quiet_token_auth_notice() -> None:
+    """Ray >= 2.5x turns token authentication on for a local cluster and says so in a warning at every
+    start. Authentication stays on; only that notice goes (the warning that it is *off* still shows).
+    Not RAY_AUTH_MODE=token: Ray reads it into a config cached at import, so setting it here, after
+    `import ray`, starts a cluster whose driver has no token."""
+    log = logging.getLogger(TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _DropTokenAuthNotice) for f in log.filters):
+        log.addFilter(_DropTokenAuthNotice())
 
 
 def restore_sigchld() -> None:

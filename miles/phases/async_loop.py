@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -49,17 +48,14 @@ async def sync_weights(ctx: TrainingContext) -> str:
 async def save(ctx: TrainingContext) -> str:
     rid = ctx.next_rollout - 1
     state = ctx.data_states.get(rid)
-    if state is None:                          # nothing was asked for since: the executor's position is rid's
+    if state is None or ctx.c.store is None:   # nothing was asked for since: the executor's position is rid's
         return await sync_save.save(ctx)
     t0 = time.monotonic()
     critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
     path = await save_checkpoint(ctx.c.store, rid, trainer=ctx.c.trainer.handle, executor=_DataPosition(state),
-                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf, critic=critic)
-    ctx.save_requested = False                 # as the sync save does
-    sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
-    if sentinel and os.path.exists(sentinel):
-        os.remove(sentinel)
-    ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path), duration_s=round(time.monotonic() - t0, 6))
+                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf, critic=critic,
+                                 save_optimizer=ctx.cfg.checkpoint.save_optimizer)
+    await sync_save.finish_save(ctx, rid, path, t0)     # as the sync save does
     return "next"
 
 

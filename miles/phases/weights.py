@@ -28,7 +28,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
     await with_engine_restarts(ctx, push)     # a restarted engine gets the current weights, then all get these
     ctx.weight_version = version
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6)}
-    if ctx.cfg.check_weight_update_equal:
+    if ctx.cfg.check_weights:
         fields["checksum"] = await _check_equal(ctx)
     ctx.tracer.emit("weights_synced", **fields)
     return "next"

@@ -129,7 +129,7 @@ class Critic:
             raise ValueError(f"values {tuple(values.shape)} / returns {tuple(returns.shape)} do not match the packed "
                              f"samples {tuple(batch.tokens.shape)}")
         batch = replace(batch, values=values.float(), returns=returns.float()).to(self.device)
-        size = self._cfg.global_batch_size or batch.size
+        size = self._cfg.global_batch(batch.size)
         steps = [self._step(gb) for gb in split(batch, size)]
         metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         mask = batch.loss_mask
@@ -167,9 +167,9 @@ class Critic:
             return self._model(mb.tokens, mb.attention_mask)
 
     # --- state -----------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
         """Into the folder `path`: the backbone as an HF folder (save_pretrained, with the tokenizer), the
-        value head, the optimizer state and the step count."""
+        value head, the optimizer state (unless `optimizer` is False: --no-save-optim) and the step count."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -177,7 +177,8 @@ class Critic:
         model.lm.save_pretrained(str(path))
         self._tokenizer.save_pretrained(str(path))
         save_file(state_dict_to_cpu(model_weights(model.value_head)), str(path / HEAD_FILE))
-        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        if optimizer:
+            torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
         (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps}))
 
     def load(self, path: str | Path) -> None:
