@@ -7,7 +7,8 @@ A path is `module:function`, `module.function`, `module:Class.method`, or `path/
 before any actor exists (exit 2): a module that does not import, raises while importing, lacks the
 function, or a function whose signature cannot take miles' arguments.
 
-A function loaded from a file lives in a module with a generated name; `display_name(fn)` maps it
+A relative file path is read from the driver's working directory, in actors too. A function loaded
+from a file lives in a module with a generated name; `display_name(fn)` maps it
 back to what the user wrote (`reward.py:reward`, not `miles_user_<digits>.reward`), so errors raised
 later, inside an actor, name it the same way.
 """
@@ -17,12 +18,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 from miles.config import ConfigError
 
 _FILE_MODULES: dict[str, str] = {}      # generated module name -> the file as the user wrote it
+# the driver's working directory, which a relative file path is read from also inside an actor (whose
+# own working directory is the Ray worker's): `RayCluster.actor` sets it in every actor's environment
+DRIVER_CWD_ENV = "MILES_DRIVER_CWD"
 
 
 def import_user_function(path: str, flag: str) -> Callable[..., Any]:
@@ -57,7 +62,8 @@ def check_signature(fn: Callable[..., Any], flag: str, path: str, num_args: int,
     try:
         sig.bind(*([None] * num_args))
     except TypeError as e:
-        raise ConfigError(f"{flag} {path}: {display_name(fn)}{sig} cannot be called as {expected} ({e})") from None
+        why = f"miles passes {num_args} arguments" if "too many" in str(e) else str(e)
+        raise ConfigError(f"{flag} {path}: {display_name(fn)}{sig} cannot be called as {expected}: {why}") from None
 
 
 def takes_parameter(fn: Callable[..., Any], position: int) -> str | None:
@@ -79,7 +85,7 @@ def display_name(fn: Callable[..., Any]) -> str:
 
 
 def _load_file(path: str) -> Any:
-    file = Path(path).resolve()
+    file = (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()
     if not file.is_file():
         raise FileNotFoundError(f"no such file: {file}")
     name = f"miles_user_{abs(hash(str(file)))}"

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import ray
 
 from miles.config import ClusterConfig
+from miles.user_code import DRIVER_CWD_ENV
 
 SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
@@ -61,7 +62,9 @@ class RayCluster:
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs)."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       max_restarts=0, lifetime="non_detached")
+                                       max_restarts=0, lifetime="non_detached",
+                                       # user files given by a relative path (reward.py:fn) are the driver's
+                                       runtime_env={"env_vars": {DRIVER_CWD_ENV: os.getcwd()}})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
         if self.log_dir is not None:
