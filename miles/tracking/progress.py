@@ -96,6 +96,13 @@ class ProgressModel:
         self.start_rollout = int(ev.get("next_rollout", 0))
         return [f"resumed after rollout {ev.get('rollout_id')} from {ev.get('path')}"]
 
+    def _on_resume_skipped(self, ev: dict[str, Any]) -> list[str]:
+        return [f"starting fresh: {ev.get('reason')} under --load {ev.get('root')}"]
+
+    def _on_start_rollout_set(self, ev: dict[str, Any]) -> list[str]:
+        self.start_rollout = int(ev.get("next_rollout", 0))
+        return [f"starting at rollout {self.start_rollout} (--start-rollout-id)"]
+
     def _on_phase_start(self, ev: dict[str, Any]) -> list[str]:
         self.state, self.phase_start = ev.get("state", ""), self.mono
         if ev.get("rollout_id") is not None:

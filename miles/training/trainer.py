@@ -154,7 +154,13 @@ def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], 
     if not algorithm.use_tis:
         return None
     if algorithm.custom_tis_function_path:
-        return import_user_function(algorithm.custom_tis_function_path, "--custom-tis-function-path")
+        custom = import_user_function(algorithm.custom_tis_function_path, "--custom-tis-function-path")
+
+        def by_path(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+            out = custom(train_lp, rollout_lp, mask)
+            weights, metrics = out if isinstance(out, tuple) else (out, {})
+            return weights, {f"custom_tis/{k}": float(v) for k, v in metrics.items()}
+        return by_path
     bounds = (algorithm.tis_clip_low, algorithm.tis_clip)
 
     def clipped(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
