@@ -92,3 +92,11 @@ def test_the_coming_from_miles_doc_is_the_table():
     assert block is not None, "docs/coming-from-miles.md lost its generated block"
     assert block.group(1) == markdown({f.name: f.help for f in FLAGS}), \
         "regenerate it: python -m miles.config.miles_flags, between the markers"
+
+
+def test_running_md_names_every_flag_issue_19_implemented():
+    from miles.config.flags import MILES_COMPAT_FLAGS
+
+    text = (DOC.parent / "running.md").read_text()
+    assert [f.name for f in MILES_COMPAT_FLAGS if f"--{f.name}" not in text] == []
+    assert "coming-from-miles.md" in text
