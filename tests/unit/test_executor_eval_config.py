@@ -33,7 +33,7 @@ def executor(engine, eval_cfg=EvalConfig(), eval_sets=None, **rollout):
     cfg = RolloutConfig(**{"batch_size": 2, "n_samples_per_prompt": 4, "max_response_len": 4, "rm_type": "exact_match",
                            **rollout})
     return RolloutExecutor(prompts=PROMPTS, eval_sets=eval_sets or {}, rollout=cfg, algorithm=AlgorithmConfig(),
-                           eval=eval_cfg, shuffle=False, tokenizer=Digits(), engines=[engine])
+                           eval=eval_cfg, shuffle=False, tokenizer=Digits(), engines=[engine], seed=0)
 
 
 def test_log_passrate_gives_every_k_up_to_n_for_rollouts():
