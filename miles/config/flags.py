@@ -249,6 +249,8 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("debug-train-only", "run", "debug_train_only", kind="true",
        help="train without engines on rollouts saved by --save-debug-rollout-data (needs "
             "--load-debug-rollout-data; picks --machine train_only)"),
+    _f("rollout-max-prompt-len", "data", "max_prompt_len", int,
+       "miles' name of --max-prompt-len: drop prompts longer than this many tokens"),
     _f("ci-test", "run", "ci_test", kind="true",
        help="CI checks that fail the run: weights equal after each sync, engine and trainer logprobs agree, "
             "the reference equals the policy at the start"),

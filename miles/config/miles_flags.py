@@ -192,6 +192,19 @@ REFUSED: dict[str, str] = {
     "ci-load-grad-norm": f"compares gradient norms with recorded ones in CI; {NOT_YET}",
     "ci-save-model-hash": f"records a model hash for a CI comparison; {NOT_YET}",
     "ci-check-model-hash": f"compares the model hash with a recorded one in CI; {NOT_YET}",
+    # -- eval and tracking flags miles' eval config and launch scripts read, beyond the inventory ------
+    **{f"eval-{key}": f"the eval datasets' {key.replace('-', '_')}; here set it per dataset in --eval-config "
+                      f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},
+    "eval-tool-key": f"the eval datasets' tools; {_AGENTIC}",
+    "eval-min-new-tokens": f"a minimum eval response length; {NOT_YET}",
+    "eval-max-prompt-len": f"drops long eval prompts; {NOT_YET}: --max-prompt-len applies to every dataset",
+    "eval-max-context-len": f"the eval's prompt + response cap; {NOT_YET}: --rollout-max-context-len applies to evals",
+    "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
+                           "built-in one",
+    "wandb-key": "the W&B API key; here log in with `wandb login` or set WANDB_API_KEY: drop it",
+    "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
+    "disable-wandb-random-suffix": "keeps the W&B run name without a random suffix; here the W&B run's name "
+                                   "and id are the miles run id: drop it",
 }
 
 # Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): those this build
@@ -300,7 +313,7 @@ debug-rollout-only debug-train-only save-debug-rollout-data load-debug-rollout-d
 dump-details ci-inject-rollout-data-path dumper-enable profile-target enable-event-analyzer
 debug-deterministic-collective
 ci-disable-kl-checker ci-save-grad-norm ci-load-grad-norm ci-save-model-hash ci-check-model-hash
-hf-checkpoint num-rollout num-epoch
+hf-checkpoint num-rollout num-epoch rollout-max-prompt-len
 """.split())
 
 
