@@ -9,6 +9,10 @@ Every way out ends the same: an exception (or cancellation, or KeyboardInterrupt
 `fail` → `draining` → `shutdown`; a stop request fires `stop` → `draining` once the current phase
 ends; an error while draining fires `fail` → `shutdown`. Entering `shutdown` unwinds the disposer.
 The first failure is what `run()` raises; teardown errors are attached to it.
+
+The runner names no state: where `fail` and `stop` lead, and whether a trigger is legal at all, are
+the machine's (`transitions` answers `get_triggers`); the final state ends the loop. Each guard is
+called once per decision: the machine decides on those values and the `transition` event records them.
 """
 
 from __future__ import annotations
