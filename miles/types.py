@@ -28,6 +28,8 @@ class SamplingParams:
     top_k: int = -1                 # -1: off
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()   # besides the tokenizer's EOS
+    stop: tuple[str, ...] = ()      # stop strings: a response ends at the token whose text completes one
+    max_context_len: int | None = None  # prompt + response tokens at most (each prompt's budget is the rest)
     seed: int | None = None         # makes a generate() call reproducible on the same engine
 
 

@@ -8,9 +8,11 @@ short. Exit codes: 0 done, 1 failed, 2 bad config or input, 130 SIGINT, 143 SIGT
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
@@ -62,27 +64,52 @@ def run_with_signals(cfg, machine: str, *, prog: str) -> int:
             for sig in SIGNAL_EXIT:
                 loop.remove_signal_handler(sig)
 
-    try:
-        with process_logging(LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
-                                         level=cfg.tracking.worker_log_level)):
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")   # Ray's "(Actor pid=...)" prefixes: no colour codes in a log
+    log_context = LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
+                             level=cfg.tracking.worker_log_level)
+    with process_logging(log_context):
+        try:
             try:
                 asyncio.run(main_task())
             finally:
                 progress.close()
-    except (ConfigError, MachineDefinitionError) as exc:
-        print(f"{prog}: bad input:\n{_indent(exc)}", file=sys.stderr)
-        return EXIT_INPUT
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
-    except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
-        if _is_input_error(exc):
-            print(f"{prog}: bad input: {_root(exc)}", file=sys.stderr)
-            return EXIT_INPUT
-        print(f"{prog}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for note in getattr(exc, "__notes__", []):
-            print(f"  {note}", file=sys.stderr)
-        return EXIT_FAILED
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
+        except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
+            return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log_context.path)
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
+
+
+def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:
+    """The cause once, plainly: the progress display printed it first (`shown`), else it goes here;
+    the full traceback (Ray's remote one included) goes to the driver's log file, not the terminal.
+    Bad input (a ConfigError, a reward that fails) exits 2, anything else 1."""
+    import structlog
+
+    from miles.runtime.trace import error_summary, strip_ansi
+
+    root = _root(exc)
+    structlog.get_logger().error("run_failed", stderr=False, summary=error_summary(exc),
+                                 traceback=_traceback_text(exc, strip_ansi))
+    code = EXIT_INPUT if _is_input_error(exc) else EXIT_FAILED
+    word = "bad input" if code == EXIT_INPUT else "failed"
+    if isinstance(root, (ConfigError, MachineDefinitionError)) and not shown:
+        print(f"{prog}: bad input:\n{_indent(root)}", file=sys.stderr)
+    elif not shown:
+        print(f"{prog}: {word}: {error_summary(exc)}", file=sys.stderr)
+    else:
+        print(f"{prog}: {word}: the error above", file=sys.stderr)
+    for note in getattr(exc, "__notes__", []):
+        print(f"  {strip_ansi(note)}", file=sys.stderr)
+    print(f"  full traceback: {log} (event run_failed)", file=sys.stderr)
+    return code
+
+
+def _traceback_text(exc: BaseException, strip: Callable[[str], str]) -> str:
+    import traceback
+
+    return strip("".join(traceback.format_exception(exc)))
 
 
 def _with_progress(cfg, run_id: str):
@@ -100,13 +127,16 @@ def _with_progress(cfg, run_id: str):
 
 
 def _is_input_error(exc: BaseException) -> bool:
-    """A ConfigError raised inside an actor arrives wrapped by Ray; unwrap it."""
-    return isinstance(_root(exc), ConfigError)
+    """The input's fault: a ConfigError or a bad machine file, or an error that says so (a user's reward
+    that fails: `input_fault`), also when Ray delivers it wrapped."""
+    root = _root(exc)
+    return isinstance(root, (ConfigError, MachineDefinitionError)) or getattr(root, "input_fault", False) is True
 
 
 def _root(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None)       # ray.exceptions.RayTaskError keeps the original here
-    return cause if isinstance(cause, BaseException) else exc
+    from miles.runtime.trace import root_cause   # ray.exceptions.RayTaskError keeps the original as `cause`
+
+    return root_cause(exc)
 
 
 def _indent(exc: BaseException) -> str:

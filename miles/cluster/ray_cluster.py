@@ -11,6 +11,7 @@ raylet also kills what their workers spawned.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 import ray
 
 from miles.config import ClusterConfig
+from miles.user_code import DRIVER_CWD_ENV
 
 SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
@@ -45,6 +47,7 @@ class RayCluster:
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *sys.path[1:]]))
         common = dict(namespace=self.namespace, logging_level="WARNING", log_to_driver=True,
                       configure_logging=True, include_dashboard=False)
+        quiet_token_auth_notice()
         with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, **common)
@@ -61,7 +64,9 @@ class RayCluster:
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
         `placement`: the GPUs it asks for and where (PlacementGroupResource.options)."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       max_restarts=0, lifetime="non_detached")
+                                       max_restarts=0, lifetime="non_detached",
+                                       # user files given by a relative path (reward.py:fn) are the driver's
+                                       runtime_env={"env_vars": {DRIVER_CWD_ENV: os.getcwd()}})
         options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
@@ -120,6 +125,25 @@ class ActorResource:
 
 def _getpid(_actor: Any) -> int:
     return os.getpid()
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+
+def quiet_token_auth_notice() -> None:
+    """Ray >= 2.5x turns token authentication on for a local cluster and says so in a warning at every
+    start. Authentication stays on; only that notice goes (the warning that it is *off* still shows).
+    Not RAY_AUTH_MODE=token: Ray reads it into a config cached at import, so setting it here, after
+    `import ray`, starts a cluster whose driver has no token."""
+    log = logging.getLogger(TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _DropTokenAuthNotice) for f in log.filters):
+        log.addFilter(_DropTokenAuthNotice())
 
 
 def restore_sigchld() -> None:

@@ -9,6 +9,8 @@ one `ConfigError` before anything starts.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -21,6 +23,8 @@ from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BA
 from miles.rollout.rewards import REWARD_FUNCTIONS
 from miles.training.protocol import TRAIN_BACKENDS
 
+from .eval_config import load_eval_config
+from .miles_flags import refusal_line, refused_in
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
@@ -48,7 +52,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     help: str = ""
     choices: Sequence[str] | None = None
-    kind: str = "value"             # value | true | false | pairs | list
+    kind: str = "value"             # value | true | false | pairs | list | json | eval_config
 
 
 def _f(name, section, field, type=None, help="", choices=None, kind="value") -> Flag:  # noqa: A002
@@ -110,7 +114,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
        help="GRPO: center rewards per group without dividing by their std (Dr. GRPO)"),
-    _f("loss-type", "algorithm", "loss_type", str, "training loss", LOSS_TYPES),
+    _f("loss-type", "algorithm", "loss_type", str, "training loss (custom_loss: --custom-loss-function-path)",
+       LOSS_TYPES),
     _f("eps-clip", "algorithm", "eps_clip", float, "PPO clip range (low side, and high unless --eps-clip-high)"),
     _f("eps-clip-high", "algorithm", "eps_clip_high", float, "PPO clip range, high side (DAPO clip-higher)"),
     _f("eps-clip-c", "algorithm", "eps_clip_c", float, "dual-clip constant (> 1)"),
@@ -234,6 +239,55 @@ FLAGS: tuple[Flag, ...] = (
     _f("inject-fault", "run", "inject_faults", kind="list",
        help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
 )
+
+# -- miles flags a single-node user reaches for (issue 19); the ones refused are in miles_flags.py ----
+MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
+    _f("chat-template-path", "data", "chat_template_path", str,
+       "a Jinja chat template file used instead of the tokenizer's (with --apply-chat-template)"),
+    _f("apply-chat-template-kwargs", "data", "apply_chat_template_kwargs", kind="json",
+       help='a JSON object of extra chat-template variables, e.g. \'{"enable_thinking": false}\''),
+    _f("rollout-stop", "rollout", "stop", str, "stop strings: a response ends once its text contains one",
+       kind="list"),
+    _f("rollout-stop-token-ids", "rollout", "stop_token_ids", int, "token ids that end a response, besides EOS",
+       kind="list"),
+    _f("rollout-max-context-len", "rollout", "max_context_len", int,
+       "prompt + response tokens at most: each response gets this minus its prompt's length"),
+    _f("use-unbiased-kl", "algorithm", "use_unbiased_kl", kind="true",
+       help="weight the KL loss per token by the importance ratio exp(logp - old logp) (DeepSeek-V3.2)"),
+    _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
+       "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
+    _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
+       "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+    _f("num-steps-per-rollout", "train", "num_steps_per_rollout", int,
+       "optimizer steps per rollout: the global batch is the rollout's samples / N"),
+    _f("save-debug-train-data", "train", "save_debug_train_data", str,
+       "write each rollout's packed train batch to PATH, a template with {rollout_id} and {rank} (else a "
+       "folder: PATH/train_{rollout_id}.pt)"),
+    _f("save-hf", "checkpoint", "save_hf_path", str,
+       "also export the model in HF format to PATH at each save ({rollout_id} in PATH is filled in)"),
+    _f("no-save-optim", "checkpoint", "save_optimizer", kind="false",
+       help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
+    _f("keep-last-checkpoints", "checkpoint", "keep_last", int,
+       "keep only the newest N checkpoints under --save (default: all; miles has no such flag)"),
+    _f("eval-config", "eval", "datasets", kind="eval_config",
+       help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
+            "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
+    _f("log-passrate", "eval", "log_passrate", kind="true",
+       help="log pass@k for every k up to n, for rollouts and evals (unbiased estimator)"),
+    _f("use-mlflow", "tracking", "use_mlflow", kind="true",
+       help="also log metrics to MLflow (pip install mlflow; tracking URI: $MLFLOW_TRACKING_URI, else <run-dir>/mlruns)"),
+    _f("start-rollout-id", "run", "start_rollout_id", int,
+       "the first rollout id of this invocation (default: 0, or the one after --load's checkpoint)"),
+    _f("debug-train-only", "run", "debug_train_only", kind="true",
+       help="train without engines on rollouts saved by --save-debug-rollout-data (needs "
+            "--load-debug-rollout-data; picks --machine train_only)"),
+    _f("rollout-max-prompt-len", "data", "max_prompt_len", int,
+       "miles' name of --max-prompt-len: drop prompts longer than this many tokens"),
+    _f("ci-test", "run", "ci_test", kind="true",
+       help="CI checks that fail the run: weights equal after each sync, engine and trainer logprobs agree, "
+            "the reference equals the policy at the start"),
+)
+FLAGS += MILES_COMPAT_FLAGS
 BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
@@ -242,7 +296,7 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
                                 usage=f"{prog} [--config FILE] [--machine NAME] --hf-checkpoint DIR --prompt-data FILE "
                                       "--rollout-batch-size N [flags ...]",
-                                argument_default=argparse.SUPPRESS)
+                                argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it (default: none)")
     p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
                                      "(default: sync)")
@@ -254,7 +308,9 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
         elif f.kind == "pairs":
             g.add_argument(opt, nargs="+", metavar="NAME PATH", help=help_)
         elif f.kind == "list":
-            g.add_argument(opt, nargs="+", metavar="VALUE", help=help_)
+            g.add_argument(opt, nargs="+", type=f.type or str, metavar="VALUE", help=help_)
+        elif f.kind in ("json", "eval_config"):
+            g.add_argument(opt, metavar="JSON" if f.kind == "json" else "FILE", help=help_)
         else:
             metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
             g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
@@ -281,16 +337,37 @@ def _default(f: Flag) -> Any:
 
 def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train") -> tuple[RunConfig, str | None]:
     """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    parser = build_parser(prog)
+    known, rest = parser.parse_known_args(argv)
+    ns = vars(known)
     config_path, machine = ns.pop("config", None), ns.pop("machine", None)
     values: dict[str, Any] = {}
+    refused = _leftovers(parser, rest)
     problems: list[str] = []
     if config_path:
         file_values, machine_from_file = load_config_file(config_path, problems)
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
-    return build_config(values, problems), machine
+    try:                      # the refused flags first, then everything else wrong with the command line
+        cfg = build_config(values, problems)
+    except ConfigError as exc:
+        raise ConfigError(refused + exc.problems) from None
+    if refused:
+        raise ConfigError(refused)
+    return cfg, machine
+
+
+def _leftovers(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
+    """miles flags this build refuses become problems (one line each); anything else unrecognized is
+    argparse's error (exit 2), with the closest flag names."""
+    refused, unknown = refused_in(rest)
+    if unknown:
+        names = [f"--{f.name}" for f in FLAGS]
+        hints = [u + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, names, 1)) else "")
+                 for u in unknown]
+        parser.error(f"unrecognized arguments: {', '.join(hints)}")
+    return [refusal_line(name) for name in dict.fromkeys(refused)]
 
 
 def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], str | None]:
@@ -308,7 +385,9 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     for key, value in raw.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in BY_DEST:
-            problems.append(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)")
+            refused, _ = refused_in([f"--{dest.replace('_', '-')}"])
+            problems.append(f"--config {path}: " + (refusal_line(refused[0]) if refused else
+                            f"unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)"))
             continue
         values[dest] = _relative_paths(dest, value, base)
     return values, machine
@@ -318,7 +397,7 @@ def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     """Paths in a config file are relative to the file, so a recipe runs from any directory."""
     def fix(v: Any) -> Any:
         return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
-    if dest in ("hf_checkpoint", "prompt_data"):
+    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path"):
         return fix(value)
     if dest == "eval_prompt_data":
         items = list(value.items()) if isinstance(value, dict) else value
@@ -342,7 +421,11 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
         if flag.kind == "pairs":
             value = _pairs(value, problems)
         elif flag.kind == "list":
-            value = tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+            value = tuple((flag.type or str)(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+        elif flag.kind == "json":
+            value = _json_object(flag.name, value, problems)
+        elif flag.kind == "eval_config":
+            value = load_eval_config(str(value), problems)
         sections[flag.section][flag.field] = value
     for name in REQUIRED:
         flag = next(f for f in FLAGS if f.name == name)
@@ -362,6 +445,19 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     if missing:
         raise ConfigError(missing)
     return cfg
+
+
+def _json_object(name: str, value: Any, problems: list[str]) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            problems.append(f"--{name} {value!r}: not valid JSON ({exc.msg}); pass an object like '{{\"key\": 1}}'")
+            return None
+    if not isinstance(value, dict):
+        problems.append(f"--{name} {value!r}: must be a JSON object (a mapping of names to values)")
+        return None
+    return value
 
 
 def _pairs(value: Any, problems: list[str]) -> tuple[tuple[str, str], ...]:

@@ -39,6 +39,8 @@ class DataConfig:
     rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
     max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
     response_key: str = "response"      # --response-key: the response's key in SFT data (--loss-type sft_loss)
+    chat_template_path: str | None = None  # --chat-template-path: a Jinja chat template instead of the tokenizer's
+    apply_chat_template_kwargs: dict[str, Any] | None = None  # --apply-chat-template-kwargs: JSON, to the template
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +63,9 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
+    stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
+    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids: stop tokens besides EOS
+    max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
     # the engine's limits and switches (miles.rollout.protocol says which engine reads which)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
     mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
@@ -98,6 +103,9 @@ class AlgorithmConfig:
     use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
     tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
     tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
+    use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
+    custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
+    custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +127,14 @@ class TrainConfig:
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
+    num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
+    save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
+
+    def global_batch(self, rollout_samples: int) -> int:
+        """Samples per optimizer step for a rollout of `rollout_samples` samples."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return rollout_samples // self.num_steps_per_rollout if self.num_steps_per_rollout else rollout_samples
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +146,28 @@ class CheckpointConfig:
     save_trigger_sentinel: str | None = None  # --save-trigger-sentinel: save when this file exists
     critic_load: str | None = None      # --critic-load: initial critic (HF folder, critic folder or checkpoint root)
     critic_save: str | None = None      # --critic-save: critic checkpoint root (None: inside --save's checkpoints)
+    save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
+    save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
+    keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalDataset:
+    """One eval dataset of --eval-config (miles' eval.datasets entry); None: the run's value."""
+
+    name: str
+    path: str
+    n_samples_per_prompt: int | None = None   # n_samples_per_eval_prompt
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_response_len: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    input_key: str | None = None
+    label_key: str | None = None
+    metadata_key: str | None = None
+    rm_type: str | None = None                # a built-in reward for this dataset (default: the run's reward)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +178,12 @@ class EvalConfig:
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
     temperature: float = 0.0            # --eval-temperature (0: greedy)
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
+    datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
+    log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)
+
+    def sets(self) -> tuple[EvalDataset, ...]:
+        """Every eval dataset: --eval-prompt-data's pairs (run defaults), then --eval-config's."""
+        return tuple(EvalDataset(name=n, path=p) for n, p in self.prompt_data) + self.datasets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +230,7 @@ class TrackingConfig:
     wandb_group: str | None = None      # --wandb-group
     wandb_mode: str | None = None       # --wandb-mode online | offline | disabled (None: $WANDB_MODE, else online)
     wandb_dir: str | None = None        # --wandb-dir (None: <run_dir>/wandb)
+    use_mlflow: bool = False            # --use-mlflow (pip install mlflow): $MLFLOW_TRACKING_URI, else <run_dir>/mlruns
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
 
 
@@ -211,6 +256,14 @@ class RunConfig:
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+    start_rollout_id: int | None = None  # --start-rollout-id: the first rollout id (overrides the checkpoint's)
+    debug_train_only: bool = False      # --debug-train-only: no engines; needs --load-debug-rollout-data
+    ci_test: bool = False               # --ci-test: weight-sync, logprob and reference checks fail the run
+
+    @property
+    def check_weights(self) -> bool:
+        """Compare trainer and engine checksums after every weight sync (--ci-test turns it on)."""
+        return self.check_weight_update_equal or self.ci_test
 
     @property
     def rollout_seed(self) -> int:
@@ -220,14 +273,16 @@ class RunConfig:
 
 def as_dict(cfg: Any) -> dict[str, Any]:
     """Nested plain-dict view (for config.yaml in the run dir)."""
-    out: dict[str, Any] = {}
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = as_dict(v) if hasattr(v, "__dataclass_fields__") else (list(v) if isinstance(v, tuple) else v)
-    return out
+    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "__dataclass_fields__"):
+        return as_dict(v)
+    return [_plain(x) for x in v] if isinstance(v, (tuple, list)) else v
 
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
     "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
 ]

@@ -17,7 +17,7 @@ def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
                   _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule, _gpu_memory,
-                  _placement):
+                  _placement, _miles_compat, _eval_sets):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -72,12 +72,19 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
 
 def _batches(cfg: RunConfig, problems: list[str]) -> None:
     t, n = cfg.train, cfg.rollout.num_samples
-    gbs = t.global_batch_size or n
+    gbs = t.global_batch(n)
     if t.global_batch_size is not None and n % t.global_batch_size:
         problems.append(f"--global-batch-size {t.global_batch_size} does not divide the {n} samples of a rollout "
                         f"(--rollout-batch-size {cfg.rollout.batch_size} x --n-samples-per-prompt "
                         f"{cfg.rollout.n_samples_per_prompt})")
-    if gbs % t.micro_batch_size:
+    if t.num_steps_per_rollout is not None and t.global_batch_size is not None:
+        problems.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} and --global-batch-size "
+                        f"{t.global_batch_size} both set the global batch: give one of them")
+    elif t.num_steps_per_rollout is not None and (t.num_steps_per_rollout < 1 or n % t.num_steps_per_rollout):
+        problems.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} must be a positive divisor of the {n} "
+                        f"samples of a rollout (--rollout-batch-size {cfg.rollout.batch_size} x "
+                        f"--n-samples-per-prompt {cfg.rollout.n_samples_per_prompt})")
+    elif gbs % t.micro_batch_size:
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
             and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
@@ -112,7 +119,8 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; pass an HF-format "
                         "model folder (what save_pretrained writes)")
     for flag, path in [("--prompt-data", cfg.data.prompt_data)] + [
-            (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data]:
+            (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data] + [
+            (f"--eval-config dataset {d.name!r}: path", d.path) for d in cfg.eval.datasets]:
         if not Path(path).is_file():
             problems.append(f"{flag} {path}: no such file")
         elif Path(path).suffix not in (".jsonl", ".parquet"):
@@ -121,12 +129,18 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
 
 def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
     c = cfg.checkpoint
-    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save):
-        problems.append("--save-interval / --save-trigger-sentinel need --save DIR")
-    if c.load and not Path(c.load).is_dir():
-        problems.append(f"--load {c.load}: no such directory")
-    if cfg.eval.interval is not None and not cfg.eval.prompt_data:
-        problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH")
+    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save or c.save_hf_path):
+        problems.append("--save-interval / --save-trigger-sentinel need --save DIR (or --save-hf PATH)")
+    if c.load and not Path(c.load).is_dir() and not _same_path(c.load, c.save):
+        problems.append(f"--load {c.load}: no such directory (to start fresh and resume later from the same "
+                        "place, pass that folder as --save too)")
+    if cfg.eval.interval is not None and not cfg.eval.sets():
+        problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH or --eval-config FILE")
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    """--load X --save X with X not there yet: the auto-resume launch script; it starts fresh."""
+    return b is not None and Path(a).resolve() == Path(b).resolve()
 
 
 def _faults(cfg: RunConfig, problems: list[str]) -> None:
@@ -320,3 +334,51 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
             plan_placement(placement_request(cfg, use_gpus=True))
         except ConfigError as exc:
             problems.extend(exc.problems)
+
+
+# -- miles flags of issue 19 -----------------------------------------------------------------------
+
+def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
+    d, r, a, c = cfg.data, cfg.rollout, cfg.algorithm, cfg.checkpoint
+    needs = [
+        (d.chat_template_path is not None and not d.apply_chat_template, "--chat-template-path", "--apply-chat-template"),
+        (d.apply_chat_template_kwargs is not None and not d.apply_chat_template, "--apply-chat-template-kwargs",
+         "--apply-chat-template"),
+        (a.use_unbiased_kl and not a.use_kl_loss, "--use-unbiased-kl", "--use-kl-loss"),
+        (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
+        (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
+        (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
+         "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
+    ]
+    problems += [f"{flag} has no effect without {need}: add it or drop {flag}" for bad, flag, need in needs if bad]
+    if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
+        problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
+                        "is fn(logprobs, batch, reduce) -> loss, by import path")
+    if d.chat_template_path and not Path(d.chat_template_path).is_file():
+        problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
+    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
+    if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
+            cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
+        problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")
+    if any(not s for s in r.stop) or any(t < 0 for t in r.stop_token_ids):
+        problems.append(f"--rollout-stop {list(r.stop)} / --rollout-stop-token-ids {list(r.stop_token_ids)}: stop "
+                        "strings must be non-empty and token ids >= 0")
+
+
+def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
+    from miles.rollout.rewards import REWARD_FUNCTIONS
+
+    e = cfg.eval
+    if e.prompt_data and e.datasets:
+        problems.append("--eval-prompt-data and --eval-config both name eval datasets: give one of them")
+    for d in e.datasets:
+        where = f"--eval-config dataset {d.name!r}"
+        if d.n_samples_per_prompt is not None and d.n_samples_per_prompt < 1:
+            problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
+        if d.temperature is not None and d.temperature < 0:
+            problems.append(f"{where}: temperature {d.temperature} must be >= 0")
+        if d.rm_type is not None and d.rm_type not in REWARD_FUNCTIONS:
+            problems.append(f"{where}: rm_type {d.rm_type!r} is not a built-in reward here; use one of "
+                            f"{', '.join(REWARD_FUNCTIONS)} or leave it out to use the run's reward (--custom-rm-path)")

@@ -67,6 +67,8 @@ class TrainingContext(PhaseContext):
         # work running between phases: `draining` awaits each of these settlers, in order
         self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
         self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
+        self.resumed = False                           # init restored a checkpoint (--load)
+        self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:
@@ -86,7 +88,7 @@ class TrainingContext(PhaseContext):
     def eval_due(self) -> bool:
         """Before the first rollout, every --eval-interval rollouts, and after the last one."""
         e = self.cfg.eval
-        if not e.prompt_data or self.evaluated_version == self.weight_version:
+        if not e.sets() or self.evaluated_version == self.weight_version:
             return False
         done = self.next_rollout
         if done == self.start_rollout:
@@ -96,7 +98,7 @@ class TrainingContext(PhaseContext):
     def save_due(self) -> bool:
         """Every --save-interval rollouts, after the last one, or when asked (sentinel file or host)."""
         c = self.cfg.checkpoint
-        if not (c.save or c.critic_save):
+        if not (c.save or c.critic_save or c.save_hf_path):
             return False
         done = self.next_rollout
         if self.save_requested or (c.save_trigger_sentinel and os.path.exists(c.save_trigger_sentinel)):

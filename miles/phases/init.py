@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Mapping
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
@@ -21,12 +22,14 @@ from miles.checkpoint.store import CheckpointStore
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
                                      placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, RolloutConfig, RunConfig, as_dict
+from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
+                                       first_row_keys, label_warnings, model_shapes)
 from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
@@ -151,16 +154,19 @@ async def init(ctx: TrainingContext) -> str:
     await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
-        ctx.c.store = CheckpointStore(cfg.checkpoint.save)
+        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last)
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
     critic_save = cfg.checkpoint.critic_save
     if ctx.c.critic is not None and critic_save and critic_save != cfg.checkpoint.save:
-        ctx.c.critic_store = CheckpointStore(critic_save)
+        ctx.c.critic_store = CheckpointStore(critic_save, keep_last=cfg.checkpoint.keep_last)
         ctx.c.critic_store.cleanup_partial()
     if cfg.checkpoint.load:
         await _resume(ctx)
+    if cfg.start_rollout_id is not None:            # miles' --start-rollout-id wins over the checkpoint's
+        ctx.start_rollout = ctx.next_rollout = cfg.start_rollout_id
+        ctx.tracer.emit("start_rollout_set", next_rollout=ctx.next_rollout)
     return "ready"
 
 
@@ -222,6 +228,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
 def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
+    check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
     except (OSError, ValueError) as exc:
@@ -231,17 +238,28 @@ def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dic
         prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
     else:
         prompts = load_prompts(cfg.data, tokenizer)
-    eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer)
-                 for name, path in cfg.eval.prompt_data}
-    load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    check_context_len(cfg, prompts, f"--prompt-data {cfg.data.prompt_data}")
+    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer) for d in cfg.eval.sets()}
+    reward_fn = load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
         if size is not None and size > len(prompts):
             raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
+    for warning in label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)):
+        ctx.tracer.emit("warning", code="label_key", message=warning)
     ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
     return tokenizer, prompts, eval_sets, sft_responses
+
+
+def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any) -> list:
+    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's."""
+    keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
+    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer)
+    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})")
+    return prompts
 
 
 async def _plan_rollouts(ctx: TrainingContext) -> None:
@@ -256,9 +274,11 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 async def _resume(ctx: TrainingContext) -> None:
     """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
     complete checkpoint under --load; with none there, start from --hf-checkpoint."""
-    found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
-    if found is None:
-        ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
+    root = ctx.cfg.checkpoint.load
+    found = CheckpointStore(root).latest()
+    if found is None:      # --load X --save X before X exists: the auto-resume launch script's first run
+        reason = "no complete checkpoint" if Path(root).is_dir() else "no such directory yet"
+        ctx.tracer.emit("resume_skipped", reason=reason, root=root)
         return
     rollout_id, path = found
     await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
@@ -267,5 +287,6 @@ async def _resume(ctx: TrainingContext) -> None:
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
         await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
     ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+    ctx.resumed = True
     ctx.weight_version = 0              # the engines hold the disk weights until the first sync
     ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)

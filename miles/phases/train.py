@@ -11,6 +11,7 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.memory import to_trainer
+from miles.phases.watch import ci_checks, watch_reward_variance
 
 
 async def train(ctx: TrainingContext) -> str:
@@ -26,8 +27,11 @@ async def train(ctx: TrainingContext) -> str:
     ctx.record(rid, {**metrics, "train_time_s": time.monotonic() - t0, "kind": "train"})
     ctx.c.metrics.log(rid, ctx.last_metrics)
     ctx.metrics_history.append(dict(ctx.last_metrics))
+    extra = watch_reward_variance(ctx, ctx.last_metrics)
     ctx.tracer.emit("metrics", rollout_id=rid, **{k: v for k, v in ctx.last_metrics.items()
-                                                  if k in ("reward_mean", "loss", "kl", "grad_norm")})
+                                                  if k in ("reward_mean", "loss", "kl", "grad_norm", "train_tokens")},
+                    **extra)
+    ci_checks(ctx, rid, ctx.last_metrics)
     return "next"
 
 

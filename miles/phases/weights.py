@@ -52,7 +52,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
     ctx.weight_version = version
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6),
               "transport": "cuda_ipc" if ipc else "object_store"}
-    if ctx.cfg.check_weight_update_equal:
+    if ctx.cfg.check_weights:
         fields["checksum"] = await _check_equal(ctx)
     ctx.tracer.emit("weights_synced", **fields)
     await to_engines(ctx)

@@ -129,15 +129,17 @@ class EmbeddedEngine:
         sampler = _make_sampler(params)
         stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long,
                                 device=self.device)
+        stops = _StopStrings(self._tokenizer, params.stop) if params.stop else None
         out: list[Generation] = []
         for i in range(0, len(prompts), self.max_batch_size):
             chunk = prompts[i:i + self.max_batch_size]
-            out += self._generate_batch(model, chunk, params.max_new_tokens, sampler, gen, stop_ids)
+            budgets = [_budget(params, len(p)) for p in chunk]
+            out += self._generate_batch(model, chunk, budgets, sampler, gen, stop_ids, stops)
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, model, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-                        gen: torch.Generator, stop_ids: Tensor) -> list[Generation]:
+    def _generate_batch(self, model, prompts: list[list[int]], budgets: list[int], sampler: Sampler,
+                        gen: torch.Generator, stop_ids: Tensor, stops: _StopStrings | None) -> list[Generation]:
         from transformers import DynamicCache
 
         ids, attn = _left_pad(prompts, self.pad_token_id, self.device)
@@ -147,16 +149,19 @@ class EmbeddedEngine:
         next_pos = pos[:, -1] + 1
         rows = list(range(len(prompts)))     # original index of each row still in the batch
         gens = [Generation([], [], "length", self._version) for _ in prompts]
-        for step in range(max_new_tokens):
+        for step in range(max(budgets)):
             tokens, logprobs = sampler(logits, gen)
             stopped = torch.isin(tokens, stop_ids)
+            done = []
             for row, t, lp, s in zip(rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
                 gens[row].response_ids.append(t)
                 gens[row].logprobs.append(lp)
+                s = s or (stops is not None and stops.hit(gens[row].response_ids))
                 if s:
                     gens[row].finish_reason = "stop"
-            keep = ~stopped
-            if step == max_new_tokens - 1 or not keep.any():
+                done.append(s or len(gens[row].response_ids) >= budgets[row])   # a row's budget ends it too
+            keep = ~torch.tensor(done, device=tokens.device)
+            if not keep.any():
                 break
             if not keep.all():  # drop finished rows from the batch and the KV cache
                 idx = keep.nonzero().squeeze(-1)
@@ -182,8 +187,11 @@ class EmbeddedEngine:
             elif min(p) < 0 or max(p) >= self._vocab_size:
                 problems.append(f"prompt {i} has token ids outside [0, {self._vocab_size}): "
                                 f"min {min(p)}, max {max(p)}")
-            elif self._max_positions and len(p) + params.max_new_tokens > self._max_positions:
-                problems.append(f"prompt {i} ({len(p)} tokens) + max_new_tokens {params.max_new_tokens} "
+            elif params.max_context_len is not None and len(p) >= params.max_context_len:
+                problems.append(f"prompt {i} ({len(p)} tokens) leaves no room for a response under "
+                                f"max_context_len {params.max_context_len}")
+            elif self._max_positions and len(p) + _budget(params, len(p)) > self._max_positions:
+                problems.append(f"prompt {i} ({len(p)} tokens) + max_new_tokens {_budget(params, len(p))} "
                                 f"exceeds the model's {self._max_positions} positions; shorten the "
                                 f"prompt (--max-prompt-len) or the response length")
         if problems:
@@ -211,6 +219,26 @@ def _eos_ids(model, tokenizer) -> set[int]:
         if e is not None:
             ids.add(int(e))
     return ids
+
+
+def _budget(params: SamplingParams, prompt_len: int) -> int:
+    """New tokens a prompt may get: max_new_tokens, capped by max_context_len minus the prompt."""
+    if params.max_context_len is None:
+        return params.max_new_tokens
+    return max(1, min(params.max_new_tokens, params.max_context_len - prompt_len))
+
+
+class _StopStrings:
+    """Stop strings, checked on the decoded tail of a response after each token (a string can span
+    tokens, so the tail is as many tokens as the longest stop string has characters, plus one)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self._tokenizer, self._stops = tokenizer, tuple(stops)
+        self._window = max(len(s) for s in stops) + 1
+
+    def hit(self, ids: list[int]) -> bool:
+        tail = self._tokenizer.decode(ids[-self._window:], skip_special_tokens=False)
+        return any(s in tail for s in self._stops)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import torch
 
 from miles.algorithms import TOKEN_LEVEL_ESTIMATORS, get_advantage_estimator, normalize_advantages, overlong_penalty
-from miles.config import AlgorithmConfig, EvalConfig, RolloutConfig
+from miles.config import AlgorithmConfig, EvalConfig, EvalDataset, RolloutConfig
 from miles.data.iterator import PromptIterator
 from miles.eval.metrics import pass_at_k
 from miles.rollout.filters import load_filter
@@ -61,6 +61,8 @@ class RolloutExecutor:
         self._tokenizer = tokenizer
         self._engines = list(engines)
         self._reward_fn = load_reward_fn(rollout.rm_type, rollout.custom_rm_path)
+        # an --eval-config dataset may score with a built-in reward of its own (its rm_type)
+        self._eval_rewards = {d.name: load_reward_fn(d.rm_type) for d in eval.sets() if d.rm_type}
         self._advantages = _estimator(algorithm)
         self._sft_responses = sft_responses
         self._filter = load_filter(dynamic) if dynamic else None
@@ -106,7 +108,7 @@ class RolloutExecutor:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         for s, a in zip(samples, self._advantages(rewards, n).tolist()):
             s.advantage = a
-        metrics = rollout_metrics(samples, n, rollout_id)
+        metrics = rollout_metrics(samples, n, rollout_id, log_passrate=self._eval_cfg.log_passrate)
         metrics.update(collect_metrics, gen_time_s=gen_s, gen_tokens_per_s=metrics["gen_tokens"] / max(gen_s, 1e-9),
                        epoch=self._iterator.epoch)
         self._pending = None
@@ -130,7 +132,8 @@ class RolloutExecutor:
         c = self._cfg
         seed = (self._seed(rollout_id) + round_ * ROUND_SEED_STEP) % SEED_RANGE
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_new_tokens=c.max_response_len, seed=seed)
+                              max_new_tokens=c.max_response_len, seed=seed, stop=c.stop,
+                              stop_token_ids=c.stop_token_ids, max_context_len=c.max_context_len)
 
     async def _plain_samples(self, rollout_id: int) -> Collected:
         return await self._sample(self._prompts(rollout_id, 0), self._group_size, self._params(rollout_id)), {}
@@ -176,19 +179,34 @@ class RolloutExecutor:
         return batch.samples, batch.metrics
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
-        """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n}."""
+        """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n} (every k <= n
+        with --log-passrate). An --eval-config dataset has its own n, sampling and reward."""
         e, out = self._eval_cfg, {}
-        params = SamplingParams(temperature=e.temperature, top_p=1.0 if e.temperature == 0 else self._cfg.top_p,
-                                max_new_tokens=e.max_response_len or self._cfg.max_response_len,
-                                seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
-        for name, prompts in self._eval_sets.items():
-            t0 = time.monotonic()
-            samples = await self._sample(prompts, e.n_samples_per_prompt, params)
-            out.update({f"eval/{name}/{k}": v for k, v in eval_metrics(samples, e.n_samples_per_prompt).items()})
+        for dataset in e.sets():
+            name, t0 = dataset.name, time.monotonic()
+            n = dataset.n_samples_per_prompt or e.n_samples_per_prompt
+            reward_fn = self._eval_rewards.get(name, self._reward_fn)
+            samples = await self._sample(self._eval_sets[name], n, self._eval_params(dataset, rollout_id), reward_fn)
+            metrics = eval_metrics(samples, n, log_passrate=e.log_passrate)
+            out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
             out[f"eval/{name}/time_s"] = time.monotonic() - t0
         return out
 
-    async def _sample(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
+    def _eval_params(self, d: EvalDataset, rollout_id: int) -> SamplingParams:
+        """A dataset's own values, else the eval flags' (--eval-temperature, ...), else the rollout's."""
+        e, c = self._eval_cfg, self._cfg
+        temperature = e.temperature if d.temperature is None else d.temperature
+        greedy = temperature == 0
+        return SamplingParams(
+            temperature=temperature, top_p=d.top_p if d.top_p is not None else (1.0 if greedy else c.top_p),
+            top_k=d.top_k if d.top_k is not None else (-1 if greedy else c.top_k),
+            max_new_tokens=d.max_response_len or e.max_response_len or c.max_response_len,
+            stop=c.stop if d.stop is None else d.stop,
+            stop_token_ids=c.stop_token_ids if d.stop_token_ids is None else d.stop_token_ids,
+            max_context_len=c.max_context_len, seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
+
+    async def _sample(self, prompts: list[Prompt], n: int, params: SamplingParams,
+                      reward_fn: Callable[..., Any] | None = None) -> list[Sample]:
         """n samples per prompt, spread over the engines in contiguous slices, then scored per group."""
         requests = [list(p.prompt_ids) for p in prompts for _ in range(n)]
         generations = await self._generate_on_engines(requests, params)
@@ -198,9 +216,12 @@ class RolloutExecutor:
             samples.append(Sample(prompt=prompt, group=i // n, response_ids=g.response_ids,
                                   rollout_logprobs=g.logprobs, finish_reason=g.finish_reason,
                                   weight_version=g.weight_version,
-                                  response_text=self._tokenizer.decode(g.response_ids, skip_special_tokens=True)))
+                                  response_text=_before_stop(self._tokenizer.decode(g.response_ids,
+                                                                                    skip_special_tokens=True),
+                                                             params.stop)))
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-        scores = await asyncio.gather(*(score_group(self._reward_fn, g[0].prompt, [s.response_text for s in g],
+        scores = await asyncio.gather(*(score_group(reward_fn or self._reward_fn, g[0].prompt,
+                                                    [s.response_text for s in g],
                                                     g[0].prompt.label) for g in groups))
         for group, group_scores in zip(groups, scores):
             for s, r in zip(group, group_scores):
@@ -218,6 +239,12 @@ class RolloutExecutor:
     def _seed(self, rollout_id: int) -> int:
         # a function of (seed, rollout id) only, so a resumed run samples what the uninterrupted one did
         return (self._base_seed * RUN_SEED_PRIME + rollout_id * ROLLOUT_SEED_PRIME) % SEED_RANGE
+
+
+def _before_stop(text: str, stops: tuple[str, ...]) -> str:
+    """The response text up to the first stop string (SGLang's default): what the reward reads."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 def _with_seed(params: SamplingParams, seed: int | None, engine: int) -> SamplingParams:
@@ -248,7 +275,7 @@ def _estimator(algorithm: AlgorithmConfig) -> Callable[[torch.Tensor, int], torc
     return base
 
 
-def rollout_metrics(samples: list[Sample], n: int, rollout_id: int) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample], n: int, rollout_id: int, *, log_passrate: bool = False) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = torch.tensor([s.response_length for s in samples], dtype=torch.float64)
     groups = rewards.view(-1, n)
@@ -264,14 +291,18 @@ def rollout_metrics(samples: list[Sample], n: int, rollout_id: int) -> dict[str,
         "num_samples": float(len(samples)),
         "weight_version_min": float(min(s.weight_version for s in samples)),
         "staleness_max": float(max(rollout_id - s.weight_version for s in samples)),
+        **(pass_rates(samples, n, range(1, n + 1)) if log_passrate else {}),
     }
 
 
-def eval_metrics(samples: list[Sample], n: int) -> dict[str, float]:
-    correct = [sum(s.reward > 0 for s in samples[i:i + n]) for i in range(0, len(samples), n)]
+def eval_metrics(samples: list[Sample], n: int, *, log_passrate: bool = False) -> dict[str, float]:
     out = {"reward_mean": sum(s.reward for s in samples) / len(samples),
-           "truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
-           "pass@1": sum(pass_at_k(n, c, 1) for c in correct) / len(correct)}
-    if n > 1:
-        out[f"pass@{n}"] = sum(pass_at_k(n, c, n) for c in correct) / len(correct)
+           "truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+    out.update(pass_rates(samples, n, range(1, n + 1) if log_passrate else sorted({1, n})))
     return out
+
+
+def pass_rates(samples: list[Sample], n: int, ks: Any) -> dict[str, float]:
+    """Mean unbiased pass@k over the groups of n samples (a sample passes when its reward is > 0)."""
+    correct = [sum(s.reward > 0 for s in samples[i:i + n]) for i in range(0, len(samples), n)]
+    return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks}

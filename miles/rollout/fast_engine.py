@@ -309,6 +309,16 @@ class FastEngine:
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
         EmbeddedEngine._check(self, prompts, params)
+        # not here yet (issue 19 added them to the embedded engine): refuse rather than ignore them
+        if params.stop:
+            raise ValueError("bad generate request: the fast engine does not support stop strings "
+                             "(--rollout-stop) yet; use stop token ids (--rollout-stop-token-ids)")
+        cut = [i for i, p in enumerate(prompts) if params.max_context_len is not None
+               and len(p) + params.max_new_tokens > params.max_context_len]
+        if cut:
+            raise ValueError(f"bad generate request: the fast engine does not cap responses by "
+                             f"--rollout-max-context-len {params.max_context_len} yet (prompts {cut[:5]} would "
+                             f"exceed it with max_new_tokens {params.max_new_tokens})")
         for i, p in enumerate(prompts):
             if len(p) + params.max_new_tokens > self.max_len:
                 raise ValueError(

@@ -18,17 +18,16 @@ Built-ins (`--rm-type`):
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
 import re
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from miles.config import ConfigError
 from miles.types import Prompt
+from miles.user_code import check_signature, display_name, import_user_function
 
 RewardFn = Callable[[Prompt, str, str | None], float | Awaitable[float]]
 GroupRewardFn = Callable[[Prompt, list[str], str | None], list[float] | Awaitable[list[float]]]
@@ -41,8 +40,11 @@ _RESPONSE_PREVIEW_CHARS = 200
 class RewardError(RuntimeError):
     """A reward function raised, or returned something other than a finite number.
 
-    Keyword fields have defaults so that the error pickles (it crosses actor boundaries).
+    Keyword fields have defaults so that the error pickles (it crosses actor boundaries). It is the
+    input's fault (the user's reward), so the CLI exits 2 on it (`input_fault`).
     """
+
+    input_fault = True
 
     def __init__(self, message: str, *, fn_name: str = "", prompt_index: int = -1, response: str = ""):
         super().__init__(message)
@@ -176,40 +178,15 @@ def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> Callable[
     return REWARD_FUNCTIONS[rm_type]
 
 
-def import_reward_fn(path: str) -> Callable[..., Any]:
+def import_reward_fn(path: str, flag: str = "--custom-rm-path") -> Callable[..., Any]:
     """Import `module:function` (or `module.function`; `module:Class.method` works too), or load
-    `path/to/file.py:function` from a file, which needs nothing on PYTHONPATH (Ray workers included)."""
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"--custom-rm-path {path!r} must look like module:function, module.function "
-                          "or path/to/file.py:function")
-    try:
-        obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as e:
-        raise ConfigError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} "
-                          f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ConfigError(f"--custom-rm-path {path!r}: {module_name!r} has no {attr!r} "
-                              f"(AttributeError: {e})") from e
-    if not callable(obj):
-        raise ConfigError(f"--custom-rm-path {path!r} is not callable (a {type(obj).__name__}); "
-                          "point it at a function")
-    return obj
-
-
-def _load_file(path: str) -> Any:
-    import importlib.util
-
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise FileNotFoundError(f"no such file: {file}")
-    spec = importlib.util.spec_from_file_location(f"miles_custom_rm_{abs(hash(str(file)))}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    `path/to/file.py:function` from a file (see `miles.user_code`); check that it can be called as a
+    reward: fn(prompt, response, label), or fn(prompt, responses, label) for a `@group_reward`."""
+    fn = import_user_function(path, flag)
+    shape = "a group reward fn(prompt, responses, label) -> list[float]" if is_group_reward(fn) else \
+        "a reward fn(prompt, response_text, label) -> float (sync or async)"
+    check_signature(fn, flag, path, 3, shape)
+    return fn
 
 
 # ---- scoring ------------------------------------------------------------------------------------
@@ -279,5 +256,4 @@ def _describe(value: Any) -> str:
 
 
 def _name(fn: Callable[..., Any]) -> str:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"{module}.{qualname}" if module and qualname else repr(fn)
+    return display_name(fn)

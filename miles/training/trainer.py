@@ -38,6 +38,7 @@ A plain class; the composition root makes it a Ray actor.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -61,6 +62,7 @@ from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
+from miles.user_code import display_name, import_user_function
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, WeightBucket
 
@@ -89,6 +91,8 @@ def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: Ro
         problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
     if algorithm.loss_type not in LOSS_TYPES:
         problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
+    if (algorithm.loss_type == "custom_loss") != bool(algorithm.custom_loss_function_path):
+        problems.append("--loss-type custom_loss needs --custom-loss-function-path (and only it)")
     if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
         problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
     if algorithm.use_tis and algorithm.use_rollout_logprobs:
@@ -112,6 +116,25 @@ def _kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainB
     return reduce(estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
 
 
+def _unbiased_kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    """--use-unbiased-kl (DeepSeek-V3.2): the tokens were sampled by the old policy, so each token's KL
+    estimate is weighted by the importance ratio exp(logp - old logp), 1 before the first step."""
+    ratio = torch.exp(torch.where(mb.loss_mask, logprobs - mb.old_logprobs, torch.zeros((), device=logprobs.device)))
+    return reduce(ratio * estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
+
+
+def _custom_term(loss_fn: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    """--custom-loss-function-path: loss_fn(logprobs [B, T], micro-batch, reduce) -> loss or (loss,
+    metrics); reduce(per_token [B, T], mask) is --loss-agg-mode over the global batch, so micro-batch
+    losses add up to the global batch's."""
+    out = loss_fn(logprobs, mb, partial(reduce, normalizer=normalizer))
+    loss, metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise TypeError(f"--custom-loss-function-path {display_name(loss_fn)} returned {type(loss).__name__} "
+                        f"{tuple(getattr(loss, 'shape', ()))}; expected a scalar tensor (or (scalar, metrics))")
+    return loss, {f"custom/{k}": v for k, v in metrics.items()}
+
+
 def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
     return logprobs.new_zeros(()), {}
 
@@ -127,14 +150,38 @@ def _pick_reduction(algorithm: AlgorithmConfig,
 def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tuple[Term, Term]:
     if algorithm.loss_type == "sft_loss":
         policy: Term = partial(_sft_term, reduce)
+    elif algorithm.loss_type == "custom_loss":
+        path = algorithm.custom_loss_function_path
+        policy = partial(_custom_term, import_user_function(path, "--custom-loss-function-path"), reduce)
     else:
         name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
         loss_fn = get_policy_loss(name, eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high,
                                   eps_clip_c=algorithm.eps_clip_c, reduce=reduce)
         policy = partial(_policy_term, loss_fn)
-    kl: Term = (partial(_kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
+    kl_term = _unbiased_kl_term if algorithm.use_unbiased_kl else _kl_term
+    kl: Term = (partial(kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
                 else _no_kl)
     return policy, kl
+
+
+def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], Tensor | tuple] | None:
+    """--use-tis: the weights, clipped to [--tis-clip-low, --tis-clip], or --custom-tis-function-path's."""
+    if not algorithm.use_tis:
+        return None
+    if algorithm.custom_tis_function_path:
+        custom = import_user_function(algorithm.custom_tis_function_path, "--custom-tis-function-path")
+
+        def by_path(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+            out = custom(train_lp, rollout_lp, mask)
+            weights, metrics = out if isinstance(out, tuple) else (out, {})
+            return weights, {f"custom_tis/{k}": float(v) for k, v in metrics.items()}
+        return by_path
+    bounds = (algorithm.tis_clip_low, algorithm.tis_clip)
+
+    def clipped(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        weights = tis_weights(train_lp, rollout_lp, mask, clip=bounds[1], clip_low=bounds[0])
+        return weights, _tis_metrics(train_lp, rollout_lp, mask, bounds)
+    return clipped
 
 
 # --- advantage stages (one is picked at start-up) --------------------------------------------------
@@ -176,7 +223,7 @@ def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
         return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
     if a.advantage_estimator == "reinforce_plus_plus":
         return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)
-    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type == "policy_loss")
+    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type != "sft_loss")
 
 
 def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -191,6 +238,20 @@ def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tup
     clipped = (raw < bounds[0]) | (raw > bounds[1])
     return {"tis_weight_mean": float(masked_mean(raw.clamp(*bounds), mask)),
             "tis_clip_frac": float(masked_mean(clipped.float(), mask))}
+
+
+def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int = 0) -> Path:
+    """--save-debug-train-data: one rollout's prepared batch (CPU tensors), atomically; PATH is a
+    template with {rollout_id} and {rank} (miles'), else a folder of train_<id>.pt files."""
+    path = Path(template.format(rollout_id=rollout_id, rank=rank)) if "{" in template else \
+        Path(template) / f"train_{rollout_id}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
+               if isinstance(getattr(batch, f.name), Tensor)}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": "miles-train-batch-v1", "rollout_id": rollout_id, "rank": rank, **tensors}, tmp)
+    tmp.replace(path)
+    return path
 
 
 class Trainer(OptimizedModel):
@@ -217,7 +278,7 @@ class Trainer(OptimizedModel):
         self._is_sft = algorithm.loss_type == "sft_loss"     # SFT needs neither old logprobs nor advantages
         self._reward_kl_coef = algorithm.kl_coef
         self._use_rollout_logprobs = algorithm.use_rollout_logprobs
-        self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
+        self._tis = _pick_tis(algorithm)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._tokenizer = load_tokenizer(model_path)
@@ -231,7 +292,7 @@ class Trainer(OptimizedModel):
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward)
         # the pre-step logprobs are needed for more than the PPO ratio: keep the pass
         self._may_skip_old_pass = (on_cuda if skip_old_logprobs is None else skip_old_logprobs) and not (
-            self._is_sft or self._tis_bounds or self._use_rollout_logprobs or self._reward_kl_coef)
+            self._is_sft or self._tis is not None or self._use_rollout_logprobs or self._reward_kl_coef)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
@@ -262,6 +323,8 @@ class Trainer(OptimizedModel):
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
+        if self._train_cfg.save_debug_train_data:
+            save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
@@ -288,7 +351,7 @@ class Trainer(OptimizedModel):
         return self._prepare(batch, values)[0]
 
     def _global_batch_size(self, batch: TrainBatch) -> int:
-        return self._train_cfg.global_batch_size or batch.size
+        return self._train_cfg.global_batch(batch.size)
 
     def _prepare(self, batch: TrainBatch, values: Tensor | None,
                  may_skip: bool = False) -> tuple[TrainBatch, Tensor | None, dict[str, float]]:
@@ -301,6 +364,9 @@ class Trainer(OptimizedModel):
         kl = None
         if self._ref is not None:
             batch.ref_logprobs = self._logprobs(self._ref, batch)
+            if train_lp is not None:    # --ci-test reads it: 0 at the start, when the reference is the initial policy
+                diff = (train_lp - batch.ref_logprobs).abs().masked_fill(~mask, 0)
+                metrics["ref_logprob_diff_max"] = float(diff.max())
             if self._reward_kl_coef:    # never skipped then (_may_skip_old_pass)
                 kl = torch.where(mask, train_lp - batch.ref_logprobs, torch.zeros((), device=self.device))  # k1
                 metrics["reward_kl"] = float(masked_mean(kl, mask))
@@ -316,10 +382,10 @@ class Trainer(OptimizedModel):
         train_lp = self._logprobs(self._model, batch)
         batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
         metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
-        if self._tis_bounds is not None:
-            batch.is_weights = tis_weights(train_lp, batch.rollout_logprobs, mask, clip=self._tis_bounds[1],
-                                           clip_low=self._tis_bounds[0])
-            metrics.update(_tis_metrics(train_lp, batch.rollout_logprobs, mask, self._tis_bounds))
+        if self._tis is not None:
+            out = self._tis(train_lp, batch.rollout_logprobs, mask)
+            batch.is_weights, tis_metrics = out if isinstance(out, tuple) else (out, {})
+            metrics.update({"tis_weight_mean": float(masked_mean(batch.is_weights, mask)), **tis_metrics})
         return metrics, train_lp
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
@@ -374,7 +440,8 @@ class Trainer(OptimizedModel):
         loss = pg + self._kl_coef * kl - self._entropy_coef * entropy
         share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
         terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": entropy.item(),
-                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share}
+                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share,
+                 **{k: float(v) * share for k, v in pg_metrics.items() if k.startswith("custom/")}}
         return loss, terms, logprobs
 
     @torch.no_grad()
@@ -412,15 +479,16 @@ class Trainer(OptimizedModel):
         """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
         return state_dict_checksum(model_weights(self._live()), dtype=dtype)
 
-    def save(self, path: str | Path) -> None:
-        """Write weights, optimizer state, RNG states and the step count into the folder `path`
-        (created if needed). Atomicity is the caller's: it hands in a temp dir and renames it."""
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+        """Write weights, optimizer state (unless `optimizer` is False: --no-save-optim), RNG states and
+        the step count into the folder `path` (created if needed). Atomicity is the caller's: it hands
+        in a temp dir and renames it."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         save_file(self.weights(), str(path / MODEL_FILE))
-        self._save_optimizer(path)
+        self._save_optimizer(path, optimizer=optimizer)
         torch.save(rng_state(), path / RNG_FILE)
         if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
             save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
@@ -430,7 +498,9 @@ class Trainer(OptimizedModel):
         from safetensors.torch import load_file
 
         path = Path(path)
-        missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE) if not (path / f).is_file()]
+        # saved with --no-save-optim: no optimizer state, and a fresh optimizer
+        needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
+        missing = [f for f in needed if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")

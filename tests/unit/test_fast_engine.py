@@ -452,3 +452,11 @@ def test_buckets_cover_every_size_with_little_waste():
         assert b < 1.5 * n + 2
     assert span_buckets(10) == [10]
     assert math.isclose(max(s2 / s1 for s1, s2 in zip(span_buckets(4096), span_buckets(4096)[1:])), 1.5)
+
+
+def test_stop_strings_and_context_caps_are_refused_not_ignored(engine):
+    with pytest.raises(ValueError, match="does not support stop strings"):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, stop=("==",)))
+    with pytest.raises(ValueError, match="does not cap responses by --rollout-max-context-len 5"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, max_context_len=5))
+    assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, max_context_len=5))) == 1
