@@ -23,11 +23,13 @@ from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
+from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
     "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+    "reliability": ReliabilityConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
     "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
@@ -35,6 +37,7 @@ GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
     "run": "the loop and debugging",
+    "reliability": "reliability (deadlines, stops, verified loads, the local cluster's exposure)",
 }
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -203,6 +206,25 @@ FLAGS: tuple[Flag, ...] = (
     _f("inject-fault", "run", "inject_faults", kind="list",
        help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
 )
+# reliability (issue 20): kept in a block of their own
+RELIABILITY_FLAGS: tuple[Flag, ...] = (
+    _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
+       help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "
+            "phase is cancelled and the run drains)"),
+    _f("stop-timeout", "reliability", "stop_timeout_s", float,
+       "seconds from the first SIGINT/SIGTERM to the process's exit, whatever the phase is doing "
+       "(stays under a cluster's ~30 s preemption grace)"),
+    _f("reward-timeout", "reliability", "reward_timeout_s", float,
+       "seconds one reward call may take; past it the sample scores 0 and the run goes on (default: no limit)"),
+    _f("no-verify-load", "reliability", "verify_load", kind="false",
+       help="do not check a checkpoint's sha256 values on --load (huge models; a corrupt file then fails the load)"),
+    _f("ray-node-ip", "reliability", "ray_node_ip", str,
+       "address of the local cluster's node: 127.0.0.1 keeps every Ray port on loopback; another address "
+       "(or auto: Ray's choice) makes Ray listen on every interface"),
+    _f("ray-allow-no-auth", "reliability", "ray_allow_no_auth", kind="true",
+       help="start a local cluster even when Ray's token authentication is off (RAY_AUTH_MODE=disabled)"),
+)
+FLAGS = FLAGS + RELIABILITY_FLAGS
 BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 

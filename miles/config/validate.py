@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from .schema import ConfigError, RunConfig
 from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import MachineDef
+from miles.runtime.machine import STATES, MachineDef
 from miles.training.protocol import TRAIN_BACKENDS
 
 SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "ppo")
@@ -16,7 +17,8 @@ TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
-                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
+                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule,
+                  _reliability):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -134,6 +136,30 @@ def _faults(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--engine-max-restarts {cfg.rollout.engine_max_restarts} / --engine-restart-window "
                         f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")
 
+
+def _reliability(cfg: RunConfig, problems: list[str]) -> None:
+    """Deadlines are positive seconds of known states; the node address is an IP (or auto)."""
+    r = cfg.reliability
+    for text in r.phase_timeouts:
+        state, sep, seconds = text.partition("=")
+        try:
+            ok = bool(sep) and state in STATES and state != "shutdown" and float(seconds) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(f"--phase-timeout {text}: expected STATE=SECONDS with STATE one of "
+                            f"{', '.join(s for s in STATES if s != 'shutdown')} and SECONDS > 0")
+    if r.stop_timeout_s < 1:
+        problems.append(f"--stop-timeout {r.stop_timeout_s}: must be at least 1 s (the draining and the "
+                        "teardown share it)")
+    if r.reward_timeout_s is not None and r.reward_timeout_s <= 0:
+        problems.append(f"--reward-timeout {r.reward_timeout_s}: must be > 0 (leave it out for no limit)")
+    if r.ray_node_ip != "auto":
+        try:
+            ipaddress.ip_address(r.ray_node_ip)
+        except ValueError:
+            problems.append(f"--ray-node-ip {r.ray_node_ip}: not an IP address; use 127.0.0.1 (loopback only), "
+                            "this machine's address, or auto")
 
 # -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
 

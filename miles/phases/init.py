@@ -62,9 +62,13 @@ async def init(ctx: TrainingContext) -> str:
         add(sink)                # as each opens: a W&B login that fails leaves the others to the teardown
         ctx.c.metrics.add(sink)
     ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
-                               log_level=cfg.tracking.worker_log_level)
+                               log_level=cfg.tracking.worker_log_level, node_ip=cfg.reliability.ray_node_ip,
+                               allow_no_auth=cfg.reliability.ray_allow_no_auth)
     add(ctx.c.cluster)
-    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
+    local = ctx.c.cluster.local
+    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started,
+                    **({"node_ip": cfg.reliability.ray_node_ip, "session_dir": str(local.session_dir),
+                        "reaper_pid": local.reaper_pid} if local is not None else {}))
 
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
     ctx.c.engines = [] if cfg.load_debug_rollout_data else [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
