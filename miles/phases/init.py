@@ -77,7 +77,8 @@ async def init(ctx: TrainingContext) -> str:
     ctx.c.executor = ctx.c.cluster.actor(
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
-        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses)
+        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses,
+        reward_timeout_s=cfg.reliability.reward_timeout_s)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))

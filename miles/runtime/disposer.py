@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
+
+from .threads import in_daemon_thread
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEADLINE_S = 300.0
@@ -260,7 +261,7 @@ async def _call_within(fn: Callable[[], Any], budget: float, name: str) -> bool:
     if _is_async_callable(fn):
         fut: asyncio.Future[Any] = asyncio.ensure_future(fn())
     else:
-        fut = _in_daemon_thread(fn, name)
+        fut = in_daemon_thread(fn, name=f"miles-dispose-{name}")   # a hung one cannot keep the process alive
     if not await _wait(fut, deadline - time.monotonic()):
         return False
     result = fut.result()
@@ -281,31 +282,3 @@ async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:
     if fut.done() and not fut.cancelled():
         fut.exception()                   # mark retrieved: its late failure is the timeout's business
     return False
-
-
-def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
-    """Run a blocking teardown in a daemon thread: a hung one cannot keep the process alive."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def target() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting side
-            _threadsafe(loop, settle, False, exc)
-        else:
-            _threadsafe(loop, settle, True, value)
-
-    threading.Thread(target=target, name=f"miles-dispose-{name}", daemon=True).start()
-    return fut
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:                  # loop closed: nobody is waiting any more
-        pass
