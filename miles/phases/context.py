@@ -42,6 +42,7 @@ class TrainingContext(PhaseContext):
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
+        self.engine_weights_checksum: str | None = None   # what the last sync gave the engines (--check-weight-update-equal)
         self.evaluated_version: int | None = None
         self.batch_ref: Any = None                     # the current rollout's batch (a Ray ObjectRef)
         self.save_requested = False                    # a host asked for a save now

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
-from miles.checkpoint.store import CheckpointStore
+from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError, RunConfig, as_dict
 from miles.data.prompts import load_prompts
@@ -31,6 +32,9 @@ from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
+
+
+MAX_TRACED_PROBLEMS = 10       # a checkpoint_skipped event names at most this many bad files
 
 
 @dataclass(frozen=True)
@@ -148,17 +152,44 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 
 
 async def _resume(ctx: TrainingContext) -> None:
-    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
-    complete checkpoint under --load; with none there, start from --hf-checkpoint."""
+    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest checkpoint
+    under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
+    the load reads matching its sha256, checked where it is read. Each one passed over is traced
+    (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
     from miles.checkpoint.checkpointer import load_checkpoint
 
-    found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
-    if found is None:
-        ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
+    root = ctx.cfg.checkpoint.load
+    for rollout_id, path, problems in CheckpointStore(root).newest_first():
+        verified = not problems and ctx.cfg.reliability.verify_load
+        if verified:
+            problems = await _verify_where_read(ctx, path)
+        if problems:
+            ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
+                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
+            continue
+        await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
+                              critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
+        ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+        ctx.weight_version = 0              # the engines hold the disk weights until the first sync
+        ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout,
+                        verified=verified)
         return
-    rollout_id, path = found
-    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
-                          critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
-    ctx.start_rollout = ctx.next_rollout = rollout_id + 1
-    ctx.weight_version = 0              # the engines hold the disk weights until the first sync
-    ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)
+    ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=root)
+
+
+async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
+    """The sha256 of every file the load reads, each checked by its reader: `trainer/` (and `critic/`)
+    in their actors, which hash them where they read them; `rollout.json` here, where it is read."""
+    from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR
+
+    readers = [(ctx.c.trainer, TRAINER_DIR)]
+    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+        readers.append((ctx.c.critic, CRITIC_DIR))
+    found = await asyncio.gather(*(actor.handle.__ray_call__.remote(_verify_in_actor, str(path),
+                                                                     manifest_files(path, f"{folder}/"))
+                                   for actor, folder in readers))
+    return [p for problems in found for p in problems] + verify_files(path, manifest_files(path, ROLLOUT_FILE))
+
+
+def _verify_in_actor(_actor: Any, root: str, files: dict[str, Any]) -> list[str]:
+    return verify_files(root, files)
