@@ -1,23 +1,19 @@
-"""The async machine's `init`, `weight_sync` and `save`: the sync phases plus the in-flight work.
+"""The async machine's `init` and `weight_sync`: the sync phases plus the in-flight work.
 
 - `init` is the sync composition root, then the prefetcher and the eval dispatcher, each registered
   with the disposer where it is created (after the executor and the models, so they are settled
   before those are torn down).
 - `weight_sync` first awaits the rollout generating ahead and the evals in flight: no request
   straddles two weight versions (miles' train_async.py: "sync generate before update params").
-- `save` writes the data position of the rollout just trained, read before the next rollout's
-  prompts were drawn: by the time of the save the executor has already served them.
+- `save` is the sync one (miles/phases/save.py): it writes the data position the async rollout
+  phase recorded for the rollout saved (`ctx.data_states`).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Any
 
-from miles.checkpoint.checkpointer import save_checkpoint
 from miles.phases import init as sync_init
-from miles.phases import save as sync_save
 from miles.phases import weights as sync_weights_phase
 from miles.phases.context import TrainingContext
 from miles.phases.eval_dispatch import drain_evals, make_eval_dispatcher, settle_evals
@@ -44,37 +40,3 @@ async def sync_weights(ctx: TrainingContext) -> str:
     await settle_evals(ctx)
     ctx.tracer.emit("in_flight_settled", rollout_ahead=ahead, evals=evals, waited_s=round(time.monotonic() - t0, 6))
     return await sync_weights_phase.sync_weights(ctx)
-
-
-async def save(ctx: TrainingContext) -> str:
-    rid = ctx.next_rollout - 1
-    state = ctx.data_states.get(rid)
-    if state is None:                          # nothing was asked for since: the executor's position is rid's
-        return await sync_save.save(ctx)
-    t0 = time.monotonic()
-    critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
-    path = await save_checkpoint(ctx.c.store, rid, trainer=ctx.c.trainer.handle, executor=_DataPosition(state),
-                                 weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf, critic=critic)
-    ctx.save_requested = False                 # as the sync save does
-    sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
-    if sentinel and os.path.exists(sentinel):
-        os.remove(sentinel)
-    ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path), duration_s=round(time.monotonic() - t0, 6))
-    return "next"
-
-
-class _DataPosition:
-    """Stands in for the executor handle in `save_checkpoint`: `state_dict.remote()` answers the
-    position recorded after rollout r's prompts were drawn (miles saves the live one, which is
-    already past r+1's prompts: a resume would skip them)."""
-
-    def __init__(self, state: dict[str, Any]):
-        self.state_dict = _Remote(state)
-
-
-class _Remote:
-    def __init__(self, value: Any):
-        self._value = value
-
-    async def remote(self) -> Any:
-        return self._value

@@ -24,7 +24,7 @@ PROBE_TIMEOUT_S = 10.0
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
     cfg = ctx.cfg
     engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
-                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout.seed + index)
+                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
 

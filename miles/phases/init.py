@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.ray_cluster import RayCluster
 from miles.config import ConfigError, RunConfig, as_dict
@@ -81,8 +82,8 @@ async def init(ctx: TrainingContext) -> str:
     ctx.c.executor = ctx.c.cluster.actor(
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
-        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses,
-        reward_timeout_s=cfg.reliability.reward_timeout_s)
+        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
@@ -107,14 +108,20 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
-    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
-                                        algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
+    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
+                                        **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
             ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def trainer_options(cfg: RunConfig) -> dict[str, Any]:
+    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn."""
+    return dict(train=cfg.train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
+                dtype=cfg.model.dtype)
 
 
 def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
@@ -156,8 +163,6 @@ async def _resume(ctx: TrainingContext) -> None:
     under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
     the load reads matching its sha256, checked where it is read. Each one passed over is traced
     (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
-    from miles.checkpoint.checkpointer import load_checkpoint
-
     root = ctx.cfg.checkpoint.load
     for rollout_id, path, problems in CheckpointStore(root).newest_first():
         verified = not problems and ctx.cfg.reliability.verify_load
@@ -167,8 +172,11 @@ async def _resume(ctx: TrainingContext) -> None:
             ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
                             else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
             continue
-        await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
-                              critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
+        await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+        # a critic kept under --critic-save comes back through --critic-load instead
+        if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+            await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
         ctx.start_rollout = ctx.next_rollout = rollout_id + 1
         ctx.weight_version = 0              # the engines hold the disk weights until the first sync
         ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout,
@@ -180,8 +188,6 @@ async def _resume(ctx: TrainingContext) -> None:
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
     """The sha256 of every file the load reads, each checked by its reader: `trainer/` (and `critic/`)
     in their actors, which hash them where they read them; `rollout.json` here, where it is read."""
-    from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR
-
     readers = [(ctx.c.trainer, TRAINER_DIR)]
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
         readers.append((ctx.c.critic, CRITIC_DIR))

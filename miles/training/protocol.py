@@ -7,7 +7,7 @@ implementing `TrainerBackend` (and `CriticBackend` if it trains PPO's critic), p
 `TRAIN_BACKENDS` entry; its heavy imports stay in its module, which loads only when a run picks it.
 
 Constructors, for every backend:
-    Trainer(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, device, dtype)
+    Trainer(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, device, dtype)
     Critic(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from, device, dtype)
 """
 
