@@ -197,7 +197,7 @@ class Run:
         metrics: dict[str, Any] = {}
         for row in self._ctx.metrics_history:
             metrics.update(row)
-        self.result = Result(final_state="shutdown", outcome=ended.outcome, error=self._runner.failure,
+        self.result = Result(final_state=self._runner.state, outcome=ended.outcome, error=self._runner.failure,
                              metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.run_dir / "trace.jsonl")
 
     def _require_task(self) -> asyncio.Task[Any]:

@@ -69,6 +69,16 @@ class MachineDef:
         return {s.name for s in self.states.values() if s.final}
 
     @property
+    def drain_state(self) -> str:
+        """Where a failure goes: the state that settles in-flight work before the teardown."""
+        return self.transitions_from(self.initial, FAIL)[0].dest
+
+    @property
+    def terminal_state(self) -> str:
+        """Where the run ends: the final state a failure while draining goes to."""
+        return self.transitions_from(self.drain_state, FAIL)[0].dest
+
+    @property
     def guards(self) -> set[str]:
         return {g for t in self.transitions for g in (*t.conditions, *t.unless)}
 
@@ -100,12 +110,12 @@ class MachineDef:
         if problems:
             raise MachineDefinitionError(self.source, sorted(set(problems)))
 
-    def build(self, model: Any, context: Any) -> Machine:
-        """A `transitions.Machine` on `model`, guards bound to `context`. It only decides moves."""
-        self.check_guards(context)
+    def build(self, model: Any, guard: Callable[[str], Callable[[], bool]]) -> Machine:
+        """A `transitions.Machine` on `model`; each guard name becomes the callable `guard(name)`. It
+        only decides moves (the runner hands it guard values it evaluated once per decision)."""
         spec = [{"trigger": t.trigger, "source": t.source, "dest": t.dest,
-                 "conditions": [getattr(context, g) for g in t.conditions],
-                 "unless": [getattr(context, g) for g in t.unless]} for t in self.transitions]
+                 "conditions": [guard(g) for g in t.conditions],
+                 "unless": [guard(g) for g in t.unless]} for t in self.transitions]
         return Machine(model=model, states=list(self.states), transitions=spec, initial=self.initial,
                        auto_transitions=False, send_event=False, queued=False)
 
