@@ -43,8 +43,9 @@ class SignalStop:
     the run. The handlers are Python's (`signal.signal`), not the loop's, so they run even while a
     phase blocks the event loop (time.sleep, a blocking call), and the deadline is a thread."""
 
-    def __init__(self, prog: str, stop_timeout_s: float):
+    def __init__(self, prog: str, stop_timeout_s: float, hard_exit_s: float | None = None):
         self.prog, self.stop_timeout_s = prog, stop_timeout_s
+        self.hard_exit_s = stop_timeout_s if hard_exit_s is None else hard_exit_s
         self.received: list[int] = []
         self.event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -64,7 +65,7 @@ class SignalStop:
             print(f"\n{self.prog}: {signal.Signals(sig).name}: stopping: the phase, draining (a save with --save) "
                   f"and the teardown get {self.stop_timeout_s:g} s in all (--stop-timeout); send it again to cut "
                   "draining short", file=sys.stderr, flush=True)
-            self._deadline = threading.Timer(self.stop_timeout_s, self._hard_exit, args=(sig,))
+            self._deadline = threading.Timer(self.hard_exit_s, self._hard_exit, args=(sig,))
             self._deadline.daemon = True
             self._deadline.start()
             self._soon(lambda: self.event is not None and self.event.set())
@@ -76,7 +77,7 @@ class SignalStop:
             self._loop.call_soon_threadsafe(fn)
 
     def _hard_exit(self, sig: int) -> None:
-        print(f"{self.prog}: still running {self.stop_timeout_s:g} s after {signal.Signals(sig).name} "
+        print(f"{self.prog}: still running {self.hard_exit_s:g} s after {signal.Signals(sig).name} "
               "(--stop-timeout): exiting now; the run's actors are owner-bound and go with this process, and a "
               "cluster it started is ended by its reaper (the trace is cut short)", file=sys.stderr, flush=True)
         os._exit(SIGNAL_EXIT[sig])
@@ -93,15 +94,16 @@ class SignalStop:
                 self._deadline.cancel()
 
 
-def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False) -> int:
+def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None) -> int:
     """Run under the CLI's signal handling. `until_exit`: the hard deadline a signal arms stays armed
-    after this returns (the CLI's own process); in-process callers (tests) leave it off."""
+    after this returns (the CLI's own process); in-process callers (tests) leave it off, and may move
+    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop."""
     from miles.api.launch import new_run_id, train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
     run_id = new_run_id()
     cfg, progress = _with_progress(cfg, run_id)
-    stops = SignalStop(prog, cfg.reliability.stop_timeout_s)
+    stops = SignalStop(prog, cfg.reliability.stop_timeout_s, hard_exit_s)
 
     async def main_task() -> None:
         stop = stops.attach()

@@ -203,7 +203,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
        help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
-       help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
+       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
 )
 # reliability (issue 20): kept in a block of their own
 RELIABILITY_FLAGS: tuple[Flag, ...] = (

@@ -272,6 +272,10 @@ def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
     problems = _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
+                 f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
+                 for state in cfg.reliability.phase_timeout_overrides
+                 if state not in machine.states or machine.states[state].final]
     if problems:
         raise ConfigError(problems)
 

@@ -48,6 +48,11 @@ EXPECTED = {
     "teardown_hang": ("failed", "TeardownTimeout"),
 }
 FATAL = ("raise", "kill_trainer")     # faults that end the run: one run per state
+# how the phase hangs in each state's SIGTERM case: a cancellable await, a thread that never returns,
+# a Ray call that never returns (the executor blocked in it: its teardown is forced)
+HANG_IN = {"init": "hang_thread", "weight_sync": "hang_ray", "eval": "hang", "rollout": "hang_ray",
+           "train": "hang_thread", "save": "hang", "draining": "hang"}
+STOP_TIMEOUT_S = 6.0
 
 
 def matrix_flags(task, tmp_path, fault: str | list[str]):
@@ -72,6 +77,12 @@ def leftover_actor_processes(trace) -> list[str]:
         time.sleep(0.2)
 
 
+def signal_to_end_s(trace) -> float:
+    """Seconds from the injected signal to the run's end (the trace's own clock)."""
+    signalled = next(e for e in trace.of("fault_injected") if e.get("kind") in ("sigint", "sigterm"))
+    return trace.of("run_end")[0].mono - signalled.mono
+
+
 def _report(run_dir: Path, trace, outcome: str) -> None:
     """With MILES_FAULT_REPORT=path, append this case's numbers (docs/reliability.md's table)."""
     path = os.environ.get("MILES_FAULT_REPORT")
@@ -84,7 +95,11 @@ def _report(run_dir: Path, trace, outcome: str) -> None:
            "fault": fault[0].get("kind") if fault else None, "outcome": outcome,
            "teardown_s": unwind[0].duration_s if unwind else None,
            "disposed": len(trace.of("disposed")), "restarts": len(trace.of("engine_restart")),
-           "escalations": [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"]}
+           "escalations": [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"],
+           "hang": next((e.get("kind") for e in fault if e.get("kind", "").startswith("hang")), None),
+           "signal_to_end_s": (round(signal_to_end_s(trace), 2)
+                               if any(e.get("kind") in ("sigint", "sigterm") for e in fault) else None),
+           "stop_save": [(e.get("saved"), e.get("reason")) for e in trace.of("stop_save")]}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -171,14 +186,23 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
 @pytest.mark.parametrize("state", STATES)
 def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
     # the CLI's own signal path (miles.cli.train.run_with_signals) in this process: the injected
-    # signal reaches its handlers exactly as a signal to a `miles train` process would
-    cfg, _ = parse_flags(matrix_flags(tiny_task, tmp_path, f"{state}:{sig}"))
-    code = run_with_signals(cfg, "sync", prog="miles train")
-    assert code == {"sigint": 130, "sigterm": 143}[sig]
-    trace = assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
-    if state != "draining":   # the phase that got the signal finished, then the run went to draining
+    # signal reaches its handlers exactly as a signal to a `miles train` process would. With SIGINT
+    # the phase finishes, then the run drains; with SIGTERM the phase also hangs (one way per state)
+    # and the stop's budget (--stop-timeout) cuts it: the time from the signal to the run's end is bounded
+    faults = [f"{state}:{sig}"] + ([f"{state}:{HANG_IN[state]}"] if sig == "sigterm" else [])
+    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), "--stop-timeout", str(STOP_TIMEOUT_S)])
+    # the hard exit (os._exit at --stop-timeout) would end pytest too: here it waits, the bound is checked below
+    code = run_with_signals(cfg, "sync", prog="miles train", hard_exit_s=10 * STOP_TIMEOUT_S)
+    hung_draining = sig == "sigterm" and state == "draining"     # draining itself cut: it did not finish
+    assert code == (1 if hung_draining else {"sigint": 130, "sigterm": 143}[sig])
+    trace = assert_clean_end(tmp_path / "run", outcome="failed" if hung_draining else "stopped",
+                             error_type="PhaseTimeout" if hung_draining else None, ckpt=tmp_path / "ckpt")
+    if state != "draining":   # the phase that got the signal finished (or was cut), then the run drained
         stop = [t for t in trace.of("transition") if t.trigger == "stop"]
         assert [(t.src, t.dst) for t in stop] == [(state, "draining")]
+    if sig == "sigterm":
+        assert [(e.state, e.get("reason")) for e in trace.of("phase_timeout")] == [(state, "stop")]
+        assert signal_to_end_s(trace) < STOP_TIMEOUT_S
 
 
 @pytest.mark.parametrize("sig", ["sigint", "sigterm"])
