@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -85,10 +86,8 @@ def signal_to_end_s(trace) -> float:
 
 def _report(run_dir: Path, trace, outcome: str) -> None:
     """With MILES_FAULT_REPORT=path, append this case's numbers (docs/reliability.md's table)."""
-    path = os.environ.get("MILES_FAULT_REPORT")
-    if not path:
+    if not os.environ.get("MILES_FAULT_REPORT"):
         return
-    import json
     unwind = trace.of("unwind_end")
     fault = trace.of("fault_injected")
     row = {"case": run_dir.parent.name, "state": fault[0].get("state") if fault else None,
@@ -100,8 +99,14 @@ def _report(run_dir: Path, trace, outcome: str) -> None:
            "signal_to_end_s": (round(signal_to_end_s(trace), 2)
                                if any(e.get("kind") in ("sigint", "sigterm") for e in fault) else None),
            "stop_save": [(e.get("saved"), e.get("reason")) for e in trace.of("stop_save")]}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    _report_row(row)
+
+
+def _report_row(row: dict) -> None:
+    if path := os.environ.get("MILES_FAULT_REPORT"):
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def assert_clean_end(run_dir: Path, *, outcome: str, error_type: str | None, ckpt: Path, machine: str = "sync"):
@@ -212,7 +217,29 @@ def test_cli_process_exit_code_on_signal(ray_cluster, tiny_task, tmp_path, sig):
     assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
 
 
-def run_cli_with_signal(task, tmp_path, gcs, fault, extra=()):
+def test_a_phase_blocking_the_event_loop_still_exits_within_the_stop_timeout(ray_cluster, tiny_task, tmp_path):
+    # nothing in the loop runs (time.sleep in the phase): only the CLI's hard deadline, a thread armed
+    # by the signal handler, ends the process; the trace is cut short, the actors go with their owner
+    proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, ["rollout:sigterm", "rollout:hang_blocking"],
+                               extra=["--stop-timeout", str(STOP_TIMEOUT_S)])
+    ended = datetime.now(timezone.utc)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert "still running" in proc.stderr and "--stop-timeout" in proc.stderr
+    trace = read_trace(tmp_path / "run")
+    signalled = next(e for e in trace.of("fault_injected") if e.get("kind") == "sigterm")
+    exit_after_s = (ended - datetime.fromisoformat(signalled.ts)).total_seconds()
+    assert STOP_TIMEOUT_S <= exit_after_s < STOP_TIMEOUT_S + 3, exit_after_s
+    assert trace.events[-1].event != "run_end"                    # cut short
+    namespace = trace.of("cluster_ready")[0].get("namespace")
+    deadline = time.monotonic() + 30                              # owner-bound actors die with their owner
+    while miles_actors(namespace) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert miles_actors(namespace) == [] and leftover_actor_processes(trace) == []
+    _report_row({"case": "hang_blocking", "state": "rollout", "hang": "hang_blocking",
+                 "signal_to_exit_s": round(exit_after_s, 2)})
+
+
+def run_cli_with_signal(task, tmp_path, gcs, fault: str | list[str], extra=()):
     argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
             *matrix_flags(task, tmp_path, fault), "--ray-address", gcs, *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
