@@ -264,7 +264,7 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
 
 # -- checks that depend on the lifecycle machine ----------------------------------------------------
 
-PREFETCHING_PHASES = ("miles.phases.prefetch:rollout",)   # rollout r+1 generates while r trains
+PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
 
 
 def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:

@@ -10,6 +10,10 @@ Every way out ends the same: an exception (or cancellation, or KeyboardInterrupt
 ends; an error while draining fires `fail` → `shutdown`. Entering `shutdown` unwinds the disposer.
 The first failure is what `run()` raises; teardown errors are attached to it.
 
+The runner names no state: where `fail` and `stop` lead, and whether a trigger is legal at all, are
+the machine's (`transitions` answers `get_triggers`); the final state ends the loop. Each guard is
+called once per decision: the machine decides on those values and the `transition` event records them.
+
 Nothing waits forever. Each phase runs as a task with its state's deadline (`deadlines`, from the
 machine YAML and --phase-timeout): past it the task is cancelled (abandoned if it ignores the cancel
 for CANCEL_GRACE_S: a shielded await, a thread it waits on) and PhaseTimeout takes the fail route. A
