@@ -56,6 +56,7 @@ class Sample:
     response_text: str = ""
     reward: float = 0.0
     advantage: float = 0.0          # filled by the advantage estimator (GRPO: per-sequence scalar)
+    reward_timed_out: bool = False  # the reward call ran past --reward-timeout: the sample scored 0.0
 
     @property
     def response_length(self) -> int:

@@ -1,6 +1,7 @@
 """Ray for one run: start a local cluster or attach to one; create the run's actors; remove them.
 
-A run that started its cluster shuts it down last. A run attached to a cluster (`--ray-address`, or
+A run that started its cluster shuts it down last; that cluster listens on loopback, authenticates,
+and leaves no session folder behind (`miles/cluster/local.py`). A run attached to a cluster (`--ray-address`, or
 a host that already called `ray.init`) removes only its own actors, which live in the run's own
 namespace, and leaves everything else alone.
 
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 import ray
 
+from miles.cluster.local import LocalCluster, start_local
 from miles.config import ClusterConfig
 from miles.user_code import DRIVER_CWD_ENV
 
@@ -30,12 +32,13 @@ class RayCluster:
     resource_name = "ray_cluster"
 
     def __init__(self, cfg: ClusterConfig, run_id: str, *, log_dir: str | os.PathLike | None = None,
-                 log_level: str = "info"):
+                 log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False):
         self.run_id = run_id
         self.log_dir, self.log_level = log_dir, log_level     # with a log_dir, actors log into it
         self.namespace = cfg.namespace or f"miles-{run_id}"
         self.started = False          # we started a local cluster: we stop it
         self.connected = False        # we opened the connection: we close it
+        self.local: LocalCluster | None = None   # a started cluster's session folder and reaper (local.py)
         if ray.is_initialized():
             return                    # a host's connection: attach, own nothing but our actors
         os.environ.setdefault(SUBREAPER_ENV, "true")
@@ -51,8 +54,9 @@ class RayCluster:
         with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, **common)
-            else:
-                ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), num_gpus=None, **common)
+            else:   # on loopback, authenticated, with a reaper (miles/cluster/local.py)
+                self.local = start_local(num_cpus=cfg.num_cpus or os.cpu_count(), node_ip=node_ip,
+                                         allow_no_auth=allow_no_auth, log_dir=log_dir, common=common)
                 self.started = True
         self.connected = True
         restore_sigchld()
@@ -89,8 +93,10 @@ class RayCluster:
         if not self.connected:
             return
         if self.started and self.other_runs():
-            return
+            return                    # the reaper goes when this process does
         ray.shutdown()
+        if self.local is not None:    # stragglers ended, logs kept in the run dir, session folder deleted
+            self.local.close()
 
     def other_runs(self) -> list[str]:
         return sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)

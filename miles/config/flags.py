@@ -29,11 +29,13 @@ from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
+from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
     "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+    "reliability": ReliabilityConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
     "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
@@ -41,6 +43,7 @@ GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
     "run": "the loop and debugging",
+    "reliability": "reliability (deadlines, stops, verified loads, the local cluster's exposure)",
 }
 
 
@@ -237,7 +240,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
        help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
-       help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
+       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
 )
 
 # -- miles flags a single-node user reaches for (issue 19); the ones refused are in miles_flags.py ----
@@ -288,6 +291,25 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
             "the reference equals the policy at the start"),
 )
 FLAGS += MILES_COMPAT_FLAGS
+# reliability (issue 20): kept in a block of their own
+RELIABILITY_FLAGS: tuple[Flag, ...] = (
+    _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
+       help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "
+            "phase is cancelled and the run drains)"),
+    _f("stop-timeout", "reliability", "stop_timeout_s", float,
+       "seconds from the first SIGINT/SIGTERM to the process's exit, whatever the phase is doing "
+       "(stays under a cluster's ~30 s preemption grace)"),
+    _f("reward-timeout", "reliability", "reward_timeout_s", float,
+       "seconds one reward call may take; past it the sample scores 0 and the run goes on (default: no limit)"),
+    _f("no-verify-load", "reliability", "verify_load", kind="false",
+       help="do not check a checkpoint's sha256 values on --load (huge models; a corrupt file then fails the load)"),
+    _f("ray-node-ip", "reliability", "ray_node_ip", str,
+       "address of the local cluster's node: 127.0.0.1 keeps every Ray port on loopback; another address "
+       "(or auto: Ray's choice) makes Ray listen on every interface"),
+    _f("ray-allow-no-auth", "reliability", "ray_allow_no_auth", kind="true",
+       help="start a local cluster even when Ray's token authentication is off (RAY_AUTH_MODE=disabled)"),
+)
+FLAGS = FLAGS + RELIABILITY_FLAGS
 BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 

@@ -234,6 +234,25 @@ class TrackingConfig:
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
 
 
+# -- reliability (issue 20): deadlines, stops, verified loads, the local cluster's exposure -----------
+
+@dataclass(frozen=True, kw_only=True)
+class ReliabilityConfig:
+    """How a run bounds what can hang and guards what it reads and exposes (docs/reliability.md)."""
+
+    phase_timeouts: tuple[str, ...] = ()  # --phase-timeout STATE=SECONDS ...: override the machine YAML's deadlines
+    stop_timeout_s: float = 20.0        # --stop-timeout: first SIGINT/SIGTERM -> process exit, at most this long
+    reward_timeout_s: float | None = None  # --reward-timeout: per reward call; past it the sample scores 0
+    verify_load: bool = True            # --no-verify-load: skip the sha256 check of a checkpoint on --load
+    ray_node_ip: str = "127.0.0.1"      # --ray-node-ip: the local cluster's node address (auto: Ray's choice)
+    ray_allow_no_auth: bool = False     # --ray-allow-no-auth: start a local cluster without token authentication
+
+    @property
+    def phase_timeout_overrides(self) -> dict[str, float]:
+        """--phase-timeout's STATE=SECONDS pairs (validate checks their form)."""
+        return {state: float(seconds) for state, _, seconds in (t.partition("=") for t in self.phase_timeouts)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
@@ -246,6 +265,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import MachineDef
+from miles.runtime.machine import STATES, MachineDef
 from miles.training.protocol import TRAIN_BACKENDS
 
 
@@ -17,7 +18,7 @@ def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
                   _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule, _gpu_memory,
-                  _placement, _miles_compat, _eval_sets):
+                  _placement, _miles_compat, _eval_sets, _reliability):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -156,6 +157,30 @@ def _faults(cfg: RunConfig, problems: list[str]) -> None:
                         f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")
 
 
+def _reliability(cfg: RunConfig, problems: list[str]) -> None:
+    """Deadlines are positive seconds of known states; the node address is an IP (or auto)."""
+    r = cfg.reliability
+    for text in r.phase_timeouts:
+        state, sep, seconds = text.partition("=")
+        try:
+            ok = bool(sep) and state in STATES and state != "shutdown" and float(seconds) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(f"--phase-timeout {text}: expected STATE=SECONDS with STATE one of "
+                            f"{', '.join(s for s in STATES if s != 'shutdown')} and SECONDS > 0")
+    if r.stop_timeout_s < 1:
+        problems.append(f"--stop-timeout {r.stop_timeout_s}: must be at least 1 s (the draining and the "
+                        "teardown share it)")
+    if r.reward_timeout_s is not None and r.reward_timeout_s <= 0:
+        problems.append(f"--reward-timeout {r.reward_timeout_s}: must be > 0 (leave it out for no limit)")
+    if r.ray_node_ip != "auto":
+        try:
+            ipaddress.ip_address(r.ray_node_ip)
+        except ValueError:
+            problems.append(f"--ray-node-ip {r.ray_node_ip}: not an IP address; use 127.0.0.1 (loopback only), "
+                            "this machine's address, or auto")
+
 # -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
 
 def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
@@ -265,6 +290,10 @@ def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
     problems = _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
+                 f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
+                 for state in cfg.reliability.phase_timeout_overrides
+                 if state not in machine.states or machine.states[state].final]
     if problems:
         raise ConfigError(problems)
 

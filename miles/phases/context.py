@@ -57,6 +57,10 @@ class TrainingContext(PhaseContext):
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
+        self.engine_weights_checksum: str | None = None   # what the last sync gave the engines (--check-weight-update-equal)
+        self.training: int | None = None               # the rollout the trainer is stepping on (None between steps)
+        self.saved_rollout: int | None = None          # the newest rollout this run saved
+        self.save_duration_s: float | None = None      # how long that save took (a stop's save is budgeted by it)
         self.evaluated_version: int | None = None
         self.batch_ref: ray.ObjectRef | None = None    # the current rollout's samples, for the trainer
         self.save_requested = False                    # a host asked for a save now

@@ -17,8 +17,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
-from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
-from miles.checkpoint.store import CheckpointStore
+from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
+from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
                                      placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster
@@ -39,6 +39,9 @@ from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
+
+
+MAX_TRACED_PROBLEMS = 10       # a checkpoint_skipped event names at most this many bad files
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,13 @@ async def init(ctx: TrainingContext) -> str:
         add(sink)                # as each opens: a W&B login that fails leaves the others to the teardown
         ctx.c.metrics.add(sink)
     ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
-                               log_level=cfg.tracking.worker_log_level)
+                               log_level=cfg.tracking.worker_log_level, node_ip=cfg.reliability.ray_node_ip,
+                               allow_no_auth=cfg.reliability.ray_allow_no_auth)
     add(ctx.c.cluster)
-    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
+    local = ctx.c.cluster.local
+    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started,
+                    **({"node_ip": cfg.reliability.ray_node_ip, "session_dir": str(local.session_dir),
+                        "reaper_pid": local.reaper_pid} if local is not None else {}))
 
     ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
@@ -144,7 +151,7 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses)
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
@@ -272,21 +279,46 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 
 
 async def _resume(ctx: TrainingContext) -> None:
-    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
-    complete checkpoint under --load; with none there, start from --hf-checkpoint."""
+    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest checkpoint
+    under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
+    the load reads matching its sha256, checked where it is read. Each one passed over is traced
+    (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
     root = ctx.cfg.checkpoint.load
-    found = CheckpointStore(root).latest()
-    if found is None:      # --load X --save X before X exists: the auto-resume launch script's first run
-        reason = "no complete checkpoint" if Path(root).is_dir() else "no such directory yet"
-        ctx.tracer.emit("resume_skipped", reason=reason, root=root)
+    for rollout_id, path, problems in CheckpointStore(root).newest_first():
+        verified = not problems and ctx.cfg.reliability.verify_load
+        if verified:
+            problems = await _verify_where_read(ctx, path)
+        if problems:
+            ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
+                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
+            continue
+        await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+        # a critic kept under --critic-save comes back through --critic-load instead
+        if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+            await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
+        ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+        ctx.resumed = True
+        ctx.weight_version = 0              # the engines hold the disk weights until the first sync
+        ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout,
+                        verified=verified)
         return
-    rollout_id, path = found
-    await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
-    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
-    # a critic kept under --critic-save comes back through --critic-load instead
+    # --load X --save X before X exists: the auto-resume launch script's first run
+    reason = "no complete checkpoint" if Path(root).is_dir() else "no such directory yet"
+    ctx.tracer.emit("resume_skipped", reason=reason, root=root)
+
+
+async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
+    """The sha256 of every file the load reads, each checked by its reader: `trainer/` (and `critic/`)
+    in their actors, which hash them where they read them; `rollout.json` here, where it is read."""
+    readers = [(ctx.c.trainer, TRAINER_DIR)]
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-        await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
-    ctx.start_rollout = ctx.next_rollout = rollout_id + 1
-    ctx.resumed = True
-    ctx.weight_version = 0              # the engines hold the disk weights until the first sync
-    ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)
+        readers.append((ctx.c.critic, CRITIC_DIR))
+    found = await asyncio.gather(*(actor.handle.__ray_call__.remote(_verify_in_actor, str(path),
+                                                                     manifest_files(path, f"{folder}/"))
+                                   for actor, folder in readers))
+    return [p for problems in found for p in problems] + verify_files(path, manifest_files(path, ROLLOUT_FILE))
+
+
+def _verify_in_actor(_actor: Any, root: str, files: dict[str, Any]) -> list[str]:
+    return verify_files(root, files)

@@ -42,8 +42,9 @@ async def save(ctx: TrainingContext) -> str:
     sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
     if sentinel and os.path.exists(sentinel):
         os.remove(sentinel)
+    ctx.saved_rollout, ctx.save_duration_s = rid, time.monotonic() - t0     # a stop's save reads both
     ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path) if path else None,
-                    duration_s=round(time.monotonic() - t0, 6))
+                    duration_s=round(ctx.save_duration_s, 6))
     return "next"
 
 

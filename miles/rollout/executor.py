@@ -24,6 +24,7 @@ import time
 from functools import partial
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
+import structlog
 import torch
 
 from miles.algorithms import TOKEN_LEVEL_ESTIMATORS, get_advantage_estimator, normalize_advantages, overlong_penalty
@@ -34,6 +35,7 @@ from miles.rollout.filters import load_filter
 from miles.rollout.rewards import load_reward_fn, score_group
 from miles.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 
+log = structlog.get_logger().bind(role="rollout-executor")
 Collected = tuple[list[Sample], dict[str, float]]   # a rollout's samples, grouped, and how they were collected
 
 
@@ -51,8 +53,10 @@ class Decoder(Protocol):
 class RolloutExecutor:
     def __init__(self, *, prompts: list[Prompt], eval_sets: dict[str, list[Prompt]], rollout: RolloutConfig,
                  algorithm: AlgorithmConfig, eval: EvalConfig, shuffle: bool, tokenizer: Decoder,  # noqa: A002
-                 engines: Sequence[Any], seed: int, sft_responses: dict[int, tuple[int, ...]] | None = None):
+                 engines: Sequence[Any], seed: int, sft_responses: dict[int, tuple[int, ...]] | None = None,
+                 reward_timeout_s: float | None = None):
         self._cfg, self._eval_cfg = rollout, eval
+        self._reward_timeout_s = reward_timeout_s     # --reward-timeout: a call past it fails its sample
         dynamic = rollout.dynamic_sampling_filter_path
         per_round = (rollout.over_sampling_batch_size or rollout.batch_size) if dynamic else rollout.batch_size
         self._base_seed = seed                # RunConfig.rollout_seed: prompt order and sampling
@@ -221,12 +225,18 @@ class RolloutExecutor:
                                                              params.stop)))
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
         scores = await asyncio.gather(*(score_group(reward_fn or self._reward_fn, g[0].prompt,
-                                                    [s.response_text for s in g],
-                                                    g[0].prompt.label) for g in groups))
+                                                    [s.response_text for s in g], g[0].prompt.label,
+                                                    timeout_s=self._reward_timeout_s,
+                                                    on_timeout=partial(self._reward_timed_out, g))
+                                        for g in groups))
         for group, group_scores in zip(groups, scores):
             for s, r in zip(group, group_scores):
                 s.reward = float(r)
         return samples
+
+    def _reward_timed_out(self, group: list[Sample], i: int) -> None:
+        group[i].reward_timed_out = True
+        log.warning("reward_timeout", prompt_index=group[i].prompt.index, timeout_s=self._reward_timeout_s)
 
     async def _generate_on_engines(self, requests: list[list[int]], params: SamplingParams) -> list[Generation]:
         k = len(self._engines)
@@ -292,6 +302,7 @@ def rollout_metrics(samples: list[Sample], n: int, rollout_id: int, *, log_passr
         "weight_version_min": float(min(s.weight_version for s in samples)),
         "staleness_max": float(max(rollout_id - s.weight_version for s in samples)),
         **(pass_rates(samples, n, range(1, n + 1)) if log_passrate else {}),
+        "reward_timeouts": float(sum(s.reward_timed_out for s in samples)),
     }
 
 

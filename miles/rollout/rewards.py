@@ -4,7 +4,8 @@ A reward function is `fn(prompt: Prompt, response_text: str, label: str | None) 
 async. A *group* reward function, marked with `@group_reward`, is instead
 `fn(prompt, responses: list[str], label) -> list[float]` (sync or async) and sees every response
 to a prompt at once (for rewards that rank or compare). The function is chosen once, at startup,
-by `load_reward_fn`; `score_group` runs it on one group.
+by `load_reward_fn`; `score_group` runs it on one group. `--reward-timeout` bounds each call: one
+past it fails its sample (it scores 0.0, as a wrong answer does), not the rollout.
 
 Built-ins (`--rm-type`):
 - `math`: the final answer is the content of the last `\\boxed{...}`, else the last number in the
@@ -26,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from miles.config import ConfigError
+from miles.runtime.threads import in_daemon_thread
 from miles.types import Prompt
 from miles.user_code import check_signature, display_name, import_user_function
 
@@ -191,11 +193,18 @@ def import_reward_fn(path: str, flag: str = "--custom-rm-path") -> Callable[...,
 
 # ---- scoring ------------------------------------------------------------------------------------
 
-async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
-                      label: str | None) -> list[float]:
-    """Score every response to `prompt`: async calls run concurrently, sync ones inline."""
+async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None, *,
+                      timeout_s: float | None = None, on_timeout: Callable[[int], None] | None = None) -> list[float]:
+    """Score every response to `prompt`: async calls run concurrently, sync ones inline.
+
+    With `timeout_s`, each call (a group reward's one call) gets that long, and sync functions run in
+    daemon threads so that a hung one blocks nothing; a call past it fails its sample(s), not the
+    rollout: they score 0.0, as a wrong answer does, and `on_timeout(i)` hears of each one.
+    """
     if is_group_reward(fn):
-        return await _score_whole_group(fn, prompt, responses, label)
+        return await _score_whole_group(fn, prompt, responses, label, timeout_s, on_timeout)
+    if timeout_s is not None:
+        return await _score_bounded(fn, prompt, responses, label, timeout_s, on_timeout)
     scores: list[float] = [0.0] * len(responses)
     pending: list[tuple[int, Awaitable[Any]]] = []
     try:
@@ -221,19 +230,65 @@ async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[st
     return scores
 
 
-async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
-                             label: str | None) -> list[float]:
+async def _score_bounded(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None,
+                         timeout_s: float, on_timeout: Callable[[int], None] | None) -> list[float]:
+    async def one(i: int, response: str) -> float:
+        try:
+            result = await call_within(fn, (prompt, response, label), timeout_s)
+        except RewardTimeout:
+            if on_timeout is not None:
+                on_timeout(i)
+            return 0.0
+        except Exception as e:
+            raise _reward_error(fn, prompt, response, f"{type(e).__name__}: {e}") from e
+        return _as_score(result, fn, prompt, response)
+
+    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(responses))))
+
+
+async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None,
+                             timeout_s: float | None, on_timeout: Callable[[int], None] | None) -> list[float]:
     where = responses[0] if responses else ""
     try:
-        result = fn(prompt, list(responses), label)
-        if inspect.isawaitable(result):
-            result = await result
+        result = await call_within(fn, (prompt, list(responses), label), timeout_s)
+    except RewardTimeout:
+        for i in range(len(responses)):
+            if on_timeout is not None:
+                on_timeout(i)
+        return [0.0] * len(responses)
     except Exception as e:
         raise _reward_error(fn, prompt, where, f"group of {len(responses)}: {type(e).__name__}: {e}") from e
     if not isinstance(result, (list, tuple)) or len(result) != len(responses):
         raise _reward_error(fn, prompt, where, f"a group reward must return a list of {len(responses)} "
                                              f"scores, one per response; got {_describe(result)}")
     return [_as_score(r, fn, prompt, resp) for r, resp in zip(result, responses)]
+
+
+class RewardTimeout(Exception):
+    """A reward call ran past --reward-timeout (its own TimeoutError, if it raises one, is a reward error)."""
+
+
+async def call_within(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float | None) -> Any:
+    """`fn(*args)`, awaited if it returns an awaitable; with `timeout_s`, raise RewardTimeout past it (a
+    sync function runs in a daemon thread then, abandoned if it never returns)."""
+    if timeout_s is None:
+        result = fn(*args)
+        return await result if inspect.isawaitable(result) else result
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    first = fn(*args) if inspect.iscoroutinefunction(fn) else in_daemon_thread(fn, *args, name="miles-reward")
+    result = await _settle(asyncio.ensure_future(first), deadline - loop.time())
+    if inspect.isawaitable(result):
+        result = await _settle(asyncio.ensure_future(result), deadline - loop.time())
+    return result
+
+
+async def _settle(fut: asyncio.Future[Any], timeout: float) -> Any:
+    done, _ = await asyncio.wait({fut}, timeout=max(timeout, 0.0))
+    if not done:
+        fut.cancel()                  # a coroutine is cancelled; a thread is abandoned (a daemon)
+        raise RewardTimeout()
+    return fut.result()
 
 
 def _as_score(value: Any, fn: Callable[..., Any], prompt: Prompt, response: str) -> float:
