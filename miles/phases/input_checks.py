@@ -39,11 +39,16 @@ def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{file}: unreadable safetensors header ({exc}); copy or download it again") from exc
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        shapes = {k: tuple(v["shape"]) for k, v in tensors.items()}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:     # valid JSON, not a safetensors header
+        raise ConfigError(f"{file}: corrupt safetensors header ({type(exc).__name__}: {exc}); copy or download "
+                          "it again") from exc
     if 8 + n + end != size:
         raise ConfigError(f"{file}: {size} bytes, but its header describes {8 + n + end}; the file is "
                           f"{'truncated' if size < 8 + n + end else 'corrupt'}: copy or download it again")
-    return {k: tuple(v["shape"]) for k, v in tensors.items()}
+    return shapes
 
 
 def model_shapes(folder: str | Path, flag: str) -> dict[str, tuple[int, ...]] | None:
@@ -74,26 +79,50 @@ def model_shapes(folder: str | Path, flag: str) -> dict[str, tuple[int, ...]] | 
 
 
 def check_checkpoint_fits(cfg: RunConfig, model: dict[str, tuple[int, ...]] | None) -> None:
-    """The newest checkpoint under --load holds weights of --hf-checkpoint's shapes."""
+    """The checkpoint --load resumes from holds weights of --hf-checkpoint's shapes. The candidates are
+    `_resume`'s (init.py): newest first, incomplete ones passed over, and so is one whose weights file
+    fails its sha256 (corrupt, not another model: `_resume` skips it too, unless --no-verify-load).
+    Files are hashed here only when their header already looks wrong."""
     from miles.checkpoint.checkpointer import TRAINER_DIR
     from miles.checkpoint.store import CheckpointStore
 
     if not cfg.checkpoint.load or model is None:
         return
-    found = CheckpointStore(cfg.checkpoint.load).latest()
-    weights = found[1] / TRAINER_DIR / SAFETENSORS if found else None
-    if weights is None or not weights.is_file():
+    for _, path, incomplete in CheckpointStore(cfg.checkpoint.load).newest_first():
+        if incomplete:
+            continue
+        weights = path / TRAINER_DIR / SAFETENSORS
+        if not weights.is_file():
+            return
+        try:
+            what = _differences(safetensors_shapes(weights), model)
+        except ConfigError:
+            if _fails_sha256(cfg, path, f"{TRAINER_DIR}/{SAFETENSORS}"):
+                continue
+            raise
+        if what and _fails_sha256(cfg, path, f"{TRAINER_DIR}/{SAFETENSORS}"):
+            continue
+        if what:
+            raise ConfigError(f"--load {cfg.checkpoint.load}: the checkpoint {path.name} is of another model than "
+                              f"--hf-checkpoint {cfg.model.hf_checkpoint}: {what}; resume with the --hf-checkpoint "
+                              "it was trained from, or point --load elsewhere")
         return
-    saved = safetensors_shapes(weights)
+
+
+def _differences(saved: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]]) -> str:
+    """How two sets of weight shapes differ, in words ("" when they do not)."""
     differ = [f"{k} {list(saved[k])} vs {list(v)}" for k, v in model.items() if k in saved and saved[k] != v]
     only = sorted((set(saved) ^ set(model)) - {"lm_head.weight"})     # tied embeddings: the head travels once
-    if differ or only:
-        what = "; ".join(filter(None, [
-            f"{len(differ)} tensor(s) differ in shape ({'; '.join(differ[:3])})" if differ else "",
-            f"{len(only)} tensor name(s) in only one of them ({', '.join(only[:3])})" if only else ""]))
-        raise ConfigError(f"--load {cfg.checkpoint.load}: the checkpoint {found[1].name} is of another model than "
-                          f"--hf-checkpoint {cfg.model.hf_checkpoint}: {what}; resume with the --hf-checkpoint it "
-                          "was trained from, or point --load elsewhere")
+    return "; ".join(filter(None, [
+        f"{len(differ)} tensor(s) differ in shape ({'; '.join(differ[:3])})" if differ else "",
+        f"{len(only)} tensor name(s) in only one of them ({', '.join(only[:3])})" if only else ""]))
+
+
+def _fails_sha256(cfg: RunConfig, path: Path, name: str) -> bool:
+    """--load verifies contents (the default) and checkpoint file `name` does not match its manifest."""
+    from miles.checkpoint.store import manifest_files, verify_files
+
+    return cfg.reliability.verify_load and bool(verify_files(path, manifest_files(path, name)))
 
 
 def check_user_functions(cfg: RunConfig) -> None:

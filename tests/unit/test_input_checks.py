@@ -67,6 +67,29 @@ def test_a_checkpoint_of_another_model_is_found_before_any_actor(model, tmp_path
         check_checkpoint_fits(cfg, model_shapes(model, "--hf-checkpoint"))
 
 
+def test_a_corrupt_checkpoint_is_not_taken_for_another_model_when_loads_verify(model, tmp_path):
+    # iter 5's header has a flipped byte (its sha256 fails): --load would skip it and resume from iter 4,
+    # so iter 4 is what is checked (and fits); with --no-verify-load the load would read iter 5: refused
+    from miles.checkpoint.store import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    shapes = model_shapes(model, "--hf-checkpoint")
+    for rollout_id in (4, 5):
+        with store.saving(rollout_id) as tmp:
+            (tmp / "trainer").mkdir()
+            shutil.copy(f"{model}/model.safetensors", tmp / "trainer" / "model.safetensors")
+    weights = tmp_path / "ckpt" / "iter_0000005" / "trainer" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[20] ^= 0x01          # inside the JSON header (it starts at byte 8)
+    weights.write_bytes(bytes(data))
+    cfg, _ = parse_flags(base(tmp_path) + ["--hf-checkpoint", model, "--load", str(tmp_path / "ckpt")])
+    check_checkpoint_fits(cfg, shapes)
+    cfg, _ = parse_flags(base(tmp_path) + ["--hf-checkpoint", model, "--load", str(tmp_path / "ckpt"),
+                                           "--no-verify-load"])
+    with pytest.raises(ConfigError, match="iter_0000005/trainer/model.safetensors: corrupt safetensors header"):
+        check_checkpoint_fits(cfg, shapes)
+
+
 def write(path, text):
     path.write_text(text)
     return str(path)
