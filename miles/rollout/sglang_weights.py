@@ -33,11 +33,16 @@ _DEVICE_ARG = 6        # position of the device index in rebuild_cuda_tensor's a
 
 
 def flatten_bucket(named: Sequence[tuple[str, Tensor]]) -> tuple[Tensor, list[BucketEntry]]:
-    """Pack tensors (any dtypes, one device) into one 1-D uint8 tensor and their entries."""
+    """Pack tensors (any dtypes, one device) into one 1-D uint8 tensor and their entries. Each tensor
+    starts at a multiple of its element size, as SGLang's `.view(dtype)` of the byte slice requires."""
     if not named:
         raise ValueError("an empty bucket: give at least one tensor")
     parts, entries, start = [], [], 0
     for name, t in named:
+        pad = -start % t.element_size()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+            start += pad
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         parts.append(raw)
         entries.append((name, tuple(t.shape), t.dtype, start, start + raw.numel()))
@@ -57,6 +62,10 @@ def bucket_payloads(flat: Tensor, entries: Sequence[BucketEntry], tp_size: int) 
     bad = [m.name for m in metadata if not 0 <= m.start_idx <= m.end_idx <= flat.numel()]
     if bad:
         raise ValueError(f"bucket entries outside the {flat.numel()}-byte bucket: {bad[:3]}")
+    unaligned = [m.name for m in metadata if m.start_idx % m.dtype.itemsize]
+    if unaligned:
+        raise ValueError(f"bucket entries not aligned to their element size (SGLang views each byte slice as its "
+                         f"dtype): {unaligned[:3]}; pack with flatten_bucket")
     obj = {"flattened_tensor": flat, "metadata": metadata}
     return [base64.b64encode(_dumps(obj)).decode("ascii") for _ in range(tp_size)]
 
