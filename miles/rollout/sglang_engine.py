@@ -114,6 +114,7 @@ class SGLangEngine:
         self._export: Path | None = None
         self._disposed = False
         self._death: str | None = None
+        self._tokenizer = None
         self.server = self._launch(seed)
         try:
             self._wait_healthy()
@@ -198,6 +199,27 @@ class SGLangEngine:
             raise
 
     # --- accessors ------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded in this process on first use (the server runs without one)."""
+        if self._tokenizer is None:
+            from miles.weights.hf import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return self.eos_token_id if pad is None else pad
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
     def server_url(self) -> str:
         return self.url
 
