@@ -41,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,7 +283,7 @@ class SGLangEngine:
         client = self._live()
         folder = self.work_dir / f"weights-v{int(version)}"
         checksum = await asyncio.to_thread(self._export_weights, state_dict, folder)
-        await self._updating(client.update_weights_from_disk(str(folder), int(version)), int(version))
+        await self._updating(lambda: client.update_weights_from_disk(str(folder), int(version)), int(version))
         previous, self._export, self._handed_over = self._export, folder, checksum
         if previous is not None and previous != folder:
             shutil.rmtree(previous, ignore_errors=True)
@@ -320,7 +320,7 @@ class SGLangEngine:
                 await client.update_weights_from_tensor(api.tensor_update_body(
                     payloads, version=int(version) if last else None, flush_cache=last, load_format=load_format))
 
-        await self._updating(send(), int(version))
+        await self._updating(send, int(version))
         self._handed_over = None
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -337,19 +337,19 @@ class SGLangEngine:
         client = self._live()
         body = api.distributed_update_body(names, dtypes, shapes, group_name=group_name, version=int(version),
                                            flush_cache=True)
-        await self._updating(client.update_weights_from_distributed(body), int(version))
+        await self._updating(lambda: client.update_weights_from_distributed(body), int(version))
         self._handed_over = None
 
     async def destroy_weights_update_group(self, group_name: str = "miles-weights") -> None:
         await self._guard(self._live().destroy_weights_update_group(group_name))
 
-    async def _updating(self, update, version: int) -> None:
+    async def _updating(self, update: Callable[[], Awaitable[object]], version: int) -> None:
         """pause → flush → update → continue, then the server must report `version`."""
         client = self._live()
         await self._guard(client.pause(self.cfg.pause_mode))
         try:
             await self._guard(client.flush_cache())
-            await self._guard(update)
+            await self._guard(update())
         finally:
             if self._death is None:
                 await self._guard(client.resume())
