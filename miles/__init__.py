@@ -11,7 +11,7 @@ from typing import Any
 _LAZY = {
     "Run": "miles.api", "run_sync": "miles.api", "Result": "miles.api", "RunEvent": "miles.api",
     "Transition": "miles.api", "Metrics": "miles.api", "Teardown": "miles.api", "RunEnded": "miles.api",
-    "config_from_yaml": "miles.cli_args", "config_from_flags": "miles.cli_args",
+    "config_from_yaml": "miles.config.flags", "config_from_flags": "miles.config.flags",
     "RunConfig": "miles.config", "ModelConfig": "miles.config", "DataConfig": "miles.config",
     "RolloutConfig": "miles.config", "AlgorithmConfig": "miles.config", "TrainConfig": "miles.config",
     "CheckpointConfig": "miles.config", "EvalConfig": "miles.config", "ClusterConfig": "miles.config",

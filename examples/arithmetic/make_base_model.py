@@ -30,7 +30,7 @@ import structlog
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.config import AlgorithmConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.trainer import Trainer
 from miles.types import Prompt, Sample
 
@@ -91,7 +91,9 @@ def sft_trainer(model_dir: str | Path, spec: SftSpec) -> Trainer:
     train = TrainConfig(lr=spec.lr, clip_grad=spec.clip_grad, global_batch_size=spec.batch_size,
                         micro_batch_size=spec.batch_size, seed=spec.seed, lr_decay_style="cosine",
                         lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0)
-    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_type="sft_loss"), device="cpu")
+    # SFT's samples come from the data, not from sampling: the rollout slice's temperature 1 leaves the logits alone
+    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_type="sft_loss"),
+                   rollout=RolloutConfig(batch_size=spec.batch_size, n_samples_per_prompt=1), device="cpu")
 
 
 def run_sft(trainer: Trainer, tokenizer, rows: list[dict[str, str]], spec: SftSpec, log_every: int = 250) -> None:

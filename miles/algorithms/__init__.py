@@ -4,55 +4,36 @@ spread dynamic sampling filters on). No Ray, no I/O, no config objects.
 
 Variants live in registries (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
 `LOSS_REDUCTIONS`) and are picked once at start-up with the `get_*` helpers, which fail on unknown
-names and options. Per-token tensors are [B, T] aligned to tokens; see `miles.algorithms.entropy`.
+names and options; their names are `miles.algorithms.names` (Literal types, no torch). Per-token
+tensors are [B, T] aligned to tokens; see `miles.algorithms.entropy`.
+
+The names below load on first use, so `miles.algorithms.names` imports without torch.
 """
 
-from miles.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    TOKEN_LEVEL_ESTIMATORS,
-    broadcast_to_tokens,
-    gae,
-    get_advantage_estimator,
-    grpo_advantages,
-    last_token_rewards,
-    normalize_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    reinforce_plus_plus_returns,
-    rloo_advantages,
-)
-from miles.algorithms.entropy import entropy_from_logits, logprobs_from_logits
-from miles.algorithms.kl import KL_ESTIMATORS, get_kl_estimator, kl_estimate
-from miles.algorithms.losses import (
-    POLICY_LOSSES,
-    get_policy_loss,
-    gspo_loss,
-    mismatch_metrics,
-    ppo_clip_loss,
-    sft_loss,
-    tis_weights,
-    value_loss,
-)
-from miles.algorithms.reduce import (
-    LOSS_REDUCTIONS,
-    NORMALIZER_COUNTS,
-    count_sequences,
-    count_tokens,
-    masked_mean,
-    masked_sum,
-    seq_mean_token_mean,
-    seq_mean_token_sum_norm,
-    token_mean,
-)
-from miles.algorithms.registry import select
-from miles.algorithms.shaping import group_reward_std, overlong_penalty
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_REDUCTIONS", "NORMALIZER_COUNTS", "POLICY_LOSSES",
-    "TOKEN_LEVEL_ESTIMATORS", "broadcast_to_tokens", "count_sequences", "count_tokens", "entropy_from_logits",
-    "gae", "get_advantage_estimator", "get_kl_estimator", "get_policy_loss", "group_reward_std", "grpo_advantages",
-    "gspo_loss", "overlong_penalty",
-    "kl_estimate", "last_token_rewards", "logprobs_from_logits", "masked_mean", "masked_sum",
-    "mismatch_metrics", "normalize_advantages", "ppo_clip_loss", "reinforce_plus_plus_baseline_advantages",
-    "reinforce_plus_plus_returns", "rloo_advantages", "select", "seq_mean_token_mean",
-    "seq_mean_token_sum_norm", "sft_loss", "tis_weights", "token_mean", "value_loss",
-]
+import importlib
+from typing import Any
+
+_MODULES = {   # submodule: the names it exports here
+    "advantages": ("ADVANTAGE_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "broadcast_to_tokens", "gae",
+                   "get_advantage_estimator", "grpo_advantages", "last_token_rewards", "normalize_advantages",
+                   "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns", "rloo_advantages"),
+    "entropy": ("entropy_from_logits", "logprobs_from_logits"),
+    "kl": ("KL_ESTIMATORS", "get_kl_estimator", "kl_estimate"),
+    "losses": ("POLICY_LOSSES", "get_policy_loss", "gspo_loss", "mismatch_metrics", "ppo_clip_loss", "sft_loss",
+               "tis_weights", "value_loss"),
+    "reduce": ("LOSS_REDUCTIONS", "NORMALIZER_COUNTS", "count_sequences", "count_tokens", "masked_mean", "masked_sum",
+               "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"),
+    "registry": ("select",),
+    "shaping": ("group_reward_std", "overlong_penalty"),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"miles.algorithms.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'miles.algorithms' has no attribute {name!r}")

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, TOKEN_LEVEL_ESTIMATORS, check_registry
 from miles.algorithms.reduce import masked_mean
 from miles.algorithms.registry import select
 
@@ -155,7 +156,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
 }
 
-TOKEN_LEVEL_ESTIMATORS = frozenset({"ppo", "reinforce_plus_plus"})  # use gae / reinforce_plus_plus_returns
+# ppo and reinforce_plus_plus are token-level (TOKEN_LEVEL_ESTIMATORS): gae / reinforce_plus_plus_returns
+check_registry({*ADVANTAGE_ESTIMATORS, *TOKEN_LEVEL_ESTIMATORS}, ADVANTAGE_ESTIMATOR_NAMES, "advantage estimator")
 
 
 def get_advantage_estimator(name: str, **options: object) -> Callable[[Tensor, int], Tensor]:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from miles.algorithms.names import KL_LOSS_TYPES, check_registry
 from miles.algorithms.registry import select
 
 
@@ -47,6 +48,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k3": kl_k3,
     "low_var_kl": kl_low_var,
 }
+check_registry(KL_ESTIMATORS, KL_LOSS_TYPES, "KL estimator")
 
 
 def get_kl_estimator(kind: str) -> Callable[[Tensor, Tensor], Tensor]:

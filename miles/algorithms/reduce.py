@@ -36,6 +36,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from miles.algorithms.names import LOSS_AGG_MODES, check_registry
+
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """Sum of `x` where `mask` is true. Masked-out entries are dropped (not multiplied), so NaN or
@@ -101,3 +103,5 @@ NORMALIZER_COUNTS: dict[str, Callable[[Tensor], int]] = {
     "seq_mean_token_mean": count_sequences,
     "seq_mean_token_sum_norm": count_sequences,
 }
+check_registry(LOSS_REDUCTIONS, LOSS_AGG_MODES, "loss reduction")
+check_registry(NORMALIZER_COUNTS, LOSS_AGG_MODES, "normalizer count")

@@ -1,61 +1,44 @@
-"""What a checkpoint holds and how the run writes and reads it, on top of the atomic store.
+"""What a checkpoint holds, and writing one atomically on top of the store.
 
-    iter_<id>/trainer/    weights (safetensors), optimizer, RNG states, step count (Trainer.save)
+    iter_<id>/trainer/    weights (safetensors), optimizer, RNG states, step count (the trainer's `save`)
     iter_<id>/rollout.json  the prompt iterator's position (RolloutExecutor.state_dict)
     iter_<id>/hf/         an HF-format export (AutoModelForCausalLM.from_pretrained loads it)
-    iter_<id>/critic/     PPO's critic (Critic.save), unless --critic-save keeps it in a store of its own
+    iter_<id>/critic/     PPO's critic (the critic's `save`), unless --critic-save keeps it in a store of its own
     iter_<id>/manifest.json  rollout_id, weight_version, files (written by the store at commit)
 
 Everything is written into the store's temporary directory; the rename at commit publishes it, so
-a crash at any point of a save leaves the previous checkpoint the newest complete one.
+a crash at any point of a save leaves the previous checkpoint the newest complete one. This module
+takes plain values (paths, dicts, a coroutine function that writes the parts): who writes each part
+(a Ray actor, in a run) is the save phase's business.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from miles.checkpoint.store import CheckpointStore
 
 TRAINER_DIR, ROLLOUT_FILE, HF_DIR, CRITIC_DIR = "trainer", "rollout.json", "hf", "critic"
 
 
-async def save_checkpoint(store: CheckpointStore, rollout_id: int, *, trainer: Any, executor: Any,
-                          weight_version: int, save_hf: bool, critic: Any = None) -> Path:
-    """`trainer`, `executor` (and `critic`, when given) are Ray actor handles (their methods are
-    awaited through `.remote`)."""
+async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callable[[Path], Awaitable[Any]],
+                          manifest: dict[str, Any]) -> Path:
+    """`await write(folder)` into a fresh temporary folder, then commit it as checkpoint `rollout_id`
+    with the caller's manifest fields; any failure (or cancellation) aborts it and re-raises."""
     tmp = store.begin(rollout_id)
     try:
-        await trainer.save.remote(str(tmp / TRAINER_DIR))
-        state = await executor.state_dict.remote()
-        (tmp / ROLLOUT_FILE).write_text(json.dumps(state))
-        if save_hf:
-            await trainer.export_hf.remote(str(tmp / HF_DIR))
-        if critic is not None:
-            await critic.save.remote(str(tmp / CRITIC_DIR))
-        return store.commit(tmp, rollout_id, {"weight_version": weight_version, "hf_export": save_hf,
-                                              "critic": critic is not None})
+        await write(tmp)
+        return store.commit(tmp, rollout_id, manifest)
     except BaseException:
         store.abort(tmp)
         raise
 
 
-async def save_critic_checkpoint(store: CheckpointStore, rollout_id: int, *, critic: Any) -> Path:
-    """The critic alone, as `iter_<id>/critic/` of its own store (--critic-save)."""
-    tmp = store.begin(rollout_id)
-    try:
-        await critic.save.remote(str(tmp / CRITIC_DIR))
-        return store.commit(tmp, rollout_id, {"critic": True})
-    except BaseException:
-        store.abort(tmp)
-        raise
+def write_data_position(folder: Path, state: dict[str, Any]) -> None:
+    (folder / ROLLOUT_FILE).write_text(json.dumps(state))
 
 
-async def load_checkpoint(path: Path, *, trainer: Any, executor: Any, critic: Any = None) -> None:
-    """Restore trainer and data position, and the critic when given and the checkpoint holds one (a
-    critic kept under --critic-save comes back through --critic-load instead)."""
-    await trainer.load.remote(str(path / TRAINER_DIR))
-    await executor.load_state_dict.remote(json.loads((path / ROLLOUT_FILE).read_text()))
-    if critic is not None and (path / CRITIC_DIR).is_dir():
-        await critic.load.remote(str(path / CRITIC_DIR))
+def read_data_position(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / ROLLOUT_FILE).read_text())

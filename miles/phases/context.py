@@ -10,26 +10,37 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from miles.config import RunConfig
 from miles.runtime import Disposer, PhaseContext, Tracer
+
+if TYPE_CHECKING:
+    import ray
+
+    from miles.checkpoint.store import CheckpointStore
+    from miles.cluster.ray_cluster import ActorResource, RayCluster
+    from miles.phases.init import Backends
+    from miles.rollout.evals import EvalDispatcher
+    from miles.rollout.prefetch import Prefetcher
+    from miles.runtime.supervisor import RestartBudget
+    from miles.tracking.sinks import Tracker
 
 
 @dataclass
 class Components:
     """What `init` creates; every one of them is registered with the disposer where it is created."""
 
-    cluster: Any = None          # miles.cluster.RayCluster
-    engines: list[Any] | None = None   # ActorResource of EmbeddedEngine
-    executor: Any = None         # ActorResource of RolloutExecutor
-    trainer: Any = None          # ActorResource of Trainer
-    metrics: Any = None          # MetricsWriter
-    store: Any = None            # CheckpointStore (under --save), or None
-    critic: Any = None           # ActorResource of Critic (--advantage-estimator ppo), or None
-    critic_store: Any = None     # CheckpointStore of the critic alone (--critic-save elsewhere than --save), or None
-    prefetch: Any = None         # async machine: miles.phases.prefetch.Prefetcher
-    evals: Any = None            # async machine: miles.phases.eval_dispatch.EvalDispatcher
+    cluster: RayCluster | None = None
+    engines: list[ActorResource] | None = None    # each an engine actor (miles.rollout.protocol.Engine)
+    executor: ActorResource | None = None         # the RolloutExecutor actor
+    trainer: ActorResource | None = None          # the trainer actor (miles.training.protocol.TrainerBackend)
+    metrics: Tracker | None = None
+    store: CheckpointStore | None = None          # under --save
+    critic: ActorResource | None = None           # PPO's critic actor (miles.training.protocol.CriticBackend)
+    critic_store: CheckpointStore | None = None   # the critic's own (--critic-save elsewhere than --save)
+    prefetch: Prefetcher | None = None            # async machine
+    evals: EvalDispatcher | None = None           # async machine
 
 
 class TrainingContext(PhaseContext):
@@ -37,19 +48,21 @@ class TrainingContext(PhaseContext):
         super().__init__(tracer=tracer, disposer=disposer)
         self.cfg, self.run_id, self.run_dir = cfg, run_id, run_dir
         self.c = Components()
+        self.backends: Backends | None = None          # the implementation classes, picked by init
         self.start_rollout = 0
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
         self.evaluated_version: int | None = None
-        self.batch_ref: Any = None                     # the current rollout's batch (a Ray ObjectRef)
+        self.batch_ref: ray.ObjectRef | None = None    # the current rollout's samples, for the trainer
         self.save_requested = False                    # a host asked for a save now
-        self.engine_budget: Any = None                 # RestartBudget, made at the first restart
+        self.engine_budget: RestartBudget | None = None  # made at the first restart
         self.engine_restarts = 0
         self.last_metrics: dict[str, Any] = {}
         self.metrics_history: list[dict[str, Any]] = []
-        self.in_flight: list[Any] = []                 # work running between phases; `draining` settles each
-        self.data_states: dict[int, Any] = {}          # async: data position right after rollout r's prompts
+        # work running between phases: `draining` awaits each of these settlers, in order
+        self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
+        self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:

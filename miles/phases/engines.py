@@ -15,7 +15,6 @@ from typing import Any, Awaitable, Callable, TypeVar
 import ray
 
 from miles.phases.context import TrainingContext
-from miles.rollout.engine import EmbeddedEngine
 from miles.runtime.supervisor import RestartBudget
 
 T = TypeVar("T")
@@ -24,8 +23,8 @@ PROBE_TIMEOUT_S = 10.0
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
     cfg = ctx.cfg
-    engine = ctx.c.cluster.actor(EmbeddedEngine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
-                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout.seed + index)
+    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
+                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
 

@@ -3,19 +3,22 @@ where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
 is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
-starts.
+starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
+`miles.rollout.protocol` and `miles.training.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, as_dict
+from miles.config import ConfigError, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
@@ -23,16 +26,35 @@ from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.protocol import ENGINES, Engine
 from miles.rollout.rewards import load_reward_fn
+from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
-from miles.training.critic import Critic
-from miles.training.trainer import Trainer
+from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The implementation classes a run uses; the composition root makes them actors."""
+
+    engine: type[Engine]
+    trainer: type[TrainerBackend]
+    critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
+
+
+def pick_backends(cfg: RunConfig) -> Backends:
+    """--rollout-engine and --train-backend → classes, imported now (validate checked the names)."""
+    spec = TRAIN_BACKENDS[cfg.train.backend]
+    ppo = cfg.algorithm.advantage_estimator == "ppo"
+    return Backends(engine=import_object(ENGINES[cfg.rollout.engine]), trainer=import_object(spec.trainer),
+                    critic=import_object(spec.critic) if ppo and spec.critic else None)
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
+    ctx.backends = pick_backends(cfg)
     tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -52,7 +74,8 @@ async def init(ctx: TrainingContext) -> str:
     ctx.c.executor = ctx.c.cluster.actor(
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
-        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], sft_responses=sft_responses)
+        tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
+        sft_responses=sft_responses)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
@@ -77,14 +100,20 @@ async def init(ctx: TrainingContext) -> str:
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
-    ctx.c.trainer = ctx.c.cluster.actor(Trainer, cfg.model.hf_checkpoint, name="trainer", train=cfg.train,
-                                        algorithm=cfg.algorithm, device=cfg.model.device, dtype=cfg.model.dtype)
+    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
+                                        **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
-    if cfg.algorithm.advantage_estimator == "ppo":
+    if ctx.backends.critic is not None:
         ctx.c.critic = ctx.c.cluster.actor(
-            Critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def trainer_options(cfg: RunConfig) -> dict[str, Any]:
+    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn."""
+    return dict(train=cfg.train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
+                dtype=cfg.model.dtype)
 
 
 def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
@@ -124,15 +153,16 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 async def _resume(ctx: TrainingContext) -> None:
     """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
     complete checkpoint under --load; with none there, start from --hf-checkpoint."""
-    from miles.checkpoint.checkpointer import load_checkpoint
-
     found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
     if found is None:
         ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
         return
     rollout_id, path = found
-    await load_checkpoint(path, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
-                          critic=ctx.c.critic.handle if ctx.c.critic is not None else None)
+    await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+    # a critic kept under --critic-save comes back through --critic-load instead
+    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+        await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
     ctx.start_rollout = ctx.next_rollout = rollout_id + 1
     ctx.weight_version = 0              # the engines hold the disk weights until the first sync
     ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)

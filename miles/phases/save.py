@@ -1,25 +1,36 @@
-"""`save`: an atomic checkpoint of the rollout just trained (see miles/checkpoint/checkpointer.py)."""
+"""`save`, for every machine: an atomic checkpoint of the rollout just trained.
+
+The checkpoint under --save holds the trainer, the data position, the HF export (unless --no-save-hf)
+and PPO's critic; a critic with a store of its own (--critic-save elsewhere) is saved there instead,
+and with --critic-save alone only the critic is saved. The data position is the one recorded right
+after the saved rollout's prompts were drawn (`ctx.data_states`, which the async machine fills: by
+now its executor has already served the next rollout's prompts); with none recorded (sync) the
+executor's live position is that one. Layout: miles/checkpoint/checkpointer.py.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+from typing import Any
 
-from miles.checkpoint.checkpointer import save_checkpoint, save_critic_checkpoint
+from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, save_atomically,
+                                           write_data_position)
 from miles.phases.context import TrainingContext
 
 
 async def save(ctx: TrainingContext) -> str:
     rid = ctx.next_rollout - 1
     t0 = time.monotonic()
-    critic = ctx.c.critic.handle if ctx.c.critic is not None else None
     path = None
-    if ctx.c.store is not None:      # the critic goes inside, unless it has a store of its own (--critic-save)
-        path = await save_checkpoint(ctx.c.store, rid, trainer=ctx.c.trainer.handle, executor=ctx.c.executor.handle,
-                                     weight_version=ctx.next_rollout, save_hf=ctx.cfg.checkpoint.save_hf,
-                                     critic=critic if ctx.c.critic_store is None else None)
+    if ctx.c.store is not None:
+        path = await _save_run(ctx, rid)
     if ctx.c.critic_store is not None:
-        critic_path = await save_critic_checkpoint(ctx.c.critic_store, rid, critic=critic)
+        critic = ctx.c.critic.handle
+        critic_path = await save_atomically(ctx.c.critic_store, rid,
+                                            lambda folder: critic.save.remote(str(folder / CRITIC_DIR)),
+                                            {"critic": True})
         ctx.tracer.emit("critic_checkpoint_saved", rollout_id=rid, path=str(critic_path))
     ctx.save_requested = False
     sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
@@ -28,3 +39,23 @@ async def save(ctx: TrainingContext) -> str:
     ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path) if path else None,
                     duration_s=round(time.monotonic() - t0, 6))
     return "next"
+
+
+async def _save_run(ctx: TrainingContext, rid: int) -> Path:
+    """Trainer, data position, HF export and (without a store of its own) the critic, under --save."""
+    trainer, save_hf = ctx.c.trainer.handle, ctx.cfg.checkpoint.save_hf
+    critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
+    position = ctx.data_states.get(rid)
+    if position is None:                       # nothing drawn since rollout rid: the live position is its
+        position = await ctx.c.executor.handle.state_dict.remote()
+
+    async def write(folder: Path) -> Any:
+        await trainer.save.remote(str(folder / TRAINER_DIR))
+        write_data_position(folder, position)
+        if save_hf:
+            await trainer.export_hf.remote(str(folder / HF_DIR))
+        if critic is not None:
+            await critic.save.remote(str(folder / CRITIC_DIR))
+
+    return await save_atomically(ctx.c.store, rid, write, {"weight_version": ctx.next_rollout, "hf_export": save_hf,
+                                                           "critic": critic is not None})

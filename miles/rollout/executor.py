@@ -37,6 +37,13 @@ from miles.types import Generation, Prompt, RolloutBatch, Sample, SamplingParams
 Collected = tuple[list[Sample], dict[str, float]]   # a rollout's samples, grouped, and how they were collected
 
 
+# sampling seeds are a function of (run seed, rollout id, round) only, so a resumed run samples what the
+# uninterrupted one did; distinct primes keep nearby runs, rollouts and rounds from sharing a seed
+RUN_SEED_PRIME, ROLLOUT_SEED_PRIME, ROUND_SEED_STEP = 1_000_003, 1_009, 104_729
+EVAL_SEED_OFFSET = 7           # an eval at step r does not replay rollout r's sampling
+SEED_RANGE = 2**31             # seeds stay non-negative 32-bit ints
+
+
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -44,11 +51,12 @@ class Decoder(Protocol):
 class RolloutExecutor:
     def __init__(self, *, prompts: list[Prompt], eval_sets: dict[str, list[Prompt]], rollout: RolloutConfig,
                  algorithm: AlgorithmConfig, eval: EvalConfig, shuffle: bool, tokenizer: Decoder,  # noqa: A002
-                 engines: Sequence[Any], sft_responses: dict[int, tuple[int, ...]] | None = None):
+                 engines: Sequence[Any], seed: int, sft_responses: dict[int, tuple[int, ...]] | None = None):
         self._cfg, self._eval_cfg = rollout, eval
         dynamic = rollout.dynamic_sampling_filter_path
         per_round = (rollout.over_sampling_batch_size or rollout.batch_size) if dynamic else rollout.batch_size
-        self._iterator = PromptIterator(prompts, per_round, shuffle=shuffle, seed=rollout.seed)
+        self._base_seed = seed                # RunConfig.rollout_seed: prompt order and sampling
+        self._iterator = PromptIterator(prompts, per_round, shuffle=shuffle, seed=seed)
         self._eval_sets = eval_sets
         self._tokenizer = tokenizer
         self._engines = list(engines)
@@ -120,7 +128,7 @@ class RolloutExecutor:
 
     def _params(self, rollout_id: int, round_: int = 0) -> SamplingParams:
         c = self._cfg
-        seed = (self._seed(rollout_id) + round_ * 104_729) % (2**31)
+        seed = (self._seed(rollout_id) + round_ * ROUND_SEED_STEP) % SEED_RANGE
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                               max_new_tokens=c.max_response_len, seed=seed)
 
@@ -172,7 +180,7 @@ class RolloutExecutor:
         e, out = self._eval_cfg, {}
         params = SamplingParams(temperature=e.temperature, top_p=1.0 if e.temperature == 0 else self._cfg.top_p,
                                 max_new_tokens=e.max_response_len or self._cfg.max_response_len,
-                                seed=self._seed(rollout_id) + 7)
+                                seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
         for name, prompts in self._eval_sets.items():
             t0 = time.monotonic()
             samples = await self._sample(prompts, e.n_samples_per_prompt, params)
@@ -209,7 +217,7 @@ class RolloutExecutor:
 
     def _seed(self, rollout_id: int) -> int:
         # a function of (seed, rollout id) only, so a resumed run samples what the uninterrupted one did
-        return (self._cfg.seed * 1_000_003 + rollout_id * 1_009) % (2**31)
+        return (self._base_seed * RUN_SEED_PRIME + rollout_id * ROLLOUT_SEED_PRIME) % SEED_RANGE
 
 
 def _with_seed(params: SamplingParams, seed: int | None, engine: int) -> SamplingParams:

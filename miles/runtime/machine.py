@@ -69,6 +69,16 @@ class MachineDef:
         return {s.name for s in self.states.values() if s.final}
 
     @property
+    def drain_state(self) -> str:
+        """Where a failure goes: the state that settles in-flight work before the teardown."""
+        return self.transitions_from(self.initial, FAIL)[0].dest
+
+    @property
+    def terminal_state(self) -> str:
+        """Where the run ends: the final state a failure while draining goes to."""
+        return self.transitions_from(self.drain_state, FAIL)[0].dest
+
+    @property
     def guards(self) -> set[str]:
         return {g for t in self.transitions for g in (*t.conditions, *t.unless)}
 
@@ -100,23 +110,29 @@ class MachineDef:
         if problems:
             raise MachineDefinitionError(self.source, sorted(set(problems)))
 
-    def build(self, model: Any, context: Any) -> Machine:
-        """A `transitions.Machine` on `model`, guards bound to `context`. It only decides moves."""
-        self.check_guards(context)
+    def build(self, model: Any, guard: Callable[[str], Callable[[], bool]]) -> Machine:
+        """A `transitions.Machine` on `model`; each guard name becomes the callable `guard(name)`. It
+        only decides moves (the runner hands it guard values it evaluated once per decision)."""
         spec = [{"trigger": t.trigger, "source": t.source, "dest": t.dest,
-                 "conditions": [getattr(context, g) for g in t.conditions],
-                 "unless": [getattr(context, g) for g in t.unless]} for t in self.transitions]
+                 "conditions": [guard(g) for g in t.conditions],
+                 "unless": [guard(g) for g in t.unless]} for t in self.transitions]
         return Machine(model=model, states=list(self.states), transitions=spec, initial=self.initial,
                        auto_transitions=False, send_event=False, queued=False)
 
 
-def import_handler(path: str) -> Callable[..., Any]:
+def import_object(path: str) -> Any:
+    """The object a `package.module:name` path names (phase handlers, backend classes)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError("expected 'package.module:function'")
+        raise ValueError(f"{path!r}: expected 'package.module:name'")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
+    return obj
+
+
+def import_handler(path: str) -> Callable[..., Any]:
+    obj = import_object(path)
     if not inspect.iscoroutinefunction(obj):
         raise TypeError(f"{path} must be an async function taking the run context")
     return obj
@@ -125,9 +141,21 @@ def import_handler(path: str) -> Callable[..., Any]:
 # -- loading ---------------------------------------------------------------------------------------
 
 
+# a source checkout run with only PYTHONPATH set has no `miles.machines` (setup.py maps the top-level
+# machines/ folder to it at install time): the checkout's own folder is the same files
+_CHECKOUT_MACHINES = Path(__file__).resolve().parents[2] / "machines"
+
+
+def builtin_dir() -> Any:
+    """The folder of the built-in machines: the installed `miles.machines`, else the checkout's machines/."""
+    try:
+        return importlib.resources.files("miles.machines")
+    except ModuleNotFoundError:
+        return _CHECKOUT_MACHINES
+
+
 def builtin_machines() -> list[str]:
-    return sorted(p.name[:-5] for p in importlib.resources.files("miles.machines").iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in builtin_dir().iterdir() if p.name.endswith(".yaml"))
 
 
 def machine_path(name_or_path: str | Path) -> Path | None:
@@ -135,7 +163,7 @@ def machine_path(name_or_path: str | Path) -> Path | None:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
-    res = importlib.resources.files("miles.machines") / f"{name_or_path}.yaml"
+    res = builtin_dir() / f"{name_or_path}.yaml"
     return Path(str(res)) if res.is_file() else None
 
 

@@ -9,6 +9,10 @@ Every way out ends the same: an exception (or cancellation, or KeyboardInterrupt
 `fail` → `draining` → `shutdown`; a stop request fires `stop` → `draining` once the current phase
 ends; an error while draining fires `fail` → `shutdown`. Entering `shutdown` unwinds the disposer.
 The first failure is what `run()` raises; teardown errors are attached to it.
+
+The runner names no state: where `fail` and `stop` lead, and whether a trigger is legal at all, are
+the machine's (`transitions` answers `get_triggers`); the final state ends the loop. Each guard is
+called once per decision: the machine decides on those values and the `transition` event records them.
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any, Callable
-
-from transitions import MachineError
 
 from .disposer import Disposer, merge_teardown_errors
 from .machine import FAIL, STOP, MachineDef
@@ -49,7 +51,9 @@ class Runner:
         self.ctx = context
         self.handlers = handlers if handlers is not None else definition.resolve_phases()
         self._model = _Model()
-        definition.build(self._model, context)     # validates guards before any phase runs
+        definition.check_guards(context)           # every guard exists before any phase runs
+        self._decided: dict[str, bool] = {}         # the guards' values for the move being made
+        self._machine = definition.build(self._model, self._decided_guard)
         self.failure: BaseException | None = None
         self.history: list[tuple[str, str, str]] = []   # (src, trigger, dst)
 
@@ -85,30 +89,38 @@ class Runner:
             raise TypeError(f"phase {state!r} returned {trigger!r}; a phase returns the trigger name to fire")
         end = self.tracer.emit("phase_end", state=state, rollout_id=self.ctx.rollout_id, trigger=trigger,
                                duration_s=round(time.monotonic() - t0, 6), cause=start)
-        if self.ctx.stop_requested.is_set() and state != "draining" and trigger != STOP:
+        # a stop is honoured where the machine has a stop route (not while draining: it would be moot)
+        if self.ctx.stop_requested.is_set() and trigger != STOP and self._allows(state, STOP):
             self.tracer.emit("stop_honoured", state=state, ignored_trigger=trigger, cause=end)
             trigger = STOP
         self._fire(trigger, cause=end)
 
     def _fire(self, trigger: str, *, cause: int | None) -> None:
         src = self.state
-        guards = self._guard_values(src, trigger)
-        try:
-            moved = self._model.trigger(trigger)
-        except (MachineError, AttributeError) as exc:
+        if not self._allows(src, trigger):
             raise IllegalTransition(f"trigger {trigger!r} is not allowed from state {src!r} in machine "
-                                    f"{self.definition.name} ({self.definition.source})") from exc
+                                    f"{self.definition.name} ({self.definition.source})")
+        self._decided = self._evaluate_guards(src, trigger)
+        moved = self._model.trigger(trigger)
         if not moved:
             raise IllegalTransition(f"trigger {trigger!r} from state {src!r}: no guard allowed any "
                                     f"destination ({self.definition.source})")
         self.history.append((src, trigger, self.state))
         self.tracer.emit("transition", src=src, dst=self.state, trigger=trigger,
-                         rollout_id=self.ctx.rollout_id, cause=cause, guards=guards)
+                         rollout_id=self.ctx.rollout_id, cause=cause, guards=self._decided or None)
 
-    def _guard_values(self, src: str, trigger: str) -> dict[str, bool] | None:
-        """The guards deciding this move, as evaluated now (the trace checker replays them)."""
+    def _allows(self, state: str, trigger: str) -> bool:
+        """Whether the machine has `trigger` from `state` at all (its guards decide where it leads)."""
+        return trigger in self._machine.get_triggers(state)
+
+    def _evaluate_guards(self, src: str, trigger: str) -> dict[str, bool]:
+        """Each guard deciding this move, called once: the machine decides on these values and the
+        trace records them (a guard that reads the filesystem is not read twice)."""
         names = {g for t in self.definition.transitions_from(src, trigger) for g in (*t.conditions, *t.unless)}
-        return {g: bool(getattr(self.ctx, g)()) for g in sorted(names)} or None
+        return {g: bool(getattr(self.ctx, g)()) for g in sorted(names)}
+
+    def _decided_guard(self, name: str) -> Callable[[], bool]:
+        return lambda: self._decided[name]
 
     def _on_failure(self, exc: BaseException) -> None:
         state = self.state
@@ -123,7 +135,7 @@ class Runner:
             self._fire(FAIL, cause=seq)
         except IllegalTransition as bad:  # a validated definition makes this unreachable
             self.tracer.emit("error", state=state, error=bad)
-            self._model.state = "shutdown"
+            self._model.state = self.definition.terminal_state
 
     async def _shutdown(self, t0: float) -> None:
         self.ctx.state = self.state

@@ -1,4 +1,4 @@
-"""Reading a run from its trace alone: `miles trace show | plot | check | diff`, `miles machine show`.
+"""Reading a run from its trace alone: the model behind `miles trace ...` and `miles machine ...` (miles/cli).
 
 Nothing here imports torch or Ray; the commands read `trace.jsonl` and the machine YAML only.
 """

@@ -1,7 +1,3 @@
-"""The training side: `TrainBatch` packing and the torch `Trainer` (a plain class; the composition
-root makes it a Ray actor)."""
-
-from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training.trainer import Trainer
-
-__all__ = ["TrainBatch", "Trainer", "make_train_batch", "split"]
+"""The training side: the seam (`protocol`: what a backend implements, the registry), the torch
+`Trainer` and `Critic`, `TrainBatch` packing. Nothing loads torch at package import: the flag table
+reads the registry without it."""

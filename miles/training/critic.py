@@ -21,9 +21,6 @@ A plain class; the composition root makes it a Ray actor.
 
 from __future__ import annotations
 
-import gc
-import json
-import math
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -37,16 +34,15 @@ from miles.algorithms import masked_mean, token_mean, value_loss
 from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder inside a checkpoint
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training.rng import seed_everything
-from miles.training.schedule import lr_schedule
+from miles.training.shell import OptimizedModel
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
-from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
 
 log = structlog.get_logger().bind(role="critic")
 
 # a critic folder is an HF folder of the backbone (save_pretrained) plus these
-HEAD_FILE, OPTIMIZER_FILE, STATE_FILE = "value_head.safetensors", "optimizer.pt", "critic_state.json"
+HEAD_FILE, STATE_FILE = "value_head.safetensors", "critic_state.json"      # and the shell's OPTIMIZER_FILE
 
 
 class ValueModel(nn.Module):
@@ -83,30 +79,22 @@ def resolve_critic_source(path: str) -> tuple[str, Path | None]:
                             f"({HEAD_FILE}) nor a checkpoint root whose newest checkpoint has {CRITIC_DIR}/")
 
 
-class Critic:
+class Critic(OptimizedModel):
+    role, state_file, lr_hint = "critic", STATE_FILE, "--critic-lr"
+
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from: str | None = None,
                  device: str = "auto", dtype: str = "auto"):
-        seed_everything(train.seed)
-        self.device = resolve_device(device)
-        self.compute_dtype = resolve_dtype(dtype, self.device)
-        self._cfg = train
+        """`train` is the run's with lr = --critic-lr (the composition root's): the schedule runs at it."""
+        super().__init__(train=train, device=device, dtype=dtype)
         self._value_clip = algorithm.value_clip or None      # 0 turns value clipping off
-        self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
-        self._lr_at = lr_schedule(train)         # the run's schedule at --critic-lr
         backbone, restore = resolve_critic_source(init_from or model_path)
         self._model = ValueModel(load_causal_lm(backbone, device=self.device, dtype=torch.float32)).to(self.device)
         self._tokenizer = tokenizer = load_tokenizer(backbone)
         self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                            betas=(train.adam_beta1, train.adam_beta2))
-        self._num_steps = 0
+        self._start_optimizer(self._model)
         if restore is not None:          # the backbone came from the folder already; head, optimizer, steps
             self._load_state(restore)
         log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device))
-
-    @property
-    def num_steps(self) -> int:
-        return self._num_steps
 
     # --- values and training -------------------------------------------------------------------
     @torch.no_grad()
@@ -115,7 +103,7 @@ class Critic:
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         start = 0
-        for mb in split(batch, self._cfg.micro_batch_size):
+        for mb in split(batch, self._train_cfg.micro_batch_size):
             out[start:start + mb.size, :mb.tokens.shape[1]] = self._forward(mb)
             start += mb.size
         return torch.where(batch.loss_mask, out, torch.zeros((), device=self.device)).cpu()
@@ -129,7 +117,7 @@ class Critic:
             raise ValueError(f"values {tuple(values.shape)} / returns {tuple(returns.shape)} do not match the packed "
                              f"samples {tuple(batch.tokens.shape)}")
         batch = replace(batch, values=values.float(), returns=returns.float()).to(self.device)
-        size = self._cfg.global_batch_size or batch.size
+        size = self._train_cfg.global_batch_size or batch.size
         steps = [self._step(gb) for gb in split(batch, size)]
         metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         mask = batch.loss_mask
@@ -144,26 +132,18 @@ class Critic:
         self._optimizer.zero_grad(set_to_none=True)
         normalizer = max(batch.num_tokens, 1)
         sums: dict[str, float] = defaultdict(float)
-        for mb in split(batch, self._cfg.micro_batch_size):
+        for mb in split(batch, self._train_cfg.micro_batch_size):
             v = self._forward(mb)
             loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, value_clip=self._value_clip,
                                  reduce=token_mean, normalizer=normalizer)
             loss.backward()
             sums["value_loss"] += loss.item()
             sums["value_clip_frac"] += float(m["value_clip_frac"]) * mb.num_tokens / normalizer
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"critic gradient norm is {grad_norm} at step {self._num_steps}; "
-                                     f"lower --critic-lr or set --clip-grad")
-        for group in self._optimizer.param_groups:
-            group["lr"] = self._lr_at(self._num_steps)
-        self._optimizer.step()
-        self._num_steps += 1
+        grad_norm = self._optimizer_step()
         return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
 
     def _forward(self, mb: TrainBatch) -> Tensor:
-        with torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
-                            enabled=self.compute_dtype != torch.float32):
+        with self._autocast():
             return self._model(mb.tokens, mb.attention_mask)
 
     # --- state -----------------------------------------------------------------------------------
@@ -177,8 +157,7 @@ class Critic:
         model.lm.save_pretrained(str(path))
         self._tokenizer.save_pretrained(str(path))
         save_file(state_dict_to_cpu(model_weights(model.value_head)), str(path / HEAD_FILE))
-        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
-        (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps}))
+        self._save_optimizer(path)
 
     def load(self, path: str | Path) -> None:
         """Restore what `save` wrote: backbone, head, optimizer state, step count."""
@@ -193,20 +172,4 @@ class Critic:
         from safetensors.torch import load_file
 
         load_weights(self._live().value_head, load_file(str(path / HEAD_FILE)))
-        if (path / OPTIMIZER_FILE).is_file():
-            self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
-                                                       weights_only=True))
-        if (path / STATE_FILE).is_file():
-            self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
-
-    def _live(self) -> ValueModel:
-        if self._model is None:
-            raise RuntimeError("the critic was disposed; create a new Critic")
-        return self._model
-
-    def dispose(self) -> None:
-        """Free the value model and the optimizer state. Idempotent. The actor itself is the run's."""
-        self._model = self._optimizer = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._load_optimizer(path)

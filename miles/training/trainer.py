@@ -27,9 +27,6 @@ A plain class; the composition root makes it a Ray actor.
 from __future__ import annotations
 
 import copy
-import gc
-import json
-import math
 import time
 from collections import defaultdict
 from functools import partial
@@ -43,18 +40,19 @@ from torch import Tensor
 from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
                               get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
                               normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
-from miles.config import AlgorithmConfig, ConfigError, TrainConfig
+from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
+from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training.rng import rng_state, seed_everything, set_rng_state
-from miles.training.schedule import lr_schedule
+from miles.training.rng import rng_state, set_rng_state
+from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
-from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device, resolve_dtype
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
 
 log = structlog.get_logger().bind(role="trainer")
 
 # files written by save(); load() needs all of them (REF_FILE only with --ref-update-interval)
-MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"
+MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
 
 # (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
@@ -62,10 +60,9 @@ Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
 # (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
 # fills batch.advantages
 AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
-TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")
 
 
-def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig) -> list[str]:
+def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
     problems = []
     if train.micro_batch_size < 1:
         problems.append(f"--micro-batch-size must be >= 1, got {train.micro_batch_size}")
@@ -73,15 +70,15 @@ def _config_problems(train: TrainConfig, algorithm: AlgorithmConfig) -> list[str
         problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
     if train.clip_grad < 0:
         problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
-    if algorithm.loss_type not in ("policy_loss", "sft_loss"):
-        problems.append(f"--loss-type must be policy_loss or sft_loss, got {algorithm.loss_type!r}")
-    if algorithm.loss_agg_mode not in LOSS_REDUCTIONS:
-        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_REDUCTIONS)}, got {algorithm.loss_agg_mode!r}")
+    if algorithm.loss_type not in LOSS_TYPES:
+        problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
+    if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
     if algorithm.use_tis and algorithm.use_rollout_logprobs:
         problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
-    if not algorithm.temperature > 0:
-        problems.append(f"the train-side temperature must be > 0 (greedy rollouts cannot be trained on), "
-                        f"got {algorithm.temperature}")
+    if not rollout.temperature > 0:
+        problems.append(f"--rollout-temperature must be > 0 to train on the rollouts (greedy ones cannot be), "
+                        f"got {rollout.temperature}")
     return problems
 
 
@@ -102,10 +99,11 @@ def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
     return logprobs.new_zeros(()), {}
 
 
-def _pick_reduction(algorithm: AlgorithmConfig) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
+def _pick_reduction(algorithm: AlgorithmConfig,
+                    max_response_len: int) -> tuple[Callable[..., Tensor], Callable[[Tensor], int]]:
     """The loss reduction of --loss-agg-mode and what each micro-batch adds to its normalizer."""
     mode = algorithm.loss_agg_mode
-    options = {"max_len": algorithm.max_response_len} if mode == "seq_mean_token_sum_norm" else {}
+    options = {"max_len": max_response_len} if mode == "seq_mean_token_sum_norm" else {}
     return select(LOSS_REDUCTIONS, "loss reduction (--loss-agg-mode)", mode, **options), NORMALIZER_COUNTS[mode]
 
 
@@ -178,21 +176,22 @@ def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tup
             "tis_clip_frac": float(masked_mean(clipped.float(), mask))}
 
 
-class Trainer:
-    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, device: str = "auto",
-                 dtype: str = "auto"):
-        problems = _config_problems(train, algorithm)
+class Trainer(OptimizedModel):
+    role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
+
+    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
+                 device: str = "auto", dtype: str = "auto"):
+        """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
+        recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant."""
+        problems = _config_problems(train, algorithm, rollout)
         if problems:
             raise ConfigError(problems)
-        seed_everything(train.seed)
-        self.device = resolve_device(device)
-        self.compute_dtype = resolve_dtype(dtype, self.device)
-        self._train_cfg = train
-        self._temperature = algorithm.temperature
+        super().__init__(train=train, device=device, dtype=dtype)
+        self._temperature = rollout.temperature
         self._kl_coef = algorithm.kl_loss_coef
         self._entropy_coef = algorithm.entropy_coef
         self._entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
-        self._reduce, self._count = _pick_reduction(algorithm)
+        self._reduce, self._count = _pick_reduction(algorithm, rollout.max_response_len)
         self._policy_term, self._kl_term = _pick_terms(algorithm, self._reduce)
         self._advantages = _pick_advantages(algorithm)
         self._is_sft = algorithm.loss_type == "sft_loss"     # SFT needs neither old logprobs nor advantages
@@ -200,16 +199,12 @@ class Trainer:
         self._use_rollout_logprobs = algorithm.use_rollout_logprobs
         self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
         self._ref_interval = algorithm.ref_update_interval
-        self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
-        self._lr_at = lr_schedule(train)
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._tokenizer = load_tokenizer(model_path)
         pad = self._tokenizer.pad_token_id
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
         self._ref = self._make_reference(algorithm)
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                            betas=(train.adam_beta1, train.adam_beta2))
-        self._num_steps = 0
+        self._start_optimizer(self._model)
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None)
@@ -225,11 +220,6 @@ class Trainer:
     @property
     def model(self):
         return self._live()
-
-    @property
-    def num_steps(self) -> int:
-        """Optimizer steps taken since the initial weights (restored by `load`)."""
-        return self._num_steps
 
     # --- training ------------------------------------------------------------------------------
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
@@ -289,15 +279,7 @@ class Trainer:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(batch)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not math.isfinite(grad_norm):
-            # stepping would write NaN/inf into every weight; stop with the weights still good
-            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
-                                     f"lower --lr, set --clip-grad, or look for bad samples")
-        for group in self._optimizer.param_groups:
-            group["lr"] = self._lr_at(self._num_steps)
-        self._optimizer.step()
-        self._num_steps += 1
+        grad_norm = self._optimizer_step()
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
@@ -341,10 +323,6 @@ class Trainer:
             start += mb.size
         return out
 
-    def _autocast(self):
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
-                              enabled=self.compute_dtype != torch.float32)
-
     # --- weights and state ---------------------------------------------------------------------
     def weights(self) -> dict[str, Tensor]:
         """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
@@ -362,9 +340,8 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         save_file(self.weights(), str(path / MODEL_FILE))
-        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        self._save_optimizer(path)
         torch.save(rng_state(), path / RNG_FILE)
-        (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps}))
         if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
             save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
 
@@ -378,9 +355,8 @@ class Trainer:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")
         load_weights(self._live(), load_file(str(path / MODEL_FILE)))
-        self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+        self._load_optimizer(path)
         set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-        self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
         if self._ref_interval and (path / REF_FILE).is_file():
             load_weights(self._ref, load_file(str(path / REF_FILE)))
         self._prepared = None
@@ -390,15 +366,5 @@ class Trainer:
         self._live().save_pretrained(str(path))
         self._tokenizer.save_pretrained(str(path))
 
-    def _live(self):
-        if self._model is None:
-            raise RuntimeError("the trainer was disposed; create a new Trainer")
-        return self._model
-
-    def dispose(self) -> None:
-        """Free the model, the reference and the optimizer state (and the CUDA cache). Idempotent.
-        The actor itself is the run's."""
-        self._model = self._ref = self._optimizer = self._prepared = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def _release(self) -> None:
+        self._ref = self._prepared = None

@@ -47,8 +47,8 @@ def tiny_flags(root: Path) -> list[str]:
 
 
 def run_machine(machine: str, flags: list[str], run_dir: Path) -> dict:
-    from miles.cli_args import parse_flags
-    from miles.launch import train
+    from miles.config.flags import parse_flags
+    from miles.api.launch import train
     from miles.runtime import read_trace, with_disposer
 
     extra = []

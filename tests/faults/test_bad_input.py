@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.runtime import read_trace
-from miles.train_cli import main as train_main
+from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.cli_args import parse_flags
-from miles.launch import train
+from miles.config.flags import parse_flags
+from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
 from miles.runtime.procs import pid_running
 from tests.conftest import base_flags

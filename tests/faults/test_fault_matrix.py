@@ -26,12 +26,12 @@ import pytest
 import ray
 
 from miles.checkpoint.store import CheckpointStore
-from miles.cli_args import parse_flags
-from miles.launch import train
+from miles.config.flags import parse_flags
+from miles.api.launch import train
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.runtime.procs import pid_running
 from miles.tracetools.check import check_trace
-from miles.train_cli import run_with_signals
+from miles.cli.train import run_with_signals
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -170,7 +170,7 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
 @pytest.mark.parametrize("sig", ["sigint", "sigterm"])
 @pytest.mark.parametrize("state", STATES)
 def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
-    # the CLI's own signal path (miles.train_cli.run_with_signals) in this process: the injected
+    # the CLI's own signal path (miles.cli.train.run_with_signals) in this process: the injected
     # signal reaches its handlers exactly as a signal to a `miles train` process would
     cfg, _ = parse_flags(matrix_flags(tiny_task, tmp_path, f"{state}:{sig}"))
     code = run_with_signals(cfg, "sync", prog="miles train")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.cli_args import parse_flags
-from miles.train_cli import run_with_signals
+from miles.config.flags import parse_flags
+from miles.cli.train import run_with_signals
 from tests.faults.test_fault_matrix import EXPECTED, FATAL, STATES, assert_clean_end, matrix_flags, run_in_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

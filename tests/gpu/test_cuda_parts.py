@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.config import AlgorithmConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engine import EmbeddedEngine
 from miles.training.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
@@ -36,7 +36,8 @@ def test_engine_and_trainer_on_cuda_agree_and_learn(model_path):
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
     gens = engine.generate(prompts, params)
     assert gens == engine.generate(prompts, params)         # seeded sampling is reproducible on the GPU
-    trainer = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(eps_clip=0.2))
+    trainer = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(eps_clip=0.2),
+                      rollout=RolloutConfig(batch_size=1))
     samples = samples_from(prompts, gens, [1.0, -1.0] * 16)
     first = trainer.train(samples, rollout_id=0)
     # bf16 engine vs bf16-autocast trainer: close, not equal (fp32 on CPU agrees to 1e-5)

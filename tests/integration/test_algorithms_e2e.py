@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from miles.checkpoint.store import CheckpointStore
-from miles.cli_args import parse_flags
-from miles.launch import train
+from miles.config.flags import parse_flags
+from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
 from tests.conftest import base_flags
 

@@ -15,12 +15,12 @@ import json
 import pytest
 
 from miles.checkpoint.store import CheckpointStore
-from miles.cli_args import parse_flags
-from miles.launch import prepare_run
+from miles.config.flags import parse_flags
+from miles.api.launch import prepare_run
 from miles.phases.faults import InjectedFault
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.tracetools.check import check_trace
-from miles.train_cli import main as train_main
+from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
@@ -124,6 +124,18 @@ def test_checkpoint_holds_the_data_position_of_the_rollout_it_saved(ray_cluster,
         assert [p for p, _ in resumed[r]] == [p for p, _ in full[r]], r
     # resumed, rollout 2 is made by the weights synced at the start: on-policy for one step
     assert {v for _, v in resumed[2]} == {2}
+
+
+def test_async_saves_a_critic_with_its_own_store(ray_cluster, tiny_task, tmp_path):
+    # the bug: the async machine's own copy of the save never wrote --critic-save's store
+    code = train_main([*base_flags(tiny_task, tmp_path / "run", num_rollout=2, use_tis=True, advantage_estimator="ppo",
+                                   save=tmp_path / "ck", critic_save=tmp_path / "critic", save_interval=1),
+                       "--machine", "async"])
+    assert code == 0
+    critic, main = CheckpointStore(tmp_path / "critic"), CheckpointStore(tmp_path / "ck")
+    assert [r for r, _ in critic.list()] == [r for r, _ in main.list()] == [0, 1]
+    assert (critic.latest()[1] / "critic" / "value_head.safetensors").is_file()
+    assert not (main.latest()[1] / "critic").exists()
 
 
 def slow_eval_flags(task, tmp_path, **extra):

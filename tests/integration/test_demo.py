@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.cli_args import parse_flags
-from miles.launch import train
+from miles.config.flags import parse_flags
+from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
 from miles.tracetools.check import check_trace
 from miles.runtime import load_machine

@@ -9,10 +9,10 @@ import pytest
 from safetensors.torch import load_file
 
 from miles.checkpoint.store import CheckpointStore
-from miles.cli_args import parse_flags
-from miles.launch import train
+from miles.config.flags import parse_flags
+from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
-from miles.train_cli import main as train_main
+from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray

@@ -16,7 +16,7 @@ import pytest
 
 from miles.cli import main as miles_main
 from miles.runtime import read_trace
-from miles.train_cli import main as train_main
+from miles.cli.train import main as train_main
 from tests.conftest import base_flags
 
 pytestmark = pytest.mark.ray

@@ -10,27 +10,19 @@ import pytest
 from miles.config import (
     AlgorithmConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig, RolloutConfig, RunConfig,
 )
-from miles.phases.eval_dispatch import EvalDispatcher
-from miles.phases.prefetch import Prefetcher
+from miles.rollout.evals import EvalDispatcher
+from miles.rollout.prefetch import Prefetcher
 from miles.runtime import Tracer, load_machine
-from miles.validate import validate_for_machine
+from miles.config.validate import validate_for_machine
 
 
 class FakeExecutor:
-    """`generate_split.options(num_returns=2).remote(id)` -> (samples, metrics future)."""
+    """`request(id)` -> (samples, metrics future): the executor's generate_split, as the prefetcher asks."""
 
     def __init__(self):
         self.futures: dict[int, asyncio.Future] = {}
 
-    @property
-    def generate_split(self):
-        return self
-
-    def options(self, num_returns: int):
-        assert num_returns == 2
-        return self
-
-    def remote(self, rollout_id: int):
+    def request(self, rollout_id: int):
         self.futures[rollout_id] = asyncio.get_running_loop().create_future()
         return f"samples-{rollout_id}", self.futures[rollout_id]
 
@@ -49,8 +41,8 @@ METRICS = {"staleness_max": 1.0, "weight_version_min": 2.0, "reward_mean": 0.5}
 def test_prefetch_span_names_the_weights_it_used():
     async def main():
         events: list[dict] = []
-        ex, p = FakeExecutor(), Prefetcher(FakeExecutor(), tracer_with(events))
-        p._executor = ex
+        ex = FakeExecutor()
+        p = Prefetcher(ex.request, tracer_with(events))
         p.start(3, weight_version=2)
         assert p.rollout_id == 3
         ex.futures[3].set_result(METRICS)
@@ -66,7 +58,7 @@ def test_prefetch_span_names_the_weights_it_used():
 def test_wait_settles_without_raising_and_take_raises():
     async def main():
         ex = FakeExecutor()
-        p = Prefetcher(ex, tracer_with(events := []))
+        p = Prefetcher(ex.request, tracer_with(events := []))
         p.start(0, weight_version=0)
         ex.futures[0].set_exception(RuntimeError("engine gone"))
         await p.wait()                       # a weight update must not fail on a rollout it only waits for
@@ -81,7 +73,7 @@ def test_wait_settles_without_raising_and_take_raises():
 def test_settle_cancels_the_rollout_in_flight_and_traces_it():
     async def main():
         ex = FakeExecutor()
-        p = Prefetcher(ex, tracer_with(events := []))
+        p = Prefetcher(ex.request, tracer_with(events := []))
         p.start(5, weight_version=4)
         await p.settle()
         assert p.rollout_id is None
@@ -94,7 +86,7 @@ def test_settle_cancels_the_rollout_in_flight_and_traces_it():
 def test_a_cancelled_take_leaves_the_rollout_for_dispose_to_cancel():
     async def main():
         ex = FakeExecutor()
-        p = Prefetcher(ex, tracer_with(events := []))
+        p = Prefetcher(ex.request, tracer_with(events := []))
         p.start(1, weight_version=0)
         taker = asyncio.ensure_future(p.take(1))
         await asyncio.sleep(0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from miles.checkpoint.store import CheckpointStore
-from miles.config import AlgorithmConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.critic import CRITIC_DIR, Critic, resolve_critic_source
 from miles.training.batch import make_train_batch
 from miles.training.trainer import Trainer
@@ -86,7 +86,7 @@ def test_save_load_and_every_form_of_critic_load(model_path, tmp_path):
 
 def test_ppo_advantages_come_from_the_critic_values(model_path):
     t = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(advantage_estimator="ppo"),
-                device="cpu")
+                rollout=RolloutConfig(batch_size=1), device="cpu")
     values = torch.zeros(3, 5)
     values[0, 2:5] = torch.tensor([0.5, 0.25, 0.0])
     # gamma = lambda = 1: A_t = (rewards from t on) - V_t, and R_t = A_t + V_t is the return-to-go.

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.algorithms import logprobs_from_logits
-from miles.config import AlgorithmConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engine import EmbeddedEngine, EngineDisposedError
 from miles.training.batch import make_train_batch
 from miles.training.trainer import Trainer
@@ -134,7 +134,7 @@ def test_update_weights_changes_outputs_version_and_checksum(model_path):
     before = engine.generate(PROMPTS, GREEDY)
     assert engine.weight_version() == 0 and {g.weight_version for g in before} == {0}
     trainer = Trainer(model_path, train=TrainConfig(lr=0.05), algorithm=AlgorithmConfig(loss_type="sft_loss"),
-                      device="cpu")
+                      rollout=RolloutConfig(batch_size=1), device="cpu")
     samples = [Sample(prompt=Prompt(index=0, text="", prompt_ids=(5, 6)), group=0, response_ids=[7] * 8,
                       rollout_logprobs=[0.0] * 8, finish_reason="length", weight_version=0)]
     trainer.train(samples, rollout_id=0)

@@ -40,7 +40,7 @@ def executor(engine, *, algorithm=None, sft_responses=None, **rollout):
     cfg = RolloutConfig(**{"batch_size": 2, "n_samples_per_prompt": 2, "max_response_len": 4, "rm_type": "exact_match",
                            **rollout})
     return RolloutExecutor(prompts=PROMPTS, eval_sets={}, rollout=cfg, algorithm=algorithm or AlgorithmConfig(),
-                           eval=EvalConfig(), shuffle=False, tokenizer=Digits(), engines=[engine],
+                           eval=EvalConfig(), shuffle=False, tokenizer=Digits(), engines=[engine], seed=0,
                            sft_responses=sft_responses)
 
 

@@ -31,3 +31,20 @@ def test_wheel_ships_machines_and_loads_them_from_elsewhere(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "'sync'" in out.stdout and out.stdout.strip().endswith("sync")
+
+
+def test_source_checkout_runs_the_cli_with_only_pythonpath(tmp_path):
+    # -S: no site processing, so the editable install's .pth finder (which maps miles.machines) is off;
+    # the venv's site-packages comes back through PYTHONPATH for yaml and transitions only
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), site])}
+    probe = subprocess.run([sys.executable, "-S", "-c", "import miles.machines"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0, "miles.machines is importable: the test would not exercise the fallback"
+    out = subprocess.run([sys.executable, "-S", "-m", "miles.cli", "machine", "show", "sync"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "stateDiagram-v2" in out.stdout and "weight_sync" in out.stdout
+    listed = subprocess.run([sys.executable, "-S", "-m", "miles.cli", "machine", "list"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert listed.returncode == 0 and "async" in listed.stdout and "sync" in listed.stdout, listed.stderr

@@ -156,3 +156,63 @@ def test_eval_only_machine(tmp_path):
     runner, ctx = make_stub_run("eval_only", tmp_path / "trace.jsonl")
     asyncio.run(runner.run())
     assert states_visited(read_trace(tmp_path)) == ["init", "weight_sync", "eval", "draining"]
+
+
+def test_each_guard_is_evaluated_once_per_decision_and_the_traced_value_decides(tmp_path):
+    # save_due answers differently on every call (a sentinel file appearing between two reads): the
+    # transition must follow the value the trace records, and read it once per decision
+    runner, ctx = make_stub_run("sync", tmp_path / "trace.jsonl", num_rollout=4, eval_interval=None,
+                                save_interval=None)
+    calls: list[bool] = []
+
+    def flapping_save_due() -> bool:
+        calls.append(len(calls) % 2 == 0)
+        return calls[-1]
+
+    ctx.save_due = flapping_save_due
+    asyncio.run(runner.run())
+    trace = read_trace(tmp_path)
+    decisions = [t for t in trace.of("transition") if t.src == "train"]
+    assert len(calls) == len(decisions) == 4                   # once per move out of train, not twice
+    for t, value in zip(decisions, calls):
+        assert t.get("guards")["save_due"] is value
+        assert (t.dst == "save") is value
+
+
+def test_drain_and_terminal_states_come_from_the_definition():
+    from miles.runtime import load_machine, parse_machine
+
+    for name in ("sync", "async", "eval_only"):
+        d = load_machine(name)
+        assert (d.drain_state, d.terminal_state) == ("draining", "shutdown")
+    assert parse_machine(TINY).drain_state == "draining"
+
+
+TINY = """\
+name: tiny
+initial: init
+states:
+  init:     {phase: "tests.stub_phases:stub_phase"}
+  draining: {phase: "tests.stub_phases:stub_phase"}
+  shutdown: {final: true}
+transitions:
+  - {trigger: ready,  source: init,     dest: draining}
+  - {trigger: finish, source: draining, dest: shutdown}
+  - {trigger: fail,   source: draining, dest: shutdown}
+  - {trigger: fail,   source: "*",      dest: draining}
+  - {trigger: stop,   source: "*",      dest: draining}
+"""
+
+
+def test_a_stop_request_while_draining_is_not_honoured_since_draining_has_no_stop_route(tmp_path):
+    runner, ctx = make_stub_run("sync", tmp_path / "trace.jsonl", num_rollout=1)
+    original = runner.handlers["draining"]
+
+    async def stop_then_drain(c):
+        c.stop_requested.set()
+        return await original(c)
+
+    runner.handlers["draining"] = stop_then_drain
+    assert asyncio.run(runner.run()) == "shutdown"
+    trace = read_trace(tmp_path)
+    assert not trace.of("stop_honoured") and trace.of("transition")[-1].trigger == "finish"

@@ -10,7 +10,7 @@ import pytest
 
 from miles.runtime import load_machine, read_trace
 from miles.tracetools import check_trace
-from miles.tracetools.cli import main
+from miles.cli.trace import main
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "traces"
 COMPLETE = ["sync-ok", "sync-failed-train", "sync-cancelled", "sync-teardown-errors", "eval_only-ok"]

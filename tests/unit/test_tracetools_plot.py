@@ -9,10 +9,10 @@ import pytest
 
 from miles.runtime import load_machine, read_trace
 from miles.tracetools import build_timeline
-from miles.tracetools.cli import main as trace_main
+from miles.cli.trace import main as trace_main
 from miles.tracetools.diagram import graph, layers, to_mermaid
 from miles.tracetools.gantt import MAX_ROLLOUT_BARS, merge_bars, plot_timeline
-from miles.tracetools.machine_cli import main as machine_main
+from miles.cli.machine import main as machine_main
 from tests.stub_phases import make_stub_run
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "traces"

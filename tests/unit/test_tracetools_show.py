@@ -9,7 +9,7 @@ from pathlib import Path
 
 from miles.runtime import load_machine, read_trace
 from miles.tracetools import build_timeline, check_trace, diff_traces
-from miles.tracetools.cli import main
+from miles.cli.trace import main
 from miles.tracetools.render import fmt_s
 from miles.tracetools.timeline import exception_chain
 from tests.stub_phases import make_stub_run, stub_phase

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from miles.cli_args import FLAGS, GROUP_TITLES, REQUIRED, build_parser, help_line, parse_flags
+from miles.config.flags import FLAGS, GROUP_TITLES, REQUIRED, build_parser, help_line, parse_flags
 
 def base(tmp_path):
     (tmp_path / "m").mkdir(exist_ok=True)

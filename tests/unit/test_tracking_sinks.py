@@ -74,7 +74,7 @@ def test_a_missing_extra_is_a_config_problem_naming_the_install(monkeypatch):
 
 
 def test_flags_reject_use_wandb_without_wandb_together_with_other_problems(monkeypatch):
-    from miles.cli_args import parse_flags
+    from miles.config.flags import parse_flags
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -1,7 +1,7 @@
 """Start one run: its directory, trace, context and runner, driven under the caller's disposer.
 
 `train(cfg, disposer=d)` is the seed's driver shape (`asyncio.run(with_disposer(train, cfg))`). It
-installs no signal handlers and never exits the process: the CLI (`miles/train_cli.py`) does that.
+installs no signal handlers and never exits the process: the CLI (`miles/cli/train.py`) does that.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from miles.config import RunConfig, as_dict
 from miles.phases.context import TrainingContext
 from miles.phases.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
-from miles.validate import validate_for_machine
+from miles.config.validate import validate_for_machine
 
 
 @dataclass

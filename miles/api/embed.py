@@ -102,8 +102,8 @@ class Run:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         """Validate, prepare the run directory and trace, and start the lifecycle in a task."""
-        from miles.launch import prepare_run
-        from miles.validate import validate
+        from miles.api.launch import prepare_run
+        from miles.config.validate import validate
 
         if self._task is not None:
             raise RuntimeError("this Run was started already; make a new Run for another training")
@@ -197,7 +197,7 @@ class Run:
         metrics: dict[str, Any] = {}
         for row in self._ctx.metrics_history:
             metrics.update(row)
-        self.result = Result(final_state="shutdown", outcome=ended.outcome, error=self._runner.failure,
+        self.result = Result(final_state=self._runner.state, outcome=ended.outcome, error=self._runner.failure,
                              metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.run_dir / "trace.jsonl")
 
     def _require_task(self) -> asyncio.Task[Any]:

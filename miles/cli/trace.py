@@ -15,11 +15,11 @@ from typing import Sequence
 from miles.runtime.machine import MachineDef, MachineDefinitionError, builtin_machines, load_machine
 from miles.runtime.trace import Trace, read_trace, resolve_trace_path
 
-from .check import check_trace
-from .diff import diff_traces, state_sequence
-from .render import write_blocks
-from .report import check_blocks, diff_blocks, show_blocks
-from .timeline import build_timeline
+from miles.tracetools.check import check_trace
+from miles.tracetools.diff import diff_traces, state_sequence
+from miles.tracetools.render import write_blocks
+from miles.tracetools.report import check_blocks, diff_blocks, show_blocks
+from miles.tracetools.timeline import build_timeline
 
 OK, FOUND, BAD_INPUT = 0, 1, 2
 
@@ -80,7 +80,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .gantt import plot_timeline
+    from miles.tracetools.gantt import plot_timeline
 
     trace = load(args.run)
     if not trace.events:

@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Sequence
 
-from miles.cli_args import parse_flags
+from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
 
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
 
 
 def run_with_signals(cfg, machine: str, *, prog: str) -> int:
-    from miles.launch import new_run_id, train      # torch and Ray load only once the flags are known good
+    from miles.api.launch import new_run_id, train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
     received: list[int] = []
@@ -112,6 +112,3 @@ def _root(exc: BaseException) -> BaseException:
 def _indent(exc: BaseException) -> str:
     return "\n".join(f"  {line}" if not line.startswith("  ") else line for line in str(exc).splitlines())
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,13 +2,15 @@
 
 Every component receives its own slice (`RolloutConfig`, `TrainConfig`, ...), never the whole
 `RunConfig`. Flag names are miles' (`--rollout-batch-size` is `RolloutConfig.batch_size`); the
-mapping lives in `miles/cli_args.py`. Validation collects every problem and raises one `ConfigError`.
+mapping lives in `miles/config/flags.py`. Validation collects every problem and raises one `ConfigError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
 
 
 class ConfigError(ValueError):
@@ -47,10 +49,10 @@ class RolloutConfig:
     top_p: float = 1.0                  # --rollout-top-p
     top_k: int = -1                     # --rollout-top-k
     num_engines: int = 1                # --rollout-num-engines
-    engine: str = "embedded"            # --rollout-engine: embedded (sglang slots in later)
+    engine: str = "embedded"            # --rollout-engine: a name in miles.rollout.protocol.ENGINES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
-    seed: int = 0                       # --rollout-seed (defaults to --seed)
+    seed: int | None = None             # --rollout-seed (None: --seed; read it as RunConfig.rollout_seed)
     engine_max_restarts: int = 3        # --engine-max-restarts: restarts of dead engines allowed ...
     engine_restart_window_s: float = 600.0  # --engine-restart-window: ... within any window of this many seconds
     dynamic_sampling_filter_path: str | None = None  # --dynamic-sampling-filter-path: keep a group iff filter(group)
@@ -66,20 +68,18 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    advantage_estimator: str = "grpo"   # --advantage-estimator
+    advantage_estimator: AdvantageEstimator = "grpo"  # --advantage-estimator
     disable_grpo_std_normalization: bool = False  # --disable-grpo-std-normalization
-    loss_type: str = "policy_loss"      # --loss-type policy_loss | sft_loss
+    loss_type: LossType = "policy_loss"  # --loss-type policy_loss | sft_loss
     eps_clip: float = 0.2               # --eps-clip
     eps_clip_high: float | None = None  # --eps-clip-high (DAPO clip-higher); None: same as eps_clip
     eps_clip_c: float | None = None     # --eps-clip-c (dual clip)
     use_kl_loss: bool = False           # --use-kl-loss
     kl_loss_coef: float = 0.0           # --kl-loss-coef
-    kl_loss_type: str = "k3"            # --kl-loss-type k1 | k2 | k3 | low_var_kl
+    kl_loss_type: KlLossType = "k3"     # --kl-loss-type k1 | k2 | k3 | low_var_kl
     entropy_coef: float = 0.0           # --entropy-coef
-    temperature: float = 1.0            # the rollout temperature: train-side logprobs use logits / temperature
     normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
-    loss_agg_mode: str = "token_mean"   # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    max_response_len: int = 64          # the rollout's: seq_mean_token_sum_norm's constant (Dr. GRPO)
+    loss_agg_mode: LossAggMode = "token_mean"  # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     kl_coef: float = 0.0                # --kl-coef: KL penalty in the token rewards (ppo, reinforce_plus_plus)
     ref_load: str | None = None         # --ref-load: HF folder of the reference model (None: the initial policy)
     ref_update_interval: int | None = None  # --ref-update-interval: reference := policy every N rollouts
@@ -103,6 +103,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
     seed: int = 0                       # --seed
+    backend: str = "torch"              # --train-backend: a name in miles.training.protocol.TRAIN_BACKENDS
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
     lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
@@ -182,6 +183,11 @@ class RunConfig:
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+
+    @property
+    def rollout_seed(self) -> int:
+        """The seed of the prompt order and the engines' sampling: --rollout-seed, else --seed."""
+        return self.train.seed if self.rollout.seed is None else self.rollout.seed
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:

@@ -16,7 +16,12 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from .config import (
+from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
+from miles.rollout.protocol import ENGINES
+from miles.rollout.rewards import REWARD_FUNCTIONS
+from miles.training.protocol import TRAIN_BACKENDS
+
+from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
     RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
@@ -33,9 +38,6 @@ GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
     "run": "the loop and debugging",
 }
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-RM_TYPES = ("math", "exact_match")
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
-    _f("rollout-engine", "rollout", "engine", str, "inference backend", ("embedded",)),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward", RM_TYPES),
+    _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward", tuple(REWARD_FUNCTIONS)),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -93,22 +95,22 @@ FLAGS: tuple[Flag, ...] = (
        "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
     # algorithm
-    _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATORS),
+    _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
        help="GRPO: center rewards per group without dividing by their std (Dr. GRPO)"),
-    _f("loss-type", "algorithm", "loss_type", str, "training loss", ("policy_loss", "sft_loss")),
+    _f("loss-type", "algorithm", "loss_type", str, "training loss", LOSS_TYPES),
     _f("eps-clip", "algorithm", "eps_clip", float, "PPO clip range (low side, and high unless --eps-clip-high)"),
     _f("eps-clip-high", "algorithm", "eps_clip_high", float, "PPO clip range, high side (DAPO clip-higher)"),
     _f("eps-clip-c", "algorithm", "eps_clip_c", float, "dual-clip constant (> 1)"),
     _f("use-kl-loss", "algorithm", "use_kl_loss", kind="true", help="add a KL-to-reference term to the loss"),
     _f("kl-loss-coef", "algorithm", "kl_loss_coef", float, "weight of the KL loss"),
-    _f("kl-loss-type", "algorithm", "kl_loss_type", str, "KL estimator", KL_TYPES),
+    _f("kl-loss-type", "algorithm", "kl_loss_type", str, "KL estimator", KL_LOSS_TYPES),
     _f("entropy-coef", "algorithm", "entropy_coef", float, "entropy bonus weight"),
     _f("normalize-advantages", "algorithm", "normalize_advantages", kind="true",
        help="whiten advantages over the rollout's response tokens"),
     _f("loss-agg-mode", "algorithm", "loss_agg_mode", str,
        "loss reduction: token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO)",
-       ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")),
+       LOSS_AGG_MODES),
     _f("kl-coef", "algorithm", "kl_coef", float, "KL penalty in the token rewards (ppo, reinforce_plus_plus)"),
     _f("ref-load", "algorithm", "ref_load", str, "HF folder of the KL reference model (default: the initial policy)"),
     _f("ref-update-interval", "algorithm", "ref_update_interval", int, "copy the policy into the reference every N rollouts"),
@@ -131,6 +133,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", tuple(TRAIN_BACKENDS)),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),
@@ -315,13 +318,9 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
             problems.append(f"--{name} is required")
     if problems:
         raise ConfigError(problems)
-    rollout = sections["rollout"]
-    rollout.setdefault("seed", sections["train"].get("seed", 0))
-    sections["algorithm"]["temperature"] = rollout.get("temperature", 1.0)
-    sections["algorithm"]["max_response_len"] = rollout.get("max_response_len", RolloutConfig.max_response_len)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
-    from .tracking.sinks import tracking_problems
+    from miles.tracking.sinks import tracking_problems
     from .validate import validate   # the checks, kept apart from the parsing
     missing = tracking_problems(cfg.tracking)     # a sink whose package is not installed
     try:

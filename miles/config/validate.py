@@ -4,20 +4,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ConfigError, RunConfig
-from .runtime.machine import MachineDef
+from .schema import ConfigError, RunConfig
+from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
+                                    TOKEN_LEVEL_ESTIMATORS)
+from miles.rollout.protocol import ENGINES
+from miles.runtime.machine import MachineDef
+from miles.training.protocol import TRAIN_BACKENDS
 
-SUPPORTED_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "ppo")
-TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")    # estimators whose token rewards can carry --kl-coef
 
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval, _faults,
-                  _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
+    for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
+                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
+
+
+def _backends(cfg: RunConfig, problems: list[str]) -> None:
+    """Names the registries know (a config built in code skips the flags' `choices`)."""
+    if cfg.rollout.engine not in ENGINES:
+        problems.append(f"--rollout-engine {cfg.rollout.engine}: no such engine; use one of {', '.join(ENGINES)}")
+    spec = TRAIN_BACKENDS.get(cfg.train.backend)
+    if spec is None:
+        problems.append(f"--train-backend {cfg.train.backend}: no such backend; use one of {', '.join(TRAIN_BACKENDS)}")
+    elif spec.critic is None and cfg.algorithm.advantage_estimator == "ppo":
+        problems.append(f"--train-backend {cfg.train.backend} has no critic: --advantage-estimator ppo needs one; "
+                        f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
 
 
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
@@ -67,9 +81,11 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
 
 def _algorithm(cfg: RunConfig, problems: list[str]) -> None:
     a = cfg.algorithm
-    if a.advantage_estimator not in SUPPORTED_ESTIMATORS:
-        problems.append(f"--advantage-estimator {a.advantage_estimator}: not available yet in this build; "
-                        f"use one of {', '.join(SUPPORTED_ESTIMATORS)}")
+    for flag, value, names in (("--advantage-estimator", a.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES),
+                               ("--loss-type", a.loss_type, LOSS_TYPES), ("--loss-agg-mode", a.loss_agg_mode, LOSS_AGG_MODES),
+                               ("--kl-loss-type", a.kl_loss_type, KL_LOSS_TYPES)):
+        if value not in names:             # a config built in code skips the flags' choices
+            problems.append(f"{flag} {value}: not one of {', '.join(names)}")
     if a.use_kl_loss and a.kl_loss_coef < 0:
         problems.append(f"--kl-loss-coef {a.kl_loss_coef}: must be >= 0")
     if not a.use_kl_loss and a.kl_loss_coef:
@@ -109,7 +125,7 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _faults(cfg: RunConfig, problems: list[str]) -> None:
-    from .phases.faults import parse_fault
+    from miles.phases.faults import parse_fault
 
     for text in cfg.inject_faults:
         try:
@@ -130,9 +146,9 @@ def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
     if a.kl_coef and a.use_kl_loss:
         problems.append(f"--kl-coef {a.kl_coef} (KL in the reward) and --use-kl-loss (KL in the loss) are mutually "
                         "exclusive: penalize the KL once; drop one of them")
-    elif a.kl_coef and a.advantage_estimator not in TOKEN_LEVEL:
+    elif a.kl_coef and a.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS:
         problems.append(f"--kl-coef {a.kl_coef} puts a per-token KL penalty into the token rewards, which only "
-                        f"{' and '.join(TOKEN_LEVEL)} use; with --advantage-estimator {a.advantage_estimator} use "
+                        f"{' and '.join(TOKEN_LEVEL_ESTIMATORS)} use; with --advantage-estimator {a.advantage_estimator} use "
                         "--use-kl-loss --kl-loss-coef X instead")
     uses_ref = a.use_kl_loss or a.kl_coef > 0
     if a.ref_update_interval is not None and a.ref_update_interval < 1:
@@ -222,7 +238,7 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
 
 # -- checks that depend on the lifecycle machine ----------------------------------------------------
 
-PREFETCHING_PHASES = ("miles.phases.prefetch:rollout",)   # rollout r+1 generates while r trains
+PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
 
 
 def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:

@@ -1,7 +1,8 @@
-"""`miles <command>`: train, trace, machine, plot.
+"""`miles <command>`: train, trace, machine, plot. Every command line of miles lives in this package.
 
-Each command lives in its own module exposing `main(argv) -> int`; this file only dispatches, so
-`miles trace show` never imports torch or Ray. Exit codes: 0 done, 1 failed, 2 bad config or input,
+Each command is a module here exposing `main(argv) -> int` (`train`, `trace`, `machine`, `plot`);
+this file only dispatches, so `miles trace show` never imports torch or Ray. `python -m miles.cli`
+is the same as the `miles` console script. Exit codes: 0 done, 1 failed, 2 bad config or input,
 130 SIGINT, 143 SIGTERM.
 """
 
@@ -12,10 +13,10 @@ import sys
 from typing import Sequence
 
 COMMANDS = {
-    "train": ("miles.train_cli", "run a training (sync, async, eval_only or your own machine)"),
-    "trace": ("miles.tracetools.cli", "read a run's trace: show, plot, check, diff"),
-    "machine": ("miles.tracetools.machine_cli", "lifecycle machines: list, show (mermaid or png)"),
-    "plot": ("miles.tracking.plot", "plot a run's metrics to PNG"),
+    "train": ("miles.cli.train", "run a training (sync, async, eval_only or your own machine)"),
+    "trace": ("miles.cli.trace", "read a run's trace: show, plot, check, diff"),
+    "machine": ("miles.cli.machine", "lifecycle machines: list, show (mermaid or png)"),
+    "plot": ("miles.cli.plot", "plot a run's metrics to PNG"),
 }
 
 
@@ -38,6 +39,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

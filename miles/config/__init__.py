@@ -1,0 +1,15 @@
+"""The run's configuration: typed slices (`schema`), miles' flat flags (`flags`), cross-field checks (`validate`).
+
+`from miles.config import RunConfig, RolloutConfig, ConfigError, ...` gives the dataclasses; the flag
+table and the checks load only when asked for (`miles.config.flags`, `miles.config.validate`).
+"""
+
+from .schema import (
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
+    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig, as_dict, replace,
+)
+
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+]

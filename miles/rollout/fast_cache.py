@@ -1,0 +1,195 @@
+"""The fast engine's memory: the KV cache plan and tensor, shape buckets, and captured decode graphs.
+
+Layout: one tensor [2, layers, slots, kv_heads, max_len, head_dim] allocated once (per slot, not
+paged). A slot holds one sequence at positions 0..max_len-1, so decode attention reads a plain
+strided slice `cache[:B, :, :L]` with no page-table gather: it runs as one stock attention kernel,
+is captured in a CUDA graph as is, and the same code runs on CPU in CI. The price is memory
+reserved up to max_len for every slot, so max_len is bounded by what fits (`plan_positions`);
+RL rollouts know their prompt and response limits, which is what max_len should be.
+
+Decode steps run over the first B slots (B a batch bucket >= the highest busy slot) and attend
+over the first L positions (L a span bucket >= the longest busy sequence), so one graph per
+(B, L) serves many steps; the engine keeps busy slots low (refills fill the lowest free slot
+first, and the tail is compacted) so B shrinks as sequences finish.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+
+import structlog
+import torch
+from torch import Tensor
+
+log = structlog.get_logger().bind(role="engine", engine="fast")
+
+GiB = 1 << 30
+MIN_POSITIONS = 16       # a cache that holds fewer positions per slot is surely a misconfiguration
+POSITION_ALIGN = 64      # automatic max_len is rounded down to this (aligned cache rows)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now (CUDA: the driver's count; CPU: available physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_per_position: int,
+                   model_limit: int | None, max_context_len: int | None, workspace_bytes: int) -> int:
+    """Positions per slot (max_len) of a KV cache of `slots` sequences in mem_fraction of free memory.
+
+    max_context_len None: as many as fit, capped at the model's limit. Raises ValueError, naming
+    the flags, when the asked-for cache or the workspace left beside it does not fit.
+    """
+    if not 0.0 < mem_fraction < 1.0:
+        raise ValueError(f"--rollout-mem-fraction (mem_fraction) must be in (0, 1), got {mem_fraction}")
+    budget = int(free_bytes * mem_fraction)
+    if free_bytes - budget < workspace_bytes:
+        raise ValueError(
+            f"--rollout-mem-fraction {mem_fraction} leaves {(free_bytes - budget) / GiB:.2f} GiB of the "
+            f"{free_bytes / GiB:.2f} GiB free for activations and logits, which need about "
+            f"{workspace_bytes / GiB:.2f} GiB; lower --rollout-mem-fraction or --rollout-max-batch-size")
+    fit = budget // (slots * bytes_per_position)
+    if max_context_len is not None:
+        if max_context_len < 2:
+            raise ValueError(f"--rollout-max-context-len must be >= 2 (a prompt token and an answer), "
+                             f"got {max_context_len}")
+        if model_limit is not None and max_context_len > model_limit:
+            raise ValueError(f"--rollout-max-context-len {max_context_len} exceeds the model's "
+                             f"{model_limit} positions")
+        if max_context_len > fit:
+            need = slots * max_context_len * bytes_per_position
+            raise ValueError(
+                f"a KV cache for --rollout-max-batch-size {slots} x --rollout-max-context-len "
+                f"{max_context_len} needs {need / GiB:.2f} GiB, but --rollout-mem-fraction {mem_fraction} "
+                f"of the {free_bytes / GiB:.2f} GiB free is {budget / GiB:.2f} GiB (fits {fit} positions "
+                f"per slot); lower the batch size or the context length, or raise the fraction")
+        return max_context_len
+    n = fit if model_limit is None else min(fit, model_limit)
+    if n < MIN_POSITIONS:
+        raise ValueError(
+            f"--rollout-mem-fraction {mem_fraction} of the {free_bytes / GiB:.2f} GiB free holds only {n} "
+            f"positions per slot for --rollout-max-batch-size {slots}; raise the fraction or lower the batch size")
+    return n if n == model_limit or n < POSITION_ALIGN else n - n % POSITION_ALIGN
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """Decode batch sizes that get a graph: powers of two and their midpoints, capped at `slots`.
+
+    Never 1: a compiled step specialises size-1 dimensions, and one spare slot costs nothing.
+    """
+    sizes = {2, 4}
+    b = 8
+    while b < slots:
+        sizes |= {b, b + b // 2}
+        b *= 2
+    top = max(slots, 2)
+    return sorted({min(s, top) for s in sizes} | {top})
+
+
+def span_buckets(max_len: int) -> list[int]:
+    """Attention spans that get a graph: 64, 96, 128, 192, ... (at most a third read in vain), up to max_len."""
+    spans, s = set(), 64
+    while s < max_len:
+        spans |= {s, s + s // 2}
+        s *= 2
+    return sorted({min(x, max_len) for x in spans} | {max_len})
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+class KVCache:
+    """K and V of `slots` sequences, all layers, allocated once (zeroed: attention multiplies
+    masked-out values by 0, and 0 * NaN from uninitialised memory would be NaN)."""
+
+    def __init__(self, *, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.max_len = max_len
+        self.data = torch.zeros((2, layers, slots, kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.layers = [(self.data[0, i], self.data[1, i]) for i in range(layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def move(self, src: Tensor, dst: Tensor, span: int) -> None:
+        """Copy the first `span` positions of slots `src` into slots `dst` (all layers)."""
+        self.data[:, :, dst, :, :span] = self.data[:, :, src, :, :span]
+
+
+class DecodeGraphs:
+    """Runs `step(b, span)` (which must read and write only static buffers) for a (b, span) bucket:
+    replaying a CUDA graph captured on first use, or eagerly when graphs are off."""
+
+    def __init__(self, step: Callable[[int, int], None], *, enabled: bool):
+        self._step = step
+        self.enabled = enabled
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if enabled else None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def captured(self) -> dict[tuple[int, int], torch.cuda.CUDAGraph]:
+        """(batch, span) -> graph, for the graphs captured so far."""
+        return dict(self._graphs)
+
+    def run(self, b: int, span: int) -> None:
+        if not self.enabled:
+            self._step(b, span)
+            return
+        graph = self._graphs.get((b, span))
+        if graph is None:
+            try:
+                graph = self._graphs[(b, span)] = self._capture(b, span)
+            except Exception as e:  # noqa: BLE001 - graphs only save launches; the eager step computes the same
+                log.warning("cuda_graph_capture_failed", batch=b, span=span, error=repr(e)[:2000], fallback="eager")
+                self.enabled = False
+                self._graphs.clear()
+                self._step(b, span)
+                return
+        graph.replay()
+
+    def _capture(self, b: int, span: int) -> torch.cuda.CUDAGraph:
+        # the warm-up runs the real step once (it rewrites each busy slot's K/V at its current
+        # position with the same values the replay writes, so it changes no state)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(b, span)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(b, span)
+        return graph
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        if self.enabled:
+            self._pool = torch.cuda.graph_pool_handle()
+
+
+class Snapshot:
+    """A copy of the device's `active` flags taken without waiting: read it a few steps later."""
+
+    def __init__(self, slots: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(slots, dtype=torch.bool, pin_memory=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+        self.step = -1
+
+    def take(self, active: Tensor, step: int) -> None:
+        self._host.copy_(active, non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+        self.step = step
+
+    def read(self) -> list[bool]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

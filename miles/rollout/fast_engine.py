@@ -1,0 +1,475 @@
+"""The embedded engine's fast path: our own Llama/Qwen2 forward, a KV cache allocated once, continuous
+batching, device-side sampling and CUDA-graph decode steps. Same interface as `EmbeddedEngine`.
+
+One `generate` call queues all its requests. A request takes a free cache slot (lowest first): a
+batched prefill writes its prompt's K/V and samples its first token; then every decode step feeds
+one token per busy slot. Stop tokens and max_new_tokens are decided on the device (`advance`); the
+host learns which slots finished from a copy of the `active` flags taken every `CHECK_EVERY`
+steps and read `SNAPSHOT_LAG` steps later (the GPU is never left idle waiting for the host), and
+knows without asking when a slot reaches max_new_tokens. Freed slots are refilled at once from the
+queue; when the queue is empty, busy slots are moved down so the decode batch shrinks.
+
+Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
+are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
+and on CPU everything runs eagerly in float32 (that is what CI tests).
+
+Randomness and results follow `EmbeddedEngine`'s contract (see its module docstring): the same
+seed, weights, prompts, params and engine settings give the same samples.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+
+import structlog
+import torch
+from torch import Tensor
+
+from miles.rollout import fast_attention
+from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
+from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
+                                      plan_positions, span_buckets)
+from miles.rollout.fast_model import Arch, Forward, pack_weights, supports
+from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
+                                         stop_table)
+from miles.types import Generation, SamplingParams
+from miles.weights.checksum import state_dict_checksum
+from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+
+log = structlog.get_logger().bind(role="engine", engine="fast")
+
+CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
+SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
+PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
+RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
+
+
+class FastEngine:
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 max_batch_size: int = 64, mem_fraction: float = 0.5, max_context_len: int | None = None,
+                 cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
+        """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
+        `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
+        fits); `cuda_graph` / `torch_compile` / `attention_kernel` (the length-aware decode
+        attention): CUDA only, off for debugging or comparison."""
+        from transformers import AutoConfig
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        reason = supports(AutoConfig.from_pretrained(model_path))
+        if reason:
+            raise ValueError(f"FastEngine cannot run {model_path}: {reason}; use EmbeddedEngine")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.max_batch_size = max_batch_size
+        self._load(model_path, seed)
+        cuda = self.device.type == "cuda"
+        self.max_len = plan_positions(
+            free_bytes=free_memory(self.device), mem_fraction=mem_fraction, slots=max_batch_size,
+            bytes_per_position=self.arch.kv_bytes_per_position(self.dtype), model_limit=self._max_positions,
+            max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
+        self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
+        self._state = _SlotState(max_batch_size + 1, self.device)
+        self._snapshot = Snapshot(max_batch_size + 1, self.device)
+        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda,
+                                length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
+                                                                                        self.device))
+        self._set_buckets()
+        self._greedy, self._race = (_compiled(greedy), _compiled(race)) if self._forward.compiled else (greedy, race)
+        self._graphs = DecodeGraphs(self._decode_forward, enabled=cuda_graph and cuda)
+        self._cache: KVCache | None = None
+        self.last_stats: dict = {}       # of the last generate call: decode steps, graphs, prefills, seconds
+        self.resume_memory()
+        self.compile_seconds = self._warm_up() if cuda else 0.0
+        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
+                 slots=max_batch_size, max_len=self.max_len, kv_cache_gib=round(self._cache.nbytes / GiB, 2),
+                 cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
+                 length_aware_attention=self._forward.length_aware)
+
+    @staticmethod
+    def supports(config) -> str | None:
+        """None when FastEngine can run this HF config; else why not (the caller falls back)."""
+        return supports(config)
+
+    def _load(self, model_path: str, seed: int) -> None:
+        # load on the CPU and copy fused tensors to the device: the device never holds two copies
+        model = load_causal_lm(model_path, device=torch.device("cpu"), dtype=self.dtype)
+        self._tokenizer = load_tokenizer(model_path)
+        self._eos_ids = _eos_ids(model, self._tokenizer)
+        self.arch = Arch.from_config(model.config)
+        self._vocab_size, self._max_positions = self.arch.vocab, self.arch.max_positions
+        self._weights = pack_weights(model, self.arch, self.device)
+        del model
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._version = 0
+
+    def _workspace_bytes(self) -> int:
+        """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
+        batch, one prefill's activations, and a fixed reserve."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        rows = self.max_batch_size + 1
+        sampling = rows * self.arch.vocab * (elem + 4 * 4)
+        prefill = PREFILL_TOKENS * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
+
+    def _set_buckets(self) -> None:
+        """Decode batch buckets, and span buckets: one (the whole slot) when the attention kernel
+        reads each sequence's own length, so only the batch size keys a graph."""
+        self._batch_buckets = batch_buckets(self.max_batch_size)
+        self._span_buckets = [self.max_len] if self._forward.length_aware else span_buckets(self.max_len)
+
+    def _warm_up(self) -> float:
+        """Check the attention kernel and compile the layer and sampling kernels now (for dynamic
+        batch and span sizes), not in the first call. Both are optimisations of the same math: if
+        one fails, log it and run the stock path. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if self._forward.length_aware and not self._attention_kernel_ok():
+            self._forward.length_aware = False
+            self._set_buckets()
+        if self._forward.compiled:
+            try:
+                self._compile_shapes()
+            except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager path, which is correct
+                log.warning("torch_compile_failed", error=repr(e)[:2000], fallback="eager")
+                self._forward.use_compiled(False)
+                self._greedy, self._race = greedy, race
+                self._graphs.clear()
+        return time.perf_counter() - t0
+
+    def _attention_kernel_ok(self) -> bool:
+        a = self.arch
+        try:
+            ok = fast_attention.matches_sdpa(a.n_kv_heads, a.group, a.head_dim, self.dtype, self.device,
+                                             self.max_len)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build leaves the stock attention call
+            log.warning("attention_kernel_failed", error=repr(e)[:2000], fallback="sdpa")
+            return False
+        if not ok:
+            log.warning("attention_kernel_mismatch", fallback="sdpa")
+        return ok
+
+    @torch.inference_mode()
+    def _compile_shapes(self) -> None:
+        one = torch.ones((), device=self.device)
+        spans = self._span_buckets[:2]
+        for b, span in ((self._batch_buckets[-1], spans[0]), (2, spans[-1])):
+            self._decode_forward(b, span)
+            self._greedy(self._logits[:b])
+            self._race(self._logits[:b], self._noise[:b].exponential_(), one)
+        for n, p in ((2, 2), (3, 5)):
+            ids = torch.zeros((n, p), dtype=torch.long, device=self.device)
+            lens = torch.full((n,), p, dtype=torch.long, device=self.device)
+            slots = torch.full((n,), self._scratch, dtype=torch.long, device=self.device)
+            self._forward.prefill(ids, lens, slots, self._cache.layers)
+        torch.cuda.synchronize(self.device)
+
+    # --- memory --------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Free the KV cache, the logits/noise buffers and the decode graphs (the weights stay), e.g.
+        while a colocated trainer trains. Idempotent; `resume_memory` brings them back."""
+        if self._cache is None:
+            return
+        self._graphs.clear()
+        self._cache = self._logits = self._noise = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("memory_released")
+
+    def resume_memory(self) -> None:
+        """Allocate what `release_memory` freed (same sizes as at construction). Idempotent."""
+        self._live_weights()
+        if self._cache is not None:
+            return
+        a, rows = self.arch, self.max_batch_size + 1
+        try:
+            self._cache = KVCache(layers=a.n_layers, slots=rows, kv_heads=a.n_kv_heads, max_len=self.max_len,
+                                  head_dim=a.head_dim, dtype=self.dtype, device=self.device)
+            with torch.inference_mode():  # like every tensor a step makes (one set of compiled guards)
+                self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
+                                           device=self.device)
+                self._noise = torch.empty((rows, a.vocab), dtype=torch.float32, device=self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            self._cache = self._logits = self._noise = None
+            raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
+                             f"does not fit in the memory free now; free memory first (a colocated trainer?) "
+                             f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
+
+    # --- tokenizer accessors -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
+        pad = self._tokenizer.pad_token_id
+        return self.eos_token_id if pad is None else pad
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # --- weights -------------------------------------------------------------------------------
+    def weight_version(self) -> int:
+        """0 for the weights loaded from disk, then the version of the last `update_weights`."""
+        return self._version
+
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Copy the trainer's `model_weights` dict (HF names, any device/dtype) into the engine's own
+        tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
+        before anything is copied (ValueError naming them)."""
+        named = self._live_weights().named
+        problems = _mismatch(named, state_dict)
+        if problems:
+            raise ValueError("weights do not fit the model: " + "; ".join(problems)
+                             + ". Send the dict that miles.weights.hf.model_weights gives for the same architecture")
+        with torch.inference_mode():
+            for name, t in named.items():
+                t.copy_(state_dict[name])
+        self._version = int(version)
+        log.info("weights_updated", version=self._version)
+
+    def weights_checksum(self) -> str:
+        """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
+        as `EmbeddedEngine.weights_checksum()` for the same weights."""
+        return state_dict_checksum(self._live_weights().named)
+
+    def weights_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def _live_weights(self):
+        if self._weights is None:
+            raise EngineDisposedError("the engine was disposed; create a new FastEngine")
+        return self._weights
+
+    def dispose(self) -> None:
+        """Free the weights, the KV cache, the graphs and the tokenizer. Idempotent. The actor is the run's."""
+        if self._weights is None:
+            return
+        self.release_memory()
+        self._weights = self._forward = self._tokenizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One Generation per prompt, in order; all prompts are queued and served by continuous batching.
+
+        Randomness: the engine's generator (seeded at construction, advancing call after call), or
+        a fresh one seeded with `params.seed` for this call only.
+        """
+        self._live_weights()
+        if self._cache is None:
+            raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
+        self._check(prompts, params)
+        gen = self._generator if params.seed is None else \
+            torch.Generator(device=self.device).manual_seed(params.seed)
+        sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
+        is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
+        version = self._version
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = CallOutputs(len(prompts), params.max_new_tokens, self.device)
+            call = _Call(prompts, params.max_new_tokens, sampler, is_stop, out)
+            steps = self._run(call)
+            tokens, logprobs, lengths, reasons = out.to_host()
+        self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
+                               seconds=time.perf_counter() - t0)
+        return [Generation(t[:n], lp[:n], "stop" if r == STOP else "length", version)
+                for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
+        EmbeddedEngine._check(self, prompts, params)
+        for i, p in enumerate(prompts):
+            if len(p) + params.max_new_tokens > self.max_len:
+                raise ValueError(
+                    f"bad generate request: prompt {i} ({len(p)} tokens) + max_new_tokens "
+                    f"{params.max_new_tokens} exceeds the KV cache's {self.max_len} positions per slot; "
+                    f"shorten the prompt (--max-prompt-len) or the response length, or raise "
+                    f"--rollout-max-context-len / --rollout-mem-fraction")
+
+    def _run(self, call: _Call) -> int:
+        """The continuous-batching loop; returns the number of decode steps."""
+        table = _Slots(self.max_batch_size, call.max_new)
+        self._state.reset(spare=len(call.prompts))
+        queue, step, pending = deque(range(len(call.prompts))), 0, False
+        while True:
+            checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
+            if pending and checkpoint:
+                table.finish(self._snapshot.read(), self._snapshot.step)
+                pending = False
+            table.expire(step)
+            if queue and len(table.running) < table.n and (checkpoint or not table.running):
+                self._refill(table, queue, step, call)
+                table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
+            if not table.running:
+                return step
+            if checkpoint and not queue:
+                self._compact(table, step)
+            if not pending and step % CHECK_EVERY == 0:
+                self._snapshot.take(self._state.active, step)
+                pending = True
+            self._decode(table, step, call)
+            step += 1
+
+    def _decode(self, table: _Slots, step: int, call: _Call) -> None:
+        b = bucket(table.top(), self._batch_buckets)
+        self._graphs.run(b, bucket(table.span(step), self._span_buckets))
+        tokens, logprobs = call.sampler(self._logits[:b])
+        st = self._state
+        still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.is_stop,
+                           call.max_new)
+        st.pos[:b] += still
+        st.active[:b] = still
+        st.ngen[:b] = n
+        st.cur_tok[:b] = tokens
+
+    def _decode_forward(self, b: int, span: int) -> None:
+        """The graph-captured part of a decode step: static buffers in, logits [b, V] out."""
+        self._forward.decode(self._state.cur_tok[:b], self._state.pos[:b], span, self._cache.layers,
+                             self._logits[:b])
+
+    def _refill(self, table: _Slots, queue: deque, step: int, call: _Call) -> None:
+        """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens."""
+        free = table.free()[:len(queue)]
+        pairs = sorted(((queue.popleft(), s) for s in free), key=lambda rs: len(call.prompts[rs[0]]))
+        chunk: list[tuple[int, int]] = []
+        for req, slot in pairs:  # sorted by length: this prompt is the chunk's widest
+            if chunk and len(call.prompts[req]) * (len(chunk) + 1) > PREFILL_TOKENS:
+                self._prefill(chunk, call)
+                chunk = []
+            chunk.append((req, slot))
+            table.start(slot, len(call.prompts[req]), step)
+        if chunk:
+            self._prefill(chunk, call)
+
+    def _prefill(self, chunk: list[tuple[int, int]], call: _Call) -> None:
+        rows = [(call.prompts[r], r, s) for r, s in chunk]
+        if len(rows) == 1:  # a second row in the scratch slot: no size-1 dims (compiled kernels stay generic)
+            rows.append(([self.pad_token_id], len(call.prompts), self._scratch))
+        width = max(2, max(len(p) for p, _, _ in rows))
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        for i, (p, _, _) in enumerate(rows):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        meta = torch.tensor([[len(p), r, s] for p, r, s in rows], dtype=torch.long)
+        ids, meta = _to_device(ids, self.device), _to_device(meta, self.device)
+        lens, reqs, slots = meta.unbind(1)
+        st = self._state
+        st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
+        logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
+        tokens, logprobs = call.sampler(logits)
+        still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
+                           call.is_stop, call.max_new)
+        call.prefills += 1
+        st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
+
+    def _compact(self, table: _Slots, step: int) -> None:
+        """Move busy slots into free lower ones when that lets the decode batch bucket shrink."""
+        busy = len(table.running)
+        if not busy or bucket(table.top(), self._batch_buckets) <= bucket(busy, self._batch_buckets):
+            return
+        movers = sorted(s for s in table.running if s >= busy)
+        holes = [s for s in range(busy) if s not in table.running]
+        src, dst = (_to_device(torch.tensor(x, dtype=torch.long), self.device) for x in (movers, holes))
+        self._cache.move(src, dst, table.span(step))
+        self._state.move(src, dst)
+        table.move(movers, holes)
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Host -> device without waiting for the GPU's queue (pinned staging on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@lru_cache(maxsize=None)
+def _compiled(fn):
+    """`torch.compile(fn)` with the leading (batch) dimension of its tensor arguments dynamic."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, Tensor) and a.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+
+    return call
+
+
+class _Call:
+    """What one generate call's steps share."""
+
+    def __init__(self, prompts: list[list[int]], max_new: int, sampler: Sampler, is_stop: Tensor,
+                 out: CallOutputs):
+        self.prompts, self.max_new, self.sampler, self.is_stop, self.out = prompts, max_new, sampler, is_stop, out
+        self.prefills = 0
+
+
+class _SlotState:
+    """Per-slot decode state on the device [slots]: what the graphs and `advance` read and write."""
+
+    def __init__(self, slots: int, device: torch.device):
+        def zeros(dtype):
+            return torch.zeros(slots, dtype=dtype, device=device)
+
+        self.pos = zeros(torch.long)      # where the next fed token goes (= tokens in the cache)
+        self.cur_tok = zeros(torch.long)  # the token to feed next
+        self.active = zeros(torch.bool)   # still generating
+        self.req = zeros(torch.long)      # the request served (the outputs' spare row when none)
+        self.ngen = zeros(torch.long)     # tokens generated so far
+
+    def reset(self, spare: int) -> None:
+        self.active.zero_()
+        self.req.fill_(spare)
+        self.ngen.zero_()
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        for t in (self.pos, self.cur_tok, self.active, self.req, self.ngen):
+            t[dst] = t[src]
+        self.active[src] = False
+
+
+class _Slots:
+    """The host's view of the slots: which request's sequence is where, and bounds on its length
+    (exact while it runs; it may have stopped on the device already)."""
+
+    def __init__(self, n: int, max_new: int):
+        self.n, self.max_new = n, max_new
+        self.running: dict[int, tuple[int, int]] = {}   # slot -> (prompt length, step it started at)
+
+    def free(self) -> list[int]:
+        return [s for s in range(self.n) if s not in self.running]
+
+    def start(self, slot: int, prompt_len: int, step: int) -> None:
+        self.running[slot] = (prompt_len, step)
+
+    def expire(self, step: int) -> None:
+        """Drop sequences that reached max_new_tokens: the first token comes from the prefill, so
+        the last decode step of one started at `start` is start + max_new - 2."""
+        for s in [s for s, (_, start) in self.running.items() if start + self.max_new - 2 < step]:
+            del self.running[s]
+
+    def finish(self, active: list[bool], snapshot_step: int) -> None:
+        """Drop sequences the device had stopped at `snapshot_step` (not those started since)."""
+        for s in [s for s, (_, start) in self.running.items() if start <= snapshot_step and not active[s]]:
+            del self.running[s]
+
+    def top(self) -> int:
+        return max(self.running) + 1
+
+    def span(self, step: int) -> int:
+        """Cache positions the next decode step attends over, at most (the longest busy sequence)."""
+        return max(min(p + step - start, p + self.max_new - 2) + 1 for p, start in self.running.values())
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        for s, d in zip(src, dst):
+            self.running[d] = self.running.pop(s)

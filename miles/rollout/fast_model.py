@@ -1,0 +1,330 @@
+"""The fast engine's own forward pass for Llama- and Qwen2-family causal LMs, over a per-slot KV cache.
+
+Weights come from the HF model (loaded with transformers) and are repacked once: q/k/v fused into
+one matrix per layer (one GEMM instead of three), gate/up fused likewise. The HF names stay
+addressable as *views* into the fused tensors (`PackedWeights.named`), so weight updates copy in
+place under HF names (a captured CUDA graph keeps reading the same memory) and checksums are those
+of the HF-named dict, byte for byte.
+
+Two entry points (`Forward`), built from pure functions of tensors so the engine may
+`torch.compile` them and capture them in CUDA graphs, and CI runs them eagerly on CPU:
+- `prefill`: right-padded prompts [n, P], causal attention over the prompt itself, K/V
+  written into the prompt's cache slot at positions 0..P-1.
+- `decode`: one token per slot for the first B slots, K/V written at each slot's position,
+  attention over the slot's first L cache positions with a length mask (L is a bucket >= every
+  busy slot's length, so one captured graph serves many steps).
+
+The numerics follow transformers' Llama/Qwen2 modules (RMSNorm in float32 then cast, RoPE cos/sin
+in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's to
+float rounding.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
+
+# RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
+# the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+FAMILIES = ("llama", "qwen2")
+
+
+def rope_type(config) -> str:
+    """The config's RoPE type; transformers 5 keeps it in `rope_parameters`, 4.x in `rope_scaling`."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def supports(config) -> str | None:
+    """None when the fast forward implements this HF config; else the reason it does not."""
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model_type {kind!r} is not implemented (fast path: {', '.join(FAMILIES)})"
+    if rope_type(config) not in STATIC_ROPE_TYPES:
+        return f"RoPE type {rope_type(config)!r} is not implemented (fast path: {', '.join(STATIC_ROPE_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not implemented (fast path: silu)"
+    if getattr(config, "use_sliding_window", False) or \
+            any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return "sliding-window attention is not implemented"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases (mlp_bias=True) are not implemented"
+    if config.num_attention_heads % config.num_key_value_heads:
+        return (f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {config.num_key_value_heads}")
+    return None
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shapes and constants of one model, read from its HF config."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    max_positions: int | None
+
+    @classmethod
+    def from_config(cls, config) -> Arch:
+        return cls(n_layers=config.num_hidden_layers, hidden=config.hidden_size,
+                   n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   intermediate=config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
+                   max_positions=getattr(config, "max_position_embeddings", None))
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def kv_bytes_per_position(self, dtype: torch.dtype) -> int:
+        """K and V of one position of one sequence, all layers."""
+        return 2 * self.n_layers * self.kv_size * torch.empty((), dtype=dtype).element_size()
+
+
+# per layer, in this order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (biases may be None)
+LayerWeights = tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None, Tensor, Tensor, Tensor]
+
+
+@dataclass
+class PackedWeights:
+    embed: Tensor                   # [V, H]
+    layers: list[LayerWeights]
+    norm: Tensor                    # [H]
+    lm_head: Tensor                 # [V, H]; the same tensor as `embed` when tied
+    inv_freq: Tensor                # [head_dim / 2] float32
+    rope_scale: float               # cos/sin multiplier (1.0 but for scaled RoPE types)
+    named: dict[str, Tensor]        # HF name -> live tensor or view (what model_weights gives)
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
+    """Fused copies of `model`'s weights on `device` (same dtype), plus HF-named views into them.
+
+    Raises ValueError naming any HF parameter this forward would not use (the model must not
+    silently lose weights).
+    """
+    from miles.weights.hf import model_weights
+
+    src = {n: t.detach() for n, t in model_weights(model).items()}
+    named: dict[str, Tensor] = {}
+
+    def take(name: str) -> Tensor:
+        t = src[name].to(device).contiguous()
+        named[name] = t
+        return t
+
+    layers = [_pack_layer(src, named, f"model.layers.{i}.", arch, device) for i in range(arch.n_layers)]
+    embed = take("model.embed_tokens.weight")
+    lm_head = take("lm_head.weight") if "lm_head.weight" in src else embed
+    norm = take("model.norm.weight")
+    unused = sorted(set(src) - set(named))
+    if unused:
+        raise ValueError(f"the fast forward does not implement these weights: {', '.join(unused[:5])}; "
+                         f"use the EmbeddedEngine for this model")
+    rotary = model.model.rotary_emb
+    return PackedWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+                         inv_freq=rotary.inv_freq.detach().to(device, torch.float32),
+                         rope_scale=float(rotary.attention_scaling), named=named)
+
+
+def _fuse(src: dict[str, Tensor], named: dict[str, Tensor], names: list[str], device) -> Tensor | None:
+    """cat(src[names]) on `device`, registering each part as a view under its HF name."""
+    if not any(n in src for n in names):
+        return None
+    fused = torch.cat([src[n].to(device) for n in names])
+    offset = 0
+    for n in names:
+        rows = src[n].shape[0]
+        named[n] = fused[offset:offset + rows]  # a row range of a contiguous tensor: contiguous
+        offset += rows
+    return fused
+
+
+def _pack_layer(src, named, prefix: str, arch: Arch, device) -> LayerWeights:
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+
+    def one(name: str) -> Tensor | None:
+        if name not in src:
+            return None
+        named[name] = src[name].to(device).contiguous()
+        return named[name]
+
+    qkv_w = _fuse(src, named, [attn + f"{p}_proj.weight" for p in "qkv"], device)
+    qkv_b = _fuse(src, named, [attn + f"{p}_proj.bias" for p in "qkv"], device)
+    gate_up = _fuse(src, named, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], device)
+    return (one(prefix + "input_layernorm.weight"), qkv_w, qkv_b, one(attn + "o_proj.weight"),
+            one(attn + "o_proj.bias"), one(prefix + "post_attention_layernorm.weight"), gate_up,
+            one(mlp + "down_proj.weight"))
+
+
+# --- the forward ---------------------------------------------------------------------------------
+# Each layer is three pieces: `*_qkv` (norm, QKV projection, RoPE, K/V into the cache), the
+# attention (one stock SDPA call, left out of compilation on purpose: it is one kernel already),
+# and `out_mlp` (output projection, residual, norm, MLP, residual). The engine compiles the two
+# pieces on CUDA (fusing their elementwise work) and runs them eagerly on CPU.
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(pos: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [..., head_dim] for integer positions `pos` [...]."""
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def additive_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where attended, -inf elsewhere: built once per step, not once per layer."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+
+
+def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
+               cos: Tensor, sin: Tensor, pos: Tensor, arch: Arch) -> Tensor:
+    """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
+    b = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+        [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
+    q = apply_rope(q.view(b, arch.n_heads, arch.head_dim), cos[:, None], sin[:, None])
+    k = apply_rope(k.view(b, arch.n_kv_heads, arch.head_dim), cos[:, None], sin[:, None])
+    rows = torch.arange(b, device=x.device)
+    kc[rows, :, pos] = k
+    vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim)
+    # the query heads that share a KV head become that head's "query positions": plain multi-head
+    # attention with no K/V repeat, reading the cache once
+    return q.view(b, arch.n_kv_heads, arch.group, arch.head_dim)
+
+
+def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
+                slots: Tensor, cos: Tensor, sin: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+    """x [n, P, H] -> q [n, heads, P, head_dim] and k, v repeated to every query head; K/V of
+    prompt i written at positions 0..P-1 of cache slot slots[i]."""
+    n, p = x.shape[:2]
+    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+        [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
+    q = apply_rope(q.view(n, p, arch.n_heads, arch.head_dim).transpose(1, 2), cos, sin)
+    k = apply_rope(k.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2), cos, sin)
+    v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
+    kc[slots, :, :p] = k
+    vc[slots, :, :p] = v
+    return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
+
+
+def out_mlp(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, gate_up_w: Tensor,
+            down_w: Tensor, arch: Arch) -> Tensor:
+    """x [T, H] (residual stream), o [T, heads * head_dim] (attention output) -> x after the layer."""
+    x = x + F.linear(o, o_w, o_b)
+    gate, up = F.linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w)
+
+
+def final_logits(x: Tensor, w: PackedWeights, arch: Arch, out: Tensor | None = None) -> Tensor:
+    """Logits [n, V] in the model dtype (as HF computes them) of hidden states x [n, H]."""
+    h = rms_norm(x, w.norm, arch.eps)
+    return torch.mm(h, w.lm_head.t(), out=out)
+
+
+def _dynamic(*dims: tuple[Tensor, int]) -> None:
+    """Mark batch/length dimensions dynamic so one compiled kernel serves every bucket."""
+    for t, d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+@lru_cache(maxsize=None)
+def _compiled_pieces() -> tuple:
+    """Compiled once per process (dynamo caches per function and guards on `arch`'s values)."""
+    return tuple(torch.compile(f, fullgraph=True) for f in (decode_qkv, prefill_qkv, out_mlp))
+
+
+class Forward:
+    """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled, and
+    decode attention by the stock call over a span bucket or by the length-aware kernel."""
+
+    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False):
+        self.arch, self.weights, self.length_aware = arch, weights, length_aware
+        self.use_compiled(compiled)
+
+    def use_compiled(self, compiled: bool) -> None:
+        pieces = _compiled_pieces() if compiled else (decode_qkv, prefill_qkv, out_mlp)
+        (self._decode_qkv, self._prefill_qkv, self._out_mlp), self.compiled = pieces, compiled
+
+    def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
+               out: Tensor) -> None:
+        """Feed tokens [B] at positions pos [B] of cache slots 0..B-1, attending over the first
+        `span` positions; logits [B, V] into `out`."""
+        a, w = self.arch, self.weights
+        b = tokens.shape[0]
+        x = F.embedding(tokens, w.embed)
+        cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
+        if not self.length_aware:
+            mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+            if self.compiled:
+                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0))
+            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, kc, vc, cos, sin, pos, a)
+            if self.length_aware:
+                o = decode_attention(q, kc, vc, pos, a.scale)
+            else:
+                o = sdpa_decode_attention(q, kc, vc, pos, a.scale, span, mask)
+            o = o.reshape(b, a.q_size)
+            if self.compiled:
+                _dynamic((x, 0), (o, 0))
+            x = self._out_mlp(x, o, o_w, o_b, ln2, gate_up_w, down_w, a)
+        final_logits(x, w, a, out=out)
+
+    def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Right-padded prompts ids [n, P] of lengths lens [n] into cache `slots` [n]; -> logits [n, V]
+        of each prompt's last token."""
+        a, w = self.arch, self.weights
+        n, p = ids.shape
+        x = F.embedding(ids, w.embed)
+        pos = torch.arange(p, device=ids.device)
+        cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
+        valid = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]   # causal, not padding
+        mask = additive_mask(valid, x.dtype)[:, None]
+        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+            if self.compiled:
+                _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0))
+            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, kc, vc, slots, cos, sin, a)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
+            o = o.transpose(1, 2).reshape(n * p, a.q_size)
+            flat = x.view(n * p, a.hidden)
+            if self.compiled:
+                _dynamic((flat, 0), (o, 0))
+            x = self._out_mlp(flat, o, o_w, o_b, ln2, gate_up_w, down_w, a).view(n, p, a.hidden)
+        return final_logits(x[torch.arange(n, device=ids.device), lens - 1], w, a)

@@ -1,0 +1,102 @@
+"""The shell the trainer and the critic share: one float32 model under AdamW on one device.
+
+What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
+run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
+step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the optimizer
+state and step count on disk, and the disposal. What a model computes (policy loss, value loss) and
+what else it saves are the subclass's.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles.config import TrainConfig
+from miles.training.rng import seed_everything
+from miles.training.schedule import lr_schedule
+from miles.weights.hf import resolve_device, resolve_dtype
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class OptimizedModel:
+    """Subclasses set `role` (in messages), `state_file` (the step count's file) and `lr_hint` (what
+    to lower when a gradient blows up), load their model, then call `_start_optimizer(model)`."""
+
+    role = "model"
+    state_file = "state.json"
+    lr_hint = "--lr"
+
+    def __init__(self, *, train: TrainConfig, device: str, dtype: str):
+        seed_everything(train.seed)
+        self.device = resolve_device(device)
+        self.compute_dtype = resolve_dtype(dtype, self.device)
+        self._train_cfg = train
+        self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
+        self._lr_at = lr_schedule(train)
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._num_steps = 0
+
+    def _start_optimizer(self, model: nn.Module) -> None:
+        t = self._train_cfg
+        self._model = model
+        self._optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                            betas=(t.adam_beta1, t.adam_beta2))
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken since the initial weights (restored by `load`)."""
+        return self._num_steps
+
+    def _autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradients and step; returns the gradient norm before clipping."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._live().parameters(), self._max_grad_norm))
+        if not math.isfinite(grad_norm):
+            # stepping would write NaN/inf into every weight; stop with the weights still good
+            raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
+                                     f"lower {self.lr_hint}, set --clip-grad, or look for bad samples")
+        for group in self._optimizer.param_groups:
+            group["lr"] = self._lr_at(self._num_steps)
+        self._optimizer.step()
+        self._num_steps += 1
+        return grad_norm
+
+    def _save_optimizer(self, path: Path) -> None:
+        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        (path / self.state_file).write_text(json.dumps({"num_steps": self._num_steps}))
+
+    def _load_optimizer(self, path: Path) -> None:
+        """Optimizer state and step count, each when `path` holds it."""
+        if (path / OPTIMIZER_FILE).is_file():
+            self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                       weights_only=True))
+        if (path / self.state_file).is_file():
+            self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
+
+    def _live(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeError(f"the {self.role} was disposed; create a new one")
+        return self._model
+
+    def _release(self) -> None:
+        """What a subclass holds besides the model and the optimizer (dropped by `dispose`)."""
+
+    def dispose(self) -> None:
+        """Free the model and the optimizer state (and the CUDA cache). Idempotent. The actor itself
+        is the run's."""
+        self._release()
+        self._model = self._optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
