@@ -23,21 +23,25 @@ from miles.training.protocol import TRAIN_BACKENDS
 
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
+    RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
-    "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+    "trace": TraceConfig, "tracking": TrackingConfig, "sglang": SGLangConfig, "run": RunConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
     "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
     "algorithm": "algorithm (advantages, losses, KL)", "train": "train (optimizer, batches)",
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
+    "sglang": "SGLang (--rollout-engine sglang; docs/sglang.md). Any other --sglang-<flag> [VALUE] is passed to "
+              "the SGLang server as --<flag> [VALUE]",
     "run": "the loop and debugging",
 }
+PASSTHROUGH_PREFIX = "sglang-"      # --sglang-<flag> not in the table below: SGLang's own server flag
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
+    _f("rollout-num-gpus-per-engine", "rollout", "num_gpus_per_engine", int,
+       "GPUs per engine: an SGLang server's tensor parallel size (--rollout-engine sglang)"),
+    _f("offload-rollout", "rollout", "offload", kind="true",
+       help="engines release their GPU memory (weights, KV cache, CUDA graphs) while the trainer trains "
+            "(--rollout-engine sglang; sync machine)"),
     _f("rm-type", "rollout", "rm_type", str, "built-in reward", tuple(REWARD_FUNCTIONS)),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
@@ -183,6 +192,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("wandb-dir", "tracking", "wandb_dir", str, "W&B's local files (default: <run-dir>/wandb)"),
     _f("worker-log-level", "tracking", "worker_log_level", str,
        "lowest level the actors write to <run-dir>/logs/<role>-<rank>.jsonl", ("debug", "info", "warning", "error")),
+    # sglang
+    _f("sglang-router-policy", "sglang", "router_policy", str, "how the sglang-router spreads requests over the "
+       "servers (with more than one engine)", ROUTER_POLICIES),
+    _f("sglang-router-request-timeout-secs", "sglang", "router_request_timeout_s", float,
+       "seconds a request may take, through the router and to a server"),
+    _f("sglang-server-concurrency", "sglang", "server_concurrency", int, "requests in flight per engine"),
+    _f("sglang-server-startup-timeout", "sglang", "startup_timeout_s", float,
+       "seconds an SGLang server may take to load and answer /health_generate"),
     # the loop
     _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
@@ -202,7 +219,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("inject-fault", "run", "inject_faults", kind="list",
        help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
 )
-BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
+# --sglang-<flag> [VALUE] pass-through: collected by parse_flags / load_config_file, never an argparse option
+PASSTHROUGH = Flag("sglang-*", "sglang", "server_args", kind="list", help="SGLang server flags")
+BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS} | {"sglang_server_args": PASSTHROUGH}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
 
@@ -249,7 +268,12 @@ def _default(f: Flag) -> Any:
 
 def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train") -> tuple[RunConfig, str | None]:
     """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    parser = build_parser(prog)
+    known, unknown = parser.parse_known_args(argv)
+    passthrough, stray = split_passthrough(unknown)
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    ns = vars(known)
     config_path, machine = ns.pop("config", None), ns.pop("machine", None)
     values: dict[str, Any] = {}
     problems: list[str] = []
@@ -258,7 +282,51 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
+    if passthrough:     # the command line's SGLang flags override the file's, flag by flag
+        values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     return build_config(values, problems), machine
+
+
+def split_passthrough(args: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+    """argparse's leftovers → (SGLang argv from every --sglang-<flag> [VALUE ...], anything else)."""
+    out: list[str] = []
+    stray: list[str] = []
+    taking = False          # the values after a pass-through flag belong to it
+    for a in args:
+        if a.startswith("--" + PASSTHROUGH_PREFIX):
+            name, eq, value = a[2 + len(PASSTHROUGH_PREFIX):].partition("=")
+            out += [f"--{name}", value] if eq else [f"--{name}"]
+            taking = True
+        elif taking and not a.startswith("--"):
+            out.append(a)
+        else:
+            stray.append(a)
+            taking = False
+    return tuple(out), stray
+
+
+def passthrough_from_file(name: str, value: Any) -> tuple[str, ...]:
+    """A config file's `sglang-<flag>: value` → SGLang argv (true: the flag alone; false/null: nothing)."""
+    if value is True:
+        return (f"--{name}",)
+    if value is False or value is None:
+        return ()
+    return (f"--{name}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)]))
+
+
+def _merge_passthrough(base: Sequence[str], override: Sequence[str]) -> tuple[str, ...]:
+    def groups(argv: Sequence[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for a in argv:
+            if a.startswith("--"):
+                key = a
+                out[key] = [a]
+            else:
+                out[key].append(a)
+        return out
+
+    merged = groups(base) | groups(override)
+    return tuple(a for g in merged.values() for a in g)
 
 
 def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], str | None]:
@@ -275,6 +343,11 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     base = p.parent
     for key, value in raw.items():
         dest = str(key).lstrip("-").replace("-", "_")
+        flag_name = str(key).lstrip("-").replace("_", "-")
+        if dest not in BY_DEST and flag_name.startswith(PASSTHROUGH_PREFIX):
+            extra = passthrough_from_file(flag_name[len(PASSTHROUGH_PREFIX):], value)
+            values["sglang_server_args"] = (*values.get("sglang_server_args", ()), *extra)
+            continue
         if dest not in BY_DEST:
             problems.append(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)")
             continue

@@ -49,6 +49,8 @@ class RolloutConfig:
     top_p: float = 1.0                  # --rollout-top-p
     top_k: int = -1                     # --rollout-top-k
     num_engines: int = 1                # --rollout-num-engines
+    num_gpus_per_engine: int = 1        # --rollout-num-gpus-per-engine: an SGLang server's tensor parallel size
+    offload: bool = False               # --offload-rollout: engines release their GPU memory while the trainer trains
     engine: str = "embedded"            # --rollout-engine: a name in miles.rollout.protocol.ENGINES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
@@ -109,6 +111,17 @@ class TrainConfig:
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """--rollout-engine sglang (docs/sglang.md)."""
+
+    server_args: tuple[str, ...] = ()   # --sglang-<flag> [VALUE]: SGLang's own server flags, as SGLang spells them
+    router_policy: str = "cache_aware"  # --sglang-router-policy
+    router_request_timeout_s: float = 3600.0  # --sglang-router-request-timeout-secs
+    server_concurrency: int = 512       # --sglang-server-concurrency: requests in flight per engine
+    startup_timeout_s: float = 600.0    # --sglang-server-startup-timeout: until /health_generate answers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +187,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
@@ -201,5 +215,6 @@ def as_dict(cfg: Any) -> dict[str, Any]:
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+    "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "TraceConfig", "TrackingConfig", "TrainConfig",
+    "as_dict", "replace",
 ]

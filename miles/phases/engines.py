@@ -2,9 +2,14 @@
 
 A phase that talks to engines runs its call through `with_engine_restarts`: when the call fails
 because an actor died, every engine is probed; each dead one is replaced by a new actor (registered
-with the disposer where it is created, given the weights the others hold, handed to the executor)
-and the call is retried. A dead actor that is not an engine (the trainer) is not restartable: the
-failure goes on to the fail route. Past the budget, RestartBudgetExceeded does the same.
+with the disposer where it is created, given the weights the others hold and the memory state they
+are in, handed to the engine fleet and the executor) and the call is retried. A dead actor that is
+not an engine (the trainer) is not restartable: the failure goes on to the fail route. Past the
+budget, RestartBudgetExceeded does the same. (An SGLang engine whose server dies ends its own actor,
+so a dead server takes this path too.)
+
+Memory (--offload-rollout): `release_engine_memory` after a rollout, `resume_engine_memory` around
+the weight sync.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import ray
 
 from miles.phases.context import TrainingContext
+from miles.rollout.protocol import MEMORY_TAGS
 from miles.runtime.supervisor import RestartBudget
 
 T = TypeVar("T")
@@ -22,11 +28,30 @@ PROBE_TIMEOUT_S = 10.0
 
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
-    cfg = ctx.cfg
-    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
-                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index)
+    cfg, fleet, name = ctx.cfg, ctx.c.engine_fleet, name or f"engine-{index}"
+    extra = {**fleet.actor_options(), **fleet.engine_kwargs(index, name)} if fleet is not None else {}
+    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name, device=cfg.model.device,
+                                 dtype=cfg.model.dtype, seed=cfg.rollout_seed + index, **extra)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
+
+
+async def release_engine_memory(ctx: TrainingContext, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+    """--offload-rollout: the engines free their GPU memory while the trainer trains."""
+    await with_engine_restarts(ctx, lambda: asyncio.gather(*(e.handle.release_memory.remote(tags)
+                                                             for e in ctx.c.engines)))
+    ctx.engines_released = tuple(t for t in MEMORY_TAGS if t in (*ctx.engines_released, *tags))
+    ctx.tracer.emit("engine_memory_released", tags=list(tags))
+
+
+async def resume_engine_memory(ctx: TrainingContext, tags: tuple[str, ...]) -> None:
+    todo = tuple(t for t in tags if t in ctx.engines_released)
+    if not todo:
+        return
+    await with_engine_restarts(ctx, lambda: asyncio.gather(*(e.handle.resume_memory.remote(todo)
+                                                             for e in ctx.c.engines)))
+    ctx.engines_released = tuple(t for t in ctx.engines_released if t not in todo)
+    ctx.tracer.emit("engine_memory_resumed", tags=list(todo))
 
 
 async def with_engine_restarts(ctx: TrainingContext, call: Callable[[], Awaitable[T]]) -> T:
@@ -65,10 +90,16 @@ async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseExcepti
     seq = ctx.tracer.emit("engine_restart", engine=index, restarts_in_window=count,
                           error={"type": type(cause).__name__, "message": str(cause)[:500]})
     ctx.c.engines[index].force()       # make sure the old one is gone (it may be a zombie, not dead)
+    if ctx.c.engine_fleet is not None:
+        await ctx.c.engine_fleet.left(index)
     engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
     pid = await engine.wait_ready()
     if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
         await engine.handle.update_weights.remote(ctx.c.trainer.handle.weights.remote(), ctx.weight_version)
+    if ctx.engines_released:           # and the others' memory state
+        await engine.handle.release_memory.remote(ctx.engines_released)
+    if ctx.c.engine_fleet is not None:
+        await ctx.c.engine_fleet.joined(index, engine.handle)
     ctx.c.engines[index] = engine
     await ctx.c.executor.handle.set_engines.remote([e.handle for e in ctx.c.engines])
     ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version,

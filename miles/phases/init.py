@@ -1,7 +1,7 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
+Order: metrics sinks → Ray → the engine fleet (if the engine kind has one) → engines → trainer → critic (ppo) → executor → checkpoint resume. Input
 is checked on the driver (tokenizer, prompt or SFT files, reward and filter imports) before any actor
 starts. `pick_backends` is the one place an implementation is chosen: the engine class from
 `--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
@@ -68,6 +68,11 @@ async def init(ctx: TrainingContext) -> str:
     ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
 
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
+    make_fleet = getattr(ctx.backends.engine, "make_fleet", None)
+    if make_fleet is not None and not cfg.load_debug_rollout_data:
+        ctx.c.engine_fleet = make_fleet(cfg, run_dir=ctx.run_dir)
+        add(ctx.c.engine_fleet)         # before the engines: torn down after them
+        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
     ctx.c.engines = [] if cfg.load_debug_rollout_data else [make_engine(ctx, i) for i in range(cfg.rollout.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
@@ -79,6 +84,9 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
+    if ctx.c.engine_fleet is not None:
+        for i, engine in enumerate(ctx.c.engines):
+            await ctx.c.engine_fleet.joined(i, engine.handle)
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
 

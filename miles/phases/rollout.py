@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.phases.engines import release_engine_memory, with_engine_restarts
 
 
 async def rollout(ctx: TrainingContext) -> str:
@@ -28,6 +28,8 @@ async def rollout(ctx: TrainingContext) -> str:
                     samples=int(metrics["num_samples"]))
     if ctx.cfg.save_debug_rollout_data:
         await _save_debug_data(ctx, samples_ref, metrics)
+    if ctx.cfg.rollout.offload:        # the trainer gets the GPU memory until the next weight sync
+        await release_engine_memory(ctx)
     return "next"
 
 

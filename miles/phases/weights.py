@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.phases.engines import resume_engine_memory, with_engine_restarts
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -25,7 +25,9 @@ async def sync_weights(ctx: TrainingContext) -> str:
     async def push() -> None:
         await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
 
+    await resume_engine_memory(ctx, ("weights",))             # --offload-rollout: weights first, then the rest
     await with_engine_restarts(ctx, push)     # a restarted engine gets the current weights, then all get these
+    await resume_engine_memory(ctx, ("kv_cache", "cuda_graph"))
     ctx.weight_version = version
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6)}
     if ctx.cfg.check_weight_update_equal:

@@ -7,12 +7,19 @@ the class once, by name, and makes it a Ray actor; nothing else names an engine.
 path, SGLang) is a module of its own implementing `Engine`, plus one `ENGINES` entry; its heavy
 imports stay in its module, which loads only when a run picks it.
 
-Constructor, for every engine: `Cls(model_path, *, device, dtype, seed)`.
+Constructor, for every engine: `Cls(model_path, *, device, dtype, seed)`. An engine kind that needs
+more around its actors (a server's options, GPUs, a router in front of several servers) has a
+classmethod `make_fleet(cfg: RunConfig, *, run_dir) -> EngineFleet`: the composition root makes the
+fleet once, before the engines, registers it with the disposer (so it goes after them), passes
+`fleet.engine_kwargs(index, name)` to each constructor and tells it when an engine joins or leaves.
+
+Memory (optional): `release_memory(tags)` / `resume_memory(tags)` with tags from `MEMORY_TAGS`, both
+idempotent, for --offload-rollout.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +29,9 @@ if TYPE_CHECKING:
 # --rollout-engine NAME -> "module:Class", imported only when a run picks it
 ENGINES: dict[str, str] = {
     "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
+    "sglang": "miles.rollout.sglang_engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
 }
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")         # what --offload-rollout releases, in SGLang's names
 
 
 class Engine(Protocol):
@@ -60,3 +69,31 @@ class Engine(Protocol):
     def pad_token_id(self) -> int: ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+
+class EngineFleet(Protocol):
+    """Run-level support of one engine kind (see the module docstring); a disposer resource."""
+
+    resource_name: str
+
+    def engine_kwargs(self, index: int, name: str) -> dict[str, Any]:
+        """Constructor keywords of engine `index` beyond (model_path, device, dtype, seed)."""
+        ...
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray options of each engine actor (the GPUs it asks for)."""
+        ...
+
+    async def joined(self, index: int, engine: Any) -> None:
+        """Engine `index` (an actor handle) is ready and holds the run's weights."""
+        ...
+
+    async def left(self, index: int) -> None:
+        """Engine `index` is gone (dead, being replaced)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the trace records about the fleet (addresses, pids)."""
+        ...
+
+    async def dispose(self) -> None: ...

@@ -26,14 +26,15 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from miles.rollout.protocol import MEMORY_TAGS
 from miles.types import Generation, SamplingParams
 
 SGLANG_VERSION = "0.5.23"           # the version whose source these names were read from
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")    # sglang/srt/constants.py GPU_MEMORY_TYPE_*
+# MEMORY_TAGS (miles.rollout.protocol) are SGLang's own names: sglang/srt/constants.py GPU_MEMORY_TYPE_*
 PAUSE_MODES = ("abort", "retract", "in_place")          # PauseGenerationReqInput.mode
 # flags miles sets itself; passing them through --sglang-* would contradict what miles assumes
-RESERVED_FLAGS = ("model-path", "model", "host", "port", "tp-size", "tensor-parallel-size",
-                  "skip-tokenizer-init", "weight-version", "enable-memory-saver")
+RESERVED_FLAGS = ("model-path", "model", "host", "port", "tp-size", "tensor-parallel-size", "dtype", "device",
+                  "random-seed", "skip-tokenizer-init", "weight-version", "enable-memory-saver")
 _SEED_SPACE = 2**31
 
 
@@ -43,12 +44,15 @@ class SGLangResponseError(RuntimeError):
 
 # --- launch ----------------------------------------------------------------------------------------
 def server_argv(python: str, model_path: str, *, host: str, port: int, tp_size: int, dtype: str,
-                seed: int, memory_saver: bool, extra: Sequence[str] = ()) -> list[str]:
+                seed: int, memory_saver: bool, device: str = "auto", extra: Sequence[str] = ()) -> list[str]:
     """`python -m sglang.launch_server ...`: token ids in and out (`--skip-tokenizer-init`), weight
-    version "0" for the weights on disk, then the user's pass-through flags."""
+    version "0" for the weights on disk, then the user's pass-through flags. `device` auto leaves
+    SGLang to detect it."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
             "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype, "--random-seed", str(seed),
             "--skip-tokenizer-init", "--weight-version", "0"]
+    if device != "auto":
+        argv += ["--device", device]
     if memory_saver:
         argv.append("--enable-memory-saver")      # release/resume_memory_occupation need it
     return argv + list(extra)
@@ -59,9 +63,7 @@ def passthrough_flags(flags: Mapping[str, Any]) -> list[str]:
     0.7 --sglang-disable-radix-cache) → SGLang's own flags. Flags miles sets itself are refused."""
     reserved = sorted(f for f in flags if f in RESERVED_FLAGS)
     if reserved:
-        raise ValueError(f"--sglang-{reserved[0]} is set by miles itself (model path, host/port, tp size from "
-                         f"--rollout-num-gpus-per-engine, token-id I/O, weight versions, --offload-rollout); "
-                         f"drop it")
+        raise ValueError(reserved_flag_problem(reserved[0]))
     argv: list[str] = []
     for name, value in flags.items():
         if value is True:
@@ -69,6 +71,11 @@ def passthrough_flags(flags: Mapping[str, Any]) -> list[str]:
         elif value is not False and value is not None:
             argv += [f"--{name}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)])]
     return argv
+
+
+def reserved_flag_problem(flag: str) -> str:
+    return (f"--sglang-{flag} is set by miles itself (model path, host/port, --device/--dtype/--seed, tp size "
+            f"from --rollout-num-gpus-per-engine, token-id I/O, weight versions, --offload-rollout); drop it")
 
 
 # --- /generate -------------------------------------------------------------------------------------

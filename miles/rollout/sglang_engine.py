@@ -48,6 +48,7 @@ from pathlib import Path
 import structlog
 
 from miles.rollout import sglang_api as api
+from miles.rollout.protocol import MEMORY_TAGS
 from miles.rollout.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnreachable
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 from miles.types import Generation, SamplingParams
@@ -73,7 +74,6 @@ class SGLangServerDied(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class SGLangEngineConfig:
     tp_size: int = 1                         # --rollout-num-gpus-per-engine
-    dtype: str = "bfloat16"                  # SGLang's --dtype; "auto" in miles means bfloat16 here
     server_args: tuple[str, ...] = ()        # SGLang's own flags, from --sglang-* (sglang_api.passthrough_flags)
     memory_saver: bool = False               # --enable-memory-saver, needed by release/resume (--offload-rollout)
     host: str = "127.0.0.1"
@@ -87,21 +87,29 @@ class SGLangEngineConfig:
     def __post_init__(self):
         if self.tp_size < 1:
             raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.tp_size}")
-        if self.dtype not in _DTYPES and self.dtype != "auto":
-            raise ValueError(f"SGLang dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
         if self.pause_mode not in api.PAUSE_MODES:
             raise ValueError(f"pause mode {self.pause_mode!r}: use one of {', '.join(api.PAUSE_MODES)}")
 
-    @property
-    def server_dtype(self) -> str:
-        return "bfloat16" if self.dtype == "auto" else _DTYPES[self.dtype]
+
+def server_dtype(dtype: str, device: str) -> str:
+    """miles' --dtype as SGLang's --dtype: auto is bfloat16 (float32 on --device cpu), as miles' auto."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r} for SGLang: use auto, bfloat16, float16 or float32")
+    return _DTYPES[dtype]
 
 
 class SGLangEngine:
-    def __init__(self, model_path: str, cfg: SGLangEngineConfig = SGLangEngineConfig(), *, name: str = "engine",
-                 seed: int = 0, router_url: str | None = None, work_dir: str | os.PathLike | None = None,
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 sglang: SGLangEngineConfig = SGLangEngineConfig(), engine_name: str = "engine",
+                 router_url: str | None = None, work_dir: str | os.PathLike | None = None,
                  exit_with_server: bool = False):
+        """`device`, `dtype`, `seed` as every engine takes them (miles.rollout.protocol); the rest from
+        the run's SGLang fleet (`sglang_fleet.SGLangFleet.engine_kwargs`)."""
+        cfg, name = sglang, engine_name
         self.name, self.cfg, self.model_path = name, cfg, str(model_path)
+        self.device, self.dtype = device, server_dtype(dtype, device)
         self.exit_with_server = exit_with_server
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix=f"miles-sglang-{name}-"))
@@ -115,6 +123,7 @@ class SGLangEngine:
         self._disposed = False
         self._death: str | None = None
         self._tokenizer = None
+        self._released: set[str] = set()           # memory tags released on the server
         self.server = self._launch(seed)
         try:
             self._wait_healthy()
@@ -131,10 +140,17 @@ class SGLangEngine:
         log.info("engine_ready", engine=name, url=self.url, pid=self.server.pid, model=self.model_path,
                  tp_size=cfg.tp_size, router=router_url)
 
+    @classmethod
+    def make_fleet(cls, cfg, *, run_dir):
+        """The run's support for its SGLang engines (miles.rollout.protocol.EngineFleet)."""
+        from miles.rollout.sglang_fleet import make_fleet
+
+        return make_fleet(cfg, run_dir=run_dir)
+
     # --- the server process ---------------------------------------------------------------------
     def _launch(self, seed: int) -> OwnedProcess:
         argv = api.server_argv(self.cfg.python, self.model_path, host=self.cfg.host, port=self.port,
-                               tp_size=self.cfg.tp_size, dtype=self.cfg.server_dtype, seed=seed,
+                               tp_size=self.cfg.tp_size, dtype=self.dtype, seed=seed, device=self.device,
                                memory_saver=self.cfg.memory_saver, extra=self.cfg.server_args)
         logf = open(self.log_path, "ab")
         try:
@@ -233,7 +249,7 @@ class SGLangEngine:
     def weights_dtype(self):
         import torch
 
-        return getattr(torch, self.cfg.server_dtype)
+        return getattr(torch, self.dtype)
 
     # --- generation -----------------------------------------------------------------------------
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -379,15 +395,26 @@ class SGLangEngine:
         answer = await self._guard(self._live().weights_checker("checksum"))
         return answer["per_engine_checksum"]
 
-    # --- memory ---------------------------------------------------------------------------------
-    async def release_memory(self, tags: Sequence[str] = api.MEMORY_TAGS) -> None:
-        """Free GPU memory while the trainer runs (the server must be idle)."""
+    # --- memory --------------------------------------------------------------------------------
+    async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free GPU memory while the trainer runs (the server must be idle). Idempotent per tag:
+        SGLang refuses to resume a tag that is not released, so the engine tracks them."""
         self._memory_saver_on()
-        await self._guard(self._live().release_memory(list(tags)))
+        todo = [t for t in api.check_tags(tags) if t not in self._released]
+        if todo:
+            await self._guard(self._live().release_memory(todo))
+            self._released.update(todo)
 
-    async def resume_memory(self, tags: Sequence[str] = api.MEMORY_TAGS) -> None:
+    async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Take back what `release_memory` freed (tags not released are skipped)."""
         self._memory_saver_on()
-        await self._guard(self._live().resume_memory(list(tags)))
+        todo = [t for t in api.check_tags(tags) if t in self._released]
+        if todo:
+            await self._guard(self._live().resume_memory(todo))
+            self._released.difference_update(todo)
+
+    def released_memory(self) -> list[str]:
+        return sorted(self._released)
 
     def _memory_saver_on(self) -> None:
         if not self.cfg.memory_saver:

@@ -11,10 +11,10 @@ Like SGLang, it ignores unknown top-level keys of a body; unlike SGLang it recor
 each call record), so tests can assert that miles sends none. It also starts a child process (SGLang
 starts scheduler and detokenizer processes), so tests see whether a teardown reaches the whole group.
 
-Test knobs (environment): FAKE_SGLANG_CALL_LOG (append one JSON line per call), FAKE_SGLANG_STARTUP_S
-(seconds /health_generate answers 503), FAKE_SGLANG_TOKEN_DELAY_S (seconds per generated token),
-FAKE_SGLANG_NEVER_STOP (never emit a stop token: every request runs to max_new_tokens),
-FAKE_SGLANG_FAIL_START (print it to stderr and exit 1 before serving). GET /fake/calls returns the calls.
+Test knobs are launch flags SGLang does not have (a run passes them as --sglang-fake-...): --fake-startup-delay
+(seconds /health_generate answers 503), --fake-token-delay (seconds per generated token), --fake-never-stop
+(never emit a stop token: every request runs to max_new_tokens). Every call is printed to stdout (the
+server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them.
 """
 
 from __future__ import annotations
@@ -211,19 +211,16 @@ class FakeSGLang:
         self.running: dict[str, bool] = {}        # rid → aborted?
         self.group: str | None = None
         self.calls: list[dict[str, Any]] = []
-        self.ready_at = time.monotonic() + float(os.environ.get("FAKE_SGLANG_STARTUP_S", "0"))
-        self.token_delay = float(os.environ.get("FAKE_SGLANG_TOKEN_DELAY_S", "0"))
-        self.never_stop = bool(os.environ.get("FAKE_SGLANG_NEVER_STOP"))
+        self.ready_at = time.monotonic() + args.fake_startup_delay
+        self.token_delay = args.fake_token_delay
+        self.never_stop = args.fake_never_stop
         self.counter = 0
 
     def record(self, request: web.Request, body: Any, ignored: list[str], status: int) -> None:
         call = {"endpoint": request.path, "method": request.method, "body": body, "ignored": ignored,
                 "status": status, "port": self.args.port, "pid": os.getpid(), "ts": time.time()}
         self.calls.append(call)
-        path = os.environ.get("FAKE_SGLANG_CALL_LOG")
-        if path:
-            with open(path, "a") as f:
-                f.write(json.dumps(call) + "\n")
+        print("FAKE_CALL " + json.dumps(call), flush=True)
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> web.Response:
@@ -552,14 +549,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--nccl-port", type=int)
+    p.add_argument("--device")
+    p.add_argument("--fake-startup-delay", type=float, default=0.0)     # test knobs, not SGLang's
+    p.add_argument("--fake-token-delay", type=float, default=0.0)
+    p.add_argument("--fake-never-stop", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    if os.environ.get("FAKE_SGLANG_FAIL_START"):
-        print(os.environ["FAKE_SGLANG_FAIL_START"], file=sys.stderr, flush=True)
-        sys.exit(1)
     # SGLang runs scheduler/detokenizer subprocesses; this one stands for them in teardown checks
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(10**6)", f"fake-sglang-child-{args.port}",
                       args.model_path])

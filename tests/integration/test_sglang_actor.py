@@ -28,12 +28,12 @@ def actor_factory(ray_cluster, tmp_path):
     import ray
 
     model = make_tiny_model(tmp_path / "model")
-    cfg = SGLangEngineConfig(dtype="float32", startup_timeout_s=60,
+    cfg = SGLangEngineConfig(startup_timeout_s=60,
                              env={"PYTHONPATH": os.pathsep.join([str(FAKES_DIR), os.environ.get("PYTHONPATH", "")])})
 
     def make(name: str):
         return ray.remote(SGLangEngine).options(name=name, namespace="miles-tests", max_restarts=0).remote(
-            model, cfg, name=name, work_dir=tmp_path / name, exit_with_server=True)
+            model, sglang=cfg, engine_name=name, work_dir=tmp_path / name, exit_with_server=True)
 
     yield make, model
     assert wait_gone(model) == []

@@ -26,12 +26,11 @@ def model(tmp_path, monkeypatch):
     return make_tiny_model(tmp_path / "model")
 
 
-def test_two_engines_behind_the_router_survive_a_killed_server_and_leave_nothing(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_SGLANG_TOKEN_DELAY_S", "0.02")
+def test_two_engines_behind_the_router_survive_a_killed_server_and_leave_nothing(model, tmp_path):
     router = SGLangRouter(log_path=tmp_path / "router.log", policy="round_robin")
-    cfg = SGLangEngineConfig(dtype="float32", startup_timeout_s=30)
-    engines = [SGLangEngine(model, cfg, name=f"e{i}", seed=i, router_url=router.url, work_dir=tmp_path / f"e{i}")
-               for i in range(2)]
+    cfg = SGLangEngineConfig(startup_timeout_s=30, server_args=("--fake-token-delay", "0.02"))
+    engines = [SGLangEngine(model, sglang=cfg, engine_name=f"e{i}", seed=i, router_url=router.url,
+                            work_dir=tmp_path / f"e{i}") for i in range(2)]
     router_pid = router.process.pid
 
     async def main():
@@ -53,7 +52,8 @@ def test_two_engines_behind_the_router_survive_a_killed_server_and_leave_nothing
         # the run replaces the dead engine: out of the router, a new server in
         await router.remove_worker(engines[1].server_url())
         await engines[1].dispose()
-        engines[1] = SGLangEngine(model, cfg, name="e1-r1", seed=1, router_url=router.url, work_dir=tmp_path / "r1")
+        engines[1] = SGLangEngine(model, sglang=cfg, engine_name="e1-r1", seed=1, router_url=router.url,
+                                  work_dir=tmp_path / "r1")
         await router.add_worker(engines[1].server_url())
         assert len(await router.workers()) == 2
         assert len(await engines[1].generate([[5]] * 4, SamplingParams(max_new_tokens=2))) == 4

@@ -84,6 +84,11 @@ def test_unknown_top_level_keys_are_ignored_as_sglang_does_but_recorded(server):
     post(server + "/continue_generation", {})
 
 
+def test_resuming_memory_that_was_not_released_is_refused_as_sglang_does(server):
+    status, body = post(server + "/resume_memory_occupation", {"tags": ["weights"]})
+    assert (status, body) == (400, {"error": {"message": "'weights'"}})      # SGLang's KeyError text
+
+
 def test_an_unknown_launch_flag_exits_like_sglangs_argparse(tmp_path):
     model = make_tiny_model(tmp_path / "m")
     out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--nope"],

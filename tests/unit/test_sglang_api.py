@@ -11,6 +11,7 @@ from miles.types import SamplingParams
 def test_server_argv_is_sglangs_launch_command_with_token_ids_and_version_zero():
     argv = api.server_argv("/py", "/m", host="127.0.0.1", port=123, tp_size=2, dtype="bfloat16", seed=7,
                            memory_saver=True, extra=["--mem-fraction-static", "0.5"])
+    assert "--device" not in argv          # auto: SGLang detects it
     assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
     for flag, value in (("--model-path", "/m"), ("--port", "123"), ("--tp-size", "2"), ("--dtype", "bfloat16"),
                         ("--random-seed", "7"), ("--weight-version", "0"), ("--mem-fraction-static", "0.5")):

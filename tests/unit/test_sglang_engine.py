@@ -22,7 +22,7 @@ from tests.fakes import FAKES_DIR, fake_calls, sglang_processes
 from tests.tiny_model import EOS_ID, VOCAB_SIZE, make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
-CFG = SGLangEngineConfig(dtype="float32", memory_saver=True, startup_timeout_s=30)
+CFG = SGLangEngineConfig(memory_saver=True, startup_timeout_s=30)
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def model(tmp_path, monkeypatch):
 
 @pytest.fixture
 def engine(model, tmp_path):
-    e = SGLangEngine(model, CFG, name="e0", seed=3, work_dir=tmp_path / "work")
+    e = SGLangEngine(model, sglang=CFG, dtype="float32", engine_name="e0", seed=3, work_dir=tmp_path / "work")
     yield e
     asyncio.run(e.dispose())
     assert sglang_processes(model) == []
@@ -44,15 +44,14 @@ def run(coro):
 
 
 def test_starts_sglangs_launch_command_in_its_own_process_group(model, tmp_path):
-    cfg = SGLangEngineConfig(tp_size=2, dtype="auto", startup_timeout_s=30,
-                             server_args=("--mem-fraction-static", "0.5"))
-    e = SGLangEngine(model, cfg, name="e1", seed=9, work_dir=tmp_path / "w")
+    cfg = SGLangEngineConfig(tp_size=2, startup_timeout_s=30, server_args=("--mem-fraction-static", "0.5"))
+    e = SGLangEngine(model, sglang=cfg, device="cuda", engine_name="e1", seed=9, work_dir=tmp_path / "w")
     try:
         cmd = psutil.Process(e.server_pid()).cmdline()
         assert cmd[1:3] == ["-m", "sglang.launch_server"]
         for flag, value in (("--model-path", model), ("--tp-size", "2"), ("--dtype", "bfloat16"),
                             ("--random-seed", "9"), ("--weight-version", "0"), ("--mem-fraction-static", "0.5"),
-                            ("--port", str(e.port))):
+                            ("--port", str(e.port)), ("--device", "cuda")):
             assert cmd[cmd.index(flag) + 1] == value
         assert "--skip-tokenizer-init" in cmd and "--enable-memory-saver" not in cmd
         assert os.getpgid(e.server_pid()) == e.server_pid() != os.getpgid(0)
@@ -87,15 +86,15 @@ def test_a_request_sglang_rejects_is_an_error_with_sglangs_message(engine):
 def test_an_unknown_pass_through_flag_fails_the_start_with_the_servers_log(model, tmp_path):
     cfg = SGLangEngineConfig(startup_timeout_s=30, server_args=("--no-such-flag",))
     with pytest.raises(SGLangStartError, match="(?s)exited with status 2.*unrecognized arguments: --no-such-flag"):
-        SGLangEngine(model, cfg, name="bad", work_dir=tmp_path / "w")
+        SGLangEngine(model, sglang=cfg, engine_name="bad", work_dir=tmp_path / "w")
     assert sglang_processes(model) == []
 
 
-def test_a_server_that_is_not_healthy_in_time_is_killed_with_its_children(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_SGLANG_STARTUP_S", "60")
+def test_a_server_that_is_not_healthy_in_time_is_killed_with_its_children(model, tmp_path):
     t0 = time.monotonic()
+    cfg = SGLangEngineConfig(startup_timeout_s=2, server_args=("--fake-startup-delay", "60"))
     with pytest.raises(SGLangStartError, match="(?s)not healthy after 2 s.*fake sglang .* serving"):
-        SGLangEngine(model, SGLangEngineConfig(startup_timeout_s=2), name="slow", work_dir=tmp_path / "w")
+        SGLangEngine(model, sglang=cfg, engine_name="slow", work_dir=tmp_path / "w")
     assert time.monotonic() - t0 < 15
     assert sglang_processes(model) == []
 
@@ -167,15 +166,17 @@ def test_memory_is_released_and_resumed_by_tag(engine, model, tmp_path):
     run(engine.release_memory(["kv_cache", "cuda_graph"]))
     with pytest.raises(SGLangHTTPError, match="memory released"):
         run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))
-    run(engine.resume_memory(["kv_cache", "cuda_graph"]))
+    run(engine.release_memory(["kv_cache"]))          # already released: nothing to send
+    assert engine.released_memory() == ["cuda_graph", "kv_cache"]
+    run(engine.resume_memory())                         # all tags: only the released ones go (SGLang refuses others)
     assert len(run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))) == 1
-    with pytest.raises(SGLangHTTPError, match="'weights'"):
-        run(engine.resume_memory(["weights"]))        # never released: SGLang's KeyError
     with pytest.raises(ValueError, match="use one or more of weights, kv_cache, cuda_graph"):
         run(engine.release_memory(["kv"]))
-    bodies = [c["body"] for c in fake_calls(engine.url, "/release_memory_occupation")]
-    assert bodies == [{"tags": ["kv_cache", "cuda_graph"]}]
-    plain = SGLangEngine(model, SGLangEngineConfig(startup_timeout_s=30), name="p", work_dir=tmp_path / "p")
+    assert [c["body"] for c in fake_calls(engine.url, "/release_memory_occupation")] == \
+        [{"tags": ["kv_cache", "cuda_graph"]}]
+    assert [c["body"] for c in fake_calls(engine.url, "/resume_memory_occupation")] == \
+        [{"tags": ["kv_cache", "cuda_graph"]}]
+    plain = SGLangEngine(model, sglang=SGLangEngineConfig(startup_timeout_s=30), engine_name="p", work_dir=tmp_path / "p")
     try:
         with pytest.raises(ValueError, match="--enable-memory-saver"):
             run(plain.release_memory(["kv_cache"]))
@@ -183,10 +184,9 @@ def test_memory_is_released_and_resumed_by_tag(engine, model, tmp_path):
         run(plain.dispose())
 
 
-def test_a_cancelled_generate_aborts_each_of_its_requests(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_SGLANG_TOKEN_DELAY_S", "0.05")
-    monkeypatch.setenv("FAKE_SGLANG_NEVER_STOP", "1")
-    e = SGLangEngine(model, CFG, name="slow", work_dir=tmp_path / "w")
+def test_a_cancelled_generate_aborts_each_of_its_requests(model, tmp_path):
+    cfg = SGLangEngineConfig(server_args=("--fake-token-delay", "0.05", "--fake-never-stop"))
+    e = SGLangEngine(model, sglang=cfg, engine_name="slow", work_dir=tmp_path / "w")
 
     async def main():
         task = asyncio.ensure_future(e.generate([[5], [6]], SamplingParams(max_new_tokens=10_000)))
@@ -220,7 +220,7 @@ def test_a_dead_server_is_found_its_group_killed_and_calls_fail_with_its_log(eng
 
 
 def test_dispose_takes_the_server_group_and_the_weight_exports(model, tmp_path):
-    e = SGLangEngine(model, CFG, name="d", work_dir=tmp_path / "w")
+    e = SGLangEngine(model, sglang=CFG, dtype="float32", engine_name="d", work_dir=tmp_path / "w")
     run(e.update_weights(exported(model, 0.0), 1))
     exports = list((tmp_path / "w").glob("weights-v*"))
     assert exports and len(sglang_processes(model)) == 2     # the server and its child
