@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from miles.config import ModelConfig, RolloutConfig, SGLangConfig
+from miles.config import ConfigError, ModelConfig, RolloutConfig, SGLangConfig
 from miles.rollout.sglang_engine import SGLangEngineConfig
 from miles.rollout.sglang_router import SGLangRouter
 
@@ -34,6 +34,11 @@ class SGLangFleet:
             startup_timeout_s=sglang.startup_timeout_s, request_timeout_s=sglang.router_request_timeout_s,
             max_concurrency=sglang.server_concurrency)
         self.num_gpus = rollout.num_gpus_per_engine if cluster_gpus > 0 and model.device != "cpu" else 0
+        wanted = rollout.num_engines * self.num_gpus
+        if wanted > cluster_gpus:     # Ray would wait for GPUs that never come: say so before any engine starts
+            raise ConfigError(f"--rollout-num-engines {rollout.num_engines} x --rollout-num-gpus-per-engine "
+                              f"{rollout.num_gpus_per_engine} = {wanted} GPUs, but the Ray cluster has "
+                              f"{cluster_gpus:g}; use fewer engines or GPUs per engine")
         self.router = SGLangRouter(log_path=self.run_dir / "router.log", policy=sglang.router_policy,
                                    request_timeout_s=sglang.router_request_timeout_s) \
             if rollout.num_engines > 1 else None

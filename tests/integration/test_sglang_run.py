@@ -29,7 +29,7 @@ ROUTER_ADDED = {"model", "background", "return_bytes", "return_entropy", "return
 
 
 def run(argv):
-    cfg, machine = parse_flags(argv)
+    cfg, machine = parse_flags([*argv, "--device", "cpu"])    # engines ask Ray for no GPU, wherever this runs
     return asyncio.run(with_disposer(train, cfg, machine=machine or "sync"))
 
 

@@ -68,3 +68,12 @@ def test_offload_rollout_is_refused_by_the_async_machine(base):
     with pytest.raises(ConfigError, match="--offload-rollout cannot be used with the async machine"):
         validate_for_machine(cfg, load_machine("async"))
     validate_for_machine(cfg, load_machine("sync"))
+
+
+def test_more_gpus_than_the_cluster_has_is_an_error_before_any_engine_starts(base, tmp_path):
+    from miles.rollout.sglang_fleet import SGLangFleet
+
+    cfg, _ = parse_flags([*base, "--rollout-engine", "sglang", "--rollout-num-engines", "3",
+                          "--rollout-num-gpus-per-engine", "2", "--device", "cuda"])
+    with pytest.raises(ConfigError, match="= 6 GPUs, but the Ray cluster has 4"):
+        SGLangFleet(cfg.rollout, cfg.sglang, cfg.model, run_dir=tmp_path, cluster_gpus=4)
