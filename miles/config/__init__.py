@@ -6,10 +6,11 @@ table and the checks load only when asked for (`miles.config.flags`, `miles.conf
 
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, EvalDataset, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig, as_dict, replace,
+    RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig, as_dict, replace,
 )
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+    "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "TraceConfig", "TrackingConfig", "TrainConfig",
+    "as_dict", "replace",
 ]

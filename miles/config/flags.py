@@ -24,17 +24,17 @@ from miles.rollout.rewards import REWARD_FUNCTIONS
 from miles.training.protocol import TRAIN_BACKENDS
 
 from .eval_config import load_eval_config
-from .miles_flags import refusal_line, refused_in
+from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
+    RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
 from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
-    "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+    "trace": TraceConfig, "tracking": TrackingConfig, "sglang": SGLangConfig, "run": RunConfig,
     "reliability": ReliabilityConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
@@ -42,9 +42,12 @@ GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these
     "algorithm": "algorithm (advantages, losses, KL)", "train": "train (optimizer, batches)",
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
+    "sglang": "SGLang (--rollout-engine sglang; docs/sglang.md). Any other --sglang-<flag> [VALUE] is passed to "
+              "the SGLang server as --<flag> [VALUE]",
     "run": "the loop and debugging",
     "reliability": "reliability (deadlines, stops, verified loads, the local cluster's exposure)",
 }
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
 
 
 @dataclass(frozen=True)
@@ -193,13 +196,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("actor-num-gpus-per-node", "cluster", "actor_num_gpus_per_node", int, "the trainer's GPUs on each node"),
     _f("rollout-num-gpus", "cluster", "rollout_num_gpus", int,
        "the engines' GPUs in all (default: --rollout-num-engines x --rollout-num-gpus-per-engine)"),
-    _f("rollout-num-gpus-per-engine", "cluster", "rollout_num_gpus_per_engine", int, "GPUs of one engine"),
+    _f("rollout-num-gpus-per-engine", "cluster", "rollout_num_gpus_per_engine", int,
+       "GPUs of one engine: an SGLang server's tensor parallel size (the embedded and fast engines: 1)"),
     _f("num-gpus-per-node", "cluster", "num_gpus_per_node", int, "GPUs of each node"),
     _f("offload", "cluster", "offload", kind="true", help="--offload-train and --offload-rollout"),
     _f("offload-train", "cluster", "offload_train", kind="true",
        help="the trainer's optimizer state goes to host memory while the engines roll out"),
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
-       help="the engines free their KV cache while the trainer trains (on with --colocate)"),
+       help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
+            "weights too (on with --colocate; sync machine)"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
@@ -221,6 +226,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("wandb-dir", "tracking", "wandb_dir", str, "W&B's local files (default: <run-dir>/wandb)"),
     _f("worker-log-level", "tracking", "worker_log_level", str,
        "lowest level the actors write to <run-dir>/logs/<role>-<rank>.jsonl", ("debug", "info", "warning", "error")),
+    # sglang
+    _f("sglang-router-policy", "sglang", "router_policy", str, "how the sglang-router spreads requests over the "
+       "servers (with more than one engine)", ROUTER_POLICIES),
+    _f("sglang-router-request-timeout-secs", "sglang", "router_request_timeout_s", float,
+       "seconds a request may take, through the router and to a server"),
+    _f("sglang-server-concurrency", "sglang", "server_concurrency", int, "requests in flight per engine"),
+    _f("sglang-server-startup-timeout", "sglang", "startup_timeout_s", float,
+       "seconds an SGLang server may take to load and answer /health_generate"),
     # the loop
     _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
@@ -310,7 +323,9 @@ RELIABILITY_FLAGS: tuple[Flag, ...] = (
        help="start a local cluster even when Ray's token authentication is off (RAY_AUTH_MODE=disabled)"),
 )
 FLAGS = FLAGS + RELIABILITY_FLAGS
-BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
+# --sglang-<flag> [VALUE] pass-through: collected by parse_flags / load_config_file, never an argparse option
+PASSTHROUGH = Flag("sglang-*", "sglang", "server_args", kind="list", help="SGLang server flags")
+BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS} | {"sglang_server_args": PASSTHROUGH}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
 
@@ -361,6 +376,7 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
     """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
     parser = build_parser(prog)
     known, rest = parser.parse_known_args(argv)
+    passthrough, rest = split_passthrough(rest)
     ns = vars(known)
     config_path, machine = ns.pop("config", None), ns.pop("machine", None)
     values: dict[str, Any] = {}
@@ -371,6 +387,8 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
+    if passthrough:     # the command line's SGLang flags override the file's, flag by flag
+        values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     try:                      # the refused flags first, then everything else wrong with the command line
         cfg = build_config(values, problems)
     except ConfigError as exc:
@@ -392,6 +410,50 @@ def _leftovers(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
     return [refusal_line(name) for name in dict.fromkeys(refused)]
 
 
+def split_passthrough(args: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+    """argparse's leftovers → (SGLang argv from every --sglang-<flag> [VALUE ...], anything else). A
+    miles flag of that form that is not SGLang's (--sglang-router-ip: miles_flags.REFUSED) is left to
+    the refusals."""
+    out: list[str] = []
+    stray: list[str] = []
+    taking = False          # the values after a pass-through flag belong to it
+    for a in args:
+        if a.startswith("--" + PASSTHROUGH_PREFIX) and fate(a[2:].partition("=")[0]) is None:
+            name, eq, value = a[2 + len(PASSTHROUGH_PREFIX):].partition("=")
+            out += [f"--{name}", value] if eq else [f"--{name}"]
+            taking = True
+        elif taking and not a.startswith("--"):
+            out.append(a)
+        else:
+            stray.append(a)
+            taking = False
+    return tuple(out), stray
+
+
+def passthrough_from_file(name: str, value: Any) -> tuple[str, ...]:
+    """A config file's `sglang-<flag>: value` → SGLang argv (true: the flag alone; false/null: nothing)."""
+    if value is True:
+        return (f"--{name}",)
+    if value is False or value is None:
+        return ()
+    return (f"--{name}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)]))
+
+
+def _merge_passthrough(base: Sequence[str], override: Sequence[str]) -> tuple[str, ...]:
+    def groups(argv: Sequence[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for a in argv:
+            if a.startswith("--"):
+                key = a
+                out[key] = [a]
+            else:
+                out[key].append(a)
+        return out
+
+    merged = groups(base) | groups(override)
+    return tuple(a for g in merged.values() for a in g)
+
+
 def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], str | None]:
     p = Path(path)
     if not p.is_file():
@@ -406,6 +468,11 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     base = p.parent
     for key, value in raw.items():
         dest = str(key).lstrip("-").replace("-", "_")
+        flag_name = str(key).lstrip("-").replace("_", "-")
+        if dest not in BY_DEST and flag_name.startswith(PASSTHROUGH_PREFIX) and fate(flag_name) is None:
+            extra = passthrough_from_file(flag_name[len(PASSTHROUGH_PREFIX):], value)
+            values["sglang_server_args"] = (*values.get("sglang_server_args", ()), *extra)
+            continue
         if dest not in BY_DEST:
             refused, _ = refused_in([f"--{dest.replace('_', '-')}"])
             problems.append(f"--config {path}: " + (refusal_line(refused[0]) if refused else

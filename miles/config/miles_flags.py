@@ -17,7 +17,12 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 NOT_YET = "not supported yet"
-_NO_ROUTER = "no router here: the rollout executor spreads requests over --rollout-num-engines; drop it"
+_NO_ROUTER = ("no miles router here: the executor spreads requests over the engines (SGLang's: the run's "
+              "sglang-router, --sglang-router-policy); drop it")
+_OWN_ROUTER = "with --rollout-engine sglang the run starts its own sglang-router (more than one engine): drop it"
+# --sglang-<flag> [VALUE] that is not refused below is SGLang's own server flag, passed to each server
+# as --<flag> [VALUE] (miles.config.flags.split_passthrough; miles exposes every ServerArgs field so)
+PASSTHROUGH_PREFIX = "sglang-"
 _FULLY_ASYNC = f"{NOT_YET}: --machine async overlaps rollout r+1 with training on r (--update-weights-interval N)"
 _EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async overlaps them with training)"
 _FT = f"{NOT_YET}: dead engines are restarted by default (--engine-max-restarts, --engine-restart-window)"
@@ -61,6 +66,10 @@ REFUSED: dict[str, str] = {
     "rollout-external-engine-addrs": f"addresses of SGLang servers started elsewhere; {NOT_YET}",
     "pin-rollout-manager-to-head": "pins miles' RolloutManager actor to the head node; here the rollout "
                                    "executor is one CPU actor of the run: drop it",
+    "sglang-config": "a YAML of SGLang models and server groups; here one model, whose server flags are "
+                     "given as --sglang-* flags: drop it",
+    "sglang-router-ip": f"the address of a running sglang-router; {_OWN_ROUTER}",
+    "sglang-router-port": f"the port of a running sglang-router; {_OWN_ROUTER}",
     "use-miles-router": f"miles' own HTTP router in front of the engines; {_NO_ROUTER}",
     "miles-router-timeout": f"miles router request timeout; {_NO_ROUTER}",
     "miles-router-max-connections": f"miles router connection cap; {_NO_ROUTER}",
@@ -235,7 +244,6 @@ MEGATRON_REFUSED: dict[str, str] = {
 
 # families: any flag starting with the prefix
 REFUSED_PREFIXES: dict[str, str] = {
-    "sglang-": f"an SGLang server or router option; {NOT_YET} (issue 15)",
     "eval-sglang-": f"an SGLang option of the eval fleet; {_EVAL_FLEET}",
     "router-": f"an sglang_router option; {_NO_ROUTER}",
     "session-": f"a session-server option for agents; {_AGENTIC}",
@@ -322,6 +330,13 @@ def fate(name: str) -> str | None:
     return None
 
 
+def passed_through(name: str) -> str:
+    """What happens to a flag that is neither implemented nor refused: an SGLang server flag, or unknown."""
+    if name.startswith(PASSTHROUGH_PREFIX) and fate(name) is None:
+        return f"passed to each SGLang server as --{name[len(PASSTHROUGH_PREFIX):]} (--rollout-engine sglang)"
+    return "unknown"
+
+
 def refusal_line(name: str) -> str:
     return f"--{name} is a miles flag this build does not take: {fate(name)}"
 
@@ -345,7 +360,7 @@ def markdown(implemented: Mapping[str, str]) -> str:
     """The "coming from miles" tables: `implemented` maps flag names to their help lines."""
     lines = ["| miles flag | here |", "|---|---|"]
     for name in sorted(set(MILES_FLAGS) | set(REFUSED)):
-        here = "implemented: " + implemented[name] if name in implemented else fate(name) or "unknown"
+        here = "implemented: " + implemented[name] if name in implemented else fate(name) or passed_through(name)
         lines.append(f"| `--{name}` | {here.replace('|', '/')} |")
     lines += ["", "| flag family | here |", "|---|---|"]
     lines += [f"| `--{prefix}*` | {text} |" for prefix, text in sorted(REFUSED_PREFIXES.items())]

@@ -138,6 +138,17 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """--rollout-engine sglang (docs/sglang.md)."""
+
+    server_args: tuple[str, ...] = ()   # --sglang-<flag> [VALUE]: SGLang's own server flags, as SGLang spells them
+    router_policy: str = "cache_aware"  # --sglang-router-policy
+    router_request_timeout_s: float = 3600.0  # --sglang-router-request-timeout-secs
+    server_concurrency: int = 512       # --sglang-server-concurrency: requests in flight per engine
+    startup_timeout_s: float = 600.0    # --sglang-server-startup-timeout: until /health_generate answers
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = None             # --save: checkpoint root
     load: str | None = None             # --load: checkpoint root to resume from (newest complete)
@@ -195,11 +206,11 @@ class ClusterConfig:
     actor_num_nodes: int = 1            # --actor-num-nodes: nodes of the trainer
     actor_num_gpus_per_node: int = 1    # --actor-num-gpus-per-node: the trainer's GPUs on each of them
     rollout_num_gpus: int | None = None  # --rollout-num-gpus: the engines' GPUs (None: engines x GPUs per engine)
-    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine
+    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine (an SGLang server's tensor parallel size)
     num_gpus_per_node: int = 8          # --num-gpus-per-node: GPUs of a node (an engine may not span nodes)
     offload: bool = False               # --offload: both of the next two
     offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
-    offload_rollout: bool = False       # --offload-rollout: the engines' KV cache freed during training
+    offload_rollout: bool = False       # --offload-rollout: the engines' memory freed during training (SGLang: weights too)
 
     @property
     def offloads_train(self) -> bool:
@@ -266,6 +277,7 @@ class RunConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
@@ -304,5 +316,6 @@ def _plain(v: Any) -> Any:
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+    "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "TraceConfig", "TrackingConfig", "TrainConfig",
+    "as_dict", "replace",
 ]

@@ -16,9 +16,9 @@ from miles.training.protocol import TRAIN_BACKENDS
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
-                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule, _gpu_memory,
-                  _placement, _miles_compat, _eval_sets, _reliability):
+    for check in (_backends, _sglang, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths,
+                  _checkpoint_and_eval, _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft,
+                  _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -36,6 +36,28 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
 
 
+def _sglang(cfg: RunConfig, problems: list[str]) -> None:
+    """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
+    from miles.config.flags import ROUTER_POLICIES
+    from miles.rollout.sglang_api import RESERVED_FLAGS, reserved_flag_problem
+
+    g, r = cfg.sglang, cfg.rollout
+    if r.engine != "sglang" and g.server_args:
+        problems.append(f"--sglang-<flag> pass-through ({' '.join(g.server_args)}): only the SGLang engine reads "
+                        "it; add --rollout-engine sglang or drop it")
+    if r.engine == "sglang" and r.max_batch_size is not None:
+        problems.append(f"--rollout-max-batch-size {r.max_batch_size} is the embedded and fast engines' limit; an "
+                        "SGLang server's is --sglang-max-running-requests N")
+    given = [a[2:] for a in g.server_args if a.startswith("--")]
+    problems += [reserved_flag_problem(f) for f in given if f in RESERVED_FLAGS]
+    if g.router_policy not in ROUTER_POLICIES:
+        problems.append(f"--sglang-router-policy {g.router_policy}: use one of {', '.join(ROUTER_POLICIES)}")
+    for flag, value in (("--sglang-server-startup-timeout", g.startup_timeout_s),
+                        ("--sglang-router-request-timeout-secs", g.router_request_timeout_s)):
+        if value <= 0:
+            problems.append(f"{flag} {value}: must be > 0 (seconds)")
+
+
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (
         ("--rollout-batch-size", cfg.rollout.batch_size), ("--n-samples-per-prompt", cfg.rollout.n_samples_per_prompt),
@@ -46,6 +68,8 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--debug-exit-after-rollout", cfg.debug_exit_after_rollout), ("--eval-max-response-len", cfg.eval.max_response_len),
         ("--update-weights-interval", cfg.update_weights_interval),
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
+        ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
+        ("--sglang-server-concurrency", cfg.sglang.server_concurrency),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
@@ -351,9 +375,12 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
     if c.actor_num_nodes * c.actor_num_gpus_per_node > 1:
         problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
                         f"{c.actor_num_gpus_per_node}: the torch trainer runs on one GPU (no FSDP yet); use 1 x 1")
-    if c.rollout_num_gpus_per_engine != 1:
-        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engines run "
-                        "on one GPU each (no tensor parallelism); use 1 and more engines")
+    if c.rollout_num_gpus_per_engine != 1 and cfg.rollout.engine != "sglang":
+        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded and fast engines "
+                        "run on one GPU each (no tensor parallelism); use 1 and more engines, or --rollout-engine sglang")
+    if c.rollout_num_gpus_per_engine > 1 and c.colocate:
+        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine} with --colocate: a colocated "
+                        "engine shares one trainer GPU; use 1 (or drop --colocate for tensor-parallel SGLang servers)")
     if c.rollout_num_gpus is not None and cfg.rollout.num_engines != 1 \
             and c.rollout_num_gpus != cfg.rollout.num_engines * c.rollout_num_gpus_per_engine:
         problems.append(f"--rollout-num-gpus {c.rollout_num_gpus} and --rollout-num-engines {cfg.rollout.num_engines} "

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from miles.phases.init import Backends
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
+    from miles.rollout.protocol import EngineFleet
     from miles.runtime.supervisor import RestartBudget
     from miles.tracking.sinks import Tracker
 
@@ -36,6 +37,7 @@ class Components:
     cluster: RayCluster | None = None
     placement: RunPlacement | None = None         # which GPUs each actor asks for (none on CPU)
     ipc_weights: IpcWeights | None = None         # weight sync by CUDA IPC buckets; None: the object store
+    engine_fleet: EngineFleet | None = None       # what the engine kind needs around its actors (SGLang: router)
     engines: list[ActorResource] | None = None    # each an engine actor (miles.rollout.protocol.Engine)
     executor: ActorResource | None = None         # the RolloutExecutor actor
     trainer: ActorResource | None = None          # the trainer actor (miles.training.protocol.TrainerBackend)
@@ -66,6 +68,7 @@ class TrainingContext(PhaseContext):
         self.save_requested = False                    # a host asked for a save now
         self.engine_budget: RestartBudget | None = None  # made at the first restart
         self.engine_restarts = 0
+        self.engines_released: tuple[str, ...] = ()    # memory tags the engines hold released (--offload-rollout)
         self.last_metrics: dict[str, Any] = {}
         self.metrics_history: list[dict[str, Any]] = []
         # work running between phases: `draining` awaits each of these settlers, in order

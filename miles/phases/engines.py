@@ -2,9 +2,14 @@
 
 A phase that talks to engines runs its call through `with_engine_restarts`: when the call fails
 because an actor died, every engine is probed; each dead one is replaced by a new actor (registered
-with the disposer where it is created, given the weights the others hold, handed to the executor)
-and the call is retried. A dead actor that is not an engine (the trainer) is not restartable: the
-failure goes on to the fail route. Past the budget, RestartBudgetExceeded does the same.
+with the disposer where it is created, given the weights the others hold and the memory state they
+are in, handed to the engine fleet and the executor) and the call is retried. A dead actor that is
+not an engine (the trainer) is not restartable: the failure goes on to the fail route. Past the
+budget, RestartBudgetExceeded does the same. (An SGLang engine whose server dies ends its own actor,
+so a dead server takes this path too.)
+
+A restarted engine is put in the memory state the others are in (`ctx.engines_released`, kept by
+miles.phases.memory).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ PROBE_TIMEOUT_S = 10.0
 
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
-    cfg, place = ctx.cfg, ctx.c.placement
-    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
+    cfg, place, fleet, name = ctx.cfg, ctx.c.placement, ctx.c.engine_fleet, name or f"engine-{index}"
+    # the GPUs come from the run's placement, for every engine kind; a fleet adds its own constructor keywords
+    options = {**ctx.backends.engine_options, **(fleet.engine_kwargs(index, name) if fleet is not None else {})}
+    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name,
                                  placement=place.options(place.plan.engines[index]) if place else None,
                                  device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index,
-                                 **ctx.backends.engine_options)
+                                 **options)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
 
@@ -67,10 +74,16 @@ async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseExcepti
     seq = ctx.tracer.emit("engine_restart", engine=index, restarts_in_window=count,
                           error={"type": type(cause).__name__, "message": str(cause)[:500]})
     ctx.c.engines[index].force()       # make sure the old one is gone (it may be a zombie, not dead)
+    if ctx.c.engine_fleet is not None:
+        await ctx.c.engine_fleet.left(index)
     engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
     pid = await engine.wait_ready()
     if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
         await engine.handle.update_weights.remote(ctx.c.trainer.handle.weights.remote(), ctx.weight_version)
+    if ctx.engines_released:           # and the others' memory state
+        await engine.handle.release_memory.remote(ctx.engines_released)
+    if ctx.c.engine_fleet is not None:
+        await ctx.c.engine_fleet.joined(index, engine.handle)
     ctx.c.engines[index] = engine
     await ctx.c.executor.handle.set_engines.remote([e.handle for e in ctx.c.engines])
     ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version,

@@ -1,12 +1,13 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → engines → trainer →
-critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
-(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
-any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
-`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
-`miles.rollout.protocol` and `miles.training.protocol`.
+Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → the engine fleet
+(if the engine kind has one: SGLang's router) → engines → trainer → critic (ppo) → executor → weight
+transport → checkpoint resume. Input is checked on the driver (tokenizer, prompt or SFT files, reward
+and filter imports, the GPU plan against the cluster) before any actor starts. `pick_backends` is the
+one place an implementation is chosen: the engine class from `--rollout-engine` and the trainer's and
+critic's from `--train-backend`, through the registries of `miles.rollout.protocol` and
+`miles.training.protocol`.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _fast_engine_refuses(hf_checkpoint: str) -> str | None:
 def engine_options(rollout: RolloutConfig, name: str) -> dict[str, Any]:
     """The engine's constructor options from the rollout slice: what that engine reads (protocol.py)."""
     options: dict[str, Any] = {}
-    if rollout.max_batch_size is not None:        # else the engine's own default
+    if rollout.max_batch_size is not None and name in ("embedded", "fast"):   # else the engine's own default
         options["max_batch_size"] = rollout.max_batch_size
     if name == "fast":
         options.update(mem_fraction=rollout.mem_fraction, cuda_graph=rollout.cuda_graph,
@@ -144,6 +145,11 @@ async def init(ctx: TrainingContext) -> str:
 
     ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
+    make_fleet = getattr(ctx.backends.engine, "make_fleet", None)
+    if make_fleet is not None and ctx.c.placement.plan.num_engines:
+        ctx.c.engine_fleet = make_fleet(cfg, run_dir=ctx.run_dir, num_engines=ctx.c.placement.plan.num_engines)
+        add(ctx.c.engine_fleet)         # before the engines: torn down after them
+        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
@@ -155,6 +161,9 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
+    if ctx.c.engine_fleet is not None:
+        for i, engine in enumerate(ctx.c.engines):
+            await ctx.c.engine_fleet.joined(i, engine.handle)
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
 
@@ -205,7 +214,8 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
         check_cluster(plan, gpus)
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus")
         add(place.group)
-    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, colocate=cfg.cluster.colocate,
+    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
+                    colocate=cfg.cluster.colocate,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
 

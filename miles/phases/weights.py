@@ -4,7 +4,9 @@ The transport is chosen once, in `init`: CUDA IPC buckets when the engines are c
 trainer on GPUs (`ctx.c.ipc_weights`), else Ray's object store (the trainer puts one CPU copy, each
 engine loads it). With IPC the driver walks the buckets: the trainer fills bucket i and hands out
 its handle, every engine copies it, then the trainer frees it, so the extra GPU memory is one
-bucket. Then the GPU memory goes to the engines for the rollout (miles.phases.memory).
+bucket. (SGLang loads the object-store copy from disk: `SGLangEngine.update_weights`.) Engines that
+released their weights while the trainer trained (SGLang) take them back before the push; after
+it, the rest of the GPU memory goes to the engines for the rollout (miles.phases.memory).
 
 After the push every engine is asked which version it holds (cheap, always): an engine that did
 not take the update fails the run, named. With --check-weight-update-equal (or --ci-test) the
@@ -23,7 +25,7 @@ import ray
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
-from miles.phases.memory import to_engines
+from miles.phases.memory import resume_engine_weights, to_engines
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -51,6 +53,7 @@ class IpcWeights:
 async def sync_weights(ctx: TrainingContext) -> str:
     t0 = time.monotonic()
     version = ctx.next_rollout
+    await resume_engine_weights(ctx)          # engines that released their weights (SGLang) need them back first
     check = ctx.cfg.check_weights
     if check and ctx.engine_weights_checksum is not None:       # still what the last sync gave them?
         await with_engine_restarts(ctx, lambda: _read_back(ctx, ctx.weight_version, ctx.engine_weights_checksum,

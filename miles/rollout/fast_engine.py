@@ -35,13 +35,14 @@ from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batc
 from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
+_CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine releases (graphs go with the cache)
 
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
 SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
@@ -175,10 +176,12 @@ class FastEngine:
             torch.cuda.synchronize(self.device)
 
     # --- memory --------------------------------------------------------------------------------
-    def release_memory(self) -> None:
-        """Free the KV cache, the logits/noise buffers and the decode graphs (the weights stay), e.g.
-        while a colocated trainer trains. Idempotent; `resume_memory` brings them back."""
-        if self._cache is None:
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the KV cache, the logits/noise buffers and the decode graphs when `tags` names either
+        (the weights stay whatever `tags` says: updates copy into them in place, which keeps the
+        captured graphs valid), e.g. while a colocated trainer trains. Idempotent; `resume_memory`
+        brings them back."""
+        if self._cache is None or not _CACHE_TAGS & set(tags):
             return
         self._graphs.clear()
         self._cache = self._logits = self._noise = None
@@ -187,10 +190,11 @@ class FastEngine:
             torch.cuda.empty_cache()
         log.info("memory_released")
 
-    def resume_memory(self) -> None:
-        """Allocate what `release_memory` freed (same sizes as at construction). Idempotent."""
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Allocate what `release_memory` freed (same sizes as at construction) when `tags` names the
+        KV cache or the graphs ("weights" alone: nothing to do, they stayed). Idempotent."""
         self._live_weights()
-        if self._cache is not None:
+        if self._cache is not None or not _CACHE_TAGS & set(tags):
             return
         a, rows = self.arch, self.max_batch_size + 1
         try:

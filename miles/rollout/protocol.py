@@ -9,16 +9,23 @@ imports stay in its module, which loads only when a run picks it.
 
 Constructor, for every engine: `Cls(model_path, *, device, dtype, seed, **options)`, the options
 being what `pick_backends` reads from the rollout flags for that engine (`--rollout-max-batch-size`
-for both; `--rollout-mem-fraction` and the `--disable-*` switches for FastEngine).
+for the embedded and fast engines; `--rollout-mem-fraction` and the `--disable-*` switches for
+FastEngine). Every engine actor gets its GPUs from the run's placement (miles.cluster.placement).
 
 `--rollout-engine embedded` is the embedded engine wherever it can be fast: on CUDA it is FastEngine
 (our own forward, KV cache, CUDA graphs) for the models FastEngine implements, and EmbeddedEngine
 (transformers) otherwise or on CPU; `--rollout-engine fast` asks for FastEngine outright.
+
+An engine kind that needs more around its actors (a server's options, a router in front of several
+servers) has a classmethod `make_fleet(cfg: RunConfig, *, run_dir, num_engines) -> EngineFleet`: the
+composition root makes the fleet once, before the engines, registers it with the disposer (so it goes
+after them), passes `fleet.engine_kwargs(index, name)` to each constructor and tells it when an
+engine joins or leaves.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +36,10 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
     "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
+    "sglang": "miles.rollout.sglang_engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
 }
+# what an engine can hand back while the trainer trains, in SGLang's names (release/resume_memory below)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 # sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
 # vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
@@ -61,8 +71,10 @@ class Engine(Protocol):
     # Optional capabilities, used when the class has them (the composition root looks):
     #   load_weight_bucket(bucket: miles.weights.transport.WeightBucket) -> int | None
     #       one bucket of a CUDA IPC weight update; without it weights go through the object store
-    #   release_memory() / resume_memory()
-    #       free the KV cache (and graphs) while a colocated trainer trains, and take it back
+    #   release_memory(tags: Sequence[str] = MEMORY_TAGS) / resume_memory(tags = MEMORY_TAGS)
+    #       free GPU memory while the trainer trains (--offload-rollout, --colocate), and take it back;
+    #       each engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights,
+    #       SGLang frees them too); idempotent. miles.phases.memory says when.
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""
@@ -84,3 +96,27 @@ class Engine(Protocol):
     def pad_token_id(self) -> int: ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+
+class EngineFleet(Protocol):
+    """Run-level support of one engine kind (see the module docstring); a disposer resource."""
+
+    resource_name: str
+
+    def engine_kwargs(self, index: int, name: str) -> dict[str, Any]:
+        """Constructor keywords of engine `index` beyond (model_path, device, dtype, seed)."""
+        ...
+
+    async def joined(self, index: int, engine: Any) -> None:
+        """Engine `index` (an actor handle) is ready and holds the run's weights."""
+        ...
+
+    async def left(self, index: int) -> None:
+        """Engine `index` is gone (dead, being replaced)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the trace records about the fleet (addresses, pids)."""
+        ...
+
+    async def dispose(self) -> None: ...

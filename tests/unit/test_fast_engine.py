@@ -343,6 +343,19 @@ def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
     assert engine.generate(MANY, params) == before
 
 
+def test_memory_tags_the_fast_engine_does_not_hold_released_are_no_ops(model_path):
+    # the run's hand-off (miles.phases.memory): release every tag, resume "weights" before the push
+    # (they never left: nothing to do), then the KV cache and the graphs after it
+    engine = FastEngine(model_path, device="cpu", max_batch_size=3)
+    engine.release_memory(("weights",))
+    assert engine._cache is not None
+    engine.release_memory(("weights", "kv_cache", "cuda_graph"))
+    engine.resume_memory(("weights",))
+    assert engine._cache is None
+    engine.resume_memory(("kv_cache", "cuda_graph"))
+    assert engine._cache is not None and len(engine.generate(PROMPTS, GREEDY)) == len(PROMPTS)
+
+
 def test_tokenizer_accessors_and_dispose(model_path):
     engine = FastEngine(model_path, device="cpu")
     assert engine.eos_token_id == EOS_ID and engine.pad_token_id == 0

@@ -9,8 +9,8 @@ import pytest
 
 from miles.config import ConfigError
 from miles.config.flags import FLAGS, parse_flags
-from miles.config.miles_flags import (MEGATRON_REFUSED, MILES_FLAGS, REFUSED, REFUSED_PREFIXES, fate, markdown,
-                                      refused_in)
+from miles.config.miles_flags import (MEGATRON_REFUSED, MILES_FLAGS, PASSTHROUGH_PREFIX, REFUSED, REFUSED_PREFIXES,
+                                      fate, markdown, refused_in)
 from tests.unit.test_tracking_flags import base
 
 IMPLEMENTED = {f.name for f in FLAGS}
@@ -18,8 +18,18 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from-miles.md"
 
 
 def test_every_miles_flag_is_implemented_or_refused():
-    neither = [name for name in MILES_FLAGS if name not in IMPLEMENTED and fate(name) is None]
+    # or an SGLang server flag (--sglang-<ServerArgs field>), passed through as miles passes it
+    neither = [name for name in MILES_FLAGS if name not in IMPLEMENTED and fate(name) is None
+               and not name.startswith(PASSTHROUGH_PREFIX)]
     assert neither == []
+
+
+def test_miles_own_sglang_flags_are_refused_and_sglang_server_flags_pass_through(tmp_path):
+    argv = base(tmp_path) + ["--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.5"]
+    assert parse_flags(argv)[0].sglang.server_args == ("--mem-fraction-static", "0.5")
+    with pytest.raises(ConfigError) as info:
+        parse_flags(argv + ["--sglang-router-ip", "10.0.0.1", "--sglang-config", "models.yaml"])
+    assert [p.split(" ", 1)[0] for p in info.value.problems] == ["--sglang-router-ip", "--sglang-config"]
 
 
 def test_no_flag_is_both_implemented_and_refused():
@@ -46,14 +56,14 @@ def test_each_fate_is_one_line_saying_what_it_does_and_what_to_use():
 
 
 def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
-    argv = base(tmp_path) + ["--offload-train-target", "cpu", "--sglang-mem-fraction-static", "0.7",
+    argv = base(tmp_path) + ["--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
                              "--tensor-model-parallel-size", "2", "--no-partial-rollout", "--critic-num-gpus-per-node=2",
                              "--lr", "-1"]
     with pytest.raises(ConfigError) as info:
         parse_flags(argv)
     problems = info.value.problems
     refused = [p for p in problems if "is a miles flag this build does not take" in p]
-    assert [p.split(" ", 1)[0] for p in refused] == ["--offload-train-target", "--sglang-mem-fraction-static",
+    assert [p.split(" ", 1)[0] for p in refused] == ["--offload-train-target", "--sglang-router-ip",
                                                      "--tensor-model-parallel-size", "--no-partial-rollout",
                                                      "--critic-num-gpus-per-node"]
     assert "offload the trainer to cpu or disk; not supported yet: --offload-train moves it to host memory" in refused[0]
@@ -72,8 +82,8 @@ def test_an_unknown_flag_is_argparses_error_with_the_closest_name(tmp_path, caps
 
 
 def test_values_of_refused_flags_are_not_flags():
-    assert refused_in(["--partial-rollout", "--sglang-foo", "1", "-2", "--bogus", "x"]) == (
-        ["partial-rollout", "sglang-foo"], ["--bogus", "x"])
+    assert refused_in(["--partial-rollout", "--sglang-router-port", "1", "-2", "--bogus", "x"]) == (
+        ["partial-rollout", "sglang-router-port"], ["--bogus", "x"])
     assert fate("no-partial-rollout") == fate("partial-rollout") and fate("rollout-batch-size") is None
 
 
