@@ -16,7 +16,8 @@ from miles.training.protocol import TRAIN_BACKENDS
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
-                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule):
+                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule,
+                  _generation, _rewards, _engine_health):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -234,6 +235,71 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
     if ignored:
         problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(ignored)} do not apply; "
                         "drop them")
+
+
+# -- custom and multi-turn generation, rewards, engine health (issue 17) ------------------------------
+
+def _user_path(flag: str, path: str | None, problems: list[str]) -> None:
+    if path is not None and ":" not in path and "." not in path:
+        problems.append(f"{flag} {path}: expected module:function (or path/to/file.py:function)")
+
+
+def _generation(cfg: RunConfig, problems: list[str]) -> None:
+    g = cfg.generate
+    _user_path("--custom-generate-function-path", g.custom_generate_function_path, problems)
+    _user_path("--rollout-function-path", g.rollout_function_path, problems)
+    _user_path("--generate-execute-tool-function-path", g.execute_tool_function_path, problems)
+    for flag, value in (("--sglang-server-concurrency", g.server_concurrency), ("--generate-max-turns", g.max_turns)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
+    for flag, value in (("--rollout-sample-timeout", g.sample_timeout_s), ("--rollout-timeout", g.rollout_timeout_s),
+                        ("--generate-tool-timeout", g.tool_timeout_s)):
+        if value is not None and value <= 0:
+            problems.append(f"{flag} {value}: must be > 0 seconds")
+    if g.generate_function_path is None:
+        idle = [f"{flag} {v}" for flag, v in (("--rollout-sample-timeout", g.sample_timeout_s),
+                                               ("--rollout-timeout", g.rollout_timeout_s),
+                                               ("--generate-tool-specs-path", g.tool_specs_path)) if v is not None]
+        if idle:
+            problems.append(f"{', '.join(idle)}: only custom generation reads them; add "
+                            "--custom-generate-function-path module:fn or --generate-execute-tool-function-path")
+    if g.tool_specs_path and g.tool_specs_path.endswith(".json") and not Path(g.tool_specs_path).is_file():
+        problems.append(f"--generate-tool-specs-path {g.tool_specs_path}: no such file")
+    custom = [flag for flag, on in (("--custom-generate-function-path", g.custom_generate_function_path),
+                                    ("--rollout-function-path", g.rollout_function_path),
+                                    ("--generate-execute-tool-function-path", g.execute_tool_function_path)) if on]
+    if custom and cfg.algorithm.loss_type == "sft_loss":
+        problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(custom)} do not apply")
+    if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
+        problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
+                        "--dynamic-sampling-filter-path (or filter inside the rollout function)")
+
+
+def _rewards(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.rm_type == "remote_rm" and not r.custom_rm_path and not r.rm_url:
+        problems.append("--rm-type remote_rm needs --rm-url URL: the reward service to post responses to")
+    if r.rm_url and not r.rm_url.startswith(("http://", "https://")):
+        problems.append(f"--rm-url {r.rm_url}: expected an http:// or https:// URL")
+    if r.rm_url and r.custom_rm_path:
+        problems.append(f"--rm-url {r.rm_url} has no effect with --custom-rm-path (the custom reward scores "
+                        "every sample); drop one of them")
+    if r.group_rm and not r.custom_rm_path:
+        problems.append("--group-rm makes the --custom-rm-path function score a prompt's responses at once; "
+                        "add --custom-rm-path module:fn or drop --group-rm")
+    if r.rm_timeout_s <= 0 or r.rm_max_retries < 0 or r.rm_retry_backoff_s < 0:
+        problems.append(f"--rm-timeout {r.rm_timeout_s} / --rm-max-retries {r.rm_max_retries} / --rm-retry-backoff "
+                        f"{r.rm_retry_backoff_s}: need a timeout > 0, retries >= 0 and a backoff >= 0")
+
+
+def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.engine_generate_timeout_s <= 0:
+        problems.append(f"--engine-generate-timeout {r.engine_generate_timeout_s}: must be > 0 seconds")
+    if r.health_check_interval_s < 0 or r.health_check_timeout_s <= 0 or r.health_check_first_wait_s < 0:
+        problems.append(f"--rollout-health-check-interval {r.health_check_interval_s} / -timeout "
+                        f"{r.health_check_timeout_s} / -first-wait {r.health_check_first_wait_s}: need an interval "
+                        ">= 0 (0: off), a timeout > 0 and a first wait >= 0")
 
 
 # -- checks that depend on the lifecycle machine ----------------------------------------------------

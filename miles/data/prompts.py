@@ -49,15 +49,16 @@ class _Row:
     error: str | None = None        # why it could not be parsed
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Any) -> list[Prompt]:
+def load_prompts(cfg: DataConfig, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
     """Read, template, tokenize and length-filter `cfg.prompt_data`; raise one ConfigError for bad input.
 
     Prompts longer than `cfg.max_prompt_len` tokens are dropped; how many is logged
-    (`prompts_dropped`). An empty result is an error.
+    (`prompts_dropped`). An empty result is an error. `tools` (multi-turn tool specs) go to the chat
+    template with the messages.
     """
     path = Path(cfg.prompt_data)
     rows = _read_rows(path, cfg)
-    encoder = _Encoder(tokenizer, apply_chat_template=cfg.apply_chat_template)
+    encoder = _Encoder(tokenizer, apply_chat_template=cfg.apply_chat_template, tools=tools)
     prompts = _build_prompts(path, rows, cfg, encoder)
     kept = _drop_long_prompts(path, prompts, cfg.max_prompt_len)
     log.info("prompts_loaded", path=str(path), num_prompts=len(kept))
@@ -122,7 +123,7 @@ def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[_Row]:
 class _Encoder:
     """Turns a row's input into (text, ids); the chat template and the BOS rule are decided once."""
 
-    def __init__(self, tokenizer: Any, *, apply_chat_template: bool):
+    def __init__(self, tokenizer: Any, *, apply_chat_template: bool, tools: list[dict[str, Any]] | None = None):
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise ConfigError(f"--apply-chat-template: the tokenizer {name!r} has no chat template; drop "
@@ -130,12 +131,14 @@ class _Encoder:
                               "(or chat_template.jinja) defines one")
         self._tokenizer = tokenizer
         self._apply_chat_template = apply_chat_template
+        self._template_extra = {"tools": tools} if tools else {}
         self._bos = _conventional_bos(tokenizer)
 
     def text(self, value: Any) -> str:
         if self._apply_chat_template:
             messages = _as_messages(value)
-            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                       **self._template_extra)
         if isinstance(value, list):
             raise _BadRow("input is a list (chat messages?), not a string; pass --apply-chat-template "
                           "to render chat messages")

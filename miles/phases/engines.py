@@ -3,8 +3,11 @@
 A phase that talks to engines runs its call through `with_engine_restarts`: when the call fails
 because an actor died, every engine is probed; each dead one is replaced by a new actor (registered
 with the disposer where it is created, given the weights the others hold, handed to the executor)
-and the call is retried. A dead actor that is not an engine (the trainer) is not restartable: the
-failure goes on to the fail route. Past the budget, RestartBudgetExceeded does the same.
+and the call is retried. When an engine call ran past --engine-generate-timeout
+(`EngineUnresponsive`), that engine is hung: it is killed (`engine_unresponsive` in the trace),
+restarted the same way, and the call retried. A dead actor that is not an engine (the trainer) is
+not restartable: the failure goes on to the fail route. Past the budget, RestartBudgetExceeded
+does the same. Hung engines between calls are the health monitor's (`miles.phases.health`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import ray
 
 from miles.phases.context import TrainingContext
+from miles.rollout.protocol import ENGINE_THREADS, EngineUnresponsive
 from miles.runtime.supervisor import RestartBudget
 
 T = TypeVar("T")
@@ -23,8 +27,10 @@ PROBE_TIMEOUT_S = 10.0
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
     cfg = ctx.cfg
+    # two threads: health probes and aborts are answered while a generate call runs
     engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
-                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index)
+                                 concurrency=ENGINE_THREADS, device=cfg.model.device, dtype=cfg.model.dtype,
+                                 seed=cfg.rollout_seed + index)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
 
@@ -33,12 +39,27 @@ async def with_engine_restarts(ctx: TrainingContext, call: Callable[[], Awaitabl
     while True:
         try:
             return await call()
+        except EngineUnresponsive as exc:
+            index = _engine_index(exc, len(ctx.c.engines))
+            if index is None:
+                raise
+            ctx.tracer.emit("engine_unresponsive", engine=index, error={"type": type(exc).__name__,
+                                                                        "message": str(exc)[:500]})
+            await restart_engine(ctx, index, cause=exc)
         except ray.exceptions.RayActorError as exc:
             dead = await dead_engines(ctx)
             if not dead:
                 raise
             for i in dead:
                 await restart_engine(ctx, i, cause=exc)
+
+
+def _engine_index(exc: BaseException, num_engines: int) -> int | None:
+    """The engine an EngineUnresponsive names (through Ray's wrapper: its `cause`), if it is one of ours."""
+    index = getattr(exc, "engine", None)
+    if index is None:
+        index = getattr(getattr(exc, "cause", None), "engine", None)
+    return index if isinstance(index, int) and 0 <= index < num_engines else None
 
 
 async def dead_engines(ctx: TrainingContext) -> list[int]:

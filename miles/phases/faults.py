@@ -11,6 +11,8 @@ the phase ends, since nothing exists to break before. Kinds:
     teardown_raise  register a teardown that raises
     teardown_hang   register a teardown that hangs past a 1 s timeout, with no force
     hang            the phase hangs (a stuck collective, say) until cancelled or killed
+    hang_engine     SIGSTOP engine-0's worker process: alive but answering nothing (a hung engine);
+                    the health probe or the generate timeout finds it, and the run restarts it
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from miles.runtime.machine import STATES
 from miles.runtime.procs import pid_running
 
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
-               "hang")
+               "hang", "hang_engine")
 
 
 class InjectedFault(RuntimeError):
@@ -88,6 +90,12 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
             return
         os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
+    elif f.kind == "hang_engine":
+        engine = ctx.c.engines[0]
+        if engine.pid is None or not pid_running(engine.pid):
+            ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the engine is dead already")
+            return
+        os.kill(engine.pid, signal.SIGSTOP)
     elif f.kind in ("sigint", "sigterm"):
         os.kill(os.getpid(), signal.SIGINT if f.kind == "sigint" else signal.SIGTERM)
         await asyncio.sleep(0.05)      # the loop runs the handler before the phase goes on

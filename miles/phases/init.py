@@ -24,10 +24,13 @@ from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.health import start_health_monitor
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.protocol import ENGINES, Engine
-from miles.rollout.rewards import load_reward_fn
+from miles.rollout.scoring import Rewards
+from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
@@ -55,7 +58,7 @@ async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
     ctx.backends = pick_backends(cfg)
-    tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
+    tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
     ctx.c.metrics = Tracker()
@@ -75,12 +78,14 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses)
+        sft_responses=sft_responses, generate=cfg.generate)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
+    if ctx.c.engines:
+        start_health_monitor(ctx)
 
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
@@ -116,7 +121,26 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
                 dtype=cfg.model.dtype)
 
 
-def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
+async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
+    """The user's generate / rollout / tool functions import and have the right signatures; the
+    rewards exist (the per-sample types the data names too) and their services answer."""
+    g = cfg.generate
+    if g.generate_function_path:
+        load_generate_function(g.generate_function_path)
+    if g.rollout_function_path:
+        load_rollout_function(g.rollout_function_path)
+    if g.execute_tool_function_path:
+        load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
+                      timeout_s=g.tool_timeout_s)
+    rewards = Rewards(cfg.rollout)
+    rewards.check_prompts(prompts)
+    try:
+        await rewards.check_services()
+    finally:
+        await rewards.close()
+
+
+async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
     try:
@@ -124,13 +148,14 @@ def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dic
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
     sft_responses = None
+    tools = load_tool_specs(cfg.generate.tool_specs_path) if cfg.generate.tool_specs_path else None
     if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
         prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
     else:
-        prompts = load_prompts(cfg.data, tokenizer)
-    eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer)
+        prompts = load_prompts(cfg.data, tokenizer, tools=tools)
+    eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer, tools=tools)
                  for name, path in cfg.eval.prompt_data}
-    load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),

@@ -8,6 +8,12 @@ path, SGLang) is a module of its own implementing `Engine`, plus one `ENGINES` e
 imports stay in its module, which loads only when a run picks it.
 
 Constructor, for every engine: `Cls(model_path, *, device, dtype, seed)`.
+
+Health (issue 17): the run probes every engine with `health()` every
+`--rollout-health-check-interval` seconds, and bounds every `generate` call by
+`--engine-generate-timeout`; an engine that does not answer, reports no progress, or overruns a call
+is killed and restarted within the restart budget. The actor serves `health` and `abort` while a
+`generate` runs (the composition root gives engine actors two threads).
 """
 
 from __future__ import annotations
@@ -25,11 +31,37 @@ ENGINES: dict[str, str] = {
 }
 
 
+ENGINE_THREADS = 2     # an engine actor's threads: generate on one, health / abort on the other
+
+
+class EngineUnresponsive(RuntimeError):
+    """An engine call ran past --engine-generate-timeout, or a probe found the engine hung. `engine` is
+    its index in the run's list. Pickles (it crosses the executor actor's boundary)."""
+
+    def __init__(self, message: str, engine: int = -1):
+        super().__init__(message)
+        self.engine = engine
+
+    def __reduce__(self):
+        return type(self), (str(self), self.engine)
+
+
 class Engine(Protocol):
     """An inference engine. Methods are called through a Ray actor handle (`.remote`) in a run."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One Generation per prompt, in order; `params.seed` makes a call reproducible."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        """One Generation per prompt, in order; `params.seed` makes a call reproducible.
+        `max_new_tokens`, one per prompt, caps each prompt's response (else params.max_new_tokens)."""
+        ...
+
+    def health(self) -> dict:
+        """Answers at once: {"busy": bool, "since_progress_s": seconds since the running generate
+        last produced a token (0.0 when idle)}; an idle engine first proves it can generate."""
+        ...
+
+    def abort(self) -> None:
+        """Make the generate calls running now return at their next step (finish_reason "abort")."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
