@@ -71,6 +71,7 @@ class EngineBatcher:
         self._running = 0                     # samples running (not waiting for the semaphore)
         self._calls = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._flush_soon = False
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.fatal_event = asyncio.Event()
@@ -80,15 +81,25 @@ class EngineBatcher:
 
     def sample_finished(self) -> None:
         self._running -= 1
-        self._maybe_flush()
+        self._schedule_flush()
 
     async def request(self, ids: list[int], params: SamplingParams) -> Generation:
         if self.fatal is not None:
             raise self.fatal
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Request(list(ids), params, future))
-        self._maybe_flush()
+        self._schedule_flush()
         return await future
+
+    def _schedule_flush(self) -> None:
+        # after the tasks that are ready now have run: samples started together request together
+        if not self._flush_soon:
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_soon = False
+        self._maybe_flush()
 
     def _maybe_flush(self, force: bool = False) -> None:
         self._queue = [r for r in self._queue if not r.future.done()]     # cancelled by their sample
@@ -100,6 +111,9 @@ class EngineBatcher:
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(LINGER_S, self._linger_over)
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         batch = self._take_batch(len(idle))
         chunks = _split(batch, len(idle))
         for engine, chunk in zip(idle, chunks):
@@ -140,7 +154,7 @@ class EngineBatcher:
         for r, g in zip(chunk, generations):
             if not r.future.done():
                 r.future.set_result(g)
-        self._maybe_flush()
+        self._schedule_flush()
 
     def _fail(self, exc: BaseException) -> None:
         if self.fatal is None:
