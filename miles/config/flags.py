@@ -323,12 +323,19 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     return values, machine
 
 
+_FUNCTION_PATHS = ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+                   "rollout_function_path", "generate_execute_tool_function_path")
+
+
 def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     """Paths in a config file are relative to the file, so a recipe runs from any directory."""
     def fix(v: Any) -> Any:
         return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
-    if dest in ("hf_checkpoint", "prompt_data"):
+    if dest in ("hf_checkpoint", "prompt_data", "generate_tool_specs_path"):
         return fix(value)
+    if dest in _FUNCTION_PATHS and isinstance(value, str) and ".py:" in value:
+        file, _, name = value.rpartition(":")      # a file.py:function path, relative to the file too
+        return f"{fix(file)}:{name}"
     if dest == "eval_prompt_data":
         items = list(value.items()) if isinstance(value, dict) else value
         flat = [x for pair in items for x in (pair if isinstance(pair, (list, tuple)) else [pair])]
