@@ -43,8 +43,9 @@ async def with_engine_restarts(ctx: TrainingContext, call: Callable[[], Awaitabl
             index = _engine_index(exc, len(ctx.c.engines))
             if index is None:
                 raise
-            ctx.tracer.emit("engine_unresponsive", engine=index, error={"type": type(exc).__name__,
-                                                                        "message": str(exc)[:500]})
+            cause = getattr(exc, "cause", None) or exc      # Ray's wrapper prints the remote traceback
+            ctx.tracer.emit("engine_unresponsive", engine=index, error={"type": type(cause).__name__,
+                                                                        "message": str(cause)[:500]})
             await restart_engine(ctx, index, cause=exc)
         except ray.exceptions.RayActorError as exc:
             dead = await dead_engines(ctx)
