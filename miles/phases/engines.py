@@ -40,19 +40,27 @@ async def with_engine_restarts(ctx: TrainingContext, call: Callable[[], Awaitabl
         try:
             return await call()
         except EngineUnresponsive as exc:
-            index = _engine_index(exc, len(ctx.c.engines))
-            if index is None:
+            if not await restart_unresponsive(ctx, exc):
                 raise
-            cause = getattr(exc, "cause", None) or exc      # Ray's wrapper prints the remote traceback
-            ctx.tracer.emit("engine_unresponsive", engine=index, error={"type": type(cause).__name__,
-                                                                        "message": str(cause)[:500]})
-            await restart_engine(ctx, index, cause=exc)
         except ray.exceptions.RayActorError as exc:
             dead = await dead_engines(ctx)
             if not dead:
                 raise
             for i in dead:
                 await restart_engine(ctx, i, cause=exc)
+
+
+async def restart_unresponsive(ctx: TrainingContext, exc: EngineUnresponsive) -> bool:
+    """Restart the engine an EngineUnresponsive names (traced `engine_unresponsive`); False when it
+    names none of the run's engines."""
+    index = _engine_index(exc, len(ctx.c.engines))
+    if index is None:
+        return False
+    cause = getattr(exc, "cause", None) or exc      # Ray's wrapper prints the remote traceback
+    ctx.tracer.emit("engine_unresponsive", engine=index, error={"type": type(cause).__name__,
+                                                                "message": str(cause)[:500]})
+    await restart_engine(ctx, index, cause=exc)
+    return True
 
 
 def _engine_index(exc: BaseException, num_engines: int) -> int | None:
