@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import ray
 
 from miles.phases.context import TrainingContext
-from miles.rollout.protocol import ENGINE_THREADS, EngineUnresponsive
+from miles.rollout.protocol import EngineUnresponsive
 from miles.runtime.supervisor import RestartBudget
 
 T = TypeVar("T")
@@ -27,10 +27,10 @@ PROBE_TIMEOUT_S = 10.0
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
     cfg = ctx.cfg
-    # two threads: health probes and aborts are answered while a generate call runs
+    # an engine that answers health probes and aborts beside a running call gets its threads for that
     engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name or f"engine-{index}",
-                                 concurrency=ENGINE_THREADS, device=cfg.model.device, dtype=cfg.model.dtype,
-                                 seed=cfg.rollout_seed + index)
+                                 concurrency=getattr(ctx.backends.engine, "actor_threads", None),
+                                 device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index)
     ctx.disposer.add(engine, force=engine.force, timeout=cfg.trace.teardown_timeout_s)
     return engine
 

@@ -81,8 +81,15 @@ class HealthMonitor:
 
 
 def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
-    """Start the probe (unless --rollout-health-check-interval 0) and register it with the disposer."""
+    """Start the probe (unless --rollout-health-check-interval 0, or the engine cannot answer it
+    beside a running call) and register it with the disposer."""
     if ctx.cfg.rollout.health_check_interval_s <= 0:
+        return None
+    engine_cls = ctx.backends.engine
+    if not callable(getattr(engine_cls, "health", None)) or getattr(engine_cls, "actor_threads", 1) < 2:
+        ctx.tracer.emit("engine_health_monitor_skipped", engine=engine_cls.__name__,
+                        reason="the engine does not answer health probes while it generates; hung calls are "
+                               "still found by --engine-generate-timeout")
         return None
     monitor = HealthMonitor(ctx)
     ctx.disposer.add(monitor, timeout=ctx.cfg.trace.teardown_timeout_s)

@@ -46,6 +46,8 @@ class EngineDisposedError(RuntimeError):
 
 
 class EmbeddedEngine:
+    actor_threads = 2       # health and abort are answered while a generate call runs (see the module docstring)
+
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = 64):
         if max_batch_size < 1:
@@ -213,7 +215,8 @@ class EmbeddedEngine:
                     logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
 
-    def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
+    def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int] | None = None) -> None:
+        caps = [params.max_new_tokens] * len(prompts) if caps is None else caps
         problems = _param_problems(params)
         if len(caps) != len(prompts) or any(c < 1 for c in caps):
             problems.append(f"max_new_tokens must give each of the {len(prompts)} prompts a cap >= 1, got {caps[:8]}")

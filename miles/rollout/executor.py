@@ -290,7 +290,8 @@ class RolloutExecutor:
                            caps: list[int] | None = None) -> list[Generation]:
         """One generate call on engine `index`, bounded by --engine-generate-timeout."""
         timeout = self._cfg.engine_generate_timeout_s
-        args = (prompts, params) if caps is None else (prompts, params, caps)
+        uniform = caps is None or all(c == params.max_new_tokens for c in caps)
+        args = (prompts, params) if uniform else (prompts, params, caps)
         try:
             return await asyncio.wait_for(_call(self._engines[index].generate, *args), timeout)
         except asyncio.TimeoutError:

@@ -12,8 +12,10 @@ Constructor, for every engine: `Cls(model_path, *, device, dtype, seed)`.
 Health (issue 17): the run probes every engine with `health()` every
 `--rollout-health-check-interval` seconds, and bounds every `generate` call by
 `--engine-generate-timeout`; an engine that does not answer, reports no progress, or overruns a call
-is killed and restarted within the restart budget. The actor serves `health` and `abort` while a
-`generate` runs (the composition root gives engine actors two threads).
+is killed and restarted within the restart budget. An engine class that answers `health` and
+`abort` while a `generate` runs says so with `actor_threads = 2` (the composition root gives its
+actors that many threads; it must then guard its model itself, as `EmbeddedEngine` does with a
+lock); the probe skips engines without it, which would answer only after the running call.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
 }
-
-
-ENGINE_THREADS = 2     # an engine actor's threads: generate on one, health / abort on the other
 
 
 class EngineUnresponsive(RuntimeError):
