@@ -20,25 +20,27 @@ import yaml
 
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
 from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BATCH_SIZE
-from miles.rollout.rewards import REWARD_FUNCTIONS
+from miles.rollout.rewards import RM_TYPES
 from miles.training.protocol import TRAIN_BACKENDS
 
 from .eval_config import load_eval_config
 from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
 from .schema import (
-    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
+    ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
 from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "generate": GenerateConfig,
+    "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
     "trace": TraceConfig, "tracking": TrackingConfig, "sglang": SGLangConfig, "run": RunConfig,
     "reliability": ReliabilityConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
     "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
+    "generate": "generation beyond one engine call (custom and multi-turn rollouts, tools)",
     "algorithm": "algorithm (advantages, losses, KL)", "train": "train (optimizer, batches)",
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
@@ -89,7 +91,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward", tuple(REWARD_FUNCTIONS)),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})", RM_TYPES),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -116,6 +118,46 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
     _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
+    # -- issue 17: custom and multi-turn rollouts, tools, remote rewards, engine health --------------
+    _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
+       "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
+       "ctx.generate calls the engines, token ids in and out"),
+    _f("rollout-function-path", "generate", "rollout_function_path", str,
+       "replace the whole rollout with async fn(ctx, rollout_id) -> list of groups of Samples"),
+    _f("sglang-server-concurrency", "generate", "server_concurrency", int,
+       "requests in flight per engine: an SGLang server's open requests, and the samples a custom generation "
+       "keeps in flight per engine (miles' name; every engine)"),
+    _f("rollout-sample-timeout", "generate", "sample_timeout_s", float,
+       "custom generation: seconds one sample may take; past it the sample is aborted (default: none)"),
+    _f("rollout-timeout", "generate", "rollout_timeout_s", float,
+       "custom generation: seconds a rollout's samples may take; the unfinished ones are aborted (default: none)"),
+    _f("generate-max-turns", "generate", "max_turns", int, "multi-turn: model turns per sample"),
+    _f("generate-tool-specs-path", "generate", "tool_specs_path", str,
+       "multi-turn: OpenAI-style tool specs, a .json file or module:attr (given to the chat template)"),
+    _f("generate-execute-tool-function-path", "generate", "execute_tool_function_path", str,
+       "multi-turn: async fn(name, arguments) -> str runs one tool call; setting it makes multi-turn the "
+       "generate function unless --custom-generate-function-path says otherwise"),
+    _f("generate-tool-call-parser", "generate", "tool_call_parser", str,
+       "multi-turn: how tool calls are read from the model's text", ("qwen25", "json")),
+    _f("generate-tool-timeout", "generate", "tool_timeout_s", float,
+       "multi-turn: seconds a tool call may take; past it the sample fails"),
+    _f("rm-url", "rollout", "rm_url", str, "--rm-type remote_rm: the reward service to POST responses to"),
+    _f("rm-timeout", "rollout", "rm_timeout_s", float, "remote reward: seconds per request"),
+    _f("rm-max-retries", "rollout", "rm_max_retries", int,
+       "remote reward: retries of a request that failed transiently (no connection, timeout, 429, 5xx)"),
+    _f("rm-retry-backoff", "rollout", "rm_retry_backoff_s", float, "remote reward: seconds before the first retry (doubling)"),
+    _f("group-rm", "rollout", "group_rm", kind="true",
+       help="the --custom-rm-path function scores all responses to a prompt at once: fn(prompt, responses, label)"),
+    _f("reward-key", "rollout", "reward_key", str, "the entry of a dict-valued reward to train on"),
+    _f("engine-generate-timeout", "rollout", "engine_generate_timeout_s", float,
+       "seconds one engine call may take; past it the engine counts as hung and is restarted"),
+    _f("rollout-health-check-interval", "rollout", "health_check_interval_s", float,
+       "seconds between health probes of every engine (0: no probes)"),
+    _f("rollout-health-check-timeout", "rollout", "health_check_timeout_s", float,
+       "an engine that does not answer a probe, or makes no progress, within this many seconds is killed "
+       "and restarted"),
+    _f("rollout-health-check-first-wait", "rollout", "health_check_first_wait_s", float,
+       "seconds before the first health probe"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
@@ -231,7 +273,6 @@ FLAGS: tuple[Flag, ...] = (
        "servers (with more than one engine)", ROUTER_POLICIES),
     _f("sglang-router-request-timeout-secs", "sglang", "router_request_timeout_s", float,
        "seconds a request may take, through the router and to a server"),
-    _f("sglang-server-concurrency", "sglang", "server_concurrency", int, "requests in flight per engine"),
     _f("sglang-server-startup-timeout", "sglang", "startup_timeout_s", float,
        "seconds an SGLang server may take to load and answer /health_generate"),
     # the loop
@@ -482,12 +523,19 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     return values, machine
 
 
+_FUNCTION_PATHS = ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+                   "rollout_function_path", "generate_execute_tool_function_path")
+
+
 def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     """Paths in a config file are relative to the file, so a recipe runs from any directory."""
     def fix(v: Any) -> Any:
         return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
-    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path"):
+    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path", "generate_tool_specs_path"):
         return fix(value)
+    if dest in _FUNCTION_PATHS and isinstance(value, str) and ".py:" in value:
+        file, _, name = value.rpartition(":")      # a file.py:function path, relative to the file too
+        return f"{fix(file)}:{name}"
     if dest == "eval_prompt_data":
         items = list(value.items()) if isinstance(value, dict) else value
         flat = [x for pair in items for x in (pair if isinstance(pair, (list, tuple)) else [pair])]

@@ -25,8 +25,8 @@ _OWN_ROUTER = "with --rollout-engine sglang the run starts its own sglang-router
 PASSTHROUGH_PREFIX = "sglang-"
 _FULLY_ASYNC = f"{NOT_YET}: --machine async overlaps rollout r+1 with training on r (--update-weights-interval N)"
 _EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async overlaps them with training)"
-_FT = f"{NOT_YET}: dead engines are restarted by default (--engine-max-restarts, --engine-restart-window)"
-_AGENTIC = f"{NOT_YET}: rollouts are single-turn; score them with --custom-rm-path"
+_FT = f"{NOT_YET}: dead or hung engines are restarted by default (--engine-max-restarts, --rollout-health-check-*)"
+_AGENTIC = f"{NOT_YET}: multi-turn tool use is --generate-execute-tool-function-path (docs/agents.md)"
 _ONE_PROCESS = f"{NOT_YET}: --train-backend torch trains in one process"
 _WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store (CUDA IPC buckets with --colocate)"
 _ARCH = "Megatron model architecture; here it comes from --hf-checkpoint's config.json: drop it"
@@ -45,9 +45,6 @@ REFUSED: dict[str, str] = {
                              "for the rollout in flight",
     "use-fault-tolerance": f"restarts dead engines (and train cells); {_FT}",
     "ft-components": f"which parts fault tolerance covers; {_FT}",
-    "rollout-health-check-interval": f"engine health probe period; {_FT}",
-    "rollout-health-check-timeout": f"engine health probe timeout; {_FT}",
-    "rollout-health-check-first-wait": f"delay before the first engine health probe; {_FT}",
     "control-server-port": f"FastAPI control server for fault-tolerance cells; {NOT_YET}",
     "mini-ft-controller-enable": f"suspends and resumes unhealthy train cells; {NOT_YET}",
     "ci-ft-test-actions": f"injects faults into train cells in CI; {NOT_YET}: --inject-fault STATE:KIND rehearses "
@@ -81,22 +78,10 @@ REFUSED: dict[str, str] = {
     "rollout-sample-filter-path": f"a per-sample filter hook; {NOT_YET}: use --dynamic-sampling-filter-path "
                                   "(per group)",
     "rollout-all-samples-process-path": f"a hook over all samples of a rollout; {NOT_YET}",
-    "rollout-function-path": f"replaces the rollout function; {NOT_YET}: the rollout executor generates with "
-                             "the engines, and a custom reward goes in --custom-rm-path",
-    "custom-generate-function-path": f"replaces generation per sample; {_AGENTIC}",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
-    "generate-max-turns": f"multi-turn generation; {_AGENTIC}",
-    "generate-tool-specs-path": f"tool specs for multi-turn generation; {_AGENTIC}",
-    "generate-tool-call-parser": f"tool-call parser for multi-turn generation; {_AGENTIC}",
-    "generate-execute-tool-function-path": f"tool execution for multi-turn generation; {_AGENTIC}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
     "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
-    "rm-url": f"the reward model server of --rm-type remote_rm; {NOT_YET}: call it from an async "
-              "--custom-rm-path function",
-    "group-rm": "scores a prompt's responses in one call; here decorate the --custom-rm-path function with "
-                "miles.rollout.rewards.group_reward",
-    "reward-key": "picks one entry of a dict-valued reward; here the --custom-rm-path function returns a float",
     "custom-reward-post-process-path": f"replaces reward normalization; {NOT_YET}",
     "disable-rewards-normalization": f"turns off the per-group reward normalization; {NOT_YET}: "
                                      "--disable-grpo-std-normalization only skips the division by the std",

@@ -72,10 +72,51 @@ class RolloutConfig:
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
+    # rewards beyond --rm-type / --custom-rm-path (issue 17)
+    rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
+    rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request
+    rm_max_retries: int = 3             # --rm-max-retries: retries of a remote reward request that failed transiently
+    rm_retry_backoff_s: float = 0.5     # --rm-retry-backoff: seconds before the first retry, doubling after each
+    group_rm: bool = False              # --group-rm: the --custom-rm-path function scores a prompt's responses at once
+    reward_key: str | None = None       # --reward-key: the entry of a dict-valued reward to train on
+    # engine health (issue 17)
+    engine_generate_timeout_s: float = 600.0  # --engine-generate-timeout: one engine call past it counts as hung
+    health_check_interval_s: float = 30.0     # --rollout-health-check-interval: probe every engine this often (0: off)
+    health_check_timeout_s: float = 30.0      # --rollout-health-check-timeout: an engine that does not answer (or
+    #                                           makes no progress) within it is killed and restarted
+    health_check_first_wait_s: float = 0.0    # --rollout-health-check-first-wait: before the first probe
 
     @property
     def num_samples(self) -> int:
         return self.batch_size * self.n_samples_per_prompt
+
+
+MULTI_TURN_GENERATE = "miles.rollout.multi_turn:generate"   # the generate function of multi-turn tool use
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """How one sample (or the whole rollout) is generated when it takes more than one engine call:
+    a custom generate function, multi-turn with tools, or a custom rollout function (issue 17)."""
+
+    custom_generate_function_path: str | None = None  # --custom-generate-function-path: async fn(ctx, sample, params)
+    rollout_function_path: str | None = None  # --rollout-function-path: async fn(ctx, rollout_id) -> groups
+    server_concurrency: int = 512       # --sglang-server-concurrency: requests in flight per engine (any engine)
+    sample_timeout_s: float | None = None   # --rollout-sample-timeout: a sample past it is aborted
+    rollout_timeout_s: float | None = None  # --rollout-timeout: samples unfinished by then are aborted
+    max_turns: int = 16                 # --generate-max-turns: model turns of a multi-turn sample
+    tool_specs_path: str | None = None  # --generate-tool-specs-path: OpenAI-style tool specs (.json or module:attr)
+    execute_tool_function_path: str | None = None  # --generate-execute-tool-function-path: async fn(name, args) -> str
+    tool_call_parser: str = "qwen25"    # --generate-tool-call-parser: how tool calls are read from the model's text
+    tool_timeout_s: float = 60.0        # --generate-tool-timeout: a tool call past it fails its sample
+
+    @property
+    def generate_function_path(self) -> str | None:
+        """The per-sample generate function: --custom-generate-function-path, else multi-turn with
+        tools when a tool executor is given, else None (one engine call per sample)."""
+        if self.custom_generate_function_path:
+            return self.custom_generate_function_path
+        return MULTI_TURN_GENERATE if self.execute_tool_function_path else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +185,6 @@ class SGLangConfig:
     server_args: tuple[str, ...] = ()   # --sglang-<flag> [VALUE]: SGLang's own server flags, as SGLang spells them
     router_policy: str = "cache_aware"  # --sglang-router-policy
     router_request_timeout_s: float = 3600.0  # --sglang-router-request-timeout-secs
-    server_concurrency: int = 512       # --sglang-server-concurrency: requests in flight per engine
     startup_timeout_s: float = 600.0    # --sglang-server-startup-timeout: until /health_generate answers
 
 
@@ -269,6 +309,7 @@ class RunConfig:
     model: ModelConfig
     data: DataConfig
     rollout: RolloutConfig
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -316,6 +357,6 @@ def _plain(v: Any) -> Any:
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
-    "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig", "TraceConfig", "TrackingConfig", "TrainConfig",
-    "as_dict", "replace",
+    "GenerateConfig", "MULTI_TURN_GENERATE", "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig",
+    "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
 ]

@@ -18,7 +18,8 @@ def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
     for check in (_backends, _sglang, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths,
                   _checkpoint_and_eval, _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft,
-                  _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability):
+                  _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability, _generation,
+                  _rewards, _engine_health):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -69,7 +70,6 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--update-weights-interval", cfg.update_weights_interval),
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
         ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
-        ("--sglang-server-concurrency", cfg.sglang.server_concurrency),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
@@ -304,6 +304,71 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
                         "drop them")
 
 
+# -- custom and multi-turn generation, rewards, engine health (issue 17) ------------------------------
+
+def _user_path(flag: str, path: str | None, problems: list[str]) -> None:
+    if path is not None and ":" not in path and "." not in path:
+        problems.append(f"{flag} {path}: expected module:function (or path/to/file.py:function)")
+
+
+def _generation(cfg: RunConfig, problems: list[str]) -> None:
+    g = cfg.generate
+    _user_path("--custom-generate-function-path", g.custom_generate_function_path, problems)
+    _user_path("--rollout-function-path", g.rollout_function_path, problems)
+    _user_path("--generate-execute-tool-function-path", g.execute_tool_function_path, problems)
+    for flag, value in (("--sglang-server-concurrency", g.server_concurrency), ("--generate-max-turns", g.max_turns)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
+    for flag, value in (("--rollout-sample-timeout", g.sample_timeout_s), ("--rollout-timeout", g.rollout_timeout_s),
+                        ("--generate-tool-timeout", g.tool_timeout_s)):
+        if value is not None and value <= 0:
+            problems.append(f"{flag} {value}: must be > 0 seconds")
+    if g.generate_function_path is None:
+        idle = [f"{flag} {v}" for flag, v in (("--rollout-sample-timeout", g.sample_timeout_s),
+                                               ("--rollout-timeout", g.rollout_timeout_s),
+                                               ("--generate-tool-specs-path", g.tool_specs_path)) if v is not None]
+        if idle:
+            problems.append(f"{', '.join(idle)}: only custom generation reads them; add "
+                            "--custom-generate-function-path module:fn or --generate-execute-tool-function-path")
+    if g.tool_specs_path and g.tool_specs_path.endswith(".json") and not Path(g.tool_specs_path).is_file():
+        problems.append(f"--generate-tool-specs-path {g.tool_specs_path}: no such file")
+    custom = [flag for flag, on in (("--custom-generate-function-path", g.custom_generate_function_path),
+                                    ("--rollout-function-path", g.rollout_function_path),
+                                    ("--generate-execute-tool-function-path", g.execute_tool_function_path)) if on]
+    if custom and cfg.algorithm.loss_type == "sft_loss":
+        problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(custom)} do not apply")
+    if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
+        problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
+                        "--dynamic-sampling-filter-path (or filter inside the rollout function)")
+
+
+def _rewards(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.rm_type == "remote_rm" and not r.custom_rm_path and not r.rm_url:
+        problems.append("--rm-type remote_rm needs --rm-url URL: the reward service to post responses to")
+    if r.rm_url and not r.rm_url.startswith(("http://", "https://")):
+        problems.append(f"--rm-url {r.rm_url}: expected an http:// or https:// URL")
+    if r.rm_url and r.custom_rm_path:
+        problems.append(f"--rm-url {r.rm_url} has no effect with --custom-rm-path (the custom reward scores "
+                        "every sample); drop one of them")
+    if r.group_rm and not r.custom_rm_path:
+        problems.append("--group-rm makes the --custom-rm-path function score a prompt's responses at once; "
+                        "add --custom-rm-path module:fn or drop --group-rm")
+    if r.rm_timeout_s <= 0 or r.rm_max_retries < 0 or r.rm_retry_backoff_s < 0:
+        problems.append(f"--rm-timeout {r.rm_timeout_s} / --rm-max-retries {r.rm_max_retries} / --rm-retry-backoff "
+                        f"{r.rm_retry_backoff_s}: need a timeout > 0, retries >= 0 and a backoff >= 0")
+
+
+def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.engine_generate_timeout_s <= 0:
+        problems.append(f"--engine-generate-timeout {r.engine_generate_timeout_s}: must be > 0 seconds")
+    if r.health_check_interval_s < 0 or r.health_check_timeout_s <= 0 or r.health_check_first_wait_s < 0:
+        problems.append(f"--rollout-health-check-interval {r.health_check_interval_s} / -timeout "
+                        f"{r.health_check_timeout_s} / -first-wait {r.health_check_first_wait_s}: need an interval "
+                        ">= 0 (0: off), a timeout > 0 and a first wait >= 0")
+
+
 # -- checks that depend on the lifecycle machine ----------------------------------------------------
 
 PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
@@ -424,7 +489,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
-    from miles.rollout.rewards import REWARD_FUNCTIONS
+    from miles.rollout.rewards import RM_TYPES
 
     e = cfg.eval
     if e.prompt_data and e.datasets:
@@ -435,6 +500,6 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
         if d.temperature is not None and d.temperature < 0:
             problems.append(f"{where}: temperature {d.temperature} must be >= 0")
-        if d.rm_type is not None and d.rm_type not in REWARD_FUNCTIONS:
-            problems.append(f"{where}: rm_type {d.rm_type!r} is not a built-in reward here; use one of "
-                            f"{', '.join(REWARD_FUNCTIONS)} or leave it out to use the run's reward (--custom-rm-path)")
+        if d.rm_type is not None and d.rm_type not in RM_TYPES:
+            problems.append(f"{where}: rm_type {d.rm_type!r} is not a reward type here; use one of "
+                            f"{', '.join(RM_TYPES)} or leave it out to use the run's reward (--custom-rm-path)")

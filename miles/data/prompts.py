@@ -54,16 +54,18 @@ class _Row:
     error: str | None = None        # why it could not be parsed
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Any) -> list[Prompt]:
+def load_prompts(cfg: DataConfig, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
     """Read, template, tokenize and length-filter `cfg.prompt_data`; raise one ConfigError for bad input.
 
     Prompts longer than `cfg.max_prompt_len` tokens are dropped; how many is logged
-    (`prompts_dropped`). An empty result is an error.
+    (`prompts_dropped`). An empty result is an error. `tools` (multi-turn tool specs) go to the chat
+    template with the messages.
     """
     path = Path(cfg.prompt_data)
     rows = _read_rows(path, cfg)
     encoder = _Encoder(tokenizer, apply_chat_template=cfg.apply_chat_template,
-                       template_path=cfg.chat_template_path, template_kwargs=cfg.apply_chat_template_kwargs)
+                       template_path=cfg.chat_template_path, template_kwargs=cfg.apply_chat_template_kwargs,
+                       tools=tools)
     prompts = _build_prompts(path, rows, cfg, encoder)
     kept = _drop_long_prompts(path, prompts, cfg.max_prompt_len)
     log.info("prompts_loaded", path=str(path), num_prompts=len(kept))
@@ -129,9 +131,12 @@ class _Encoder:
     """Turns a row's input into (text, ids); the chat template and the BOS rule are decided once."""
 
     def __init__(self, tokenizer: Any, *, apply_chat_template: bool, template_path: str | None = None,
-                 template_kwargs: dict[str, Any] | None = None):
-        # --chat-template-path replaces the tokenizer's template; --apply-chat-template-kwargs are its variables
+                 template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None):
+        # --chat-template-path replaces the tokenizer's template; --apply-chat-template-kwargs are its
+        # variables; the tool specs (--generate-tool-specs-path) go to it as `tools`
         self._template_args: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            self._template_args["tools"] = tools
         if template_path is not None:
             self._template_args["chat_template"] = Path(template_path).read_text()
         if apply_chat_template and template_path is None and not getattr(tokenizer, "chat_template", None):

@@ -19,6 +19,8 @@ by the phase would overwrite the corruption). Kinds:
                     (--stop-timeout after a signal) ends it
     corrupt_weights engine-0 gets the trainer's weights with one value changed, stamped with the
                     version it holds (a corruption after a sync; --check-weight-update-equal finds it)
+    hang_engine     SIGSTOP engine-0's worker process: alive but answering nothing (a hung engine);
+                    the health probe or the generate timeout finds it, and the run restarts it
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from miles.runtime.procs import pid_running
 from miles.runtime.threads import in_daemon_thread
 
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
-               "hang", "hang_thread", "hang_ray", "hang_blocking", "corrupt_weights")
+               "hang", "hang_thread", "hang_ray", "hang_blocking", "corrupt_weights", "hang_engine")
 AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
 
 
@@ -100,6 +102,12 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
             return
         os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
+    elif f.kind == "hang_engine":
+        engine = ctx.c.engines[0]
+        if engine.pid is None or not pid_running(engine.pid):
+            ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the engine is dead already")
+            return
+        os.kill(engine.pid, signal.SIGSTOP)
     elif f.kind in ("sigint", "sigterm"):
         os.kill(os.getpid(), signal.SIGINT if f.kind == "sigint" else signal.SIGTERM)
         await asyncio.sleep(0.05)      # the loop runs the handler before the phase goes on

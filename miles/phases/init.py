@@ -29,13 +29,17 @@ from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.health import start_health_monitor
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.protocol import ENGINES, Engine
-from miles.rollout.rewards import load_reward_fn
+from miles.rollout.rewards import REMOTE_RM, load_reward_fn
+from miles.rollout.scoring import Rewards
+from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
@@ -127,7 +131,7 @@ async def init(ctx: TrainingContext) -> str:
     ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
                     cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
                     fast_path_refused=ctx.backends.fast_path_refused)
-    tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
+    tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
     ctx.c.metrics = Tracker()
@@ -157,7 +161,7 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s)
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s, generate=cfg.generate)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
@@ -166,6 +170,8 @@ async def init(ctx: TrainingContext) -> str:
             await ctx.c.engine_fleet.joined(i, engine.handle)
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
+    if ctx.c.engines:
+        start_health_monitor(ctx)
 
     await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
@@ -242,7 +248,26 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
                 dtype=cfg.model.dtype)
 
 
-def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
+async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
+    """The user's generate / rollout / tool functions import and have the right signatures; the
+    rewards exist (the per-sample types the data names too) and their services answer."""
+    g = cfg.generate
+    if g.generate_function_path:
+        load_generate_function(g.generate_function_path)
+    if g.rollout_function_path:
+        load_rollout_function(g.rollout_function_path)
+    if g.execute_tool_function_path:
+        load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
+                      timeout_s=g.tool_timeout_s)
+    rewards = Rewards(cfg.rollout)
+    rewards.check_prompts(prompts)
+    try:
+        await rewards.check_services()
+    finally:
+        await rewards.close()
+
+
+async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
     check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
@@ -251,13 +276,17 @@ def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dic
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
     sft_responses = None
+    tools = load_tool_specs(cfg.generate.tool_specs_path) if cfg.generate.tool_specs_path else None
     if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
         prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
     else:
-        prompts = load_prompts(cfg.data, tokenizer)
+        prompts = load_prompts(cfg.data, tokenizer, tools=tools)
     check_context_len(cfg, prompts, f"--prompt-data {cfg.data.prompt_data}")
-    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer) for d in cfg.eval.sets()}
-    reward_fn = load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer, tools) for d in cfg.eval.sets()}
+    r = cfg.rollout
+    # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
+    reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
+    await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
     check_user_functions(cfg)
@@ -265,16 +294,17 @@ def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dic
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
         if size is not None and size > len(prompts):
             raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
-    for warning in label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)):
+    warnings = label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)) if reward_fn else []
+    for warning in warnings:
         ctx.tracer.emit("warning", code="label_key", message=warning)
     ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
     return tokenizer, prompts, eval_sets, sft_responses
 
 
-def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any) -> list:
+def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:
     """An eval dataset's prompts, read with its own keys (--eval-config) or the run's."""
     keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
-    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer)
+    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer, tools=tools)
     check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})")
     return prompts
 

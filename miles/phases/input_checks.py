@@ -140,16 +140,18 @@ def check_user_functions(cfg: RunConfig) -> None:
 def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys: list[str] | None) -> list[str]:
     """A reward that reads labels while --label-key is unset: an error for a built-in reward, a warning
     for a custom one (it may not need them), naming the keys the rows have that no flag reads."""
-    from miles.rollout.rewards import REWARD_FUNCTIONS
+    from miles.rollout.rewards import LABEL_FREE_REWARDS, REWARD_FUNCTIONS
     from miles.user_code import display_name, takes_parameter
 
     d = cfg.data
-    if d.label_key is not None or cfg.algorithm.loss_type == "sft_loss" or cfg.load_debug_rollout_data:
+    builtin = getattr(reward_fn, "__wrapped__", reward_fn)      # boxed_<type> wraps its built-in
+    if d.label_key is not None or cfg.algorithm.loss_type == "sft_loss" or cfg.load_debug_rollout_data \
+            or any(builtin is REWARD_FUNCTIONS[k] for k in LABEL_FREE_REWARDS):
         return []
     unread = [k for k in first_row_keys or [] if k not in (d.input_key, d.metadata_key)]
     hint = next((k for k in unread if k in LABEL_KEYS), unread[0] if unread else None)
     fix = f"set --label-key {hint}" if hint else "set --label-key to the column with the reference answers"
-    if reward_fn in REWARD_FUNCTIONS.values():
+    if builtin in REWARD_FUNCTIONS.values():
         raise ConfigError(f"--rm-type {cfg.rollout.rm_type} compares each response with a label, but --label-key is "
                           f"not set{f'; the rows also have {unread}' if unread else ''}: {fix}")
     warnings = []

@@ -23,6 +23,7 @@ import gc
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import structlog
 import torch
@@ -42,6 +43,7 @@ from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
+_CAP_SEED_STEP = 7919     # apart the seeds of the groups of one call with different per-prompt caps
 _CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine releases (graphs go with the cache)
 
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
@@ -51,6 +53,10 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
 class FastEngine:
+    # one thread: the engine is not guarded for calls beside a running generate, so the health probe
+    # skips it (hung calls are found by --engine-generate-timeout) and an abort waits for the call
+    actor_threads = 1
+
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None,
@@ -284,12 +290,29 @@ class FastEngine:
             torch.cuda.empty_cache()
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """One Generation per prompt, in order; all prompts are queued and served by continuous batching.
+        `max_new_tokens` (one per prompt) caps each prompt's response; else `params.max_new_tokens`.
+        A batch keeps one cap, so prompts with different caps are served cap by cap (each group seeded
+        apart from the others when `params.seed` is set).
 
         Randomness: the engine's generator (seeded at construction, advancing call after call), or
         a fresh one seeded with `params.seed` for this call only.
         """
+        caps = sorted(set(max_new_tokens)) if max_new_tokens is not None else [params.max_new_tokens]
+        if len(caps) == 1:
+            return self._generate(prompts, replace(params, max_new_tokens=int(caps[0])))
+        out: list[Generation | None] = [None] * len(prompts)
+        for k, cap in enumerate(caps):
+            rows = [i for i, c in enumerate(max_new_tokens) if c == cap]
+            seed = None if params.seed is None else (params.seed + k * _CAP_SEED_STEP) % 2**31
+            done = self._generate([prompts[i] for i in rows], replace(params, max_new_tokens=int(cap), seed=seed))
+            for i, g in zip(rows, done):
+                out[i] = g
+        return out
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._live_weights()
         if self._cache is None:
             raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")

@@ -21,6 +21,17 @@ servers) has a classmethod `make_fleet(cfg: RunConfig, *, run_dir, num_engines) 
 composition root makes the fleet once, before the engines, registers it with the disposer (so it goes
 after them), passes `fleet.engine_kwargs(index, name)` to each constructor and tells it when an
 engine joins or leaves.
+
+Health (issue 17): the run probes every engine with `health()` every
+`--rollout-health-check-interval` seconds, and bounds every `generate` call by
+`--engine-generate-timeout`; an engine that does not answer, reports no progress, or overruns a call
+is killed and restarted within the restart budget. An engine class that answers `health` and
+`abort` while a `generate` runs says so with `actor_threads = 2` (the composition root gives its
+actors that many threads; it must then guard its model itself, as `EmbeddedEngine` does with a
+lock); the probe skips engines without it, which would answer only after the running call.
+FastEngine says `actor_threads = 1` (one call at a time); the SGLang engine is an async actor
+(Ray's default concurrency, its own request limit) without `health` or `abort`, so it is not
+probed and a rollout's leftover requests run to their end.
 """
 
 from __future__ import annotations
@@ -53,11 +64,25 @@ FAST_MAX_BATCH_SIZE = 256
 FAST_MEM_FRACTION = 0.5
 
 
+class EngineUnresponsive(RuntimeError):
+    """An engine call ran past --engine-generate-timeout, or a probe found the engine hung. `engine` is
+    its index in the run's list. Pickles (it crosses the executor actor's boundary)."""
+
+    def __init__(self, message: str, engine: int = -1):
+        super().__init__(message)
+        self.engine = engine
+
+    def __reduce__(self):
+        return type(self), (str(self), self.engine)
+
+
 class Engine(Protocol):
     """An inference engine. Methods are called through a Ray actor handle (`.remote`) in a run."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One Generation per prompt, in order; `params.seed` makes a call reproducible."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        """One Generation per prompt, in order; `params.seed` makes a call reproducible.
+        `max_new_tokens`, one per prompt, caps each prompt's response (else params.max_new_tokens)."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -75,6 +100,11 @@ class Engine(Protocol):
     #       free GPU memory while the trainer trains (--offload-rollout, --colocate), and take it back;
     #       each engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights,
     #       SGLang frees them too); idempotent. miles.phases.memory says when.
+    #   health() -> {"busy": bool, "since_progress_s": float}
+    #       answers at once (with `actor_threads = 2`): seconds since the running generate last made
+    #       a token (0.0 idle; an idle engine first proves it can generate); the health monitor's probe
+    #   abort() -> None
+    #       the generate calls running now return at their next step (finish_reason "abort")
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""

@@ -14,16 +14,32 @@ Built-ins (`--rm-type`):
   when both parse as numbers, else as strings with spaces and `$` removed. The label is the answer
   itself (a number, a fraction, or `\\boxed{...}`), not a worked solution. Scores 1.0 or 0.0.
 - `exact_match`: 1.0 when the response and the label are equal after stripping whitespace.
+- `f1`: token-level F1 between the response and the label (SQuAD-style: lowercase, punctuation and
+  articles dropped, whitespace tokens), in [0, 1].
+- `random`: 0.0 or 1.0 at random; `deterministic_random`: 0.0 or 1.0 from a hash of the prompt index
+  and the response, the same on every run (for tests).
+- `remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url` (`miles.rollout.remote_reward`).
+- `boxed_<type>` (`boxed_math`, `boxed_exact_match`, `boxed_f1`): `<type>` scores the content of the
+  response's last `\\boxed{...}` ("" when there is none) instead of the whole response.
+
+A reward may return a dict of named scores; `--reward-key` picks the one to train on
+(`with_reward_key`). Which function scores which sample (`--custom-rm-path`, `--rm-type`, a
+sample's `metadata["rm_type"]`) is `miles.rollout.scoring`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import inspect
 import math
 import numbers
+import random
 import re
-from collections.abc import Awaitable, Callable
+import string
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from miles.config import ConfigError
@@ -165,19 +181,96 @@ def _require_label(label: str | None, rm_type: str) -> str:
     return label
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def _f1_tokens(text: str) -> list[str]:
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
+
+
+def f1_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    """Token-level F1 of the response against the label (SQuAD's normalization)."""
+    got, want = _f1_tokens(response), _f1_tokens(_require_label(label, "f1"))
+    same = sum((Counter(got) & Counter(want)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(got), same / len(want)
+    return 2 * precision * recall / (precision + recall)
+
+
+def random_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return float(random.randint(0, 1))
+
+
+def deterministic_random_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    """0.0 or 1.0 from a hash of (prompt index, response): random-looking, the same on every run."""
+    digest = hashlib.sha256(f"{prompt.index}\0{response}".encode()).digest()
+    return float(digest[0] & 1)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "math": math_reward, "exact_match": exact_match_reward, "f1": f1_reward, "random": random_reward,
+    "deterministic_random": deterministic_random_reward,
+}
+LABEL_FREE_REWARDS = ("random", "deterministic_random")   # the built-ins that read no label
+REMOTE_RM = "remote_rm"             # built by miles.rollout.scoring from --rm-url and its options
+BOXED_PREFIX = "boxed_"
+BOXABLE = ("math", "exact_match", "f1")   # rule rewards that read the answer from the response text
+RM_TYPES: tuple[str, ...] = (*REWARD_FUNCTIONS, REMOTE_RM, *(BOXED_PREFIX + name for name in BOXABLE))
+
+
+def boxed(fn: RewardFn) -> RewardFn:
+    """`fn` scoring the content of the response's last `\\boxed{...}` ("" when there is none)."""
+    @functools.wraps(fn)
+    def scored_on_box(prompt: Prompt, response: str, label: str | None) -> Any:
+        return fn(prompt, last_boxed(response) or "", label)
+
+    scored_on_box.__qualname__ = f"{BOXED_PREFIX}{getattr(fn, '__qualname__', 'reward')}"
+    return scored_on_box
+
+
+def builtin_reward(rm_type: str, *, flag: str = "--rm-type") -> RewardFn:
+    """The built-in reward `rm_type` (a `boxed_` prefix allowed); `remote_rm` is built from its
+    flags by `miles.rollout.scoring`, so it is not one of these."""
+    base = rm_type.removeprefix(BOXED_PREFIX)
+    if rm_type in REWARD_FUNCTIONS or (rm_type.startswith(BOXED_PREFIX) and base in BOXABLE):
+        return REWARD_FUNCTIONS[rm_type] if rm_type in REWARD_FUNCTIONS else boxed(REWARD_FUNCTIONS[base])
+    raise ConfigError(f"{flag} {rm_type!r} is not a built-in reward; valid types are {sorted(RM_TYPES)}, "
+                      "or pass --custom-rm-path module:function")
+
+
+def with_reward_key(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+    """`fn` returning its dict-valued result's entry `key` (--reward-key); a plain number passes."""
+    def pick(value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        if key not in value:
+            raise ValueError(f"--reward-key {key!r}: the reward returned no such key; its keys are {sorted(value)}")
+        return value[key]
+
+    def pick_all(value: Any) -> Any:
+        return [pick(v) for v in value] if is_group_reward(fn) and isinstance(value, (list, tuple)) else pick(value)
+
+    async def picked(awaitable: Awaitable[Any]) -> Any:
+        return pick_all(await awaitable)
+
+    @functools.wraps(fn)
+    def keyed(*args: Any) -> Any:
+        result = fn(*args)
+        return picked(result) if inspect.isawaitable(result) else pick_all(result)
+
+    return keyed
 
 
 # ---- choosing the function ----------------------------------------------------------------------
 
 def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> Callable[..., Any]:
-    """The reward function of the run: `--custom-rm-path` when given, else the built-in `rm_type`."""
+    """The reward function of the run: `--custom-rm-path` when given, else the built-in `rm_type`
+    (`miles.rollout.scoring.Rewards` adds remote_rm, --group-rm, --reward-key and per-sample types)."""
     if custom_rm_path:
         return import_reward_fn(custom_rm_path)
-    if rm_type not in REWARD_FUNCTIONS:
-        raise ConfigError(f"--rm-type {rm_type!r} is not a built-in reward; valid types are "
-                          f"{sorted(REWARD_FUNCTIONS)}, or pass --custom-rm-path module:function")
-    return REWARD_FUNCTIONS[rm_type]
+    return builtin_reward(rm_type)
 
 
 def import_reward_fn(path: str, flag: str = "--custom-rm-path") -> Callable[..., Any]:
@@ -292,6 +385,9 @@ async def _settle(fut: asyncio.Future[Any], timeout: float) -> Any:
 
 
 def _as_score(value: Any, fn: Callable[..., Any], prompt: Prompt, response: str) -> float:
+    if isinstance(value, Mapping):
+        raise _reward_error(fn, prompt, response, f"returned a dict {_describe(value)}; pick the score to train "
+                                                  "on with --reward-key KEY")
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise _reward_error(fn, prompt, response, f"returned {_describe(value)}; expected a finite float")
     return float(value)

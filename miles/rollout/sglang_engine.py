@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -252,9 +252,11 @@ class SGLangEngine:
         return getattr(torch, self.dtype)
 
     # --- generation -----------------------------------------------------------------------------
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """One Generation per prompt, in order; with `params.seed`, request i is seeded with
-        `request_seed(seed, i)` (the same call gives the same samples on the same weights)."""
+        `request_seed(seed, i)` (the same call gives the same samples on the same weights).
+        `max_new_tokens` (one per prompt) caps each request's response; else `params.max_new_tokens`."""
         self._live()
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots[0] is not loop:      # a semaphore belongs to one loop too
@@ -262,7 +264,9 @@ class SGLangEngine:
         call = uuid.uuid4().hex[:8]
         rids = [f"{self.name}-{call}-{i}" for i in range(len(prompts))]
         seeds = [None if params.seed is None else api.request_seed(params.seed, i) for i in range(len(prompts))]
-        tasks = [asyncio.ensure_future(self._one(p, params, rid, s)) for p, rid, s in zip(prompts, rids, seeds)]
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
+        tasks = [asyncio.ensure_future(self._one(p, replace(params, max_new_tokens=int(c)), rid, s))
+                 for p, c, rid, s in zip(prompts, caps, rids, seeds)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:

@@ -27,14 +27,16 @@ log = structlog.get_logger().bind(role="sglang_fleet")
 class SGLangFleet:
     resource_name = "sglang-fleet"
 
-    def __init__(self, cluster: ClusterConfig, sglang: SGLangConfig, *, run_dir: str | Path, num_engines: int):
-        """`num_engines`: the run's placement's (--rollout-num-engines, or --rollout-num-gpus / GPUs per engine)."""
+    def __init__(self, cluster: ClusterConfig, sglang: SGLangConfig, *, run_dir: str | Path, num_engines: int,
+                 server_concurrency: int = 512):
+        """`num_engines`: the run's placement's (--rollout-num-engines, or --rollout-num-gpus / GPUs per engine);
+        `server_concurrency`: --sglang-server-concurrency (GenerateConfig's, read by custom generation too)."""
         self.run_dir = Path(run_dir) / "sglang"
         self.engine_cfg = SGLangEngineConfig(
             tp_size=cluster.rollout_num_gpus_per_engine, server_args=tuple(sglang.server_args),
             memory_saver=cluster.offloads_rollout,     # release/resume_memory_occupation need it (miles.phases.memory)
             startup_timeout_s=sglang.startup_timeout_s, request_timeout_s=sglang.router_request_timeout_s,
-            max_concurrency=sglang.server_concurrency)
+            max_concurrency=server_concurrency)
         self.router = SGLangRouter(log_path=self.run_dir / "router.log", policy=sglang.router_policy,
                                    request_timeout_s=sglang.router_request_timeout_s) if num_engines > 1 else None
         self._urls: dict[int, str] = {}
@@ -67,4 +69,5 @@ class SGLangFleet:
 
 def make_fleet(cfg: Any, *, run_dir: str | Path, num_engines: int) -> SGLangFleet:
     """`SGLangEngine.make_fleet`: the run's slices for SGLang."""
-    return SGLangFleet(cfg.cluster, cfg.sglang, run_dir=run_dir, num_engines=num_engines)
+    return SGLangFleet(cfg.cluster, cfg.sglang, run_dir=run_dir, num_engines=num_engines,
+                       server_concurrency=cfg.generate.server_concurrency)

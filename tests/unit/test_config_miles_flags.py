@@ -120,5 +120,5 @@ def test_eval_config_checks_against_the_run(tmp_path):
                                       "{name: b, path: nowhere.jsonl}]}")
     problems = problems_of(base(tmp_path) + ["--eval-config", path, "--eval-prompt-data", "c", str(tmp_path / "a.jsonl")])
     assert any("--eval-prompt-data and --eval-config both name eval datasets" in p for p in problems)
-    assert any("rm_type 'deepscaler' is not a built-in reward here" in p for p in problems)
+    assert any("rm_type 'deepscaler' is not a reward type here" in p for p in problems)
     assert any("dataset 'b': path nowhere.jsonl: no such file" in p for p in problems)

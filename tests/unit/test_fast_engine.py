@@ -329,6 +329,17 @@ def test_a_request_longer_than_the_cache_is_refused(model_path):
     assert len(engine.generate([[5] * 8], GREEDY)[0].response_ids) <= 16  # 8 + 16 fits exactly
 
 
+def test_per_prompt_caps_bound_each_response_and_uniform_caps_are_the_plain_call(model_path):
+    # issue 17's custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
+    engine = FastEngine(model_path, device="cpu", max_batch_size=3)
+    never_stop = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
+    plain = engine.generate(PROMPTS, never_stop)
+    assert engine.generate(PROMPTS, never_stop, [16] * len(PROMPTS)) == plain
+    capped = engine.generate(PROMPTS, never_stop, [3, 16, 5, 3])
+    for g, p, cap in zip(capped, plain, [3, 16, 5, 3]):
+        assert len(g.response_ids) <= cap and g.response_ids == p.response_ids[:len(g.response_ids)]   # greedy
+
+
 def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=5)

@@ -136,6 +136,17 @@ def test_a_builtin_reward_without_a_label_key_stops_the_run_naming_the_key(tmp_p
         label_warnings(cfg, math_reward, first_row_keys(cfg.data.prompt_data))
 
 
+def test_rewards_that_read_no_label_need_no_label_key_and_boxed_ones_do(tmp_path):
+    from miles.rollout.rewards import builtin_reward
+
+    (tmp_path / "p.jsonl").write_text('{"input": "1+1=", "answer": "2"}\n')
+    cfg, _ = parse_flags(base(tmp_path) + ["--rm-type", "deterministic_random"])
+    assert label_warnings(cfg, builtin_reward("deterministic_random"), first_row_keys(cfg.data.prompt_data)) == []
+    cfg, _ = parse_flags(base(tmp_path) + ["--rm-type", "boxed_math"])
+    with pytest.raises(ConfigError, match="--rm-type boxed_math compares each response with a label"):
+        label_warnings(cfg, builtin_reward("boxed_math"), first_row_keys(cfg.data.prompt_data))
+
+
 def test_a_custom_reward_that_takes_a_label_without_a_label_key_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg, _ = parse_flags(base(tmp_path))

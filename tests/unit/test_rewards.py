@@ -93,7 +93,7 @@ def test_builtin_reward_is_chosen_by_name():
 
 
 def test_unknown_rm_type_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*\['exact_match', 'math'\]"):
+    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*'exact_match', 'f1', 'math'"):
         load_reward_fn("maths", None)
 
 
