@@ -2,12 +2,18 @@
 
 Engines speak token ids: a prompt goes in as ids, a response comes out as ids plus the engine's
 per-token log-probabilities, so nothing is detokenized and retokenized between rollout and training.
+
+A `Sample` carries a whole trajectory: the prompt's ids, then the response, which in a multi-turn
+rollout interleaves the model's turns with what tools and the environment answered. `loss_mask`
+says which response tokens are the model's (trained on) and which are not; the rollout logprobs are
+the engine's on the model's tokens and 0.0 on the others. A single-turn sample is one span of model
+tokens (`loss_mask` None: every response token is the model's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class SamplingParams:
     top_k: int = -1                 # -1: off
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()   # besides the tokenizer's EOS
+    stop: tuple[str, ...] = ()      # stop strings: a response ends at the token whose text completes one
+    max_context_len: int | None = None  # prompt + response tokens at most (each prompt's budget is the rest)
     seed: int | None = None         # makes a generate() call reproducible on the same engine
 
 
@@ -37,27 +45,79 @@ class Generation:
 
     response_ids: list[int]         # generated ids, EOS included when it stopped on EOS
     logprobs: list[float]           # log p(response_ids[i]) under the sampling distribution's model, len == len(response_ids)
-    finish_reason: str              # "stop" (EOS / stop token) or "length"
+    finish_reason: str              # "stop" (EOS / stop token), "length", or "abort" (the engine was told to stop)
     weight_version: int             # version of the weights that produced it
+
+
+# completed: the trajectory ended on its own (EOS, no further tool call); truncated: it ran out of
+# tokens or turns; aborted: the framework cut it (a timeout, the rollout's deadline); failed: its
+# generate function or a tool raised or hung (`Sample.error` says what). Aborted and failed samples
+# are not scored (reward 0.0) and not trained on: the trainer zeroes their loss mask.
+SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
+SAMPLE_STATUSES: tuple[SampleStatus, ...] = ("completed", "truncated", "aborted", "failed")
+TRAINABLE_STATUSES: tuple[SampleStatus, ...] = ("completed", "truncated")
 
 
 @dataclass
 class Sample:
-    """One response to one prompt, scored. `group` ties the n samples of a prompt together."""
+    """One trajectory for one prompt, scored. `group` ties the n samples of a prompt together.
+
+    Per response token, three lists of equal length: `response_ids`, `rollout_logprobs` (the
+    engine's, 0.0 where the model did not sample the token) and `loss_mask` (1 on the model's
+    tokens, 0 on tool / environment tokens; None means all 1, the single-turn case).
+    """
 
     prompt: Prompt
     group: int                      # index of the prompt within its rollout batch
     response_ids: list[int]
     rollout_logprobs: list[float]
-    finish_reason: str
+    finish_reason: str              # the last engine call's: "stop", "length" or "abort"
     weight_version: int
-    response_text: str = ""
+    response_text: str = ""         # the whole response decoded (tool / environment text included)
     reward: float = 0.0
     advantage: float = 0.0          # filled by the advantage estimator (GRPO: per-sequence scalar)
+    reward_timed_out: bool = False  # the reward call ran past --reward-timeout: the sample scored 0.0
+    loss_mask: list[int] | None = None      # per response token: 1 trained (the model's), 0 not; None: all 1
+    status: SampleStatus = "completed"
+    metadata: dict[str, Any] = field(default_factory=dict)  # free-form; starts as a copy of the prompt's
+    error: str | None = None        # why the sample failed or was aborted
 
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole trajectory's ids: prompt, then response."""
+        return [*self.prompt.prompt_ids, *self.response_ids]
+
+    @property
+    def trainable(self) -> bool:
+        return self.status in TRAINABLE_STATUSES
+
+    def mask(self) -> list[int]:
+        """The loss mask over the response tokens (all 1 for a single-turn sample); all 0 when the
+        sample is not trainable (aborted or failed)."""
+        if not self.trainable:
+            return [0] * len(self.response_ids)
+        return [1] * len(self.response_ids) if self.loss_mask is None else list(self.loss_mask)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled (the trained ones of a trainable sample)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
+
+    def append(self, ids: list[int], logprobs: list[float] | None = None, *, trained: bool) -> None:
+        """Append a span to the response: the model's tokens with the engine's logprobs
+        (`trained=True`), or tool / environment tokens (`trained=False`, logprobs 0.0)."""
+        if trained and (logprobs is None or len(logprobs) != len(ids)):
+            raise ValueError(f"the model's {len(ids)} tokens need as many logprobs, got "
+                             f"{None if logprobs is None else len(logprobs)}")
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.rollout_logprobs.extend(logprobs if trained else [0.0] * len(ids))
+        self.loss_mask.extend([1 if trained else 0] * len(ids))
 
 
 @dataclass

@@ -25,7 +25,11 @@ def ray_cluster():
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ray = pytest.importorskip("ray")
     root = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    paths = [root, os.environ.get("PYTHONPATH", "")]
+    from tests.fakes import FAKES_DIR, real_sglang_installed
+    if not real_sglang_installed():   # servers an SGLang engine starts in a worker find the fake sglang package
+        paths.insert(0, str(FAKES_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="miles-tests")
     from miles.cluster.ray_cluster import restore_sigchld
     restore_sigchld()             # else subprocess exit codes read as 0 in this process

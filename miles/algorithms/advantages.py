@@ -4,7 +4,11 @@ Sequence-level estimators (GRPO, GSPO, RLOO, REINFORCE++-baseline) take one rewa
 `rewards` [N] with N = num_prompts * group_size, the `group_size` samples of a prompt contiguous
 (as `RolloutBatch.samples` holds them), and return one advantage per sample [N]; `broadcast_to_tokens`
 spreads them over the response tokens. They share the signature `fn(rewards, group_size, **options)`
-and live in `ADVANTAGE_ESTIMATORS`; pick one at start-up with `get_advantage_estimator`.
+and live in `ADVANTAGE_ESTIMATORS`; pick one at start-up with `get_advantage_estimator`. Their
+optional `mask` [N] bool says which samples count: a sample that was aborted or failed (no reward,
+nothing to train on) is left out of its group's statistics and gets advantage 0, so a broken tool
+call does not move its group's baseline. Without a mask (or with every sample valid) they compute
+exactly what they computed before masks existed.
 
 Token-level estimators need more than rewards, so they are not in the registry:
 - `gae(token_rewards, values, mask, gamma, lambd)`: PPO with a critic; needs per-token values.
@@ -41,37 +45,78 @@ def _groups(rewards: Tensor, group_size: int, *, min_size: int = 1, why: str = "
     return rewards.view(-1, group_size)
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, *, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
+def _valid(mask: Tensor | None, rewards: Tensor, group_size: int) -> Tensor | None:
+    """The [G, n] validity mask, or None when every sample counts (the unmasked formulas apply)."""
+    if mask is None:
+        return None
+    if mask.shape != rewards.shape:
+        raise ValueError(f"mask must be [N] like rewards {tuple(rewards.shape)}, got {tuple(mask.shape)}")
+    mask = mask.bool()
+    return None if bool(mask.all()) else mask.view(-1, group_size)
+
+
+def _masked_group_stats(r: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group: number of valid samples c, their mean, and their unbiased variance (0 when c < 2)."""
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
+    c = valid.sum(dim=1, keepdim=True).to(r.dtype)
+    mean = torch.where(valid, r, zero).sum(dim=1, keepdim=True) / c.clamp(min=1)
+    ss = torch.where(valid, (r - mean) ** 2, zero).sum(dim=1, keepdim=True)
+    return c, mean, ss / (c - 1).clamp(min=1)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, *, std_norm: bool = True, eps: float = 1e-6,
+                    mask: Tensor | None = None) -> Tensor:
     """(r - group mean) / (group std + eps), or just r - group mean when `std_norm` is False
     (--disable-grpo-std-normalization, as Dr. GRPO recommends).
 
     The std is torch's default, the unbiased one (divides by n - 1), as miles and slime use; it is
     undefined for one sample, so std_norm needs group_size >= 2. A group whose rewards are all equal
-    gets advantage 0 (0 / eps), never NaN.
+    gets advantage 0 (0 / eps), never NaN. With `mask`, mean and std are over the group's valid
+    samples; a group with one valid sample gives it 0.
     """
     r = _groups(rewards, group_size, min_size=2 if std_norm else 1,
                 why=" for std normalization (or disable it)" if std_norm else "")
-    centered = r - r.mean(dim=1, keepdim=True)
+    valid = _valid(mask, rewards, group_size)
+    if valid is None:
+        centered = r - r.mean(dim=1, keepdim=True)
+        if std_norm:
+            centered = centered / (r.std(dim=1, keepdim=True) + eps)
+        return centered.flatten()
+    _, mean, var = _masked_group_stats(r, valid)
+    centered = r - mean
     if std_norm:
-        centered = centered / (r.std(dim=1, keepdim=True) + eps)
-    return centered.flatten()
+        centered = centered / (var.sqrt() + eps)
+    return torch.where(valid, centered, torch.zeros((), dtype=r.dtype, device=r.device)).flatten()
 
 
-def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+def rloo_advantages(rewards: Tensor, group_size: int, *, mask: Tensor | None = None) -> Tensor:
     """r_i - mean of the other samples' rewards (leave-one-out baseline, Ahmadian et al. 2024).
 
     Equals n / (n - 1) * (r_i - group mean): r_i - (S - r_i) / (n - 1) = (n r_i - S) / (n - 1).
+    With `mask`, "the others" are the group's other valid samples; a sample without one gets 0.
     """
     r = _groups(rewards, group_size, min_size=2, why=" (the leave-one-out baseline needs another sample)")
-    others_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    return (r - others_mean).flatten()
+    valid = _valid(mask, rewards, group_size)
+    if valid is None:
+        others_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+        return (r - others_mean).flatten()
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
+    kept = torch.where(valid, r, zero)
+    others = valid.sum(dim=1, keepdim=True).to(r.dtype) - 1
+    adv = r - (kept.sum(dim=1, keepdim=True) - kept) / others.clamp(min=1)
+    return torch.where(valid & (others > 0), adv, zero).flatten()
 
 
-def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int) -> Tensor:
+def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int, *, mask: Tensor | None = None) -> Tensor:
     """r - group mean (REINFORCE++-baseline, Hu et al. 2025). The paper then whitens over the whole
-    batch: apply `normalize_advantages` to the token-level result."""
+    batch: apply `normalize_advantages` to the token-level result. With `mask`, the mean is over the
+    group's valid samples and the others get 0."""
     r = _groups(rewards, group_size)
-    return (r - r.mean(dim=1, keepdim=True)).flatten()
+    valid = _valid(mask, rewards, group_size)
+    if valid is None:
+        return (r - r.mean(dim=1, keepdim=True)).flatten()
+    _, mean, _ = _masked_group_stats(r, valid)
+    return torch.where(valid, r - mean, torch.zeros((), dtype=r.dtype, device=r.device)).flatten()
 
 
 def normalize_advantages(adv: Tensor, mask: Tensor | None = None, *, eps: float = 1e-8) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 AdvantageEstimator = Literal["grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
-LossType = Literal["policy_loss", "sft_loss"]
+LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
 LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 

@@ -59,7 +59,9 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
     handlers = definition.resolve_phases()
     if cfg.inject_faults:
         handlers = with_faults(handlers, [parse_fault(f) for f in cfg.inject_faults])
-    return Runner(definition, ctx, handlers=handlers), ctx
+    r = cfg.reliability
+    return Runner(definition, ctx, handlers=handlers, deadlines=definition.deadlines(r.phase_timeout_overrides),
+                  stop_timeout_s=r.stop_timeout_s), ctx
 
 
 async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", run_id: str | None = None,

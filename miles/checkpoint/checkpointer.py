@@ -7,7 +7,11 @@
     iter_<id>/manifest.json  rollout_id, weight_version, files (written by the store at commit)
 
 Everything is written into the store's temporary directory; the rename at commit publishes it, so
-a crash at any point of a save leaves the previous checkpoint the newest complete one. This module
+a crash at any point of a save leaves the previous checkpoint the newest complete one. With
+--no-save-optim the trainer's (and critic's) optimizer state is left out (the manifest says
+"optimizer": false) and a resume from it starts a fresh optimizer. --save-hf PATH also exports the
+model in HF format to PATH (`hf_copy_path`), outside the checkpoint, published the same way
+(`publish_folder`). This module
 takes plain values (paths, dicts, a coroutine function that writes the parts): who writes each part
 (a Ray actor, in a run) is the save phase's business.
 """
@@ -15,6 +19,9 @@ takes plain values (paths, dicts, a coroutine function that writes the parts): w
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -42,3 +49,26 @@ def write_data_position(folder: Path, state: dict[str, Any]) -> None:
 
 def read_data_position(folder: Path) -> dict[str, Any]:
     return json.loads((folder / ROLLOUT_FILE).read_text())
+
+
+def hf_copy_path(template: str, rollout_id: int) -> Path:
+    """--save-hf PATH for one rollout: {rollout_id} filled in (miles' convention), else PATH itself."""
+    return Path(template.format(rollout_id=rollout_id) if "{rollout_id}" in template else template)
+
+
+async def publish_folder(final: Path, write: Callable[[Path], Awaitable[Any]]) -> Path:
+    """`await write(folder)` into a temporary folder beside `final`, then rename it to `final`
+    (moving an older one aside first), so a reader never finds half a folder there."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        await write(tmp)
+        if final.exists():
+            aside = final.with_name(f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:12]}")
+            os.rename(final, aside)
+            shutil.rmtree(aside)
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return final

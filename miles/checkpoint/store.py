@@ -14,7 +14,9 @@ checkpoint is complete. `latest_checkpointed_iteration.txt` is written after the
 temp file + os.replace) as a hint for other tools; `latest()` does not trust it: it scans the
 `iter_*` directories, newest first, and returns the first that checks out (manifest valid, every
 file present with its recorded size), so a pointer to a missing or corrupt directory, or a crash
-between the rename and the pointer, still resumes from the newest complete checkpoint.
+between the rename and the pointer, still resumes from the newest complete checkpoint. Contents are
+checked by whoever reads them (`verify_files`, run in the trainer actor on `--load`): a same-size
+corruption passes `latest()` and is caught there.
 
 One writer per root: `cleanup_partial` deletes every `.tmp-*`, including a save in progress.
 """
@@ -168,6 +170,11 @@ class CheckpointStore:
             log.warning("checkpoint_skipped", path=str(path), problems=problems)
         return None
 
+    def newest_first(self) -> list[tuple[int, Path, list[str]]]:
+        """Every checkpoint directory, newest first, with what the shallow check (manifest, files
+        present, sizes) finds wrong. The contents are the readers' to check (`verify_files`)."""
+        return [(i, p, verify(p, i)) for i, p in reversed(self._candidates())]
+
     def list(self) -> list[tuple[int, Path]]:
         """Every complete checkpoint as (rollout_id, path), oldest first."""
         return [(i, p) for i, p in self._candidates() if not verify(p, i)]
@@ -214,6 +221,26 @@ def verify(path: Path, rollout_id: int | None = None, *, deep: bool = False) -> 
     if rollout_id is not None and manifest.get("rollout_id") != rollout_id:
         return [f"{path / MANIFEST} says rollout_id {manifest.get('rollout_id')!r}, the directory {rollout_id}"]
     return [p for name, entry in files.items() if (p := _check_file(path, name, entry, deep))]
+
+
+def manifest_files(path: Path, under: str = "") -> dict[str, Any]:
+    """The manifest's entries (size, sha256) of the files under `under` ("trainer/", "rollout.json")."""
+    files = read_manifest(path)["files"]
+    return {name: entry for name, entry in files.items() if name == under or name.startswith(under)}
+
+
+def verify_files(root: str | os.PathLike[str], files: dict[str, Any]) -> list[str]:
+    """Check each file's size and sha256 against its manifest entry; what differs, one line each.
+
+    Meant to run where the files are read (the trainer actor for `trainer/`), so no byte crosses a
+    process boundary; large files are hashed in parallel (hashlib releases the GIL).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(files)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        found = pool.map(lambda n: _check_file(Path(root), n, files[n], True), names)
+        return [p for p in found if p]
 
 
 def _check_file(root: Path, name: str, entry: Any, deep: bool) -> str | None:

@@ -1,16 +1,23 @@
 """`miles train` and `scripts/train.py`: parse flags, run, map the outcome to an exit code.
 
 Signals are the CLI's business (library code installs none): the first SIGINT or SIGTERM asks the
-run to stop (the current phase finishes, then `draining`); a second cancels it, which cuts draining
-short. Exit codes: 0 done, 1 failed, 2 bad config or input, 130 SIGINT, 143 SIGTERM.
+run to stop (the current phase gets a share of --stop-timeout to finish, then `draining` saves the
+last trained rollout when --save is set, then the teardown), and arms a hard deadline: the process
+exits --stop-timeout seconds after that first signal whatever it is doing (a phase blocking the
+event loop included). A second signal cancels the run, which cuts draining short. Exit codes: 0 done,
+1 failed, 2 bad config or input, 130 SIGINT, 143 SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
-from typing import Sequence
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
@@ -28,61 +35,129 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
         return EXIT_INPUT
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
-    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog)
+    # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
+    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True)
 
 
-def run_with_signals(cfg, machine: str, *, prog: str) -> int:
+class SignalStop:
+    """The first SIGINT/SIGTERM sets the run's stop event and arms the hard deadline; a second cancels
+    the run. The handlers are Python's (`signal.signal`), not the loop's, so they run even while a
+    phase blocks the event loop (time.sleep, a blocking call), and the deadline is a thread."""
+
+    def __init__(self, prog: str, stop_timeout_s: float, hard_exit_s: float | None = None):
+        self.prog, self.stop_timeout_s = prog, stop_timeout_s
+        self.hard_exit_s = stop_timeout_s if hard_exit_s is None else hard_exit_s
+        self.received: list[int] = []
+        self.event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._deadline: threading.Timer | None = None
+
+    def attach(self) -> asyncio.Event:
+        """Called in the run's task: the event the run watches (set now if a signal came first)."""
+        self._loop, self._task, self.event = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+        if self.received:
+            self.event.set()
+        return self.event
+
+    def _on_signal(self, sig: int, _frame: Any) -> None:
+        self.received.append(sig)
+        if len(self.received) == 1:
+            print(f"\n{self.prog}: {signal.Signals(sig).name}: stopping: the phase, draining (a save with --save) "
+                  f"and the teardown get {self.stop_timeout_s:g} s in all (--stop-timeout); send it again to cut "
+                  "draining short", file=sys.stderr, flush=True)
+            self._deadline = threading.Timer(self.hard_exit_s, self._hard_exit, args=(sig,))
+            self._deadline.daemon = True
+            self._deadline.start()
+            self._soon(lambda: self.event is not None and self.event.set())
+        else:
+            self._soon(lambda: self._task is not None and self._task.cancel())
+
+    def _soon(self, fn: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn)
+
+    def _hard_exit(self, sig: int) -> None:
+        print(f"{self.prog}: still running {self.hard_exit_s:g} s after {signal.Signals(sig).name} "
+              "(--stop-timeout): exiting now; the run's actors are owner-bound and go with this process, and a "
+              "cluster it started is ended by its reaper (the trace is cut short)", file=sys.stderr, flush=True)
+        os._exit(SIGNAL_EXIT[sig])
+
+    @contextmanager
+    def installed(self, *, until_exit: bool) -> Iterator["SignalStop"]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNAL_EXIT}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self._deadline is not None and not until_exit:
+                self._deadline.cancel()
+
+
+def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None) -> int:
+    """Run under the CLI's signal handling. `until_exit`: the hard deadline a signal arms stays armed
+    after this returns (the CLI's own process); in-process callers (tests) leave it off, and may move
+    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop."""
     from miles.api.launch import new_run_id, train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
-    received: list[int] = []
     run_id = new_run_id()
     cfg, progress = _with_progress(cfg, run_id)
+    stops = SignalStop(prog, cfg.reliability.stop_timeout_s, hard_exit_s)
 
     async def main_task() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        task = asyncio.current_task()
+        stop = stops.attach()
+        result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id, listeners=[progress])
+        print(f"{prog}: done: {result.run_dir}", file=sys.stderr)
 
-        def on_signal(sig: int) -> None:
-            received.append(sig)
-            if len(received) == 1:
-                print(f"\n{prog}: {signal.Signals(sig).name}: finishing the current phase, then draining "
-                      "(send it again to cut draining short)", file=sys.stderr)
-                stop.set()
-            else:
-                task.cancel()
-
-        for sig in SIGNAL_EXIT:
-            loop.add_signal_handler(sig, on_signal, sig)
+    received = stops.received
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")   # Ray's "(Actor pid=...)" prefixes: no colour codes in a log
+    log_context = LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
+                             level=cfg.tracking.worker_log_level)
+    with process_logging(log_context), stops.installed(until_exit=until_exit):
         try:
-            result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id, listeners=[progress])
-            print(f"{prog}: done: {result.run_dir}", file=sys.stderr)
-        finally:
-            for sig in SIGNAL_EXIT:
-                loop.remove_signal_handler(sig)
-
-    try:
-        with process_logging(LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
-                                         level=cfg.tracking.worker_log_level)):
             try:
                 asyncio.run(main_task())
             finally:
                 progress.close()
-    except (ConfigError, MachineDefinitionError) as exc:
-        print(f"{prog}: bad input:\n{_indent(exc)}", file=sys.stderr)
-        return EXIT_INPUT
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
-    except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
-        if _is_input_error(exc):
-            print(f"{prog}: bad input: {_root(exc)}", file=sys.stderr)
-            return EXIT_INPUT
-        print(f"{prog}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for note in getattr(exc, "__notes__", []):
-            print(f"  {note}", file=sys.stderr)
-        return EXIT_FAILED
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
+        except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
+            return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log_context.path)
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
+
+
+def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:
+    """The cause once, plainly: the progress display printed it first (`shown`), else it goes here;
+    the full traceback (Ray's remote one included) goes to the driver's log file, not the terminal.
+    Bad input (a ConfigError, a reward that fails) exits 2, anything else 1."""
+    import structlog
+
+    from miles.runtime.trace import error_summary, strip_ansi
+
+    root = _root(exc)
+    structlog.get_logger().error("run_failed", stderr=False, summary=error_summary(exc),
+                                 traceback=_traceback_text(exc, strip_ansi))
+    code = EXIT_INPUT if _is_input_error(exc) else EXIT_FAILED
+    word = "bad input" if code == EXIT_INPUT else "failed"
+    if isinstance(root, (ConfigError, MachineDefinitionError)) and not shown:
+        print(f"{prog}: bad input:\n{_indent(root)}", file=sys.stderr)
+    elif not shown:
+        print(f"{prog}: {word}: {error_summary(exc)}", file=sys.stderr)
+    else:
+        print(f"{prog}: {word}: the error above", file=sys.stderr)
+    for note in getattr(exc, "__notes__", []):
+        print(f"  {strip_ansi(note)}", file=sys.stderr)
+    print(f"  full traceback: {log} (event run_failed)", file=sys.stderr)
+    return code
+
+
+def _traceback_text(exc: BaseException, strip: Callable[[str], str]) -> str:
+    import traceback
+
+    return strip("".join(traceback.format_exception(exc)))
 
 
 def _with_progress(cfg, run_id: str):
@@ -100,13 +175,16 @@ def _with_progress(cfg, run_id: str):
 
 
 def _is_input_error(exc: BaseException) -> bool:
-    """A ConfigError raised inside an actor arrives wrapped by Ray; unwrap it."""
-    return isinstance(_root(exc), ConfigError)
+    """The input's fault: a ConfigError or a bad machine file, or an error that says so (a user's reward
+    that fails: `input_fault`), also when Ray delivers it wrapped."""
+    root = _root(exc)
+    return isinstance(root, (ConfigError, MachineDefinitionError)) or getattr(root, "input_fault", False) is True
 
 
 def _root(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None)       # ray.exceptions.RayTaskError keeps the original here
-    return cause if isinstance(cause, BaseException) else exc
+    from miles.runtime.trace import root_cause   # ray.exceptions.RayTaskError keeps the original as `cause`
+
+    return root_cause(exc)
 
 
 def _indent(exc: BaseException) -> str:

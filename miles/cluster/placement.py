@@ -7,11 +7,13 @@ The flags keep miles' meanings:
 - `--num-gpus-per-node`: GPUs on each node, which an engine may not span;
 - `--colocate`: the engines run on the trainer's GPUs.
 
-A GPU run gets one placement group, one {"GPU": 1} bundle per GPU it uses: first the trainer's,
-then (unless colocated) the engines'. Each actor asks for a share of one bundle:
+A GPU run gets one placement group: one {"GPU": 1} bundle per trainer GPU, then (unless colocated)
+one {"GPU": k} bundle per engine of k = --rollout-num-gpus-per-engine GPUs (an actor lives in one
+bundle, and an SGLang server of tensor parallel size k sees the k GPUs its engine actor got). Each
+actor asks for a share of one bundle:
 
-    not colocated   trainer 0.4 (+ critic 0.4) of each trainer bundle; an engine 1.0 of its first bundle
-    colocated       trainer 0.4 + critic 0.4 + engine 0.2 = 1.0 of the same bundle
+    not colocated   trainer 0.4 (+ critic 0.4) of each trainer bundle; an engine all k GPUs of its bundle
+    colocated       trainer 0.4 + critic 0.4 + engine 0.2 = 1.0 of the same bundle (k = 1: validate.py)
 
 Ray's fractions are bookkeeping, not memory limits: they only have to sum to at most 1 per GPU so
 that Ray places the colocated actors together. 0.4 / 0.4 / 0.2 (miles' numbers) fits PPO's three
@@ -64,7 +66,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    bundles: int                        # {"GPU": 1} bundles of the run's placement group (0: none)
+    bundle_gpus: tuple[int, ...]        # the GPUs of each bundle of the run's placement group (empty: none)
     trainers: tuple[Placement, ...]     # one per trainer rank
     critics: tuple[Placement, ...]
     engines: tuple[Placement, ...]      # one per engine
@@ -72,6 +74,14 @@ class PlacementPlan:
     @property
     def num_engines(self) -> int:
         return len(self.engines)
+
+    @property
+    def bundles(self) -> int:
+        return len(self.bundle_gpus)
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.bundle_gpus)
 
 
 CPU_ACTOR = Placement(bundle=None, num_gpus=0)
@@ -126,7 +136,7 @@ def rollout_gpus(r: PlacementRequest) -> int:
 def plan_placement(r: PlacementRequest) -> PlacementPlan:
     """The run's placement; ConfigError (every problem at once) when the request is inconsistent."""
     if not r.use_gpus:
-        return PlacementPlan(0, (CPU_ACTOR,) if r.has_trainer else (), (CPU_ACTOR,) if r.has_critic else (),
+        return PlacementPlan((), (CPU_ACTOR,) if r.has_trainer else (), (CPU_ACTOR,) if r.has_critic else (),
                              (CPU_ACTOR,) * r.num_engines if r.has_engines else ())
     problems = _problems(r)
     if problems:
@@ -137,18 +147,18 @@ def plan_placement(r: PlacementRequest) -> PlacementPlan:
     colocated = r.colocate and r.has_trainer
     trainers = tuple(Placement(b, TRAINER_SHARE) for b in range(trainer_gpus))
     critics = tuple(Placement(b, CRITIC_SHARE) for b in range(trainer_gpus)) if r.has_critic else ()
-    first = 0 if colocated else trainer_gpus       # colocated engines reuse the trainer's bundles
-    share = COLOCATED_ENGINE_SHARE if colocated else 1.0
-    engines = tuple(Placement(first + e * per_engine, share) for e in range(num_engines))
-    bundles = trainer_gpus if colocated else trainer_gpus + num_engines * per_engine
-    return PlacementPlan(bundles, trainers, critics, engines)
+    if colocated:                                  # colocated engines reuse the trainer's bundles
+        engines = tuple(Placement(e * per_engine, COLOCATED_ENGINE_SHARE) for e in range(num_engines))
+        return PlacementPlan((1,) * trainer_gpus, trainers, critics, engines)
+    engines = tuple(Placement(trainer_gpus + e, float(per_engine)) for e in range(num_engines))   # a bundle each
+    return PlacementPlan((1,) * trainer_gpus + (per_engine,) * num_engines, trainers, critics, engines)
 
 
 def check_cluster(plan: PlacementPlan, cluster_gpus: float, *, what: str = "the Ray cluster") -> None:
     """ConfigError when the plan needs more GPUs than the cluster has: said before any actor starts,
     instead of an actor that waits forever for a GPU."""
-    if plan.bundles > cluster_gpus:
-        raise ConfigError(f"the run needs {plan.bundles} GPU(s) (trainer {len(plan.trainers)}, engines "
+    if plan.gpus > cluster_gpus:
+        raise ConfigError(f"the run needs {plan.gpus} GPU(s) (trainer {len(plan.trainers)}, engines "
                           f"{len(plan.engines)} x their GPUs, colocated or not), but {what} has "
                           f"{cluster_gpus:g}; lower --actor-num-gpus-per-node / --rollout-num-gpus / "
                           f"--rollout-num-engines, use --colocate, or run with --device cpu")
@@ -164,7 +174,7 @@ class PlacementGroupResource:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([{"GPU": 1}] * plan.bundles, strategy="PACK", name=name)
+        self.pg = placement_group([{"GPU": g} for g in plan.bundle_gpus], strategy="PACK", name=name)
         try:
             ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -1,6 +1,7 @@
 """Ray for one run: start a local cluster or attach to one; create the run's actors; remove them.
 
-A run that started its cluster shuts it down last. A run attached to a cluster (`--ray-address`, or
+A run that started its cluster shuts it down last; that cluster listens on loopback, authenticates,
+and leaves no session folder behind (`miles/cluster/local.py`). A run attached to a cluster (`--ray-address`, or
 a host that already called `ray.init`) removes only its own actors, which live in the run's own
 namespace, and leaves everything else alone.
 
@@ -11,6 +12,7 @@ raylet also kills what their workers spawned.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -19,7 +21,9 @@ from typing import Any, Iterator
 
 import ray
 
+from miles.cluster.local import LocalCluster, start_local
 from miles.config import ClusterConfig
+from miles.user_code import DRIVER_CWD_ENV
 
 SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
@@ -28,12 +32,13 @@ class RayCluster:
     resource_name = "ray_cluster"
 
     def __init__(self, cfg: ClusterConfig, run_id: str, *, log_dir: str | os.PathLike | None = None,
-                 log_level: str = "info"):
+                 log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False):
         self.run_id = run_id
         self.log_dir, self.log_level = log_dir, log_level     # with a log_dir, actors log into it
         self.namespace = cfg.namespace or f"miles-{run_id}"
         self.started = False          # we started a local cluster: we stop it
         self.connected = False        # we opened the connection: we close it
+        self.local: LocalCluster | None = None   # a started cluster's session folder and reaper (local.py)
         if ray.is_initialized():
             return                    # a host's connection: attach, own nothing but our actors
         os.environ.setdefault(SUBREAPER_ENV, "true")
@@ -45,11 +50,13 @@ class RayCluster:
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *sys.path[1:]]))
         common = dict(namespace=self.namespace, logging_level="WARNING", log_to_driver=True,
                       configure_logging=True, include_dashboard=False)
+        quiet_token_auth_notice()
         with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, **common)
-            else:
-                ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), num_gpus=None, **common)
+            else:   # on loopback, authenticated, with a reaper (miles/cluster/local.py)
+                self.local = start_local(num_cpus=cfg.num_cpus or os.cpu_count(), node_ip=node_ip,
+                                         allow_no_auth=allow_no_auth, log_dir=log_dir, common=common)
                 self.started = True
         self.connected = True
         restore_sigchld()
@@ -61,7 +68,9 @@ class RayCluster:
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
         `placement`: the GPUs it asks for and where (PlacementGroupResource.options)."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       max_restarts=0, lifetime="non_detached")
+                                       max_restarts=0, lifetime="non_detached",
+                                       # user files given by a relative path (reward.py:fn) are the driver's
+                                       runtime_env={"env_vars": {DRIVER_CWD_ENV: os.getcwd()}})
         options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
@@ -84,8 +93,10 @@ class RayCluster:
         if not self.connected:
             return
         if self.started and self.other_runs():
-            return
+            return                    # the reaper goes when this process does
         ray.shutdown()
+        if self.local is not None:    # stragglers ended, logs kept in the run dir, session folder deleted
+            self.local.close()
 
     def other_runs(self) -> list[str]:
         return sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -120,6 +131,25 @@ class ActorResource:
 
 def _getpid(_actor: Any) -> int:
     return os.getpid()
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+
+def quiet_token_auth_notice() -> None:
+    """Ray >= 2.5x turns token authentication on for a local cluster and says so in a warning at every
+    start. Authentication stays on; only that notice goes (the warning that it is *off* still shows).
+    Not RAY_AUTH_MODE=token: Ray reads it into a config cached at import, so setting it here, after
+    `import ray`, starts a cluster whose driver has no token."""
+    log = logging.getLogger(TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _DropTokenAuthNotice) for f in log.filters):
+        log.addFilter(_DropTokenAuthNotice())
 
 
 def restore_sigchld() -> None:

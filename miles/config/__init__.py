@@ -5,11 +5,13 @@ table and the checks load only when asked for (`miles.config.flags`, `miles.conf
 """
 
 from .schema import (
-    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig, as_dict, replace,
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, EvalDataset, GenerateConfig,
+    MULTI_TURN_GENERATE, ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
+    as_dict, replace,
 )
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
+    "GenerateConfig", "MULTI_TURN_GENERATE", "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig",
+    "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
 ]

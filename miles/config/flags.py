@@ -9,6 +9,8 @@ one `ConfigError` before anything starts.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -18,26 +20,36 @@ import yaml
 
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
 from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BATCH_SIZE
-from miles.rollout.rewards import REWARD_FUNCTIONS
+from miles.rollout.rewards import RM_TYPES
 from miles.training.protocol import TRAIN_BACKENDS
 
+from .eval_config import load_eval_config
+from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
 from .schema import (
-    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, ModelConfig,
-    RolloutConfig, RunConfig, TraceConfig, TrackingConfig, TrainConfig,
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
+    ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
 )
+from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "generate": GenerateConfig,
+    "algorithm": AlgorithmConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig, "cluster": ClusterConfig,
-    "trace": TraceConfig, "tracking": TrackingConfig, "run": RunConfig,
+    "trace": TraceConfig, "tracking": TrackingConfig, "sglang": SGLangConfig, "run": RunConfig,
+    "reliability": ReliabilityConfig,
 }
 GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these titles
     "model": "model", "data": "data (prompts)", "rollout": "rollout (engines, sampling, rewards)",
+    "generate": "generation beyond one engine call (custom and multi-turn rollouts, tools)",
     "algorithm": "algorithm (advantages, losses, KL)", "train": "train (optimizer, batches)",
     "checkpoint": "checkpoints", "eval": "evaluation", "cluster": "cluster (Ray)",
     "trace": "run directory and trace", "tracking": "tracking (metrics sinks, progress, worker logs)",
+    "sglang": "SGLang (--rollout-engine sglang; docs/sglang.md). Any other --sglang-<flag> [VALUE] is passed to "
+              "the SGLang server as --<flag> [VALUE]",
     "run": "the loop and debugging",
+    "reliability": "reliability (deadlines, stops, verified loads, the local cluster's exposure)",
 }
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     help: str = ""
     choices: Sequence[str] | None = None
-    kind: str = "value"             # value | true | false | pairs | list
+    kind: str = "value"             # value | true | false | pairs | list | json | eval_config
 
 
 def _f(name, section, field, type=None, help="", choices=None, kind="value") -> Flag:  # noqa: A002
@@ -79,7 +91,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward", tuple(REWARD_FUNCTIONS)),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})", RM_TYPES),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -106,11 +118,52 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
     _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
+    # -- issue 17: custom and multi-turn rollouts, tools, remote rewards, engine health --------------
+    _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
+       "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
+       "ctx.generate calls the engines, token ids in and out"),
+    _f("rollout-function-path", "generate", "rollout_function_path", str,
+       "replace the whole rollout with async fn(ctx, rollout_id) -> list of groups of Samples"),
+    _f("sglang-server-concurrency", "generate", "server_concurrency", int,
+       "requests in flight per engine: an SGLang server's open requests, and the samples a custom generation "
+       "keeps in flight per engine (miles' name; every engine)"),
+    _f("rollout-sample-timeout", "generate", "sample_timeout_s", float,
+       "custom generation: seconds one sample may take; past it the sample is aborted (default: none)"),
+    _f("rollout-timeout", "generate", "rollout_timeout_s", float,
+       "custom generation: seconds a rollout's samples may take; the unfinished ones are aborted (default: none)"),
+    _f("generate-max-turns", "generate", "max_turns", int, "multi-turn: model turns per sample"),
+    _f("generate-tool-specs-path", "generate", "tool_specs_path", str,
+       "multi-turn: OpenAI-style tool specs, a .json file or module:attr (given to the chat template)"),
+    _f("generate-execute-tool-function-path", "generate", "execute_tool_function_path", str,
+       "multi-turn: async fn(name, arguments) -> str runs one tool call; setting it makes multi-turn the "
+       "generate function unless --custom-generate-function-path says otherwise"),
+    _f("generate-tool-call-parser", "generate", "tool_call_parser", str,
+       "multi-turn: how tool calls are read from the model's text", ("qwen25", "json")),
+    _f("generate-tool-timeout", "generate", "tool_timeout_s", float,
+       "multi-turn: seconds a tool call may take; past it the sample fails"),
+    _f("rm-url", "rollout", "rm_url", str, "--rm-type remote_rm: the reward service to POST responses to"),
+    _f("rm-timeout", "rollout", "rm_timeout_s", float, "remote reward: seconds per request"),
+    _f("rm-max-retries", "rollout", "rm_max_retries", int,
+       "remote reward: retries of a request that failed transiently (no connection, timeout, 429, 5xx)"),
+    _f("rm-retry-backoff", "rollout", "rm_retry_backoff_s", float, "remote reward: seconds before the first retry (doubling)"),
+    _f("group-rm", "rollout", "group_rm", kind="true",
+       help="the --custom-rm-path function scores all responses to a prompt at once: fn(prompt, responses, label)"),
+    _f("reward-key", "rollout", "reward_key", str, "the entry of a dict-valued reward to train on"),
+    _f("engine-generate-timeout", "rollout", "engine_generate_timeout_s", float,
+       "seconds one engine call may take; past it the engine counts as hung and is restarted"),
+    _f("rollout-health-check-interval", "rollout", "health_check_interval_s", float,
+       "seconds between health probes of every engine (0: no probes)"),
+    _f("rollout-health-check-timeout", "rollout", "health_check_timeout_s", float,
+       "an engine that does not answer a probe, or makes no progress, within this many seconds is killed "
+       "and restarted"),
+    _f("rollout-health-check-first-wait", "rollout", "health_check_first_wait_s", float,
+       "seconds before the first health probe"),
     # algorithm
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
        help="GRPO: center rewards per group without dividing by their std (Dr. GRPO)"),
-    _f("loss-type", "algorithm", "loss_type", str, "training loss", LOSS_TYPES),
+    _f("loss-type", "algorithm", "loss_type", str, "training loss (custom_loss: --custom-loss-function-path)",
+       LOSS_TYPES),
     _f("eps-clip", "algorithm", "eps_clip", float, "PPO clip range (low side, and high unless --eps-clip-high)"),
     _f("eps-clip-high", "algorithm", "eps_clip_high", float, "PPO clip range, high side (DAPO clip-higher)"),
     _f("eps-clip-c", "algorithm", "eps_clip_c", float, "dual-clip constant (> 1)"),
@@ -197,13 +250,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("actor-num-gpus-per-node", "cluster", "actor_num_gpus_per_node", int, "the trainer's GPUs on each node"),
     _f("rollout-num-gpus", "cluster", "rollout_num_gpus", int,
        "the engines' GPUs in all (default: --rollout-num-engines x --rollout-num-gpus-per-engine)"),
-    _f("rollout-num-gpus-per-engine", "cluster", "rollout_num_gpus_per_engine", int, "GPUs of one engine"),
+    _f("rollout-num-gpus-per-engine", "cluster", "rollout_num_gpus_per_engine", int,
+       "GPUs of one engine: an SGLang server's tensor parallel size (the embedded and fast engines: 1)"),
     _f("num-gpus-per-node", "cluster", "num_gpus_per_node", int, "GPUs of each node"),
     _f("offload", "cluster", "offload", kind="true", help="--offload-train and --offload-rollout"),
     _f("offload-train", "cluster", "offload_train", kind="true",
        help="the trainer's optimizer state goes to host memory while the engines roll out"),
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
-       help="the engines free their KV cache while the trainer trains (on with --colocate)"),
+       help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
+            "weights too (on with --colocate; sync machine)"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
@@ -225,6 +280,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("wandb-dir", "tracking", "wandb_dir", str, "W&B's local files (default: <run-dir>/wandb)"),
     _f("worker-log-level", "tracking", "worker_log_level", str,
        "lowest level the actors write to <run-dir>/logs/<role>-<rank>.jsonl", ("debug", "info", "warning", "error")),
+    # sglang
+    _f("sglang-router-policy", "sglang", "router_policy", str, "how the sglang-router spreads requests over the "
+       "servers (with more than one engine)", ROUTER_POLICIES),
+    _f("sglang-router-request-timeout-secs", "sglang", "router_request_timeout_s", float,
+       "seconds a request may take, through the router and to a server"),
+    _f("sglang-server-startup-timeout", "sglang", "startup_timeout_s", float,
+       "seconds an SGLang server may take to load and answer /health_generate"),
     # the loop
     _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
@@ -244,9 +306,79 @@ FLAGS: tuple[Flag, ...] = (
     _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
        help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
-       help="rehearse a failure: STATE:KIND[:VISIT], KIND raise|kill_engine|kill_trainer|sigint|sigterm|teardown_raise|teardown_hang"),
+       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
 )
-BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS}
+
+# -- miles flags a single-node user reaches for (issue 19); the ones refused are in miles_flags.py ----
+MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
+    _f("chat-template-path", "data", "chat_template_path", str,
+       "a Jinja chat template file used instead of the tokenizer's (with --apply-chat-template)"),
+    _f("apply-chat-template-kwargs", "data", "apply_chat_template_kwargs", kind="json",
+       help='a JSON object of extra chat-template variables, e.g. \'{"enable_thinking": false}\''),
+    _f("rollout-stop", "rollout", "stop", str, "stop strings: a response ends once its text contains one",
+       kind="list"),
+    _f("rollout-stop-token-ids", "rollout", "stop_token_ids", int, "token ids that end a response, besides EOS",
+       kind="list"),
+    _f("rollout-max-context-len", "rollout", "max_context_len", int,
+       "prompt + response tokens at most: each response gets this minus its prompt's length"),
+    _f("use-unbiased-kl", "algorithm", "use_unbiased_kl", kind="true",
+       help="weight the KL loss per token by the importance ratio exp(logp - old logp) (DeepSeek-V3.2)"),
+    _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
+       "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
+    _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
+       "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+    _f("num-steps-per-rollout", "train", "num_steps_per_rollout", int,
+       "optimizer steps per rollout: the global batch is the rollout's samples / N"),
+    _f("save-debug-train-data", "train", "save_debug_train_data", str,
+       "write each rollout's packed train batch to PATH, a template with {rollout_id} and {rank} (else a "
+       "folder: PATH/train_{rollout_id}.pt)"),
+    _f("save-hf", "checkpoint", "save_hf_path", str,
+       "also export the model in HF format to PATH at each save ({rollout_id} in PATH is filled in)"),
+    _f("no-save-optim", "checkpoint", "save_optimizer", kind="false",
+       help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
+    _f("keep-last-checkpoints", "checkpoint", "keep_last", int,
+       "keep only the newest N checkpoints under --save (default: all; miles has no such flag)"),
+    _f("eval-config", "eval", "datasets", kind="eval_config",
+       help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
+            "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
+    _f("log-passrate", "eval", "log_passrate", kind="true",
+       help="log pass@k for every k up to n, for rollouts and evals (unbiased estimator)"),
+    _f("use-mlflow", "tracking", "use_mlflow", kind="true",
+       help="also log metrics to MLflow (pip install mlflow; tracking URI: $MLFLOW_TRACKING_URI, else <run-dir>/mlruns)"),
+    _f("start-rollout-id", "run", "start_rollout_id", int,
+       "the first rollout id of this invocation (default: 0, or the one after --load's checkpoint)"),
+    _f("debug-train-only", "run", "debug_train_only", kind="true",
+       help="train without engines on rollouts saved by --save-debug-rollout-data (needs "
+            "--load-debug-rollout-data; picks --machine train_only)"),
+    _f("rollout-max-prompt-len", "data", "max_prompt_len", int,
+       "miles' name of --max-prompt-len: drop prompts longer than this many tokens"),
+    _f("ci-test", "run", "ci_test", kind="true",
+       help="CI checks that fail the run: weights equal after each sync, engine and trainer logprobs agree, "
+            "the reference equals the policy at the start"),
+)
+FLAGS += MILES_COMPAT_FLAGS
+# reliability (issue 20): kept in a block of their own
+RELIABILITY_FLAGS: tuple[Flag, ...] = (
+    _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
+       help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "
+            "phase is cancelled and the run drains)"),
+    _f("stop-timeout", "reliability", "stop_timeout_s", float,
+       "seconds from the first SIGINT/SIGTERM to the process's exit, whatever the phase is doing "
+       "(stays under a cluster's ~30 s preemption grace)"),
+    _f("reward-timeout", "reliability", "reward_timeout_s", float,
+       "seconds one reward call may take; past it the sample scores 0 and the run goes on (default: no limit)"),
+    _f("no-verify-load", "reliability", "verify_load", kind="false",
+       help="do not check a checkpoint's sha256 values on --load (huge models; a corrupt file then fails the load)"),
+    _f("ray-node-ip", "reliability", "ray_node_ip", str,
+       "address of the local cluster's node: 127.0.0.1 keeps every Ray port on loopback; another address "
+       "(or auto: Ray's choice) makes Ray listen on every interface"),
+    _f("ray-allow-no-auth", "reliability", "ray_allow_no_auth", kind="true",
+       help="start a local cluster even when Ray's token authentication is off (RAY_AUTH_MODE=disabled)"),
+)
+FLAGS = FLAGS + RELIABILITY_FLAGS
+# --sglang-<flag> [VALUE] pass-through: collected by parse_flags / load_config_file, never an argparse option
+PASSTHROUGH = Flag("sglang-*", "sglang", "server_args", kind="list", help="SGLang server flags")
+BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS} | {"sglang_server_args": PASSTHROUGH}
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
 
@@ -254,7 +386,7 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
                                 usage=f"{prog} [--config FILE] [--machine NAME] --hf-checkpoint DIR --prompt-data FILE "
                                       "--rollout-batch-size N [flags ...]",
-                                argument_default=argparse.SUPPRESS)
+                                argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it (default: none)")
     p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
                                      "(default: sync)")
@@ -266,7 +398,9 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
         elif f.kind == "pairs":
             g.add_argument(opt, nargs="+", metavar="NAME PATH", help=help_)
         elif f.kind == "list":
-            g.add_argument(opt, nargs="+", metavar="VALUE", help=help_)
+            g.add_argument(opt, nargs="+", type=f.type or str, metavar="VALUE", help=help_)
+        elif f.kind in ("json", "eval_config"):
+            g.add_argument(opt, metavar="JSON" if f.kind == "json" else "FILE", help=help_)
         else:
             metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
             g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
@@ -293,16 +427,84 @@ def _default(f: Flag) -> Any:
 
 def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train") -> tuple[RunConfig, str | None]:
     """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    parser = build_parser(prog)
+    known, rest = parser.parse_known_args(argv)
+    passthrough, rest = split_passthrough(rest)
+    ns = vars(known)
     config_path, machine = ns.pop("config", None), ns.pop("machine", None)
     values: dict[str, Any] = {}
+    refused = _leftovers(parser, rest)
     problems: list[str] = []
     if config_path:
         file_values, machine_from_file = load_config_file(config_path, problems)
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
-    return build_config(values, problems), machine
+    if passthrough:     # the command line's SGLang flags override the file's, flag by flag
+        values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
+    try:                      # the refused flags first, then everything else wrong with the command line
+        cfg = build_config(values, problems)
+    except ConfigError as exc:
+        raise ConfigError(refused + exc.problems) from None
+    if refused:
+        raise ConfigError(refused)
+    return cfg, machine
+
+
+def _leftovers(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
+    """miles flags this build refuses become problems (one line each); anything else unrecognized is
+    argparse's error (exit 2), with the closest flag names."""
+    refused, unknown = refused_in(rest)
+    if unknown:
+        names = [f"--{f.name}" for f in FLAGS]
+        hints = [u + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, names, 1)) else "")
+                 for u in unknown]
+        parser.error(f"unrecognized arguments: {', '.join(hints)}")
+    return [refusal_line(name) for name in dict.fromkeys(refused)]
+
+
+def split_passthrough(args: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+    """argparse's leftovers → (SGLang argv from every --sglang-<flag> [VALUE ...], anything else). A
+    miles flag of that form that is not SGLang's (--sglang-router-ip: miles_flags.REFUSED) is left to
+    the refusals."""
+    out: list[str] = []
+    stray: list[str] = []
+    taking = False          # the values after a pass-through flag belong to it
+    for a in args:
+        if a.startswith("--" + PASSTHROUGH_PREFIX) and fate(a[2:].partition("=")[0]) is None:
+            name, eq, value = a[2 + len(PASSTHROUGH_PREFIX):].partition("=")
+            out += [f"--{name}", value] if eq else [f"--{name}"]
+            taking = True
+        elif taking and not a.startswith("--"):
+            out.append(a)
+        else:
+            stray.append(a)
+            taking = False
+    return tuple(out), stray
+
+
+def passthrough_from_file(name: str, value: Any) -> tuple[str, ...]:
+    """A config file's `sglang-<flag>: value` → SGLang argv (true: the flag alone; false/null: nothing)."""
+    if value is True:
+        return (f"--{name}",)
+    if value is False or value is None:
+        return ()
+    return (f"--{name}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)]))
+
+
+def _merge_passthrough(base: Sequence[str], override: Sequence[str]) -> tuple[str, ...]:
+    def groups(argv: Sequence[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for a in argv:
+            if a.startswith("--"):
+                key = a
+                out[key] = [a]
+            else:
+                out[key].append(a)
+        return out
+
+    merged = groups(base) | groups(override)
+    return tuple(a for g in merged.values() for a in g)
 
 
 def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], str | None]:
@@ -319,19 +521,33 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     base = p.parent
     for key, value in raw.items():
         dest = str(key).lstrip("-").replace("-", "_")
+        flag_name = str(key).lstrip("-").replace("_", "-")
+        if dest not in BY_DEST and flag_name.startswith(PASSTHROUGH_PREFIX) and fate(flag_name) is None:
+            extra = passthrough_from_file(flag_name[len(PASSTHROUGH_PREFIX):], value)
+            values["sglang_server_args"] = (*values.get("sglang_server_args", ()), *extra)
+            continue
         if dest not in BY_DEST:
-            problems.append(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)")
+            refused, _ = refused_in([f"--{dest.replace('_', '-')}"])
+            problems.append(f"--config {path}: " + (refusal_line(refused[0]) if refused else
+                            f"unknown key {key!r} (keys are flag names, e.g. rollout-batch-size)"))
             continue
         values[dest] = _relative_paths(dest, value, base)
     return values, machine
+
+
+_FUNCTION_PATHS = ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+                   "rollout_function_path", "generate_execute_tool_function_path")
 
 
 def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     """Paths in a config file are relative to the file, so a recipe runs from any directory."""
     def fix(v: Any) -> Any:
         return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
-    if dest in ("hf_checkpoint", "prompt_data"):
+    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path", "generate_tool_specs_path"):
         return fix(value)
+    if dest in _FUNCTION_PATHS and isinstance(value, str) and ".py:" in value:
+        file, _, name = value.rpartition(":")      # a file.py:function path, relative to the file too
+        return f"{fix(file)}:{name}"
     if dest == "eval_prompt_data":
         items = list(value.items()) if isinstance(value, dict) else value
         flat = [x for pair in items for x in (pair if isinstance(pair, (list, tuple)) else [pair])]
@@ -354,7 +570,11 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
         if flag.kind == "pairs":
             value = _pairs(value, problems)
         elif flag.kind == "list":
-            value = tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+            value = tuple((flag.type or str)(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+        elif flag.kind == "json":
+            value = _json_object(flag.name, value, problems)
+        elif flag.kind == "eval_config":
+            value = load_eval_config(str(value), problems)
         sections[flag.section][flag.field] = value
     for name in REQUIRED:
         flag = next(f for f in FLAGS if f.name == name)
@@ -374,6 +594,19 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     if missing:
         raise ConfigError(missing)
     return cfg
+
+
+def _json_object(name: str, value: Any, problems: list[str]) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            problems.append(f"--{name} {value!r}: not valid JSON ({exc.msg}); pass an object like '{{\"key\": 1}}'")
+            return None
+    if not isinstance(value, dict):
+        problems.append(f"--{name} {value!r}: must be a JSON object (a mapping of names to values)")
+        return None
+    return value
 
 
 def _pairs(value: Any, problems: list[str]) -> tuple[tuple[str, str], ...]:

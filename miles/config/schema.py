@@ -39,6 +39,8 @@ class DataConfig:
     rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
     max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
     response_key: str = "response"      # --response-key: the response's key in SFT data (--loss-type sft_loss)
+    chat_template_path: str | None = None  # --chat-template-path: a Jinja chat template instead of the tokenizer's
+    apply_chat_template_kwargs: dict[str, Any] | None = None  # --apply-chat-template-kwargs: JSON, to the template
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,16 +63,60 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
+    stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
+    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids: stop tokens besides EOS
+    max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
     # the engine's limits and switches (miles.rollout.protocol says which engine reads which)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
     mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
+    # rewards beyond --rm-type / --custom-rm-path (issue 17)
+    rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
+    rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request
+    rm_max_retries: int = 3             # --rm-max-retries: retries of a remote reward request that failed transiently
+    rm_retry_backoff_s: float = 0.5     # --rm-retry-backoff: seconds before the first retry, doubling after each
+    group_rm: bool = False              # --group-rm: the --custom-rm-path function scores a prompt's responses at once
+    reward_key: str | None = None       # --reward-key: the entry of a dict-valued reward to train on
+    # engine health (issue 17)
+    engine_generate_timeout_s: float = 600.0  # --engine-generate-timeout: one engine call past it counts as hung
+    health_check_interval_s: float = 30.0     # --rollout-health-check-interval: probe every engine this often (0: off)
+    health_check_timeout_s: float = 30.0      # --rollout-health-check-timeout: an engine that does not answer (or
+    #                                           makes no progress) within it is killed and restarted
+    health_check_first_wait_s: float = 0.0    # --rollout-health-check-first-wait: before the first probe
 
     @property
     def num_samples(self) -> int:
         return self.batch_size * self.n_samples_per_prompt
+
+
+MULTI_TURN_GENERATE = "miles.rollout.multi_turn:generate"   # the generate function of multi-turn tool use
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """How one sample (or the whole rollout) is generated when it takes more than one engine call:
+    a custom generate function, multi-turn with tools, or a custom rollout function (issue 17)."""
+
+    custom_generate_function_path: str | None = None  # --custom-generate-function-path: async fn(ctx, sample, params)
+    rollout_function_path: str | None = None  # --rollout-function-path: async fn(ctx, rollout_id) -> groups
+    server_concurrency: int = 512       # --sglang-server-concurrency: requests in flight per engine (any engine)
+    sample_timeout_s: float | None = None   # --rollout-sample-timeout: a sample past it is aborted
+    rollout_timeout_s: float | None = None  # --rollout-timeout: samples unfinished by then are aborted
+    max_turns: int = 16                 # --generate-max-turns: model turns of a multi-turn sample
+    tool_specs_path: str | None = None  # --generate-tool-specs-path: OpenAI-style tool specs (.json or module:attr)
+    execute_tool_function_path: str | None = None  # --generate-execute-tool-function-path: async fn(name, args) -> str
+    tool_call_parser: str = "qwen25"    # --generate-tool-call-parser: how tool calls are read from the model's text
+    tool_timeout_s: float = 60.0        # --generate-tool-timeout: a tool call past it fails its sample
+
+    @property
+    def generate_function_path(self) -> str | None:
+        """The per-sample generate function: --custom-generate-function-path, else multi-turn with
+        tools when a tool executor is given, else None (one engine call per sample)."""
+        if self.custom_generate_function_path:
+            return self.custom_generate_function_path
+        return MULTI_TURN_GENERATE if self.execute_tool_function_path else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +144,9 @@ class AlgorithmConfig:
     use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
     tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
     tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
+    use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
+    custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
+    custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +174,24 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size
     context_parallel_size: int = 1         # --context-parallel-size
     sequence_parallel: bool = False        # --sequence-parallel
+    num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
+    save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
+
+    def global_batch(self, rollout_samples: int) -> int:
+        """Samples per optimizer step for a rollout of `rollout_samples` samples."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return rollout_samples // self.num_steps_per_rollout if self.num_steps_per_rollout else rollout_samples
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """--rollout-engine sglang (docs/sglang.md)."""
+
+    server_args: tuple[str, ...] = ()   # --sglang-<flag> [VALUE]: SGLang's own server flags, as SGLang spells them
+    router_policy: str = "cache_aware"  # --sglang-router-policy
+    router_request_timeout_s: float = 3600.0  # --sglang-router-request-timeout-secs
+    startup_timeout_s: float = 600.0    # --sglang-server-startup-timeout: until /health_generate answers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +203,28 @@ class CheckpointConfig:
     save_trigger_sentinel: str | None = None  # --save-trigger-sentinel: save when this file exists
     critic_load: str | None = None      # --critic-load: initial critic (HF folder, critic folder or checkpoint root)
     critic_save: str | None = None      # --critic-save: critic checkpoint root (None: inside --save's checkpoints)
+    save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
+    save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
+    keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalDataset:
+    """One eval dataset of --eval-config (miles' eval.datasets entry); None: the run's value."""
+
+    name: str
+    path: str
+    n_samples_per_prompt: int | None = None   # n_samples_per_eval_prompt
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_response_len: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    input_key: str | None = None
+    label_key: str | None = None
+    metadata_key: str | None = None
+    rm_type: str | None = None                # a built-in reward for this dataset (default: the run's reward)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +235,12 @@ class EvalConfig:
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
     temperature: float = 0.0            # --eval-temperature (0: greedy)
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
+    datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
+    log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)
+
+    def sets(self) -> tuple[EvalDataset, ...]:
+        """Every eval dataset: --eval-prompt-data's pairs (run defaults), then --eval-config's."""
+        return tuple(EvalDataset(name=n, path=p) for n, p in self.prompt_data) + self.datasets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,11 +252,11 @@ class ClusterConfig:
     actor_num_nodes: int = 1            # --actor-num-nodes: nodes of the trainer
     actor_num_gpus_per_node: int = 1    # --actor-num-gpus-per-node: the trainer's GPUs on each of them
     rollout_num_gpus: int | None = None  # --rollout-num-gpus: the engines' GPUs (None: engines x GPUs per engine)
-    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine
+    rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine (an SGLang server's tensor parallel size)
     num_gpus_per_node: int = 8          # --num-gpus-per-node: GPUs of a node (an engine may not span nodes)
     offload: bool = False               # --offload: both of the next two
     offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
-    offload_rollout: bool = False       # --offload-rollout: the engines' KV cache freed during training
+    offload_rollout: bool = False       # --offload-rollout: the engines' memory freed during training (SGLang: weights too)
 
     @property
     def offloads_train(self) -> bool:
@@ -192,7 +287,27 @@ class TrackingConfig:
     wandb_group: str | None = None      # --wandb-group
     wandb_mode: str | None = None       # --wandb-mode online | offline | disabled (None: $WANDB_MODE, else online)
     wandb_dir: str | None = None        # --wandb-dir (None: <run_dir>/wandb)
+    use_mlflow: bool = False            # --use-mlflow (pip install mlflow): $MLFLOW_TRACKING_URI, else <run_dir>/mlruns
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
+
+
+# -- reliability (issue 20): deadlines, stops, verified loads, the local cluster's exposure -----------
+
+@dataclass(frozen=True, kw_only=True)
+class ReliabilityConfig:
+    """How a run bounds what can hang and guards what it reads and exposes (docs/reliability.md)."""
+
+    phase_timeouts: tuple[str, ...] = ()  # --phase-timeout STATE=SECONDS ...: override the machine YAML's deadlines
+    stop_timeout_s: float = 20.0        # --stop-timeout: first SIGINT/SIGTERM -> process exit, at most this long
+    reward_timeout_s: float | None = None  # --reward-timeout: per reward call; past it the sample scores 0
+    verify_load: bool = True            # --no-verify-load: skip the sha256 check of a checkpoint on --load
+    ray_node_ip: str = "127.0.0.1"      # --ray-node-ip: the local cluster's node address (auto: Ray's choice)
+    ray_allow_no_auth: bool = False     # --ray-allow-no-auth: start a local cluster without token authentication
+
+    @property
+    def phase_timeout_overrides(self) -> dict[str, float]:
+        """--phase-timeout's STATE=SECONDS pairs (validate checks their form)."""
+        return {state: float(seconds) for state, _, seconds in (t.partition("=") for t in self.phase_timeouts)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +315,7 @@ class RunConfig:
     model: ModelConfig
     data: DataConfig
     rollout: RolloutConfig
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -207,6 +323,8 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
@@ -217,6 +335,14 @@ class RunConfig:
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+    start_rollout_id: int | None = None  # --start-rollout-id: the first rollout id (overrides the checkpoint's)
+    debug_train_only: bool = False      # --debug-train-only: no engines; needs --load-debug-rollout-data
+    ci_test: bool = False               # --ci-test: weight-sync, logprob and reference checks fail the run
+
+    @property
+    def check_weights(self) -> bool:
+        """Compare trainer and engine checksums after every weight sync (--ci-test turns it on)."""
+        return self.check_weight_update_equal or self.ci_test
 
     @property
     def rollout_seed(self) -> int:
@@ -226,14 +352,17 @@ class RunConfig:
 
 def as_dict(cfg: Any) -> dict[str, Any]:
     """Nested plain-dict view (for config.yaml in the run dir)."""
-    out: dict[str, Any] = {}
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = as_dict(v) if hasattr(v, "__dataclass_fields__") else (list(v) if isinstance(v, tuple) else v)
-    return out
+    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "__dataclass_fields__"):
+        return as_dict(v)
+    return [_plain(x) for x in v] if isinstance(v, (tuple, list)) else v
 
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "ModelConfig", "RolloutConfig", "RunConfig", "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
+    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "EvalConfig", "EvalDataset",
+    "GenerateConfig", "MULTI_TURN_GENERATE", "ModelConfig", "RolloutConfig", "RunConfig", "SGLangConfig",
+    "TraceConfig", "TrackingConfig", "TrainConfig", "as_dict", "replace",
 ]

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import MachineDef, import_object
+from miles.runtime.machine import STATES, MachineDef, import_object
 from miles.training.protocol import TRAIN_BACKENDS
 
 
 
 def validate(cfg: RunConfig) -> None:
     problems: list[str] = []
-    for check in (_backends, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths, _checkpoint_and_eval,
-                  _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft, _lr_schedule, _gpu_memory,
-                  _placement):
+    for check in (_backends, _sglang, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths,
+                  _checkpoint_and_eval, _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft,
+                  _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability, _generation,
+                  _rewards, _engine_health):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -51,6 +53,28 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
         problems.extend(import_object(spec.check)(cfg, gpus))
 
 
+def _sglang(cfg: RunConfig, problems: list[str]) -> None:
+    """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
+    from miles.config.flags import ROUTER_POLICIES
+    from miles.rollout.sglang_api import RESERVED_FLAGS, reserved_flag_problem
+
+    g, r = cfg.sglang, cfg.rollout
+    if r.engine != "sglang" and g.server_args:
+        problems.append(f"--sglang-<flag> pass-through ({' '.join(g.server_args)}): only the SGLang engine reads "
+                        "it; add --rollout-engine sglang or drop it")
+    if r.engine == "sglang" and r.max_batch_size is not None:
+        problems.append(f"--rollout-max-batch-size {r.max_batch_size} is the embedded and fast engines' limit; an "
+                        "SGLang server's is --sglang-max-running-requests N")
+    given = [a[2:] for a in g.server_args if a.startswith("--")]
+    problems += [reserved_flag_problem(f) for f in given if f in RESERVED_FLAGS]
+    if g.router_policy not in ROUTER_POLICIES:
+        problems.append(f"--sglang-router-policy {g.router_policy}: use one of {', '.join(ROUTER_POLICIES)}")
+    for flag, value in (("--sglang-server-startup-timeout", g.startup_timeout_s),
+                        ("--sglang-router-request-timeout-secs", g.router_request_timeout_s)):
+        if value <= 0:
+            problems.append(f"{flag} {value}: must be > 0 (seconds)")
+
+
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (
         ("--rollout-batch-size", cfg.rollout.batch_size), ("--n-samples-per-prompt", cfg.rollout.n_samples_per_prompt),
@@ -61,6 +85,7 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--debug-exit-after-rollout", cfg.debug_exit_after_rollout), ("--eval-max-response-len", cfg.eval.max_response_len),
         ("--update-weights-interval", cfg.update_weights_interval),
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
+        ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
@@ -88,12 +113,19 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
 
 def _batches(cfg: RunConfig, problems: list[str]) -> None:
     t, n = cfg.train, cfg.rollout.num_samples
-    gbs = t.global_batch_size or n
+    gbs = t.global_batch(n)
     if t.global_batch_size is not None and n % t.global_batch_size:
         problems.append(f"--global-batch-size {t.global_batch_size} does not divide the {n} samples of a rollout "
                         f"(--rollout-batch-size {cfg.rollout.batch_size} x --n-samples-per-prompt "
                         f"{cfg.rollout.n_samples_per_prompt})")
-    if gbs % t.micro_batch_size:
+    if t.num_steps_per_rollout is not None and t.global_batch_size is not None:
+        problems.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} and --global-batch-size "
+                        f"{t.global_batch_size} both set the global batch: give one of them")
+    elif t.num_steps_per_rollout is not None and (t.num_steps_per_rollout < 1 or n % t.num_steps_per_rollout):
+        problems.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} must be a positive divisor of the {n} "
+                        f"samples of a rollout (--rollout-batch-size {cfg.rollout.batch_size} x "
+                        f"--n-samples-per-prompt {cfg.rollout.n_samples_per_prompt})")
+    elif gbs % t.micro_batch_size:
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
             and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
@@ -128,7 +160,8 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; pass an HF-format "
                         "model folder (what save_pretrained writes)")
     for flag, path in [("--prompt-data", cfg.data.prompt_data)] + [
-            (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data]:
+            (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data] + [
+            (f"--eval-config dataset {d.name!r}: path", d.path) for d in cfg.eval.datasets]:
         if not Path(path).is_file():
             problems.append(f"{flag} {path}: no such file")
         elif Path(path).suffix not in (".jsonl", ".parquet"):
@@ -137,12 +170,18 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
 
 def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
     c = cfg.checkpoint
-    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save):
-        problems.append("--save-interval / --save-trigger-sentinel need --save DIR")
-    if c.load and not Path(c.load).is_dir():
-        problems.append(f"--load {c.load}: no such directory")
-    if cfg.eval.interval is not None and not cfg.eval.prompt_data:
-        problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH")
+    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save or c.save_hf_path):
+        problems.append("--save-interval / --save-trigger-sentinel need --save DIR (or --save-hf PATH)")
+    if c.load and not Path(c.load).is_dir() and not _same_path(c.load, c.save):
+        problems.append(f"--load {c.load}: no such directory (to start fresh and resume later from the same "
+                        "place, pass that folder as --save too)")
+    if cfg.eval.interval is not None and not cfg.eval.sets():
+        problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH or --eval-config FILE")
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    """--load X --save X with X not there yet: the auto-resume launch script; it starts fresh."""
+    return b is not None and Path(a).resolve() == Path(b).resolve()
 
 
 def _faults(cfg: RunConfig, problems: list[str]) -> None:
@@ -157,6 +196,30 @@ def _faults(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--engine-max-restarts {cfg.rollout.engine_max_restarts} / --engine-restart-window "
                         f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")
 
+
+def _reliability(cfg: RunConfig, problems: list[str]) -> None:
+    """Deadlines are positive seconds of known states; the node address is an IP (or auto)."""
+    r = cfg.reliability
+    for text in r.phase_timeouts:
+        state, sep, seconds = text.partition("=")
+        try:
+            ok = bool(sep) and state in STATES and state != "shutdown" and float(seconds) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(f"--phase-timeout {text}: expected STATE=SECONDS with STATE one of "
+                            f"{', '.join(s for s in STATES if s != 'shutdown')} and SECONDS > 0")
+    if r.stop_timeout_s < 1:
+        problems.append(f"--stop-timeout {r.stop_timeout_s}: must be at least 1 s (the draining and the "
+                        "teardown share it)")
+    if r.reward_timeout_s is not None and r.reward_timeout_s <= 0:
+        problems.append(f"--reward-timeout {r.reward_timeout_s}: must be > 0 (leave it out for no limit)")
+    if r.ray_node_ip != "auto":
+        try:
+            ipaddress.ip_address(r.ray_node_ip)
+        except ValueError:
+            problems.append(f"--ray-node-ip {r.ray_node_ip}: not an IP address; use 127.0.0.1 (loopback only), "
+                            "this machine's address, or auto")
 
 # -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
 
@@ -257,6 +320,71 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
                         "drop them")
 
 
+# -- custom and multi-turn generation, rewards, engine health (issue 17) ------------------------------
+
+def _user_path(flag: str, path: str | None, problems: list[str]) -> None:
+    if path is not None and ":" not in path and "." not in path:
+        problems.append(f"{flag} {path}: expected module:function (or path/to/file.py:function)")
+
+
+def _generation(cfg: RunConfig, problems: list[str]) -> None:
+    g = cfg.generate
+    _user_path("--custom-generate-function-path", g.custom_generate_function_path, problems)
+    _user_path("--rollout-function-path", g.rollout_function_path, problems)
+    _user_path("--generate-execute-tool-function-path", g.execute_tool_function_path, problems)
+    for flag, value in (("--sglang-server-concurrency", g.server_concurrency), ("--generate-max-turns", g.max_turns)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
+    for flag, value in (("--rollout-sample-timeout", g.sample_timeout_s), ("--rollout-timeout", g.rollout_timeout_s),
+                        ("--generate-tool-timeout", g.tool_timeout_s)):
+        if value is not None and value <= 0:
+            problems.append(f"{flag} {value}: must be > 0 seconds")
+    if g.generate_function_path is None:
+        idle = [f"{flag} {v}" for flag, v in (("--rollout-sample-timeout", g.sample_timeout_s),
+                                               ("--rollout-timeout", g.rollout_timeout_s),
+                                               ("--generate-tool-specs-path", g.tool_specs_path)) if v is not None]
+        if idle:
+            problems.append(f"{', '.join(idle)}: only custom generation reads them; add "
+                            "--custom-generate-function-path module:fn or --generate-execute-tool-function-path")
+    if g.tool_specs_path and g.tool_specs_path.endswith(".json") and not Path(g.tool_specs_path).is_file():
+        problems.append(f"--generate-tool-specs-path {g.tool_specs_path}: no such file")
+    custom = [flag for flag, on in (("--custom-generate-function-path", g.custom_generate_function_path),
+                                    ("--rollout-function-path", g.rollout_function_path),
+                                    ("--generate-execute-tool-function-path", g.execute_tool_function_path)) if on]
+    if custom and cfg.algorithm.loss_type == "sft_loss":
+        problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(custom)} do not apply")
+    if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
+        problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
+                        "--dynamic-sampling-filter-path (or filter inside the rollout function)")
+
+
+def _rewards(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.rm_type == "remote_rm" and not r.custom_rm_path and not r.rm_url:
+        problems.append("--rm-type remote_rm needs --rm-url URL: the reward service to post responses to")
+    if r.rm_url and not r.rm_url.startswith(("http://", "https://")):
+        problems.append(f"--rm-url {r.rm_url}: expected an http:// or https:// URL")
+    if r.rm_url and r.custom_rm_path:
+        problems.append(f"--rm-url {r.rm_url} has no effect with --custom-rm-path (the custom reward scores "
+                        "every sample); drop one of them")
+    if r.group_rm and not r.custom_rm_path:
+        problems.append("--group-rm makes the --custom-rm-path function score a prompt's responses at once; "
+                        "add --custom-rm-path module:fn or drop --group-rm")
+    if r.rm_timeout_s <= 0 or r.rm_max_retries < 0 or r.rm_retry_backoff_s < 0:
+        problems.append(f"--rm-timeout {r.rm_timeout_s} / --rm-max-retries {r.rm_max_retries} / --rm-retry-backoff "
+                        f"{r.rm_retry_backoff_s}: need a timeout > 0, retries >= 0 and a backoff >= 0")
+
+
+def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    if r.engine_generate_timeout_s <= 0:
+        problems.append(f"--engine-generate-timeout {r.engine_generate_timeout_s}: must be > 0 seconds")
+    if r.health_check_interval_s < 0 or r.health_check_timeout_s <= 0 or r.health_check_first_wait_s < 0:
+        problems.append(f"--rollout-health-check-interval {r.health_check_interval_s} / -timeout "
+                        f"{r.health_check_timeout_s} / -first-wait {r.health_check_first_wait_s}: need an interval "
+                        ">= 0 (0: off), a timeout > 0 and a first wait >= 0")
+
+
 # -- checks that depend on the lifecycle machine ----------------------------------------------------
 
 PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
@@ -267,6 +395,10 @@ def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
     problems = _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
+                 f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
+                 for state in cfg.reliability.phase_timeout_overrides
+                 if state not in machine.states or machine.states[state].final]
     if problems:
         raise ConfigError(problems)
 
@@ -328,9 +460,12 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
                         f"{c.actor_num_gpus_per_node}: the {cfg.train.backend} trainer runs on one GPU (no FSDP "
                         f"yet); use 1 x 1, or --train-backend "
                         f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
-    if c.rollout_num_gpus_per_engine != 1:
-        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded engines run "
-                        "on one GPU each (no tensor parallelism); use 1 and more engines")
+    if c.rollout_num_gpus_per_engine != 1 and cfg.rollout.engine != "sglang":
+        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded and fast engines "
+                        "run on one GPU each (no tensor parallelism); use 1 and more engines, or --rollout-engine sglang")
+    if c.rollout_num_gpus_per_engine > 1 and c.colocate:
+        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine} with --colocate: a colocated "
+                        "engine shares one trainer GPU; use 1 (or drop --colocate for tensor-parallel SGLang servers)")
     if c.rollout_num_gpus is not None and cfg.rollout.num_engines != 1 \
             and c.rollout_num_gpus != cfg.rollout.num_engines * c.rollout_num_gpus_per_engine:
         problems.append(f"--rollout-num-gpus {c.rollout_num_gpus} and --rollout-num-engines {cfg.rollout.num_engines} "
@@ -340,3 +475,51 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
             plan_placement(placement_request(cfg, use_gpus=True))
         except ConfigError as exc:
             problems.extend(exc.problems)
+
+
+# -- miles flags of issue 19 -----------------------------------------------------------------------
+
+def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
+    d, r, a, c = cfg.data, cfg.rollout, cfg.algorithm, cfg.checkpoint
+    needs = [
+        (d.chat_template_path is not None and not d.apply_chat_template, "--chat-template-path", "--apply-chat-template"),
+        (d.apply_chat_template_kwargs is not None and not d.apply_chat_template, "--apply-chat-template-kwargs",
+         "--apply-chat-template"),
+        (a.use_unbiased_kl and not a.use_kl_loss, "--use-unbiased-kl", "--use-kl-loss"),
+        (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
+        (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
+        (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
+         "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
+    ]
+    problems += [f"{flag} has no effect without {need}: add it or drop {flag}" for bad, flag, need in needs if bad]
+    if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
+        problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
+                        "is fn(logprobs, batch, reduce) -> loss, by import path")
+    if d.chat_template_path and not Path(d.chat_template_path).is_file():
+        problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
+    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
+    if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
+            cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
+        problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")
+    if any(not s for s in r.stop) or any(t < 0 for t in r.stop_token_ids):
+        problems.append(f"--rollout-stop {list(r.stop)} / --rollout-stop-token-ids {list(r.stop_token_ids)}: stop "
+                        "strings must be non-empty and token ids >= 0")
+
+
+def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
+    from miles.rollout.rewards import RM_TYPES
+
+    e = cfg.eval
+    if e.prompt_data and e.datasets:
+        problems.append("--eval-prompt-data and --eval-config both name eval datasets: give one of them")
+    for d in e.datasets:
+        where = f"--eval-config dataset {d.name!r}"
+        if d.n_samples_per_prompt is not None and d.n_samples_per_prompt < 1:
+            problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
+        if d.temperature is not None and d.temperature < 0:
+            problems.append(f"{where}: temperature {d.temperature} must be >= 0")
+        if d.rm_type is not None and d.rm_type not in RM_TYPES:
+            problems.append(f"{where}: rm_type {d.rm_type!r} is not a reward type here; use one of "
+                            f"{', '.join(RM_TYPES)} or leave it out to use the run's reward (--custom-rm-path)")

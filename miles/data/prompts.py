@@ -33,6 +33,7 @@ from miles.types import Prompt
 
 ACCEPTED_SUFFIXES = (".jsonl", ".parquet")
 MAX_REPORTED_ERRORS = 10
+MAX_LISTED_ROWS = 5             # rows named in a missing-key line
 _PARQUET_BATCH_ROWS = 4096
 
 log = structlog.get_logger("miles.data")
@@ -42,6 +43,10 @@ class _BadRow(Exception):
     """A problem with one row; collected, then reported with the others."""
 
 
+class _MissingKey(_BadRow):
+    """A row without the --input-key column: reported as one line for all such rows (`missing_key_problem`)."""
+
+
 @dataclass(frozen=True)
 class _Row:
     where: str                      # "line 3" (JSONL, 1-based) or "row 3" (parquet, 1-based)
@@ -49,15 +54,18 @@ class _Row:
     error: str | None = None        # why it could not be parsed
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Any) -> list[Prompt]:
+def load_prompts(cfg: DataConfig, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
     """Read, template, tokenize and length-filter `cfg.prompt_data`; raise one ConfigError for bad input.
 
     Prompts longer than `cfg.max_prompt_len` tokens are dropped; how many is logged
-    (`prompts_dropped`). An empty result is an error.
+    (`prompts_dropped`). An empty result is an error. `tools` (multi-turn tool specs) go to the chat
+    template with the messages.
     """
     path = Path(cfg.prompt_data)
     rows = _read_rows(path, cfg)
-    encoder = _Encoder(tokenizer, apply_chat_template=cfg.apply_chat_template)
+    encoder = _Encoder(tokenizer, apply_chat_template=cfg.apply_chat_template,
+                       template_path=cfg.chat_template_path, template_kwargs=cfg.apply_chat_template_kwargs,
+                       tools=tools)
     prompts = _build_prompts(path, rows, cfg, encoder)
     kept = _drop_long_prompts(path, prompts, cfg.max_prompt_len)
     log.info("prompts_loaded", path=str(path), num_prompts=len(kept))
@@ -122,12 +130,20 @@ def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[_Row]:
 class _Encoder:
     """Turns a row's input into (text, ids); the chat template and the BOS rule are decided once."""
 
-    def __init__(self, tokenizer: Any, *, apply_chat_template: bool):
-        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+    def __init__(self, tokenizer: Any, *, apply_chat_template: bool, template_path: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None):
+        # --chat-template-path replaces the tokenizer's template; --apply-chat-template-kwargs are its
+        # variables; the tool specs (--generate-tool-specs-path) go to it as `tools`
+        self._template_args: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            self._template_args["tools"] = tools
+        if template_path is not None:
+            self._template_args["chat_template"] = Path(template_path).read_text()
+        if apply_chat_template and template_path is None and not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise ConfigError(f"--apply-chat-template: the tokenizer {name!r} has no chat template; drop "
-                              "--apply-chat-template, or use a tokenizer whose tokenizer_config.json "
-                              "(or chat_template.jinja) defines one")
+                              "--apply-chat-template, pass one with --chat-template-path FILE, or use a tokenizer "
+                              "whose tokenizer_config.json (or chat_template.jinja) defines one")
         self._tokenizer = tokenizer
         self._apply_chat_template = apply_chat_template
         self._bos = _conventional_bos(tokenizer)
@@ -135,7 +151,11 @@ class _Encoder:
     def text(self, value: Any) -> str:
         if self._apply_chat_template:
             messages = _as_messages(value)
-            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                           **self._template_args)
+            except Exception as e:  # noqa: BLE001 - a template error (jinja2's), reported with the row
+                raise _BadRow(f"the chat template failed on this row: {type(e).__name__}: {e}") from e
         if isinstance(value, list):
             raise _BadRow("input is a list (chat messages?), not a string; pass --apply-chat-template "
                           "to render chat messages")
@@ -174,6 +194,7 @@ def _build_prompts(path: Path, rows: Iterator[_Row], cfg: DataConfig, encoder: _
     problems = _Problems(path)
     prompts: list[Prompt] = []
     label_seen, first_keys, num_rows = False, None, 0
+    no_input: list[tuple[str, list[str]]] = []      # (where, the row's keys)
     for index, row in enumerate(rows):
         num_rows += 1
         if row.data is None:
@@ -183,22 +204,40 @@ def _build_prompts(path: Path, rows: Iterator[_Row], cfg: DataConfig, encoder: _
         label_seen = label_seen or (cfg.label_key is not None and row.data.get(cfg.label_key) is not None)
         try:
             prompts.append(_build_prompt(index, row.data, cfg, encoder))
+        except _MissingKey:
+            no_input.append((row.where, sorted(row.data)))
         except _BadRow as e:
             problems.add(row.where, str(e))
     if num_rows == 0:
         raise ConfigError(f"--prompt-data {path}: the dataset is empty (no rows); point --prompt-data at a "
                           "file with at least one row")
+    if no_input:
+        problems.add_line(missing_key_problem(path, "--input-key", cfg.input_key, [w for w, _ in no_input],
+                                              num_rows, no_input[0][1]))
     if cfg.label_key is not None and not label_seen and first_keys is not None:
-        problems.add("every row", f"no value for --label-key {cfg.label_key!r}; the first row has keys "
-                                  f"{first_keys}; set --label-key to one of them or drop it")
+        problems.add_line(missing_key_problem(path, "--label-key", cfg.label_key, ["every row"], num_rows, first_keys))
     problems.raise_if_any()
     return prompts
 
 
+def missing_key_problem(path: Path | str, flag: str, key: str, wheres: list[str], num_rows: int,
+                        keys: list[str] | None) -> str:
+    """One line for every row that lacks `key`: how many, the first few, and the keys a row has."""
+    shown = ", ".join(w.split(" ", 1)[-1] for w in wheres[:MAX_LISTED_ROWS])
+    more = ", ..." if len(wheres) > MAX_LISTED_ROWS else ""
+    if wheres == ["every row"] or len(wheres) == num_rows:
+        count = f"none of the {num_rows} rows has {key!r}" if num_rows > 1 else f"the only row has no {key!r}"
+    else:
+        unit = wheres[0].split(" ", 1)[0] + ("s" if len(wheres) > 1 else "")
+        count = f"{len(wheres)} of {num_rows} rows ({unit} {shown}{more}) have no {key!r}"
+    has = f"; a row has keys {keys}" if keys is not None else ""
+    return (f"{path}: {count} for {flag}{has}; set {flag} to "
+            + ("one of them" if keys is not None else "the right key") + (" or drop it" if flag == "--label-key" else ""))
+
+
 def _build_prompt(index: int, row: dict[str, Any], cfg: DataConfig, encoder: _Encoder) -> Prompt:
     if cfg.input_key not in row:
-        raise _BadRow(f"no input key {cfg.input_key!r}; the row has keys {sorted(row)}; "
-                      "set --input-key to one of them")
+        raise _MissingKey()
     text = encoder.text(row[cfg.input_key])
     if not text.strip():
         raise _BadRow("input is empty; remove the row")
@@ -244,6 +283,11 @@ class _Problems:
         self._count += 1
         if len(self._messages) < MAX_REPORTED_ERRORS:
             self._messages.append(f"{self._path}: {where}: {message}")
+
+    def add_line(self, message: str) -> None:
+        """A problem that already names the file and its rows (a summary of many rows)."""
+        self._count += 1
+        self._messages.append(message)
 
     def raise_if_any(self) -> None:
         if not self._count:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from miles.config import ConfigError, DataConfig
-from miles.data.prompts import MAX_REPORTED_ERRORS, load_prompts
+from miles.data.prompts import load_prompts, missing_key_problem
 from miles.types import Prompt
 
 
@@ -29,11 +29,11 @@ def load_sft_data(cfg: DataConfig, tokenizer: Any) -> tuple[list[Prompt], dict[i
     try:   # the response is read as the row's label; errors name the response's flag
         prompts = load_prompts(replace(cfg, label_key=cfg.response_key), tokenizer)
     except ConfigError as exc:
-        raise ConfigError([p.replace("--label-key", "--response-key") for p in exc.problems]) from exc
-    missing = [p.index for p in prompts if p.label is None]
+        raise ConfigError([p.replace("--label-key", "--response-key").replace(" or drop it", "")
+                           for p in exc.problems]) from exc
+    missing = [f"row {p.index + 1}" for p in prompts if p.label is None]
     if missing:
-        rows = ", ".join(str(i + 1) for i in missing[:MAX_REPORTED_ERRORS])
-        raise ConfigError(f"--prompt-data {cfg.prompt_data}: {len(missing)} row(s) have no response under "
-                          f"--response-key {cfg.response_key!r} (rows {rows}); SFT needs a response in every row")
+        raise ConfigError(missing_key_problem(cfg.prompt_data, "--response-key", cfg.response_key, missing,
+                                              len(prompts), None) + " (SFT needs a response in every row)")
     responses = {p.index: tuple(tokenizer(p.label, add_special_tokens=False)["input_ids"]) + (eos,) for p in prompts}
     return prompts, responses

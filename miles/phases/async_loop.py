@@ -21,9 +21,10 @@ import ray
 from miles.phases import init as sync_init
 from miles.phases import weights as sync_weights_phase
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.phases.engines import restart_unresponsive, with_engine_restarts
 from miles.rollout.evals import EvalDispatcher
 from miles.rollout.prefetch import Prefetcher
+from miles.rollout.protocol import EngineUnresponsive
 
 
 async def init(ctx: TrainingContext) -> str:
@@ -76,10 +77,12 @@ async def rollout(ctx: TrainingContext) -> str:
 async def _take(ctx: TrainingContext, r: int) -> tuple[Any, dict[str, Any]]:
     try:
         return await ctx.c.prefetch.take(r)
-    except ray.exceptions.RayActorError as exc:
-        # an engine died under the generation (it may have been restarted since): ask again; a dead
-        # engine found now is restarted within the budget, and the executor re-serves r's prompts
+    except (ray.exceptions.RayActorError, EngineUnresponsive) as exc:
+        # an engine died (or hung) under the generation (it may have been restarted since): ask again;
+        # a dead engine found now is restarted within the budget, and the executor re-serves r's prompts
         ctx.tracer.emit("prefetch_retry", rollout_id=r, error={"type": type(exc).__name__, "message": str(exc)[:500]})
+        if isinstance(exc, EngineUnresponsive) and not await restart_unresponsive(ctx, exc):
+            raise
 
     async def again() -> tuple[Any, dict[str, Any]]:
         ctx.c.prefetch.start(r, ctx.weight_version)
@@ -99,7 +102,9 @@ async def _settle_evals(ctx: TrainingContext) -> None:
     """Await the evals in flight. One an engine died under is run again (the dead engine restarted,
     within the budget, with the weights it read); any other failure fails the run."""
     for job in await ctx.c.evals.wait():
-        if not isinstance(job.error, ray.exceptions.RayActorError):
+        if isinstance(job.error, EngineUnresponsive) and await restart_unresponsive(ctx, job.error):
+            pass                          # the hung engine is restarted: run the eval again
+        elif not isinstance(job.error, ray.exceptions.RayActorError):
             raise job.error
         ctx.c.evals.submit(job.step, job.weight_version, redo=True, evaluate=lambda step: with_engine_restarts(
             ctx, lambda: ctx.c.executor.handle.evaluate.remote(step)))

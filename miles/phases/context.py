@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from miles.phases.init import Backends
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
+    from miles.rollout.protocol import EngineFleet
     from miles.runtime.supervisor import RestartBudget
     from miles.tracking.sinks import Tracker
 
@@ -36,6 +37,7 @@ class Components:
     cluster: RayCluster | None = None
     placement: RunPlacement | None = None         # which GPUs each actor asks for (none on CPU)
     ipc_weights: IpcWeights | None = None         # weight sync by CUDA IPC buckets; None: the object store
+    engine_fleet: EngineFleet | None = None       # what the engine kind needs around its actors (SGLang: router)
     engines: list[ActorResource] | None = None    # each an engine actor (miles.rollout.protocol.Engine)
     executor: ActorResource | None = None         # the RolloutExecutor actor
     trainer: ActorResource | None = None          # the trainer actor (miles.training.protocol.TrainerBackend)
@@ -57,16 +59,23 @@ class TrainingContext(PhaseContext):
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
+        self.engine_weights_checksum: str | None = None   # what the last sync gave the engines (--check-weight-update-equal)
+        self.training: int | None = None               # the rollout the trainer is stepping on (None between steps)
+        self.saved_rollout: int | None = None          # the newest rollout this run saved
+        self.save_duration_s: float | None = None      # how long that save took (a stop's save is budgeted by it)
         self.evaluated_version: int | None = None
         self.batch_ref: ray.ObjectRef | None = None    # the current rollout's samples, for the trainer
         self.save_requested = False                    # a host asked for a save now
         self.engine_budget: RestartBudget | None = None  # made at the first restart
         self.engine_restarts = 0
+        self.engines_released: tuple[str, ...] = ()    # memory tags the engines hold released (--offload-rollout)
         self.last_metrics: dict[str, Any] = {}
         self.metrics_history: list[dict[str, Any]] = []
         # work running between phases: `draining` awaits each of these settlers, in order
         self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
         self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
+        self.resumed = False                           # init restored a checkpoint (--load)
+        self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:
@@ -86,7 +95,7 @@ class TrainingContext(PhaseContext):
     def eval_due(self) -> bool:
         """Before the first rollout, every --eval-interval rollouts, and after the last one."""
         e = self.cfg.eval
-        if not e.prompt_data or self.evaluated_version == self.weight_version:
+        if not e.sets() or self.evaluated_version == self.weight_version:
             return False
         done = self.next_rollout
         if done == self.start_rollout:
@@ -96,7 +105,7 @@ class TrainingContext(PhaseContext):
     def save_due(self) -> bool:
         """Every --save-interval rollouts, after the last one, or when asked (sentinel file or host)."""
         c = self.cfg.checkpoint
-        if not (c.save or c.critic_save):
+        if not (c.save or c.critic_save or c.save_hf_path):
             return False
         done = self.next_rollout
         if self.save_requested or (c.save_trigger_sentinel and os.path.exists(c.save_trigger_sentinel)):

@@ -18,6 +18,7 @@ import ray
 from miles.config import ConfigError, RunConfig
 from miles.phases.context import TrainingContext
 from miles.phases.rollout import rollout
+from miles.phases.watch import watch_reward_variance
 from miles.tracking.rollout_data import load_rollout_data, rollout_data_path
 
 MACHINES = {"load_debug_rollout_data": ("train_only", "--load-debug-rollout-data"),
@@ -74,5 +75,6 @@ async def rollout_only(ctx: TrainingContext) -> str:
     ctx.record(rid, {"kind": "rollout"})
     ctx.c.metrics.log(rid, ctx.last_metrics)
     ctx.metrics_history.append(dict(ctx.last_metrics))
-    ctx.tracer.emit("metrics", rollout_id=rid, reward_mean=ctx.last_metrics.get("reward_mean"))
+    ctx.tracer.emit("metrics", rollout_id=rid, reward_mean=ctx.last_metrics.get("reward_mean"),
+                    **watch_reward_variance(ctx, ctx.last_metrics))
     return trigger

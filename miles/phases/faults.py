@@ -1,8 +1,9 @@
 """Fault injection (`--inject-fault STATE:KIND[:VISIT]`): the fault matrix's lever, and a user's
 way to rehearse a failure before it happens on a real cluster (miles: --ci-ft-test-actions).
 
-A fault fires when STATE's phase starts on its VISIT-th visit (default 1); in `init` it fires when
-the phase ends, since nothing exists to break before. Kinds:
+A fault fires when STATE's phase starts on its VISIT-th visit (default 1); in `init`, and for
+`corrupt_weights`, it fires when the phase ends (nothing exists to break before; weights pushed
+by the phase would overwrite the corruption). Kinds:
 
     raise           the phase raises InjectedFault
     kill_engine     SIGKILL engine-0's worker process (the run restarts it, within its budget)
@@ -11,6 +12,15 @@ the phase ends, since nothing exists to break before. Kinds:
     teardown_raise  register a teardown that raises
     teardown_hang   register a teardown that hangs past a 1 s timeout, with no force
     hang            the phase hangs (a stuck collective, say) until cancelled or killed
+    hang_thread     the phase waits on a thread that never returns (cancelling the wait leaves the thread)
+    hang_ray        the phase waits on a Ray call that never returns: the executor actor blocks in it
+                    (its event loop too, so its teardown must be forced)
+    hang_blocking   the phase blocks the driver's event loop (time.sleep): only the CLI's hard deadline
+                    (--stop-timeout after a signal) ends it
+    corrupt_weights engine-0 gets the trainer's weights with one value changed, stamped with the
+                    version it holds (a corruption after a sync; --check-weight-update-equal finds it)
+    hang_engine     SIGSTOP engine-0's worker process: alive but answering nothing (a hung engine);
+                    the health probe or the generate timeout finds it, and the run restarts it
 """
 
 from __future__ import annotations
@@ -18,15 +28,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from miles.config import ConfigError
 from miles.runtime.machine import STATES
 from miles.runtime.procs import pid_running
+from miles.runtime.threads import in_daemon_thread
 
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
-               "hang")
+               "hang", "hang_thread", "hang_ray", "hang_blocking", "corrupt_weights", "hang_engine")
+AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
 
 
 class InjectedFault(RuntimeError):
@@ -65,13 +79,13 @@ def _wrap(handler: Callable[..., Any], faults: list[FaultSpec]) -> Callable[...,
         nonlocal visits
         visits += 1
         due = [f for f in faults if f.visit == visits]
-        if ctx.state != "init":
-            for f in due:
+        after = [f for f in due if ctx.state == "init" or f.kind in AFTER_PHASE]
+        for f in due:
+            if f not in after:
                 await _fire(ctx, f)
         trigger = await handler(ctx)
-        if ctx.state == "init":
-            for f in due:
-                await _fire(ctx, f)
+        for f in after:
+            await _fire(ctx, f)
         return trigger
 
     return phase
@@ -88,6 +102,12 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
             return
         os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
+    elif f.kind == "hang_engine":
+        engine = ctx.c.engines[0]
+        if engine.pid is None or not pid_running(engine.pid):
+            ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the engine is dead already")
+            return
+        os.kill(engine.pid, signal.SIGSTOP)
     elif f.kind in ("sigint", "sigterm"):
         os.kill(os.getpid(), signal.SIGINT if f.kind == "sigint" else signal.SIGTERM)
         await asyncio.sleep(0.05)      # the loop runs the handler before the phase goes on
@@ -97,6 +117,30 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=1.0)
     elif f.kind == "hang":
         await asyncio.sleep(1e9)
+    elif f.kind == "hang_thread":
+        await in_daemon_thread(threading.Event().wait, name="miles-injected-hang")
+    elif f.kind == "hang_ray":
+        await ctx.c.executor.handle.__ray_call__.remote(_block_forever)
+    elif f.kind == "hang_blocking":
+        time.sleep(1e9)                # noqa: ASYNC251 - the point: nothing else on the loop runs
+    elif f.kind == "corrupt_weights":
+        engine = ctx.c.engines[0]
+        corrupted = ctx.c.trainer.handle.__ray_call__.remote(_perturbed_weights)   # stays in the object store
+        await engine.handle.update_weights.remote(corrupted, await engine.handle.weight_version.remote())
+
+
+def _block_forever(_actor: Any) -> None:
+    """In an actor: never returns, and holds the actor's thread (its event loop, for an async actor)."""
+    time.sleep(1e9)
+
+
+def _perturbed_weights(trainer: Any) -> dict[str, Any]:
+    """In the trainer actor: its weights with the first value of the first tensor moved by 1."""
+    weights = trainer.weights()
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1.0
+    return weights
 
 
 def _raise_on_teardown() -> None:

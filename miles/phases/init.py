@@ -1,12 +1,13 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → engines → trainer →
-critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
-(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
-any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
-`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
-`miles.rollout.protocol` and `miles.training.protocol`.
+Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → the engine fleet
+(if the engine kind has one: SGLang's router) → engines → trainer → critic (ppo) → executor → weight
+transport → checkpoint resume. Input is checked on the driver (tokenizer, prompt or SFT files, reward
+and filter imports, the GPU plan against the cluster) before any actor starts. `pick_backends` is the
+one place an implementation is chosen: the engine class from `--rollout-engine` and the trainer's and
+critic's from `--train-backend`, through the registries of `miles.rollout.protocol` and
+`miles.training.protocol`.
 """
 
 from __future__ import annotations
@@ -14,28 +15,38 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Mapping
 
-from miles.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR, read_data_position
-from miles.checkpoint.store import CheckpointStore
+from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
+from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
                                      placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster
-from miles.config import ConfigError, RolloutConfig, RunConfig, as_dict
+from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.health import start_health_monitor
+from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
+                                       first_row_keys, label_warnings, model_shapes)
 from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.protocol import ENGINES, Engine
-from miles.rollout.rewards import load_reward_fn
+from miles.rollout.rewards import REMOTE_RM, load_reward_fn
+from miles.rollout.scoring import Rewards
+from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
+
+
+MAX_TRACED_PROBLEMS = 10       # a checkpoint_skipped event names at most this many bad files
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ def _fast_engine_refuses(hf_checkpoint: str) -> str | None:
 def engine_options(rollout: RolloutConfig, name: str) -> dict[str, Any]:
     """The engine's constructor options from the rollout slice: what that engine reads (protocol.py)."""
     options: dict[str, Any] = {}
-    if rollout.max_batch_size is not None:        # else the engine's own default
+    if rollout.max_batch_size is not None and name in ("embedded", "fast"):   # else the engine's own default
         options["max_batch_size"] = rollout.max_batch_size
     if name == "fast":
         options.update(mem_fraction=rollout.mem_fraction, cuda_graph=rollout.cuda_graph,
@@ -120,7 +131,7 @@ async def init(ctx: TrainingContext) -> str:
     ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
                     cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
                     fast_path_refused=ctx.backends.fast_path_refused)
-    tokenizer, prompts, eval_sets, sft_responses = _check_inputs(ctx)
+    tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
     ctx.c.metrics = Tracker()
@@ -128,12 +139,21 @@ async def init(ctx: TrainingContext) -> str:
         add(sink)                # as each opens: a W&B login that fails leaves the others to the teardown
         ctx.c.metrics.add(sink)
     ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
-                               log_level=cfg.tracking.worker_log_level)
+                               log_level=cfg.tracking.worker_log_level, node_ip=cfg.reliability.ray_node_ip,
+                               allow_no_auth=cfg.reliability.ray_allow_no_auth)
     add(ctx.c.cluster)
-    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started)
+    local = ctx.c.cluster.local
+    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started,
+                    **({"node_ip": cfg.reliability.ray_node_ip, "session_dir": str(local.session_dir),
+                        "reaper_pid": local.reaper_pid} if local is not None else {}))
 
     ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
+    make_fleet = getattr(ctx.backends.engine, "make_fleet", None)
+    if make_fleet is not None and ctx.c.placement.plan.num_engines:
+        ctx.c.engine_fleet = make_fleet(cfg, run_dir=ctx.run_dir, num_engines=ctx.c.placement.plan.num_engines)
+        add(ctx.c.engine_fleet)         # before the engines: torn down after them
+        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
@@ -141,26 +161,34 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses)
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s, generate=cfg.generate)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
+    if ctx.c.engine_fleet is not None:
+        for i, engine in enumerate(ctx.c.engines):
+            await ctx.c.engine_fleet.joined(i, engine.handle)
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
                     pids={a.resource_name: pid for a, pid in zip(actors, pids)})
+    if ctx.c.engines:
+        start_health_monitor(ctx)
 
     await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
-        ctx.c.store = CheckpointStore(cfg.checkpoint.save)
+        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last)
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
     critic_save = cfg.checkpoint.critic_save
     if ctx.c.critic is not None and critic_save and critic_save != cfg.checkpoint.save:
-        ctx.c.critic_store = CheckpointStore(critic_save)
+        ctx.c.critic_store = CheckpointStore(critic_save, keep_last=cfg.checkpoint.keep_last)
         ctx.c.critic_store.cleanup_partial()
     if cfg.checkpoint.load:
         await _resume(ctx)
+    if cfg.start_rollout_id is not None:            # miles' --start-rollout-id wins over the checkpoint's
+        ctx.start_rollout = ctx.next_rollout = cfg.start_rollout_id
+        ctx.tracer.emit("start_rollout_set", next_rollout=ctx.next_rollout)
     return "ready"
 
 
@@ -205,7 +233,8 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
         check_cluster(plan, gpus)
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus")
         add(place.group)
-    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, colocate=cfg.cluster.colocate,
+    ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
+                    colocate=cfg.cluster.colocate,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
 
@@ -232,29 +261,65 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
                 dtype=cfg.model.dtype)
 
 
-def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
+async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
+    """The user's generate / rollout / tool functions import and have the right signatures; the
+    rewards exist (the per-sample types the data names too) and their services answer."""
+    g = cfg.generate
+    if g.generate_function_path:
+        load_generate_function(g.generate_function_path)
+    if g.rollout_function_path:
+        load_rollout_function(g.rollout_function_path)
+    if g.execute_tool_function_path:
+        load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
+                      timeout_s=g.tool_timeout_s)
+    rewards = Rewards(cfg.rollout)
+    rewards.check_prompts(prompts)
+    try:
+        await rewards.check_services()
+    finally:
+        await rewards.close()
+
+
+async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
+    check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
     sft_responses = None
+    tools = load_tool_specs(cfg.generate.tool_specs_path) if cfg.generate.tool_specs_path else None
     if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
         prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
     else:
-        prompts = load_prompts(cfg.data, tokenizer)
-    eval_sets = {name: load_prompts(replace(cfg.data, prompt_data=path), tokenizer)
-                 for name, path in cfg.eval.prompt_data}
-    load_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+        prompts = load_prompts(cfg.data, tokenizer, tools=tools)
+    check_context_len(cfg, prompts, f"--prompt-data {cfg.data.prompt_data}")
+    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer, tools) for d in cfg.eval.sets()}
+    r = cfg.rollout
+    # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
+    reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
+    await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
         if size is not None and size > len(prompts):
             raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
+    warnings = label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)) if reward_fn else []
+    for warning in warnings:
+        ctx.tracer.emit("warning", code="label_key", message=warning)
     ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
     return tokenizer, prompts, eval_sets, sft_responses
+
+
+def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:
+    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's."""
+    keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
+    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer, tools=tools)
+    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})")
+    return prompts
 
 
 async def _plan_rollouts(ctx: TrainingContext) -> None:
@@ -267,18 +332,46 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 
 
 async def _resume(ctx: TrainingContext) -> None:
-    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest
-    complete checkpoint under --load; with none there, start from --hf-checkpoint."""
-    found = CheckpointStore(ctx.cfg.checkpoint.load).latest()
-    if found is None:
-        ctx.tracer.emit("resume_skipped", reason="no complete checkpoint", root=ctx.cfg.checkpoint.load)
+    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest checkpoint
+    under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
+    the load reads matching its sha256, checked where it is read. Each one passed over is traced
+    (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
+    root = ctx.cfg.checkpoint.load
+    for rollout_id, path, problems in CheckpointStore(root).newest_first():
+        verified = not problems and ctx.cfg.reliability.verify_load
+        if verified:
+            problems = await _verify_where_read(ctx, path)
+        if problems:
+            ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
+                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
+            continue
+        await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+        # a critic kept under --critic-save comes back through --critic-load instead
+        if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+            await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
+        ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+        ctx.resumed = True
+        ctx.weight_version = 0              # the engines hold the disk weights until the first sync
+        ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout,
+                        verified=verified)
         return
-    rollout_id, path = found
-    await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
-    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
-    # a critic kept under --critic-save comes back through --critic-load instead
+    # --load X --save X before X exists: the auto-resume launch script's first run
+    reason = "no complete checkpoint" if Path(root).is_dir() else "no such directory yet"
+    ctx.tracer.emit("resume_skipped", reason=reason, root=root)
+
+
+async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
+    """The sha256 of every file the load reads, each checked by its reader: `trainer/` (and `critic/`)
+    in their actors, which hash them where they read them; `rollout.json` here, where it is read."""
+    readers = [(ctx.c.trainer, TRAINER_DIR)]
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-        await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
-    ctx.start_rollout = ctx.next_rollout = rollout_id + 1
-    ctx.weight_version = 0              # the engines hold the disk weights until the first sync
-    ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout)
+        readers.append((ctx.c.critic, CRITIC_DIR))
+    found = await asyncio.gather(*(actor.handle.__ray_call__.remote(_verify_in_actor, str(path),
+                                                                     manifest_files(path, f"{folder}/"))
+                                   for actor, folder in readers))
+    return [p for problems in found for p in problems] + verify_files(path, manifest_files(path, ROLLOUT_FILE))
+
+
+def _verify_in_actor(_actor: Any, root: str, files: dict[str, Any]) -> list[str]:
+    return verify_files(root, files)

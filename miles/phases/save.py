@@ -1,11 +1,12 @@
 """`save`, for every machine: an atomic checkpoint of the rollout just trained.
 
-The checkpoint under --save holds the trainer, the data position, the HF export (unless --no-save-hf)
-and PPO's critic; a critic with a store of its own (--critic-save elsewhere) is saved there instead,
+The checkpoint under --save holds the trainer (its optimizer state unless --no-save-optim), the data
+position, the HF export (unless --no-save-hf) and PPO's critic; a critic with a store of its own (--critic-save elsewhere) is saved there instead,
 and with --critic-save alone only the critic is saved. The data position is the one recorded right
 after the saved rollout's prompts were drawn (`ctx.data_states`, which the async machine fills: by
 now its executor has already served the next rollout's prompts); with none recorded (sync) the
-executor's live position is that one. Layout: miles/checkpoint/checkpointer.py.
+executor's live position is that one. --save-hf PATH also exports the HF model to PATH, outside the
+checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, save_atomically,
-                                           write_data_position)
+from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, hf_copy_path, publish_folder,
+                                           save_atomically, write_data_position)
 from miles.phases.context import TrainingContext
 
 
@@ -27,35 +28,41 @@ async def save(ctx: TrainingContext) -> str:
     if ctx.c.store is not None:
         path = await _save_run(ctx, rid)
     if ctx.c.critic_store is not None:
-        critic = ctx.c.critic.handle
-        critic_path = await save_atomically(ctx.c.critic_store, rid,
-                                            lambda folder: critic.save.remote(str(folder / CRITIC_DIR)),
-                                            {"critic": True})
+        critic, optimizer = ctx.c.critic.handle, ctx.cfg.checkpoint.save_optimizer
+        critic_path = await save_atomically(
+            ctx.c.critic_store, rid, lambda folder: critic.save.remote(str(folder / CRITIC_DIR), optimizer=optimizer),
+            {"critic": True, "optimizer": optimizer})
         ctx.tracer.emit("critic_checkpoint_saved", rollout_id=rid, path=str(critic_path))
+    template = ctx.cfg.checkpoint.save_hf_path
+    if template:                               # --save-hf: the HF export, outside the checkpoints
+        trainer = ctx.c.trainer.handle
+        hf = await publish_folder(hf_copy_path(template, rid), lambda folder: trainer.export_hf.remote(str(folder)))
+        ctx.tracer.emit("hf_exported", rollout_id=rid, path=str(hf))
     ctx.save_requested = False
     sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
     if sentinel and os.path.exists(sentinel):
         os.remove(sentinel)
+    ctx.saved_rollout, ctx.save_duration_s = rid, time.monotonic() - t0     # a stop's save reads both
     ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path) if path else None,
-                    duration_s=round(time.monotonic() - t0, 6))
+                    duration_s=round(ctx.save_duration_s, 6))
     return "next"
 
 
 async def _save_run(ctx: TrainingContext, rid: int) -> Path:
     """Trainer, data position, HF export and (without a store of its own) the critic, under --save."""
-    trainer, save_hf = ctx.c.trainer.handle, ctx.cfg.checkpoint.save_hf
+    trainer, save_hf, optimizer = ctx.c.trainer.handle, ctx.cfg.checkpoint.save_hf, ctx.cfg.checkpoint.save_optimizer
     critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
     position = ctx.data_states.get(rid)
     if position is None:                       # nothing drawn since rollout rid: the live position is its
         position = await ctx.c.executor.handle.state_dict.remote()
 
     async def write(folder: Path) -> Any:
-        await trainer.save.remote(str(folder / TRAINER_DIR))
+        await trainer.save.remote(str(folder / TRAINER_DIR), optimizer=optimizer)
         write_data_position(folder, position)
         if save_hf:
             await trainer.export_hf.remote(str(folder / HF_DIR))
         if critic is not None:
-            await critic.save.remote(str(folder / CRITIC_DIR))
+            await critic.save.remote(str(folder / CRITIC_DIR), optimizer=optimizer)
 
     return await save_atomically(ctx.c.store, rid, write, {"weight_version": ctx.next_rollout, "hf_export": save_hf,
-                                                           "critic": critic is not None})
+                                                           "critic": critic is not None, "optimizer": optimizer})

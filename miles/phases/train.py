@@ -11,23 +11,29 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.memory import to_trainer
+from miles.phases.watch import ci_checks, watch_reward_variance
 
 
 async def train(ctx: TrainingContext) -> str:
     rid = ctx.rollout_id
     t0 = time.monotonic()
+    ctx.training = rid                   # stays set if the phase is cut short: a stop's save then knows
     await to_trainer(ctx)          # colocated GPUs: the engines' cache out, the optimizer state in
     if ctx.c.critic is not None:
         metrics = await _train_with_critic(ctx, rid)
     else:
         metrics = await ctx.c.trainer.handle.train.remote(ctx.batch_ref, rid)   # Ray resolves the ref in the trainer
+    ctx.training = None
     ctx.batch_ref = None
     ctx.next_rollout = rid + 1
     ctx.record(rid, {**metrics, "train_time_s": time.monotonic() - t0, "kind": "train"})
     ctx.c.metrics.log(rid, ctx.last_metrics)
     ctx.metrics_history.append(dict(ctx.last_metrics))
+    extra = watch_reward_variance(ctx, ctx.last_metrics)
     ctx.tracer.emit("metrics", rollout_id=rid, **{k: v for k, v in ctx.last_metrics.items()
-                                                  if k in ("reward_mean", "loss", "kl", "grad_norm")})
+                                                  if k in ("reward_mean", "loss", "kl", "grad_norm", "train_tokens")},
+                    **extra)
+    ci_checks(ctx, rid, ctx.last_metrics)
     return "next"
 
 

@@ -10,6 +10,10 @@ recomputes (`miles.algorithms.logprobs_from_logits`); greedy decoding (temperatu
 at temperature 1. Top-p / top-k truncate the distribution that is sampled from, but the reported
 logprobs are of the untruncated one, as the trainer cannot see the truncation either.
 
+Health (see `miles.rollout.protocol`): the actor runs on two threads; a lock keeps one model call at
+a time, every decode step stamps a heartbeat, `health()` reads it without the lock (or, idle, runs a
+one-token generate), and `abort()` makes the running calls stop at their next step.
+
 A plain class; the composition root makes it a Ray actor.
 """
 
@@ -17,7 +21,10 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import structlog
@@ -41,6 +48,8 @@ class EngineDisposedError(RuntimeError):
 
 
 class EmbeddedEngine:
+    actor_threads = 2       # health and abort are answered while a generate call runs (see the module docstring)
+
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:
@@ -59,6 +68,9 @@ class EmbeddedEngine:
         # transformers 5 renamed the cache argument; pick the name once
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._lock = threading.Lock()        # one model call at a time (health and abort run beside it)
+        self._heartbeat = time.monotonic()   # the last decode step (or the start of the running call)
+        self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
 
     # --- tokenizer accessors -------------------------------------------------------------------
@@ -89,55 +101,96 @@ class EmbeddedEngine:
 
         Names and shapes are checked strictly before anything is copied (ValueError naming them).
         """
-        model = self._live_model()
-        load_weights(model, state_dict)
-        self._version = int(version)
+        with self._holding():
+            load_weights(self._live_model(), state_dict)
+            self._version = int(version)
         log.info("weights_updated", version=self._version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport): copied into the
         model's tensors by name; the version is set when the version's last bucket is in (returned)."""
-        if self._receiver is None:
-            self._receiver = WeightReceiver(model_weights(self._live_model()))
-        version = self._receiver.load(bucket)
+        with self._holding():       # not under a generate running on the health thread's side
+            if self._receiver is None:
+                self._receiver = WeightReceiver(model_weights(self._live_model()))
+            version = self._receiver.load(bucket)
+            if version is not None:
+                self._version = version
         if version is not None:
-            self._version = version
             log.info("weights_updated", version=version, buckets=bucket.count)
         return version
 
     def weights_checksum(self) -> str:
         """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to
         `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
-        return state_dict_checksum(model_weights(self._live_model()))
+        with self._holding():
+            return state_dict_checksum(model_weights(self._live_model()))
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (bfloat16 on CUDA by default)."""
         return self.dtype
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """One Generation per prompt, in order. Batches of at most `max_batch_size` prompts.
+        `max_new_tokens` (one per prompt) caps each prompt's response; else `params.max_new_tokens`.
 
         Randomness: the engine's generator (seeded at construction, advancing call after call),
         or a fresh one seeded with `params.seed` for this call only. The same seed, weights,
         prompts and params give the same samples.
         """
+        epoch = self._abort_epoch
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
+        with self._holding():
+            return self._generate_locked(prompts, params, caps, epoch)
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The model lock, with the heartbeat stamped when it is taken: a probe measures a holder's
+        progress from there (then from each decode step)."""
+        with self._lock:
+            self._heartbeat = time.monotonic()
+            yield
+
+    def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, caps: list[int],
+                         epoch: int) -> list[Generation]:
         model = self._live_model()
-        self._check(prompts, params)
-        gen = self._generator if params.seed is None else \
-            torch.Generator(device=self.device).manual_seed(params.seed)
+        self._check(prompts, params, caps)
+        gen = self._generator if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         sampler = _make_sampler(params)
         stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long,
                                 device=self.device)
+        stops = _StopStrings(self._tokenizer, params.stop) if params.stop else None
         out: list[Generation] = []
         for i in range(0, len(prompts), self.max_batch_size):
-            chunk = prompts[i:i + self.max_batch_size]
-            out += self._generate_batch(model, chunk, params.max_new_tokens, sampler, gen, stop_ids)
+            chunk = slice(i, i + self.max_batch_size)
+            budgets = [_budget(params, len(p), cap) for p, cap in zip(prompts[chunk], caps[chunk])]
+            out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch)
         return out
 
+    # --- health --------------------------------------------------------------------------------
+    def health(self) -> dict:
+        """{"busy", "since_progress_s"}: while a call holds the model, the seconds since its last decode
+        step (or its start); idle, a one-token generate first proves the model still answers."""
+        if not self._lock.acquire(blocking=False):
+            return {"busy": True, "since_progress_s": time.monotonic() - self._heartbeat}
+        try:
+            self._heartbeat = time.monotonic()
+            self._generate_locked([[self.eos_token_id]], SamplingParams(temperature=0.0, max_new_tokens=1), [1],
+                                  self._abort_epoch)
+        finally:
+            self._lock.release()
+        return {"busy": False, "since_progress_s": 0.0}
+
+    def abort(self) -> None:
+        """The generate calls that started before this return at their next step, the rows still
+        generating finishing with "abort"."""
+        self._abort_epoch += 1
+
     @torch.inference_mode()
-    def _generate_batch(self, model, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-                        gen: torch.Generator, stop_ids: Tensor) -> list[Generation]:
+    def _generate_batch(self, model, prompts: list[list[int]], budgets: list[int], sampler: Sampler,
+                        gen: torch.Generator, stop_ids: Tensor, stops: _StopStrings | None,
+                        epoch: int) -> list[Generation]:
         from transformers import DynamicCache
 
         ids, attn = _left_pad(prompts, self.pad_token_id, self.device)
@@ -147,16 +200,25 @@ class EmbeddedEngine:
         next_pos = pos[:, -1] + 1
         rows = list(range(len(prompts)))     # original index of each row still in the batch
         gens = [Generation([], [], "length", self._version) for _ in prompts]
-        for step in range(max_new_tokens):
+        for _ in range(max(budgets)):
             tokens, logprobs = sampler(logits, gen)
             stopped = torch.isin(tokens, stop_ids)
+            done = []
             for row, t, lp, s in zip(rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
                 gens[row].response_ids.append(t)
                 gens[row].logprobs.append(lp)
+                s = s or (stops is not None and stops.hit(gens[row].response_ids))
                 if s:
                     gens[row].finish_reason = "stop"
-            keep = ~stopped
-            if step == max_new_tokens - 1 or not keep.any():
+                done.append(s or len(gens[row].response_ids) >= budgets[row])   # a row's budget ends it too
+            self._heartbeat = time.monotonic()
+            keep = ~torch.tensor(done, device=tokens.device)
+            if not keep.any():
+                break
+            if self._abort_epoch != epoch:
+                for row, k in zip(rows, keep.tolist()):
+                    if k:
+                        gens[row].finish_reason = "abort"
                 break
             if not keep.all():  # drop finished rows from the batch and the KV cache
                 idx = keep.nonzero().squeeze(-1)
@@ -174,16 +236,22 @@ class EmbeddedEngine:
                     logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
 
-    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int] | None = None) -> None:
+        caps = [params.max_new_tokens] * len(prompts) if caps is None else caps
         problems = _param_problems(params)
-        for i, p in enumerate(prompts):
+        if len(caps) != len(prompts) or any(c < 1 for c in caps):
+            problems.append(f"max_new_tokens must give each of the {len(prompts)} prompts a cap >= 1, got {caps[:8]}")
+        for i, (p, cap) in enumerate(zip(prompts, caps)):
             if len(p) == 0:
                 problems.append(f"prompt {i} is empty; every prompt needs at least one token")
             elif min(p) < 0 or max(p) >= self._vocab_size:
                 problems.append(f"prompt {i} has token ids outside [0, {self._vocab_size}): "
                                 f"min {min(p)}, max {max(p)}")
-            elif self._max_positions and len(p) + params.max_new_tokens > self._max_positions:
-                problems.append(f"prompt {i} ({len(p)} tokens) + max_new_tokens {params.max_new_tokens} "
+            elif params.max_context_len is not None and len(p) >= params.max_context_len:
+                problems.append(f"prompt {i} ({len(p)} tokens) leaves no room for a response under "
+                                f"max_context_len {params.max_context_len}")
+            elif self._max_positions and len(p) + _budget(params, len(p), cap) > self._max_positions:
+                problems.append(f"prompt {i} ({len(p)} tokens) + max_new_tokens {_budget(params, len(p), cap)} "
                                 f"exceeds the model's {self._max_positions} positions; shorten the "
                                 f"prompt (--max-prompt-len) or the response length")
         if problems:
@@ -196,8 +264,10 @@ class EmbeddedEngine:
 
     def dispose(self) -> None:
         """Free the model and the tokenizer (and the CUDA cache). Idempotent. The actor is the run's."""
-        self._model = None
-        self._tokenizer = None
+        self.abort()                    # a running call stops at its next step instead of holding the lock
+        with self._lock:
+            self._model = None
+            self._tokenizer = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -211,6 +281,27 @@ def _eos_ids(model, tokenizer) -> set[int]:
         if e is not None:
             ids.add(int(e))
     return ids
+
+
+def _budget(params: SamplingParams, prompt_len: int, cap: int | None = None) -> int:
+    """New tokens a prompt may get: its cap (default max_new_tokens), capped by max_context_len minus the prompt."""
+    cap = params.max_new_tokens if cap is None else cap
+    if params.max_context_len is None:
+        return cap
+    return max(1, min(cap, params.max_context_len - prompt_len))
+
+
+class _StopStrings:
+    """Stop strings, checked on the decoded tail of a response after each token (a string can span
+    tokens, so the tail is as many tokens as the longest stop string has characters, plus one)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self._tokenizer, self._stops = tokenizer, tuple(stops)
+        self._window = max(len(s) for s in stops) + 1
+
+    def hit(self, ids: list[int]) -> bool:
+        tail = self._tokenizer.decode(ids[-self._window:], skip_special_tokens=False)
+        return any(s in tail for s in self._stops)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

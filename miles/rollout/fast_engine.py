@@ -23,6 +23,7 @@ import gc
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import structlog
 import torch
@@ -35,13 +36,15 @@ from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batc
 from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
+_CAP_SEED_STEP = 7919     # apart the seeds of the groups of one call with different per-prompt caps
+_CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine releases (graphs go with the cache)
 
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
 SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
@@ -50,6 +53,10 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
 class FastEngine:
+    # one thread: the engine is not guarded for calls beside a running generate, so the health probe
+    # skips it (hung calls are found by --engine-generate-timeout) and an abort waits for the call
+    actor_threads = 1
+
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None,
@@ -175,10 +182,12 @@ class FastEngine:
             torch.cuda.synchronize(self.device)
 
     # --- memory --------------------------------------------------------------------------------
-    def release_memory(self) -> None:
-        """Free the KV cache, the logits/noise buffers and the decode graphs (the weights stay), e.g.
-        while a colocated trainer trains. Idempotent; `resume_memory` brings them back."""
-        if self._cache is None:
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the KV cache, the logits/noise buffers and the decode graphs when `tags` names either
+        (the weights stay whatever `tags` says: updates copy into them in place, which keeps the
+        captured graphs valid), e.g. while a colocated trainer trains. Idempotent; `resume_memory`
+        brings them back."""
+        if self._cache is None or not _CACHE_TAGS & set(tags):
             return
         cuda = self.device.type == "cuda"
         expected = self._cache.nbytes if cuda else 0
@@ -194,10 +203,11 @@ class FastEngine:
             torch.cuda.empty_cache()
         log.info("memory_released", gc_collect=collected)
 
-    def resume_memory(self) -> None:
-        """Allocate what `release_memory` freed (same sizes as at construction). Idempotent."""
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Allocate what `release_memory` freed (same sizes as at construction) when `tags` names the
+        KV cache or the graphs ("weights" alone: nothing to do, they stayed). Idempotent."""
         self._live_weights()
-        if self._cache is not None:
+        if self._cache is not None or not _CACHE_TAGS & set(tags):
             return
         a, rows = self.arch, self.max_batch_size + 1
         try:
@@ -287,12 +297,29 @@ class FastEngine:
             torch.cuda.empty_cache()
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """One Generation per prompt, in order; all prompts are queued and served by continuous batching.
+        `max_new_tokens` (one per prompt) caps each prompt's response; else `params.max_new_tokens`.
+        A batch keeps one cap, so prompts with different caps are served cap by cap (each group seeded
+        apart from the others when `params.seed` is set).
 
         Randomness: the engine's generator (seeded at construction, advancing call after call), or
         a fresh one seeded with `params.seed` for this call only.
         """
+        caps = sorted(set(max_new_tokens)) if max_new_tokens is not None else [params.max_new_tokens]
+        if len(caps) == 1:
+            return self._generate(prompts, replace(params, max_new_tokens=int(caps[0])))
+        out: list[Generation | None] = [None] * len(prompts)
+        for k, cap in enumerate(caps):
+            rows = [i for i, c in enumerate(max_new_tokens) if c == cap]
+            seed = None if params.seed is None else (params.seed + k * _CAP_SEED_STEP) % 2**31
+            done = self._generate([prompts[i] for i in rows], replace(params, max_new_tokens=int(cap), seed=seed))
+            for i, g in zip(rows, done):
+                out[i] = g
+        return out
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._live_weights()
         if self._cache is None:
             raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
@@ -316,6 +343,16 @@ class FastEngine:
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
         EmbeddedEngine._check(self, prompts, params)
+        # not here yet (issue 19 added them to the embedded engine): refuse rather than ignore them
+        if params.stop:
+            raise ValueError("bad generate request: the fast engine does not support stop strings "
+                             "(--rollout-stop) yet; use stop token ids (--rollout-stop-token-ids)")
+        cut = [i for i, p in enumerate(prompts) if params.max_context_len is not None
+               and len(p) + params.max_new_tokens > params.max_context_len]
+        if cut:
+            raise ValueError(f"bad generate request: the fast engine does not cap responses by "
+                             f"--rollout-max-context-len {params.max_context_len} yet (prompts {cut[:5]} would "
+                             f"exceed it with max_new_tokens {params.max_new_tokens})")
         for i, p in enumerate(prompts):
             if len(p) + params.max_new_tokens > self.max_len:
                 raise ValueError(

@@ -14,8 +14,7 @@ from typing import Callable
 import torch
 
 from miles.algorithms import group_reward_std
-from miles.config import ConfigError
-from miles.rollout.rewards import import_reward_fn
+from miles.user_code import check_signature, import_user_function
 from miles.types import Sample
 
 GroupFilter = Callable[[list[Sample]], bool]
@@ -30,7 +29,7 @@ def check_reward_nonzero_std(group: list[Sample]) -> bool:
 
 def load_filter(path: str) -> GroupFilter:
     """The filter at `path` (module:function or file.py:function); ConfigError naming the flag otherwise."""
-    try:
-        return import_reward_fn(path)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("--custom-rm-path", "--dynamic-sampling-filter-path")) from exc
+    flag = "--dynamic-sampling-filter-path"
+    fn = import_user_function(path, flag)
+    check_signature(fn, flag, path, 1, "filter(group: list[Sample]) -> bool")
+    return fn

@@ -4,7 +4,8 @@ A reward function is `fn(prompt: Prompt, response_text: str, label: str | None) 
 async. A *group* reward function, marked with `@group_reward`, is instead
 `fn(prompt, responses: list[str], label) -> list[float]` (sync or async) and sees every response
 to a prompt at once (for rewards that rank or compare). The function is chosen once, at startup,
-by `load_reward_fn`; `score_group` runs it on one group.
+by `load_reward_fn`; `score_group` runs it on one group. `--reward-timeout` bounds each call: one
+past it fails its sample (it scores 0.0, as a wrong answer does), not the rollout.
 
 Built-ins (`--rm-type`):
 - `math`: the final answer is the content of the last `\\boxed{...}`, else the last number in the
@@ -13,22 +14,38 @@ Built-ins (`--rm-type`):
   when both parse as numbers, else as strings with spaces and `$` removed. The label is the answer
   itself (a number, a fraction, or `\\boxed{...}`), not a worked solution. Scores 1.0 or 0.0.
 - `exact_match`: 1.0 when the response and the label are equal after stripping whitespace.
+- `f1`: token-level F1 between the response and the label (SQuAD-style: lowercase, punctuation and
+  articles dropped, whitespace tokens), in [0, 1].
+- `random`: 0.0 or 1.0 at random; `deterministic_random`: 0.0 or 1.0 from a hash of the prompt index
+  and the response, the same on every run (for tests).
+- `remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url` (`miles.rollout.remote_reward`).
+- `boxed_<type>` (`boxed_math`, `boxed_exact_match`, `boxed_f1`): `<type>` scores the content of the
+  response's last `\\boxed{...}` ("" when there is none) instead of the whole response.
+
+A reward may return a dict of named scores; `--reward-key` picks the one to train on
+(`with_reward_key`). Which function scores which sample (`--custom-rm-path`, `--rm-type`, a
+sample's `metadata["rm_type"]`) is `miles.rollout.scoring`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
+import functools
+import hashlib
 import inspect
 import math
 import numbers
+import random
 import re
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+import string
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from miles.config import ConfigError
+from miles.runtime.threads import in_daemon_thread
 from miles.types import Prompt
+from miles.user_code import check_signature, display_name, import_user_function
 
 RewardFn = Callable[[Prompt, str, str | None], float | Awaitable[float]]
 GroupRewardFn = Callable[[Prompt, list[str], str | None], list[float] | Awaitable[list[float]]]
@@ -41,8 +58,11 @@ _RESPONSE_PREVIEW_CHARS = 200
 class RewardError(RuntimeError):
     """A reward function raised, or returned something other than a finite number.
 
-    Keyword fields have defaults so that the error pickles (it crosses actor boundaries).
+    Keyword fields have defaults so that the error pickles (it crosses actor boundaries). It is the
+    input's fault (the user's reward), so the CLI exits 2 on it (`input_fault`).
     """
+
+    input_fault = True
 
     def __init__(self, message: str, *, fn_name: str = "", prompt_index: int = -1, response: str = ""):
         super().__init__(message)
@@ -161,64 +181,123 @@ def _require_label(label: str | None, rm_type: str) -> str:
     return label
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def _f1_tokens(text: str) -> list[str]:
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
+
+
+def f1_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    """Token-level F1 of the response against the label (SQuAD's normalization)."""
+    got, want = _f1_tokens(response), _f1_tokens(_require_label(label, "f1"))
+    same = sum((Counter(got) & Counter(want)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(got), same / len(want)
+    return 2 * precision * recall / (precision + recall)
+
+
+def random_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return float(random.randint(0, 1))
+
+
+def deterministic_random_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    """0.0 or 1.0 from a hash of (prompt index, response): random-looking, the same on every run."""
+    digest = hashlib.sha256(f"{prompt.index}\0{response}".encode()).digest()
+    return float(digest[0] & 1)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "math": math_reward, "exact_match": exact_match_reward, "f1": f1_reward, "random": random_reward,
+    "deterministic_random": deterministic_random_reward,
+}
+LABEL_FREE_REWARDS = ("random", "deterministic_random")   # the built-ins that read no label
+REMOTE_RM = "remote_rm"             # built by miles.rollout.scoring from --rm-url and its options
+BOXED_PREFIX = "boxed_"
+BOXABLE = ("math", "exact_match", "f1")   # rule rewards that read the answer from the response text
+RM_TYPES: tuple[str, ...] = (*REWARD_FUNCTIONS, REMOTE_RM, *(BOXED_PREFIX + name for name in BOXABLE))
+
+
+def boxed(fn: RewardFn) -> RewardFn:
+    """`fn` scoring the content of the response's last `\\boxed{...}` ("" when there is none)."""
+    @functools.wraps(fn)
+    def scored_on_box(prompt: Prompt, response: str, label: str | None) -> Any:
+        return fn(prompt, last_boxed(response) or "", label)
+
+    scored_on_box.__qualname__ = f"{BOXED_PREFIX}{getattr(fn, '__qualname__', 'reward')}"
+    return scored_on_box
+
+
+def builtin_reward(rm_type: str, *, flag: str = "--rm-type") -> RewardFn:
+    """The built-in reward `rm_type` (a `boxed_` prefix allowed); `remote_rm` is built from its
+    flags by `miles.rollout.scoring`, so it is not one of these."""
+    base = rm_type.removeprefix(BOXED_PREFIX)
+    if rm_type in REWARD_FUNCTIONS or (rm_type.startswith(BOXED_PREFIX) and base in BOXABLE):
+        return REWARD_FUNCTIONS[rm_type] if rm_type in REWARD_FUNCTIONS else boxed(REWARD_FUNCTIONS[base])
+    raise ConfigError(f"{flag} {rm_type!r} is not a built-in reward; valid types are {sorted(RM_TYPES)}, "
+                      "or pass --custom-rm-path module:function")
+
+
+def with_reward_key(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+    """`fn` returning its dict-valued result's entry `key` (--reward-key); a plain number passes."""
+    def pick(value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        if key not in value:
+            raise ValueError(f"--reward-key {key!r}: the reward returned no such key; its keys are {sorted(value)}")
+        return value[key]
+
+    def pick_all(value: Any) -> Any:
+        return [pick(v) for v in value] if is_group_reward(fn) and isinstance(value, (list, tuple)) else pick(value)
+
+    async def picked(awaitable: Awaitable[Any]) -> Any:
+        return pick_all(await awaitable)
+
+    @functools.wraps(fn)
+    def keyed(*args: Any) -> Any:
+        result = fn(*args)
+        return picked(result) if inspect.isawaitable(result) else pick_all(result)
+
+    return keyed
 
 
 # ---- choosing the function ----------------------------------------------------------------------
 
 def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> Callable[..., Any]:
-    """The reward function of the run: `--custom-rm-path` when given, else the built-in `rm_type`."""
+    """The reward function of the run: `--custom-rm-path` when given, else the built-in `rm_type`
+    (`miles.rollout.scoring.Rewards` adds remote_rm, --group-rm, --reward-key and per-sample types)."""
     if custom_rm_path:
         return import_reward_fn(custom_rm_path)
-    if rm_type not in REWARD_FUNCTIONS:
-        raise ConfigError(f"--rm-type {rm_type!r} is not a built-in reward; valid types are "
-                          f"{sorted(REWARD_FUNCTIONS)}, or pass --custom-rm-path module:function")
-    return REWARD_FUNCTIONS[rm_type]
+    return builtin_reward(rm_type)
 
 
-def import_reward_fn(path: str) -> Callable[..., Any]:
+def import_reward_fn(path: str, flag: str = "--custom-rm-path") -> Callable[..., Any]:
     """Import `module:function` (or `module.function`; `module:Class.method` works too), or load
-    `path/to/file.py:function` from a file, which needs nothing on PYTHONPATH (Ray workers included)."""
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"--custom-rm-path {path!r} must look like module:function, module.function "
-                          "or path/to/file.py:function")
-    try:
-        obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as e:
-        raise ConfigError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} "
-                          f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ConfigError(f"--custom-rm-path {path!r}: {module_name!r} has no {attr!r} "
-                              f"(AttributeError: {e})") from e
-    if not callable(obj):
-        raise ConfigError(f"--custom-rm-path {path!r} is not callable (a {type(obj).__name__}); "
-                          "point it at a function")
-    return obj
-
-
-def _load_file(path: str) -> Any:
-    import importlib.util
-
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise FileNotFoundError(f"no such file: {file}")
-    spec = importlib.util.spec_from_file_location(f"miles_custom_rm_{abs(hash(str(file)))}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    `path/to/file.py:function` from a file (see `miles.user_code`); check that it can be called as a
+    reward: fn(prompt, response, label), or fn(prompt, responses, label) for a `@group_reward`."""
+    fn = import_user_function(path, flag)
+    shape = "a group reward fn(prompt, responses, label) -> list[float]" if is_group_reward(fn) else \
+        "a reward fn(prompt, response_text, label) -> float (sync or async)"
+    check_signature(fn, flag, path, 3, shape)
+    return fn
 
 
 # ---- scoring ------------------------------------------------------------------------------------
 
-async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
-                      label: str | None) -> list[float]:
-    """Score every response to `prompt`: async calls run concurrently, sync ones inline."""
+async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None, *,
+                      timeout_s: float | None = None, on_timeout: Callable[[int], None] | None = None) -> list[float]:
+    """Score every response to `prompt`: async calls run concurrently, sync ones inline.
+
+    With `timeout_s`, each call (a group reward's one call) gets that long, and sync functions run in
+    daemon threads so that a hung one blocks nothing; a call past it fails its sample(s), not the
+    rollout: they score 0.0, as a wrong answer does, and `on_timeout(i)` hears of each one.
+    """
     if is_group_reward(fn):
-        return await _score_whole_group(fn, prompt, responses, label)
+        return await _score_whole_group(fn, prompt, responses, label, timeout_s, on_timeout)
+    if timeout_s is not None:
+        return await _score_bounded(fn, prompt, responses, label, timeout_s, on_timeout)
     scores: list[float] = [0.0] * len(responses)
     pending: list[tuple[int, Awaitable[Any]]] = []
     try:
@@ -244,13 +323,32 @@ async def score_group(fn: Callable[..., Any], prompt: Prompt, responses: list[st
     return scores
 
 
-async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str],
-                             label: str | None) -> list[float]:
+async def _score_bounded(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None,
+                         timeout_s: float, on_timeout: Callable[[int], None] | None) -> list[float]:
+    async def one(i: int, response: str) -> float:
+        try:
+            result = await call_within(fn, (prompt, response, label), timeout_s)
+        except RewardTimeout:
+            if on_timeout is not None:
+                on_timeout(i)
+            return 0.0
+        except Exception as e:
+            raise _reward_error(fn, prompt, response, f"{type(e).__name__}: {e}") from e
+        return _as_score(result, fn, prompt, response)
+
+    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(responses))))
+
+
+async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: list[str], label: str | None,
+                             timeout_s: float | None, on_timeout: Callable[[int], None] | None) -> list[float]:
     where = responses[0] if responses else ""
     try:
-        result = fn(prompt, list(responses), label)
-        if inspect.isawaitable(result):
-            result = await result
+        result = await call_within(fn, (prompt, list(responses), label), timeout_s)
+    except RewardTimeout:
+        for i in range(len(responses)):
+            if on_timeout is not None:
+                on_timeout(i)
+        return [0.0] * len(responses)
     except Exception as e:
         raise _reward_error(fn, prompt, where, f"group of {len(responses)}: {type(e).__name__}: {e}") from e
     if not isinstance(result, (list, tuple)) or len(result) != len(responses):
@@ -259,7 +357,37 @@ async def _score_whole_group(fn: Callable[..., Any], prompt: Prompt, responses: 
     return [_as_score(r, fn, prompt, resp) for r, resp in zip(result, responses)]
 
 
+class RewardTimeout(Exception):
+    """A reward call ran past --reward-timeout (its own TimeoutError, if it raises one, is a reward error)."""
+
+
+async def call_within(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float | None) -> Any:
+    """`fn(*args)`, awaited if it returns an awaitable; with `timeout_s`, raise RewardTimeout past it (a
+    sync function runs in a daemon thread then, abandoned if it never returns)."""
+    if timeout_s is None:
+        result = fn(*args)
+        return await result if inspect.isawaitable(result) else result
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    first = fn(*args) if inspect.iscoroutinefunction(fn) else in_daemon_thread(fn, *args, name="miles-reward")
+    result = await _settle(asyncio.ensure_future(first), deadline - loop.time())
+    if inspect.isawaitable(result):
+        result = await _settle(asyncio.ensure_future(result), deadline - loop.time())
+    return result
+
+
+async def _settle(fut: asyncio.Future[Any], timeout: float) -> Any:
+    done, _ = await asyncio.wait({fut}, timeout=max(timeout, 0.0))
+    if not done:
+        fut.cancel()                  # a coroutine is cancelled; a thread is abandoned (a daemon)
+        raise RewardTimeout()
+    return fut.result()
+
+
 def _as_score(value: Any, fn: Callable[..., Any], prompt: Prompt, response: str) -> float:
+    if isinstance(value, Mapping):
+        raise _reward_error(fn, prompt, response, f"returned a dict {_describe(value)}; pick the score to train "
+                                                  "on with --reward-key KEY")
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise _reward_error(fn, prompt, response, f"returned {_describe(value)}; expected a finite float")
     return float(value)
@@ -279,5 +407,4 @@ def _describe(value: Any) -> str:
 
 
 def _name(fn: Callable[..., Any]) -> str:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"{module}.{qualname}" if module and qualname else repr(fn)
+    return display_name(fn)

@@ -11,7 +11,8 @@ Beyond the seed:
   `teardown_errors(exc)`) and the primary propagates; without one, a single teardown error
   propagates as itself and several as an `ExceptionGroup` (contrast `AsyncExitStack`, CPython #102201);
 - each entry has a timeout, then an optional `force` callable (graceful, then forced); the whole
-  unwind has a deadline, after which each remaining entry still gets a short floor of time;
+  unwind has a deadline: an entry gets at most an equal share of the time left (one hung teardown
+  cannot spend the others' time), and never less than a short floor, even past the deadline;
 - plain callables run in a daemon thread so a hung one can be abandoned and the unwind goes on;
 - every registration and teardown is a trace event (`registered`, `disposed`).
 """
@@ -21,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
+
+from .threads import in_daemon_thread
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEADLINE_S = 300.0
@@ -131,10 +133,13 @@ class Disposer:
         start = time.monotonic()
         self._emit("unwind_start", resources=len(self._entries))
         errors: list[BaseException] = []
-        for entry in reversed(self._entries):
+        entries = list(reversed(self._entries))
+        for i, entry in enumerate(entries):
             remaining = self.deadline - (time.monotonic() - start)
-            budget = entry.timeout if entry.timeout <= remaining else max(remaining, FLOOR_AFTER_DEADLINE_S)
-            outcome = await self._dispose_one(entry, budget)
+            # at most its own timeout, and an equal share of what is left: one hung teardown cannot
+            # spend the time of those after it (what an entry does not use rolls over to the rest)
+            share = max(remaining / (len(entries) - i), FLOOR_AFTER_DEADLINE_S)
+            outcome = await self._dispose_one(entry, min(entry.timeout, share), min(self.force_timeout, share))
             self.outcomes.append(outcome)
             if outcome.error is not None:
                 errors.append(outcome.error)
@@ -149,7 +154,7 @@ class Disposer:
         if outcome is not None and outcome is not primary:
             raise outcome
 
-    async def _dispose_one(self, entry: _Entry, budget: float) -> TeardownOutcome:
+    async def _dispose_one(self, entry: _Entry, budget: float, force_budget: float) -> TeardownOutcome:
         t0 = time.monotonic()
         error: BaseException | None = None
         try:
@@ -158,22 +163,22 @@ class Disposer:
         except BaseException as exc:  # noqa: BLE001 - a teardown's failure must not stop the others
             outcome, error = "error", exc
         if outcome == "timeout":
-            outcome, error = await self._escalate(entry, budget)
+            outcome, error = await self._escalate(entry, budget, force_budget)
         out = TeardownOutcome(entry.position, entry.name, outcome, time.monotonic() - t0, error)
         self._emit("disposed", position=entry.position, resource=entry.name, outcome=outcome,
                    duration_s=round(out.duration_s, 6), error=error)
         return out
 
-    async def _escalate(self, entry: _Entry, budget: float) -> tuple[str, BaseException | None]:
+    async def _escalate(self, entry: _Entry, budget: float, force_budget: float) -> tuple[str, BaseException | None]:
         if entry.force is None:
             return "timeout", TeardownTimeout(
                 f"teardown of {entry.name} did not finish within {budget:.1f}s and has no force")
         try:
-            if await _call_within(entry.force, self.force_timeout, f"{entry.name}.force"):
+            if await _call_within(entry.force, force_budget, f"{entry.name}.force"):
                 return "forced", None
             return "force_failed", TeardownTimeout(
                 f"teardown of {entry.name} timed out after {budget:.1f}s, and so did its force "
-                f"after {self.force_timeout:.1f}s")
+                f"after {force_budget:.1f}s")
         except BaseException as exc:  # noqa: BLE001
             return "force_failed", exc
 
@@ -260,7 +265,7 @@ async def _call_within(fn: Callable[[], Any], budget: float, name: str) -> bool:
     if _is_async_callable(fn):
         fut: asyncio.Future[Any] = asyncio.ensure_future(fn())
     else:
-        fut = _in_daemon_thread(fn, name)
+        fut = in_daemon_thread(fn, name=f"miles-dispose-{name}")   # a hung one cannot keep the process alive
     if not await _wait(fut, deadline - time.monotonic()):
         return False
     result = fut.result()
@@ -281,31 +286,3 @@ async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:
     if fut.done() and not fut.cancelled():
         fut.exception()                   # mark retrieved: its late failure is the timeout's business
     return False
-
-
-def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
-    """Run a blocking teardown in a daemon thread: a hung one cannot keep the process alive."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def target() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting side
-            _threadsafe(loop, settle, False, exc)
-        else:
-            _threadsafe(loop, settle, True, value)
-
-    threading.Thread(target=target, name=f"miles-dispose-{name}", daemon=True).start()
-    return fut
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:                  # loop closed: nobody is waiting any more
-        pass

@@ -5,6 +5,10 @@ A definition is data. It names its states (a subset of the fixed eight), the pha
 diagram and the trace checker. `source: "*"` means every non-final state that has no explicit
 transition for that trigger, other than the destination itself (a wildcard never makes a self-loop).
 `draining` needs `fail` (to shutdown) and no `stop` route: a stop request while draining is moot. Every problem is reported with the line of the YAML key it concerns.
+
+Every non-final state has a deadline: `timeout: SECONDS` in its entry (`rollout: {phase: ..., timeout:
+3600}`), else DEFAULT_PHASE_TIMEOUT_S; `deadlines(overrides)` applies --phase-timeout. Past it the
+runner cancels the phase and the run drains.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ REQUIRED_STATES = ("init", "draining", "shutdown")
 # routes every non-final state needs: `fail` (any error) and `stop` (a graceful stop request)
 REQUIRED_ROUTES = ("fail", "stop")
 FAIL, STOP, FINISH = "fail", "stop", "finish"
+DEFAULT_PHASE_TIMEOUT_S = 3600.0   # a state whose YAML entry names no timeout gets an hour
 
 
 class MachineDefinitionError(ValueError):
@@ -52,6 +57,7 @@ class StateDef:
     phase: str | None            # "module:function"; None for the final state
     final: bool = False
     line: int = 0
+    timeout_s: float | None = None   # `timeout:` seconds; None: DEFAULT_PHASE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,13 @@ class MachineDef:
     def terminal_state(self) -> str:
         """Where the run ends: the final state a failure while draining goes to."""
         return self.transitions_from(self.drain_state, FAIL)[0].dest
+
+    def deadlines(self, overrides: dict[str, float] | None = None) -> dict[str, float]:
+        """Seconds each non-final state's phase may run: `overrides` (--phase-timeout), else its YAML
+        `timeout`, else DEFAULT_PHASE_TIMEOUT_S."""
+        overrides = overrides or {}
+        return {s.name: overrides.get(s.name, s.timeout_s or DEFAULT_PHASE_TIMEOUT_S)
+                for s in self.states.values() if not s.final}
 
     @property
     def guards(self) -> set[str]:
@@ -218,13 +231,27 @@ def _parse_states(raw: Any, problems: list[str]) -> dict[str, StateDef]:
             problems.append(f"line {line}: state {name!r} is final and cannot have a phase")
         if not final and not isinstance(phase, str):
             problems.append(f"line {line}: state {name!r} needs 'phase: package.module:function'")
-        states[name] = StateDef(name=name, phase=phase, final=final, line=line)
+        states[name] = StateDef(name=name, phase=phase, final=final, line=line,
+                                timeout_s=_timeout(name, spec, final, line, problems))
     for name in REQUIRED_STATES:
         if name not in states:
             problems.append(f"state {name!r} is required")
     if "shutdown" in states and not states["shutdown"].final:
         problems.append(f"line {states['shutdown'].line}: state 'shutdown' must be final (final: true)")
     return states
+
+
+def _timeout(name: str, spec: dict, final: bool, line: int, problems: list[str]) -> float | None:
+    value = spec.get("timeout")
+    if value is None:
+        return None
+    if final:
+        problems.append(f"line {line}: state {name!r} is final: it runs no phase and has no timeout")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        problems.append(f"line {line}: state {name!r}: timeout {value!r} must be a number of seconds > 0")
+    else:
+        return float(value)
+    return None
 
 
 def _parse_transitions(raw: Any, states: dict[str, StateDef], problems: list[str]) -> list[TransitionDef]:

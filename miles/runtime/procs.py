@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from typing import Any, Sequence
 
@@ -79,3 +81,32 @@ def pid_running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def die_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGKILL when the thread that started it exits (Linux
+    PR_SET_PDEATHSIG), so a server does not outlive an owner killed with -9. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1          # noqa: N806  (prctl's name, <linux/prctl.h>)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the kernel's pick; another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str | os.PathLike, max_bytes: int = 4000) -> str:
+    """The last `max_bytes` of a log file (what an error message quotes), or a note that there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - max_bytes, 0))
+            return f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(no log at {path}: {exc})"

@@ -13,6 +13,14 @@ The first failure is what `run()` raises; teardown errors are attached to it.
 The runner names no state: where `fail` and `stop` lead, and whether a trigger is legal at all, are
 the machine's (`transitions` answers `get_triggers`); the final state ends the loop. Each guard is
 called once per decision: the machine decides on those values and the `transition` event records them.
+
+Nothing waits forever. Each phase runs as a task with its state's deadline (`deadlines`, from the
+machine YAML and --phase-timeout): past it the task is cancelled (abandoned if it ignores the cancel
+for CANCEL_GRACE_S: a shielded await, a thread it waits on) and PhaseTimeout takes the fail route. A
+stop request bounds the rest of the run by `stop_timeout_s` from the moment the runner sees it: the
+running phase gets PHASE_SHARE of it (then it is cut and `stop` fires), draining until DRAIN_SHARE,
+the teardown until TEARDOWN_SHARE; the rest is the process's exit. `ctx.deadline` tells the running
+phase when it will be cut (draining budgets a stop's save by it).
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ from .disposer import Disposer, merge_teardown_errors
 from .machine import FAIL, STOP, MachineDef
 from .trace import Tracer
 
+DEFAULT_STOP_TIMEOUT_S = 20.0  # a cluster's preemption grace is ~30 s, then SIGKILL
+PHASE_SHARE = 0.25             # of the stop timeout: the phase running when the stop came may finish
+DRAIN_SHARE = 0.7              # draining (with a stop's save) is cut by then
+TEARDOWN_SHARE = 0.9           # the teardown's deadline; the rest is the process's exit
+CANCEL_GRACE_S = 1.0           # a cancelled phase gets this long to unwind before it is abandoned
+
 
 class PhaseContext:
     """What every phase handler receives. Training contexts subclass it and add guards."""
@@ -36,6 +50,7 @@ class PhaseContext:
         self.state: str | None = None
         self.rollout_id: int | None = None
         self.stop_requested = asyncio.Event()
+        self.deadline: float | None = None          # time.monotonic() at which the running phase is cut
 
 
 class _Model:
@@ -46,10 +61,14 @@ class _Model:
 
 class Runner:
     def __init__(self, definition: MachineDef, context: PhaseContext,
-                 handlers: dict[str, Callable[..., Any]] | None = None):
+                 handlers: dict[str, Callable[..., Any]] | None = None, *,
+                 deadlines: dict[str, float] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S):
         self.definition = definition
         self.ctx = context
         self.handlers = handlers if handlers is not None else definition.resolve_phases()
+        self.deadlines = definition.deadlines() if deadlines is None else {**definition.deadlines(), **deadlines}
+        self.stop_timeout_s = stop_timeout_s
+        self._stop_at: float | None = None          # when the runner first saw the stop request
         self._model = _Model()
         definition.check_guards(context)           # every guard exists before any phase runs
         self._decided: dict[str, bool] = {}         # the guards' values for the move being made
@@ -83,17 +102,74 @@ class Runner:
         state = self.ctx.state = self.state
         handler = self.handlers[state]
         t0 = time.monotonic()
-        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_id)
-        trigger = await handler(self.ctx)
-        if not isinstance(trigger, str):
+        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_id,
+                                 deadline_s=self.deadlines[state])
+        trigger = await self._run_phase(state, handler, start)
+        if trigger is not None and not isinstance(trigger, str):
             raise TypeError(f"phase {state!r} returned {trigger!r}; a phase returns the trigger name to fire")
         end = self.tracer.emit("phase_end", state=state, rollout_id=self.ctx.rollout_id, trigger=trigger,
-                               duration_s=round(time.monotonic() - t0, 6), cause=start)
+                               duration_s=round(time.monotonic() - t0, 6), cause=start,
+                               cut="stop" if trigger is None else None)
         # a stop is honoured where the machine has a stop route (not while draining: it would be moot)
         if self.ctx.stop_requested.is_set() and trigger != STOP and self._allows(state, STOP):
             self.tracer.emit("stop_honoured", state=state, ignored_trigger=trigger, cause=end)
             trigger = STOP
         self._fire(trigger, cause=end)
+
+    async def _run_phase(self, state: str, handler: Callable[..., Any], start: int) -> str | None:
+        """The phase's trigger, or None when a stop cut it; PhaseTimeout past its deadline."""
+        deadline = time.monotonic() + self.deadlines[state]
+        self._note_stop(state, start)
+        cut_at, why = self._cut(state, deadline)
+        self.ctx.deadline = cut_at
+        task = asyncio.ensure_future(handler(self.ctx))
+        stop_seen = asyncio.ensure_future(self.ctx.stop_requested.wait())
+        waiting = {task, stop_seen}
+        try:
+            while not task.done() and time.monotonic() < cut_at:
+                await asyncio.wait(waiting, timeout=cut_at - time.monotonic(), return_when=asyncio.FIRST_COMPLETED)
+                if stop_seen.done():            # a stop came: the phase's cut moves up
+                    waiting.discard(stop_seen)
+                    self._note_stop(state, start)
+                    cut_at, why = self._cut(state, deadline)
+                    self.ctx.deadline = cut_at
+        except asyncio.CancelledError:          # the runner itself was cancelled (a second signal, a host)
+            await _cancel(task)
+            raise
+        finally:
+            stop_seen.cancel()
+        if task.done():
+            return task.result()
+        return await self._cut_phase(state, task, why, deadline, start)
+
+    def _cut(self, state: str, deadline: float) -> tuple[float, str]:
+        """When the running phase is cut, and why: its own deadline, or the stop's share of the budget."""
+        if self._stop_at is None:
+            return deadline, "deadline"
+        share = DRAIN_SHARE if state == self.definition.drain_state else PHASE_SHARE
+        stop_cut = self._stop_at + share * self.stop_timeout_s
+        return (stop_cut, "stop") if stop_cut < deadline else (deadline, "deadline")
+
+    def _note_stop(self, state: str, cause: int) -> None:
+        if self._stop_at is None and self.ctx.stop_requested.is_set():
+            self._stop_at = time.monotonic()
+            self.tracer.emit("stop_requested", state=state, stop_timeout_s=self.stop_timeout_s, cause=cause,
+                             phase_cut_s=PHASE_SHARE * self.stop_timeout_s,
+                             draining_cut_s=DRAIN_SHARE * self.stop_timeout_s,
+                             teardown_by_s=TEARDOWN_SHARE * self.stop_timeout_s)
+
+    async def _cut_phase(self, state: str, task: asyncio.Future, why: str, deadline: float, start: int) -> None:
+        """Cancel the phase; a stop's cut of a phase with a stop route returns None, the rest raise."""
+        abandoned = await _cancel(task)
+        timeout_s = round(time.monotonic() - (deadline - self.deadlines[state]), 6)
+        self.tracer.emit("phase_timeout", state=state, rollout_id=self.ctx.rollout_id, reason=why,
+                         after_s=timeout_s, abandoned=abandoned, cause=start)
+        if why == "stop" and self._allows(state, STOP):
+            return None
+        budget = (f"its {self.deadlines[state]:g} s deadline" if why == "deadline"
+                  else f"the stop's budget ({DRAIN_SHARE:.0%} of --stop-timeout {self.stop_timeout_s:g} s)")
+        raise PhaseTimeout(f"phase {state!r} ran past {budget} and was "
+                           f"{'abandoned (it ignored the cancel)' if abandoned else 'cancelled'}")
 
     def _fire(self, trigger: str, *, cause: int | None) -> None:
         src = self.state
@@ -139,6 +215,9 @@ class Runner:
 
     async def _shutdown(self, t0: float) -> None:
         self.ctx.state = self.state
+        if self._stop_at is not None:           # the teardown fits in what the stop's budget leaves
+            left = self._stop_at + TEARDOWN_SHARE * self.stop_timeout_s - time.monotonic()
+            self.ctx.disposer.deadline = min(self.ctx.disposer.deadline, max(left, 0.0))
         errors = await self.ctx.disposer.unwind()
         self.failure = merge_teardown_errors(self.failure, errors)
         if self.failure is None:
@@ -152,3 +231,20 @@ class Runner:
 
 class IllegalTransition(RuntimeError):
     """A phase returned a trigger the machine does not allow from the current state."""
+
+
+class PhaseTimeout(TimeoutError):
+    """A phase ran past its deadline (or draining past a stop's budget) and was cancelled or abandoned."""
+
+
+async def _cancel(task: asyncio.Future) -> bool:
+    """Cancel `task` and give it CANCEL_GRACE_S to unwind; True if it is still running (abandoned:
+    nothing awaits it any more, and its late outcome is retrieved so it is not reported)."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    if not task.done():
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return True
+    if not task.cancelled():
+        task.exception()
+    return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -29,12 +30,40 @@ CORE_FIELDS = (
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
-    """The `error` field: type, message and formatted traceback of an exception."""
+    """The `error` field: type, message and formatted traceback of an exception (colour codes a
+    library put in them removed), and `summary`: its root cause in one line (`error_summary`)."""
     return {
         "type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "message": strip_ansi(str(exc)),
+        "traceback": strip_ansi("".join(traceback.format_exception(exc))),
+        "summary": error_summary(exc),
     }
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception a wrapper carries: Ray's RayTaskError keeps the one raised in the actor as
+    `cause` (its own message is the remote traceback); anything else is its own root."""
+    seen = {id(exc)}
+    while isinstance(inner := getattr(exc, "cause", None), BaseException) and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc
+
+
+def error_summary(exc: BaseException) -> str:
+    """`Type: message` of the root cause, on one line: what a person reads first."""
+    root = root_cause(exc)
+    problems = getattr(root, "problems", None)          # a ConfigError lists its problems
+    lines = [str(p) for p in problems] if isinstance(problems, list) and problems else \
+        [line.strip() for line in strip_ansi(str(root)).splitlines() if line.strip()][:1]
+    return f"{type(root).__name__}: {'; '.join(lines)}" if lines else type(root).__name__
 
 
 class _Sink:

@@ -82,6 +82,10 @@ def _failure_text(f: FailureView) -> Text:
 
 
 def _error_line(err: dict) -> str:
+    """The root cause in one line when the trace has it (`summary`, not a Ray wrapper's remote
+    traceback; that one is under "traceback:"), else the type and message."""
+    if err.get("summary"):
+        return err["summary"]
     message = err.get("message")
     return f"{err.get('type')}: {message}" if message else str(err.get("type"))
 

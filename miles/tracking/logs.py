@@ -160,7 +160,8 @@ class _Tee:
         self.stream = stream
 
     def __call__(self, _logger: Any, name: str, ev: dict[str, Any]) -> dict[str, Any]:
-        if LEVELS.get(ev.get("level", ""), 0) >= LEVELS["warning"]:
+        # stderr=False: for the file only (the CLI's full traceback of a failure it summarised already)
+        if ev.pop("stderr", True) and LEVELS.get(ev.get("level", ""), 0) >= LEVELS["warning"]:
             extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "level", "ts", "run_id"))
             print(f"[{ev['level']}] {ev.get('event')} {extra}", file=self.stream or sys.stderr, flush=True)
         return ev

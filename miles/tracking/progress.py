@@ -39,13 +39,14 @@ class Expected:
     samples_per_rollout: int | None = None
     micro_batches_per_rollout: int | None = None
     num_rollout: int | None = None
+    sft: bool = False                        # SFT shows its loss and tokens trained, not RL numbers
 
     @classmethod
     def of(cls, cfg: Any) -> "Expected":
         """From a RunConfig (duck-typed: this module imports nothing from the run)."""
         n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
         return cls(samples_per_rollout=n, micro_batches_per_rollout=-(-n // cfg.train.micro_batch_size),
-                   num_rollout=cfg.num_rollout)
+                   num_rollout=cfg.num_rollout, sft=cfg.algorithm.loss_type == "sft_loss")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class ProgressModel:
     step_times: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     last_step_mono: float | None = None
     stopping: bool = False
+    no_signal: int = 0                        # rollouts in a row with equal rewards in every group (from the trace)
+    tokens_trained: float = 0.0               # SFT: response tokens trained on by this invocation
     error: str | None = None
     outcome: str | None = None
     mono: float = 0.0                          # the latest event's mono
@@ -93,12 +96,19 @@ class ProgressModel:
         self.start_rollout = int(ev.get("next_rollout", 0))
         return [f"resumed after rollout {ev.get('rollout_id')} from {ev.get('path')}"]
 
+    def _on_resume_skipped(self, ev: dict[str, Any]) -> list[str]:
+        return [f"starting fresh: {ev.get('reason')} under --load {ev.get('root')}"]
+
+    def _on_start_rollout_set(self, ev: dict[str, Any]) -> list[str]:
+        self.start_rollout = int(ev.get("next_rollout", 0))
+        return [f"starting at rollout {self.start_rollout} (--start-rollout-id)"]
+
     def _on_phase_start(self, ev: dict[str, Any]) -> list[str]:
         self.state, self.phase_start = ev.get("state", ""), self.mono
         if ev.get("rollout_id") is not None:
             self.rollout_id = ev["rollout_id"]
         if self.state == "draining":
-            return [f"draining{' after ' + self.error if self.error else ''}"]
+            return ["draining after the error" if self.error else "draining"]
         return [self.state] if self.state in MILESTONES and self.state != "draining" else []
 
     def _on_phase_end(self, ev: dict[str, Any]) -> None:
@@ -117,6 +127,9 @@ class ProgressModel:
         for key, name in (("reward_mean", "reward"), ("kl", "kl"), ("loss", "loss")):
             if isinstance(ev.get(key), (int, float)):
                 self.stats[name] = float(ev[key])
+        self.no_signal = int(ev.get("zero_variance_rollouts") or 0)
+        if isinstance(ev.get("train_tokens"), (int, float)):
+            self.tokens_trained += ev["train_tokens"]
         if self.last_step_mono is not None:
             self.step_times.append(self.mono - self.last_step_mono)
             self.stats["step_s"] = self.step_times[-1]
@@ -131,6 +144,8 @@ class ProgressModel:
         for key, name in (("gen_tokens_per_s", "tok_s"), ("entropy", "entropy"), ("response_len_mean", "len")):
             if isinstance(row.get(key), (int, float)):
                 self.stats[name] = float(row[key])
+        if self.expected.sft and row.get("train_time_s") and isinstance(row.get("train_tokens"), (int, float)):
+            self.stats["tok_s"] = row["train_tokens"] / row["train_time_s"]      # trained, not generated
         return [self.rollout_line()]
 
     def _on_eval_done(self, ev: dict[str, Any]) -> None:
@@ -150,10 +165,14 @@ class ProgressModel:
     def _on_engine_restart(self, ev: dict[str, Any]) -> list[str]:
         return [f"engine {ev.get('engine')} died; restarting it"]
 
+    def _on_warning(self, ev: dict[str, Any]) -> list[str]:
+        return [f"warning: {ev.get('message', ev.get('code', ''))}"]
+
     def _on_error(self, ev: dict[str, Any]) -> list[str]:
         err = ev.get("error") or {}
-        self.error = f"{err.get('type', 'error')}: {err.get('message', '')}".strip()
-        return [f"error in {ev.get('state')}: {self.error}"]
+        first = self.error is None
+        self.error = err.get("summary") or f"{err.get('type', 'error')}: {err.get('message', '')}".strip()
+        return [f"error in {ev.get('state')}: {self.error}"] if first else []   # the cause once: the first
 
     def _on_run_end(self, ev: dict[str, Any]) -> list[str]:
         self.outcome, self.state = ev.get("outcome", ""), "shutdown"
@@ -184,14 +203,25 @@ class ProgressModel:
     def rollout_line(self) -> str:
         s = self.stats
         parts = [f"rollout {self.last_trained} ({self.done}/{self.num_rollout or '?'})"]
-        for key, label, fmt in (("reward", "reward", ".4g"), ("kl", "kl", ".3g"), ("entropy", "ent", ".3g"),
-                                ("step_s", "step", ".1f"), ("tok_s", "tok/s", ".0f")):
+        for key, label, fmt in _line_keys(self.expected.sft):
             if key in s:
                 parts.append(f"{label}={s[key]:{fmt}}" + ("s" if key == "step_s" else ""))
+        if self.expected.sft:
+            parts.insert(2, f"tokens={int(self.tokens_trained)}")
         eta = self.eta_s()
         if eta is not None:
             parts.append(f"eta={_clock(eta)}")
+        if self.no_signal:
+            parts.append(f"WARNING: equal rewards in every group for {self.no_signal} rollouts, nothing to learn")
         return "  ".join(parts)
+
+
+def _line_keys(sft: bool) -> tuple[tuple[str, str, str], ...]:
+    """What a trained rollout's line shows: RL's reward and KL, or SFT's loss and training speed."""
+    if sft:
+        return (("loss", "loss", ".4g"), ("step_s", "step", ".1f"), ("tok_s", "train tok/s", ".0f"))
+    return (("reward", "reward", ".4g"), ("kl", "kl", ".3g"), ("entropy", "ent", ".3g"),
+            ("step_s", "step", ".1f"), ("tok_s", "tok/s", ".0f"))
 
 
 def _clock(seconds: float | None) -> str:
@@ -317,10 +347,16 @@ class Progress:
 
 def _stats_text(m: ProgressModel) -> str:
     s, parts = m.stats, []
-    for key, label, fmt in (("reward", "reward", ".4g"), ("kl", "kl", ".3g"), ("entropy", "entropy", ".3g"),
-                            ("step_s", "step s", ".1f"), ("tok_s", "tok/s", ".0f"), ("samples_s", "samples/s", ".1f")):
+    keys = (("loss", "loss", ".4g"), ("step_s", "step s", ".1f"), ("tok_s", "train tok/s", ".0f")) if m.expected.sft \
+        else (("reward", "reward", ".4g"), ("kl", "kl", ".3g"), ("entropy", "entropy", ".3g"), ("step_s", "step s", ".1f"),
+              ("tok_s", "tok/s", ".0f"), ("samples_s", "samples/s", ".1f"))
+    if m.expected.sft:
+        parts.append(f"tokens {int(m.tokens_trained)}")
+    for key, label, fmt in keys:
         if key in s:
             parts.append(f"{label} {s[key]:{fmt}}")
+    if m.no_signal:
+        parts.append(f"WARNING: equal rewards in every group for {m.no_signal} rollouts")
     parts += [f"{name} pass@1 {v:.3f}" for name, v in m.evals.items()]
     return "   ".join(parts) or "-"
 

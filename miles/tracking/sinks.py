@@ -1,12 +1,13 @@
-"""Where a run's metrics go: metrics.jsonl always, TensorBoard and W&B when asked, behind one `Tracker`.
+"""Where a run's metrics go: metrics.jsonl always; TensorBoard, W&B and MLflow when asked; behind one `Tracker`.
 
 The phases call `ctx.c.metrics.log(step, row)` once per trained rollout and once per eval; the
 `Tracker` hands each row to every sink. `init` opens the sinks one at a time (`open_sinks`) and
 registers each with the run's disposer as it opens, so a W&B login that fails still leaves the
 metrics file and the TensorBoard writer to be closed by the teardown; `draining` flushes them.
 
-TensorBoard and W&B are optional extras (`pip install miles[tensorboard]`, `miles[wandb]`): asking for
-one that is not installed is a configuration error, found with the flags (`tracking_problems`).
+TensorBoard and W&B are optional extras (`pip install miles[tensorboard]`, `miles[wandb]`), MLflow a
+package of its own (`pip install mlflow`): asking for one that is not installed is a configuration
+error, found with the flags (`tracking_problems`).
 Both get numbers only, tagged `<kind>/<key>` (`train/reward_mean`) unless the key already has a
 section (`eval/arith/pass@1`), against the rollout id; W&B plots them over its own `rollout` axis
 because evals of the async machine can arrive after the next rollout's row.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -24,7 +27,8 @@ from miles.config import ConfigError, TrackingConfig
 from miles.tracking.metrics import MetricsWriter
 
 EXTRAS = {"use_tensorboard": ("tensorboard", "--use-tensorboard", "tensorboard"),
-          "use_wandb": ("wandb", "--use-wandb", "wandb")}   # field: (module, flag, extra)
+          "use_wandb": ("wandb", "--use-wandb", "wandb"),
+          "use_mlflow": ("mlflow", "--use-mlflow", None)}   # field: (module, flag, extra or None: pip install module)
 
 
 class Sink(Protocol):
@@ -59,8 +63,8 @@ def tracking_problems(cfg: TrackingConfig) -> list[str]:
     problems = []
     for field_name, (module, flag, extra) in EXTRAS.items():
         if getattr(cfg, field_name) and importlib.util.find_spec(module) is None:
-            problems.append(f"{flag}: the {module!r} package is not installed; "
-                            f"pip install 'miles[{extra}]' (or drop {flag})")
+            install = f"'miles[{extra}]'" if extra else module
+            problems.append(f"{flag}: the {module!r} package is not installed; pip install {install} (or drop {flag})")
     return problems
 
 
@@ -74,6 +78,8 @@ def open_sinks(cfg: TrackingConfig, *, run_dir: Path, run_id: str, run_config: d
         yield TensorBoardSink(Path(cfg.tensorboard_dir or run_dir / "tensorboard"))
     if cfg.use_wandb:
         yield WandbSink(cfg, run_dir=run_dir, run_id=run_id, run_config=run_config)
+    if cfg.use_mlflow:
+        yield MlflowSink(run_dir=run_dir, run_id=run_id, run_config=run_config)
 
 
 def scalars(step: int, row: dict[str, Any]) -> dict[str, float]:
@@ -144,3 +150,56 @@ class WandbSink:
     def dispose(self) -> None:
         """Finish the W&B run (uploads what is left in online mode; closes the offline files)."""
         self._run.finish()
+
+
+class MlflowSink:
+    """One MLflow run per miles run (its name is the run id), through an `MlflowClient` of its own,
+    so two runs embedded in one process never share MLflow's global active run. Tracking URI:
+    $MLFLOW_TRACKING_URI, else `<run_dir>/mlruns`; experiment: $MLFLOW_EXPERIMENT_NAME, else miles.
+    The run owns the MLflow run and ends it."""
+
+    resource_name = "mlflow"
+    PARAM_CHARS = 500                # MLflow's limit on a parameter value
+
+    def __init__(self, *, run_dir: Path, run_id: str, run_config: dict[str, Any]):
+        import mlflow
+        from mlflow.entities import Metric, Param
+
+        self._metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir).resolve() / "mlruns").as_uri()
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "miles"
+        self._client = mlflow.MlflowClient(tracking_uri=uri)
+        experiment = self._client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)
+        self._run_id = self._client.create_run(experiment_id, run_name=run_id, tags={"miles.run_id": run_id}).info.run_id
+        params = [Param(k, str(v)[:self.PARAM_CHARS]) for k, v in _flatten(run_config).items()]
+        for i in range(0, len(params), 100):            # MLflow takes at most 100 params per batch
+            self._client.log_batch(self._run_id, params=params[i:i + 100])
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(mlflow_key(k), v, now, step) for k, v in scalars(step, row).items()]
+        if metrics:
+            self._client.log_batch(self._run_id, metrics=metrics)
+
+    def flush(self) -> None:
+        """MLflow writes each batch as it is logged; nothing is buffered on our side."""
+
+    def dispose(self) -> None:
+        """End the MLflow run (FINISHED)."""
+        self._client.set_terminated(self._run_id)
+
+
+def mlflow_key(tag: str) -> str:
+    """MLflow keys allow letters, digits, _ - . / space and colon: `pass@4` becomes `pass_at_4`."""
+    return re.sub(r"[^\w.\-/ :]", "_", tag.replace("@", "_at_"))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

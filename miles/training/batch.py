@@ -3,6 +3,11 @@
 Row i holds prompt + response of sample i, then padding. Per-token tensors follow the project's
 alignment (see `miles.algorithms.entropy`): position t holds the value for tokens[:, t], so the
 response's logprobs sit under the response tokens and position 0 (a prompt token) is never used.
+
+The loss mask is the sample's (`Sample.mask()`): True on the tokens the model sampled, False on the
+prompt, on tool / environment tokens inside a multi-turn response, on padding, and on every token of
+an aborted or failed sample. Advantages and rollout logprobs are 0 off the mask; the sample's reward
+sits on its last trained token.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from miles.types import Sample
 @dataclass
 class TrainBatch:
     tokens: Tensor            # [B, T] int64, prompt + response, right-padded with pad_id
-    loss_mask: Tensor         # [B, T] bool, True on response tokens
-    advantages: Tensor        # [B, T] float32, the sample's advantage on its response tokens, 0 elsewhere
-    token_rewards: Tensor     # [B, T] float32, the sample's reward on its last response token, 0 elsewhere
-    rollout_logprobs: Tensor  # [B, T] float32, the engine's logprobs on response tokens, 0 elsewhere
+    loss_mask: Tensor         # [B, T] bool, True on the response tokens the model sampled (trained)
+    advantages: Tensor        # [B, T] float32, the sample's advantage on its trained tokens, 0 elsewhere
+    token_rewards: Tensor     # [B, T] float32, the sample's reward on its last trained token, 0 elsewhere
+    rollout_logprobs: Tensor  # [B, T] float32, the engine's logprobs on trained tokens, 0 elsewhere
     attention_mask: Tensor    # [B, T] int64, 1 on prompt + response, 0 on padding
     weight_version: int       # oldest weight version among the samples
     old_logprobs: Tensor | None = None  # [B, T] float32, the trainer's before this rollout's steps
@@ -36,7 +41,7 @@ class TrainBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Response tokens (the loss's tokens)."""
+        """Trained tokens (the loss's tokens)."""
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -51,6 +56,10 @@ def _check_sample(i: int, s: Sample) -> None:
     if len(s.rollout_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
                          f"but {len(s.rollout_logprobs)} rollout logprobs; they must pair one to one")
+    if s.loss_mask is not None and len(s.loss_mask) != len(s.response_ids):
+        raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
+                         f"but a loss mask of {len(s.loss_mask)}; a generate function must extend all three "
+                         "lists together (Sample.append)")
 
 
 def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -69,12 +78,14 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
     attention_mask = torch.zeros((b, width), dtype=torch.long)
     for i, s in enumerate(samples):
         p, r = len(s.prompt.prompt_ids), len(s.response_ids)
-        tokens[i, :p + r] = torch.tensor(list(s.prompt.prompt_ids) + list(s.response_ids), dtype=torch.long)
-        loss_mask[i, p:p + r] = True
-        advantages[i, p:p + r] = s.advantage
-        if r:
-            token_rewards[i, p + r - 1] = s.reward
-        rollout_logprobs[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
+        mask = torch.tensor(s.mask(), dtype=torch.bool)
+        loss_mask[i, p:p + r] = mask
+        advantages[i, p:p + r] = torch.where(mask, s.advantage, 0.0)
+        trained = mask.nonzero()
+        if len(trained):
+            token_rewards[i, p + int(trained[-1])] = s.reward
+        rollout_logprobs[i, p:p + r] = torch.where(mask, torch.tensor(s.rollout_logprobs, dtype=torch.float32), 0.0)
         attention_mask[i, :p + r] = 1
     return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages, token_rewards=token_rewards,
                       rollout_logprobs=rollout_logprobs, attention_mask=attention_mask,

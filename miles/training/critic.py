@@ -117,7 +117,7 @@ class Critic(OptimizedModel):
             raise ValueError(f"values {tuple(values.shape)} / returns {tuple(returns.shape)} do not match the packed "
                              f"samples {tuple(batch.tokens.shape)}")
         batch = replace(batch, values=values.float(), returns=returns.float()).to(self.device)
-        size = self._train_cfg.global_batch_size or batch.size
+        size = self._train_cfg.global_batch(batch.size)
         steps = [self._step(gb) for gb in split(batch, size)]
         metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         mask = batch.loss_mask
@@ -147,9 +147,9 @@ class Critic(OptimizedModel):
             return self._model(mb.tokens, mb.attention_mask)
 
     # --- state -----------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
         """Into the folder `path`: the backbone as an HF folder (save_pretrained, with the tokenizer), the
-        value head, the optimizer state and the step count."""
+        value head, the optimizer state (unless `optimizer` is False: --no-save-optim) and the step count."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -157,7 +157,7 @@ class Critic(OptimizedModel):
         model.lm.save_pretrained(str(path))
         self._tokenizer.save_pretrained(str(path))
         save_file(state_dict_to_cpu(model_weights(model.value_head)), str(path / HEAD_FILE))
-        self._save_optimizer(path)
+        self._save_optimizer(path, optimizer=optimizer)
 
     def load(self, path: str | Path) -> None:
         """Restore what `save` wrote: backbone, head, optimizer state, step count."""

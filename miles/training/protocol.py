@@ -66,8 +66,9 @@ class TrainerBackend(Protocol):
         """Checksum of the weights (cast to `dtype` when given, to compare with an engine's)."""
         ...
 
-    def save(self, path: str | Path) -> None:
-        """Everything a resume needs (weights, optimizer, RNG, step count) into the folder `path`."""
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+        """Everything a resume needs (weights, optimizer unless `optimizer` is False, RNG, step count)
+        into the folder `path`."""
         ...
 
     def load(self, path: str | Path) -> None:
@@ -95,7 +96,7 @@ class CriticBackend(Protocol):
         """Value-loss steps on one rollout; metrics prefixed `critic/`."""
         ...
 
-    def save(self, path: str | Path) -> None: ...
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None: ...
 
     def load(self, path: str | Path) -> None: ...
 

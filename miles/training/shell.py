@@ -75,9 +75,16 @@ class OptimizedModel:
         self._num_steps += 1
         return grad_norm
 
-    def _save_optimizer(self, path: Path) -> None:
-        torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
-        (path / self.state_file).write_text(json.dumps({"num_steps": self._num_steps}))
+    def _save_optimizer(self, path: Path, *, optimizer: bool = True) -> None:
+        """The step count, and the optimizer state unless `optimizer` is False (--no-save-optim: a
+        resume from `path` starts a fresh optimizer; the state file says so)."""
+        if optimizer:
+            torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+        (path / self.state_file).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer}))
+
+    def _saved_with_optimizer(self, path: Path) -> bool:
+        state = path / self.state_file
+        return not state.is_file() or json.loads(state.read_text()).get("optimizer", True)
 
     def _load_optimizer(self, path: Path) -> None:
         """Optimizer state and step count, each when `path` holds it."""

@@ -30,6 +30,7 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_l
 from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
+from miles.user_code import display_name, import_user_function
 
 # (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
 Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
@@ -50,6 +51,8 @@ def config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: Rol
         problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
     if algorithm.loss_type not in LOSS_TYPES:
         problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
+    if (algorithm.loss_type == "custom_loss") != bool(algorithm.custom_loss_function_path):
+        problems.append("--loss-type custom_loss needs --custom-loss-function-path (and only it)")
     if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
         problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
     if algorithm.use_tis and algorithm.use_rollout_logprobs:
@@ -73,6 +76,25 @@ def _kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainB
     return reduce(estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
 
 
+def _unbiased_kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    """--use-unbiased-kl (DeepSeek-V3.2): the tokens were sampled by the old policy, so each token's KL
+    estimate is weighted by the importance ratio exp(logp - old logp), 1 before the first step."""
+    ratio = torch.exp(torch.where(mb.loss_mask, logprobs - mb.old_logprobs, torch.zeros((), device=logprobs.device)))
+    return reduce(ratio * estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
+
+
+def _custom_term(loss_fn: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
+    """--custom-loss-function-path: loss_fn(logprobs [B, T], micro-batch, reduce) -> loss or (loss,
+    metrics); reduce(per_token [B, T], mask) is --loss-agg-mode over the global batch, so micro-batch
+    losses add up to the global batch's."""
+    out = loss_fn(logprobs, mb, partial(reduce, normalizer=normalizer))
+    loss, metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise TypeError(f"--custom-loss-function-path {display_name(loss_fn)} returned {type(loss).__name__} "
+                        f"{tuple(getattr(loss, 'shape', ()))}; expected a scalar tensor (or (scalar, metrics))")
+    return loss, {f"custom/{k}": v for k, v in metrics.items()}
+
+
 def _no_kl(logprobs: Tensor, mb: TrainBatch, normalizer: float):
     return logprobs.new_zeros(()), {}
 
@@ -88,14 +110,38 @@ def _pick_reduction(algorithm: AlgorithmConfig,
 def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tuple[Term, Term]:
     if algorithm.loss_type == "sft_loss":
         policy: Term = partial(_sft_term, reduce)
+    elif algorithm.loss_type == "custom_loss":
+        path = algorithm.custom_loss_function_path
+        policy = partial(_custom_term, import_user_function(path, "--custom-loss-function-path"), reduce)
     else:
         name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
         loss_fn = get_policy_loss(name, eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high,
                                   eps_clip_c=algorithm.eps_clip_c, reduce=reduce)
         policy = partial(_policy_term, loss_fn)
-    kl: Term = (partial(_kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
+    kl_term = _unbiased_kl_term if algorithm.use_unbiased_kl else _kl_term
+    kl: Term = (partial(kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
                 else _no_kl)
     return policy, kl
+
+
+def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, dict]] | None:
+    """--use-tis: the weights, clipped to [--tis-clip-low, --tis-clip], or --custom-tis-function-path's."""
+    if not algorithm.use_tis:
+        return None
+    if algorithm.custom_tis_function_path:
+        custom = import_user_function(algorithm.custom_tis_function_path, "--custom-tis-function-path")
+
+        def by_path(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+            out = custom(train_lp, rollout_lp, mask)
+            weights, metrics = out if isinstance(out, tuple) else (out, {})
+            return weights, {f"custom_tis/{k}": float(v) for k, v in metrics.items()}
+        return by_path
+    bounds = (algorithm.tis_clip_low, algorithm.tis_clip)
+
+    def clipped(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        weights = tis_weights(train_lp, rollout_lp, mask, clip=bounds[1], clip_low=bounds[0])
+        return weights, _tis_metrics(train_lp, rollout_lp, mask, bounds)
+    return clipped
 
 
 # --- advantage stages (one is picked at start-up) --------------------------------------------------
@@ -137,7 +183,7 @@ def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
         return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
     if a.advantage_estimator == "reinforce_plus_plus":
         return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)
-    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type == "policy_loss")
+    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type != "sft_loss")
 
 
 def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -172,9 +218,9 @@ class PolicyObjective:
         self.uses_reference = algorithm.use_kl_loss or algorithm.kl_coef > 0
         self._reward_kl_coef = algorithm.kl_coef
         self._use_rollout_logprobs = algorithm.use_rollout_logprobs
-        self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip) if algorithm.use_tis else None
+        self._tis = _pick_tis(algorithm)
         # the pre-step logprobs are read for more than the PPO ratio (or not at all, SFT): keep the pass
-        self.may_skip_old_pass = not (self.is_sft or self._tis_bounds or self._use_rollout_logprobs
+        self.may_skip_old_pass = not (self.is_sft or self._tis is not None or self._use_rollout_logprobs
                                       or self._reward_kl_coef)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
@@ -195,6 +241,8 @@ class PolicyObjective:
         kl = None
         if ref_lp is not None:
             batch.ref_logprobs = ref_lp
+            if train_lp is not None:    # --ci-test reads it: 0 at the start, when the reference is the initial policy
+                metrics["ref_logprob_diff_max"] = float((train_lp - ref_lp).abs().masked_fill(~mask, 0).max())
             if self._reward_kl_coef:    # train_lp is there: may_skip_old_pass is False
                 kl = torch.where(mask, train_lp - ref_lp, torch.zeros((), device=mask.device))  # k1
                 metrics["reward_kl"] = float(masked_mean(kl, mask))
@@ -209,10 +257,10 @@ class PolicyObjective:
         mask = batch.loss_mask
         batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
         metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
-        if self._tis_bounds is not None:
-            batch.is_weights = tis_weights(train_lp, batch.rollout_logprobs, mask, clip=self._tis_bounds[1],
-                                           clip_low=self._tis_bounds[0])
-            metrics.update(_tis_metrics(train_lp, batch.rollout_logprobs, mask, self._tis_bounds))
+        if self._tis is not None:
+            out = self._tis(train_lp, batch.rollout_logprobs, mask)
+            batch.is_weights, tis_metrics = out if isinstance(out, tuple) else (out, {})
+            metrics.update({"tis_weight_mean": float(masked_mean(batch.is_weights, mask)), **tis_metrics})
         return metrics
 
     def mismatch(self, train_lp: Tensor, batch: TrainBatch) -> dict[str, float]:
@@ -246,5 +294,6 @@ class PolicyObjective:
         loss = pg + self._kl_coef * kl - self._entropy_coef * ent
         share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
         terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": ent.item(),
-                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share}
+                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share,
+                 **{k: float(v) * share for k, v in pg_metrics.items() if k.startswith("custom/")}}
         return loss, terms

@@ -39,6 +39,7 @@ A plain class; the composition root makes it a Ray actor.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -64,6 +65,20 @@ log = structlog.get_logger().bind(role="trainer")
 # files written by save(); load() needs all of them (REF_FILE only with --ref-update-interval)
 MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
+
+
+def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int = 0) -> Path:
+    """--save-debug-train-data: one rollout's prepared batch (CPU tensors), atomically; PATH is a
+    template with {rollout_id} and {rank} (miles'), else a folder of train_<id>.pt files."""
+    path = Path(template.format(rollout_id=rollout_id, rank=rank)) if "{" in template else \
+        Path(template) / f"train_{rollout_id}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
+               if isinstance(getattr(batch, f.name), Tensor)}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": "miles-train-batch-v1", "rollout_id": rollout_id, "rank": rank, **tensors}, tmp)
+    tmp.replace(path)
+    return path
 
 
 class Trainer(OptimizedModel):
@@ -126,6 +141,8 @@ class Trainer(OptimizedModel):
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
+        if self._train_cfg.save_debug_train_data:
+            save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
@@ -152,7 +169,7 @@ class Trainer(OptimizedModel):
         return self._prepare(batch, values)[0]
 
     def _global_batch_size(self, batch: TrainBatch) -> int:
-        return self._train_cfg.global_batch_size or batch.size
+        return self._train_cfg.global_batch(batch.size)
 
     def _prepare(self, batch: TrainBatch, values: Tensor | None,
                  may_skip: bool = False) -> tuple[TrainBatch, Tensor | None, dict[str, float]]:
@@ -245,15 +262,16 @@ class Trainer(OptimizedModel):
         """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
         return state_dict_checksum(model_weights(self._live()), dtype=dtype)
 
-    def save(self, path: str | Path) -> None:
-        """Write weights, optimizer state, RNG states and the step count into the folder `path`
-        (created if needed). Atomicity is the caller's: it hands in a temp dir and renames it."""
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+        """Write weights, optimizer state (unless `optimizer` is False: --no-save-optim), RNG states and
+        the step count into the folder `path` (created if needed). Atomicity is the caller's: it hands
+        in a temp dir and renames it."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         save_file(self.weights(), str(path / MODEL_FILE))
-        self._save_optimizer(path)
+        self._save_optimizer(path, optimizer=optimizer)
         torch.save(rng_state(), path / RNG_FILE)
         if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
             save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
@@ -263,7 +281,9 @@ class Trainer(OptimizedModel):
         from safetensors.torch import load_file
 
         path = Path(path)
-        missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE) if not (path / f).is_file()]
+        # saved with --no-save-optim: no optimizer state, and a fresh optimizer
+        needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
+        missing = [f for f in needed if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")

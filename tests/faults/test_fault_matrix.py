@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,11 @@ EXPECTED = {
     "teardown_hang": ("failed", "TeardownTimeout"),
 }
 FATAL = ("raise", "kill_trainer")     # faults that end the run: one run per state
+# how the phase hangs in each state's SIGTERM case: a cancellable await, a thread that never returns,
+# a Ray call that never returns (the executor blocked in it: its teardown is forced)
+HANG_IN = {"init": "hang_thread", "weight_sync": "hang_ray", "eval": "hang", "rollout": "hang_ray",
+           "train": "hang_thread", "save": "hang", "draining": "hang"}
+STOP_TIMEOUT_S = 6.0
 
 
 def matrix_flags(task, tmp_path, fault: str | list[str]):
@@ -72,21 +78,35 @@ def leftover_actor_processes(trace) -> list[str]:
         time.sleep(0.2)
 
 
+def signal_to_end_s(trace) -> float:
+    """Seconds from the injected signal to the run's end (the trace's own clock)."""
+    signalled = next(e for e in trace.of("fault_injected") if e.get("kind") in ("sigint", "sigterm"))
+    return trace.of("run_end")[0].mono - signalled.mono
+
+
 def _report(run_dir: Path, trace, outcome: str) -> None:
     """With MILES_FAULT_REPORT=path, append this case's numbers (docs/reliability.md's table)."""
-    path = os.environ.get("MILES_FAULT_REPORT")
-    if not path:
+    if not os.environ.get("MILES_FAULT_REPORT"):
         return
-    import json
     unwind = trace.of("unwind_end")
     fault = trace.of("fault_injected")
     row = {"case": run_dir.parent.name, "state": fault[0].get("state") if fault else None,
            "fault": fault[0].get("kind") if fault else None, "outcome": outcome,
            "teardown_s": unwind[0].duration_s if unwind else None,
            "disposed": len(trace.of("disposed")), "restarts": len(trace.of("engine_restart")),
-           "escalations": [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"]}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+           "escalations": [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"],
+           "hang": next((e.get("kind") for e in fault if e.get("kind", "").startswith("hang")), None),
+           "signal_to_end_s": (round(signal_to_end_s(trace), 2)
+                               if any(e.get("kind") in ("sigint", "sigterm") for e in fault) else None),
+           "stop_save": [(e.get("saved"), e.get("reason")) for e in trace.of("stop_save")]}
+    _report_row(row)
+
+
+def _report_row(row: dict) -> None:
+    if path := os.environ.get("MILES_FAULT_REPORT"):
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def assert_clean_end(run_dir: Path, *, outcome: str, error_type: str | None, ckpt: Path, machine: str = "sync"):
@@ -171,24 +191,55 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
 @pytest.mark.parametrize("state", STATES)
 def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
     # the CLI's own signal path (miles.cli.train.run_with_signals) in this process: the injected
-    # signal reaches its handlers exactly as a signal to a `miles train` process would
-    cfg, _ = parse_flags(matrix_flags(tiny_task, tmp_path, f"{state}:{sig}"))
-    code = run_with_signals(cfg, "sync", prog="miles train")
-    assert code == {"sigint": 130, "sigterm": 143}[sig]
-    trace = assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
-    if state != "draining":   # the phase that got the signal finished, then the run went to draining
+    # signal reaches its handlers exactly as a signal to a `miles train` process would. With SIGINT
+    # the phase finishes, then the run drains; with SIGTERM the phase also hangs (one way per state)
+    # and the stop's budget (--stop-timeout) cuts it: the time from the signal to the run's end is bounded
+    faults = [f"{state}:{sig}"] + ([f"{state}:{HANG_IN[state]}"] if sig == "sigterm" else [])
+    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), "--stop-timeout", str(STOP_TIMEOUT_S)])
+    # the hard exit (os._exit at --stop-timeout) would end pytest too: here it waits, the bound is checked below
+    code = run_with_signals(cfg, "sync", prog="miles train", hard_exit_s=10 * STOP_TIMEOUT_S)
+    hung_draining = sig == "sigterm" and state == "draining"     # draining itself cut: it did not finish
+    assert code == (1 if hung_draining else {"sigint": 130, "sigterm": 143}[sig])
+    trace = assert_clean_end(tmp_path / "run", outcome="failed" if hung_draining else "stopped",
+                             error_type="PhaseTimeout" if hung_draining else None, ckpt=tmp_path / "ckpt")
+    if state != "draining":   # the phase that got the signal finished (or was cut), then the run drained
         stop = [t for t in trace.of("transition") if t.trigger == "stop"]
         assert [(t.src, t.dst) for t in stop] == [(state, "draining")]
+    if sig == "sigterm":
+        assert [(e.state, e.get("reason")) for e in trace.of("phase_timeout")] == [(state, "stop")]
+        assert signal_to_end_s(trace) < STOP_TIMEOUT_S
 
 
-@pytest.mark.parametrize("sig", ["sigint", "sigterm"])
-def test_cli_process_exit_code_on_signal(ray_cluster, tiny_task, tmp_path, sig):
-    proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, f"rollout:{sig}")
-    assert proc.returncode == {"sigint": 130, "sigterm": 143}[sig], proc.stderr[-2000:]
+def test_cli_process_exit_code_on_signal(ray_cluster, tiny_task, tmp_path):
+    proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, "rollout:sigint")
+    assert proc.returncode == 130, proc.stderr[-2000:]
     assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
 
 
-def run_cli_with_signal(task, tmp_path, gcs, fault, extra=()):
+def test_cli_process_blocking_the_event_loop_exits_143_at_the_stop_timeout(ray_cluster, tiny_task, tmp_path):
+    # nothing in the loop runs (time.sleep in the phase): only the CLI's hard deadline, a thread armed
+    # by the signal handler, ends the process; the trace is cut short, the actors go with their owner
+    # (a clean SIGTERM end is the in-process matrix's, above)
+    proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, ["rollout:sigterm", "rollout:hang_blocking"],
+                               extra=["--stop-timeout", str(STOP_TIMEOUT_S)])
+    ended = datetime.now(timezone.utc)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert "still running" in proc.stderr and "--stop-timeout" in proc.stderr
+    trace = read_trace(tmp_path / "run")
+    signalled = next(e for e in trace.of("fault_injected") if e.get("kind") == "sigterm")
+    exit_after_s = (ended - datetime.fromisoformat(signalled.ts)).total_seconds()
+    assert STOP_TIMEOUT_S <= exit_after_s < STOP_TIMEOUT_S + 3, exit_after_s
+    assert trace.events[-1].event != "run_end"                    # cut short
+    namespace = trace.of("cluster_ready")[0].get("namespace")
+    deadline = time.monotonic() + 30                              # owner-bound actors die with their owner
+    while miles_actors(namespace) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert miles_actors(namespace) == [] and leftover_actor_processes(trace) == []
+    _report_row({"case": "hang_blocking", "state": "rollout", "hang": "hang_blocking",
+                 "signal_to_exit_s": round(exit_after_s, 2)})
+
+
+def run_cli_with_signal(task, tmp_path, gcs, fault: str | list[str], extra=()):
     argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
             *matrix_flags(task, tmp_path, fault), "--ray-address", gcs, *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,

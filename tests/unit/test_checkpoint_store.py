@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from miles.checkpoint.store import LATEST_FILE, CheckpointStore, read_manifest, verify
+from miles.checkpoint.store import LATEST_FILE, CheckpointStore, manifest_files, read_manifest, verify, verify_files
 
 
 class Crash(BaseException):
@@ -185,3 +185,27 @@ def test_reserved_manifest_keys_are_refused(tmp_path):
     tmp = store.begin(1)
     with pytest.raises(ValueError, match=r"\['files'\] are reserved"):
         store.commit(tmp, 1, {"files": []})
+
+
+def test_verify_files_checks_the_contents_of_the_files_it_is_given(tmp_path):
+    # what --load runs where the files are read: a same-size flip passes the size check, not this one
+    store = CheckpointStore(tmp_path)
+    save(store, 1, b"weights")
+    path = tmp_path / "iter_0000001"
+    assert verify_files(path, manifest_files(path, "sub/")) == []
+    (path / "model.bin").write_bytes(b"weightz")
+    assert verify(path, 1) == []                                    # sizes still match
+    assert verify_files(path, manifest_files(path, "sub/")) == []   # not a file it reads
+    assert verify_files(path, manifest_files(path, "model.bin")) == [
+        f"{path / 'model.bin'} does not match its sha256 in the manifest"]
+
+
+def test_newest_first_lists_every_checkpoint_with_what_the_size_check_finds(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for i in (1, 2, 3):
+        save(store, i)
+    (tmp_path / "iter_0000003" / "model.bin").write_bytes(b"short")
+    found = store.newest_first()
+    assert [(i, p.name) for i, p, _ in found] == [(3, "iter_0000003"), (2, "iter_0000002"), (1, "iter_0000001")]
+    assert [bool(problems) for _, _, problems in found] == [True, False, False]
+    assert "has 5 bytes, the manifest says 7" in found[0][2][0]

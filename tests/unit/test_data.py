@@ -118,21 +118,34 @@ def test_row_errors_are_collected_with_line_numbers_and_fixes(tmp_path, tokenize
         load_prompts(cfg(path), tokenizer)
     problems = info.value.problems
     assert len(problems) == 5
-    assert all(p.startswith(f"{path}: line ") for p in problems)
+    assert all(p.startswith(f"{path}: ") for p in problems)
     assert "line 2: malformed JSON" in problems[0]
-    assert "line 3: no input key 'input'; the row has keys ['id', 'prompt']; set --input-key" in problems[1]
-    assert "line 5: input must be a string, got int" in problems[2]
-    assert "line 6: expected a JSON object" in problems[3]
-    assert "line 7:" in problems[4] and "--apply-chat-template" in problems[4]
+    assert "line 5: input must be a string, got int" in problems[1]
+    assert "line 6: expected a JSON object" in problems[2]
+    assert "line 7:" in problems[3] and "--apply-chat-template" in problems[3]
+    # rows without the key: one line, a count and the rows, like every missing-key error
+    assert problems[4] == (f"{path}: 1 of 6 rows (line 3) have no 'input' for --input-key; a row has keys "
+                           "['id', 'prompt']; set --input-key to one of them")
 
 
 def test_many_bad_rows_report_the_first_ten_and_a_count(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"x": i} for i in range(25)])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input": i} for i in range(25)])
     with pytest.raises(ConfigError) as info:
         load_prompts(cfg(path), tokenizer)
     problems = info.value.problems
     assert len(problems) == MAX_REPORTED_ERRORS + 1
     assert "line 10:" in problems[9] and problems[-1].endswith("and 15 more bad rows")
+
+
+def test_a_missing_key_is_one_line_with_a_count_and_the_first_rows(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"x": i} if i % 2 else {"input": "a"} for i in range(25)])
+    with pytest.raises(ConfigError) as info:
+        load_prompts(cfg(path), tokenizer)
+    assert info.value.problems == [f"{path}: 12 of 25 rows (lines 2, 4, 6, 8, 10, ...) have no 'input' for "
+                                   "--input-key; a row has keys ['x']; set --input-key to one of them"]
+    path = write_jsonl(tmp_path / "e.jsonl", [{"x": i} for i in range(3)])
+    with pytest.raises(ConfigError, match=r"none of the 3 rows has 'input' for --input-key"):
+        load_prompts(cfg(path), tokenizer)
 
 
 def test_parquet_errors_name_the_row(tmp_path, tokenizer):
@@ -149,7 +162,8 @@ def test_parquet_without_the_input_column_lists_the_columns(tmp_path, tokenizer)
 
 def test_label_key_absent_from_every_row_is_reported(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": "one", "answer": "1"}])
-    with pytest.raises(ConfigError, match=r"no value for --label-key 'label'.*\['answer', 'input'\]"):
+    with pytest.raises(ConfigError, match=r"the only row has no 'label' for --label-key; a row has keys "
+                                          r"\['answer', 'input'\]; set --label-key to one of them or drop it"):
         load_prompts(cfg(path, label_key="label"), tokenizer)
 
 

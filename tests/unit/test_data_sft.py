@@ -25,7 +25,7 @@ def test_responses_are_tokenized_and_end_with_eos(tmp_path):
 
 def test_rows_without_a_response_are_named(tmp_path):
     path = write(tmp_path / "sft.jsonl", [{"input": "1+2=", "answer": "3"}, {"input": "4+5=", "response": "9"}])
-    with pytest.raises(ConfigError, match="rows 1.*SFT needs a response"):
+    with pytest.raises(ConfigError, match=r"1 of 2 rows \(row 1\) have no 'response' for --response-key.*SFT needs a response"):
         load_sft_data(DataConfig(prompt_data=path), _tokenizer())
-    with pytest.raises(ConfigError, match="no value for --response-key 'reply'"):   # no row has the key at all
+    with pytest.raises(ConfigError, match="none of the 2 rows has 'reply' for --response-key; a row has keys"):   # no row has the key at all
         load_sft_data(DataConfig(prompt_data=path, response_key="reply"), _tokenizer())

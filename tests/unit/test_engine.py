@@ -182,3 +182,33 @@ def test_dispose_frees_the_model(model_path):
     engine.dispose()  # idempotent
     with pytest.raises(EngineDisposedError):
         engine.generate(PROMPTS, GREEDY)
+
+
+def test_a_stop_string_ends_the_response_at_the_token_that_completes_it(engine):
+    long = SamplingParams(temperature=0.0, max_new_tokens=24)
+    free, = engine.generate([PROMPTS[0]], long)
+    text = engine.decode(free.response_ids)
+    assert len(free.response_ids) >= 4, "the tiny model should talk for a few tokens"
+    stop = text[2:4]                        # two characters the free response produces at tokens 2-3
+    first = text.index(stop) + len(stop)    # the stop string is complete after this many characters
+    got, = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=24, stop=(stop,)))
+    assert got.finish_reason == "stop"
+    assert got.response_ids == free.response_ids[:len(got.response_ids)]      # the same tokens, cut short
+    assert engine.decode(got.response_ids).endswith(stop) and len(engine.decode(got.response_ids)) == first
+    assert len(got.logprobs) == len(got.response_ids)
+
+
+def test_max_context_len_caps_each_response_by_its_prompt(engine):
+    # 8 tokens of context: the 5-token prompt gets 3 new tokens, the 2-token one 6 (max_new_tokens 16)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=tuple(range(32)), max_context_len=8)
+    no_stop = SamplingParams(temperature=0.0, max_new_tokens=16, max_context_len=8)
+    free = engine.generate([PROMPTS[0], PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=16))
+    capped = engine.generate([PROMPTS[0], PROMPTS[1]], no_stop)
+    for prompt, f, c in zip(PROMPTS, free, capped):
+        budget = 8 - len(prompt)
+        assert len(c.response_ids) == min(budget, len(f.response_ids))
+        assert c.response_ids == f.response_ids[:budget]
+        assert c.finish_reason == ("length" if len(f.response_ids) > budget else f.finish_reason)
+    assert all(len(g.response_ids) == 1 for g in engine.generate([PROMPTS[0]], params))  # any token stops
+    with pytest.raises(ValueError, match="leaves no room for a response under max_context_len 5"):
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, max_context_len=5))

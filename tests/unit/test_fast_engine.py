@@ -329,6 +329,17 @@ def test_a_request_longer_than_the_cache_is_refused(model_path):
     assert len(engine.generate([[5] * 8], GREEDY)[0].response_ids) <= 16  # 8 + 16 fits exactly
 
 
+def test_per_prompt_caps_bound_each_response_and_uniform_caps_are_the_plain_call(model_path):
+    # issue 17's custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
+    engine = FastEngine(model_path, device="cpu", max_batch_size=3)
+    never_stop = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
+    plain = engine.generate(PROMPTS, never_stop)
+    assert engine.generate(PROMPTS, never_stop, [16] * len(PROMPTS)) == plain
+    capped = engine.generate(PROMPTS, never_stop, [3, 16, 5, 3])
+    for g, p, cap in zip(capped, plain, [3, 16, 5, 3]):
+        assert len(g.response_ids) <= cap and g.response_ids == p.response_ids[:len(g.response_ids)]   # greedy
+
+
 def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=5)
@@ -341,6 +352,19 @@ def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
     engine.resume_memory()
     engine.resume_memory()
     assert engine.generate(MANY, params) == before
+
+
+def test_memory_tags_the_fast_engine_does_not_hold_released_are_no_ops(model_path):
+    # the run's hand-off (miles.phases.memory): release every tag, resume "weights" before the push
+    # (they never left: nothing to do), then the KV cache and the graphs after it
+    engine = FastEngine(model_path, device="cpu", max_batch_size=3)
+    engine.release_memory(("weights",))
+    assert engine._cache is not None
+    engine.release_memory(("weights", "kv_cache", "cuda_graph"))
+    engine.resume_memory(("weights",))
+    assert engine._cache is None
+    engine.resume_memory(("kv_cache", "cuda_graph"))
+    assert engine._cache is not None and len(engine.generate(PROMPTS, GREEDY)) == len(PROMPTS)
 
 
 def test_tokenizer_accessors_and_dispose(model_path):
@@ -452,3 +476,11 @@ def test_buckets_cover_every_size_with_little_waste():
         assert b < 1.5 * n + 2
     assert span_buckets(10) == [10]
     assert math.isclose(max(s2 / s1 for s1, s2 in zip(span_buckets(4096), span_buckets(4096)[1:])), 1.5)
+
+
+def test_stop_strings_and_context_caps_are_refused_not_ignored(engine):
+    with pytest.raises(ValueError, match="does not support stop strings"):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, stop=("==",)))
+    with pytest.raises(ValueError, match="does not cap responses by --rollout-max-context-len 5"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, max_context_len=5))
+    assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, max_context_len=5))) == 1

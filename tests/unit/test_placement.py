@@ -40,8 +40,10 @@ def test_colocated_engines_fill_the_trainers_gpus_from_the_first():
 
 
 def test_rollout_num_gpus_sets_the_engine_count():
+    # 4 engine GPUs, 2 per engine: 2 engines, each all 2 GPUs of a bundle of its own (a TP=2 server sees both)
     plan = plan_placement(PlacementRequest(use_gpus=True, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
-    assert plan.bundles == 1 + 4 and [e.bundle for e in plan.engines] == [1, 3]
+    assert plan.bundle_gpus == (1, 2, 2) and plan.gpus == 5
+    assert plan.engines == (Placement(1, 2.0), Placement(2, 2.0))
 
 
 def shares_per_bundle(plan):
@@ -62,10 +64,10 @@ def test_every_bundle_is_used_and_no_gpu_is_oversubscribed(colocate, critic, nod
         assert colocate and engines * per_engine > nodes * per_node     # more engine GPUs than the trainer's
         return
     shares = shares_per_bundle(plan)
-    assert all(s <= 1.0 + 1e-9 for s in shares.values())
+    assert all(s <= plan.bundle_gpus[b] + 1e-9 for b, s in shares.items())
     assert set(shares) <= set(range(plan.bundles))
     assert len(plan.trainers) == nodes * per_node and len(plan.critics) == (nodes * per_node if critic else 0)
-    # an engine of k GPUs owns bundles [b, b + k): they are not the trainer's unless colocated
+    # an engine of k GPUs owns bundle b of k GPUs: it is not the trainer's unless colocated
     trainer_bundles = {t.bundle for t in plan.trainers}
     for e in plan.engines:
         assert (e.bundle in trainer_bundles) == colocate

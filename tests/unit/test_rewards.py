@@ -6,6 +6,8 @@ import asyncio
 import pickle
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -91,7 +93,7 @@ def test_builtin_reward_is_chosen_by_name():
 
 
 def test_unknown_rm_type_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*\['exact_match', 'math'\]"):
+    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*'exact_match', 'f1', 'math'"):
         load_reward_fn("maths", None)
 
 
@@ -194,3 +196,47 @@ def test_reward_error_survives_pickling():
     err = RewardError("m", fn_name="f", prompt_index=3, response="r")
     copy = pickle.loads(pickle.dumps(err))
     assert (str(copy), copy.fn_name, copy.prompt_index, copy.response) == ("m", "f", 3, "r")
+
+
+# ---- --reward-timeout: a call past it fails its sample, not the rollout -------------------------
+
+NEVER = threading.Event()          # never set: a reward waiting on it never returns
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_reward_past_its_timeout_scores_0_and_the_others_are_scored(is_async):
+    def stuck(prompt, response, label):
+        if response == "hang":
+            NEVER.wait()                                  # a blocking call: only a thread can bound it
+        return float(response == label)
+
+    async def astuck(prompt, response, label):
+        if response == "hang":
+            await asyncio.Event().wait()
+        return float(response == label)
+
+    timed_out: list[int] = []
+    t0 = time.monotonic()
+    scores = asyncio.run(score_group(astuck if is_async else stuck, PROMPT, ["a", "hang", "b"], "a",
+                                     timeout_s=0.3, on_timeout=timed_out.append))
+    assert scores == [1.0, 0.0, 0.0] and timed_out == [1]
+    assert time.monotonic() - t0 < 2.0            # the hung call was abandoned, not awaited
+
+
+def test_a_group_reward_past_its_timeout_fails_every_sample_of_the_group():
+    @group_reward
+    def stuck(prompt, responses, label):
+        NEVER.wait()
+
+    timed_out: list[int] = []
+    assert asyncio.run(score_group(stuck, PROMPT, ["a", "b"], None, timeout_s=0.2,
+                                   on_timeout=timed_out.append)) == [0.0, 0.0]
+    assert timed_out == [0, 1]
+
+
+def test_a_timeout_the_reward_raises_itself_is_a_reward_error_not_a_timeout():
+    def judge(prompt, response, label):
+        raise TimeoutError("the judge server did not answer")
+
+    with pytest.raises(RewardError, match="judge server"):
+        asyncio.run(score_group(judge, PROMPT, ["a"], None, timeout_s=5, on_timeout=lambda i: None))

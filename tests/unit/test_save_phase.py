@@ -33,9 +33,11 @@ class FakeActor:
         self.handle = self
         self.name, self._state = name, live_state
 
-        async def save(path: str) -> None:
+        async def save(path: str, *, optimizer: bool = True) -> None:
             Path(path).mkdir(parents=True)
             (Path(path) / f"{self.name}.txt").write_text(self.name)
+            if optimizer:
+                (Path(path) / "optimizer.pt").write_text("adam")
             self.calls.append(("save", path))
 
         async def export_hf(path: str) -> None:
@@ -113,3 +115,28 @@ def test_the_data_position_saved_is_the_one_recorded_for_that_rollout(tmp_path):
     assert json.loads((main / "rollout.json").read_text()) == {"iterator": {"live": True}}
     ctx.tracer.close()
     live.tracer.close()
+
+
+@pytest.mark.parametrize("machine", ["sync", "async"])
+def test_no_save_optim_and_save_hf_in_every_machine(tmp_path, machine):
+    ctx = context(tmp_path, save=True, critic_save=False)
+    ctx.cfg = replace(ctx.cfg, checkpoint=replace(ctx.cfg.checkpoint, save_optimizer=False,
+                                                  save_hf_path=str(tmp_path / "hf" / "step_{rollout_id}")))
+    asyncio.run(save_handler(machine)(ctx))
+    (_, main), = CheckpointStore(tmp_path / "ck").list()
+    assert (main / "trainer" / "trainer.txt").is_file() and not (main / "trainer" / "optimizer.pt").exists()
+    assert json.loads((main / "manifest.json").read_text())["optimizer"] is False
+    assert (tmp_path / "hf" / "step_1" / "config.json").is_file()          # --save-hf, outside the checkpoint
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["step_1"]      # no temporary folder left behind
+    ctx.tracer.close()
+
+
+def test_save_hf_alone_exports_without_a_checkpoint(tmp_path):
+    ctx = context(tmp_path, save=False, critic_save=False)
+    ctx.cfg = replace(ctx.cfg, checkpoint=replace(ctx.cfg.checkpoint, save=None, save_hf_path=str(tmp_path / "hf")))
+    assert ctx.save_due()
+    asyncio.run(save_handler("sync")(ctx))
+    asyncio.run(save_handler("sync")(ctx))                                   # the next save replaces it
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "ck").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")) == []
+    ctx.tracer.close()

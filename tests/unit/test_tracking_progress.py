@@ -85,7 +85,7 @@ def test_plain_lines_tell_the_story_with_metrics_from_the_file(tmp_path):
     assert got[2] == "miles: rollout 0 (1/4)  reward=0.25  kl=0.01  ent=1.5  tok/s=123"
     assert got[3] == "miles: rollout 1 (2/4)  reward=0.5  kl=0.02  ent=1.5  step=10.0s  tok/s=123  eta=0:00:20"
     assert got[4].startswith("miles: eval after 2 rollouts") and "arith=0.375" in got[4]
-    assert got[5:] == ["miles: error in rollout: RuntimeError: boom", "miles: draining after RuntimeError: boom",
+    assert got[5:] == ["miles: error in rollout: RuntimeError: boom", "miles: draining after the error",
                        "miles: run run-1 ended: failed after 0:00:32"]
 
 
@@ -145,3 +145,33 @@ def test_a_display_bug_turns_the_display_off_instead_of_failing_the_run():
     p(ev("run_start", 0.0))                   # the tracer would have raised into the runner
     p(ev("run_end", 1.0, outcome="ok"))
     assert p.mode == "off" and out.getvalue() == "miles: progress display off after KeyError: 'oops'\n"
+
+
+def test_sft_lines_show_the_loss_and_the_tokens_trained_not_rl_numbers():
+    m = ProgressModel(expected=Expected(num_rollout=2, sft=True))
+    m.update(ev("metrics", 1.0, rollout_id=0, reward_mean=0.0, loss=2.5, kl=0.0, train_tokens=300))
+    m.add_row({"kind": "train", "step": 0, "train_tokens": 300, "train_time_s": 0.5, "gen_tokens_per_s": 2_000_681})
+    m.update(ev("metrics", 3.0, rollout_id=1, reward_mean=0.0, loss=2.0, kl=0.0, train_tokens=200))
+    line = m.add_row({"kind": "train", "step": 1, "train_tokens": 200, "train_time_s": 0.5})[0]
+    assert line == "rollout 1 (2/2)  loss=2  tokens=500  step=2.0s  train tok/s=400  eta=0:00:00"
+    assert "reward" not in line and "kl" not in line
+
+
+def test_a_warning_is_a_line_and_equal_rewards_mark_the_rollout_line():
+    m = ProgressModel(expected=Expected(num_rollout=5))
+    assert m.update(ev("warning", 1.0, code="label_key", message="set --label-key label")) == [
+        "warning: set --label-key label"]
+    m.update(ev("metrics", 2.0, rollout_id=2, reward_mean=0.0, zero_variance_rollouts=3))
+    assert m.rollout_line().endswith("WARNING: equal rewards in every group for 3 rollouts, nothing to learn")
+    m.update(ev("metrics", 3.0, rollout_id=3, reward_mean=0.5))
+    assert "WARNING" not in m.rollout_line()
+
+
+def test_the_error_line_is_the_root_cause_once():
+    m = ProgressModel()
+    err = {"type": "RayTaskError(RewardError)", "message": "\x1b[36mray::X\x1b[39m long traceback",
+           "summary": "RewardError: reward function reward.py:reward returned nan"}
+    assert m.update(ev("error", 1.0, state="rollout", error=err)) == [
+        "error in rollout: RewardError: reward function reward.py:reward returned nan"]
+    assert m.update(ev("error", 2.0, state="draining", error={"type": "X", "summary": "X: again"})) == []
+    assert m.update(ev("phase_start", 3.0, state="draining")) == ["draining after the error"]

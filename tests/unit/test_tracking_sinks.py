@@ -157,3 +157,54 @@ def test_wandb_offline_mode_needs_no_network(tmp_path, monkeypatch):
     while b"train/reward_mean" not in files[0].read_bytes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert b"train/reward_mean" in files[0].read_bytes()
+
+
+def test_use_mlflow_without_mlflow_is_a_config_problem_naming_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    assert tracking_problems(TrackingConfig(use_mlflow=True)) == [
+        "--use-mlflow: the 'mlflow' package is not installed; pip install mlflow (or drop --use-mlflow)"]
+
+
+def test_mlflow_sink_logs_one_run_with_params_and_metrics_and_ends_it(tmp_path, monkeypatch):
+    from miles.tracking.sinks import MlflowSink
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, tracking_uri):
+            calls.append(("client", tracking_uri))
+
+        def get_experiment_by_name(self, name):
+            calls.append(("get_experiment", name))
+            return None
+
+        def create_experiment(self, name):
+            return "exp-7"
+
+        def create_run(self, experiment_id, run_name, tags):
+            calls.append(("create_run", experiment_id, run_name, tags))
+            return types.SimpleNamespace(info=types.SimpleNamespace(run_id="mlrun-1"))
+
+        def log_batch(self, run_id, metrics=(), params=()):
+            calls.append(("log_batch", run_id, list(metrics), list(params)))
+
+        def set_terminated(self, run_id):
+            calls.append(("terminated", run_id))
+
+    entities = types.SimpleNamespace(Metric=lambda key, value, timestamp, step: (key, value, step),
+                                     Param=lambda key, value: (key, value))
+    monkeypatch.setitem(sys.modules, "mlflow", types.SimpleNamespace(MlflowClient=FakeClient, entities=entities))
+    monkeypatch.setitem(sys.modules, "mlflow.entities", entities)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    sink = MlflowSink(run_dir=tmp_path, run_id="run-1", run_config={"train": {"lr": 0.001}, "num_rollout": 3})
+    sink.log(2, {"reward_mean": 0.5, "kind": "train", "note": "x"})
+    sink.log(2, {"eval/arith/pass@4": 0.75, "kind": "eval"})
+    sink.dispose()
+    assert calls[0] == ("client", (tmp_path / "mlruns").resolve().as_uri())
+    assert calls[2] == ("create_run", "exp-7", "run-1", {"miles.run_id": "run-1"})
+    assert calls[3] == ("log_batch", "mlrun-1", [], [("train.lr", "0.001"), ("num_rollout", "3")])
+    assert calls[4] == ("log_batch", "mlrun-1", [("train/reward_mean", 0.5, 2)], [])
+    assert calls[5] == ("log_batch", "mlrun-1", [("eval/arith/pass_at_4", 0.75, 2)], [])   # MLflow keys have no @
+    assert calls[-1] == ("terminated", "mlrun-1")

@@ -1,0 +1,164 @@
+"""A local Ray cluster started by a run: on loopback, authenticated, lean, and leaving nothing behind.
+
+- **Address.** `--ray-node-ip 127.0.0.1` (the default) makes every Ray server of the cluster
+  (gcs_server, raylet, the workers' gRPC servers, the runtime-env agent) listen on loopback only:
+  Ray binds to loopback when the node's address is 127.0.0.1. `ray.init` swaps 127.0.0.1 for the
+  machine's routable address (`resolve_ip_for_localhost`) unless Ray runs in its local-only mode (the
+  one it uses on macOS and Windows, `ray_constants.ENABLE_RAY_CLUSTER`), so that mode is on while
+  `ray.init` runs. Any other address (or `auto`, Ray's choice) is Ray's multi-node setting: it listens
+  on every interface.
+- **Authentication.** Ray's token authentication is what stands between anyone who can reach those
+  ports and code execution. Ray >= 2.60 turns it on for a new local cluster unless `RAY_AUTH_MODE` says
+  otherwise; the run refuses to start a cluster with it off unless `--ray-allow-no-auth` says so.
+- **Services.** No dashboard (`include_dashboard=False`) and no metrics collection. Ray 2.60 has no
+  `ray.init` switch for its API server, the autoscaler monitor, or the raylet's two agents (the raylet
+  requires both agent commands), so those start; the reaper (`miles/cluster/reaper.py`) ends them.
+- **Afterwards.** The reaper, a process in a session of its own, ends the cluster's stragglers when
+  the driver closes its pipe or dies (`kill -9` included), moves Ray's logs into the run directory
+  and deletes the session folder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+from miles.config import ConfigError
+
+AUTH_ENV = "RAY_AUTH_MODE"
+MIN_RAY = "2.60"                                   # token authentication on by default (pyproject pins it)
+SYSTEM_CONFIG = {"enable_metrics_collection": False}  # nothing reads Ray's metrics: no exporter, no traffic
+REAPER = Path(__file__).with_name("reaper.py")
+REAPER_EXIT_S = 10.0                               # moving the logs and deleting the folder
+
+
+def auth_problem(allow_no_auth: bool) -> str | None:
+    """Why a local cluster would start without token authentication (None: it would not)."""
+    if allow_no_auth:
+        return None
+    if not _has_token_auth():
+        return (f"Ray {ray.__version__} has no token authentication: anyone who can reach the local "
+                f"cluster's ports could run code as you; install ray>={MIN_RAY}, or pass --ray-allow-no-auth")
+    mode = os.environ.get(AUTH_ENV)
+    if mode is not None and mode.lower() != "token":
+        return (f"{AUTH_ENV}={mode} turns Ray's token authentication off: anyone who can reach the local "
+                f"cluster's ports could run code as you; unset {AUTH_ENV} (Ray then turns it on), or pass "
+                "--ray-allow-no-auth to start it anyway")
+    return None
+
+
+def token_auth_enabled() -> bool:
+    """Whether the cluster this process is connected to authenticates with a token."""
+    if not _has_token_auth():
+        return False
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    return is_token_auth_enabled()
+
+
+def _has_token_auth() -> bool:
+    try:
+        import ray._private.authentication.authentication_utils  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def node_address(node_ip: str) -> str | None:
+    """--ray-node-ip → `ray.init`'s `_node_ip_address` (None: Ray's choice)."""
+    return None if node_ip == "auto" else node_ip
+
+
+def is_loopback(node_ip: str) -> bool:
+    return node_ip != "auto" and ipaddress.ip_address(node_ip).is_loopback
+
+
+@contextmanager
+def loopback_node(node_ip: str) -> Iterator[None]:
+    """Keep a loopback node address through `ray.init` (see the module docstring)."""
+    if not is_loopback(node_ip):
+        yield
+        return
+    import ray._private.ray_constants as ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+class LocalCluster:
+    """What a run that started its cluster owns beyond the connection: the session folder and the
+    reaper that cleans it up. `close` is called after `ray.shutdown()`."""
+
+    def __init__(self, session_dir: Path, logs_to: Path | None, reaper: subprocess.Popen):
+        self.session_dir, self.logs_to, self._reaper = session_dir, logs_to, reaper
+
+    @property
+    def reaper_pid(self) -> int:
+        return self._reaper.pid
+
+    def close(self) -> None:
+        """Close the reaper's pipe and wait while it ends stragglers, keeps the logs and deletes the
+        session folder; raise if it failed."""
+        if self._reaper.stdin is not None and not self._reaper.stdin.closed:
+            self._reaper.stdin.close()
+        try:
+            code = self._reaper.wait(timeout=REAPER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+            raise RuntimeError(f"the reaper of Ray session {self.session_dir} did not finish in "
+                               f"{REAPER_EXIT_S:.0f}s; the folder may be left") from None
+        if code != 0:
+            raise RuntimeError(f"the reaper of Ray session {self.session_dir} exited {code}; see "
+                               f"{self.logs_to.parent / 'reaper.log' if self.logs_to else 'its stderr'}")
+
+
+def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_dir: str | os.PathLike | None,
+                common: dict[str, Any]) -> LocalCluster:
+    """`ray.init` a local cluster as the module docstring says; raise ConfigError before starting
+    anything when it would run without authentication."""
+    if problem := auth_problem(allow_no_auth):
+        raise ConfigError(problem)
+    with loopback_node(node_ip):
+        ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
+                 _system_config=SYSTEM_CONFIG, **common)
+    node = ray._private.worker._global_node
+    checks = [(not allow_no_auth and not token_auth_enabled(), "token authentication is off after ray.init"),
+              (is_loopback(node_ip) and node.node_ip_address != "127.0.0.1",
+               f"Ray put the node at {node.node_ip_address}, not 127.0.0.1")]
+    try:
+        if bad := [why for failed, why in checks if failed]:
+            raise RuntimeError(f"the local Ray cluster is not what --ray-node-ip/--ray-allow-no-auth asked "
+                               f"for: {'; '.join(bad)}")
+        session_dir = Path(node.get_session_dir_path())
+        logs_to, reaper = _start_reaper(session_dir, log_dir)
+    except BaseException:
+        ray.shutdown()               # nobody else knows this cluster exists yet
+        raise
+    return LocalCluster(session_dir, logs_to, reaper)
+
+
+def _start_reaper(session_dir: Path, log_dir: str | os.PathLike | None) -> tuple[Path | None, subprocess.Popen]:
+    logs_to = Path(log_dir) / "ray" if log_dir is not None else None
+    spec = {"root": os.getpid(), "session_dir": str(session_dir), "logs_to": str(logs_to) if logs_to else None}
+    stderr: Any = subprocess.DEVNULL
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        stderr = open(Path(log_dir) / "reaper.log", "ab")      # the child keeps its own descriptor
+    try:
+        proc = subprocess.Popen([sys.executable, str(REAPER), json.dumps(spec)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    finally:
+        if stderr is not subprocess.DEVNULL:
+            stderr.close()
+    return logs_to, proc

@@ -1,0 +1,363 @@
+"""miles' flags that this build recognizes but does not take, each with its one-line fate.
+
+Every flag of miles' argument parser (radixark/miles @ 31f1ca96, `MILES_FLAGS`; plus the Megatron
+flags its launch scripts pass, `MEGATRON_FLAGS`) is either implemented here with miles' meaning (it
+is in `miles.config.flags.FLAGS`) or listed in `REFUSED` / `REFUSED_PREFIXES`: a launch script that
+passes it stops before anything starts (exit 2) with one line per flag, saying what the flag does in
+miles and what to use here. A flag name that is neither is an unknown flag (argparse's error).
+
+A fate that ends "(issue N)" is implemented on another branch; when that branch merges, its row goes
+(tests/unit/test_miles_flags.py fails while a flag is both implemented and refused).
+
+`python -m miles.config.miles_flags` prints the "coming from miles" table of docs/coming-from-miles.md.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+NOT_YET = "not supported yet"
+_NO_ROUTER = ("no miles router here: the executor spreads requests over the engines (SGLang's: the run's "
+              "sglang-router, --sglang-router-policy); drop it")
+_OWN_ROUTER = "with --rollout-engine sglang the run starts its own sglang-router (more than one engine): drop it"
+# --sglang-<flag> [VALUE] that is not refused below is SGLang's own server flag, passed to each server
+# as --<flag> [VALUE] (miles.config.flags.split_passthrough; miles exposes every ServerArgs field so)
+PASSTHROUGH_PREFIX = "sglang-"
+_FULLY_ASYNC = f"{NOT_YET}: --machine async overlaps rollout r+1 with training on r (--update-weights-interval N)"
+_EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async overlaps them with training)"
+_FT = f"{NOT_YET}: dead or hung engines are restarted by default (--engine-max-restarts, --rollout-health-check-*)"
+_AGENTIC = f"{NOT_YET}: multi-turn tool use is --generate-execute-tool-function-path (docs/agents.md)"
+_ONE_PROCESS = f"{NOT_YET}: --train-backend torch trains in one process"
+_MEGATRON_ONLY = (f"{NOT_YET}: --train-backend megatron has TP, PP and sequence parallelism (docs/megatron.md), no "
+                  "experts or uneven pipeline stages")
+_WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store (CUDA IPC buckets with --colocate)"
+_ARCH = "Megatron model architecture; here it comes from --hf-checkpoint's config.json: drop it"
+
+# flag (without dashes) -> "what it does in miles; what to use here"
+REFUSED: dict[str, str] = {
+    # -- driver, async and fault tolerance ---------------------------------------------------------
+    "fully-async": f"a persistent rollout producer with a staleness filter; {_FULLY_ASYNC}",
+    "max-weight-staleness": f"the fully-async staleness bound; {_FULLY_ASYNC}",
+    "async-max-concurrent-samples": f"fully-async concurrency cap; {_FULLY_ASYNC}",
+    "async-data-buffer-capacity-factor": f"fully-async buffer size; {_FULLY_ASYNC}",
+    "async-unused-samples-handler": f"fully-async: retry or drop stale samples; {_FULLY_ASYNC}",
+    "custom-async-data-buffer-path": f"fully-async: a custom sample buffer; {_FULLY_ASYNC}",
+    "rollout-submission-granularity": f"fully-async: submit groups or samples; {_FULLY_ASYNC}",
+    "pause-generation-mode": f"how generation pauses for a weight update; {NOT_YET}: a weight sync waits "
+                             "for the rollout in flight",
+    "use-fault-tolerance": f"restarts dead engines (and train cells); {_FT}",
+    "ft-components": f"which parts fault tolerance covers; {_FT}",
+    "control-server-port": f"FastAPI control server for fault-tolerance cells; {NOT_YET}",
+    "mini-ft-controller-enable": f"suspends and resumes unhealthy train cells; {NOT_YET}",
+    "ci-ft-test-actions": f"injects faults into train cells in CI; {NOT_YET}: --inject-fault STATE:KIND rehearses "
+                          "failures here",
+    "check-weight-update-selector": "which weights --check-weight-update-equal compares; here it compares a "
+                                    "checksum of all of them: drop it",
+    "check-weight-update-skip-list": "weights --check-weight-update-equal skips; here it compares a checksum of "
+                                     "all of them: drop it",
+    "check-weight-update-allow-quant-error": f"tolerance for quantized engines in the weight check; {NOT_YET} "
+                                             "(engines hold exact copies here)",
+    # -- placement and engines --------------------------------------------------------------------
+    "critic-num-nodes": f"nodes for the critic; {_ONE_PROCESS}",
+    "critic-num-gpus-per-node": f"GPUs per node for the critic; {_ONE_PROCESS}",
+    "prefill-num-servers": f"prefill/decode disaggregation; {NOT_YET}",
+    "rollout-external": f"uses SGLang servers started elsewhere; {NOT_YET}",
+    "rollout-external-engine-addrs": f"addresses of SGLang servers started elsewhere; {NOT_YET}",
+    "pin-rollout-manager-to-head": "pins miles' RolloutManager actor to the head node; here the rollout "
+                                   "executor is one CPU actor of the run: drop it",
+    "sglang-config": "a YAML of SGLang models and server groups; here one model, whose server flags are "
+                     "given as --sglang-* flags: drop it",
+    "sglang-router-ip": f"the address of a running sglang-router; {_OWN_ROUTER}",
+    "sglang-router-port": f"the port of a running sglang-router; {_OWN_ROUTER}",
+    "use-miles-router": f"miles' own HTTP router in front of the engines; {_NO_ROUTER}",
+    "miles-router-timeout": f"miles router request timeout; {_NO_ROUTER}",
+    "miles-router-max-connections": f"miles router connection cap; {_NO_ROUTER}",
+    "miles-router-health-check-failure-threshold": f"miles router health checks; {_NO_ROUTER}",
+    # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
+    "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
+                       "dropped",
+    "buffer-filter-path": f"a hook choosing samples from the buffer; {NOT_YET}: use --dynamic-sampling-filter-path",
+    "rollout-sample-filter-path": f"a per-sample filter hook; {NOT_YET}: use --dynamic-sampling-filter-path "
+                                  "(per group)",
+    "rollout-all-samples-process-path": f"a hook over all samples of a rollout; {NOT_YET}",
+    "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
+    "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
+    "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
+    "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
+    "custom-reward-post-process-path": f"replaces reward normalization; {NOT_YET}",
+    "disable-rewards-normalization": f"turns off the per-group reward normalization; {NOT_YET}: "
+                                     "--disable-grpo-std-normalization only skips the division by the std",
+    "tool-key": f"the tools of each row; {_AGENTIC}",
+    "multimodal-keys": f"images and other media of each row; {NOT_YET}: prompts are text",
+    "data-source-path": f"replaces the prompt data source; {NOT_YET}: --prompt-data is a .jsonl or .parquet file",
+    "disable-rollout-global-dataset": f"lets a custom rollout function bring its own data; {NOT_YET}",
+    "object-store-backend": "how samples travel to the trainer (ray | mooncake); here always Ray's object "
+                            "store: drop it",
+    "custom-convert-samples-to-train-data-path": f"replaces the samples-to-train-data conversion; {NOT_YET}",
+    "rollout-buffer-url": "parsed but never read by miles: drop it",
+    "fetch-trajectory-retry-times": "parsed but never read by miles: drop it",
+    "min-batch-collection-ratio": "parsed but never read by miles: drop it",
+    "rollout-task-type": "parsed but never read by miles: drop it",
+    # -- training -------------------------------------------------------------------------------------
+    "megatron-to-hf-mode": f"how Megatron weights map to HF names; {_ONE_PROCESS} on HF checkpoints: drop it",
+    "custom-model-provider-path": f"a custom Megatron model provider; {NOT_YET}: the model is "
+                                  "AutoModelForCausalLM from --hf-checkpoint",
+    "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
+    "custom-megatron-post-save-hook-path": f"a hook after each Megatron save; {NOT_YET}",
+    "use-opsm": f"off-policy sequence masking; {NOT_YET}",
+    "custom-pg-loss-reducer-function-path": f"replaces the policy-loss reduction; {NOT_YET}: pick one with "
+                                            "--loss-agg-mode",
+    "calculate-per-token-loss": "Megatron's per-token loss normalization; here that is --loss-agg-mode "
+                                "token_mean, the default: drop it",
+    "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
+    "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
+    "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "
+                            "train_rollout_k3_kl): drop it",
+    "keep-old-actor": "keeps the pre-update policy for off-policy PPO; here old logprobs are computed before "
+                      "each rollout's steps (or taken from the engine with --use-rollout-logprobs): drop it",
+    "skip-actor-forward-only": f"skips recomputing old logprobs; {NOT_YET}: --use-rollout-logprobs uses the "
+                               "engine's instead",
+    "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
+    "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
+    "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
+    "log-probs-max-tokens-per-gpu": f"token budget of the logprob forward; {NOT_YET}: --max-tokens-per-gpu "
+                                    "budgets both the logprob and the training forwards",
+    "use-dynamic-global-batch-size": f"global batches by tokens; {NOT_YET}",
+    "balance-data": f"balances tokens across data-parallel ranks; {_ONE_PROCESS}: drop it",
+    "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_ONE_PROCESS}: drop it",
+    "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
+    "use-opd": f"on-policy distillation from a teacher; {NOT_YET}",
+    "opd-type": f"on-policy distillation teacher kind; {NOT_YET}",
+    "opd-teacher-load": f"on-policy distillation teacher checkpoint; {NOT_YET}",
+    "opd-teacher-urls": f"on-policy distillation teacher servers; {NOT_YET}",
+    "lora-rank": f"LoRA training; {NOT_YET}: the whole model trains",
+    "target-modules": f"LoRA target modules; {NOT_YET}: the whole model trains",
+    "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
+    "indep-dp": f"one independent cell per data-parallel replica; {_ONE_PROCESS}",
+    # -- weight sync and memory --------------------------------------------------------------------
+    "update-weight-transfer-mode": f"broadcast, p2p or disk-delta weight sync; {_WEIGHT_SYNC}",
+    "p2p-transfer-num-workers": f"RDMA weight-sync workers; {_WEIGHT_SYNC}",
+    "p2p-transfer-timeout": f"RDMA weight-sync timeout; {_WEIGHT_SYNC}",
+    "update-weight-disk-dir": f"disk-delta weight sync folder; {_WEIGHT_SYNC}",
+    "update-weight-local-checkpoint-dir": f"disk-delta weight sync engine folder; {_WEIGHT_SYNC}",
+    "debug-skip-weight-update": f"skips weight sync (engines keep the initial weights); {NOT_YET}: "
+                                "--debug-rollout-only never trains",
+    "offload-rollout-level": f"what engine memory is offloaded; {NOT_YET}: --offload-rollout frees the KV cache",
+    "offload-train-target": f"offload the trainer to cpu or disk; {NOT_YET}: --offload-train moves it to host memory",
+    "offload-train-disk-dir": f"the trainer's disk-offload folder; {NOT_YET}: --offload-train moves it to host memory",
+    "train-memory-margin-bytes": f"memory kept free for the trainer; {NOT_YET}",
+    "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
+    "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
+    # -- checkpoints and eval --------------------------------------------------------------------------
+    "async-save": f"saves in the background; {NOT_YET}: saves are synchronous and atomic",
+    "eval-function-path": f"replaces the eval function; {NOT_YET}: evals score --eval-prompt-data or "
+                          "--eval-config datasets",
+    "eval-num-gpus": f"a dedicated eval fleet; {_EVAL_FLEET}",
+    "eval-hf-dir": f"HF snapshots for the eval fleet; {_EVAL_FLEET}",
+    "eval-max-in-flight": f"evals in flight on the eval fleet; {_EVAL_FLEET}",
+    "eval-overflow-policy": f"backpressure or skip when the eval fleet is busy; {_EVAL_FLEET}",
+    "eval-keep-snapshots": f"eval-fleet snapshots kept; {_EVAL_FLEET}",
+    "ci-metric-checker-key": f"a CI accuracy gate on one metric; {NOT_YET}",
+    "ci-metric-checker-threshold": f"a CI accuracy gate's threshold; {NOT_YET}",
+    # -- tracking and debugging --------------------------------------------------------------------------
+    "use-prometheus": f"exports metrics to Prometheus; {NOT_YET}: metrics.jsonl, --use-tensorboard, "
+                      "--use-wandb, --use-mlflow",
+    "use-miles-dashboard": f"miles' web dashboard; {NOT_YET}: miles plot RUN_DIR and miles trace show RUN_DIR",
+    "custom-rollout-log-function-path": f"custom rollout metrics; {NOT_YET}",
+    "log-reward-category": f"logs rewards per category; {NOT_YET}",
+    "mfu-peak-tflops": f"the peak for MFU metrics; {NOT_YET}",
+    "dump-details": "sets every dump flag; here use --save-debug-rollout-data and --save-debug-train-data",
+    "dumper-enable": f"tensor dumps inside Megatron; {NOT_YET}: --save-debug-train-data dumps the train batches",
+    "profile-target": f"torch profiler targets; {NOT_YET}",
+    "enable-event-analyzer": f"miles' event analyzer; {NOT_YET}: miles trace show RUN_DIR reads the run's trace",
+    "debug-deterministic-collective": f"deterministic NCCL collectives; {_ONE_PROCESS}",
+    "ci-inject-rollout-data-path": "replays recorded rollouts with live engines; here "
+                                   "--load-debug-rollout-data replays them without engines",
+    "ci-save-grad-norm": f"records gradient norms for a CI comparison; {NOT_YET}",
+    "ci-load-grad-norm": f"compares gradient norms with recorded ones in CI; {NOT_YET}",
+    "ci-save-model-hash": f"records a model hash for a CI comparison; {NOT_YET}",
+    "ci-check-model-hash": f"compares the model hash with a recorded one in CI; {NOT_YET}",
+    # -- eval and tracking flags miles' eval config and launch scripts read, beyond the inventory ------
+    **{f"eval-{key}": f"the eval datasets' {key.replace('-', '_')}; here set it per dataset in --eval-config "
+                      f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},
+    "eval-tool-key": f"the eval datasets' tools; {_AGENTIC}",
+    "eval-min-new-tokens": f"a minimum eval response length; {NOT_YET}",
+    "eval-max-prompt-len": f"drops long eval prompts; {NOT_YET}: --max-prompt-len applies to every dataset",
+    "eval-max-context-len": f"the eval's prompt + response cap; {NOT_YET}: --rollout-max-context-len applies to evals",
+    "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
+                           "built-in one",
+    "wandb-key": "the W&B API key; here log in with `wandb login` or set WANDB_API_KEY: drop it",
+    "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
+    "disable-wandb-random-suffix": "keeps the W&B run name without a random suffix; here the W&B run's name "
+                                   "and id are the miles run id: drop it",
+}
+
+# Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): those this build
+# implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
+# --adam-beta1, --adam-beta2, --clip-grad, --seed, --micro-batch-size, --global-batch-size, --load,
+# --save, --save-interval, --ref-load, --no-save-optim, --recompute-activations, and for --train-backend megatron
+# --tensor/--pipeline/--context-parallel-size, --sequence-parallel) are in FLAGS; the others are here.
+MEGATRON_REFUSED: dict[str, str] = {
+    # --tensor/--pipeline/--context-parallel-size and --sequence-parallel are FLAGS (--train-backend megatron)
+    **{name: f"Megatron parallelism; {_MEGATRON_ONLY}" for name in (
+        "expert-model-parallel-size", "expert-tensor-parallel-size", "decoder-last-pipeline-num-layers")},
+    "use-distributed-optimizer": "Megatron's distributed optimizer; --train-backend megatron always uses it: drop it",
+    **{name: _ARCH for name in (
+        "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
+        "num-query-groups", "kv-channels", "swiglu", "vocab-size", "padded-vocab-size", "normalization",
+        "norm-epsilon", "use-rotary-position-embeddings", "rotary-base", "disable-bias-linear", "add-qkv-bias",
+        "qk-layernorm", "untie-embeddings-and-output-weights", "position-embedding-type",
+        "max-position-embeddings", "seq-length", "make-vocab-size-divisible-by", "rotary-percent",
+        "use-rope-scaling")},
+    **{name: f"Megatron activation recomputation; {NOT_YET}: --recompute-activations checkpoints every layer"
+       for name in ("recompute-granularity", "recompute-method", "recompute-num-layers")},
+    "bf16": "Megatron's bf16 training; here --dtype bfloat16 (auto: bf16 on GPU, fp32 on CPU)",
+    "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
+    "optimizer": "Megatron's optimizer choice; here always AdamW (Megatron's adam): drop it",
+    "adam-eps": f"AdamW epsilon; {NOT_YET}: AdamW uses 1e-8",
+    "attention-dropout": "attention dropout; here dropout is off in training (logprobs must match the "
+                         "engine's): drop it",
+    "hidden-dropout": "hidden dropout; here dropout is off in training (logprobs must match the engine's): drop it",
+    "accumulate-allreduce-grads-in-fp32": "fp32 gradient accumulation; here gradients are fp32 already: drop it",
+    "attention-softmax-in-fp32": "fp32 attention softmax; the HF model decides here: drop it",
+    "attention-backend": "Megatron attention kernel choice; the HF model decides here: drop it",
+    "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}",
+    "overlap-cpu-optimizer-d2h-h2d": f"overlapped optimizer offload copies; {NOT_YET}",
+    "use-precision-aware-optimizer": f"Megatron's precision-aware optimizer; {NOT_YET}",
+    "no-load-optim": "skips loading the optimizer state; here a checkpoint saved with --no-save-optim "
+                     "resumes with a fresh optimizer by itself: drop it",
+    "no-load-rng": f"skips loading RNG states; {NOT_YET}: a resume restores them",
+    "finetune": f"loads weights only, resetting the iteration; {NOT_YET}: start from --hf-checkpoint without --load",
+}
+
+# families: any flag starting with the prefix
+REFUSED_PREFIXES: dict[str, str] = {
+    "eval-sglang-": f"an SGLang option of the eval fleet; {_EVAL_FLEET}",
+    "router-": f"an sglang_router option; {_NO_ROUTER}",
+    "session-": f"a session-server option for agents; {_AGENTIC}",
+    "multi-lora-": f"multi-LoRA training; {NOT_YET}",
+    "ci-disable-": "turns off one of --ci-test's checks; here they go together: drop --ci-test or this flag",
+}
+
+# Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
+# concern, as /work/shared/reference/miles-inventory.md lists them. The test checks each one's fate.
+MILES_FLAGS: tuple[str, ...] = tuple("""
+fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
+async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
+check-weight-update-equal check-weight-update-selector check-weight-update-skip-list
+check-weight-update-allow-quant-error ci-test debug-exit-after-rollout
+eval-function-path eval-num-gpus eval-hf-dir eval-max-in-flight eval-overflow-policy eval-keep-snapshots
+pin-rollout-manager-to-head control-server-port mini-ft-controller-enable colocate
+sglang-config sglang-server-concurrency sglang-cuda-graph-backend-prefill sglang-router-ip sglang-router-port
+sglang-router-policy sglang-router-request-timeout-secs sglang-mem-fraction-static router-policy
+prefill-num-servers rollout-external rollout-external-engine-addrs rollout-num-gpus num-gpus-per-node
+rollout-num-gpus-per-engine actor-num-nodes actor-num-gpus-per-node critic-num-nodes critic-num-gpus-per-node
+use-miles-router miles-router-timeout miles-router-max-connections miles-router-health-check-failure-threshold
+rollout-temperature rollout-top-p rollout-top-k rollout-max-response-len rollout-max-context-len rollout-stop
+rollout-stop-token-ids rollout-seed
+rollout-batch-size n-samples-per-prompt over-sampling-batch-size dynamic-sampling-filter-path partial-rollout
+buffer-filter-path rollout-sample-filter-path rollout-all-samples-process-path
+rollout-function-path custom-generate-function-path custom-config-path
+generate-max-turns generate-tool-specs-path generate-tool-call-parser generate-execute-tool-function-path
+custom-agent-function-path use-session-server tito-model session-server-port
+rm-type rm-url custom-rm-path group-rm reward-key custom-reward-post-process-path
+disable-rewards-normalization disable-grpo-std-normalization
+prompt-data input-key label-key metadata-key tool-key multimodal-keys
+apply-chat-template apply-chat-template-kwargs chat-template-path
+rollout-shuffle data-source-path disable-rollout-global-dataset
+object-store-backend custom-convert-samples-to-train-data-path
+rollout-buffer-url fetch-trajectory-retry-times min-batch-collection-ratio rollout-task-type
+train-backend megatron-to-hf-mode custom-model-provider-path custom-megatron-before-train-step-hook-path
+custom-megatron-post-save-hook-path
+loss-type custom-loss-function-path eps-clip eps-clip-high eps-clip-c use-opsm
+custom-pg-loss-reducer-function-path calculate-per-token-loss
+advantage-estimator normalize-advantages gamma lambd value-clip critic-load critic-save critic-lr
+num-critic-only-steps
+kl-coef use-kl-loss kl-loss-coef kl-loss-type use-unbiased-kl ref-load ref-ckpt-step ref-update-interval
+entropy-coef observe-training-entropy
+use-rollout-logprobs use-tis tis-clip tis-clip-low custom-tis-function-path get-mismatch-metrics keep-old-actor
+skip-actor-forward-only true-on-policy-mode recompute-logprobs-via-prefill use-rollout-routing-replay
+global-batch-size num-steps-per-rollout micro-batch-size use-dynamic-batch-size max-tokens-per-gpu
+log-probs-max-tokens-per-gpu use-dynamic-global-batch-size balance-data balance-by-flops qkv-format
+use-opd opd-type opd-teacher-load opd-teacher-urls lora-rank target-modules multi-lora-rank
+enable-mtp-training indep-dp
+update-weight-transfer-mode p2p-transfer-num-workers p2p-transfer-timeout update-weight-disk-dir
+update-weight-local-checkpoint-dir update-weight-buffer-size update-weights-interval debug-skip-weight-update
+offload offload-train offload-rollout offload-rollout-level offload-train-target offload-train-disk-dir
+train-memory-margin-bytes stream-optimizer-state-to-disk rematerialize-param-from-master-weight
+load save save-interval async-save no-save-optim start-rollout-id save-hf save-trigger-sentinel
+eval-prompt-data eval-config eval-interval skip-eval-before-train eval-temperature eval-max-response-len
+n-samples-per-eval-prompt eval-sglang-mem-fraction-static log-passrate
+ci-metric-checker-key ci-metric-checker-threshold
+use-fault-tolerance ft-components rollout-health-check-interval rollout-health-check-timeout
+rollout-health-check-first-wait ci-ft-test-actions
+use-wandb use-tensorboard use-mlflow use-prometheus use-miles-dashboard
+custom-rollout-log-function-path log-reward-category mfu-peak-tflops
+debug-rollout-only debug-train-only save-debug-rollout-data load-debug-rollout-data save-debug-train-data
+dump-details ci-inject-rollout-data-path dumper-enable profile-target enable-event-analyzer
+debug-deterministic-collective
+ci-disable-kl-checker ci-save-grad-norm ci-load-grad-norm ci-save-model-hash ci-check-model-hash
+hf-checkpoint num-rollout num-epoch rollout-max-prompt-len
+""".split())
+
+
+def all_refused() -> dict[str, str]:
+    """Every exact-name refusal: miles' and the Megatron ones."""
+    return {**REFUSED, **MEGATRON_REFUSED}
+
+
+def fate(name: str) -> str | None:
+    """The fate of a refused flag (`name` without dashes; `no-X` is X's), or None if not refused."""
+    table = all_refused()
+    for candidate in (name, name.removeprefix("no-")):
+        if candidate in table:
+            return table[candidate]
+        for prefix in sorted(REFUSED_PREFIXES, key=len, reverse=True):
+            if candidate.startswith(prefix):
+                return REFUSED_PREFIXES[prefix]
+    return None
+
+
+def passed_through(name: str) -> str:
+    """What happens to a flag that is neither implemented nor refused: an SGLang server flag, or unknown."""
+    if name.startswith(PASSTHROUGH_PREFIX) and fate(name) is None:
+        return f"passed to each SGLang server as --{name[len(PASSTHROUGH_PREFIX):]} (--rollout-engine sglang)"
+    return "unknown"
+
+
+def refusal_line(name: str) -> str:
+    return f"--{name} is a miles flag this build does not take: {fate(name)}"
+
+
+def refused_in(argv: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Sort the tokens argparse did not recognize: (refused flag names, other tokens as given). A
+    token that is not a flag is a refused flag's value when one precedes it, else unrecognized."""
+    refused, unknown, after_refused = [], [], False
+    for token in argv:
+        if not token.startswith("--") or token == "--":
+            if not after_refused:
+                unknown.append(token)
+            continue
+        name = token[2:].split("=", 1)[0]
+        after_refused = fate(name) is not None
+        (refused if after_refused else unknown).append(name if after_refused else token)
+    return refused, unknown
+
+
+def markdown(implemented: Mapping[str, str]) -> str:
+    """The "coming from miles" tables: `implemented` maps flag names to their help lines."""
+    lines = ["| miles flag | here |", "|---|---|"]
+    for name in sorted(set(MILES_FLAGS) | set(REFUSED)):
+        here = "implemented: " + implemented[name] if name in implemented else fate(name) or passed_through(name)
+        lines.append(f"| `--{name}` | {here.replace('|', '/')} |")
+    lines += ["", "| flag family | here |", "|---|---|"]
+    lines += [f"| `--{prefix}*` | {text} |" for prefix, text in sorted(REFUSED_PREFIXES.items())]
+    lines += ["", "| Megatron flag | here |", "|---|---|"]
+    lines += [f"| `--{name}` | {text} |" for name, text in sorted(MEGATRON_REFUSED.items())]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from miles.config.flags import FLAGS
+
+    print(markdown({f.name: f.help for f in FLAGS}), end="")

@@ -1,0 +1,96 @@
+"""Functions users plug in by path (a reward, a filter, a loss, an importance-sampling weight): import
+them, check that they can be called the way miles calls them, and name them as the user wrote them.
+
+A path is `module:function`, `module.function`, `module:Class.method`, or `path/to/file.py:function`
+(loaded from the file; nothing needs to be on PYTHONPATH, Ray workers included). Every problem is a
+`ConfigError` naming the flag and the path as given, so it is reported at start-up, on the driver,
+before any actor exists (exit 2): a module that does not import, raises while importing, lacks the
+function, or a function whose signature cannot take miles' arguments.
+
+A relative file path is read from the driver's working directory, in actors too. A function loaded
+from a file lives in a module with a generated name; `display_name(fn)` maps it
+back to what the user wrote (`reward.py:reward`, not `miles_user_<digits>.reward`), so errors raised
+later, inside an actor, name it the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from miles.config import ConfigError
+
+_FILE_MODULES: dict[str, str] = {}      # generated module name -> the file as the user wrote it
+# the driver's working directory, which a relative file path is read from also inside an actor (whose
+# own working directory is the Ray worker's): `RayCluster.actor` sets it in every actor's environment
+DRIVER_CWD_ENV = "MILES_DRIVER_CWD"
+
+
+def import_user_function(path: str, flag: str) -> Callable[..., Any]:
+    """The callable `path` names; a ConfigError naming `flag` and `path` for any problem."""
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{flag} {path!r} must look like module:function, module.function or "
+                          "path/to/file.py:function")
+    try:
+        obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as e:
+        raise ConfigError(f"{flag} {path!r}: cannot import module {module_name!r} "
+                          f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
+    except Exception as e:  # noqa: BLE001 - the user's module raised while importing: their input, named
+        raise ConfigError(f"{flag} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ConfigError(f"{flag} {path!r}: {module_name!r} has no {attr!r} (AttributeError: {e})") from e
+    if not callable(obj):
+        raise ConfigError(f"{flag} {path!r} is not callable (a {type(obj).__name__}); point it at a function")
+    return obj
+
+
+def check_signature(fn: Callable[..., Any], flag: str, path: str, num_args: int, expected: str) -> None:
+    """ConfigError unless `fn` accepts `num_args` positional arguments (`expected` shows the signature)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return                       # a builtin or C function without a signature: it will tell at the call
+    try:
+        sig.bind(*([None] * num_args))
+    except TypeError as e:
+        why = f"miles passes {num_args} arguments" if "too many" in str(e) else str(e)
+        raise ConfigError(f"{flag} {path}: {display_name(fn)}{sig} cannot be called as {expected}: {why}") from None
+
+
+def takes_parameter(fn: Callable[..., Any], position: int) -> str | None:
+    """The name of `fn`'s positional parameter at `position`, or None."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    return params[position].name if len(params) > position else None
+
+
+def display_name(fn: Callable[..., Any]) -> str:
+    """`file.py:function` for a function loaded from a file, else `module:qualname`."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or not qualname:
+        return repr(fn)
+    return f"{_FILE_MODULES.get(module, module)}:{qualname}"
+
+
+def _load_file(path: str) -> Any:
+    file = (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file: {file}")
+    name = f"miles_user_{abs(hash(str(file)))}"
+    _FILE_MODULES[name] = path
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module

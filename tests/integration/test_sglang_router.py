@@ -1,0 +1,65 @@
+"""The real sglang-router in front of two SGLang engines (fake servers): requests spread over both, a
+server killed mid-request is retried on the other, workers are swapped, and nothing outlives teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import psutil
+import pytest
+
+from miles.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from miles.rollout.sglang_router import SGLangRouter
+from miles.types import SamplingParams
+from tests.fakes import FAKES_DIR, fake_calls, sglang_processes
+from tests.tiny_model import make_tiny_model
+
+pytest.importorskip("sglang_router")
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKES_DIR), os.environ.get("PYTHONPATH", "")]))
+    return make_tiny_model(tmp_path / "model")
+
+
+def test_two_engines_behind_the_router_survive_a_killed_server_and_leave_nothing(model, tmp_path):
+    router = SGLangRouter(log_path=tmp_path / "router.log", policy="round_robin")
+    cfg = SGLangEngineConfig(startup_timeout_s=30, server_args=("--fake-token-delay", "0.02"))
+    engines = [SGLangEngine(model, sglang=cfg, engine_name=f"e{i}", seed=i, router_url=router.url,
+                            work_dir=tmp_path / f"e{i}") for i in range(2)]
+    router_pid = router.process.pid
+
+    async def main():
+        for e in engines:
+            await router.add_worker(e.server_url())
+        assert sorted(w["url"] for w in await router.workers()) == sorted(e.server_url() for e in engines)
+        gens = await engines[0].generate([[5, 6]] * 8, SamplingParams(max_new_tokens=4, seed=7))
+        assert len(gens) == 8 and all(len(g.response_ids) == len(g.logprobs) >= 1 for g in gens)
+        served = [len(fake_calls(e.server_url(), "/generate")) for e in engines]
+        assert sum(served) == 8 and min(served) >= 1          # one engine's call reached both servers
+
+        # kill the second server while the first engine's requests are in flight
+        call = asyncio.ensure_future(engines[0].generate([[7]] * 8, SamplingParams(max_new_tokens=40, seed=1)))
+        await asyncio.sleep(0.3)
+        os.kill(engines[1].server_pid(), signal.SIGKILL)
+        gens = await call
+        assert len(gens) == 8 and all(g.response_ids for g in gens)
+
+        # the run replaces the dead engine: out of the router, a new server in
+        await router.remove_worker(engines[1].server_url())
+        await engines[1].dispose()
+        engines[1] = SGLangEngine(model, sglang=cfg, engine_name="e1-r1", seed=1, router_url=router.url,
+                                  work_dir=tmp_path / "r1")
+        await router.add_worker(engines[1].server_url())
+        assert len(await router.workers()) == 2
+        assert len(await engines[1].generate([[5]] * 4, SamplingParams(max_new_tokens=2))) == 4
+        for e in engines:
+            await e.dispose()
+        await router.dispose()
+
+    asyncio.run(main())
+    assert sglang_processes(model) == [] and not psutil.pid_exists(router_pid)

@@ -1,0 +1,130 @@
+"""Bounded phases: each state's deadline (machine YAML, overridable), and the stop's budget
+(`stop_timeout_s`) over the phase, draining and the teardown; with stub phases, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.runtime import MachineDefinitionError, PhaseTimeout, load_machine, parse_machine, read_trace
+from miles.runtime.machine import DEFAULT_PHASE_TIMEOUT_S
+from miles.runtime.runner import CANCEL_GRACE_S, DRAIN_SHARE, PHASE_SHARE, TEARDOWN_SHARE
+from tests.stub_phases import make_stub_run, stub_phase
+
+# this checkout's definition (an editable install elsewhere may serve `miles.machines`)
+SYNC = Path(__file__).resolve().parents[2] / "machines" / "sync.yaml"
+
+
+def stub(tmp_path, *, hang_in: str, how: str = "sleep", stop_in: str | None = None, stop_timeout_s: float = 2.0,
+         deadlines: dict[str, float] | None = None):
+    """A sync stub run whose `hang_in` phase hangs (`sleep`: cancellable; `stubborn`: ignores the first
+    cancel), with a stop requested at the start of `stop_in`."""
+    runner, ctx = make_stub_run("sync", tmp_path / "trace.jsonl", num_rollout=2, eval_interval=None,
+                                save_interval=None)
+    runner.deadlines.update(deadlines or {})
+    runner.stop_timeout_s = stop_timeout_s
+    seen: dict[str, float | None] = {}
+
+    async def phase(c):
+        seen[c.state] = c.deadline
+        if c.state == stop_in:
+            c.stop_requested.set()
+        if c.state == hang_in:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if how != "stubborn":
+                    raise
+                await asyncio.sleep(3600)       # cleanup that never ends: the runner abandons it
+        return await stub_phase(c)
+
+    runner.handlers = {s: phase for s in runner.handlers}
+    return runner, ctx, seen
+
+
+def run_timed(runner) -> tuple[float, BaseException | None]:
+    t0 = time.monotonic()
+    try:
+        asyncio.run(runner.run())
+    except BaseException as exc:  # noqa: BLE001
+        return time.monotonic() - t0, exc
+    return time.monotonic() - t0, None
+
+
+def test_a_phase_past_its_deadline_is_cancelled_traced_and_the_run_drains(tmp_path):
+    runner, ctx, _ = stub(tmp_path, hang_in="rollout", deadlines={"rollout": 0.3})
+    elapsed, raised = run_timed(runner)
+    assert isinstance(raised, PhaseTimeout) and "'rollout' ran past its 0.3 s deadline" in str(raised)
+    assert elapsed < 0.3 + CANCEL_GRACE_S
+    trace = read_trace(tmp_path / "trace.jsonl")
+    timeout = trace.of("phase_timeout")[0]
+    assert (timeout.state, timeout.get("reason"), timeout.get("abandoned")) == ("rollout", "deadline", False)
+    assert [(t.src, t.trigger, t.dst) for t in trace.of("transition")][-2:] == [
+        ("rollout", "fail", "draining"), ("draining", "finish", "shutdown")]
+    assert ctx.disposed == ["res2", "res1", "res0"] and trace.events[-1].get("outcome") == "failed"
+
+
+def test_a_phase_that_ignores_the_cancel_is_abandoned_after_the_grace(tmp_path):
+    runner, _, _ = stub(tmp_path, hang_in="train", how="stubborn", deadlines={"train": 0.2})
+    elapsed, raised = run_timed(runner)
+    assert isinstance(raised, PhaseTimeout) and "abandoned" in str(raised)
+    assert elapsed < 0.2 + CANCEL_GRACE_S + 1.0
+    assert read_trace(tmp_path / "trace.jsonl").of("phase_timeout")[0].get("abandoned") is True
+
+
+def test_a_stop_cuts_a_hung_phase_at_its_share_of_the_budget_and_the_run_stops(tmp_path):
+    runner, ctx, seen = stub(tmp_path, hang_in="rollout", stop_in="rollout", stop_timeout_s=2.0)
+    elapsed, raised = run_timed(runner)
+    assert raised is None and elapsed < 2.0
+    trace = read_trace(tmp_path / "trace.jsonl")
+    cut = trace.of("phase_timeout")[0]
+    assert (cut.state, cut.get("reason")) == ("rollout", "stop")
+    assert cut.get("after_s") == pytest.approx(PHASE_SHARE * 2.0, abs=0.3)
+    assert [(t.src, t.trigger) for t in trace.of("transition")][-2:] == [("rollout", "stop"), ("draining", "finish")]
+    assert trace.events[-1].get("outcome") == "stopped" and ctx.disposed == ["res2", "res1", "res0"]
+    assert seen["draining"] is not None                     # draining knows its budget (a stop's save uses it)
+
+
+def test_a_hung_draining_is_cut_by_the_stop_budget_and_the_teardown_still_runs(tmp_path):
+    runner, ctx, _ = stub(tmp_path, hang_in="draining", stop_in="rollout", stop_timeout_s=2.0)
+    elapsed, raised = run_timed(runner)
+    assert isinstance(raised, PhaseTimeout) and "stop's budget" in str(raised)
+    assert DRAIN_SHARE * 2.0 - 0.2 < elapsed < 2.0
+    assert ctx.disposed == ["res2", "res1", "res0"]
+
+
+def test_the_teardown_after_a_stop_fits_in_what_the_budget_leaves(tmp_path):
+    runner, ctx, _ = stub(tmp_path, hang_in="", stop_in="rollout", stop_timeout_s=2.0)
+
+    async def hung_teardown():
+        await asyncio.sleep(3600)
+
+    init = runner.handlers["init"]
+
+    async def init_with_a_hung_resource(c):
+        c.disposer.add(hung_teardown, name="hung", timeout=60)    # its own timeout is far past the budget
+        return await init(c)
+
+    runner.handlers["init"] = init_with_a_hung_resource
+    elapsed, raised = run_timed(runner)
+    assert type(raised).__name__ == "TeardownTimeout"
+    assert elapsed < TEARDOWN_SHARE * 2.0 + 1.5              # the unwind's floor for the entries after it
+
+
+def test_every_state_gets_its_yaml_timeout_and_flags_override_them():
+    d = load_machine(SYNC)
+    deadlines = d.deadlines({"rollout": 5.0})
+    assert deadlines["rollout"] == 5.0 and deadlines["init"] == d.states["init"].timeout_s
+    assert set(deadlines) == {s for s, x in d.states.items() if not x.final}
+    text = d.text.replace('timeout: 600}', '}', 1)             # weight_sync without one
+    assert parse_machine(text).deadlines()["weight_sync"] == DEFAULT_PHASE_TIMEOUT_S
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "true"])
+def test_a_bad_timeout_in_the_yaml_is_reported_with_its_line(value):
+    text = load_machine(SYNC).text.replace("timeout: 3600", f"timeout: {value}", 1)
+    with pytest.raises(MachineDefinitionError, match=r"line \d+: state '\w+': timeout .* must be a number"):
+        parse_machine(text)
