@@ -132,8 +132,11 @@ class MegatronTrainer:
     def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
         return state_dict_checksum(self.weights(), dtype=dtype)
 
-    def save(self, path: str | Path) -> None:
-        """Every rank's part of a megatron dist checkpoint into the folder `path`; the run's store commits it."""
+    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+        """Every rank's part of a megatron dist checkpoint into the folder `path`; the run's store commits
+        it. `optimizer` False (--no-save-optim) is refused at start-up (checks.unsupported_features)."""
+        if not optimizer:
+            raise ValueError("--no-save-optim: the megatron backend's checkpoint always holds its optimizer state")
         self._all("save", str(path))
 
     def load(self, path: str | Path) -> None:
