@@ -131,15 +131,18 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:
     """The cause once, plainly: the progress display printed it first (`shown`), else it goes here;
-    the full traceback (Ray's remote one included) goes to the driver's log file, not the terminal.
+    the full traceback (Ray's remote one included) goes to the driver's log file, not the terminal,
+    once the run has its directory (a configuration refused before the run starts creates none).
     Bad input (a ConfigError, a reward that fails) exits 2, anything else 1."""
     import structlog
 
     from miles.runtime.trace import error_summary, strip_ansi
 
     root = _root(exc)
-    structlog.get_logger().error("run_failed", stderr=False, summary=error_summary(exc),
-                                 traceback=_traceback_text(exc, strip_ansi))
+    started = log.parent.parent.exists()   # the run dir: bad input found before the run starts leaves none
+    if started:
+        structlog.get_logger().error("run_failed", stderr=False, summary=error_summary(exc),
+                                     traceback=_traceback_text(exc, strip_ansi))
     code = EXIT_INPUT if _is_input_error(exc) else EXIT_FAILED
     word = "bad input" if code == EXIT_INPUT else "failed"
     if isinstance(root, (ConfigError, MachineDefinitionError)) and not shown:
@@ -150,7 +153,8 @@ def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> 
         print(f"{prog}: {word}: the error above", file=sys.stderr)
     for note in getattr(exc, "__notes__", []):
         print(f"  {strip_ansi(note)}", file=sys.stderr)
-    print(f"  full traceback: {log} (event run_failed)", file=sys.stderr)
+    if started:
+        print(f"  full traceback: {log} (event run_failed)", file=sys.stderr)
     return code
 
 
