@@ -139,7 +139,7 @@ def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> 
     from miles.runtime.trace import error_summary, strip_ansi
 
     root = _root(exc)
-    started = log.parent.exists()   # bad input found before the run started leaves no run dir
+    started = log.parent.parent.exists()   # the run dir: bad input found before the run starts leaves none
     if started:
         structlog.get_logger().error("run_failed", stderr=False, summary=error_summary(exc),
                                      traceback=_traceback_text(exc, strip_ansi))
