@@ -31,6 +31,7 @@ def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) ->
     # the GPUs come from the run's placement, for every engine kind; a fleet adds its own constructor keywords
     options = {**ctx.backends.engine_options, **(fleet.engine_kwargs(index, name) if fleet is not None else {})}
     engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name,
+                                 needs={"--hf-checkpoint": cfg.model.hf_checkpoint},     # read on its node
                                  placement=place.options(place.plan.engines[index]) if place else None,
                                  device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index,
                                  **options)
