@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import ray
@@ -40,7 +41,8 @@ class RayCluster:
                  log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False,
                  shipment: Shipment | None = None):
         self.run_id = run_id
-        self.log_dir, self.log_level = log_dir, log_level     # with a log_dir, actors log into it
+        # with a log_dir, actors log into it: absolute, an actor's working directory is not the driver's
+        self.log_dir, self.log_level = (Path(log_dir).absolute() if log_dir is not None else None), log_level
         self.namespace = cfg.namespace or f"miles-{run_id}"
         self.actor_resources = dict(cfg.actor_resources or {})
         self.started = False          # we started a local cluster: we stop it
@@ -158,6 +160,12 @@ class ActorResource:
 
 def _where(_actor: Any) -> tuple[int, str]:
     return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def driver_path(path: str) -> str:
+    """A path the driver hands to an actor: absolute when it exists here (relative, it means the driver's
+    working directory, which no actor shares), else as given (a hub model name, say)."""
+    return os.path.abspath(path) if os.path.exists(path) else path
 
 
 def checking_paths(cls: type, paths: Mapping[str, str], name: str) -> type:

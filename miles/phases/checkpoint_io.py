@@ -56,17 +56,18 @@ class SharedFolders:
     shared = True
 
     async def save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
-        await getattr(actor.handle, method).remote(str(folder), **kwargs)
+        # absolute: a relative --save means the driver's working directory, which the actor does not share
+        await getattr(actor.handle, method).remote(str(folder.absolute()), **kwargs)
         if not folder.is_dir() or not any(folder.iterdir()):
             raise RuntimeError(f"{actor.resource_name} saved into {folder} on its node, but the driver finds "
                                "nothing there: they do not share a filesystem; pass --no-shared-fs (checkpoints "
                                "then travel through Ray)")
 
     async def load(self, actor: ActorResource, method: str, folder: Path) -> None:
-        await getattr(actor.handle, method).remote(str(folder))
+        await getattr(actor.handle, method).remote(str(folder.absolute()))
 
     async def verify(self, actor: ActorResource, root: Path, files: dict[str, Any]) -> list[str]:
-        return await actor.handle.__ray_call__.remote(_plain, verify_files, str(root), files)
+        return await actor.handle.__ray_call__.remote(_plain, verify_files, str(root.absolute()), files)
 
 
 @dataclass

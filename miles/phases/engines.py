@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import ray
 
+from miles.cluster.ray_cluster import driver_path
 from miles.phases.context import TrainingContext
 from miles.runtime.supervisor import RestartBudget
 
@@ -30,8 +31,8 @@ def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) ->
     cfg, place, fleet, name = ctx.cfg, ctx.c.placement, ctx.c.engine_fleet, name or f"engine-{index}"
     # the GPUs come from the run's placement, for every engine kind; a fleet adds its own constructor keywords
     options = {**ctx.backends.engine_options, **(fleet.engine_kwargs(index, name) if fleet is not None else {})}
-    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name,
-                                 needs={"--hf-checkpoint": cfg.model.hf_checkpoint},     # read on its node
+    model = driver_path(cfg.model.hf_checkpoint)
+    engine = ctx.c.cluster.actor(ctx.backends.engine, model, name=name, needs={"--hf-checkpoint": model},
                                  placement=place.options(place.plan.engines[index]) if place else None,
                                  device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index,
                                  **options)

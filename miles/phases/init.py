@@ -14,6 +14,7 @@ critic's from `--train-backend`, through the registries of `miles.rollout.protoc
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR,
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
-from miles.cluster.ray_cluster import RayCluster
+from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.phases.checkpoint_io import pick_folders
 from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
@@ -196,7 +197,7 @@ def _shipment(ctx: TrainingContext) -> Shipment | None:
     c = ctx.cfg.cluster
     if not (c.ray_address and c.ship_code) or ray.is_initialized():
         return None
-    return stage(user_function_paths(ctx.cfg), ctx.run_dir / SHIPPED_DIR, code=[miles_package()])
+    return stage(user_function_paths(ctx.cfg), (ctx.run_dir / SHIPPED_DIR).absolute(), code=[miles_package()])
 
 
 def _cluster_ready(ctx: TrainingContext) -> None:
@@ -218,16 +219,17 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg = ctx.cfg
     place = ctx.c.placement
-    model = {"--hf-checkpoint": cfg.model.hf_checkpoint}          # read by the actor, on its node
-    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer", needs=model,
+    path = driver_path(cfg.model.hf_checkpoint)                   # read by the actor, on its node
+    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, path, name="trainer", needs={"--hf-checkpoint": path},
                                         placement=place.options(place.plan.trainers[0]), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
-        needs = {**model, **({"--critic-load": cfg.checkpoint.critic_load} if cfg.checkpoint.critic_load else {})}
+        init_from = driver_path(cfg.checkpoint.critic_load) if cfg.checkpoint.critic_load else None
+        needs = {"--hf-checkpoint": path, **({"--critic-load": init_from} if init_from else {})}
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", placement=place.options(place.plan.critics[0]),
+            ctx.backends.critic, path, name="critic", placement=place.options(place.plan.critics[0]),
             needs=needs, train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
-            algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
+            algorithm=cfg.algorithm, init_from=init_from, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
 
 
@@ -270,8 +272,12 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn."""
-    return dict(train=cfg.train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
+    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn.
+    A --save-debug-train-data path is made absolute: the trainer writes it from its own working directory."""
+    train = cfg.train
+    if train.save_debug_train_data:
+        train = replace(train, save_debug_train_data=os.path.abspath(train.save_debug_train_data))
+    return dict(train=train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
                 dtype=cfg.model.dtype)
 
 

@@ -184,28 +184,30 @@ def test_a_run_on_another_node_gets_its_code_and_reward_shipped_and_its_checkpoi
     (driver / "reward.py").write_text(REWARD.format(log=str(rewards_log)))
     with two_nodes() as cluster:
         node_tmp, worker_dir = cluster["root"] / "node-tmp", str(cluster["root"] / "worker")
+        # --run-dir and --save relative to the driver's working directory, as people write them
         attach = dict(ray_address=cluster["address"], ray_actor_resources=json.dumps({WORKER_RESOURCE: 1}),
-                      no_shared_fs=True, custom_rm_path="reward.py:reward", save=tmp_path / "ck")
-        first = train(cluster, driver, base_flags(tiny_task, tmp_path / "run1", num_rollout=1, **attach))
-        check_run(first, tmp_path / "run1", node_tmp)
+                      no_shared_fs=True, custom_rm_path="reward.py:reward", save="ck")
+        first = train(cluster, driver, base_flags(tiny_task, Path("run1"), num_rollout=1, **attach))
+        check_run(first, driver / "run1", node_tmp)
+        # the actors' logs went to the driver's run dir (one machine here), not into their working dirs
+        assert (driver / "run1" / "logs" / "trainer-0.jsonl").is_file()
         # the reward ran on the worker node from the shipped copy, with the shipped miles
         calls = [json.loads(line) for line in rewards_log.read_text().splitlines()]
         assert len(calls) == 16                                  # 4 prompts x 4 samples
         for call in calls:
             assert call["file"].startswith(worker_dir) and call["file"] != str(driver / "reward.py"), call
             assert call["cwd"].startswith(worker_dir) and call["miles"].startswith(worker_dir), call
-        reward_mean = next(r for r in map(json.loads, (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines())
+        reward_mean = next(r for r in map(json.loads, (driver / "run1" / "metrics.jsonl").read_text().splitlines())
                            if r.get("kind") == "train")["reward_mean"]
         assert 0.25 <= reward_mean <= 1.0                        # this reward's values, not the built-in's
         # the checkpoint came back whole through Ray: manifest, every sha256, the HF export
-        store = CheckpointStore(tmp_path / "ck")
+        store = CheckpointStore(driver / "ck")
         (rid, path), = store.list()
         assert rid == 0 and verify(path, 0, deep=True) == []
         assert (path / "trainer" / "model.safetensors").is_file() and (path / "hf" / "config.json").is_file()
 
-        second = train(cluster, driver, base_flags(tiny_task, tmp_path / "run2", num_rollout=2, load=tmp_path / "ck",
-                                                   **attach))
-        trace = check_run(second, tmp_path / "run2", node_tmp)
+        second = train(cluster, driver, base_flags(tiny_task, Path("run2"), num_rollout=2, load="ck", **attach))
+        trace = check_run(second, driver / "run2", node_tmp)
         resumed, = trace.of("resumed")
         assert (resumed.get("rollout_id"), resumed.get("verified")) == (0, True)
         assert [r for r, _ in store.list()] == [0, 1] and verify(store.latest()[1], 1, deep=True) == []

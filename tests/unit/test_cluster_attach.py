@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles.cluster.placement import PlacementRequest, check_actor_resources, plan_placement
-from miles.cluster.ray_cluster import checking_paths
+from miles.cluster.ray_cluster import checking_paths, driver_path
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
 from miles.phases.checkpoint_io import CopiedFolders, SharedFolders, pick_folders
@@ -93,3 +93,10 @@ def test_the_shared_filesystem_default_follows_where_the_nodes_are():
     assert kind is CopiedFolders and "10.0.0.2" in why
     assert pick(True, ips=("10.0.0.2",)) == (SharedFolders, "--shared-fs")           # the flag wins
     assert pick(False, started=True) == (CopiedFolders, "--no-shared-fs")
+
+
+def test_paths_handed_to_actors_are_absolute_when_they_are_the_drivers(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert driver_path("model") == str(tmp_path / "model")         # the actor's cwd is not the driver's
+    assert driver_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a hub name stays one
