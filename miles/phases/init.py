@@ -3,12 +3,12 @@ where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
 checkpoint folders reach the driver (miles.phases.checkpoint_io) → placement (the GPU plan and its
-placement group) → the engine fleet (if the engine kind has one: SGLang's router) → engines → trainer →
-critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver (tokenizer, prompt or SFT files, reward
-and filter imports, the GPU plan against the cluster) before any actor starts. `pick_backends` is the
-one place an implementation is chosen: the engine class from `--rollout-engine` and the trainer's and
-critic's from `--train-backend`, through the registries of `miles.rollout.protocol` and
-`miles.training.protocol`.
+placement group) → the engine fleet (if the engine kind has one: SGLang's router) → engines → trainer
+→ critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
+any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
+`miles.rollout.protocol` and `miles.training.protocol`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check
                                      cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
-from miles.phases.checkpoint_io import pick_folders
 from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
+from miles.phases.checkpoint_io import pick_folders
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine

@@ -45,6 +45,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 NODE_START_TIMEOUT_S = 90
 RUN_TIMEOUT_S = 240
 WORKER_RESOURCE = "miles_worker"
+OBJECT_STORE = 300 * 10**6           # bytes: checkpoint chunks of the tiny model are far smaller
 
 REWARD = """\
 import json, os
@@ -68,15 +69,18 @@ def free_port() -> int:
 def node_ports(head: bool) -> list[str]:
     """Every port of a node chosen free: two nodes on one machine (and other people's clusters) collide
     on Ray's fixed defaults otherwise."""
-    names = ["dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"]
+    names = ["dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port"]
     names += ["ray-client-server-port"] if head else []
     return [f"--{name}={free_port()}" for name in names]
 
 
 def start_node(args: list[str], env: dict, log: Path, cwd: Path) -> subprocess.Popen:
     with open(log, "w") as out:
+        # no autoscaler monitor, no log monitor, a small object store: a lean node on a shared machine
         return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                 "--no-monitor", "--include-log-monitor=false", "--object-store-memory=300000000", *args],
+                                 "--no-monitor", "--include-log-monitor=false", f"--object-store-memory={OBJECT_STORE}",
+                                 *args],
                                 env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 

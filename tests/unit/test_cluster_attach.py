@@ -19,7 +19,8 @@ def minimal(tmp_path):
     (model / "config.json").write_text("{}")
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1="}\n')
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "1", "--num-rollout", "1"]
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1"]
 
 
 def test_the_attach_flags_reach_the_cluster_slice(minimal):
@@ -87,7 +88,8 @@ def test_the_shared_filesystem_default_follows_where_the_nodes_are():
         folders, why = pick_folders(flag, started=started, node_ips=ips, driver_ip="10.0.0.1")
         return type(folders), why
 
-    assert pick(None, started=True, ips=("127.0.0.1", "10.0.0.9")) == (SharedFolders, "the run started the cluster on this machine")
+    started = pick(None, started=True, ips=("127.0.0.1", "10.0.0.9"))
+    assert started == (SharedFolders, "the run started the cluster on this machine")
     assert pick(None, ips=("10.0.0.1", "10.0.0.1"))[0] is SharedFolders
     kind, why = pick(None, ips=("10.0.0.1", "10.0.0.2"))
     assert kind is CopiedFolders and "10.0.0.2" in why
