@@ -7,10 +7,12 @@ A path is `module:function`, `module.function`, `module:Class.method`, or `path/
 before any actor exists (exit 2): a module that does not import, raises while importing, lacks the
 function, or a function whose signature cannot take miles' arguments.
 
-A relative file path is read from the driver's working directory, in actors too. A function loaded
-from a file lives in a module with a generated name; `display_name(fn)` maps it
-back to what the user wrote (`reward.py:reward`, not `miles_user_<digits>.reward`), so errors raised
-later, inside an actor, name it the same way.
+A relative file path is read from the driver's working directory, in actors too. On a cluster the run
+attaches to (`--ray-address`), the files travel with the run instead (miles.cluster.shipping): an actor
+reads the copy its node received, found through `USER_FILES_ENV`, and nothing needs to be at the
+driver's path there. A function loaded from a file lives in a module with a generated name;
+`display_name(fn)` maps it back to what the user wrote (`reward.py:reward`, not
+`miles_user_<digits>.reward`), so errors raised later, inside an actor, name it the same way.
 """
 
 from __future__ import annotations
@@ -18,21 +20,44 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from miles.config import ConfigError
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 _FILE_MODULES: dict[str, str] = {}      # generated module name -> the file as the user wrote it
 # the driver's working directory, which a relative file path is read from also inside an actor (whose
 # own working directory is the Ray worker's): `RayCluster.actor` sets it in every actor's environment
 DRIVER_CWD_ENV = "MILES_DRIVER_CWD"
+# shipped files (--ray-address): JSON {path as the user wrote it: the copy, relative to the actor's working
+# directory, which is the run's shipped folder (Ray's runtime_env working_dir)}
+USER_FILES_ENV = "MILES_USER_FILES"
+
+
+def user_function_paths(cfg: "RunConfig") -> dict[str, str]:
+    """Every function the run loads by path, flag → path as given: what actors import, so what a run
+    on an attached cluster ships."""
+    r, a = cfg.rollout, cfg.algorithm
+    given = {"--custom-rm-path": r.custom_rm_path, "--dynamic-sampling-filter-path": r.dynamic_sampling_filter_path,
+             "--custom-loss-function-path": a.custom_loss_function_path,
+             "--custom-tis-function-path": a.custom_tis_function_path}
+    return {flag: path for flag, path in given.items() if path}
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """`module:function`, `module.function`, `file.py:function` → (module or file, attribute path)."""
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    return module_name, attr
 
 
 def import_user_function(path: str, flag: str) -> Callable[..., Any]:
     """The callable `path` names; a ConfigError naming `flag` and `path` for any problem."""
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    module_name, attr = split_path(path)
     if not module_name or not attr:
         raise ConfigError(f"{flag} {path!r} must look like module:function, module.function or "
                           "path/to/file.py:function")
@@ -85,7 +110,7 @@ def display_name(fn: Callable[..., Any]) -> str:
 
 
 def _load_file(path: str) -> Any:
-    file = (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()
+    file = _find_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"no such file: {file}")
     name = f"miles_user_{abs(hash(str(file)))}"
@@ -94,3 +119,12 @@ def _load_file(path: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def _find_file(path: str) -> Path:
+    """The shipped copy of `path` when the run shipped it (an actor on an attached cluster), else `path`
+    read from the driver's working directory."""
+    shipped = json.loads(os.environ.get(USER_FILES_ENV) or "{}")
+    if path in shipped:
+        return (Path.cwd() / shipped[path]).resolve()
+    return (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()

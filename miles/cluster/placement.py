@@ -24,13 +24,16 @@ trainer GPU; here the engine count stays what --rollout-num-engines / --rollout-
 flag is never silently overridden.)
 
 A CPU run has no placement group and every actor asks for 0 GPUs: today's layout, unchanged.
+`--ray-actor-resources` (custom Ray resources every actor asks for, to put the run on the nodes that
+have them) goes into the bundles too, once per actor living in each: an actor in a bundle can only
+use what its bundle holds.
 `plan_placement` is pure; `PlacementGroupResource` is the thin Ray layer (create, wait, remove).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from miles.config import ConfigError
 
@@ -82,6 +85,25 @@ class PlacementPlan:
     @property
     def gpus(self) -> int:
         return sum(self.bundle_gpus)
+
+    @property
+    def num_actors(self) -> int:
+        """Trainers, critics and engines (the executor is not part of the plan)."""
+        return len(self.trainers) + len(self.critics) + len(self.engines)
+
+    def actors_in_bundle(self) -> list[int]:
+        """How many actors live in each bundle (the colocated ones share theirs)."""
+        counts = [0] * self.bundles
+        for p in (*self.trainers, *self.critics, *self.engines):
+            if p.bundle is not None:
+                counts[p.bundle] += 1
+        return counts
+
+    def bundle_specs(self, actor_resources: Mapping[str, float] | None = None) -> list[dict[str, float]]:
+        """The placement group's bundles: each one's GPUs and, per actor in it, `actor_resources`."""
+        extra = actor_resources or {}
+        return [{"GPU": g, **{k: v * n for k, v in extra.items()}}
+                for g, n in zip(self.bundle_gpus, self.actors_in_bundle())]
 
 
 CPU_ACTOR = Placement(bundle=None, num_gpus=0)
@@ -164,22 +186,36 @@ def check_cluster(plan: PlacementPlan, cluster_gpus: float, *, what: str = "the 
                           f"--rollout-num-engines, use --colocate, or run with --device cpu")
 
 
+def check_actor_resources(resources: Mapping[str, float], num_actors: int, cluster: Mapping[str, float]) -> None:
+    """ConfigError when `num_actors` actors each asking for `resources` (--ray-actor-resources) need more
+    than the cluster has in all: said before any actor starts, instead of actors pending forever."""
+    short = [f"{name}: {amount * num_actors:g} needed, the cluster has {cluster.get(name, 0):g}"
+             for name, amount in resources.items() if amount * num_actors > cluster.get(name, 0)]
+    if short:
+        raise ConfigError(f"--ray-actor-resources {dict(resources)}: the run's {num_actors} actors each ask for "
+                          f"that, more than the cluster's nodes offer ({'; '.join(short)}); start nodes with "
+                          "the resource (ray start --resources '{\"NAME\": N}') or ask for less per actor")
+
+
 class PlacementGroupResource:
     """The run's placement group (thin Ray layer). Created before the actors that live in it and
     registered with the run's disposer where it is created, so it is removed after them."""
 
     resource_name = "placement_group"
 
-    def __init__(self, plan: PlacementPlan, *, name: str, timeout_s: float = PLACEMENT_READY_TIMEOUT_S):
+    def __init__(self, plan: PlacementPlan, *, name: str, timeout_s: float = PLACEMENT_READY_TIMEOUT_S,
+                 actor_resources: Mapping[str, float] | None = None):
         import ray
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([{"GPU": g} for g in plan.bundle_gpus], strategy="PACK", name=name)
+        self.actor_resources = dict(actor_resources or {})
+        self.pg = placement_group(plan.bundle_specs(self.actor_resources), strategy="PACK", name=name)
         try:
             ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.dispose()
-            raise ConfigError(f"the run's {plan.bundles} GPU bundle(s) were not granted within {timeout_s:g} s: "
+            also = f" (each with --ray-actor-resources {self.actor_resources})" if self.actor_resources else ""
+            raise ConfigError(f"the run's {plan.bundles} GPU bundle(s){also} were not granted within {timeout_s:g} s: "
                               f"the cluster's GPUs are held by other actors or jobs, or spread so that no "
                               f"node fits a bundle") from None
 
@@ -189,8 +225,9 @@ class PlacementGroupResource:
 
         if placement.bundle is None:
             return {"num_gpus": placement.num_gpus}
-        return {"num_gpus": placement.num_gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=placement.bundle)}
+        return {"num_gpus": placement.num_gpus, "resources": dict(self.actor_resources),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=placement.bundle)}
 
     def dispose(self) -> None:
         """Remove the group (Ray frees its bundles). Its actors are the run's, removed before this."""

@@ -3,7 +3,9 @@
 A run that started its cluster shuts it down last; that cluster listens on loopback, authenticates,
 and leaves no session folder behind (`miles/cluster/local.py`). A run attached to a cluster (`--ray-address`, or
 a host that already called `ray.init`) removes only its own actors, which live in the run's own
-namespace, and leaves everything else alone.
+namespace, and leaves everything else alone. Attaching through `--ray-address`, the run ships miles and
+the user's files as the job's runtime_env (`miles/cluster/shipping.py`); `--ray-actor-resources` puts
+every actor on the nodes that have those resources.
 
 Actors are owner-bound (not detached): if the driver dies, Ray reaps them; with
 `RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper` set before the cluster starts, the
@@ -17,13 +19,17 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import ray
 
-from miles.cluster.local import LocalCluster, start_local
+from miles.cluster.local import LocalCluster, start_local, token_auth_enabled
 from miles.config import ClusterConfig
 from miles.user_code import DRIVER_CWD_ENV
+
+if TYPE_CHECKING:
+    from miles.cluster.shipping import Shipment
 
 SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
@@ -32,12 +38,16 @@ class RayCluster:
     resource_name = "ray_cluster"
 
     def __init__(self, cfg: ClusterConfig, run_id: str, *, log_dir: str | os.PathLike | None = None,
-                 log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False):
+                 log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False,
+                 shipment: Shipment | None = None):
         self.run_id = run_id
-        self.log_dir, self.log_level = log_dir, log_level     # with a log_dir, actors log into it
+        # with a log_dir, actors log into it: absolute, an actor's working directory is not the driver's
+        self.log_dir, self.log_level = (Path(log_dir).absolute() if log_dir is not None else None), log_level
         self.namespace = cfg.namespace or f"miles-{run_id}"
+        self.actor_resources = dict(cfg.actor_resources or {})
         self.started = False          # we started a local cluster: we stop it
         self.connected = False        # we opened the connection: we close it
+        self.shipment: Shipment | None = None    # what the job's runtime_env sends to the nodes
         self.local: LocalCluster | None = None   # a started cluster's session folder and reaper (local.py)
         if ray.is_initialized():
             return                    # a host's connection: attach, own nothing but our actors
@@ -52,8 +62,10 @@ class RayCluster:
                       configure_logging=True, include_dashboard=False)
         quiet_token_auth_notice()
         with keep_signal_handlers():      # ray.init installs its own SIGTERM handler (sys.exit)
-            if cfg.ray_address:
-                ray.init(address=cfg.ray_address, **common)
+            if cfg.ray_address:       # with a shipment, every actor of the job gets miles and the user's files
+                env = {"runtime_env": shipment.runtime_env()} if shipment is not None else {}
+                ray.init(address=cfg.ray_address, **env, **common)
+                self.shipment = shipment
             else:   # on loopback, authenticated, with a reaper (miles/cluster/local.py)
                 self.local = start_local(num_cpus=cfg.num_cpus or os.cpu_count(), node_ip=node_ip,
                                          allow_no_auth=allow_no_auth, log_dir=log_dir, common=common)
@@ -63,23 +75,39 @@ class RayCluster:
 
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
               concurrency: int | None = None, placement: dict[str, Any] | None = None,
-              **kwargs: Any) -> "ActorResource":
+              needs: Mapping[str, str] | None = None, **kwargs: Any) -> "ActorResource":
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
-        `placement`: the GPUs it asks for and where (PlacementGroupResource.options)."""
+        `placement`: the GPUs it asks for and where (PlacementGroupResource.options; its `resources`, if
+        any, already hold --ray-actor-resources). `needs`: flag → a path on the driver's disk the actor
+        reads (a model folder), which must exist at that path on the actor's node too."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       max_restarts=0, lifetime="non_detached",
-                                       # user files given by a relative path (reward.py:fn) are the driver's
-                                       runtime_env={"env_vars": {DRIVER_CWD_ENV: os.getcwd()}})
+                                       max_restarts=0, lifetime="non_detached")
+        if self.actor_resources:
+            options["resources"] = dict(self.actor_resources)
+        if self.shipment is None:     # user files given by a relative path (reward.py:fn) are the driver's
+            options["runtime_env"] = {"env_vars": {DRIVER_CWD_ENV: os.getcwd()}}
         options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
+        local = {flag: path for flag, path in (needs or {}).items() if os.path.exists(path)}   # not a hub name
+        if local:
+            cls = checking_paths(cls, local, name)
         if self.log_dir is not None:
             from miles.tracking.logs import context_for_actor, logged_actor_class
             cls = logged_actor_class(cls, context_for_actor(name, run_id=self.run_id, log_dir=self.log_dir,
                                                             level=self.log_level))
         handle = ray.remote(cls).options(**options).remote(*args, **kwargs)
         return ActorResource(handle, name)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's live nodes: id, address, resources (the trace's `cluster_ready` lists them)."""
+        return [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "resources": n.get("Resources", {})}
+                for n in ray.nodes() if n.get("Alive")]
+
+    def token_auth(self) -> bool:
+        """Whether the cluster authenticates its clients with a token (Ray >= 2.60)."""
+        return token_auth_enabled()
 
     def alive_actors(self) -> list[str]:
         """Names of this run's live named actors (what a leak check looks at)."""
@@ -109,6 +137,7 @@ class ActorResource:
     def __init__(self, handle: Any, name: str):
         self.handle, self.resource_name = handle, name
         self.pid: int | None = None          # the worker process, once ready (for traces and leak checks)
+        self.node_id: str | None = None      # the Ray node it runs on, once ready
 
     async def dispose(self) -> None:
         """The actor releases its own resources (processes, files); then the run removes the actor."""
@@ -124,13 +153,40 @@ class ActorResource:
 
     async def wait_ready(self) -> int:
         """Wait for the constructor (its exception, a bad model path say, surfaces here); return the
-        actor's worker pid."""
-        self.pid = await self.handle.__ray_call__.remote(_getpid)
+        actor's worker pid (and keep the node it runs on)."""
+        self.pid, self.node_id = await self.handle.__ray_call__.remote(_where)
         return self.pid
 
 
-def _getpid(_actor: Any) -> int:
-    return os.getpid()
+def _where(_actor: Any) -> tuple[int, str]:
+    return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def driver_path(path: str) -> str:
+    """A path the driver hands to an actor: absolute when it exists here (relative, it means the driver's
+    working directory, which no actor shares), else as given (a hub model name, say)."""
+    return os.path.abspath(path) if os.path.exists(path) else path
+
+
+def checking_paths(cls: type, paths: Mapping[str, str], name: str) -> type:
+    """`cls` whose constructor first checks that every path of `paths` (flag → path) exists on the
+    node the actor runs on: a model folder missing from one node of a cluster is named, with the node,
+    instead of surfacing as a hub lookup of a local path."""
+
+    class NodeChecked(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            missing = [f"{flag} {path}" for flag, path in paths.items() if not os.path.exists(path)]
+            if missing:
+                node = ray.util.get_node_ip_address() if ray.is_initialized() else "this node"
+                raise FileNotFoundError(
+                    f"{'; '.join(missing)}: not found on node {node}, where {name} runs. Models and other files "
+                    "actors read must be at the same path on every node (docs/running.md, Attaching to a "
+                    "cluster); copy them there, or keep the actors on nodes that have them (--ray-actor-resources)")
+            super().__init__(*args, **kwargs)
+
+    NodeChecked.__name__, NodeChecked.__qualname__ = cls.__name__, cls.__qualname__
+    NodeChecked.__module__, NodeChecked.__doc__ = cls.__module__, cls.__doc__
+    return NodeChecked
 
 
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

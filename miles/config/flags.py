@@ -259,6 +259,18 @@ FLAGS: tuple[Flag, ...] = (
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
        help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
             "weights too (on with --colocate; sync machine)"),
+    _f("ray-no-ship-code", "cluster", "ship_code", kind="false",
+       help="with --ray-address: do not send miles and the files of --custom-rm-path & co. to the cluster through "
+            "Ray's runtime_env; they are installed at the same paths on every node"),
+    _f("shared-fs", "cluster", "shared_fs", kind="true",
+       help="the trainer's checkpoint folders are visible to the driver at the same path (default: when every "
+            "node of the cluster is the driver's machine)"),
+    _f("no-shared-fs", "cluster", "shared_fs", kind="false",
+       help="no filesystem shared with the driver: checkpoints travel between the trainer's node and the driver's "
+            "--save/--load folders through Ray (default on a cluster with nodes on other machines)"),
+    _f("ray-actor-resources", "cluster", "actor_resources", kind="json",
+       help="Ray resources every actor of the run asks for, as JSON ('{\"miles_worker\": 1}'): puts the actors on "
+            "the nodes that have them"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),

@@ -257,6 +257,10 @@ class ClusterConfig:
     offload: bool = False               # --offload: both of the next two
     offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
     offload_rollout: bool = False       # --offload-rollout: the engines' memory freed during training (SGLang: weights too)
+    # attaching to a cluster (--ray-address; docs/running.md "Attaching to a cluster")
+    ship_code: bool = True              # --ray-no-ship-code: miles and the user's files are on every node already
+    shared_fs: bool | None = None       # --shared-fs / --no-shared-fs (None: shared iff every node is the driver's host)
+    actor_resources: dict[str, float] | None = None  # --ray-actor-resources: Ray resources every actor asks for
 
     @property
     def offloads_train(self) -> bool:

@@ -19,7 +19,7 @@ def validate(cfg: RunConfig) -> None:
     for check in (_backends, _sglang, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths,
                   _checkpoint_and_eval, _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft,
                   _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability, _generation,
-                  _rewards, _engine_health):
+                  _rewards, _engine_health, _attached):
         check(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -220,6 +220,25 @@ def _reliability(cfg: RunConfig, problems: list[str]) -> None:
         except ValueError:
             problems.append(f"--ray-node-ip {r.ray_node_ip}: not an IP address; use 127.0.0.1 (loopback only), "
                             "this machine's address, or auto")
+
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")   # asked for by the placement, not by name
+
+
+def _attached(cfg: RunConfig, problems: list[str]) -> None:
+    """The flags of a run on a cluster it attaches to (docs/running.md "Attaching to a cluster")."""
+    c = cfg.cluster
+    if not c.ship_code and not c.ray_address:
+        problems.append("--ray-no-ship-code needs --ray-address: a run that starts its own cluster ships nothing")
+    for name, amount in (c.actor_resources or {}).items():
+        if not isinstance(name, str) or not name or name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+            problems.append(f"--ray-actor-resources: {name!r} is not a custom resource name; CPUs and GPUs come from "
+                            "the placement flags (--actor-num-gpus-per-node, ...), name the resource your nodes "
+                            "were started with (ray start --resources '{\"miles_worker\": 8}')")
+        elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0 \
+                or (amount > 1 and amount != int(amount)):
+            problems.append(f"--ray-actor-resources {name}: {amount!r} must be a number > 0, a whole number above "
+                            "1 (Ray's rule for resource amounts)")
+
 
 # -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
 

@@ -8,11 +8,12 @@ r carry version r + 1 (= `next_rollout`), the weights loaded from disk version 0
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from miles.config import RunConfig
+from miles.phases.checkpoint_io import Folders, SharedFolders
 from miles.runtime import Disposer, PhaseContext, Tracer
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Components:
     store: CheckpointStore | None = None          # under --save
     critic: ActorResource | None = None           # PPO's critic actor (miles.training.protocol.CriticBackend)
     critic_store: CheckpointStore | None = None   # the critic's own (--critic-save elsewhere than --save)
+    folders: Folders = field(default_factory=SharedFolders)   # how actors' checkpoint folders reach the driver
     prefetch: Prefetcher | None = None            # async machine
     evals: EvalDispatcher | None = None           # async machine
 

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import ray
 
+from miles.cluster.ray_cluster import driver_path
 from miles.phases.context import TrainingContext
 from miles.rollout.protocol import EngineUnresponsive
 from miles.runtime.supervisor import RestartBudget
@@ -35,7 +36,8 @@ def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) ->
     # the GPUs come from the run's placement, for every engine kind; a fleet adds its own constructor keywords
     options = {**ctx.backends.engine_options, **(fleet.engine_kwargs(index, name) if fleet is not None else {})}
     # an engine that answers health probes and aborts beside a running call gets its threads for that
-    engine = ctx.c.cluster.actor(ctx.backends.engine, cfg.model.hf_checkpoint, name=name,
+    model = driver_path(cfg.model.hf_checkpoint)
+    engine = ctx.c.cluster.actor(ctx.backends.engine, model, name=name, needs={"--hf-checkpoint": model},
                                  concurrency=getattr(ctx.backends.engine, "actor_threads", None),
                                  placement=place.options(place.plan.engines[index]) if place else None,
                                  device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index,

@@ -1,31 +1,37 @@
 """`init`: the composition root. Creates every component and registers each with the disposer
 where it is created, so whatever `init` made before failing is torn down too.
 
-Order: metrics sinks → Ray → placement (the GPU plan and its placement group) → the engine fleet
-(if the engine kind has one: SGLang's router) → engines → trainer → critic (ppo) → executor → weight
-transport → checkpoint resume. Input is checked on the driver (tokenizer, prompt or SFT files, reward
-and filter imports, the GPU plan against the cluster) before any actor starts. `pick_backends` is the
-one place an implementation is chosen: the engine class from `--rollout-engine` and the trainer's and
-critic's from `--train-backend`, through the registries of `miles.rollout.protocol` and
-`miles.training.protocol`.
+Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
+checkpoint folders reach the driver (miles.phases.checkpoint_io) → placement (the GPU plan and its
+placement group) → the engine fleet (if the engine kind has one: SGLang's router) → engines → trainer
+→ critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
+any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
+`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
+`miles.rollout.protocol` and `miles.training.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
+import ray
+
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
-from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_cluster, cluster_gpus,
-                                     placement_request, plan_placement)
-from miles.cluster.ray_cluster import RayCluster
+from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
+                                     cluster_gpus, placement_request, plan_placement)
+from miles.cluster.ray_cluster import RayCluster, driver_path
+from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
+from miles.phases.checkpoint_io import pick_folders
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
@@ -42,6 +48,7 @@ from miles.rollout.scoring import Rewards
 from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
+from miles.user_code import user_function_paths
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
 from miles.weights.hf import load_tokenizer
 
@@ -140,12 +147,9 @@ async def init(ctx: TrainingContext) -> str:
         ctx.c.metrics.add(sink)
     ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
                                log_level=cfg.tracking.worker_log_level, node_ip=cfg.reliability.ray_node_ip,
-                               allow_no_auth=cfg.reliability.ray_allow_no_auth)
+                               allow_no_auth=cfg.reliability.ray_allow_no_auth, shipment=_shipment(ctx))
     add(ctx.c.cluster)
-    local = ctx.c.cluster.local
-    ctx.tracer.emit("cluster_ready", namespace=ctx.c.cluster.namespace, started=ctx.c.cluster.started,
-                    **({"node_ip": cfg.reliability.ray_node_ip, "session_dir": str(local.session_dir),
-                        "reaper_pid": local.reaper_pid} if local is not None else {}))
+    _cluster_ready(ctx)
 
     ctx.c.placement = _place(ctx, add)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
@@ -169,7 +173,8 @@ async def init(ctx: TrainingContext) -> str:
         for i, engine in enumerate(ctx.c.engines):
             await ctx.c.engine_fleet.joined(i, engine.handle)
     ctx.tracer.emit("components_ready", engines=len(ctx.c.engines),
-                    pids={a.resource_name: pid for a, pid in zip(actors, pids)})
+                    pids={a.resource_name: pid for a, pid in zip(actors, pids)},
+                    nodes={a.resource_name: a.node_id for a in actors})
     if ctx.c.engines:
         start_health_monitor(ctx)
 
@@ -192,17 +197,44 @@ async def init(ctx: TrainingContext) -> str:
     return "ready"
 
 
+def _shipment(ctx: TrainingContext) -> Shipment | None:
+    """What a run attaching to a cluster through --ray-address sends to its nodes (None: nothing, on a
+    local cluster, a host's connection, or with --ray-no-ship-code)."""
+    c = ctx.cfg.cluster
+    if not (c.ray_address and c.ship_code) or ray.is_initialized():
+        return None
+    return stage(user_function_paths(ctx.cfg), (ctx.run_dir / SHIPPED_DIR).absolute(), code=[miles_package()])
+
+
+def _cluster_ready(ctx: TrainingContext) -> None:
+    """Trace the cluster, what was shipped to it, and how checkpoint folders will reach the driver."""
+    cluster, cfg = ctx.c.cluster, ctx.cfg
+    local, nodes = cluster.local, cluster.nodes()
+    ctx.tracer.emit("cluster_ready", namespace=cluster.namespace, started=cluster.started, nodes=nodes,
+                    token_auth=cluster.token_auth(),
+                    **({"node_ip": cfg.reliability.ray_node_ip, "session_dir": str(local.session_dir),
+                        "reaper_pid": local.reaper_pid} if local is not None else {}))
+    if cluster.shipment is not None:
+        ctx.tracer.emit("code_shipped", **cluster.shipment.describe())
+    ctx.c.folders, why = pick_folders(cfg.cluster.shared_fs, started=cluster.started, node_ips=[n["ip"] for n in nodes],
+                                      driver_ip=ray.util.get_node_ip_address())
+    ctx.tracer.emit("checkpoint_folders", shared=ctx.c.folders.shared, why=why)
+
+
 def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
-    cfg = ctx.cfg
-    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, cfg.model.hf_checkpoint, name="trainer",
+    cfg, place = ctx.cfg, ctx.c.placement
+    path = driver_path(cfg.model.hf_checkpoint)                   # read by the actor, on its node
+    ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, path, name="trainer", needs={"--hf-checkpoint": path},
                                         **_trainer_placement(ctx), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
+        init_from = driver_path(cfg.checkpoint.critic_load) if cfg.checkpoint.critic_load else None
+        needs = {"--hf-checkpoint": path, **({"--critic-load": init_from} if init_from else {})}
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, cfg.model.hf_checkpoint, name="critic", placement=place.options(place.plan.critics[0]),
-            train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
-            algorithm=cfg.algorithm, init_from=cfg.checkpoint.critic_load, device=cfg.model.device, dtype=cfg.model.dtype)
+            ctx.backends.critic, path, name="critic", placement=place.options(place.plan.critics[0]),
+            needs=needs, train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
+            algorithm=cfg.algorithm, init_from=init_from, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
 
 
@@ -229,9 +261,12 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
         if problems:
             raise ConfigError(problems)
     place = RunPlacement(plan)
+    resources = cfg.cluster.actor_resources
+    if resources:                # the executor too: every actor asks for them
+        check_actor_resources(resources, plan.num_actors + 1, ray.cluster_resources())
     if plan.bundles:
         check_cluster(plan, gpus)
-        place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus")
+        place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus", actor_resources=resources)
         add(place.group)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
                     colocate=cfg.cluster.colocate,
@@ -256,8 +291,12 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn."""
-    return dict(train=cfg.train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
+    """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn.
+    A --save-debug-train-data path is made absolute: the trainer writes it from its own working directory."""
+    train = cfg.train
+    if train.save_debug_train_data:
+        train = replace(train, save_debug_train_data=os.path.abspath(train.save_debug_train_data))
+    return dict(train=train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
                 dtype=cfg.model.dtype)
 
 
@@ -345,11 +384,11 @@ async def _resume(ctx: TrainingContext) -> None:
             ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
                             else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
             continue
-        await ctx.c.trainer.handle.load.remote(str(path / TRAINER_DIR))
+        await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR)
         await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
         # a critic kept under --critic-save comes back through --critic-load instead
         if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-            await ctx.c.critic.handle.load.remote(str(path / CRITIC_DIR))
+            await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR)
         ctx.start_rollout = ctx.next_rollout = rollout_id + 1
         ctx.resumed = True
         ctx.weight_version = 0              # the engines hold the disk weights until the first sync
@@ -362,16 +401,12 @@ async def _resume(ctx: TrainingContext) -> None:
 
 
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
-    """The sha256 of every file the load reads, each checked by its reader: `trainer/` (and `critic/`)
-    in their actors, which hash them where they read them; `rollout.json` here, where it is read."""
+    """The sha256 of every file the load reads, each checked where it is read: `trainer/` (and
+    `critic/`) in their actors, or here when the folders travel through Ray (checkpoint_io);
+    `rollout.json` here."""
     readers = [(ctx.c.trainer, TRAINER_DIR)]
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
         readers.append((ctx.c.critic, CRITIC_DIR))
-    found = await asyncio.gather(*(actor.handle.__ray_call__.remote(_verify_in_actor, str(path),
-                                                                     manifest_files(path, f"{folder}/"))
+    found = await asyncio.gather(*(ctx.c.folders.verify(actor, path, manifest_files(path, f"{folder}/"))
                                    for actor, folder in readers))
     return [p for problems in found for p in problems] + verify_files(path, manifest_files(path, ROLLOUT_FILE))
-
-
-def _verify_in_actor(_actor: Any, root: str, files: dict[str, Any]) -> list[str]:
-    return verify_files(root, files)

@@ -6,7 +6,8 @@ and with --critic-save alone only the critic is saved. The data position is the 
 after the saved rollout's prompts were drawn (`ctx.data_states`, which the async machine fills: by
 now its executor has already served the next rollout's prompts); with none recorded (sync) the
 executor's live position is that one. --save-hf PATH also exports the HF model to PATH, outside the
-checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py.
+checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
+reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/phases/checkpoint_io.py).
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ async def save(ctx: TrainingContext) -> str:
     path = None
     if ctx.c.store is not None:
         path = await _save_run(ctx, rid)
+    folders = ctx.c.folders                    # in place, or through Ray (miles.phases.checkpoint_io)
     if ctx.c.critic_store is not None:
-        critic, optimizer = ctx.c.critic.handle, ctx.cfg.checkpoint.save_optimizer
+        critic, optimizer = ctx.c.critic, ctx.cfg.checkpoint.save_optimizer
         critic_path = await save_atomically(
-            ctx.c.critic_store, rid, lambda folder: critic.save.remote(str(folder / CRITIC_DIR), optimizer=optimizer),
+            ctx.c.critic_store, rid, lambda folder: folders.save(critic, "save", folder / CRITIC_DIR, optimizer=optimizer),
             {"critic": True, "optimizer": optimizer})
         ctx.tracer.emit("critic_checkpoint_saved", rollout_id=rid, path=str(critic_path))
     template = ctx.cfg.checkpoint.save_hf_path
     if template:                               # --save-hf: the HF export, outside the checkpoints
-        trainer = ctx.c.trainer.handle
-        hf = await publish_folder(hf_copy_path(template, rid), lambda folder: trainer.export_hf.remote(str(folder)))
+        trainer = ctx.c.trainer
+        hf = await publish_folder(hf_copy_path(template, rid), lambda folder: folders.save(trainer, "export_hf", folder))
         ctx.tracer.emit("hf_exported", rollout_id=rid, path=str(hf))
     ctx.save_requested = False
     sentinel = ctx.cfg.checkpoint.save_trigger_sentinel
@@ -50,19 +52,20 @@ async def save(ctx: TrainingContext) -> str:
 
 async def _save_run(ctx: TrainingContext, rid: int) -> Path:
     """Trainer, data position, HF export and (without a store of its own) the critic, under --save."""
-    trainer, save_hf, optimizer = ctx.c.trainer.handle, ctx.cfg.checkpoint.save_hf, ctx.cfg.checkpoint.save_optimizer
-    critic = ctx.c.critic.handle if ctx.c.critic is not None and ctx.c.critic_store is None else None
+    trainer, save_hf, optimizer = ctx.c.trainer, ctx.cfg.checkpoint.save_hf, ctx.cfg.checkpoint.save_optimizer
+    critic = ctx.c.critic if ctx.c.critic is not None and ctx.c.critic_store is None else None
+    folders = ctx.c.folders
     position = ctx.data_states.get(rid)
     if position is None:                       # nothing drawn since rollout rid: the live position is its
         position = await ctx.c.executor.handle.state_dict.remote()
 
     async def write(folder: Path) -> Any:
-        await trainer.save.remote(str(folder / TRAINER_DIR), optimizer=optimizer)
+        await folders.save(trainer, "save", folder / TRAINER_DIR, optimizer=optimizer)
         write_data_position(folder, position)
         if save_hf:
-            await trainer.export_hf.remote(str(folder / HF_DIR))
+            await folders.save(trainer, "export_hf", folder / HF_DIR)
         if critic is not None:
-            await critic.save.remote(str(folder / CRITIC_DIR), optimizer=optimizer)
+            await folders.save(critic, "save", folder / CRITIC_DIR, optimizer=optimizer)
 
     return await save_atomically(ctx.c.store, rid, write, {"weight_version": ctx.next_rollout, "hf_export": save_hf,
                                                            "critic": critic is not None, "optimizer": optimizer})
