@@ -53,6 +53,7 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
 def test_a_phase_past_its_deadline_drains_the_run_and_corrupted_checkpoints_are_skipped(ray_cluster, tiny_task,
                                                                                         tmp_path):
     # run 1: three checkpoints, then rollout 3 hangs past its --phase-timeout: cancelled, the run drains
@@ -95,6 +96,7 @@ def test_a_phase_past_its_deadline_drains_the_run_and_corrupted_checkpoints_are_
     assert row["reward_mean"] == pytest.approx(0.5)               # ... scored 0, prompt 2's two 1
 
 
+@pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
 def test_an_engine_corrupted_after_a_sync_fails_the_run_naming_it(ray_cluster, tiny_task, tmp_path):
     flags = small(tiny_task, tmp_path, "run", num_rollout=2, check_weight_update_equal=True,
                   inject_fault=["weight_sync:corrupt_weights"])

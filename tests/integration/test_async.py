@@ -106,6 +106,7 @@ def test_update_weights_interval_2_via_miles_train_machine_async(ray_cluster, ti
     assert seq_of(trace, "prefetch_end", rollout_id=2) < seq_of(trace, "weights_synced", version=2)
 
 
+@pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
 def test_checkpoint_holds_the_data_position_of_the_rollout_it_saved(ray_cluster, tiny_task, tmp_path):
     flags = dict(num_rollout=4, use_tis=True, save_interval=2)
     _, full, _ = run_async(base_flags(tiny_task, tmp_path / "full", save=tmp_path / "ck_full", **flags))

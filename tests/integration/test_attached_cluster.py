@@ -181,6 +181,7 @@ def check_run(run: subprocess.CompletedProcess, run_dir: Path, worker_tmp: Path)
     return trace
 
 
+@pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
 def test_a_run_on_another_node_gets_its_code_and_reward_shipped_and_its_checkpoints_back(tiny_task, tmp_path):
     driver = tmp_path / "driver"                      # outside the checkout; the nodes never see it as a cwd
     driver.mkdir()

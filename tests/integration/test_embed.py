@@ -25,6 +25,7 @@ def train_rows(run_dir: Path) -> list[dict]:
             for r in read_metrics(run_dir) if r.get("kind") == "train"]
 
 
+@pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
 def test_the_host_example_stops_one_run_and_finishes_the_other(tiny_task, tmp_path, ray_cluster):
     out = tmp_path / "embed"
     proc = subprocess.run([sys.executable, str(ROOT / "examples/embed/host.py"), "--model", tiny_task["model"],
