@@ -69,12 +69,7 @@ def _math(name: str, fn, device: torch.device):
     if device.type != "cuda":
         return fn
     if name not in _COMPILED:
-        try:
-            _COMPILED[name] = torch.compile(fn)
-        except Exception as e:  # noqa: BLE001 (no compiler here: the eager function is exact)
-            import warnings
-            warnings.warn(f"fused_logprobs: torch.compile unavailable ({e!r}); running eager", stacklevel=2)
-            _COMPILED[name] = fn
+        _COMPILED[name] = torch.compile(fn)      # lazy: a compiler failure shows at the first call, below
     compiled = _COMPILED[name]
 
     def call(*args):
