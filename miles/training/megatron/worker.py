@@ -133,6 +133,9 @@ class MegatronWorker:
         config = transformer_config(self.spec, self.layout, dtype=self.dtype, on_cpu=self.device.type == "cpu",
                                     recompute=train is not None and train.recompute_activations)
         gpt, use_te = build_gpt(self.spec, self.layout, config, pp_rank=self.coords.pp)
+        # megatron makes its linear layers on the GPU but the local spec's norms (torch.nn.RMSNorm) on
+        # the CPU; DDP's buffers move a policy's, nothing moves a frozen reference's
+        gpt.to(self.device)
         self._load_shard(gpt, hf_to_mcore(load_hf_weights(path), self.spec), use_te)
         module, optimizer = wrap(gpt, config, train=train, distributed_optimizer=True)
         return RankModel(gpt=gpt, module=module, optimizer=optimizer, use_te=use_te)
