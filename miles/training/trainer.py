@@ -111,7 +111,7 @@ class Trainer(OptimizedModel):
                                    and self._objective.may_skip_old_pass)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
-        compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers else 0
+        compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),

@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("engine", ["embedded", "fast"])
-def test_colocated_demo_learns_with_ipc_sync_and_offload(ray_cluster, tmp_path, engine):
-    cfg, _ = parse_flags(["--config", str(ROOT / "examples/arithmetic/grpo.yaml"), "--run-dir", str(tmp_path / "run"),
+@pytest.mark.parametrize("engine,compiled", [("embedded", False), ("fast", False), ("fast", True)])
+def test_colocated_demo_learns_with_ipc_sync_and_offload(ray_cluster, tmp_path, engine, compiled):
+    cfg, _ = parse_flags([*([] if compiled else ["--no-trainer-compile"]),
+                          "--config", str(ROOT / "examples/arithmetic/grpo.yaml"), "--run-dir", str(tmp_path / "run"),
                           "--trace-console", "off", "--device", "cuda", "--colocate", "--offload",
                           "--rollout-engine", engine, "--num-rollout", "10", "--eval-interval", "10",
                           "--check-weight-update-equal", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"])
@@ -56,10 +57,13 @@ def test_colocated_demo_learns_with_ipc_sync_and_offload(ray_cluster, tmp_path, 
     # nothing accumulates: what stays allocated after each rollout's training is flat; the peak moves
     # with the response lengths (activations), so it gets a looser bound here (the bench's fixed-length
     # responses show the peak itself)
+    # The first rollout's training also makes one-time state (~50 MiB more kept after it on the H200
+    # than after any later one), so flatness is judged from the second rollout on, and the last may
+    # not exceed the first.
     kept = [r["gpu_mem_allocated_gib"] for r in rows]
-    assert max(kept) <= 1.05 * min(kept), kept
+    assert max(kept[1:]) <= 1.05 * min(kept[1:]) and kept[-1] <= kept[0] * 1.05, kept
     peaks = [r["gpu_mem_peak_gib"] for r in rows]
-    assert max(peaks) <= 1.25 * min(peaks), peaks
+    assert max(peaks[1:]) <= 1.25 * min(peaks[1:]) and peaks[-1] <= 1.25 * peaks[0], peaks
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +83,9 @@ def samples(n: int, seed: int) -> list[Sample]:
     return out
 
 
-def test_trainer_offload_between_rollouts_leaves_training_unchanged(model_path):
-    make = lambda: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8),   # noqa: E731
+@pytest.mark.parametrize("compiled", [False, True])
+def test_trainer_offload_between_rollouts_leaves_training_unchanged(model_path, compiled):
+    make = lambda: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8, compile_layers=compiled),  # noqa: E731
                            algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=1))
     a, b = make(), make()
     a.train(samples(16, 0), 0)

@@ -49,3 +49,29 @@ def test_engine_and_trainer_on_cuda_agree_and_learn(model_path):
     assert engine.weights_checksum() == trainer.weights_checksum(engine.weights_dtype())
     after = samples_from(prompts, engine.generate(prompts, params), [1.0, -1.0] * 16)
     assert after != samples                                 # the new weights sample differently
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_layers_train_like_eager_ones(model_path, recompute):
+    """The CUDA default (each decoder layer torch.compile'd) against --no-trainer-compile: the same
+    batches give the same losses and weights within bf16 rounding, with and without activation
+    recompute; shapes that change between rollouts (a recompile) change nothing either."""
+    engine = EmbeddedEngine(model_path)
+    prompts = [[5, 6, 14], [7], [9, 4, 4, 4], [11, 12]] * 8
+    rollouts = [samples_from(prompts, engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, seed=n)),
+                             [1.0, -1.0] * 16) for n in (8, 5, 11)]
+    make = lambda compiled: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8, compile_layers=compiled,  # noqa: E731
+                                                                  recompute_activations=recompute),
+                                    algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=1))
+    compiled, eager = make(None), make(False)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.model.layers)   # None: compiled on CUDA
+    start = torch.cat([p.detach().flatten().clone() for p in eager.model.parameters()])
+    for r, samples in enumerate(rollouts):
+        got, want = compiled.train(samples, r), eager.train(samples, r)
+        assert got["loss"] == pytest.approx(want["loss"], rel=0.02, abs=1e-4), (r, got["loss"], want["loss"])
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.02), (r, got["grad_norm"], want["grad_norm"])
+    # Adam moves every weight by about lr whatever its gradient's size, so compare the updates' directions
+    moved = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) - start for t in (compiled, eager)]
+    assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.95
+    compiled.dispose()
+    eager.dispose()

@@ -123,7 +123,8 @@ def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, t
     base = ["--hf-checkpoint", str(model_path), "--prompt-data", str(data), "--rollout-batch-size", "1",
             "--num-rollout", "1"]
     assert parse_flags(base + ["--trainer-compile"])[0].train.compile_layers is True
-    assert parse_flags(base)[0].train.compile_layers is False       # opt-in until the GPU tests pass with it
+    assert parse_flags(base + ["--no-trainer-compile"])[0].train.compile_layers is False
+    assert parse_flags(base)[0].train.compile_layers is None        # auto: compiled with the torch trainer on CUDA
     model = AutoModelForCausalLM.from_pretrained(model_path)
     names = list(model.state_dict())
     assert compile_decoder_layers(model) == model.config.num_hidden_layers

@@ -92,7 +92,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--update-weight-buffer-size", cfg.update_weight_buffer_size != default_bucket),
         ("--use-dynamic-batch-size", t.use_dynamic_batch_size), ("--max-tokens-per-gpu", t.max_tokens_per_gpu is not None),
         ("--no-save-optim", not cfg.checkpoint.save_optimizer), ("--save-debug-train-data", bool(t.save_debug_train_data)),
-        ("--trainer-compile", t.compile_layers),
+        ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]
