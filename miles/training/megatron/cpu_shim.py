@@ -48,6 +48,7 @@ def _on_cpu(factory):
     def make(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)     # a CPU-only process has no pinned-memory allocator
         return factory(*args, **kwargs)
     return make
 

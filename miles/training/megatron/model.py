@@ -1,5 +1,6 @@
 """megatron-core objects of one rank: the GPTModel of its pipeline stage (Transformer Engine's layer
-spec when TE is installed, megatron's local spec otherwise), its bf16 wrapper, DDP, and the optimizer.
+spec when TE is installed, megatron's local spec otherwise, with miles' context-parallel attention
+when CP > 1), its bf16 wrapper, DDP, and the optimizer.
 
 Called only inside a rank whose torch.distributed and megatron parallel state are initialised
 (`miles.training.megatron.worker`). Gradients are summed, not averaged, over the data-parallel
@@ -61,6 +62,11 @@ def build_gpt(spec: ModelSpec, layout: ParallelLayout, config, *, pp_rank: int) 
     use_te = installed("transformer_engine")
     layer_spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
                   else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if layout.cp > 1 and not use_te:
+        # megatron's local DotProductAttention refuses CP > 1 (its CP attention is Transformer Engine's)
+        from miles.training.megatron.context_parallel import GatheredKVAttention
+
+        layer_spec.submodules.self_attention.submodules.core_attention = GatheredKVAttention
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab(spec, layout.tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pp_rank == 0, post_process=pp_rank == layout.pp - 1,

@@ -6,7 +6,8 @@ more). Every rank of a pipeline walks the same micro-batches; the first stage re
 the last stage turns the logits into logprobs or a loss. With more than one stage the stages
 exchange activations of a fixed [T, b, hidden] shape, so every micro-batch is padded to the same
 rows and columns (padding has no response tokens: it weighs nothing in any loss). Sequence
-parallelism needs T to be a multiple of TP.
+parallelism needs T to be a multiple of TP, context parallelism a multiple of 2 * CP (each CP rank
+feeds its two chunks of every row, `context_parallel.ContextSplit`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from miles.training.batch import TrainBatch, split
+from miles.training.megatron.context_parallel import ContextSplit
 from miles.training.megatron.layout import ParallelLayout
 
 # (micro-batch, last stage's logits [b, T, V]) -> the loss megatron backpropagates (a scalar)
@@ -47,19 +49,24 @@ def micro_batches(batch: TrainBatch, layout: ParallelLayout, size: int, pad_id: 
 
 
 def run_schedule(module: torch.nn.Module, micro: list[TrainBatch], loss_fn: LossFn, *, forward_only: bool,
-                 bf16: bool) -> None:
+                 bf16: bool, split: ContextSplit | None = None) -> None:
     """Forward (and, unless `forward_only`, backward) every micro-batch through this rank's stage;
-    on the last stage `loss_fn(mb, logits)` receives each micro-batch's logits."""
+    on the last stage `loss_fn(mb, logits)` receives each micro-batch's logits. With context
+    parallelism (`split`) the rank feeds its positions of every row (the rotary table megatron
+    slices for it) and the logits are those positions' [b, T / CP, V]."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         b, t = mb.tokens.shape
-        positions = torch.arange(t, device=mb.tokens.device).expand(b, t)
+        positions = torch.arange(t, device=mb.tokens.device) if split is None else split.positions(t, mb.tokens.device)
+        tokens = mb.tokens if split is None else mb.tokens.index_select(1, positions)
+        positions = positions.expand(b, -1)
         extra = {"fp32_output": False} if bf16 else {}     # bf16 logits: miles upcasts them row chunk by chunk
-        out = model(input_ids=mb.tokens, position_ids=positions, attention_mask=None, **extra)
+        out = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
         return out, partial(_megatron_loss, loss_fn, mb)
 
+    # the full width: megatron divides it by CP (and by TP under sequence parallelism) for the stages' shapes
     widths = {mb.tokens.shape for mb in micro}
     rows, width = max(s[0] for s in widths), max(s[1] for s in widths)
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[module],

@@ -5,7 +5,11 @@ shard of the weights out, its part of a checkpoint in and out, and its teardown.
 Every rank receives the whole rollout and packs the same [B, T] batch. A data-parallel rank runs
 its rows (`ParallelLayout.dp_rows`) through its pipeline (`steps.py`); the results that must be
 whole on every rank (old and reference logprobs, which the advantages may normalise over the
-rollout; the loss terms for the metrics) are summed over the ranks that own them. Precision:
+rollout; the loss terms for the metrics) are summed over the ranks that own them. With context
+parallelism a rank feeds its 2 of the 2 * CP chunks of every row; its logits give the whole rows'
+logprobs and entropies gathered over the CP group (`context_parallel.token_terms`), from which every
+CP rank computes the whole micro-batch's loss and backpropagates through its own positions, and
+megatron's DDP sums the gradients over data x context parallel ranks. Precision:
 bf16 parameters on the GPU with float32 main weights and Adam state in megatron's distributed
 optimizer (sharded over the data-parallel ranks); float32 everywhere on the CPU.
 
@@ -35,6 +39,7 @@ from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfi
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.megatron import steps
 from miles.training.megatron.checks import requested_layout
+from miles.training.megatron.context_parallel import ContextSplit, token_terms
 from miles.training.megatron.conversion import (hf_to_mcore, is_tp_split, merge_tensor, model_spec, shard_tp,
                                                 stage_weights, te_names, unstage_weights)
 from miles.training.megatron.model import RankModel
@@ -91,6 +96,7 @@ class MegatronWorker:
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None
         self._num_steps = 0
         self._distributed = False
+        self._split: ContextSplit | None = None      # this rank's CP place, with CP > 1
 
     # --- setup -----------------------------------------------------------------------------------
     def setup(self, master_addr: str, master_port: int) -> None:
@@ -123,6 +129,11 @@ class MegatronWorker:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.layout.tp,
                                                  pipeline_model_parallel_size=self.layout.pp,
                                                  context_parallel_size=self.layout.cp)
+        if self.layout.cp > 1:
+            group = parallel_state.get_context_parallel_group()
+            if group.rank() != self.coords.cp:      # the layout's arithmetic and megatron's groups must agree
+                raise RuntimeError(f"rank {self.rank}: megatron's CP rank {group.rank()} is not the layout's {self.coords.cp}")
+            self._split = ContextSplit(rank=self.coords.cp, size=self.layout.cp, group=group)
         seed_everything(self._train_cfg.seed)
         if self.device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(self._train_cfg.seed)
@@ -197,10 +208,13 @@ class MegatronWorker:
 
             def collect(mb: TrainBatch, logits: Tensor) -> Tensor:
                 start = next(starts)
-                lp = self._objective.logprobs(logits[..., :self.spec.vocab_size], mb.tokens)
+                logits = logits[..., :self.spec.vocab_size]
+                lp = (self._objective.logprobs(logits, mb.tokens) if self._split is None
+                      else token_terms(self._split, self._objective, logits, mb.tokens, with_entropy=False)[0])
                 pieces.append((range(start, min(start + size, rows.stop)), lp))
                 return lp.sum() * 0.0
-            steps.run_schedule(model.module, micro, collect, forward_only=True, bf16=self.dtype == torch.bfloat16)
+            steps.run_schedule(model.module, micro, collect, forward_only=True, bf16=self.dtype == torch.bfloat16,
+                               split=self._split)
         return steps.gather_rows(pieces, tuple(batch.tokens.shape), self.owner, self.device)
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
@@ -212,15 +226,21 @@ class MegatronWorker:
         sums: dict[str, float] = defaultdict(float)
 
         def loss_fn(mb: TrainBatch, logits: Tensor) -> Tensor:
-            loss, terms = self._objective.micro_loss(logits[..., :self.spec.vocab_size], mb, normalizer, num_tokens)
+            logits = logits[..., :self.spec.vocab_size]
+            if self._split is None:
+                loss, terms = self._objective.micro_loss(logits, mb, normalizer, num_tokens)
+            else:     # every CP rank: the whole rows' loss, from its positions' logits and the others'
+                lp, entropy = token_terms(self._split, self._objective, logits, mb.tokens, with_entropy=True)
+                loss, terms = self._objective.loss(lp, entropy, mb, normalizer, num_tokens)
             for k, v in terms.items():
                 sums[k] += v
             return loss
         _, local = self._local_rows(batch)
         micro = steps.micro_batches(local, self.layout, self._train_cfg.micro_batch_size, self.pad_id)
-        steps.run_schedule(model.module, micro, loss_fn, forward_only=False, bf16=self.dtype == torch.bfloat16)
+        steps.run_schedule(model.module, micro, loss_fn, forward_only=False, bf16=self.dtype == torch.bfloat16,
+                           split=self._split)
         from megatron.core.distributed import finalize_model_grads
-        finalize_model_grads([model.module])          # data-parallel sums; tied embeddings across stages
+        finalize_model_grads([model.module])          # sums over DP x CP; tied embeddings across stages
         grad_norm, lr = self._optimizer_step(model.optimizer)
         terms = steps.sum_over_owners(sums, LOSS_KEYS, self.owner, self.device)
         return {**terms, "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - start}
