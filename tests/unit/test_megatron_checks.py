@@ -79,10 +79,18 @@ def test_sequence_parallel_needs_fused_norms(task, monkeypatch):
     assert problems[1].startswith("--sequence-parallel needs Transformer Engine's or Apex's norms")
 
 
-def test_context_parallel_is_refused_until_it_is_built(task, megatron_installed):
-    problems = problems_of(task, "--context-parallel-size", "2")
-    assert problems == ["--context-parallel-size 2: context parallelism is not supported by the megatron backend "
-                        "yet; use --context-parallel-size 1"]
+def test_context_parallel_is_accepted_and_counts_in_the_ranks(task, megatron_installed):
+    _, model, data = task
+    base = ["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2", "--n-samples-per-prompt",
+            "2", "--num-rollout", "1", "--train-backend", "megatron", "--context-parallel-size", "2"]
+    cfg, _ = parse_flags(base)                       # on the CPU: TP x PP x CP = 2 ranks
+    assert cfg.train.context_parallel_size == 2 and checks.run_problems(cfg) == []
+    # on GPUs, 3 trainer GPUs do not hold CP 2; 4 do (data parallel 2)
+    problems = problems_of(task, "--context-parallel-size", "2", "--device", "cuda", "--actor-num-gpus-per-node", "3")
+    assert problems == ["the trainer's 3 GPU(s) are not a multiple of TP 1 x PP 1 x CP 2 = 2; give it a multiple of "
+                        "that many GPUs (--actor-num-nodes x --actor-num-gpus-per-node) or lower the sizes"]
+    cuda, _ = parse_flags([*base, "--device", "cuda", "--actor-num-gpus-per-node", "4"])
+    assert checks.run_problems(cuda, 4) == []
 
 
 def test_parallel_flags_on_the_torch_backend(task):

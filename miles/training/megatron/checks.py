@@ -47,11 +47,8 @@ def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: Parall
     if layout.sequence_parallel and not (installed("transformer_engine") or installed("apex")):
         problems.append("--sequence-parallel needs Transformer Engine's or Apex's norms (megatron's torch norms do "
                         "not split the sequence); install one or drop --sequence-parallel")
-    if layout.cp > 1:
-        # megatron's context-parallel attention is Transformer Engine's, and the ranks would have to
-        # split each sequence and gather per-token results (layout.cp_positions): not built yet
-        problems.append(f"--context-parallel-size {layout.cp}: context parallelism is not supported by the megatron "
-                        "backend yet; use --context-parallel-size 1")
+    # --context-parallel-size needs no check of its own beyond the layout's: with Transformer Engine its
+    # attention is TE's, without it miles' gathered-K/V attention (context_parallel.py)
     model = spec_problems(hf_config)
     problems += model
     if not model and not problems:
