@@ -1,6 +1,7 @@
 """The megatron backend's ranks on the CPU over gloo (no Ray, no GPU; skipped without megatron-core):
-in float32 they train exactly like the torch trainer, whatever the layout (TP 2, PP 2, DP 2), save
-and resume a dist checkpoint committed by the run's store, and leave no process group behind.
+in float32 they train exactly like the torch trainer, whatever the layout (TP 2, PP 2, DP 2, CP 2
+and CP 2 with each of the others), save and resume a dist checkpoint committed by the run's store,
+and leave no process group behind.
 
 Each case starts its ranks as spawned processes (megatron's parallel state is per process); a rank
 writes its results to a file the test reads.
@@ -225,11 +226,12 @@ def test_recompute_activations_recomputes_every_layer_and_trains_the_same(models
     assert plain[0]["recomputed"] == 0
 
 
-def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path):
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
+def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path, tp, cp):
     from miles.checkpoint.store import CheckpointStore
 
     train, algorithm, rollout = configs(**ALGORITHMS["kl_entropy_tis"])
-    cfg = (replace(train, tensor_model_parallel_size=2), algorithm, rollout)
+    cfg = (replace(train, tensor_model_parallel_size=tp, context_parallel_size=cp), algorithm, rollout)
     store = CheckpointStore(tmp_path / "ckpt")
     tmp = store.begin(0)
     straight = run_ranks(2, models["qwen2"], cfg, tmp_path / "a", save_to=str(tmp), rollouts=[0, 1, 2], save_after=0)

@@ -45,6 +45,10 @@ def sequence_order(cp_size: int, seq_len: int) -> Tensor:
     return torch.argsort(gathered)
 
 
+# newer torch names it reduce_scatter_single (reduce_scatter_tensor deprecated); NCCL and gloo both have it
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -62,15 +66,10 @@ class _GatherSummedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        rank = dist.get_rank(ctx.group)
-        if dist.get_backend(ctx.group) == "nccl":
-            moved = grad.movedim(ctx.dim, 0).contiguous()
-            out = moved.new_empty((ctx.size, *moved.shape[1:]))
-            dist.reduce_scatter_tensor(out, moved, group=ctx.group)
-            return out.movedim(0, ctx.dim), None, None
-        grad = grad.contiguous().clone()              # gloo has no reduce-scatter
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(ctx.dim, rank * ctx.size, ctx.size).contiguous(), None, None
+        moved = grad.movedim(ctx.dim, 0).contiguous()
+        out = moved.new_empty((ctx.size, *moved.shape[1:]))
+        _reduce_scatter(out, moved, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
 
 
 class _GatherReplicated(torch.autograd.Function):
