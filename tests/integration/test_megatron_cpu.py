@@ -199,7 +199,8 @@ def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algori
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models[family]), want_w)
 
 
-@pytest.mark.parametrize("tp,pp,cp,world", [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 2), (1, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4), (1, 1, 2, 4)],
+@pytest.mark.parametrize("tp,pp,cp,world", [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 2), (1, 1, 2, 2), (2, 1, 2, 4),
+                                            (1, 2, 2, 4), (1, 1, 2, 4)],
                          ids=["tp2", "pp2", "dp2", "cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2"])
 def test_every_layout_trains_like_the_torch_trainer(models, tmp_path, tp, pp, cp, world):
     train, algorithm, rollout = configs(**ALGORITHMS["kl_entropy_tis"])

@@ -1,9 +1,9 @@
 """Run megatron-core on the CPU (gloo), for tests and CI machines without a GPU.
 
 megatron-core is written for CUDA: it allocates with `device="cuda"` or `torch.cuda.current_device()`
-(and pinned host memory, e.g. for the rotary table's context-parallel slice),
-asks `tensor.type()` for "torch.cuda.*Tensor" names, waits on CUDA streams, and forks CUDA RNG
-states around dropout and around recomputed layers. `apply()` points those at the CPU, in the calling process only: a megatron
+and in pinned host memory (the rotary table's context-parallel slice), asks `tensor.type()` for
+"torch.cuda.*Tensor" names, waits on CUDA streams, and forks CUDA RNG states around dropout and
+around recomputed layers. `apply()` points those at the CPU, in the calling process only: a megatron
 rank calls it before building anything when its device is the CPU, in a process that is that
 rank's alone (a Ray actor or a test subprocess). Dropout is 0 in miles' megatron models, so the RNG
 fork has nothing to fork and a recomputed layer no CUDA RNG state to restore. Never applied on a GPU.

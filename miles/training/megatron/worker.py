@@ -132,7 +132,8 @@ class MegatronWorker:
         if self.layout.cp > 1:
             group = parallel_state.get_context_parallel_group()
             if group.rank() != self.coords.cp:      # the layout's arithmetic and megatron's groups must agree
-                raise RuntimeError(f"rank {self.rank}: megatron's CP rank {group.rank()} is not the layout's {self.coords.cp}")
+                raise RuntimeError(f"rank {self.rank}: megatron's CP rank {group.rank()} is not the layout's "
+                                   f"{self.coords.cp}")
             self._split = ContextSplit(rank=self.coords.cp, size=self.layout.cp, group=group)
         seed_everything(self._train_cfg.seed)
         if self.device.type == "cuda":
