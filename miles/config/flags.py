@@ -222,7 +222,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("pipeline-model-parallel-size", "train", "pipeline_model_parallel_size", int,
        "megatron: pipeline stages (must divide the layers)"),
     _f("context-parallel-size", "train", "context_parallel_size", int,
-       "megatron: context-parallel ranks (only 1 for now)"),
+       "megatron: context-parallel ranks; each takes 2 of the 2N chunks of every sequence (padded to a multiple of 2N)"),
     _f("sequence-parallel", "train", "sequence_parallel", kind="true",
        help="megatron: split norms' and dropouts' activations along the sequence over the TP ranks"),
     # checkpoint
