@@ -7,4 +7,4 @@ bash scripts/setup.sh dev tensorboard      # tensorboard: the --use-tensorboard 
 PY=python; [ -z "${VIRTUAL_ENV:-}" ] && PY=.venv/bin/python
 # the default run (CI) leaves out the tests marked extended (each repeats a path the others cover, at
 # 1-2 min each on 2 cores); `bash scripts/test.sh -m extended` runs them, `-m ""` runs everything
-exec "$PY" -m pytest -q -p no:cacheprovider --timeout=900 -m "not extended" "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 -m "not extended" "$@"
