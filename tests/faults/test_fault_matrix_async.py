@@ -11,7 +11,8 @@ import pytest
 
 from miles.config.flags import parse_flags
 from miles.cli.train import run_with_signals
-from tests.faults.test_fault_matrix import EXPECTED, FATAL, STATES, assert_clean_end, matrix_flags, run_in_process
+from tests.faults.test_fault_matrix import (EXPECTED, FATAL, FATAL_IN_CI, STATES, assert_clean_end, matrix_flags,
+                                           matrix_params, run_in_process)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SPANS = {"prefetch_start": "prefetch_end", "eval_start": "eval_end"}
@@ -28,8 +29,7 @@ def assert_async_end(run_dir: Path, **kw):
     return trace
 
 
-@pytest.mark.parametrize("fault", list(FATAL))
-@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("state,fault", matrix_params(FATAL, FATAL_IN_CI))
 def test_fatal_fault_in_each_state(ray_cluster, tiny_task, tmp_path, state, fault):
     outcome, error_type = EXPECTED[fault]
     if fault == "kill_trainer" and state == "draining":
@@ -59,7 +59,7 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
     assert sum(e.get("outcome") != "ok" for e in trace.of("disposed")) == len(STATES)
 
 
-# SIGTERM takes the same path as SIGINT (the sync matrix runs both in every state); here SIGINT
+# SIGTERM takes the same path as SIGINT (the sync matrix runs both in every state, half of it extended); here SIGINT
 @pytest.mark.parametrize("sig", ["sigint"])
 @pytest.mark.parametrize("state", STATES)
 def test_signal_drains_cancels_the_rollout_ahead_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
