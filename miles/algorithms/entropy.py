@@ -28,7 +28,7 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
 
 
-def _shift_right(x: Tensor) -> Tensor:
+def shift_right(x: Tensor) -> Tensor:
     """[B, T] values computed from logits[:, t] → aligned to tokens[:, t + 1]; position 0 gets 0."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
 
@@ -49,7 +49,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, *, chunk_rows:
     parts = [_entropy_rows(flat[i:i + chunk_rows] / temperature) for i in range(0, b * t, chunk_rows)]
     if not parts:  # empty batch
         return logits.new_zeros((b, t), dtype=torch.float32)
-    return _shift_right(torch.cat(parts).view(b, t))
+    return shift_right(torch.cat(parts).view(b, t))
 
 
 def _gathered_logprobs(z: Tensor, target: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles.algorithms import entropy_from_logits
+from miles.algorithms.entropy import shift_right
 from miles.training.megatron.layout import ParallelLayout
 
 
@@ -204,8 +205,4 @@ def token_terms(split: ContextSplit, objective, logits: Tensor, tokens: Tensor,
             last_e = entropy_from_logits(logits[:, -1:].expand(b, 2, -1), objective.temperature)[:, 1:]
             ent = split.whole(torch.cat([head_e, last_e], dim=1), replicated_grad=True)
     # values at logit positions -> at token positions (shift right by one)
-    return _shift_right(lp), None if ent is None else _shift_right(ent)
-
-
-def _shift_right(x: Tensor) -> Tensor:
-    return torch.cat([x.new_zeros((x.shape[0], 1)), x[:, :-1]], dim=1)
+    return shift_right(lp), None if ent is None else shift_right(ent)

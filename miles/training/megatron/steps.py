@@ -60,7 +60,7 @@ def run_schedule(module: torch.nn.Module, micro: list[TrainBatch], loss_fn: Loss
         mb = next(data_iterator)
         b, t = mb.tokens.shape
         positions = torch.arange(t, device=mb.tokens.device) if split is None else split.positions(t, mb.tokens.device)
-        tokens = mb.tokens if split is None else mb.tokens.index_select(1, positions)
+        tokens = mb.tokens if split is None else split.local(mb.tokens)
         positions = positions.expand(b, -1)
         extra = {"fp32_output": False} if bf16 else {}     # bf16 logits: miles upcasts them row chunk by chunk
         out = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
