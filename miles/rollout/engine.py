@@ -31,7 +31,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE
+from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
@@ -47,7 +47,7 @@ class EngineDisposedError(RuntimeError):
     pass
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(TokenizerAccessors):
     actor_threads = 2       # health and abort are answered while a generate call runs (see the module docstring)
 
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
@@ -77,19 +77,6 @@ class EmbeddedEngine:
     @property
     def tokenizer(self):
         return self._tokenizer
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
-        pad = self._tokenizer.pad_token_id
-        return self.eos_token_id if pad is None else pad
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- weights -------------------------------------------------------------------------------
     def weight_version(self) -> int:

@@ -36,7 +36,7 @@ from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batc
 from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS
+from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -52,7 +52,7 @@ PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its 
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
-class FastEngine:
+class FastEngine(TokenizerAccessors):
     # one thread: the engine is not guarded for calls beside a running generate, so the health probe
     # skips it (hung calls are found by --engine-generate-timeout) and an abort waits for the call
     actor_threads = 1
@@ -227,19 +227,6 @@ class FastEngine:
     @property
     def tokenizer(self):
         return self._tokenizer
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
-        pad = self._tokenizer.pad_token_id
-        return self.eos_token_id if pad is None else pad
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- weights -------------------------------------------------------------------------------
     def weight_version(self) -> int:

@@ -128,6 +128,25 @@ class Engine(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
+class TokenizerAccessors:
+    """The protocol's tokenizer accessors, read from the engine's `tokenizer` (a mixin of engines)."""
+
+    tokenizer: Any
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
+        pad = self.tokenizer.pad_token_id
+        return self.eos_token_id if pad is None else pad
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
 class EngineFleet(Protocol):
     """Run-level support of one engine kind (see the module docstring); a disposer resource."""
 
