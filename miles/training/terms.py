@@ -193,6 +193,11 @@ def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, f
             "logprob_diff_rollout_max": float(m["logprob_abs_diff_max"]), "train_rollout_k3_kl": float(m["k3_kl"])}
 
 
+def _ref_diff(train_lp: Tensor, ref_lp: Tensor, mask: Tensor) -> dict[str, float]:
+    """--ci-test reads it: 0 before the first step, when the reference is the initial policy."""
+    return {"ref_logprob_diff_max": float((train_lp - ref_lp).abs().masked_fill(~mask, 0).max())}
+
+
 def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tuple[float, float]) -> dict[str, float]:
     raw = torch.exp(torch.where(mask, train_lp - rollout_lp, torch.zeros((), device=mask.device)))
     clipped = (raw < bounds[0]) | (raw > bounds[1])
@@ -241,8 +246,8 @@ class PolicyObjective:
         kl = None
         if ref_lp is not None:
             batch.ref_logprobs = ref_lp
-            if train_lp is not None:    # --ci-test reads it: 0 at the start, when the reference is the initial policy
-                metrics["ref_logprob_diff_max"] = float((train_lp - ref_lp).abs().masked_fill(~mask, 0).max())
+            if train_lp is not None:    # skipped: `mismatch` reports it from the step's own logprobs
+                metrics.update(_ref_diff(train_lp, ref_lp, mask))
             if self._reward_kl_coef:    # train_lp is there: may_skip_old_pass is False
                 kl = torch.where(mask, train_lp - ref_lp, torch.zeros((), device=mask.device))  # k1
                 metrics["reward_kl"] = float(masked_mean(kl, mask))
@@ -264,8 +269,12 @@ class PolicyObjective:
         return metrics
 
     def mismatch(self, train_lp: Tensor, batch: TrainBatch) -> dict[str, float]:
-        """Train vs rollout logprobs of `batch`'s sampled tokens (after a skipped pass: the step's own)."""
-        return _mismatch(train_lp, batch.rollout_logprobs, batch.loss_mask)
+        """Train vs rollout logprobs of `batch`'s sampled tokens (after a skipped pass: the step's own),
+        and vs the reference's when there is one."""
+        metrics = _mismatch(train_lp, batch.rollout_logprobs, batch.loss_mask)
+        if batch.ref_logprobs is not None:
+            metrics.update(_ref_diff(train_lp, batch.ref_logprobs, batch.loss_mask))
+        return metrics
 
     def normalizers(self, batch: TrainBatch) -> tuple[float, int]:
         """(the reduction's normalizer, response tokens) of a global batch, each at least 1: a batch

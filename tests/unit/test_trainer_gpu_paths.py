@@ -97,6 +97,16 @@ def test_the_old_logprob_pass_is_skipped_only_when_it_equals_the_steps_own(model
     assert trainer(model_path, skip_old_logprobs=True, algorithm=tis).train(SAMPLES, 0)["logprob_passes"] == 1
 
 
+def test_a_skipped_pass_still_reports_the_reference_diff_that_ci_test_reads(model_path):
+    kl = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    m_pass = trainer(model_path, algorithm=kl).train(SAMPLES, 0)
+    m_skip = trainer(model_path, skip_old_logprobs=True, algorithm=kl).train(SAMPLES, 0)
+    assert m_pass["logprob_passes"] == 2.0 and m_skip["logprob_passes"] == 1.0     # the reference's pass stays
+    # before the first step the reference is the initial policy: the diff is 0 either way
+    assert m_skip["ref_logprob_diff_max"] == pytest.approx(m_pass["ref_logprob_diff_max"], abs=1e-6)
+    assert m_skip["ref_logprob_diff_max"] < 1e-5
+
+
 def test_offload_between_rollouts_leaves_training_unchanged(model_path):
     a, b = trainer(model_path), trainer(model_path)
     more = [sample([5, 6], [7, 8, 2], 1.0), sample([9], [4, 4], -1.0)]
