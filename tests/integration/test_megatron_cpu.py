@@ -215,16 +215,20 @@ def test_every_layout_trains_like_the_torch_trainer(models, tmp_path, tp, pp, cp
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
 
 
-def test_recompute_activations_recomputes_every_layer_and_trains_the_same(models, tmp_path):
+@pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
+def test_recompute_activations_recomputes_every_layer_and_trains_the_same(models, tmp_path, cp):
     train, algorithm, rollout = configs(**ALGORITHMS["kl_entropy_tis"])
-    cfg = (replace(train, recompute_activations=True), algorithm, rollout)
+    cfg = (replace(train, recompute_activations=True, context_parallel_size=cp), algorithm, rollout)
     want, want_w = torch_trainer_run(models["qwen2"], cfg, [0, 1])
-    results = run_ranks(1, models["qwen2"], cfg, tmp_path, rollouts=[0, 1])
-    # 2 rollouts x 2 optimizer steps x 2 micro-batches, each recomputing its 2 layers one by one
-    assert results[0]["recomputed"] == 2 * 2 * 2 * 2
+    results = run_ranks(cp, models["qwen2"], cfg, tmp_path, rollouts=[0, 1])
+    # 2 rollouts x 2 optimizer steps x 2 micro-batches, each recomputing its 2 layers one by one; with
+    # CP each rank recomputes its own chunks' layers, the K/V all-gather included
+    assert [r["recomputed"] for r in results] == [2 * 2 * 2 * 2] * cp
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
-    plain = run_ranks(1, models["qwen2"], configs(**ALGORITHMS["kl_entropy_tis"]), tmp_path / "plain", rollouts=[0])
-    assert plain[0]["recomputed"] == 0
+    if cp == 1:
+        plain = run_ranks(1, models["qwen2"], configs(**ALGORITHMS["kl_entropy_tis"]), tmp_path / "plain",
+                          rollouts=[0])
+        assert plain[0]["recomputed"] == 0
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])

@@ -1,5 +1,5 @@
 """The megatron backend in a whole run on the CPU: local Ray, the embedded engine, two megatron ranks
-(TP 2, gloo) behind the trainer actor; skipped without megatron-core. The first rollout trains as
+(TP 2, or CP 2; gloo) behind the trainer actor; skipped without megatron-core. The first rollout trains as
 the torch backend does (same samples, float32), weights reach the engine with equal checksums, a
 checkpoint resumes, and the teardown leaves no actor of the run behind."""
 
@@ -32,13 +32,15 @@ def train_rows(result) -> list[dict]:
     return [r for r in rows if r["kind"] == "train"]
 
 
-def test_megatron_tp2_run_matches_torch_saves_resumes_and_cleans_up(ray_cluster, tiny_task, tmp_path):
+@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}],
+                         ids=["tp2", "cp2"])
+def test_megatron_two_rank_run_matches_torch_saves_resumes_and_cleans_up(ray_cluster, tiny_task, tmp_path, layout):
     task = {**tiny_task, "model": make_model(tmp_path / "model", "qwen2")}    # 4 heads, 2 key/value heads
     common = dict(num_rollout=2, check_weight_update_equal=True, device="cpu", global_batch_size=8,
                   micro_batch_size=4)
     reference = run(base_flags(task, tmp_path / "torch", **common))
-    result = run(base_flags(task, tmp_path / "megatron", train_backend="megatron", tensor_model_parallel_size=2,
-                            save=tmp_path / "ckpt", save_interval=1, **common))
+    result = run(base_flags(task, tmp_path / "megatron", train_backend="megatron", save=tmp_path / "ckpt",
+                            save_interval=1, **layout, **common))
     assert result.final_state == "shutdown"
     trace = read_trace(result.run_dir)
     assert trace.events[-1].get("outcome") == "ok"
@@ -48,7 +50,8 @@ def test_megatron_tp2_run_matches_torch_saves_resumes_and_cleans_up(ray_cluster,
     assert miles_actors() == []                         # the ranks went with the trainer
     ready = [json.loads(x) for x in (result.run_dir / "logs" / "trainer-0.jsonl").read_text().splitlines()
              if '"trainer_ready"' in x]
-    assert (ready[0]["ranks"], ready[0]["tp"], ready[0]["backend"]) == (2, 2, "megatron")
+    tp, cp = layout.get("tensor_model_parallel_size", 1), layout.get("context_parallel_size", 1)
+    assert (ready[0]["ranks"], ready[0]["tp"], ready[0]["cp"], ready[0]["backend"]) == (2, tp, cp, "megatron")
     want, got = train_rows(reference)[0], train_rows(result)[0]
     for key in ("reward_mean", "loss", "pg_loss", "entropy", "grad_norm", "logprob_diff_rollout"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
@@ -58,8 +61,8 @@ def test_megatron_tp2_run_matches_torch_saves_resumes_and_cleans_up(ray_cluster,
     assert (latest / "trainer" / "dist").is_dir() and (latest / "hf" / "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(latest / "hf")     # the HF export loads
-    resumed = run(base_flags(task, tmp_path / "resumed", train_backend="megatron", tensor_model_parallel_size=2,
-                             load=tmp_path / "ckpt", **{**common, "num_rollout": 3}))
+    resumed = run(base_flags(task, tmp_path / "resumed", train_backend="megatron", load=tmp_path / "ckpt",
+                             **layout, **{**common, "num_rollout": 3}))
     assert [r["step"] for r in train_rows(resumed)] == [2]
     assert read_trace(resumed.run_dir).of("resumed")[0].get("rollout_id") == 1
     assert miles_actors() == []
