@@ -104,9 +104,10 @@ def generate_body(input_ids: Sequence[int], params: SamplingParams, *, rid: str,
             "return_logprob": True, "logprob_start_len": -1, "stream": False}
 
 
-def parse_generation(body: Any, *, rid: str) -> Generation:
-    """A `/generate` response → Generation. An aborted request or a malformed body raises
-    SGLangResponseError naming the request."""
+def parse_generation(body: Any, *, rid: str, abort_asked: bool = False) -> Generation:
+    """A `/generate` response → Generation. A malformed body raises SGLangResponseError naming the
+    request; so does an aborted one, unless the engine asked for the abort (`abort_asked`: then it is
+    what the request generated until then, finish_reason "abort")."""
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict) or "output_ids" not in body:
         raise SGLangResponseError(f"request {rid}: not a /generate response with output_ids and meta_info "
                                   f"(was the server started with --skip-tokenizer-init?): {str(body)[:300]}")
@@ -117,13 +118,13 @@ def parse_generation(body: Any, *, rid: str) -> Generation:
         raise SGLangResponseError(f"request {rid}: output_token_logprobs ({len(entries)}) do not match "
                                   f"output_ids ({len(ids)})")
     return Generation(response_ids=ids, logprobs=[float(e[0]) for e in entries],
-                      finish_reason=_finish_reason(meta.get("finish_reason"), rid),
+                      finish_reason=_finish_reason(meta.get("finish_reason"), rid, abort_asked),
                       weight_version=weight_version_of(meta, rid))
 
 
-def _finish_reason(reason: Any, rid: str) -> str:
+def _finish_reason(reason: Any, rid: str, abort_asked: bool) -> str:
     kind = reason.get("type") if isinstance(reason, dict) else None
-    if kind in ("stop", "length"):
+    if kind in ("stop", "length") or (kind == "abort" and abort_asked):
         return kind
     if kind == "abort":
         raise SGLangResponseError(f"request {rid} was aborted by the server: {reason.get('message')} "
