@@ -8,13 +8,19 @@ then every `--rollout-health-check-interval` seconds, each engine is asked `heal
 progress for that long (a decode loop that stopped). A hung engine is killed: the call in flight
 on it then fails as for a dead actor, and the phase running it restarts the engine within the
 restart budget and retries (`miles.phases.engines.with_engine_restarts`); an engine killed between
-phases is restarted by the next phase that calls it. Trace events: `engine_unhealthy` (engine,
-reason) then `engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
+phases is restarted by the next phase that calls it. A probe that raises (the engine cannot vouch
+for itself) counts as hung too. Trace events: `engine_unhealthy` (engine, reason) then
+`engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
+
+Only engines that answer `health` beside a running call are probed: those whose actor runs two
+threads (`actor_threads = 2`, the embedded engine) and async engines (a coroutine `health`: Ray runs
+an async actor's calls concurrently on its event loop; the SGLang engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import ray
@@ -59,6 +65,9 @@ class HealthMonitor:
             return
         except asyncio.TimeoutError:
             reason = f"no answer to a health probe within --rollout-health-check-timeout {self.timeout_s:g}s"
+        except Exception as exc:          # noqa: BLE001 - a probe that fails must not end the monitor
+            cause = getattr(exc, "cause", None) or exc          # Ray's wrapper holds the engine's error
+            reason = f"the health probe failed: {type(cause).__name__}: {str(cause)[:300]}"
         else:
             stalled = float(state.get("since_progress_s", 0.0))
             if not (state.get("busy") and stalled > self.timeout_s):
@@ -86,7 +95,7 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
     if ctx.cfg.rollout.health_check_interval_s <= 0:
         return None
     engine_cls = ctx.backends.engine
-    if not callable(getattr(engine_cls, "health", None)) or getattr(engine_cls, "actor_threads", 1) < 2:
+    if not answers_beside_calls(engine_cls):
         ctx.tracer.emit("engine_health_monitor_skipped", engine=engine_cls.__name__,
                         reason="the engine does not answer health probes while it generates; hung calls are "
                                "still found by --engine-generate-timeout")
@@ -97,3 +106,9 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
     ctx.tracer.emit("engine_health_monitor_started", interval_s=monitor.interval_s, timeout_s=monitor.timeout_s,
                     first_wait_s=monitor.first_wait_s)
     return monitor
+
+
+def answers_beside_calls(engine_cls: type) -> bool:
+    """Whether the engine's actor answers `health` while a generate call runs (see the module docstring)."""
+    health = getattr(engine_cls, "health", None)
+    return callable(health) and (getattr(engine_cls, "actor_threads", 1) >= 2 or inspect.iscoroutinefunction(health))
