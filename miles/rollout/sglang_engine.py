@@ -155,6 +155,9 @@ class SGLangEngine:
         self._controls: dict[object, float] = {}    # control calls running (updates, memory) -> their start
         self.server = self._launch(seed)
         try:
+            # torch now, while the server starts: later the first weight update's tensors would import it
+            # on the actor's event loop, holding up every call for seconds (health probes included)
+            import torch  # noqa: F401
             self._wait_healthy()
         except BaseException:
             self.server.force()             # its children too, which outlive a leader that exited
