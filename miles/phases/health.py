@@ -27,6 +27,8 @@ import ray
 
 from miles.phases.context import TrainingContext
 
+DEAD = "dead"
+
 
 class HealthMonitor:
     """The periodic probe of the run's engines (a background task of the driver's loop)."""
@@ -47,7 +49,7 @@ class HealthMonitor:
 
     async def _run(self) -> None:
         await asyncio.sleep(self.first_wait_s)
-        while True:
+        while not self._ctx.disposer.closed:
             await self.probe_all()
             await asyncio.sleep(self.interval_s)
 
@@ -57,23 +59,32 @@ class HealthMonitor:
         await asyncio.gather(*(self._probe(i, e) for i, e in enumerate(engines) if id(e) not in self._reported))
 
     async def _probe(self, index: int, engine: Any) -> None:
+        reason = await self._diagnose(engine)
+        # once the run's teardown has begun, engines go on purpose (one restarted mid-run, registered
+        # after this monitor, goes before it): nothing to report
+        if reason is None or self._ctx.disposer.closed:
+            return
+        if reason == DEAD:
+            self._reported.add(id(engine))    # dead already: the next phase that calls it restarts it
+            self._ctx.tracer.emit("engine_unhealthy", engine=index, reason=DEAD)
+            return
+        self._kill(index, engine, reason)
+
+    async def _diagnose(self, engine: Any) -> str | None:
+        """None for a healthy engine, DEAD for a dead one, else why it is hung."""
         try:
             state = await asyncio.wait_for(engine.handle.health.remote(), self.timeout_s)
         except ray.exceptions.RayActorError:
-            self._reported.add(id(engine))    # dead already: the next phase that calls it restarts it
-            self._ctx.tracer.emit("engine_unhealthy", engine=index, reason="dead")
-            return
+            return DEAD
         except asyncio.TimeoutError:
-            reason = f"no answer to a health probe within --rollout-health-check-timeout {self.timeout_s:g}s"
+            return f"no answer to a health probe within --rollout-health-check-timeout {self.timeout_s:g}s"
         except Exception as exc:          # noqa: BLE001 - a probe that fails must not end the monitor
             cause = getattr(exc, "cause", None) or exc          # Ray's wrapper holds the engine's error
-            reason = f"the health probe failed: {type(cause).__name__}: {str(cause)[:300]}"
-        else:
-            stalled = float(state.get("since_progress_s", 0.0))
-            if not (state.get("busy") and stalled > self.timeout_s):
-                return
-            reason = f"a call made no progress for {stalled:.1f}s (--rollout-health-check-timeout {self.timeout_s:g}s)"
-        self._kill(index, engine, reason)
+            return f"the health probe failed: {type(cause).__name__}: {str(cause)[:300]}"
+        stalled = float(state.get("since_progress_s", 0.0))
+        if state.get("busy") and stalled > self.timeout_s:
+            return f"a call made no progress for {stalled:.1f}s (--rollout-health-check-timeout {self.timeout_s:g}s)"
+        return None
 
     def _kill(self, index: int, engine: Any, reason: str) -> None:
         self._reported.add(id(engine))

@@ -122,7 +122,8 @@ class FakeEngine:
 def monitor(engines):
     ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(batch_size=1, health_check_timeout_s=0.3),
                                               trace=TraceConfig()),
-                          c=SimpleNamespace(engines=engines), tracer=FakeTracer())
+                          c=SimpleNamespace(engines=engines), tracer=FakeTracer(),
+                          disposer=SimpleNamespace(closed=False))
     return HealthMonitor(ctx), ctx
 
 
@@ -168,3 +169,11 @@ def test_only_engines_that_answer_beside_a_running_call_are_probed():
 
     kinds = (EmbeddedEngine, SGLangEngine, TwoThreads, OneThread, Async, NoHealth)
     assert [answers_beside_calls(k) for k in kinds] == [True, True, True, False, True, False]
+
+
+def test_engines_going_in_the_runs_teardown_are_not_reported_or_killed():
+    engines = [FakeEngine("broken"), FakeEngine("hung"), FakeEngine("dead")]    # disposed, being disposed
+    m, ctx = monitor(engines)
+    ctx.disposer.closed = True           # unwinding: a restarted engine is disposed before the monitor
+    asyncio.run(m.probe_all())
+    assert [e.forced for e in engines] == [0, 0, 0] and ctx.tracer.events == []
