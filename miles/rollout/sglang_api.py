@@ -36,6 +36,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")          # PauseGenerationReqInpu
 RESERVED_FLAGS = ("model-path", "model", "host", "port", "tp-size", "tensor-parallel-size", "dtype", "device",
                   "random-seed", "skip-tokenizer-init", "weight-version", "enable-memory-saver")
 _SEED_SPACE = 2**31
+# /health_generate checks its scheduler's output once a second (its first look a second after the
+# request): a health probe needs at least twice that to get an answer from a healthy server
+MIN_HEALTH_CHECK_TIMEOUT_S = 2.0
 
 
 class SGLangResponseError(RuntimeError):
