@@ -107,7 +107,8 @@ class Handle:
         if self.behaviour == "dead":
             raise ray.exceptions.RayActorError()
         if self.behaviour == "broken":       # health() itself raised, inside the actor
-            raise ray.exceptions.RayTaskError("health", "Traceback ...", RuntimeError("server gone")).as_instanceof_cause()
+            error = ray.exceptions.RayTaskError("health", "Traceback ...", RuntimeError("server gone"))
+            raise error.as_instanceof_cause()
         return {"busy": self.behaviour != "idle", "since_progress_s": 5.0 if self.behaviour == "stalled" else 0.1}
 
 
