@@ -9,7 +9,8 @@ progress for that long (a decode loop that stopped). A hung engine is killed: th
 on it then fails as for a dead actor, and the phase running it restarts the engine within the
 restart budget and retries (`miles.phases.engines.with_engine_restarts`); an engine killed between
 phases is restarted by the next phase that calls it. A probe that raises (the engine cannot vouch
-for itself) counts as hung too. Trace events: `engine_unhealthy` (engine, reason) then
+for itself) counts as hung too. Once the run's teardown has begun, nothing is reported or killed:
+engines go on purpose then. Trace events: `engine_unhealthy` (engine, reason) then
 `engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
 
 Only engines that answer `health` beside a running call are probed: those whose actor runs two
