@@ -56,7 +56,7 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
 def _sglang(cfg: RunConfig, problems: list[str]) -> None:
     """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
     from miles.config.flags import ROUTER_POLICIES
-    from miles.rollout.sglang_api import RESERVED_FLAGS, reserved_flag_problem
+    from miles.rollout.sglang_api import MIN_HEALTH_CHECK_TIMEOUT_S, RESERVED_FLAGS, reserved_flag_problem
 
     g, r = cfg.sglang, cfg.rollout
     if r.engine != "sglang" and g.server_args:
@@ -65,6 +65,11 @@ def _sglang(cfg: RunConfig, problems: list[str]) -> None:
     if r.engine == "sglang" and r.max_batch_size is not None:
         problems.append(f"--rollout-max-batch-size {r.max_batch_size} is the embedded and fast engines' limit; an "
                         "SGLang server's is --sglang-max-running-requests N")
+    if r.engine == "sglang" and r.health_check_interval_s > 0 and \
+            0 < r.health_check_timeout_s < MIN_HEALTH_CHECK_TIMEOUT_S:
+        problems.append(f"--rollout-health-check-timeout {r.health_check_timeout_s:g}: an SGLang server answers "
+                        f"/health_generate a second after it is asked at the earliest; give the probe at least "
+                        f"{MIN_HEALTH_CHECK_TIMEOUT_S:g} s (default 30), or --rollout-health-check-interval 0")
     given = [a[2:] for a in g.server_args if a.startswith("--")]
     problems += [reserved_flag_problem(f) for f in given if f in RESERVED_FLAGS]
     if g.router_policy not in ROUTER_POLICIES:

@@ -8,18 +8,27 @@ then every `--rollout-health-check-interval` seconds, each engine is asked `heal
 progress for that long (a decode loop that stopped). A hung engine is killed: the call in flight
 on it then fails as for a dead actor, and the phase running it restarts the engine within the
 restart budget and retries (`miles.phases.engines.with_engine_restarts`); an engine killed between
-phases is restarted by the next phase that calls it. Trace events: `engine_unhealthy` (engine,
-reason) then `engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
+phases is restarted by the next phase that calls it. A probe that raises (the engine cannot vouch
+for itself) counts as hung too. Once the run's teardown has begun, nothing is reported or killed:
+engines go on purpose then. Trace events: `engine_unhealthy` (engine, reason) then
+`engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
+
+Only engines that answer `health` beside a running call are probed: those whose actor runs two
+threads (`actor_threads = 2`, the embedded engine) and async engines (a coroutine `health`: Ray runs
+an async actor's calls concurrently on its event loop; the SGLang engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import ray
 
 from miles.phases.context import TrainingContext
+
+DEAD = "dead"
 
 
 class HealthMonitor:
@@ -41,7 +50,7 @@ class HealthMonitor:
 
     async def _run(self) -> None:
         await asyncio.sleep(self.first_wait_s)
-        while True:
+        while not self._ctx.disposer.closed:
             await self.probe_all()
             await asyncio.sleep(self.interval_s)
 
@@ -51,20 +60,32 @@ class HealthMonitor:
         await asyncio.gather(*(self._probe(i, e) for i, e in enumerate(engines) if id(e) not in self._reported))
 
     async def _probe(self, index: int, engine: Any) -> None:
+        reason = await self._diagnose(engine)
+        # once the run's teardown has begun, engines go on purpose (one restarted mid-run, registered
+        # after this monitor, goes before it): nothing to report
+        if reason is None or self._ctx.disposer.closed:
+            return
+        if reason == DEAD:
+            self._reported.add(id(engine))    # dead already: the next phase that calls it restarts it
+            self._ctx.tracer.emit("engine_unhealthy", engine=index, reason=DEAD)
+            return
+        self._kill(index, engine, reason)
+
+    async def _diagnose(self, engine: Any) -> str | None:
+        """None for a healthy engine, DEAD for a dead one, else why it is hung."""
         try:
             state = await asyncio.wait_for(engine.handle.health.remote(), self.timeout_s)
         except ray.exceptions.RayActorError:
-            self._reported.add(id(engine))    # dead already: the next phase that calls it restarts it
-            self._ctx.tracer.emit("engine_unhealthy", engine=index, reason="dead")
-            return
+            return DEAD
         except asyncio.TimeoutError:
-            reason = f"no answer to a health probe within --rollout-health-check-timeout {self.timeout_s:g}s"
-        else:
-            stalled = float(state.get("since_progress_s", 0.0))
-            if not (state.get("busy") and stalled > self.timeout_s):
-                return
-            reason = f"a call made no progress for {stalled:.1f}s (--rollout-health-check-timeout {self.timeout_s:g}s)"
-        self._kill(index, engine, reason)
+            return f"no answer to a health probe within --rollout-health-check-timeout {self.timeout_s:g}s"
+        except Exception as exc:          # noqa: BLE001 - a probe that fails must not end the monitor
+            cause = getattr(exc, "cause", None) or exc          # Ray's wrapper holds the engine's error
+            return f"the health probe failed: {type(cause).__name__}: {str(cause)[:300]}"
+        stalled = float(state.get("since_progress_s", 0.0))
+        if state.get("busy") and stalled > self.timeout_s:
+            return f"a call made no progress for {stalled:.1f}s (--rollout-health-check-timeout {self.timeout_s:g}s)"
+        return None
 
     def _kill(self, index: int, engine: Any, reason: str) -> None:
         self._reported.add(id(engine))
@@ -86,7 +107,7 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
     if ctx.cfg.rollout.health_check_interval_s <= 0:
         return None
     engine_cls = ctx.backends.engine
-    if not callable(getattr(engine_cls, "health", None)) or getattr(engine_cls, "actor_threads", 1) < 2:
+    if not answers_beside_calls(engine_cls):
         ctx.tracer.emit("engine_health_monitor_skipped", engine=engine_cls.__name__,
                         reason="the engine does not answer health probes while it generates; hung calls are "
                                "still found by --engine-generate-timeout")
@@ -97,3 +118,9 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
     ctx.tracer.emit("engine_health_monitor_started", interval_s=monitor.interval_s, timeout_s=monitor.timeout_s,
                     first_wait_s=monitor.first_wait_s)
     return monitor
+
+
+def answers_beside_calls(engine_cls: type) -> bool:
+    """Whether the engine's actor answers `health` while a generate call runs (see the module docstring)."""
+    health = getattr(engine_cls, "health", None)
+    return callable(health) and (getattr(engine_cls, "actor_threads", 1) >= 2 or inspect.iscoroutinefunction(health))

@@ -25,13 +25,13 @@ engine joins or leaves.
 Health (issue 17): the run probes every engine with `health()` every
 `--rollout-health-check-interval` seconds, and bounds every `generate` call by
 `--engine-generate-timeout`; an engine that does not answer, reports no progress, or overruns a call
-is killed and restarted within the restart budget. An engine class that answers `health` and
-`abort` while a `generate` runs says so with `actor_threads = 2` (the composition root gives its
-actors that many threads; it must then guard its model itself, as `EmbeddedEngine` does with a
-lock); the probe skips engines without it, which would answer only after the running call.
-FastEngine says `actor_threads = 1` (one call at a time); the SGLang engine is an async actor
-(Ray's default concurrency, its own request limit) without `health` or `abort`, so it is not
-probed and a rollout's leftover requests run to their end.
+is killed and restarted within the restart budget. An engine answers `health` and `abort` while a
+`generate` runs in one of two ways: with `actor_threads = 2` (the composition root gives its actors
+that many threads; it must then guard its model itself, as `EmbeddedEngine` does with a lock), or
+as an async engine (coroutine methods: Ray runs an async actor's calls concurrently on its event
+loop, with its default concurrency; the SGLang engine, which limits its own requests). The probe
+skips other engines, which would answer only after the running call: FastEngine says
+`actor_threads = 1` (one call at a time), so it is not probed and its abort waits for the call.
 """
 
 from __future__ import annotations
@@ -101,10 +101,13 @@ class Engine(Protocol):
     #       each engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights,
     #       SGLang frees them too); idempotent. miles.phases.memory says when.
     #   health() -> {"busy": bool, "since_progress_s": float}
-    #       answers at once (with `actor_threads = 2`): seconds since the running generate last made
-    #       a token (0.0 idle; an idle engine first proves it can generate); the health monitor's probe
+    #       answers beside a running call (see the module docstring): seconds since the running
+    #       generate last made progress (0.0 idle; an idle engine first proves it can generate; the
+    #       SGLang engine counts a finished request, or its server's /health_generate, as progress);
+    #       the health monitor's probe
     #   abort() -> None
-    #       the generate calls running now return at their next step (finish_reason "abort")
+    #       the generate calls running now return at their next step (finish_reason "abort", with
+    #       what each request generated until then)
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""

@@ -36,6 +36,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")          # PauseGenerationReqInpu
 RESERVED_FLAGS = ("model-path", "model", "host", "port", "tp-size", "tensor-parallel-size", "dtype", "device",
                   "random-seed", "skip-tokenizer-init", "weight-version", "enable-memory-saver")
 _SEED_SPACE = 2**31
+# /health_generate checks its scheduler's output once a second (its first look a second after the
+# request): a health probe needs at least twice that to get an answer from a healthy server
+MIN_HEALTH_CHECK_TIMEOUT_S = 2.0
 
 
 class SGLangResponseError(RuntimeError):
@@ -104,9 +107,10 @@ def generate_body(input_ids: Sequence[int], params: SamplingParams, *, rid: str,
             "return_logprob": True, "logprob_start_len": -1, "stream": False}
 
 
-def parse_generation(body: Any, *, rid: str) -> Generation:
-    """A `/generate` response → Generation. An aborted request or a malformed body raises
-    SGLangResponseError naming the request."""
+def parse_generation(body: Any, *, rid: str, abort_asked: bool = False) -> Generation:
+    """A `/generate` response → Generation. A malformed body raises SGLangResponseError naming the
+    request; so does an aborted one, unless the engine asked for the abort (`abort_asked`: then it is
+    what the request generated until then, finish_reason "abort")."""
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict) or "output_ids" not in body:
         raise SGLangResponseError(f"request {rid}: not a /generate response with output_ids and meta_info "
                                   f"(was the server started with --skip-tokenizer-init?): {str(body)[:300]}")
@@ -117,13 +121,13 @@ def parse_generation(body: Any, *, rid: str) -> Generation:
         raise SGLangResponseError(f"request {rid}: output_token_logprobs ({len(entries)}) do not match "
                                   f"output_ids ({len(ids)})")
     return Generation(response_ids=ids, logprobs=[float(e[0]) for e in entries],
-                      finish_reason=_finish_reason(meta.get("finish_reason"), rid),
+                      finish_reason=_finish_reason(meta.get("finish_reason"), rid, abort_asked),
                       weight_version=weight_version_of(meta, rid))
 
 
-def _finish_reason(reason: Any, rid: str) -> str:
+def _finish_reason(reason: Any, rid: str, abort_asked: bool) -> str:
     kind = reason.get("type") if isinstance(reason, dict) else None
-    if kind in ("stop", "length"):
+    if kind in ("stop", "length") or (kind == "abort" and abort_asked):
         return kind
     if kind == "abort":
         raise SGLangResponseError(f"request {rid} was aborted by the server: {reason.get('message')} "

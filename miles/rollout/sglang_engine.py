@@ -7,6 +7,13 @@ flags) in its own process group, waits for `/health_generate`, and then speaks S
 
 - generate: one `/generate` request per prompt (through the run's sglang-router when it has one),
   each with its own `sampling_seed`; cancelled calls abort their requests (`/abort_request`).
+- health and abort (the engine protocol's, `miles.rollout.protocol`): the engine is an async actor, so
+  both are answered beside running calls. It counts its requests in flight and when one last finished;
+  `health()` asks the server (`/health_generate`, until it answers 200) only when the engine is idle
+  or no request has finished for PROGRESS_FRESH_S, so a busy server is not asked at every probe. A
+  hung server never answers, and the health monitor's probe times out. `abort()` aborts the running
+  calls' requests where they run (`/abort_request`); they return what they generated, finish_reason
+  "abort".
 - weights: `update_weights` (the interface the phases call) writes the trainer's weights as HF
   safetensors next to the model's config and loads them with `/update_weights_from_disk`;
   `update_weights_from_tensor` sends CUDA IPC buckets (colocated; see `sglang_weights`);
@@ -41,7 +48,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -57,6 +65,15 @@ log = structlog.get_logger().bind(role="engine", backend="sglang")
 
 EXIT_SERVER_DIED = 70          # the engine process's exit status when its server died (EX_SOFTWARE)
 WATCH_INTERVAL_S = 0.5
+# health(): a request of ours that finished this recently proves the server makes progress; past it
+# the server is asked (SGLang's /health_generate answers in about a second, busy or idle)
+PROGRESS_FRESH_S = 1.0
+# abort(): how long an aborted request has to come back with its tokens (SGLang stops it at the
+# scheduler's next step) before it is cut (its connection closed, which SGLang treats as an abort too)
+ABORT_GRACE_S = 2.0
+# connections to our server beyond the generate requests' (at most max_concurrency): health probes,
+# aborts and pauses never wait for a generate request to free one
+CONTROL_CONNECTIONS = 8
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "float32": "float32", "fp32": "float32"}
 # model files the server needs besides the weights, copied next to each weight export
@@ -89,6 +106,13 @@ class SGLangEngineConfig:
             raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.tp_size}")
         if self.pause_mode not in api.PAUSE_MODES:
             raise ValueError(f"pause mode {self.pause_mode!r}: use one of {', '.join(api.PAUSE_MODES)}")
+
+
+@dataclass
+class _Call:
+    """A generate call running: its requests' ids, and whether abort() was asked since it started."""
+    rids: list[str]
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def server_dtype(dtype: str, device: str) -> str:
@@ -124,15 +148,24 @@ class SGLangEngine:
         self._death: str | None = None
         self._tokenizer = None
         self._released: set[str] = set()           # memory tags released on the server
+        # what health() and abort() read; touched on the actor's event loop only
+        self._calls: dict[str, _Call] = {}          # the generate calls running
+        self._in_flight: set[str] = set()           # ids of the requests sent and not answered yet
+        self._progress_at = time.monotonic()        # a request answered, a busy spell began, or the server proved it
+        self._controls: dict[object, float] = {}    # control calls running (updates, memory) -> their start
         self.server = self._launch(seed)
         try:
+            # torch now, while the server starts: later the first weight update's tensors would import it
+            # on the actor's event loop, holding up every call for seconds (health probes included)
+            import torch  # noqa: F401
             self._wait_healthy()
         except BaseException:
             self.server.force()             # its children too, which outlive a leader that exited
             if self._own_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
             raise
-        self._client = SGLangClient(self.url, timeout_s=cfg.request_timeout_s, connections=cfg.max_concurrency)
+        self._client = SGLangClient(self.url, timeout_s=cfg.request_timeout_s,
+                                    connections=cfg.max_concurrency + CONTROL_CONNECTIONS)
         self._router = SGLangClient(router_url, timeout_s=cfg.request_timeout_s,
                                     connections=cfg.max_concurrency) if router_url else None
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
@@ -261,40 +294,132 @@ class SGLangEngine:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots[0] is not loop:      # a semaphore belongs to one loop too
             self._slots = (loop, asyncio.Semaphore(self.cfg.max_concurrency))
-        call = uuid.uuid4().hex[:8]
-        rids = [f"{self.name}-{call}-{i}" for i in range(len(prompts))]
+        call_id = uuid.uuid4().hex[:8]
+        call = _Call([f"{self.name}-{call_id}-{i}" for i in range(len(prompts))])
         seeds = [None if params.seed is None else api.request_seed(params.seed, i) for i in range(len(prompts))]
         caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
-        tasks = [asyncio.ensure_future(self._one(p, replace(params, max_new_tokens=int(c)), rid, s))
-                 for p, c, rid, s in zip(prompts, caps, rids, seeds)]
+        tasks = [asyncio.ensure_future(self._one(p, replace(params, max_new_tokens=int(c)), rid, s, call))
+                 for p, c, rid, s in zip(prompts, caps, call.rids, seeds)]
+        self._calls[call_id] = call
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
             for t in tasks:
                 t.cancel()
-            await self._abort_quietly(rids)
+            await self._abort_quietly(call.rids)
             raise
+        finally:
+            del self._calls[call_id]
 
-    async def _one(self, prompt: list[int], params: SamplingParams, rid: str, seed: int | None) -> Generation:
+    async def _one(self, prompt: list[int], params: SamplingParams, rid: str, seed: int | None,
+                   call: _Call) -> Generation:
         async with self._slots[1]:
+            if call.aborted.is_set():           # aborted before it was sent: the server never sees it
+                return Generation([], [], "abort", self._version)
             target = self._router or self._live()
-            body = await self._guard(target.generate(api.generate_body(prompt, params, rid=rid, seed=seed)))
-        return api.parse_generation(body, rid=rid)
+            body = await self._send(target, api.generate_body(prompt, params, rid=rid, seed=seed), rid, call.aborted)
+        if body is None:
+            return Generation([], [], "abort", self._version)
+        return api.parse_generation(body, rid=rid, abort_asked=call.aborted.is_set())
+
+    async def _send(self, target: SGLangClient, body: dict, rid: str, aborted: asyncio.Event) -> object | None:
+        """One `/generate`, counted in flight (for health). Once `aborted` is set, the server has
+        ABORT_GRACE_S to answer it; then the request is cut (None)."""
+        if not self._in_flight:
+            self._progress_at = time.monotonic()        # a busy spell begins: progress is counted from here
+        self._in_flight.add(rid)
+        request = asyncio.ensure_future(self._guard(target.generate(body)))
+        stop = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not request.done():
+                await asyncio.wait({request}, timeout=ABORT_GRACE_S)
+            if not request.done():
+                return None
+            self._progress_at = time.monotonic()
+            return request.result()
+        finally:
+            stop.cancel()
+            request.cancel()                            # closes the connection of a request still running
+            self._in_flight.discard(rid)
 
     async def _abort_quietly(self, rids: Sequence[str]) -> None:
-        """Leftover requests of a failed or cancelled call: abort them on our server (best effort;
-        through a router they may sit on another server, whose engine aborts its own)."""
-        if self._death is not None or self._disposed:
-            return
-        for rid in rids:
-            try:
-                await self._client.abort(rid)
-            except (SGLangHTTPError, SGLangUnreachable):
-                return
+        """Leftover requests of a failed or cancelled call: abort them where they run (best effort)."""
+        if self._death is None and not self._disposed:
+            await self._abort_where_they_run(rids)
+
+    async def abort(self) -> None:
+        """The generate calls running now return at once (the engine protocol's abort): their requests
+        not sent yet are not sent; those sent are aborted where they run (`/abort_request`) and return
+        what they generated until then, finish_reason "abort"; one the server does not give back
+        within ABORT_GRACE_S (a hung server) is cut and returns empty. Calls started later run as usual."""
+        calls = list(self._calls.values())
+        for call in calls:
+            call.aborted.set()
+        rids = [rid for call in calls for rid in call.rids if rid in self._in_flight]
+        if rids and self._death is None and not self._disposed:
+            await self._abort_where_they_run(rids)
+
+    async def _abort_where_they_run(self, rids: Sequence[str]) -> None:
+        """`/abort_request` for each request, on this engine's server or, behind the router (which does not
+        forward it), on every server the router lists: a server that does not hold a request ignores it.
+        Best effort, and bounded by ABORT_GRACE_S: a hung server's requests are cut instead."""
+        clients = [self._client]
+        try:
+            async with asyncio.timeout(ABORT_GRACE_S):
+                if self._router is not None:
+                    clients += [SGLangClient(url, timeout_s=ABORT_GRACE_S) for url in await self._router_workers()
+                                if url != self.url]
+                await asyncio.gather(*(c.abort(rid) for c in clients for rid in rids), return_exceptions=True)
+        except TimeoutError:
+            log.warning("abort_unanswered", engine=self.name, requests=len(rids))
+        finally:
+            for c in clients[1:]:
+                await c.close()
+
+    async def _router_workers(self) -> list[str]:
+        try:
+            return [w["url"] for w in (await self._router.request("GET", "/workers"))["workers"]]
+        except (SGLangHTTPError, SGLangUnreachable, KeyError, TypeError):
+            return []                                   # the router is going: our own server still hears it
 
     async def abort_all(self) -> None:
         """Abort every request on this engine's server (leftovers at the end of a rollout)."""
         await self._guard(self._live().abort())
+
+    # --- health --------------------------------------------------------------------------------
+    async def health(self) -> dict:
+        """{"busy", "since_progress_s"}, the health monitor's probe (miles.rollout.protocol). Busy with
+        requests of ours that finished within PROGRESS_FRESH_S on our own server: answered from that.
+        Otherwise (idle, no request finished lately, or requests behind the router, which may run on
+        other servers) the server must answer `/health_generate` with 200; it is asked until it does,
+        so a hung server leaves the probe unanswered. A weight update or memory call running reports
+        the time since it began (the server is paused or loading on purpose), as the embedded engine's
+        do; with its memory released the server cannot generate and is not asked."""
+        self._live()
+        now = time.monotonic()
+        busy = bool(self._in_flight)
+        if self._controls:
+            return {"busy": True, "since_progress_s": now - min(self._controls.values())}
+        if self._released:
+            return {"busy": busy, "since_progress_s": 0.0}
+        if busy and self._router is None and now - self._progress_at < PROGRESS_FRESH_S:
+            return {"busy": True, "since_progress_s": now - self._progress_at}
+        while not await self._client.healthy("/health_generate"):
+            self._live()                                # a dead server: the watchdog has the reason
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self._progress_at = time.monotonic()
+        return {"busy": busy, "since_progress_s": 0.0}
+
+    @contextmanager
+    def _controlling(self) -> Iterator[None]:
+        """A control call (weight update, memory release or resume) runs: health() reports it."""
+        token = object()
+        self._controls[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._controls[token]
 
     # --- weights --------------------------------------------------------------------------------
     async def update_weights(self, state_dict: Mapping[str, object], version: int) -> None:
@@ -347,8 +472,9 @@ class SGLangEngine:
                                         world_size: int, group_name: str = "miles-weights",
                                         backend: str = "nccl") -> None:
         """Join the trainer's NCCL group (trainer rank 0; this engine's TP ranks from rank_offset)."""
-        await self._guard(self._live().init_weights_update_group(api.init_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend)))
+        with self._controlling():        # the server's scheduler waits in it for the trainer's ranks
+            await self._guard(self._live().init_weights_update_group(api.init_group_body(
+                master_address, master_port, rank_offset, world_size, group_name, backend)))
 
     async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]], version: int, *,
@@ -366,13 +492,14 @@ class SGLangEngine:
     async def _updating(self, update: Callable[[], Awaitable[object]], version: int) -> None:
         """pause → flush → update → continue, then the server must report `version`."""
         client = self._live()
-        await self._guard(client.pause(self.cfg.pause_mode))
-        try:
-            await self._guard(client.flush_cache())
-            await self._guard(update())
-        finally:
-            if self._death is None:
-                await self._guard(client.resume())
+        with self._controlling():
+            await self._guard(client.pause(self.cfg.pause_mode))
+            try:
+                await self._guard(client.flush_cache())
+                await self._guard(update())
+            finally:
+                if self._death is None:
+                    await self._guard(client.resume())
         reported = await self._guard(client.weight_version())
         if reported != str(version):
             raise RuntimeError(f"{self.name}: after updating to v{version} the server reports weight version "
@@ -406,7 +533,8 @@ class SGLangEngine:
         self._memory_saver_on()
         todo = [t for t in api.check_tags(tags) if t not in self._released]
         if todo:
-            await self._guard(self._live().release_memory(todo))
+            with self._controlling():
+                await self._guard(self._live().release_memory(todo))
             self._released.update(todo)
 
     async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
@@ -414,7 +542,8 @@ class SGLangEngine:
         self._memory_saver_on()
         todo = [t for t in api.check_tags(tags) if t in self._released]
         if todo:
-            await self._guard(self._live().resume_memory(todo))
+            with self._controlling():
+                await self._guard(self._live().resume_memory(todo))
             self._released.difference_update(todo)
 
     def released_memory(self) -> list[str]:

@@ -14,7 +14,12 @@ starts scheduler and detokenizer processes), so tests see whether a teardown rea
 Test knobs are launch flags SGLang does not have (a run passes them as --sglang-fake-...): --fake-startup-delay
 (seconds /health_generate answers 503), --fake-token-delay (seconds per generated token), --fake-never-stop
 (never emit a stop token: every request runs to max_new_tokens). Every call is printed to stdout (the
-server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them.
+server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them. On demand, POST /fake/hang
+`{"generate": true, "health": true}` makes the server hang as a stuck SGLang scheduler does: `/generate`
+requests (running and new) make no more progress, and `/health` and `/health_generate` answer 503 only
+after `health_timeout_s` (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT, 20 s: its health check waits that long
+for any output of the scheduler); false undoes either. GET /fake/state says how many health checks were
+asked, which requests are running, and what hangs.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 from aiohttp import web
 
 VERSION = "0.5.23+fake"
+HEALTH_CHECK_TIMEOUT_S = 20.0     # sglang http_server.py HEALTH_CHECK_TIMEOUT (env SGLANG_HEALTH_CHECK_TIMEOUT)
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
                    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
@@ -215,6 +221,11 @@ class FakeSGLang:
         self.token_delay = args.fake_token_delay
         self.never_stop = args.fake_never_stop
         self.counter = 0
+        self.progressing = asyncio.Event()        # cleared by /fake/hang: the scheduler makes no progress
+        self.progressing.set()
+        self.health_hung = False
+        self.health_timeout_s = HEALTH_CHECK_TIMEOUT_S
+        self.health_checks = 0
 
     def record(self, request: web.Request, body: Any, ignored: list[str], status: int) -> None:
         call = {"endpoint": request.path, "method": request.method, "body": body, "ignored": ignored,
@@ -284,6 +295,7 @@ class FakeSGLang:
         if self.token_delay:
             await asyncio.sleep(self.token_delay)
         await self.resumed.wait()
+        await self.progressing.wait()
 
     # -- control ---------------------------------------------------------------------------------
     async def control(self, endpoint: str, body: dict[str, Any]) -> web.Response:
@@ -474,7 +486,13 @@ def _check_control(endpoint: str, body: Any) -> tuple[web.Response | None, list[
 
 def make_app(fake: FakeSGLang) -> web.Application:
     async def health(request: web.Request) -> web.Response:
-        return web.Response(status=200 if time.monotonic() >= fake.ready_at else 503)
+        fake.health_checks += 1
+        if time.monotonic() < fake.ready_at:
+            return web.Response(status=503)
+        if fake.health_hung:                     # no scheduler output within SGLang's health check timeout
+            await asyncio.sleep(fake.health_timeout_s)
+            return web.Response(status=503)
+        return web.Response(status=200)
 
     async def generate(request: web.Request) -> web.Response:
         body = await _json(request)
@@ -507,6 +525,19 @@ def make_app(fake: FakeSGLang) -> web.Application:
     async def calls(request: web.Request) -> web.Response:
         return web.json_response(fake.calls)
 
+    async def hang(request: web.Request) -> web.Response:
+        body = await _json(request) or {}
+        if "generate" in body:
+            (fake.progressing.clear if body["generate"] else fake.progressing.set)()
+        fake.health_hung = bool(body.get("health", fake.health_hung))
+        fake.health_timeout_s = float(body.get("health_timeout_s", fake.health_timeout_s))
+        print("FAKE_HANG " + json.dumps(body), flush=True)
+        return await state(request)
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response({"health_checks": fake.health_checks, "running": sorted(fake.running),
+                                  "generate_hung": not fake.progressing.is_set(), "health_hung": fake.health_hung})
+
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
@@ -517,6 +548,8 @@ def make_app(fake: FakeSGLang) -> web.Application:
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, server_info)
     app.router.add_get("/fake/calls", calls)
+    app.router.add_post("/fake/hang", hang)
+    app.router.add_get("/fake/state", state)
     for path in CONTROL_FIELDS:
         app.router.add_post(path, control)
     for path in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker"):
@@ -556,10 +589,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# the stand-in for SGLang's scheduler and detokenizer, which die with the server (PR_SET_PDEATHSIG, as SGLang
+# sets it in its subprocesses) even when the server is killed alone, by the death of the engine that owns it
+_CHILD = """import ctypes, os, signal, sys, time
+if sys.platform.startswith("linux"):
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):                   # the server died before the line above
+        sys.exit(0)
+time.sleep(10**6)
+"""
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     # SGLang runs scheduler/detokenizer subprocesses; this one stands for them in teardown checks
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(10**6)", f"fake-sglang-child-{args.port}",
+    subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid()), f"fake-sglang-child-{args.port}",
                       args.model_path])
     print(f"fake sglang {VERSION} serving {args.model_path} on {args.host}:{args.port}", flush=True)
     web.run_app(make_app(FakeSGLang(args)), host=args.host, port=args.port, print=None,

@@ -1,6 +1,7 @@
 """Whole runs with --rollout-engine sglang: local Ray, the torch trainer, the tiny model, fake SGLang
 servers (tests/fakes, started by the real command line inside the engine actors) and the real
-sglang-router. What the servers were asked is read back from their logs (`FAKE_CALL` lines)."""
+sglang-router. What the servers were asked is read back from their logs (`FAKE_CALL` lines). A server
+killed mid-rollout, and one that hangs mid-rollout (found by the health monitor), are replaced."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -17,7 +19,8 @@ import pytest
 
 from miles.api.launch import train
 from miles.config.flags import parse_flags
-from miles.runtime import read_trace, with_disposer
+from miles.runtime import load_machine, read_trace, with_disposer
+from miles.tracetools.check import check_trace
 from tests.conftest import base_flags, miles_actors
 from tests.fakes import sglang_processes
 
@@ -120,21 +123,33 @@ def test_offload_rollout_releases_after_each_rollout_and_resumes_around_the_sync
     assert_nothing_left(result, tiny_task["model"])
 
 
+def rollout_started(run_dir: Path, rollout_id: int) -> bool:
+    trace_file = run_dir / "trace.jsonl"
+    lines = trace_file.read_text().splitlines() if trace_file.exists() else []
+    return any('"phase_start"' in x and '"rollout"' in x and f'"rollout_id": {rollout_id}' in x for x in lines)
+
+
+def servers(model: str) -> list[psutil.Process]:
+    out = []
+    for pid in sglang_processes(model):
+        try:
+            if "sglang.launch_server" in " ".join(psutil.Process(pid).cmdline()):
+                out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def kill_a_server_during(run_dir: Path, model: str, rollout_id: int, killed: list[int]) -> threading.Thread:
     """Once rollout `rollout_id` has started and requests are in flight, SIGKILL one SGLang server."""
     def watch() -> None:
-        trace_file = run_dir / "trace.jsonl"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            lines = trace_file.read_text().splitlines() if trace_file.exists() else []
-            started = any('"phase_start"' in x and '"rollout"' in x and f'"rollout_id": {rollout_id}' in x
-                          for x in lines)
-            servers = [p for p in sglang_processes(model)
-                       if "sglang.launch_server" in " ".join(psutil.Process(p).cmdline())]
-            if started and servers:
+            pids = [p.pid for p in servers(model)]
+            if rollout_started(run_dir, rollout_id) and pids:
                 time.sleep(0.5)
-                os.kill(servers[0], signal.SIGKILL)
-                killed.append(servers[0])
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
                 return
             time.sleep(0.1)
 
@@ -160,4 +175,61 @@ def test_a_server_killed_mid_rollout_is_restarted_and_the_rollout_completes(ray_
     # the new server got the run's weights before it served: the current version, then the later ones
     versions = [v for step, *v in control(calls[restarted[0]]) if step == "update_weights_from_disk"]
     assert versions and versions[0][0] in ("1", "2") and versions[-1][0] == "3"
+    assert_nothing_left(result, tiny_task["model"])
+
+
+def fake_server(url: str, knobs: dict | None = None) -> dict:
+    """A fake server's state (GET /fake/state), after setting `knobs` (POST /fake/hang) when given."""
+    data = None if knobs is None else json.dumps(knobs).encode()
+    req = urllib.request.Request(url + ("/fake/state" if knobs is None else "/fake/hang"), data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def hang_a_server_with_requests(model: str, hung: list[int]) -> threading.Thread:
+    """Once a server holds requests (a rollout's: the run has no evals), make it hang as a stuck scheduler
+    does: its requests make no more progress and its health checks get no answer (the fake's /fake/hang)."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not hung:
+            for server in servers(model):
+                cmd = server.cmdline()
+                url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+                try:
+                    if fake_server(url)["running"]:
+                        fake_server(url, {"generate": True, "health": True})
+                        hung.append(server.pid)
+                except (OSError, psutil.NoSuchProcess):
+                    pass                            # not listening yet, or gone
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_server_that_hangs_mid_rollout_is_found_by_the_health_probe_and_replaced(ray_cluster, tiny_task, tmp_path):
+    hung: list[int] = []
+    watcher = hang_a_server_with_requests(tiny_task["model"], hung)
+    result = run(base_flags(tiny_task, tmp_path / "run", rollout_engine="sglang", num_rollout=1,
+                            rollout_max_response_len=8, sglang_fake_token_delay=0.05, sglang_fake_never_stop=True,
+                            rollout_health_check_interval=0.5, rollout_health_check_timeout=2))
+    watcher.join(timeout=5)
+    trace = read_trace(result.run_dir)
+    assert hung and trace.events[-1].get("outcome") == "ok", trace.events[-1].error
+    report = check_trace(trace, load_machine("sync"))
+    assert report.ok, [v.message for v in report.violations]
+    assert trace.of("engine_health_monitor_started") and not trace.of("engine_health_monitor_skipped")
+    [unhealthy] = trace.of("engine_unhealthy")
+    assert unhealthy.get("engine") == 0
+    assert "no answer to a health probe within --rollout-health-check-timeout 2s" in unhealthy.get("reason")
+    [killed] = trace.of("engine_killed")
+    [restart] = trace.of("engine_restart")
+    [restarted] = trace.of("engine_restarted")
+    assert killed.cause == unhealthy.seq < killed.seq < restart.seq and restarted.cause == restart.seq
+    assert [e.state for e in trace.of("phase_start")].count("train") == 1      # the rollout completed
+    calls = server_calls(result.run_dir)
+    assert sorted(calls) == ["engine-0", "engine-0-r1"]
+    assert any(c["endpoint"] == "/generate" for c in calls["engine-0-r1"])   # the new server served the rollout
     assert_nothing_left(result, tiny_task["model"])

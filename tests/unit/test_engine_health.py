@@ -12,8 +12,9 @@ import pytest
 import ray
 
 from miles.config import RolloutConfig, TraceConfig
-from miles.phases.health import HealthMonitor
+from miles.phases.health import HealthMonitor, answers_beside_calls
 from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.sglang_engine import SGLangEngine
 from miles.types import SamplingParams
 from tests.tiny_model import make_tiny_model
 
@@ -105,6 +106,9 @@ class Handle:
             await asyncio.sleep(60)
         if self.behaviour == "dead":
             raise ray.exceptions.RayActorError()
+        if self.behaviour == "broken":       # health() itself raised, inside the actor
+            error = ray.exceptions.RayTaskError("health", "Traceback ...", RuntimeError("server gone"))
+            raise error.as_instanceof_cause()
         return {"busy": self.behaviour != "idle", "since_progress_s": 5.0 if self.behaviour == "stalled" else 0.1}
 
 
@@ -119,7 +123,8 @@ class FakeEngine:
 def monitor(engines):
     ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(batch_size=1, health_check_timeout_s=0.3),
                                               trace=TraceConfig()),
-                          c=SimpleNamespace(engines=engines), tracer=FakeTracer())
+                          c=SimpleNamespace(engines=engines), tracer=FakeTracer(),
+                          disposer=SimpleNamespace(closed=False))
     return HealthMonitor(ctx), ctx
 
 
@@ -137,3 +142,39 @@ def test_monitor_kills_hung_and_stalled_engines_only():
     assert [n for n, f in ctx.tracer.events if f["engine"] == 2] == ["engine_unhealthy", "engine_killed"]
     asyncio.run(m.probe_all())           # reported engines are not probed (nor killed) again
     assert [e.forced for e in engines] == [0, 0, 1, 1, 0] and len(ctx.tracer.events) == 5
+
+
+def test_a_probe_that_raises_counts_as_hung_and_the_monitor_goes_on():
+    engines = [FakeEngine("broken"), FakeEngine("idle"), FakeEngine("hung")]
+    m, ctx = monitor(engines)
+    asyncio.run(m.probe_all())           # before: the error ended the monitor's task, silently
+    assert [e.forced for e in engines] == [1, 0, 1]
+    [reason] = [f["reason"] for n, f in ctx.tracer.events if n == "engine_unhealthy" and f["engine"] == 0]
+    assert reason == "the health probe failed: RuntimeError: server gone"
+
+
+def test_only_engines_that_answer_beside_a_running_call_are_probed():
+    class TwoThreads:
+        actor_threads = 2
+
+        def health(self): ...
+
+    class OneThread(TwoThreads):
+        actor_threads = 1
+
+    class Async:                         # an async actor: Ray runs its calls concurrently
+        async def health(self): ...
+
+    class NoHealth:
+        actor_threads = 2
+
+    kinds = (EmbeddedEngine, SGLangEngine, TwoThreads, OneThread, Async, NoHealth)
+    assert [answers_beside_calls(k) for k in kinds] == [True, True, True, False, True, False]
+
+
+def test_engines_going_in_the_runs_teardown_are_not_reported_or_killed():
+    engines = [FakeEngine("broken"), FakeEngine("hung"), FakeEngine("dead")]    # disposed, being disposed
+    m, ctx = monitor(engines)
+    ctx.disposer.closed = True           # unwinding: a restarted engine is disposed before the monitor
+    asyncio.run(m.probe_all())
+    assert [e.forced for e in engines] == [0, 0, 0] and ctx.tracer.events == []

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 
+import psutil
 import pytest
 
 from miles.runtime.procs import OwnedProcess, free_port
@@ -20,9 +23,7 @@ from tests.tiny_model import make_tiny_model
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("fake") / "model")
+def start_fake(model: str) -> tuple[OwnedProcess, str]:
     port = free_port()
     p = OwnedProcess([sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
                       "--skip-tokenizer-init", "--weight-version", "0"], name="fake",
@@ -35,8 +36,22 @@ def server(tmp_path_factory):
             break
         except OSError:
             time.sleep(0.1)
+    return p, url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    p, url = start_fake(make_tiny_model(tmp_path_factory.mktemp("fake") / "model"))
     yield url
     p.dispose()
+
+
+def get(url: str, timeout: float = 10) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def post(url: str, body) -> tuple[int, object]:
@@ -95,3 +110,33 @@ def test_an_unknown_launch_flag_exits_like_sglangs_argparse(tmp_path):
                          env=with_fake_sglang(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "sglang serve: error: unrecognized arguments: --nope" in out.stderr
     assert os.path.isdir(FAKES_DIR / "sglang")
+
+
+def test_a_hung_server_stops_generating_and_answers_health_checks_late_with_503(server):
+    state = post(server + "/fake/hang", {"generate": True, "health": True, "health_timeout_s": 0.5})[1]
+    assert state["generate_hung"] and state["health_hung"]
+    answer = {}
+    request = threading.Thread(target=lambda: answer.setdefault("status", post(server + "/generate", {
+        "rid": "stuck", "input_ids": [5], "sampling_params": {"max_new_tokens": 2}})[0]), daemon=True)
+    request.start()
+    try:
+        t0 = time.monotonic()
+        assert get(server + "/health_generate") == 503 and time.monotonic() - t0 >= 0.5
+        assert get(server + "/health") == 503
+        assert request.is_alive() and post(server + "/fake/hang", {})[1]["running"] == ["stuck"]
+    finally:
+        post(server + "/fake/hang", {"generate": False, "health": False})
+    request.join(timeout=10)
+    assert answer == {"status": 200} and get(server + "/health_generate") == 200
+    with urllib.request.urlopen(server + "/fake/state", timeout=10) as resp:
+        assert json.loads(resp.read())["health_checks"] >= 3     # every /health and /health_generate is counted
+
+
+def test_the_servers_child_dies_with_the_server_alone(tmp_path):
+    p, _ = start_fake(make_tiny_model(tmp_path / "m"))
+    try:
+        [child] = psutil.Process(p.pid).children()
+        os.kill(p.pid, signal.SIGKILL)             # the leader only, as when the engine that owns it is killed
+        assert psutil.wait_procs([child], timeout=10)[1] == []
+    finally:
+        p.dispose()

@@ -62,6 +62,14 @@ def test_a_request_updated_mid_flight_counts_from_its_oldest_version():
     assert api.parse_generation(body, rid="r").weight_version == 4
 
 
+def test_an_abort_the_engine_asked_for_is_what_the_request_generated_until_then():
+    body = response([7, 8], [-0.2, -0.4], {"type": "abort", "message": "Abort in running batch", "status_code": 200})
+    g = api.parse_generation(body, rid="r", abort_asked=True)
+    assert (g.response_ids, g.logprobs, g.finish_reason, g.weight_version) == ([7, 8], [-0.2, -0.4], "abort", 3)
+    with pytest.raises(api.SGLangResponseError, match="aborted by the server: Abort in running batch"):
+        api.parse_generation(body, rid="r")                 # an abort nobody asked for is an error
+
+
 @pytest.mark.parametrize("body, match", [
     (response([1], [-1.0], {"type": "abort", "message": "Abort in waiting queue", "status_code": 200}),
      "aborted by the server: Abort in waiting queue"),

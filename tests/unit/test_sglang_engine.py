@@ -1,12 +1,15 @@
 """The SGLang engine against the fake SGLang server (tests/fakes): the real command line, SGLang's
-fields, the weight-update sequence and versions, memory tags, aborts, a dead server, teardown."""
+fields, the weight-update sequence and versions, memory tags, aborts, health probes of a busy, stalled
+or hung server, a dead server, teardown."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -14,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from miles.rollout.sglang_client import SGLangHTTPError
-from miles.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, SGLangServerDied, SGLangStartError
+from miles.rollout.sglang_engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLangEngine, SGLangEngineConfig,
+                                         SGLangServerDied, SGLangStartError)
 from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
 from miles.types import SamplingParams
 from miles.weights.checksum import state_dict_checksum
@@ -41,6 +45,40 @@ def engine(model, tmp_path):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def fake(url: str, knobs: dict | None = None) -> dict:
+    """The fake server's state (GET /fake/state), after setting `knobs` (POST /fake/hang) when given."""
+    data = None if knobs is None else json.dumps(knobs).encode()
+    req = urllib.request.Request(url + ("/fake/state" if knobs is None else "/fake/hang"), data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def slow(model, tmp_path):
+    """make(concurrency): an engine whose server makes a token every 50 ms and never stops early."""
+    made = []
+
+    def make(concurrency: int = 256) -> SGLangEngine:
+        cfg = SGLangEngineConfig(startup_timeout_s=30, max_concurrency=concurrency,
+                                 server_args=("--fake-token-delay", "0.05", "--fake-never-stop"))
+        made.append(SGLangEngine(model, sglang=cfg, engine_name=f"s{len(made)}", work_dir=tmp_path / f"s{len(made)}"))
+        return made[-1]
+
+    yield make
+    for e in made:
+        fake(e.url, {"generate": False, "health": False})
+        run(e.dispose())
+
+
+async def running(url: str, n: int) -> None:
+    """Until the server holds `n` requests."""
+    deadline = time.monotonic() + 10
+    while len(fake(url)["running"]) < n:
+        assert time.monotonic() < deadline, fake(url)
+        await asyncio.sleep(0.05)
 
 
 def test_starts_sglangs_launch_command_in_its_own_process_group(model, tmp_path):
@@ -167,6 +205,9 @@ def test_memory_is_released_and_resumed_by_tag(engine, model, tmp_path):
     with pytest.raises(SGLangHTTPError, match="memory released"):
         run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))
     run(engine.release_memory(["kv_cache"]))          # already released: nothing to send
+    checks = fake(engine.url)["health_checks"]
+    assert run(engine.health()) == {"busy": False, "since_progress_s": 0.0}
+    assert fake(engine.url)["health_checks"] == checks  # a server without its memory cannot generate: not asked
     assert engine.released_memory() == ["cuda_graph", "kv_cache"]
     run(engine.resume_memory())                         # all tags: only the released ones go (SGLang refuses others)
     assert len(run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))) == 1
@@ -217,6 +258,8 @@ def test_a_dead_server_is_found_its_group_killed_and_calls_fail_with_its_log(eng
     assert sglang_processes(model) == []
     with pytest.raises(SGLangServerDied, match="(?s)exited with status -9.*fake sglang"):
         run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))
+    with pytest.raises(SGLangServerDied, match="exited with status -9"):
+        run(engine.health())
 
 
 def test_dispose_takes_the_server_group_and_the_weight_exports(model, tmp_path):
@@ -230,3 +273,128 @@ def test_dispose_takes_the_server_group_and_the_weight_exports(model, tmp_path):
     assert (tmp_path / "w" / "server.log").exists()
     with pytest.raises(SGLangServerDied, match="disposed"):
         run(e.generate([[5]], SamplingParams()))
+
+
+# --- health and abort --------------------------------------------------------------------------------
+
+def test_an_idle_engine_has_its_server_prove_it_answers(engine):
+    checks = fake(engine.url)["health_checks"]
+    assert run(engine.health()) == {"busy": False, "since_progress_s": 0.0}
+    assert fake(engine.url)["health_checks"] == checks + 1
+
+
+def test_a_busy_engine_whose_requests_finish_answers_without_asking_the_server(slow):
+    e = slow()
+
+    async def main():
+        # ten requests finish 0.1 s apart, and a long one keeps the engine busy until it is aborted
+        caps = [2 * (k + 1) for k in range(10)] + [10_000]
+        call = asyncio.ensure_future(e.generate([[5]] * 11, SamplingParams(max_new_tokens=10_000), caps))
+        await running(e.url, 11)
+        checks = fake(e.url)["health_checks"]
+        states = []
+        for _ in range(8):
+            states.append(await e.health())
+            await asyncio.sleep(0.1)
+        asked = fake(e.url)["health_checks"] - checks
+        await running(e.url, 1)
+        while len(fake(e.url)["running"]) > 1:               # the short ones are done
+            await asyncio.sleep(0.05)
+        await e.abort()
+        return states, asked, await call
+
+    states, asked, gens = run(main())
+    assert asked == 0 and all(s["busy"] and s["since_progress_s"] < PROGRESS_FRESH_S for s in states)
+    assert [g.finish_reason for g in gens] == ["length"] * 10 + ["abort"]
+    assert len(gens[-1].response_ids) == len(gens[-1].logprobs) >= 20         # what it made until the abort
+
+
+def test_requests_that_stall_on_a_server_that_still_answers_are_not_a_hang(slow):
+    e = slow(concurrency=2)          # both connections of the generate requests are taken: probes get their own
+
+    async def main():
+        call = asyncio.ensure_future(e.generate([[5], [6]], SamplingParams(max_new_tokens=10_000)))
+        await running(e.url, 2)
+        fake(e.url, {"generate": True})                     # nothing finishes any more; /health_generate is fine
+        await asyncio.sleep(PROGRESS_FRESH_S + 0.2)
+        checks = fake(e.url)["health_checks"]
+        state = await asyncio.wait_for(e.health(), 5)
+        asked = fake(e.url)["health_checks"] - checks
+        t0 = time.monotonic()
+        await e.abort()
+        gens = await call
+        return state, asked, gens, time.monotonic() - t0
+
+    state, asked, gens, took = run(main())
+    assert state == {"busy": True, "since_progress_s": 0.0} and asked == 1
+    # the stuck server never gives the aborted requests back: they are cut after the grace, empty
+    assert [(g.response_ids, g.finish_reason) for g in gens] == [([], "abort")] * 2
+    assert ABORT_GRACE_S - 0.5 < took < ABORT_GRACE_S + 3
+
+
+def test_a_hung_server_leaves_the_probe_unanswered_busy_or_idle(slow):
+    e = slow()
+
+    async def main():
+        call = asyncio.ensure_future(e.generate([[5]], SamplingParams(max_new_tokens=10_000)))
+        await running(e.url, 1)
+        # a stuck scheduler: no tokens, and SGLang's health check gives up (503) after 0.3 s, again and again
+        fake(e.url, {"generate": True, "health": True, "health_timeout_s": 0.3})
+        await asyncio.sleep(PROGRESS_FRESH_S + 0.2)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(e.health(), 2)           # busy, nothing finished lately
+        await e.abort()
+        assert [g.finish_reason for g in await call] == ["abort"]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(e.health(), 2)           # idle
+        fake(e.url, {"generate": False, "health": False})
+        return await asyncio.wait_for(e.health(), 5)
+
+    assert run(main()) == {"busy": False, "since_progress_s": 0.0}
+
+
+def test_abort_returns_the_running_requests_tokens_and_sends_none_of_the_waiting_ones(slow):
+    e = slow(concurrency=2)
+
+    async def main():
+        call = asyncio.ensure_future(e.generate([[5], [6], [7], [8]], SamplingParams(max_new_tokens=10_000)))
+        await running(e.url, 2)
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        await e.abort()
+        gens = await call
+        took = time.monotonic() - t0
+        return gens, took, await e.generate([[9]], SamplingParams(max_new_tokens=3))
+
+    gens, took, later = run(main())
+    assert took < ABORT_GRACE_S and [g.finish_reason for g in gens] == ["abort"] * 4
+    assert all(len(g.response_ids) == len(g.logprobs) >= 1 for g in gens[:2])      # sent: their tokens so far
+    assert [g.response_ids for g in gens[2:]] == [[], []]                           # waiting for a slot: not sent
+    sent = [c["body"]["rid"] for c in fake_calls(e.url, "/generate")]
+    assert len(sent) == 3 and sorted(c["body"]["rid"] for c in fake_calls(e.url, "/abort_request")) == sorted(sent[:2])
+    assert later[0].finish_reason == "length" and len(later[0].response_ids) == 3  # a call after the abort runs
+
+
+def test_a_weight_update_is_reported_busy_without_asking_the_paused_server(engine, model, monkeypatch):
+    flush = engine._client.flush_cache
+
+    async def slow_flush():                                  # the server paused for a long update
+        await asyncio.sleep(1.0)
+        await flush()
+
+    monkeypatch.setattr(engine._client, "flush_cache", slow_flush)
+
+    async def main():
+        update = asyncio.ensure_future(engine.update_weights(exported(model, 0.1), 1))
+        while not fake_calls(engine.url, "/pause_generation"):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        checks = fake(engine.url)["health_checks"]
+        state = await engine.health()
+        asked = fake(engine.url)["health_checks"] - checks
+        await update
+        return state, asked
+
+    state, asked = run(main())
+    assert state["busy"] and 0.25 < state["since_progress_s"] < 1.0 and asked == 0
+    assert run(engine.health()) == {"busy": False, "since_progress_s": 0.0}      # done: the server is asked again

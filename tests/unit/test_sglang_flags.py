@@ -61,6 +61,17 @@ def test_sglang_flags_without_the_sglang_engine_are_named(base):
         "use 1 and more engines, or --rollout-engine sglang"]       # --offload-rollout is every engine's
 
 
+def test_a_health_probe_timeout_no_sglang_server_can_meet_is_refused(base):
+    sglang = [*base, "--rollout-engine", "sglang", "--rollout-health-check-timeout", "1.5"]
+    with pytest.raises(ConfigError) as info:
+        parse_flags(sglang)
+    assert info.value.problems == [
+        "--rollout-health-check-timeout 1.5: an SGLang server answers /health_generate a second after it is asked "
+        "at the earliest; give the probe at least 2 s (default 30), or --rollout-health-check-interval 0"]
+    parse_flags([*sglang, "--rollout-health-check-interval", "0"])           # no probe: nothing to meet
+    parse_flags([*base, "--rollout-health-check-timeout", "1.5"])            # the embedded engine answers at once
+
+
 def test_an_unknown_flag_is_still_an_error(base, capsys):
     with pytest.raises(SystemExit) as info:
         parse_flags([*base, "--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.5", "--bogus", "1"])
