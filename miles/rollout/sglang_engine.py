@@ -56,7 +56,7 @@ from pathlib import Path
 import structlog
 
 from miles.rollout import sglang_api as api
-from miles.rollout.protocol import MEMORY_TAGS
+from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.rollout.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnreachable
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 from miles.types import Generation, SamplingParams
@@ -124,7 +124,7 @@ def server_dtype(dtype: str, device: str) -> str:
     return _DTYPES[dtype]
 
 
-class SGLangEngine:
+class SGLangEngine(TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  sglang: SGLangEngineConfig = SGLangEngineConfig(), engine_name: str = "engine",
                  router_url: str | None = None, work_dir: str | os.PathLike | None = None,
@@ -256,18 +256,6 @@ class SGLangEngine:
 
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return self.eos_token_id if pad is None else pad
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def server_url(self) -> str:
         return self.url
