@@ -85,14 +85,14 @@ class RayCluster:
                                        max_restarts=0, lifetime="non_detached")
         if self.actor_resources:
             options["resources"] = dict(self.actor_resources)
-        if self.shipment is None:     # user files given by a relative path (reward.py:fn) are the driver's
-            options["runtime_env"] = {"env_vars": {DRIVER_CWD_ENV: os.getcwd()}}
         options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
         local = {flag: path for flag, path in (needs or {}).items() if os.path.exists(path)}   # not a hub name
         if local:
             cls = checking_paths(cls, local, name)
+        if self.shipment is None:     # user files given by a relative path (reward.py:fn) are the driver's
+            cls = in_driver_cwd(cls, os.getcwd())
         if self.log_dir is not None:
             from miles.tracking.logs import context_for_actor, logged_actor_class
             cls = logged_actor_class(cls, context_for_actor(name, run_id=self.run_id, log_dir=self.log_dir,
@@ -184,9 +184,31 @@ def checking_paths(cls: type, paths: Mapping[str, str], name: str) -> type:
                     "cluster); copy them there, or keep the actors on nodes that have them (--ray-actor-resources)")
             super().__init__(*args, **kwargs)
 
-    NodeChecked.__name__, NodeChecked.__qualname__ = cls.__name__, cls.__qualname__
-    NodeChecked.__module__, NodeChecked.__doc__ = cls.__module__, cls.__doc__
-    return NodeChecked
+    return _named_as(NodeChecked, cls)
+
+
+def in_driver_cwd(cls: type, cwd: str) -> type:
+    """`cls` whose constructor first sets DRIVER_CWD_ENV to `cwd` in its process (an actor has its
+    worker process to itself), so that a user file given by a relative path is read from the driver's
+    working directory (miles.user_code).
+
+    Not through the actor's own runtime_env: an actor with one cannot take a worker Ray has already
+    started, and each of its workers starts behind Ray's runtime-env setup process (measured on 2 cores:
+    a bare actor ready in ~5 s instead of ~1 s, ~1 s more CPU)."""
+
+    class InDriverCwd(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            os.environ[DRIVER_CWD_ENV] = cwd
+            super().__init__(*args, **kwargs)
+
+    return _named_as(InDriverCwd, cls)
+
+
+def _named_as(sub: type, cls: type) -> type:
+    """`sub` (a wrapper subclass) under `cls`'s names and docstring: Ray and the logs show the actor's own."""
+    sub.__name__, sub.__qualname__ = cls.__name__, cls.__qualname__
+    sub.__module__, sub.__doc__ = cls.__module__, cls.__doc__
+    return sub
 
 
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

@@ -10,7 +10,7 @@ by the phase would overwrite the corruption). Kinds:
     kill_trainer    SIGKILL the trainer's worker process (unrecoverable: the run fails)
     sigint/sigterm  the driver sends itself the signal (the CLI drains, then exits 130/143)
     teardown_raise  register a teardown that raises
-    teardown_hang   register a teardown that hangs past a 1 s timeout, with no force
+    teardown_hang   register a teardown that hangs past a 0.2 s timeout, with no force
     hang            the phase hangs (a stuck collective, say) until cancelled or killed
     hang_thread     the phase waits on a thread that never returns (cancelling the wait leaves the thread)
     hang_ray        the phase waits on a Ray call that never returns: the executor actor blocks in it
@@ -41,6 +41,7 @@ from miles.runtime.threads import in_daemon_thread
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
                "hang", "hang_thread", "hang_ray", "hang_blocking", "corrupt_weights", "hang_engine")
 AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
+TEARDOWN_HANG_TIMEOUT_S = 0.2          # the hang is the point, not its length: each one costs a run this much
 
 
 class InjectedFault(RuntimeError):
@@ -114,7 +115,7 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
     elif f.kind == "teardown_raise":
         ctx.disposer.add(_raise_on_teardown, name="injected_teardown_raise")
     elif f.kind == "teardown_hang":
-        ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=1.0)
+        ctx.disposer.add(_hang_on_teardown, name="injected_teardown_hang", timeout=TEARDOWN_HANG_TIMEOUT_S)
     elif f.kind == "hang":
         await asyncio.sleep(1e9)
     elif f.kind == "hang_thread":

@@ -279,8 +279,8 @@ class FastEngine(TokenizerAccessors):
             return
         self.release_memory()
         self._weights = self._forward = self._tokenizer = None
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":      # see miles.rollout.engine.EmbeddedEngine.dispose
+            gc.collect()
             torch.cuda.empty_cache()
 
     # --- generation ----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import psutil
 
+STRAY_POLL_S = 0.02       # how often a teardown looks whether the group's strays have exited
+
 
 class OwnedProcess:
     def __init__(self, argv: Sequence[str], *, name: str, term_timeout_s: float = 10.0, **popen: Any):
@@ -71,8 +73,22 @@ class OwnedProcess:
             self.proc.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             return False
-        _, still = psutil.wait_procs(strays, timeout=max(deadline - time.monotonic(), 0))
-        return not still
+        # a stray that exited stays a zombie until whoever adopted it reaps it, which a container's
+        # PID 1 may do only every second or two: exited is gone, as for pid_running (psutil.wait_procs
+        # waited for the reaping)
+        while any(not _exited(p) for p in strays):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STRAY_POLL_S)
+        return True
+
+
+def _exited(p: psutil.Process) -> bool:
+    """True once `p` (the same process: psutil checks its start time) has exited, reaped or not."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def pid_running(pid: int) -> bool:

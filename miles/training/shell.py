@@ -125,6 +125,6 @@ class OptimizedModel:
         if self._host is not None:
             self._host.dispose()
         self._model = self._optimizer = self._host = None
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":      # see miles.rollout.engine.EmbeddedEngine.dispose
+            gc.collect()
             torch.cuda.empty_cache()
