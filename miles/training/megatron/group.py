@@ -15,6 +15,7 @@ process group, and kills every rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ class MegatronTrainer:
                  world_size: int | None = None):
         import ray
 
+        from miles.cluster.ray_cluster import in_driver_cwd
         from miles.training.megatron.worker import MegatronWorker
+        from miles.user_code import DRIVER_CWD_ENV
 
         on_gpu = _uses_gpus(device)
         options = [dict(o) for o in rank_options] if rank_options else None
@@ -76,7 +79,9 @@ class MegatronTrainer:
             raise ConfigError(problems)
         self._model_path, self._spec = model_path, model_spec(hf_config)
         options = options or [{"num_gpus": 1 if on_gpu else 0}] * layout.world_size
-        remote = ray.remote(MegatronWorker)
+        # a rank reads user files (--custom-loss-function-path) from the driver's directory, as this actor does
+        cwd = os.environ.get(DRIVER_CWD_ENV)
+        remote = ray.remote(in_driver_cwd(MegatronWorker, cwd) if cwd else MegatronWorker)
         self._ranks = [remote.options(**{"num_cpus": 0, "name": f"trainer-rank-{r}", **o}).remote(
             model_path, train=train, algorithm=algorithm, rollout=rollout, rank=r, world_size=layout.world_size,
             device_type="cuda" if on_gpu else "cpu", dtype=dtype) for r, o in enumerate(options)]
