@@ -37,6 +37,18 @@ def fake_calls(url: str, endpoint: str | None = None) -> list[dict]:
     return [c for c in calls if endpoint is None or c["endpoint"] == endpoint]
 
 
+def fake_state(url: str, knobs: dict | None = None) -> dict:
+    """A fake server's state (GET /fake/state), after setting `knobs` (POST /fake/hang) when given."""
+    import json
+    import urllib.request
+
+    data = None if knobs is None else json.dumps(knobs).encode()
+    req = urllib.request.Request(url.rstrip("/") + ("/fake/state" if knobs is None else "/fake/hang"), data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
 def sglang_processes(marker: str = "") -> list[int]:
     """Pids of live fake servers, their children and sglang-routers (cmdline contains `marker` too)."""
     import psutil

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -22,7 +21,7 @@ from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.tracetools.check import check_trace
 from tests.conftest import base_flags, miles_actors
-from tests.fakes import sglang_processes
+from tests.fakes import fake_state, sglang_processes
 
 pytest.importorskip("sglang_router")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -178,15 +177,6 @@ def test_a_server_killed_mid_rollout_is_restarted_and_the_rollout_completes(ray_
     assert_nothing_left(result, tiny_task["model"])
 
 
-def fake_server(url: str, knobs: dict | None = None) -> dict:
-    """A fake server's state (GET /fake/state), after setting `knobs` (POST /fake/hang) when given."""
-    data = None if knobs is None else json.dumps(knobs).encode()
-    req = urllib.request.Request(url + ("/fake/state" if knobs is None else "/fake/hang"), data=data,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
 def hang_a_server_with_requests(model: str, hung: list[int]) -> threading.Thread:
     """Once a server holds requests (a rollout's: the run has no evals), make it hang as a stuck scheduler
     does: its requests make no more progress and its health checks get no answer (the fake's /fake/hang)."""
@@ -197,8 +187,8 @@ def hang_a_server_with_requests(model: str, hung: list[int]) -> threading.Thread
                 cmd = server.cmdline()
                 url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
                 try:
-                    if fake_server(url)["running"]:
-                        fake_server(url, {"generate": True, "health": True})
+                    if fake_state(url)["running"]:
+                        fake_state(url, {"generate": True, "health": True})
                         hung.append(server.pid)
                 except (OSError, psutil.NoSuchProcess):
                     pass                            # not listening yet, or gone

@@ -5,11 +5,9 @@ or hung server, a dead server, teardown."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -22,7 +20,7 @@ from miles.rollout.sglang_engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLang
 from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
 from miles.types import SamplingParams
 from miles.weights.checksum import state_dict_checksum
-from tests.fakes import FAKES_DIR, fake_calls, sglang_processes
+from tests.fakes import FAKES_DIR, fake_calls, fake_state, sglang_processes
 from tests.tiny_model import EOS_ID, VOCAB_SIZE, make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,15 +45,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def fake(url: str, knobs: dict | None = None) -> dict:
-    """The fake server's state (GET /fake/state), after setting `knobs` (POST /fake/hang) when given."""
-    data = None if knobs is None else json.dumps(knobs).encode()
-    req = urllib.request.Request(url + ("/fake/state" if knobs is None else "/fake/hang"), data=data,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
 @pytest.fixture
 def slow(model, tmp_path):
     """make(concurrency): an engine whose server makes a token every 50 ms and never stops early."""
@@ -69,15 +58,15 @@ def slow(model, tmp_path):
 
     yield make
     for e in made:
-        fake(e.url, {"generate": False, "health": False})
+        fake_state(e.url, {"generate": False, "health": False})
         run(e.dispose())
 
 
 async def running(url: str, n: int) -> None:
     """Until the server holds `n` requests."""
     deadline = time.monotonic() + 10
-    while len(fake(url)["running"]) < n:
-        assert time.monotonic() < deadline, fake(url)
+    while len(fake_state(url)["running"]) < n:
+        assert time.monotonic() < deadline, fake_state(url)
         await asyncio.sleep(0.05)
 
 
@@ -205,9 +194,9 @@ def test_memory_is_released_and_resumed_by_tag(engine, model, tmp_path):
     with pytest.raises(SGLangHTTPError, match="memory released"):
         run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))
     run(engine.release_memory(["kv_cache"]))          # already released: nothing to send
-    checks = fake(engine.url)["health_checks"]
+    checks = fake_state(engine.url)["health_checks"]
     assert run(engine.health()) == {"busy": False, "since_progress_s": 0.0}
-    assert fake(engine.url)["health_checks"] == checks  # a server without its memory cannot generate: not asked
+    assert fake_state(engine.url)["health_checks"] == checks  # a server without its memory cannot generate: not asked
     assert engine.released_memory() == ["cuda_graph", "kv_cache"]
     run(engine.resume_memory())                         # all tags: only the released ones go (SGLang refuses others)
     assert len(run(engine.generate([[5]], SamplingParams(max_new_tokens=2)))) == 1
@@ -278,9 +267,9 @@ def test_dispose_takes_the_server_group_and_the_weight_exports(model, tmp_path):
 # --- health and abort --------------------------------------------------------------------------------
 
 def test_an_idle_engine_has_its_server_prove_it_answers(engine):
-    checks = fake(engine.url)["health_checks"]
+    checks = fake_state(engine.url)["health_checks"]
     assert run(engine.health()) == {"busy": False, "since_progress_s": 0.0}
-    assert fake(engine.url)["health_checks"] == checks + 1
+    assert fake_state(engine.url)["health_checks"] == checks + 1
 
 
 def test_a_busy_engine_whose_requests_finish_answers_without_asking_the_server(slow):
@@ -291,14 +280,14 @@ def test_a_busy_engine_whose_requests_finish_answers_without_asking_the_server(s
         caps = [2 * (k + 1) for k in range(10)] + [10_000]
         call = asyncio.ensure_future(e.generate([[5]] * 11, SamplingParams(max_new_tokens=10_000), caps))
         await running(e.url, 11)
-        checks = fake(e.url)["health_checks"]
+        checks = fake_state(e.url)["health_checks"]
         states = []
         for _ in range(8):
             states.append(await e.health())
             await asyncio.sleep(0.1)
-        asked = fake(e.url)["health_checks"] - checks
+        asked = fake_state(e.url)["health_checks"] - checks
         await running(e.url, 1)
-        while len(fake(e.url)["running"]) > 1:               # the short ones are done
+        while len(fake_state(e.url)["running"]) > 1:               # the short ones are done
             await asyncio.sleep(0.05)
         await e.abort()
         return states, asked, await call
@@ -315,11 +304,11 @@ def test_requests_that_stall_on_a_server_that_still_answers_are_not_a_hang(slow)
     async def main():
         call = asyncio.ensure_future(e.generate([[5], [6]], SamplingParams(max_new_tokens=10_000)))
         await running(e.url, 2)
-        fake(e.url, {"generate": True})                     # nothing finishes any more; /health_generate is fine
+        fake_state(e.url, {"generate": True})                     # nothing finishes any more; /health_generate is fine
         await asyncio.sleep(PROGRESS_FRESH_S + 0.2)
-        checks = fake(e.url)["health_checks"]
+        checks = fake_state(e.url)["health_checks"]
         state = await asyncio.wait_for(e.health(), 5)
-        asked = fake(e.url)["health_checks"] - checks
+        asked = fake_state(e.url)["health_checks"] - checks
         t0 = time.monotonic()
         await e.abort()
         gens = await call
@@ -339,7 +328,7 @@ def test_a_hung_server_leaves_the_probe_unanswered_busy_or_idle(slow):
         call = asyncio.ensure_future(e.generate([[5]], SamplingParams(max_new_tokens=10_000)))
         await running(e.url, 1)
         # a stuck scheduler: no tokens, and SGLang's health check gives up (503) after 0.3 s, again and again
-        fake(e.url, {"generate": True, "health": True, "health_timeout_s": 0.3})
+        fake_state(e.url, {"generate": True, "health": True, "health_timeout_s": 0.3})
         await asyncio.sleep(PROGRESS_FRESH_S + 0.2)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(e.health(), 2)           # busy, nothing finished lately
@@ -347,7 +336,7 @@ def test_a_hung_server_leaves_the_probe_unanswered_busy_or_idle(slow):
         assert [g.finish_reason for g in await call] == ["abort"]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(e.health(), 2)           # idle
-        fake(e.url, {"generate": False, "health": False})
+        fake_state(e.url, {"generate": False, "health": False})
         return await asyncio.wait_for(e.health(), 5)
 
     assert run(main()) == {"busy": False, "since_progress_s": 0.0}
@@ -389,9 +378,9 @@ def test_a_weight_update_is_reported_busy_without_asking_the_paused_server(engin
         while not fake_calls(engine.url, "/pause_generation"):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
-        checks = fake(engine.url)["health_checks"]
+        checks = fake_state(engine.url)["health_checks"]
         state = await engine.health()
-        asked = fake(engine.url)["health_checks"] - checks
+        asked = fake_state(engine.url)["health_checks"] - checks
         await update
         return state, asked
 
