@@ -56,7 +56,7 @@ def _backends(cfg: RunConfig, problems: list[str]) -> None:
 def _sglang(cfg: RunConfig, problems: list[str]) -> None:
     """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
     from miles.config.flags import ROUTER_POLICIES
-    from miles.rollout.sglang_api import MIN_HEALTH_CHECK_TIMEOUT_S, RESERVED_FLAGS, reserved_flag_problem
+    from miles.rollout.engines.sglang.api import MIN_HEALTH_CHECK_TIMEOUT_S, RESERVED_FLAGS, reserved_flag_problem
 
     g, r = cfg.sglang, cfg.rollout
     if r.engine != "sglang" and g.server_args:

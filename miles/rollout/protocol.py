@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
 # --rollout-engine NAME -> "module:Class", imported only when a run picks it
 ENGINES: dict[str, str] = {
-    "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
-    "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
-    "sglang": "miles.rollout.sglang_engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
+    "embedded": "miles.rollout.engines.embedded.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
+    "fast": "miles.rollout.engines.fast.engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
+    "sglang": "miles.rollout.engines.sglang.engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
 }
 # what an engine can hand back while the trainer trains, in SGLang's names (release/resume_memory below)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

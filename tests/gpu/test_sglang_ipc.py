@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
+from miles.rollout.engines.sglang.weights import bucket_payloads, flatten_bucket
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

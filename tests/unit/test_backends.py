@@ -136,8 +136,8 @@ def test_rollout_engine_fast_runs_anywhere_but_refuses_models_it_does_not_implem
 def test_engine_defaults_live_in_one_place():
     import inspect
 
-    from miles.rollout.engine import EmbeddedEngine
-    from miles.rollout.fast_engine import FastEngine
+    from miles.rollout.engines.embedded.engine import EmbeddedEngine
+    from miles.rollout.engines.fast.engine import FastEngine
     from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 
     fast, embedded = (inspect.signature(c).parameters for c in (FastEngine, EmbeddedEngine))

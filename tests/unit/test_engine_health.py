@@ -13,8 +13,8 @@ import ray
 
 from miles.config import RolloutConfig, TraceConfig
 from miles.phases.health import HealthMonitor, answers_beside_calls
-from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.sglang_engine import SGLangEngine
+from miles.rollout.engines.embedded.engine import EmbeddedEngine
+from miles.rollout.engines.sglang.engine import SGLangEngine
 from miles.types import SamplingParams
 from tests.tiny_model import make_tiny_model
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
-from miles.rollout import fast_model
-from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _truncate
-from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
-from miles.rollout.fast_cache import batch_buckets, plan_positions, span_buckets
-from miles.rollout.fast_engine import FastEngine
+from miles.rollout.engines.fast import model as fast_model
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _truncate
+from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
+from miles.rollout.engines.fast.cache import batch_buckets, plan_positions, span_buckets
+from miles.rollout.engines.fast.engine import FastEngine
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, VOCAB_SIZE, _tokenizer, make_tiny_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 from miles.types import SamplingParams
 
 

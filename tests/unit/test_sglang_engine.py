@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.rollout.sglang_client import SGLangHTTPError
-from miles.rollout.sglang_engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLangEngine, SGLangEngineConfig,
+from miles.rollout.engines.sglang.client import SGLangHTTPError
+from miles.rollout.engines.sglang.engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLangEngine, SGLangEngineConfig,
                                          SGLangServerDied, SGLangStartError)
-from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
+from miles.rollout.engines.sglang.weights import bucket_payloads, flatten_bucket
 from miles.types import SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from tests.fakes import FAKES_DIR, fake_calls, fake_state, sglang_processes

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
+from miles.rollout.engines.sglang.weights import bucket_payloads, flatten_bucket
 from tests.fakes.sglang_server import PayloadUnpickler, describe_payload
 
 

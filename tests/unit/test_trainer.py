@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
-from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.training.batch import make_train_batch, split
 from miles.training.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams

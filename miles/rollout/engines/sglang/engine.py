@@ -3,7 +3,7 @@
 `SGLangEngine` starts `python -m sglang.launch_server` (token ids in and out, weight version "0" for
 the weights on disk, tensor parallel size from --rollout-num-gpus-per-engine, the user's --sglang-*
 flags) in its own process group, waits for `/health_generate`, and then speaks SGLang's HTTP API
-(`miles.rollout.sglang_api`, SGLang 0.5.23):
+(`miles.rollout.engines.sglang.api`, SGLang 0.5.23):
 
 - generate: one `/generate` request per prompt (through the run's sglang-router when it has one),
   each with its own `sampling_seed`; cancelled calls abort their requests (`/abort_request`).
@@ -55,9 +55,9 @@ from pathlib import Path
 
 import structlog
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
-from miles.rollout.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnreachable
+from miles.rollout.engines.sglang.client import SGLangClient, SGLangHTTPError, SGLangUnreachable
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 from miles.types import Generation, SamplingParams
 
@@ -176,7 +176,7 @@ class SGLangEngine(TokenizerAccessors):
     @classmethod
     def make_fleet(cls, cfg, *, run_dir, num_engines):
         """The run's support for its SGLang engines (miles.rollout.protocol.EngineFleet)."""
-        from miles.rollout.sglang_fleet import make_fleet
+        from miles.rollout.engines.sglang.fleet import make_fleet
 
         return make_fleet(cfg, run_dir=run_dir, num_engines=num_engines)
 

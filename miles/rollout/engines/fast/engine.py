@@ -29,12 +29,12 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.rollout import fast_attention
-from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
-from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
+from miles.rollout.engines.fast import attention as fast_attention
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
+from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, span_buckets)
-from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
-from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
+from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
+from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
 from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
@@ -279,7 +279,7 @@ class FastEngine(TokenizerAccessors):
             return
         self.release_memory()
         self._weights = self._forward = self._tokenizer = None
-        if self.device.type == "cuda":      # see miles.rollout.engine.EmbeddedEngine.dispose
+        if self.device.type == "cuda":      # see miles.rollout.engines.embedded.engine.EmbeddedEngine.dispose
             gc.collect()
             torch.cuda.empty_cache()
 

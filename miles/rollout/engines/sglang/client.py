@@ -1,6 +1,6 @@
 """An async HTTP client for one SGLang server (or a router in front of several): one method per endpoint.
 
-Bodies come from `miles.rollout.sglang_api`; this module only sends them and reads the answers. A
+Bodies come from `miles.rollout.engines.sglang.api`; this module only sends them and reads the answers. A
 non-2xx answer, or a 200 whose body says `"success": false`, raises SGLangHTTPError with the endpoint,
 the status and SGLang's message (whatever the error body's shape: `{"error": "..."}`,
 `{"error": {"message": ...}}`, `{"message": ...}` or plain text). A server that cannot be reached
@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 
 
 class SGLangHTTPError(RuntimeError):

@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 
 from miles.config import ClusterConfig, SGLangConfig
-from miles.rollout.sglang_engine import SGLangEngineConfig
-from miles.rollout.sglang_router import SGLangRouter
+from miles.rollout.engines.sglang.engine import SGLangEngineConfig
+from miles.rollout.engines.sglang.router import SGLangRouter
 
 log = structlog.get_logger().bind(role="sglang_fleet")
 
