@@ -9,7 +9,7 @@ miles and what to use here. A flag name that is neither is an unknown flag (argp
 A fate that ends "(issue N)" is implemented on another branch; when that branch merges, its row goes
 (tests/unit/test_miles_flags.py fails while a flag is both implemented and refused).
 
-`python -m miles.config.miles_flags` prints the "coming from miles" table of docs/coming-from-miles.md.
+`python -m miles.config.flags` prints the "coming from miles" table of docs/coming-from-miles.md.
 """
 
 from __future__ import annotations
@@ -356,8 +356,3 @@ def markdown(implemented: Mapping[str, str]) -> str:
     lines += [f"| `--{name}` | {text} |" for name, text in sorted(MEGATRON_REFUSED.items())]
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":
-    from miles.config.flags import FLAGS
-
-    print(markdown({f.name: f.help for f in FLAGS}), end="")

@@ -36,7 +36,8 @@ from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapsh
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS, TokenizerAccessors
+from miles.config.schema import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -53,10 +54,6 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
 class FastEngine(TokenizerAccessors):
-    # one thread: the engine is not guarded for calls beside a running generate, so the health probe
-    # skips it (hung calls are found by --engine-generate-timeout) and an abort waits for the call
-    actor_threads = 1
-
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None,

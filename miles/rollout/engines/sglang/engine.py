@@ -58,6 +58,7 @@ import structlog
 from miles.rollout.engines.sglang import api
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.rollout.engines.sglang.client import SGLangClient, SGLangHTTPError, SGLangUnreachable
+from miles.rollout.engines.sglang.spec import SGLangEngineConfig
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 from miles.types import Generation, SamplingParams
 
@@ -88,26 +89,6 @@ class SGLangServerDied(RuntimeError):
     """The engine's server process is gone."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SGLangEngineConfig:
-    tp_size: int = 1                         # --rollout-num-gpus-per-engine
-    server_args: tuple[str, ...] = ()        # SGLang's own flags, from --sglang-* (sglang_api.passthrough_flags)
-    memory_saver: bool = False               # --enable-memory-saver, needed by release/resume (--offload-rollout)
-    host: str = "127.0.0.1"
-    startup_timeout_s: float = 600.0         # --sglang-server-startup-timeout (model load + CUDA graphs)
-    request_timeout_s: float = 3600.0
-    max_concurrency: int = 256               # requests in flight per engine (--sglang-server-concurrency)
-    pause_mode: str = "retract"              # requests in flight survive an update and finish on new weights
-    python: str = sys.executable
-    env: Mapping[str, str] = field(default_factory=dict)   # extra environment for the server
-
-    def __post_init__(self):
-        if self.tp_size < 1:
-            raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.tp_size}")
-        if self.pause_mode not in api.PAUSE_MODES:
-            raise ValueError(f"pause mode {self.pause_mode!r}: use one of {', '.join(api.PAUSE_MODES)}")
-
-
 @dataclass
 class _Call:
     """A generate call running: its requests' ids, and whether abort() was asked since it started."""
@@ -130,7 +111,7 @@ class SGLangEngine(TokenizerAccessors):
                  router_url: str | None = None, work_dir: str | os.PathLike | None = None,
                  exit_with_server: bool = False):
         """`device`, `dtype`, `seed` as every engine takes them (miles.rollout.protocol); the rest from
-        the run's SGLang fleet (`sglang_fleet.SGLangFleet.engine_kwargs`)."""
+        the run's config (`sglang`: the spec's options) and its SGLang fleet (the rest: `fleet.SGLangFleet.engine_kwargs`)."""
         cfg, name = sglang, engine_name
         self.name, self.cfg, self.model_path = name, cfg, str(model_path)
         self.device, self.dtype = device, server_dtype(dtype, device)
@@ -172,13 +153,6 @@ class SGLangEngine(TokenizerAccessors):
         threading.Thread(target=self._watch, name=f"{name}-sglang-watchdog", daemon=True).start()
         log.info("engine_ready", engine=name, url=self.url, pid=self.server.pid, model=self.model_path,
                  tp_size=cfg.tp_size, router=router_url)
-
-    @classmethod
-    def make_fleet(cls, cfg, *, run_dir, num_engines):
-        """The run's support for its SGLang engines (miles.rollout.protocol.EngineFleet)."""
-        from miles.rollout.engines.sglang.fleet import make_fleet
-
-        return make_fleet(cfg, run_dir=run_dir, num_engines=num_engines)
 
     # --- the server process ---------------------------------------------------------------------
     def _launch(self, seed: int) -> OwnedProcess:
