@@ -179,7 +179,7 @@ class MegatronWorker:
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
-        results = [self._step(gb) for gb in split(batch, self._train_cfg.global_batch_size or batch.size)]
+        results = [self._step(gb) for gb in split(batch, self._train_cfg.global_batch(batch.size))]
         metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics.update(prepared_metrics, num_steps=len(results), train_tokens=batch.num_tokens)
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
