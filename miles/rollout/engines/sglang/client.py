@@ -105,22 +105,6 @@ class SGLangClient:
     async def update_weights_from_disk(self, model_path: str, version: int) -> dict[str, Any]:
         return await self.request("POST", "/update_weights_from_disk", api.disk_update_body(model_path, version))
 
-    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/update_weights_from_tensor", body)
-
-    async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/init_weights_update_group", body)
-
-    async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/update_weights_from_distributed", body)
-
-    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
-        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    async def weights_checker(self, action: str) -> dict[str, Any]:
-        """SGLang's own weight check: snapshot | reset_tensors | compare | checksum."""
-        return await self.request("POST", "/weights_checker", {"action": action})
-
     # --- memory ---------------------------------------------------------------------------------
     async def release_memory(self, tags: list[str]) -> None:
         await self.request("POST", "/release_memory_occupation", {"tags": api.check_tags(tags)})
