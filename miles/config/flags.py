@@ -116,7 +116,7 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
     _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
-    # -- issue 17: custom and multi-turn rollouts, tools, remote rewards, engine health --------------
+    # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
        "ctx.generate calls the engines, token ids in and out"),
@@ -321,7 +321,7 @@ FLAGS: tuple[Flag, ...] = (
        help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
 )
 
-# -- miles flags a single-node user reaches for (issue 19); the ones refused are in miles_flags.py ----
+# -- miles flags a single-node user reaches for; the ones refused are in miles_flags.py -------------
 MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("chat-template-path", "data", "chat_template_path", str,
        "a Jinja chat template file used instead of the tokenizer's (with --apply-chat-template)"),
@@ -369,7 +369,7 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
             "the reference equals the policy at the start"),
 )
 FLAGS += MILES_COMPAT_FLAGS
-# reliability (issue 20): kept in a block of their own
+# reliability: kept in a block of their own
 RELIABILITY_FLAGS: tuple[Flag, ...] = (
     _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
        help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "

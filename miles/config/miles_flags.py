@@ -6,8 +6,8 @@ is in `miles.config.flags.FLAGS`) or listed in `REFUSED` / `REFUSED_PREFIXES`: a
 passes it stops before anything starts (exit 2) with one line per flag, saying what the flag does in
 miles and what to use here. A flag name that is neither is an unknown flag (argparse's error).
 
-A fate that ends "(issue N)" is implemented on another branch; when that branch merges, its row goes
-(tests/unit/test_miles_flags.py fails while a flag is both implemented and refused).
+A flag that becomes implemented leaves its refused row (tests/unit/test_miles_flags.py fails while a
+flag is both implemented and refused).
 
 `python -m miles.config.flags` prints the "coming from miles" table of docs/coming-from-miles.md.
 """
@@ -240,7 +240,7 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, as /work/shared/reference/miles-inventory.md lists them. The test checks each one's fate.
+# concern. The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode

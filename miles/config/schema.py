@@ -109,14 +109,14 @@ class RolloutConfig:
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
-    # rewards beyond --rm-type / --custom-rm-path (issue 17)
+    # rewards beyond --rm-type / --custom-rm-path
     rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
     rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request
     rm_max_retries: int = 3             # --rm-max-retries: retries of a remote reward request that failed transiently
     rm_retry_backoff_s: float = 0.5     # --rm-retry-backoff: seconds before the first retry, doubling after each
     group_rm: bool = False              # --group-rm: the --custom-rm-path function scores a prompt's responses at once
     reward_key: str | None = None       # --reward-key: the entry of a dict-valued reward to train on
-    # engine health (issue 17)
+    # engine health
     engine_generate_timeout_s: float = 600.0  # --engine-generate-timeout: one engine call past it counts as hung
     health_check_interval_s: float = 30.0     # --rollout-health-check-interval: probe every engine this often (0: off)
     health_check_timeout_s: float = 30.0      # --rollout-health-check-timeout: an engine that does not answer (or
@@ -134,7 +134,7 @@ MULTI_TURN_GENERATE = "miles.rollout.multi_turn:generate"   # the generate funct
 @dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     """How one sample (or the whole rollout) is generated when it takes more than one engine call:
-    a custom generate function, multi-turn with tools, or a custom rollout function (issue 17)."""
+    a custom generate function, multi-turn with tools, or a custom rollout function."""
 
     custom_generate_function_path: str | None = None  # --custom-generate-function-path: async fn(ctx, sample, params)
     rollout_function_path: str | None = None  # --rollout-function-path: async fn(ctx, rollout_id) -> groups
@@ -342,7 +342,7 @@ class TrackingConfig:
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
 
 
-# -- reliability (issue 20): deadlines, stops, verified loads, the local cluster's exposure -----------
+# -- reliability: deadlines, stops, verified loads, the local cluster's exposure ----------------------
 
 @dataclass(frozen=True, kw_only=True)
 class ReliabilityConfig:

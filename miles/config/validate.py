@@ -306,7 +306,7 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
                         "drop them")
 
 
-# -- custom and multi-turn generation, rewards, engine health (issue 17) ------------------------------
+# -- custom and multi-turn generation, rewards, engine health ------------------------------------------
 
 @check
 def _user_paths(cfg: RunConfig, problems: list[str]) -> None:
@@ -449,7 +449,7 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
                         f"disagree (x --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}); give one of them")
 
 
-# -- miles flags of issue 19 -----------------------------------------------------------------------
+# -- miles flags that need another flag, or a file -----------------------------------------------------
 
 @check
 def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""Colocated GRPO on one GPU (issue 13): the arithmetic demo learns with the engine on the trainer's GPU,
+"""Colocated GRPO on one GPU: the arithmetic demo learns with the engine on the trainer's GPU,
 weights synced by CUDA IPC and checked by checksum, the optimizer offloaded during rollouts, the
 engine's cache released during training, and memory flat. Skipped without CUDA.
 

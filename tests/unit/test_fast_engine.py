@@ -330,7 +330,7 @@ def test_a_request_longer_than_the_cache_is_refused(model_path):
 
 
 def test_per_prompt_caps_bound_each_response_and_uniform_caps_are_the_plain_call(model_path):
-    # issue 17's custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
+    # custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     never_stop = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
     plain = engine.generate(PROMPTS, never_stop)

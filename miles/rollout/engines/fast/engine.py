@@ -327,7 +327,7 @@ class FastEngine(TokenizerAccessors):
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
         EmbeddedEngine._check(self, prompts, params)
-        # not here yet (issue 19 added them to the embedded engine): refuse rather than ignore them
+        # not implemented here yet (the embedded engine has them): refuse rather than ignore them
         if params.stop:
             raise ValueError("bad generate request: the fast engine does not support stop strings "
                              "(--rollout-stop) yet; use stop token ids (--rollout-stop-token-ids)")
