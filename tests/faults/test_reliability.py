@@ -123,7 +123,7 @@ def test_a_local_cluster_without_authentication_is_refused_before_it_starts(tiny
 
 
 def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_timeout(tiny_task, tmp_path):
-    # the case, in a run that starts its own local cluster as a user's does: rollout 0 trains,
+    # a stuck reward, in a run that starts its own local cluster as a user's does: rollout 0 trains,
     # rollout 1's reward never returns; the first SIGTERM must end the process within --stop-timeout
     # (default 20 s), saving rollout 0 on the way, and leave nothing behind
     rm = tmp_path / "stuck_rm.py"
