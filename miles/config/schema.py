@@ -12,7 +12,7 @@ from typing import Any
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
 
-# the names --rollout-engine and --train-backend take; the registries behind them (miles.rollout.protocol.ENGINES,
+# the names --rollout-engine and --train-backend take; the registries behind them (miles.rollout.engines.registry.ENGINES,
 # miles.training.protocol.TRAIN_BACKENDS) have exactly these keys
 ENGINE_NAMES = ("embedded", "fast", "sglang")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
@@ -103,7 +103,7 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
     stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids: stop tokens besides EOS
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
-    # the engine's limits and switches (each engine's spec, miles.rollout.protocol.ENGINES, says which it reads)
+    # the engine's limits and switches (each engine's spec says which it reads: its options)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
     mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly

@@ -1,7 +1,7 @@
 """SGLang's HTTP contract, as miles uses it: the launch command line, request bodies and response parsing.
 
-Pure functions, no I/O: the client (`sglang_client`) sends what these build, the engine
-(`sglang_engine`) turns what comes back into `Generation`s. Every field name here is taken from
+Pure functions, no I/O: the client (`client`) sends what these build, the engine
+(`engine`) turns what comes back into `Generation`s. Every field name here is taken from
 SGLang's own source, version `SGLANG_VERSION` (`sglang/srt/entrypoints/http_server.py`,
 `sglang/srt/managers/io_struct.py`, the `/generate` schema `sglang/api/v1/api_types.py`, the launch
 flags under `sglang/srt/arg_groups/fields/`):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class SGLangEngineConfig:
     tp_size: int = 1                         # --rollout-num-gpus-per-engine
-    server_args: tuple[str, ...] = ()        # SGLang's own flags, from --sglang-* (sglang_api.passthrough_flags)
+    server_args: tuple[str, ...] = ()        # SGLang's own flags, from --sglang-* (api.passthrough_flags)
     memory_saver: bool = False               # --enable-memory-saver, needed by release/resume (--offload-rollout)
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0         # --sglang-server-startup-timeout (model load + CUDA graphs)
