@@ -2,13 +2,15 @@
 where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
-checkpoint folders reach the driver (miles.phases.checkpoint_io) → placement (the GPU plan and its
-placement group) → the engine fleet (if the engine kind has one: SGLang's router) → engines → trainer
-→ critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+checkpoint folders reach the driver (miles.phases.checkpoint_io) → the backends (picked once the
+cluster's GPUs are known: they decide --device auto) → placement (the GPU plan and its placement
+group) → the engine fleet (if the engine's spec has one: SGLang's router) → engines → trainer →
+critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
 (tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
-any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
-`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
-`miles.rollout.protocol` and `miles.training.protocol`.
+any actor starts; the config itself was checked before Ray started (miles.config.checks).
+`pick_backends` is the one place an implementation is chosen: the engine's spec from
+`--rollout-engine` (miles.rollout.engines.registry) and the trainer's from `--train-backend`
+(miles.training.protocol); the phases then ask the specs what the backends can do.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from miles.phases.input_checks import (check_checkpoint_fits, check_context_len,
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.generation import load_generate_function, load_rollout_function
-from miles.rollout.engines.fast.spec import refusal as fast_refusal
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsWeightBuckets
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
@@ -73,16 +74,19 @@ def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
 
 
 def pick_engine(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
-    """The ENGINES name the run uses, and why the fast path was refused (None: taken, or not on GPUs).
+    """The ENGINES name the run uses, and why the preferred one was refused (None: taken, or none).
 
-    `embedded` on GPUs is FastEngine when it implements the model, else EmbeddedEngine; on CPU it is
-    EmbeddedEngine, as always. `fast` is FastEngine (CPU too: eager, what CI tests).
+    On GPUs an engine whose spec prefers another gives way to it for the models it implements
+    (`embedded` becomes FastEngine; else it stays EmbeddedEngine, as on CPU). `fast` asked outright is
+    FastEngine anywhere (CPU too: eager, what CI tests).
     """
     asked = cfg.rollout.engine
-    if asked != "embedded" or not on_gpus:
+    preferred = ENGINES[asked].prefer_on_gpus
+    if preferred is None or not on_gpus:
         return asked, None
-    refused = fast_refusal(cfg.model.hf_checkpoint)
-    return ("embedded", refused) if refused else ("fast", None)
+    refuses = ENGINES[preferred].refuses
+    refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
+    return (asked, refused) if refused else (preferred, None)
 
 
 def _check_declared(b: Backends) -> None:

@@ -22,7 +22,9 @@ everything the run needs to know about the engine without importing it:
   the class);
 - `actor_threads`: the engine actor's threads (None: Ray's default, one for a plain actor; an async
   actor runs its coroutine calls concurrently on its event loop);
-- `tensor_parallel`: one engine may span GPUs (--rollout-num-gpus-per-engine > 1).
+- `tensor_parallel`: one engine may span GPUs (--rollout-num-gpus-per-engine > 1);
+- `refuses(hf_checkpoint)`: why the engine cannot run a model (None: it can);
+- `prefer_on_gpus`: the engine that replaces this one on GPUs for the models it does not refuse.
 
 `--rollout-engine embedded` is the embedded engine wherever it can be fast: on GPUs it is FastEngine
 (our own forward, KV cache, CUDA graphs) for the models FastEngine implements, and EmbeddedEngine
@@ -193,6 +195,10 @@ class EngineSpec:
     check: Callable[[RunConfig, list[str]], None] | None = None   # its own flags, before Ray starts
     actor_threads: int | None = None
     tensor_parallel: bool = False
+    # hf_checkpoint -> None when the engine implements that model, else why not (None: every model)
+    refuses: Callable[[str], str | None] | None = None
+    # on GPUs, this engine gives way to that one (a name in ENGINES) for the models it does not refuse
+    prefer_on_gpus: str | None = None
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities

@@ -18,4 +18,5 @@ def options(cfg: RunConfig) -> dict[str, Any]:
 
 # two threads: health and abort are answered while a generate call runs (the engine guards its model)
 SPEC = EngineSpec(engine="miles.rollout.engines.embedded.engine:EmbeddedEngine", options=options,
-                  capabilities=(SupportsWeightBuckets, SupportsHealth, SupportsAbort), actor_threads=2)
+                  capabilities=(SupportsWeightBuckets, SupportsHealth, SupportsAbort), actor_threads=2,
+                  prefer_on_gpus="fast")      # our own forward, where it implements the model

@@ -44,4 +44,4 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
 # one thread: the engine is not guarded for calls beside a running generate, so it declares no health
 # (hung calls are found by --engine-generate-timeout) and no abort (it would wait for the call)
 SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
-                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease), actor_threads=1)
+                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease), actor_threads=1, refuses=refusal)
