@@ -49,6 +49,11 @@ class ConfigError(ValueError):
         super().__init__("\n".join(f"  - {p}" for p in self.problems) if len(self.problems) > 1 else self.problems[0])
 
 
+def uses_gpus(device: str, cluster_gpus: int) -> bool:
+    """The one rule of where a run computes: --device cuda, or --device auto in a cluster with GPUs."""
+    return cluster_gpus > 0 if device == "auto" else device.startswith("cuda")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_checkpoint: str                  # --hf-checkpoint: HF-format folder (model + tokenizer)
@@ -62,8 +67,7 @@ class ModelConfig:
         return None if self.device == "auto" else self.device.startswith("cuda")
 
     def uses_gpus(self, cluster_gpus: int) -> bool:
-        """The one rule: --device cuda, or --device auto in a cluster with GPUs."""
-        return cluster_gpus > 0 if self.on_gpus is None else self.on_gpus
+        return uses_gpus(self.device, cluster_gpus)
 
 
 @dataclass(frozen=True, kw_only=True)

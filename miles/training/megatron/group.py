@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
+from miles.config.schema import uses_gpus
 from miles.training.megatron.checks import group_problems, read_hf_config, requested_layout
 from miles.training.megatron.conversion import mcore_to_hf, model_spec
 from miles.types import Sample
@@ -51,9 +52,7 @@ def _rendezvous_address(_actor: Any) -> tuple[str, int]:
 def _uses_gpus(device: str) -> bool:
     import ray
 
-    if device == "auto":
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return device.startswith("cuda")
+    return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
 
 
 class MegatronTrainer:
