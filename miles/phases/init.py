@@ -115,18 +115,10 @@ async def init(ctx: TrainingContext) -> str:
     add(ctx.c.cluster)
     _cluster_ready(ctx)
     gpus = cluster_gpus()           # with --device auto, the cluster's GPUs decide where everything runs
-    ctx.backends = pick_backends(cfg, cluster_gpus=gpus)
-    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
-                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
-                    fast_path_refused=ctx.backends.fast_path_refused)
-
+    _pick(ctx, gpus)
     ctx.c.placement = _place(ctx, add, gpus)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
-    fleet = ctx.backends.engine_spec.fleet
-    if fleet is not None and ctx.c.placement.plan.num_engines:
-        ctx.c.engine_fleet = import_object(fleet)(cfg, run_dir=ctx.run_dir, num_engines=ctx.c.placement.plan.num_engines)
-        add(ctx.c.engine_fleet)         # before the engines: torn down after them
-        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
+    _make_fleet(ctx, add)
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
@@ -164,6 +156,24 @@ async def init(ctx: TrainingContext) -> str:
         ctx.start_rollout = ctx.next_rollout = cfg.start_rollout_id
         ctx.tracer.emit("start_rollout_set", next_rollout=ctx.next_rollout)
     return "ready"
+
+
+def _pick(ctx: TrainingContext, gpus: int) -> None:
+    cfg = ctx.cfg
+    ctx.backends = pick_backends(cfg, cluster_gpus=gpus)
+    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
+                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
+                    fast_path_refused=ctx.backends.fast_path_refused)
+
+
+def _make_fleet(ctx: TrainingContext, add: Any) -> None:
+    """The engine spec's fleet, when it has one and the run has engines; registered before the engines,
+    so it is torn down after them."""
+    fleet, num_engines = ctx.backends.engine_spec.fleet, ctx.c.placement.plan.num_engines
+    if fleet is not None and num_engines:
+        ctx.c.engine_fleet = import_object(fleet)(ctx.cfg, run_dir=ctx.run_dir, num_engines=num_engines)
+        add(ctx.c.engine_fleet)
+        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
 
 
 def _shipment(ctx: TrainingContext) -> Shipment | None:
