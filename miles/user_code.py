@@ -23,12 +23,10 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from miles.config import ConfigError
 
-if TYPE_CHECKING:
-    from miles.config import RunConfig
 
 _FILE_MODULES: dict[str, str] = {}      # generated module name -> the file as the user wrote it
 # the driver's working directory, which a relative file path is read from also inside an actor (whose
@@ -37,16 +35,6 @@ DRIVER_CWD_ENV = "MILES_DRIVER_CWD"
 # shipped files (--ray-address): JSON {path as the user wrote it: the copy, relative to the actor's working
 # directory, which is the run's shipped folder (Ray's runtime_env working_dir)}
 USER_FILES_ENV = "MILES_USER_FILES"
-
-
-def user_function_paths(cfg: "RunConfig") -> dict[str, str]:
-    """Every function the run loads by path, flag → path as given: what actors import, so what a run
-    on an attached cluster ships."""
-    r, a = cfg.rollout, cfg.algorithm
-    given = {"--custom-rm-path": r.custom_rm_path, "--dynamic-sampling-filter-path": r.dynamic_sampling_filter_path,
-             "--custom-loss-function-path": a.custom_loss_function_path,
-             "--custom-tis-function-path": a.custom_tis_function_path}
-    return {flag: path for flag, path in given.items() if path}
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -128,3 +116,23 @@ def _find_file(path: str) -> Path:
     if path in shipped:
         return (Path.cwd() / shipped[path]).resolve()
     return (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()
+
+
+def import_async_function(path: str, flag: str, num_args: int, expected: str) -> Callable[..., Any]:
+    """The async function `path` names, checked to be callable as `expected` with `num_args` arguments;
+    a ConfigError naming `flag` and `path` for any problem."""
+    fn = import_user_function(path, flag)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    if not is_async:
+        raise ConfigError(f"{flag} {path}: {getattr(fn, '__qualname__', fn)!s} is not an async function; miles "
+                          f"awaits it as {expected} (define it with `async def`)")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn                       # no signature to check: it will tell at the call
+    try:
+        sig.bind(*([None] * num_args))
+    except TypeError as exc:
+        raise ConfigError(f"{flag} {path}: {getattr(fn, '__qualname__', fn)!s}{sig} cannot be called as {expected}: "
+                          f"{exc}") from None
+    return fn

@@ -31,7 +31,7 @@ def evaluate(model_dir: str | Path, *, temperature: float = 0.0, n: int = 1, see
     """eval/tool/* metrics of `model_dir` on `eval_path` (pass@1, tool_calls_mean, ...)."""
     from miles.config import AlgorithmConfig, DataConfig, EvalConfig, RolloutConfig
     from miles.data.prompts import load_prompts
-    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.engines.embedded.engine import EmbeddedEngine
     from miles.rollout.executor import RolloutExecutor
 
     engine = EmbeddedEngine(str(model_dir), device="cpu", dtype="float32", seed=seed)

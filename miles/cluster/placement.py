@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from miles.config import ConfigError
+from miles.config.checks import check
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -117,7 +118,7 @@ def placement_request(cfg: "RunConfig", *, use_gpus: bool) -> PlacementRequest:
         rollout_num_gpus=c.rollout_num_gpus, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine,
         actor_num_nodes=c.actor_num_nodes, actor_num_gpus_per_node=c.actor_num_gpus_per_node,
         num_gpus_per_node=c.num_gpus_per_node, has_trainer=not cfg.debug_rollout_only,
-        has_critic=cfg.algorithm.advantage_estimator == "ppo" and not cfg.debug_rollout_only,
+        has_critic=cfg.has_critic,
         has_engines=cfg.load_debug_rollout_data is None)
 
 
@@ -257,3 +258,14 @@ class RunPlacement:
 
     def options(self, placement: Placement) -> dict:
         return {"num_gpus": placement.num_gpus} if self.group is None else self.group.options(placement)
+
+
+@check
+def _plan(cfg: "RunConfig", problems: list[str]) -> None:
+    """The GPU plan, checked now when the run is on GPUs for sure (--device cuda); with --device auto
+    `init` checks it once it has seen the cluster, still before any actor starts."""
+    if cfg.model.on_gpus:
+        try:
+            plan_placement(placement_request(cfg, use_gpus=True))
+        except ConfigError as exc:
+            problems.extend(exc.problems)

@@ -4,7 +4,7 @@ through Ray's runtime_env, so that an actor on another machine needs none of the
 - **miles**: the package folder the driver imports, as a `py_modules` entry (first on the actors'
   PYTHONPATH, so a node's own copy, if any, does not shadow the driver's).
 - **Functions given by file** (`--custom-rm-path reward.py:fn`, and the other flags of
-  `miles.user_code.user_function_paths`): each file is copied into the run's shipped folder
+  `RunConfig.user_function_paths`): each file is copied into the run's shipped folder
   (`<run-dir>/shipped/_miles_user_files/<n>/`), which becomes the actors' working directory (Ray's
   `working_dir`); `miles.user_code` finds the copy through `USER_FILES_ENV`. A file travels alone:
   one that imports modules beside it should be a package given by module path.

@@ -19,17 +19,16 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
-from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, ENGINES, FAST_MAX_BATCH_SIZE
-from miles.rollout.rewards import RM_TYPES
-from miles.training.protocol import TRAIN_BACKENDS
 
 from .eval_config import load_eval_config
+from .validate import validate
 from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
 from .schema import (
-    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
-    ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
+    EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
+    USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
+    GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
+    TrackingConfig, TrainConfig,
 )
-from .schema import ReliabilityConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "generate": GenerateConfig,
@@ -49,7 +48,6 @@ GROUP_TITLES = {     # `miles train --help` groups flags by concern, under these
     "run": "the loop and debugging",
     "reliability": "reliability (deadlines, stops, verified loads, the local cluster's exposure)",
 }
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
 
 
 @dataclass(frozen=True)
@@ -90,8 +88,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
-    _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})", RM_TYPES),
+    _f("rollout-engine", "rollout", "engine", str, "inference engine", ENGINE_NAMES),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})"),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -118,7 +116,7 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
     _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
-    # -- issue 17: custom and multi-turn rollouts, tools, remote rewards, engine health --------------
+    # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
        "ctx.generate calls the engines, token ids in and out"),
@@ -198,7 +196,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
-    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", tuple(TRAIN_BACKENDS)),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", TRAIN_BACKEND_NAMES),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),
@@ -323,7 +321,7 @@ FLAGS: tuple[Flag, ...] = (
        help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
 )
 
-# -- miles flags a single-node user reaches for (issue 19); the ones refused are in miles_flags.py ----
+# -- miles flags a single-node user reaches for; the ones refused are in miles_flags.py -------------
 MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("chat-template-path", "data", "chat_template_path", str,
        "a Jinja chat template file used instead of the tokenizer's (with --apply-chat-template)"),
@@ -371,7 +369,7 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
             "the reference equals the policy at the start"),
 )
 FLAGS += MILES_COMPAT_FLAGS
-# reliability (issue 20): kept in a block of their own
+# reliability: kept in a block of their own
 RELIABILITY_FLAGS: tuple[Flag, ...] = (
     _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
        help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "
@@ -549,8 +547,7 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
     return values, machine
 
 
-_FUNCTION_PATHS = ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
-                   "rollout_function_path", "generate_execute_tool_function_path")
+_FUNCTION_PATHS = tuple(flag[2:].replace("-", "_") for flag in USER_FUNCTION_FLAGS)   # their dest names
 
 
 def _relative_paths(dest: str, value: Any, base: Path) -> Any:
@@ -598,15 +595,7 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
         raise ConfigError(problems)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
     cfg = RunConfig(**built, **sections["run"])
-    from miles.tracking.sinks import tracking_problems
-    from .validate import validate   # the checks, kept apart from the parsing
-    missing = tracking_problems(cfg.tracking)     # a sink whose package is not installed
-    try:
-        validate(cfg)
-    except ConfigError as exc:
-        raise ConfigError(exc.problems + missing) from None
-    if missing:
-        raise ConfigError(missing)
+    validate(cfg)
     return cfg
 
 
@@ -641,3 +630,9 @@ def config_from_flags(argv: Sequence[str]) -> RunConfig:
     """A RunConfig from miles command-line flags, as `miles train` would build it."""
     cfg, _ = parse_flags(list(argv))
     return cfg
+
+
+if __name__ == "__main__":      # the "coming from miles" table of docs/coming-from-miles.md
+    from .miles_flags import markdown
+
+    print(markdown({f.name: f.help for f in FLAGS}), end="")

@@ -6,10 +6,10 @@ is in `miles.config.flags.FLAGS`) or listed in `REFUSED` / `REFUSED_PREFIXES`: a
 passes it stops before anything starts (exit 2) with one line per flag, saying what the flag does in
 miles and what to use here. A flag name that is neither is an unknown flag (argparse's error).
 
-A fate that ends "(issue N)" is implemented on another branch; when that branch merges, its row goes
-(tests/unit/test_miles_flags.py fails while a flag is both implemented and refused).
+A flag that becomes implemented leaves its refused row (tests/unit/test_miles_flags.py fails while a
+flag is both implemented and refused).
 
-`python -m miles.config.miles_flags` prints the "coming from miles" table of docs/coming-from-miles.md.
+`python -m miles.config.flags` prints the "coming from miles" table of docs/coming-from-miles.md.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, as /work/shared/reference/miles-inventory.md lists them. The test checks each one's fate.
+# concern. The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -356,8 +356,3 @@ def markdown(implemented: Mapping[str, str]) -> str:
     lines += [f"| `--{name}` | {text} |" for name, text in sorted(MEGATRON_REFUSED.items())]
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":
-    from miles.config.flags import FLAGS
-
-    print(markdown({f.name: f.help for f in FLAGS}), end="")

@@ -11,7 +11,34 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
-from miles.rollout.protocol import FAST_MEM_FRACTION
+
+# the names --rollout-engine and --train-backend take; the registries behind them (miles.rollout.engines.registry.ENGINES,
+# miles.training.protocol.TRAIN_BACKENDS) have exactly these keys
+ENGINE_NAMES = ("embedded", "fast", "sglang")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
+TRAIN_BACKEND_NAMES = ("torch", "megatron")
+
+# sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
+# vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
+# past that, so 256 rows cost little more per step than 64 (an H200 bench: 256 requests in one batch),
+# and RL rollouts bring hundreds of requests per call. EmbeddedEngine keeps its 64 (the CPU path).
+EMBEDDED_MAX_BATCH_SIZE = 64
+FAST_MAX_BATCH_SIZE = 256
+# FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
+# left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
+FAST_MEM_FRACTION = 0.5
+
+# every function a run loads by path: flag -> (config section, field). What actors import, so what a run on
+# an attached cluster ships; a config file's relative file paths are read relative to the file
+USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
+    "--custom-rm-path": ("rollout", "custom_rm_path"),
+    "--dynamic-sampling-filter-path": ("rollout", "dynamic_sampling_filter_path"),
+    "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
+    "--rollout-function-path": ("generate", "rollout_function_path"),
+    "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
+    "--custom-loss-function-path": ("algorithm", "custom_loss_function_path"),
+    "--custom-tis-function-path": ("algorithm", "custom_tis_function_path"),
+}
 
 
 class ConfigError(ValueError):
@@ -22,11 +49,25 @@ class ConfigError(ValueError):
         super().__init__("\n".join(f"  - {p}" for p in self.problems) if len(self.problems) > 1 else self.problems[0])
 
 
+def uses_gpus(device: str, cluster_gpus: int) -> bool:
+    """The one rule of where a run computes: --device cuda, or --device auto in a cluster with GPUs."""
+    return cluster_gpus > 0 if device == "auto" else device.startswith("cuda")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_checkpoint: str                  # --hf-checkpoint: HF-format folder (model + tokenizer)
     device: str = "auto"                # --device: auto | cpu | cuda
     dtype: str = "auto"                 # --dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16
+
+    @property
+    def on_gpus(self) -> bool | None:
+        """Whether engines and trainers run on GPUs: True for --device cuda, False for cpu, None for
+        auto, which the cluster decides (`uses_gpus`)."""
+        return None if self.device == "auto" else self.device.startswith("cuda")
+
+    def uses_gpus(self, cluster_gpus: int) -> bool:
+        return uses_gpus(self.device, cluster_gpus)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +93,7 @@ class RolloutConfig:
     top_p: float = 1.0                  # --rollout-top-p
     top_k: int = -1                     # --rollout-top-k
     num_engines: int = 1                # --rollout-num-engines
-    engine: str = "embedded"            # --rollout-engine: a name in miles.rollout.protocol.ENGINES
+    engine: str = "embedded"            # --rollout-engine: one of ENGINE_NAMES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function
     seed: int | None = None             # --rollout-seed (None: --seed; read it as RunConfig.rollout_seed)
@@ -66,20 +107,20 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
     stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids: stop tokens besides EOS
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
-    # the engine's limits and switches (miles.rollout.protocol says which engine reads which)
+    # the engine's limits and switches (each engine's spec says which it reads: its options)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
     mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
-    # rewards beyond --rm-type / --custom-rm-path (issue 17)
+    # rewards beyond --rm-type / --custom-rm-path
     rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
     rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request
     rm_max_retries: int = 3             # --rm-max-retries: retries of a remote reward request that failed transiently
     rm_retry_backoff_s: float = 0.5     # --rm-retry-backoff: seconds before the first retry, doubling after each
     group_rm: bool = False              # --group-rm: the --custom-rm-path function scores a prompt's responses at once
     reward_key: str | None = None       # --reward-key: the entry of a dict-valued reward to train on
-    # engine health (issue 17)
+    # engine health
     engine_generate_timeout_s: float = 600.0  # --engine-generate-timeout: one engine call past it counts as hung
     health_check_interval_s: float = 30.0     # --rollout-health-check-interval: probe every engine this often (0: off)
     health_check_timeout_s: float = 30.0      # --rollout-health-check-timeout: an engine that does not answer (or
@@ -97,7 +138,7 @@ MULTI_TURN_GENERATE = "miles.rollout.multi_turn:generate"   # the generate funct
 @dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     """How one sample (or the whole rollout) is generated when it takes more than one engine call:
-    a custom generate function, multi-turn with tools, or a custom rollout function (issue 17)."""
+    a custom generate function, multi-turn with tools, or a custom rollout function."""
 
     custom_generate_function_path: str | None = None  # --custom-generate-function-path: async fn(ctx, sample, params)
     rollout_function_path: str | None = None  # --rollout-function-path: async fn(ctx, rollout_id) -> groups
@@ -148,6 +189,11 @@ class AlgorithmConfig:
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
 
+    @property
+    def needs_critic(self) -> bool:
+        """PPO's advantages read a learned critic's values (GAE); every other estimator trains without one."""
+        return self.advantage_estimator == "ppo"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -159,7 +205,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
     seed: int = 0                       # --seed
-    backend: str = "torch"              # --train-backend: a name in miles.training.protocol.TRAIN_BACKENDS
+    backend: str = "torch"              # --train-backend: one of TRAIN_BACKEND_NAMES
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
     lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
@@ -206,6 +252,11 @@ class CheckpointConfig:
     save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run writes anything at a save: checkpoints, the critic's, or an HF export."""
+        return bool(self.save or self.critic_save or self.save_hf_path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,7 +346,7 @@ class TrackingConfig:
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
 
 
-# -- reliability (issue 20): deadlines, stops, verified loads, the local cluster's exposure -----------
+# -- reliability: deadlines, stops, verified loads, the local cluster's exposure ----------------------
 
 @dataclass(frozen=True, kw_only=True)
 class ReliabilityConfig:
@@ -347,6 +398,17 @@ class RunConfig:
     def check_weights(self) -> bool:
         """Compare trainer and engine checksums after every weight sync (--ci-test turns it on)."""
         return self.check_weight_update_equal or self.ci_test
+
+    @property
+    def has_critic(self) -> bool:
+        """The run makes PPO's critic (not when it only rolls out)."""
+        return self.algorithm.needs_critic and not self.debug_rollout_only
+
+    @property
+    def user_function_paths(self) -> dict[str, str]:
+        """Every function the run loads by path that is set, flag -> path as given (USER_FUNCTION_FLAGS)."""
+        given = {flag: getattr(getattr(self, section), name) for flag, (section, name) in USER_FUNCTION_FLAGS.items()}
+        return {flag: path for flag, path in given.items() if path}
 
     @property
     def rollout_seed(self) -> int:

@@ -1,85 +1,38 @@
-"""Cross-field checks of a RunConfig. Every problem is collected; one ConfigError names them all."""
+"""Config's own checks of a RunConfig (pure: they read the config and the files it names), and
+`validate`, which runs them with every backend's and concern's (the registry of `miles.config.checks`).
+Every problem is collected; one ConfigError names them all."""
 
 from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
 
-from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
-from miles.rollout.protocol import ENGINES
-from miles.runtime.machine import STATES, MachineDef, import_object
-from miles.training.protocol import TRAIN_BACKENDS
+from miles.runtime.machine import STATES, MachineDef
 
+from .checks import check, run_checks
+from .schema import ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig
 
 
 def validate(cfg: RunConfig) -> None:
-    problems: list[str] = []
-    for check in (_backends, _sglang, _positive_ints, _ranges, _batches, _algorithm, _loop, _paths,
-                  _checkpoint_and_eval, _faults, _kl_and_reference, _critic, _off_policy, _sampling, _sft,
-                  _lr_schedule, _gpu_memory, _placement, _miles_compat, _eval_sets, _reliability, _generation,
-                  _rewards, _engine_health, _attached):
-        check(cfg, problems)
+    """Every registered check (config's below, then the contributors' of `miles.config.checks`)."""
+    problems = run_checks(cfg)
     if problems:
         raise ConfigError(problems)
 
 
-def _backends(cfg: RunConfig, problems: list[str]) -> None:
-    """Names the registries know (a config built in code skips the flags' `choices`)."""
-    if cfg.rollout.engine not in ENGINES:
-        problems.append(f"--rollout-engine {cfg.rollout.engine}: no such engine; use one of {', '.join(ENGINES)}")
-    spec = TRAIN_BACKENDS.get(cfg.train.backend)
-    if spec is None:
-        problems.append(f"--train-backend {cfg.train.backend}: no such backend; use one of {', '.join(TRAIN_BACKENDS)}")
-    elif spec.critic is None and cfg.algorithm.advantage_estimator == "ppo":
-        problems.append(f"--train-backend {cfg.train.backend} has no critic: --advantage-estimator ppo needs one; "
-                        f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
-    if spec is None:
-        return
-    t = cfg.train
-    parallel = [flag if isinstance(v, bool) else f"{flag} {v}" for flag, v, default in (
-        ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
-        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
-        ("--context-parallel-size", t.context_parallel_size, 1),
-        ("--sequence-parallel", t.sequence_parallel, False)) if v != default]
-    if parallel and not spec.model_parallel:
-        problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
-                        f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
-    if spec.check:      # the backend's own checks (its package installed, the model fits it), before any actor
-        # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan
-        c = cfg.cluster
-        gpus = c.actor_num_nodes * c.actor_num_gpus_per_node if cfg.model.device == "cuda" else None
-        problems.extend(import_object(spec.check)(cfg, gpus))
+@check
+def _names(cfg: RunConfig, problems: list[str]) -> None:
+    """Names a config may give (a config built in code skips the flags' `choices`)."""
+    if cfg.rollout.engine not in ENGINE_NAMES:
+        problems.append(f"--rollout-engine {cfg.rollout.engine}: no such engine; use one of {', '.join(ENGINE_NAMES)}")
+    if cfg.train.backend not in TRAIN_BACKEND_NAMES:
+        problems.append(f"--train-backend {cfg.train.backend}: no such backend; use one of "
+                        f"{', '.join(TRAIN_BACKEND_NAMES)}")
 
 
-def _sglang(cfg: RunConfig, problems: list[str]) -> None:
-    """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
-    from miles.config.flags import ROUTER_POLICIES
-    from miles.rollout.sglang_api import MIN_HEALTH_CHECK_TIMEOUT_S, RESERVED_FLAGS, reserved_flag_problem
-
-    g, r = cfg.sglang, cfg.rollout
-    if r.engine != "sglang" and g.server_args:
-        problems.append(f"--sglang-<flag> pass-through ({' '.join(g.server_args)}): only the SGLang engine reads "
-                        "it; add --rollout-engine sglang or drop it")
-    if r.engine == "sglang" and r.max_batch_size is not None:
-        problems.append(f"--rollout-max-batch-size {r.max_batch_size} is the embedded and fast engines' limit; an "
-                        "SGLang server's is --sglang-max-running-requests N")
-    if r.engine == "sglang" and r.health_check_interval_s > 0 and \
-            0 < r.health_check_timeout_s < MIN_HEALTH_CHECK_TIMEOUT_S:
-        problems.append(f"--rollout-health-check-timeout {r.health_check_timeout_s:g}: an SGLang server answers "
-                        f"/health_generate a second after it is asked at the earliest; give the probe at least "
-                        f"{MIN_HEALTH_CHECK_TIMEOUT_S:g} s (default 30), or --rollout-health-check-interval 0")
-    given = [a[2:] for a in g.server_args if a.startswith("--")]
-    problems += [reserved_flag_problem(f) for f in given if f in RESERVED_FLAGS]
-    if g.router_policy not in ROUTER_POLICIES:
-        problems.append(f"--sglang-router-policy {g.router_policy}: use one of {', '.join(ROUTER_POLICIES)}")
-    for flag, value in (("--sglang-server-startup-timeout", g.startup_timeout_s),
-                        ("--sglang-router-request-timeout-secs", g.router_request_timeout_s)):
-        if value <= 0:
-            problems.append(f"{flag} {value}: must be > 0 (seconds)")
-
-
+@check
 def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (
         ("--rollout-batch-size", cfg.rollout.batch_size), ("--n-samples-per-prompt", cfg.rollout.n_samples_per_prompt),
@@ -96,10 +49,12 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")
 
 
+@check
 def _ranges(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
-    if r.temperature < 0:
-        problems.append(f"--rollout-temperature {r.temperature}: must be >= 0")
+    if r.temperature < 0 or (r.temperature == 0 and not cfg.debug_rollout_only):
+        problems.append(f"--rollout-temperature {r.temperature}: must be > 0 to train on the rollouts (greedy ones "
+                        "cannot be; >= 0 with --debug-rollout-only)")
     if not 0 < r.top_p <= 1:
         problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
     if not 0 < r.mem_fraction < 1:
@@ -109,6 +64,8 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.train.lr <= 0:
         problems.append(f"--lr {cfg.train.lr}: must be > 0")
+    if cfg.train.clip_grad < 0:
+        problems.append(f"--clip-grad {cfg.train.clip_grad}: must be >= 0 (0 disables clipping)")
     a = cfg.algorithm
     if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
         problems.append(f"--eps-clip {a.eps_clip} / --eps-clip-high {a.eps_clip_high}: clip ranges must be > 0")
@@ -116,6 +73,7 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--eps-clip-c {a.eps_clip_c}: the dual-clip constant must be > 1")
 
 
+@check
 def _batches(cfg: RunConfig, problems: list[str]) -> None:
     t, n = cfg.train, cfg.rollout.num_samples
     gbs = t.global_batch(n)
@@ -130,13 +88,14 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} must be a positive divisor of the {n} "
                         f"samples of a rollout (--rollout-batch-size {cfg.rollout.batch_size} x "
                         f"--n-samples-per-prompt {cfg.rollout.n_samples_per_prompt})")
-    elif gbs % t.micro_batch_size:
+    elif t.micro_batch_size >= 1 and gbs % t.micro_batch_size:      # < 1: _positive_ints says so
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
             and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
         problems.append("--n-samples-per-prompt 1 gives GRPO groups of one: use at least 2 samples per prompt")
 
 
+@check
 def _algorithm(cfg: RunConfig, problems: list[str]) -> None:
     a = cfg.algorithm
     for flag, value, names in (("--advantage-estimator", a.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES),
@@ -148,10 +107,9 @@ def _algorithm(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--kl-loss-coef {a.kl_loss_coef}: must be >= 0")
     if not a.use_kl_loss and a.kl_loss_coef:
         problems.append(f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss")
-    if cfg.rollout.custom_rm_path and ":" not in cfg.rollout.custom_rm_path and "." not in cfg.rollout.custom_rm_path:
-        problems.append(f"--custom-rm-path {cfg.rollout.custom_rm_path}: expected module:function")
 
 
+@check
 def _loop(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.num_rollout is None and cfg.num_epoch is None:
         problems.append("set --num-rollout N or --num-epoch N: how long to train")
@@ -159,6 +117,7 @@ def _loop(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--num-rollout {cfg.num_rollout} and --num-epoch {cfg.num_epoch}: give one of them")
 
 
+@check
 def _paths(cfg: RunConfig, problems: list[str]) -> None:
     ckpt = Path(cfg.model.hf_checkpoint)
     if not (ckpt / "config.json").is_file():
@@ -173,9 +132,10 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{flag} {path}: expected a .jsonl or .parquet file")
 
 
+@check
 def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
     c = cfg.checkpoint
-    if (c.save_interval is not None or c.save_trigger_sentinel) and not (c.save or c.critic_save or c.save_hf_path):
+    if (c.save_interval is not None or c.save_trigger_sentinel) and not c.saves:
         problems.append("--save-interval / --save-trigger-sentinel need --save DIR (or --save-hf PATH)")
     if c.load and not Path(c.load).is_dir() and not _same_path(c.load, c.save):
         problems.append(f"--load {c.load}: no such directory (to start fresh and resume later from the same "
@@ -189,19 +149,14 @@ def _same_path(a: str, b: str | None) -> bool:
     return b is not None and Path(a).resolve() == Path(b).resolve()
 
 
-def _faults(cfg: RunConfig, problems: list[str]) -> None:
-    from miles.phases.faults import parse_fault
-
-    for text in cfg.inject_faults:
-        try:
-            parse_fault(text)
-        except ConfigError as exc:
-            problems.append(str(exc))
+@check
+def _restarts(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.engine_max_restarts < 0 or cfg.rollout.engine_restart_window_s <= 0:
         problems.append(f"--engine-max-restarts {cfg.rollout.engine_max_restarts} / --engine-restart-window "
                         f"{cfg.rollout.engine_restart_window_s}: need >= 0 restarts and a window > 0 s")
 
 
+@check
 def _reliability(cfg: RunConfig, problems: list[str]) -> None:
     """Deadlines are positive seconds of known states; the node address is an IP (or auto)."""
     r = cfg.reliability
@@ -229,6 +184,7 @@ def _reliability(cfg: RunConfig, problems: list[str]) -> None:
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")   # asked for by the placement, not by name
 
 
+@check
 def _attached(cfg: RunConfig, problems: list[str]) -> None:
     """The flags of a run on a cluster it attaches to (docs/running.md "Attaching to a cluster")."""
     c = cfg.cluster
@@ -247,6 +203,7 @@ def _attached(cfg: RunConfig, problems: list[str]) -> None:
 
 # -- algorithm recipes (docs/algorithms.md) ---------------------------------------------------------
 
+@check
 def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
     a = cfg.algorithm
     if a.kl_coef < 0:
@@ -268,8 +225,9 @@ def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--ref-load {a.ref_load}: no config.json there; pass an HF-format model folder")
 
 
+@check
 def _critic(cfg: RunConfig, problems: list[str]) -> None:
-    a, c, ppo = cfg.algorithm, cfg.checkpoint, cfg.algorithm.advantage_estimator == "ppo"
+    a, c = cfg.algorithm, cfg.checkpoint
     if not (0 <= a.gamma <= 1 and 0 <= a.lambd <= 1):
         problems.append(f"--gamma {a.gamma} / --lambd {a.lambd}: both must be in [0, 1]")
     if a.value_clip < 0:
@@ -281,13 +239,14 @@ def _critic(cfg: RunConfig, problems: list[str]) -> None:
     extra = [(flag, v) for flag, v in (("--num-critic-only-steps", a.num_critic_only_steps or None),
                                        ("--critic-lr", cfg.train.critic_lr), ("--critic-load", c.critic_load),
                                        ("--critic-save", c.critic_save)) if v is not None]
-    if extra and not ppo:
+    if extra and not a.needs_critic:
         problems.append(f"{', '.join(f'{k} {v}' for k, v in extra)}: only PPO has a critic; add "
                         "--advantage-estimator ppo or drop them")
     if c.critic_load and not Path(c.critic_load).exists():
         problems.append(f"--critic-load {c.critic_load}: no such file or directory")
 
 
+@check
 def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
     a = cfg.algorithm
     if a.use_tis and a.use_rollout_logprobs:
@@ -297,6 +256,7 @@ def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--tis-clip-low {a.tis_clip_low} / --tis-clip {a.tis_clip}: need 0 <= low <= clip and clip > 0")
 
 
+@check
 def _sampling(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
     if r.over_sampling_batch_size is not None and not r.dynamic_sampling_filter_path:
@@ -317,6 +277,7 @@ def _sampling(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--overlong-penalty-factor {r.overlong_penalty_factor}: must be >= 0")
 
 
+@check
 def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
     t = cfg.train
     if t.lr_warmup_iters < 0 or not 0 <= t.min_lr <= t.lr:
@@ -327,6 +288,7 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
                         f"than --lr-warmup-iters {t.lr_warmup_iters}; got {t.lr_decay_iters}")
 
 
+@check
 def _sft(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.algorithm.loss_type != "sft_loss":
         return
@@ -338,24 +300,25 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
                                      ("--overlong-buffer-len", r.overlong_buffer_len),
                                      ("--use-kl-loss", a.use_kl_loss), ("--kl-coef", a.kl_coef),
                                      ("--use-tis", a.use_tis), ("--use-rollout-logprobs", a.use_rollout_logprobs),
-                                     ("--advantage-estimator ppo", a.advantage_estimator == "ppo")) if on]
+                                     ("--advantage-estimator ppo", a.needs_critic)) if on]
     if ignored:
         problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(ignored)} do not apply; "
                         "drop them")
 
 
-# -- custom and multi-turn generation, rewards, engine health (issue 17) ------------------------------
+# -- custom and multi-turn generation, rewards, engine health ------------------------------------------
 
-def _user_path(flag: str, path: str | None, problems: list[str]) -> None:
-    if path is not None and ":" not in path and "." not in path:
-        problems.append(f"{flag} {path}: expected module:function (or path/to/file.py:function)")
+@check
+def _user_paths(cfg: RunConfig, problems: list[str]) -> None:
+    """Each function given by path looks like one (whether it imports, init checks on the driver)."""
+    for flag, path in cfg.user_function_paths.items():
+        if ":" not in path and "." not in path:
+            problems.append(f"{flag} {path}: expected module:function (or path/to/file.py:function)")
 
 
+@check
 def _generation(cfg: RunConfig, problems: list[str]) -> None:
     g = cfg.generate
-    _user_path("--custom-generate-function-path", g.custom_generate_function_path, problems)
-    _user_path("--rollout-function-path", g.rollout_function_path, problems)
-    _user_path("--generate-execute-tool-function-path", g.execute_tool_function_path, problems)
     for flag, value in (("--sglang-server-concurrency", g.server_concurrency), ("--generate-max-turns", g.max_turns)):
         if value < 1:
             problems.append(f"{flag} {value}: must be a positive integer")
@@ -372,9 +335,7 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
                             "--custom-generate-function-path module:fn or --generate-execute-tool-function-path")
     if g.tool_specs_path and g.tool_specs_path.endswith(".json") and not Path(g.tool_specs_path).is_file():
         problems.append(f"--generate-tool-specs-path {g.tool_specs_path}: no such file")
-    custom = [flag for flag, on in (("--custom-generate-function-path", g.custom_generate_function_path),
-                                    ("--rollout-function-path", g.rollout_function_path),
-                                    ("--generate-execute-tool-function-path", g.execute_tool_function_path)) if on]
+    custom = [flag for flag in cfg.user_function_paths if USER_FUNCTION_FLAGS[flag][0] == "generate"]
     if custom and cfg.algorithm.loss_type == "sft_loss":
         problems.append(f"--loss-type sft_loss trains on the data's responses: {', '.join(custom)} do not apply")
     if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
@@ -382,6 +343,7 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
                         "--dynamic-sampling-filter-path (or filter inside the rollout function)")
 
 
+@check
 def _rewards(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
     if r.rm_type == "remote_rm" and not r.custom_rm_path and not r.rm_url:
@@ -399,6 +361,7 @@ def _rewards(cfg: RunConfig, problems: list[str]) -> None:
                         f"{r.rm_retry_backoff_s}: need a timeout > 0, retries >= 0 and a backoff >= 0")
 
 
+@check
 def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
     if r.engine_generate_timeout_s <= 0:
@@ -459,6 +422,7 @@ def _on_policy_problems(cfg: RunConfig, name: str) -> list[str]:
     return problems
 
 
+@check
 def _gpu_memory(cfg: RunConfig, problems: list[str]) -> None:
     t = cfg.train
     if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
@@ -471,22 +435,11 @@ def _gpu_memory(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--update-weight-buffer-size {cfg.update_weight_buffer_size}: must be a positive number of bytes")
 
 
+@check
 def _placement(cfg: RunConfig, problems: list[str]) -> None:
-    """The GPU flags, checked now when the run is on GPUs for sure (--device cuda); with --device auto
-    `init` checks them once it has seen the cluster, still before any actor starts."""
-    from miles.cluster.placement import placement_request, plan_placement
-
+    """The GPU flags among themselves; what the trainer and the engines can take is their specs' check,
+    the plan itself `miles.cluster.placement`'s."""
     c = cfg.cluster
-    spec = TRAIN_BACKENDS.get(cfg.train.backend)
-    ranked = spec is not None and spec.ranked     # one rank per trainer GPU (megatron): its check sizes them
-    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1 and not ranked:
-        problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
-                        f"{c.actor_num_gpus_per_node}: the {cfg.train.backend} trainer runs on one GPU (no FSDP "
-                        f"yet); use 1 x 1, or --train-backend "
-                        f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
-    if c.rollout_num_gpus_per_engine != 1 and cfg.rollout.engine != "sglang":
-        problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the embedded and fast engines "
-                        "run on one GPU each (no tensor parallelism); use 1 and more engines, or --rollout-engine sglang")
     if c.rollout_num_gpus_per_engine > 1 and c.colocate:
         problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine} with --colocate: a colocated "
                         "engine shares one trainer GPU; use 1 (or drop --colocate for tensor-parallel SGLang servers)")
@@ -494,15 +447,11 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
             and c.rollout_num_gpus != cfg.rollout.num_engines * c.rollout_num_gpus_per_engine:
         problems.append(f"--rollout-num-gpus {c.rollout_num_gpus} and --rollout-num-engines {cfg.rollout.num_engines} "
                         f"disagree (x --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}); give one of them")
-    if cfg.model.device == "cuda":
-        try:
-            plan_placement(placement_request(cfg, use_gpus=True))
-        except ConfigError as exc:
-            problems.extend(exc.problems)
 
 
-# -- miles flags of issue 19 -----------------------------------------------------------------------
+# -- miles flags that need another flag, or a file -----------------------------------------------------
 
+@check
 def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
     d, r, a, c = cfg.data, cfg.rollout, cfg.algorithm, cfg.checkpoint
     needs = [
@@ -532,9 +481,8 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "strings must be non-empty and token ids >= 0")
 
 
+@check
 def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
-    from miles.rollout.rewards import RM_TYPES
-
     e = cfg.eval
     if e.prompt_data and e.datasets:
         problems.append("--eval-prompt-data and --eval-config both name eval datasets: give one of them")
@@ -544,6 +492,3 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
         if d.temperature is not None and d.temperature < 0:
             problems.append(f"{where}: temperature {d.temperature} must be >= 0")
-        if d.rm_type is not None and d.rm_type not in RM_TYPES:
-            problems.append(f"{where}: rm_type {d.rm_type!r} is not a reward type here; use one of "
-                            f"{', '.join(RM_TYPES)} or leave it out to use the run's reward (--custom-rm-path)")

@@ -1,4 +1,5 @@
-"""The training run's context: its config, components, counters, and the guards the machines name.
+"""The training run's context: its config, components, the backends `init` picked, counters, and the
+guards the machines name. The types every phase shares live here, in a module that imports no phase.
 
 Counters follow one convention: `next_rollout` is the id of the rollout the next `rollout` phase
 produces, so `next_rollout - 1` is the last rollout trained; weights synced after training rollout
@@ -10,25 +11,57 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+import ray
 
 from miles.config import RunConfig
 from miles.phases.checkpoint_io import Folders, SharedFolders
 from miles.runtime import Disposer, PhaseContext, Tracer
 
 if TYPE_CHECKING:
-    import ray
-
     from miles.checkpoint.store import CheckpointStore
     from miles.cluster.placement import RunPlacement
     from miles.cluster.ray_cluster import ActorResource, RayCluster
-    from miles.phases.weights import IpcWeights
-    from miles.phases.init import Backends
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
-    from miles.rollout.protocol import EngineFleet
+    from miles.rollout.protocol import Engine, EngineFleet, EngineSpec
     from miles.runtime.supervisor import RestartBudget
     from miles.tracking.sinks import Tracker
+    from miles.training.protocol import CriticBackend, TrainBackendSpec, TrainerBackend
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The implementation classes a run uses and the specs they come with (`miles.phases.init.pick_backends`);
+    the composition root makes the classes actors, the phases ask the specs what they can do."""
+
+    engine: type[Engine]
+    trainer: type[TrainerBackend]
+    critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
+    engine_spec: EngineSpec
+    train_spec: TrainBackendSpec
+    engine_name: str = "embedded"           # the ENGINES entry `engine_spec` is
+    engine_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options past device/dtype/seed
+    fast_path_refused: str | None = None    # why --rollout-engine embedded on GPUs stayed on transformers
+
+
+class IpcWeights:
+    """The CUDA IPC transport of a run, driver side: how many buckets the trainer's weights make, and
+    the release of whatever bucket is still alive when the run ends (registered after the trainer,
+    so it runs before the trainer's own teardown)."""
+
+    resource_name = "ipc_weight_buckets"
+
+    def __init__(self, trainer: Any, count: int):
+        self.trainer, self.count = trainer, count
+
+    async def dispose(self) -> None:
+        """Free the trainer's live buckets. The trainer itself is the run's."""
+        try:
+            await self.trainer.release_weight_buckets.remote()
+        except ray.exceptions.RayActorError:
+            pass                      # a dead trainer holds no GPU memory
 
 
 @dataclass
@@ -107,7 +140,7 @@ class TrainingContext(PhaseContext):
     def save_due(self) -> bool:
         """Every --save-interval rollouts, after the last one, or when asked (sentinel file or host)."""
         c = self.cfg.checkpoint
-        if not (c.save or c.critic_save or c.save_hf_path):
+        if not c.saves:
             return False
         done = self.next_rollout
         if self.save_requested or (c.save_trigger_sentinel and os.path.exists(c.save_trigger_sentinel)):

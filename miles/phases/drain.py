@@ -60,8 +60,8 @@ async def save_on_stop(ctx: TrainingContext) -> None:
 def why_not_save_on_stop(ctx: TrainingContext, rid: int, budget: float | None) -> str | None:
     """Why a stop does not save rollout `rid` now (None: it does)."""
     c = ctx.cfg.checkpoint
-    if not (c.save or c.critic_save):
-        return "--save is not set"
+    if not c.saves:
+        return "--save is not set (nor --critic-save, --save-hf)"
     if rid < ctx.start_rollout:
         return "no rollout was trained since the run started"
     if ctx.saved_rollout == rid:

@@ -33,12 +33,12 @@ PROBE_TIMEOUT_S = 10.0
 
 def make_engine(ctx: TrainingContext, index: int, *, name: str | None = None) -> Any:
     cfg, place, fleet, name = ctx.cfg, ctx.c.placement, ctx.c.engine_fleet, name or f"engine-{index}"
-    # the GPUs come from the run's placement, for every engine kind; a fleet adds its own constructor keywords
+    # the GPUs come from the run's placement, for every engine kind; the options from the config (the
+    # spec's), a fleet's wiring beside them
     options = {**ctx.backends.engine_options, **(fleet.engine_kwargs(index, name) if fleet is not None else {})}
-    # an engine that answers health probes and aborts beside a running call gets its threads for that
     model = driver_path(cfg.model.hf_checkpoint)
     engine = ctx.c.cluster.actor(ctx.backends.engine, model, name=name, needs={"--hf-checkpoint": model},
-                                 concurrency=getattr(ctx.backends.engine, "actor_threads", None),
+                                 concurrency=ctx.backends.engine_spec.actor_threads,
                                  placement=place.options(place.plan.engines[index]) if place else None,
                                  device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.rollout_seed + index,
                                  **options)

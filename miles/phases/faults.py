@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from miles.config import ConfigError
+from miles.config import ConfigError, RunConfig
+from miles.config.checks import check
 from miles.runtime.machine import STATES
 from miles.runtime.procs import pid_running
 from miles.runtime.threads import in_daemon_thread
@@ -150,3 +151,13 @@ def _raise_on_teardown() -> None:
 
 async def _hang_on_teardown() -> None:
     await asyncio.sleep(3600)
+
+
+@check
+def _faults(cfg: RunConfig, problems: list[str]) -> None:
+    """Each --inject-fault parses."""
+    for text in cfg.inject_faults:
+        try:
+            parse_fault(text)
+        except ConfigError as exc:
+            problems.append(str(exc))

@@ -13,20 +13,20 @@ for itself) counts as hung too. Once the run's teardown has begun, nothing is re
 engines go on purpose then. Trace events: `engine_unhealthy` (engine, reason) then
 `engine_killed`; a dead engine is reported once as `engine_unhealthy` with reason "dead".
 
-Only engines that answer `health` beside a running call are probed: those whose actor runs two
-threads (`actor_threads = 2`, the embedded engine) and async engines (a coroutine `health`: Ray runs
-an async actor's calls concurrently on its event loop; the SGLang engine).
+Only engines whose spec declares `SupportsHealth` are probed: they answer beside a running call (the
+embedded engine's actor runs two threads; the SGLang engine is an async actor, whose calls Ray runs
+concurrently on its event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Any
 
 import ray
 
 from miles.phases.context import TrainingContext
+from miles.rollout.protocol import SupportsHealth
 
 DEAD = "dead"
 
@@ -106,9 +106,8 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
     beside a running call) and register it with the disposer."""
     if ctx.cfg.rollout.health_check_interval_s <= 0:
         return None
-    engine_cls = ctx.backends.engine
-    if not answers_beside_calls(engine_cls):
-        ctx.tracer.emit("engine_health_monitor_skipped", engine=engine_cls.__name__,
+    if not ctx.backends.engine_spec.supports(SupportsHealth):
+        ctx.tracer.emit("engine_health_monitor_skipped", engine=ctx.backends.engine.__name__,
                         reason="the engine does not answer health probes while it generates; hung calls are "
                                "still found by --engine-generate-timeout")
         return None
@@ -119,8 +118,3 @@ def start_health_monitor(ctx: TrainingContext) -> HealthMonitor | None:
                     first_wait_s=monitor.first_wait_s)
     return monitor
 
-
-def answers_beside_calls(engine_cls: type) -> bool:
-    """Whether the engine's actor answers `health` while a generate call runs (see the module docstring)."""
-    health = getattr(engine_cls, "health", None)
-    return callable(health) and (getattr(engine_cls, "actor_threads", 1) >= 2 or inspect.iscoroutinefunction(health))

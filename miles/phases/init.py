@@ -2,23 +2,25 @@
 where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
-checkpoint folders reach the driver (miles.phases.checkpoint_io) → placement (the GPU plan and its
-placement group) → the engine fleet (if the engine kind has one: SGLang's router) → engines → trainer
-→ critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
+checkpoint folders reach the driver (miles.phases.checkpoint_io) → the backends (picked once the
+cluster's GPUs are known: they decide --device auto) → placement (the GPU plan and its placement
+group) → the engine fleet (if the engine's spec has one: SGLang's router) → engines → trainer →
+critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
 (tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
-any actor starts. `pick_backends` is the one place an implementation is chosen: the engine class from
-`--rollout-engine` and the trainer's and critic's from `--train-backend`, through the registries of
-`miles.rollout.protocol` and `miles.training.protocol`.
+any actor starts; the config itself was checked before Ray started (miles.config.checks).
+`pick_backends` is the one place an implementation is chosen: the engine's spec from
+`--rollout-engine` (miles.rollout.engines.registry) and the trainer's from `--train-backend`
+(miles.training.protocol); the phases then ask the specs what the backends can do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import ray
 
@@ -28,116 +30,78 @@ from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check
                                      cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
-from miles.config import ConfigError, EvalDataset, RolloutConfig, RunConfig, as_dict
+from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.checkpoint_io import pick_folders
-from miles.phases.context import TrainingContext
+from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.phases.health import start_health_monitor
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
-from miles.phases.weights import IpcWeights
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.generation import load_generate_function, load_rollout_function
-from miles.rollout.protocol import ENGINES, Engine
+from miles.rollout.engines.registry import ENGINES
+from miles.rollout.protocol import SupportsWeightBuckets
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
 from miles.rollout.scoring import Rewards
 from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.tracking.sinks import Tracker, open_sinks
-from miles.user_code import user_function_paths
-from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainerBackend
+from miles.training.protocol import TRAIN_BACKENDS
+from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
 from miles.weights.hf import load_tokenizer
 
 
 MAX_TRACED_PROBLEMS = 10       # a checkpoint_skipped event names at most this many bad files
 
 
-@dataclass(frozen=True)
-class Backends:
-    """The implementation classes a run uses; the composition root makes them actors."""
-
-    engine: type[Engine]
-    trainer: type[TrainerBackend]
-    critic: type[CriticBackend] | None      # PPO's (--advantage-estimator ppo), else None
-    engine_name: str = "embedded"           # the ENGINES entry `engine` is
-    engine_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options past device/dtype/seed
-    fast_path_refused: str | None = None    # why --rollout-engine embedded on CUDA stayed on transformers
-
-
-def pick_backends(cfg: RunConfig) -> Backends:
-    """--rollout-engine and --train-backend → classes, imported now (validate checked the names).
-
-    Raises ConfigError when --rollout-engine fast names a model FastEngine does not implement.
-    """
-    spec = TRAIN_BACKENDS[cfg.train.backend]
-    ppo = cfg.algorithm.advantage_estimator == "ppo"
-    name, refused = pick_engine(cfg)
-    return Backends(engine=import_object(ENGINES[name]), trainer=import_object(spec.trainer),
-                    critic=import_object(spec.critic) if ppo and spec.critic else None, engine_name=name,
-                    engine_options=engine_options(cfg.rollout, name), fast_path_refused=refused)
+def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
+    """--rollout-engine and --train-backend → their specs and classes, imported now (validate checked the
+    names, and that --rollout-engine fast can run the model). `cluster_gpus`: the GPUs of the run's
+    cluster, which decide --device auto (`ModelConfig.uses_gpus`)."""
+    train_spec = TRAIN_BACKENDS[cfg.train.backend]
+    name, refused = pick_engine(cfg, on_gpus=cfg.model.uses_gpus(cluster_gpus))
+    engine_spec = ENGINES[name]
+    backends = Backends(engine=import_object(engine_spec.engine), trainer=import_object(train_spec.trainer),
+                        critic=import_object(train_spec.critic) if cfg.algorithm.needs_critic and train_spec.critic
+                        else None, engine_spec=engine_spec, train_spec=train_spec, engine_name=name,
+                        engine_options=engine_spec.options(cfg), fast_path_refused=refused)
+    _check_declared(backends)
+    return backends
 
 
-def pick_engine(cfg: RunConfig) -> tuple[str, str | None]:
-    """The ENGINES name the run uses, and why the fast path was refused (None: taken, or not on CUDA).
+def pick_engine(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
+    """The ENGINES name the run uses, and why the preferred one was refused (None: taken, or none).
 
-    `embedded` on CUDA is FastEngine when it implements the model, else EmbeddedEngine; on CPU it is
-    EmbeddedEngine, as always. `fast` is FastEngine (CPU too: eager, what CI tests) or a ConfigError.
+    On GPUs an engine whose spec prefers another gives way to it for the models it implements
+    (`embedded` becomes FastEngine; else it stays EmbeddedEngine, as on CPU). `fast` asked outright is
+    FastEngine anywhere (CPU too: eager, what CI tests).
     """
     asked = cfg.rollout.engine
-    if asked == "embedded" and not _engines_on_cuda(cfg.model.device):
-        return "embedded", None
-    if asked not in ("embedded", "fast"):
+    preferred = ENGINES[asked].prefer_on_gpus
+    if preferred is None or not on_gpus:
         return asked, None
-    refused = _fast_engine_refuses(cfg.model.hf_checkpoint)
-    if refused and asked == "fast":
-        raise ConfigError(f"--rollout-engine fast cannot run --hf-checkpoint {cfg.model.hf_checkpoint}: {refused}; "
-                          "use --rollout-engine embedded (transformers)")
-    return ("embedded", refused) if refused else ("fast", None)
+    refuses = ENGINES[preferred].refuses
+    refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
+    return (asked, refused) if refused else (preferred, None)
 
 
-def _engines_on_cuda(device: str) -> bool:
-    # read on the driver: with --device auto, a driver without a GPU (attached to a remote cluster)
-    # keeps the transformers engine; --device cuda picks the fast path wherever the driver runs
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
-def _fast_engine_refuses(hf_checkpoint: str) -> str | None:
-    """None when FastEngine implements the checkpoint's model; else why not."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(hf_checkpoint)
-    except (OSError, ValueError) as exc:
-        return f"its config does not load ({exc})"
-    return import_object(ENGINES["fast"]).supports(config)
-
-
-def engine_options(rollout: RolloutConfig, name: str) -> dict[str, Any]:
-    """The engine's constructor options from the rollout slice: what that engine reads (protocol.py)."""
-    options: dict[str, Any] = {}
-    if rollout.max_batch_size is not None and name in ("embedded", "fast"):   # else the engine's own default
-        options["max_batch_size"] = rollout.max_batch_size
-    if name == "fast":
-        options.update(mem_fraction=rollout.mem_fraction, cuda_graph=rollout.cuda_graph,
-                       torch_compile=rollout.torch_compile, attention_kernel=rollout.attention_kernel)
-    return options
+def _check_declared(b: Backends) -> None:
+    """Each capability a spec declares is one its class implements (a spec that lies fails here, at start-up)."""
+    for spec_name, cls, capabilities in (("engine", b.engine, b.engine_spec.capabilities),
+                                         ("trainer", b.trainer, b.train_spec.capabilities)):
+        missing = [c.__name__ for c in capabilities if not issubclass(cls, c)]
+        if missing:
+            raise TypeError(f"the {spec_name} spec of {cls.__name__} declares {', '.join(missing)}, which the class "
+                            "does not implement")
 
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
-    ctx.backends = pick_backends(cfg)
-    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
-                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
-                    fast_path_refused=ctx.backends.fast_path_refused)
     tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -150,14 +114,11 @@ async def init(ctx: TrainingContext) -> str:
                                allow_no_auth=cfg.reliability.ray_allow_no_auth, shipment=_shipment(ctx))
     add(ctx.c.cluster)
     _cluster_ready(ctx)
-
-    ctx.c.placement = _place(ctx, add)
+    gpus = cluster_gpus()           # with --device auto, the cluster's GPUs decide where everything runs
+    _pick(ctx, gpus)
+    ctx.c.placement = _place(ctx, add, gpus)
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
-    make_fleet = getattr(ctx.backends.engine, "make_fleet", None)
-    if make_fleet is not None and ctx.c.placement.plan.num_engines:
-        ctx.c.engine_fleet = make_fleet(cfg, run_dir=ctx.run_dir, num_engines=ctx.c.placement.plan.num_engines)
-        add(ctx.c.engine_fleet)         # before the engines: torn down after them
-        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
+    _make_fleet(ctx, add)
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
     if not cfg.debug_rollout_only:
         _make_models(ctx, add)
@@ -197,13 +158,31 @@ async def init(ctx: TrainingContext) -> str:
     return "ready"
 
 
+def _pick(ctx: TrainingContext, gpus: int) -> None:
+    cfg = ctx.cfg
+    ctx.backends = pick_backends(cfg, cluster_gpus=gpus)
+    ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
+                    cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
+                    fast_path_refused=ctx.backends.fast_path_refused)
+
+
+def _make_fleet(ctx: TrainingContext, add: Any) -> None:
+    """The engine spec's fleet, when it has one and the run has engines; registered before the engines,
+    so it is torn down after them."""
+    fleet, num_engines = ctx.backends.engine_spec.fleet, ctx.c.placement.plan.num_engines
+    if fleet is not None and num_engines:
+        ctx.c.engine_fleet = import_object(fleet)(ctx.cfg, run_dir=ctx.run_dir, num_engines=num_engines)
+        add(ctx.c.engine_fleet)
+        ctx.tracer.emit("engine_fleet_ready", **ctx.c.engine_fleet.describe())
+
+
 def _shipment(ctx: TrainingContext) -> Shipment | None:
     """What a run attaching to a cluster through --ray-address sends to its nodes (None: nothing, on a
     local cluster, a host's connection, or with --ray-no-ship-code)."""
     c = ctx.cfg.cluster
     if not (c.ray_address and c.ship_code) or ray.is_initialized():
         return None
-    return stage(user_function_paths(ctx.cfg), (ctx.run_dir / SHIPPED_DIR).absolute(), code=[miles_package()])
+    return stage(ctx.cfg.user_function_paths, (ctx.run_dir / SHIPPED_DIR).absolute(), code=[miles_package()])
 
 
 def _cluster_ready(ctx: TrainingContext) -> None:
@@ -242,20 +221,19 @@ def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
     """Where the trainer runs: the plan's first trainer placement; a `ranked` backend (megatron)
     on GPUs gets no GPU itself and hands each of its ranks one trainer placement of the plan."""
     place = ctx.c.placement
-    if TRAIN_BACKENDS[ctx.cfg.train.backend].ranked and place.gpus:
+    if ctx.backends.train_spec.ranked and place.gpus:
         return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers]}
     return {"placement": place.options(place.plan.trainers[0])}
 
 
-def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
-    """The GPU plan (miles.cluster.placement): checked against the cluster, and its placement group
-    made and registered, before any actor starts. A CPU run (--device cpu, or auto without GPUs in
-    the cluster) asks for no GPU, as before."""
+def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
+    """The GPU plan (miles.cluster.placement): checked against the cluster (of `gpus` GPUs), and its
+    placement group made and registered, before any actor starts. A CPU run (--device cpu, or auto
+    without GPUs in the cluster) asks for no GPU, as before."""
     cfg = ctx.cfg
-    gpus = cluster_gpus()
-    use_gpus = cfg.model.device == "cuda" or (cfg.model.device == "auto" and gpus > 0)
+    use_gpus = cfg.model.uses_gpus(gpus)
     plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
-    check = TRAIN_BACKENDS[cfg.train.backend].check
+    check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems = import_object(check)(cfg, len(plan.trainers))
         if problems:
@@ -275,11 +253,11 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
 
 
 async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
-    """CUDA IPC buckets when the engines share the trainer's GPUs and both sides speak buckets; else
+    """CUDA IPC buckets when the engines share the trainer's GPUs and both specs declare buckets; else
     the object store (`ctx.c.ipc_weights` stays None)."""
     cfg, b = ctx.cfg, ctx.backends
     if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
-            and hasattr(b.engine, "load_weight_bucket") and hasattr(b.trainer, "weight_bucket_count")):
+            and b.engine_spec.supports(SupportsWeightBuckets) and b.train_spec.supports(TrainerWeightBuckets)):
         ctx.tracer.emit("weight_transport", transport="object_store")
         return
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()

@@ -12,7 +12,8 @@ Once per iteration:
 
 Engines release with --offload-rollout / --offload on any device (on CPU the same calls, for an
 SGLang server or a test), and with --colocate on GPUs; the trainer offloads on GPUs only. Engines
-without `release_memory` keep theirs. `ctx.engines_released` holds the tags the engines have released,
+whose spec does not declare `SupportsMemoryRelease` keep theirs; a trainer whose spec does not declare
+`SupportsOffload` keeps its optimizer state. `ctx.engines_released` holds the tags the engines have released,
 so that a resume asks for exactly those and a restarted engine is put in the same state
 (miles.phases.engines). Each hand-off is a trace event with its duration.
 """
@@ -24,20 +25,21 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
-from miles.rollout.protocol import MEMORY_TAGS
+from miles.rollout.protocol import MEMORY_TAGS, SupportsMemoryRelease
+from miles.training.protocol import SupportsCachedMemoryRelease, SupportsOffload
 
 
 def _engines_release(ctx: TrainingContext) -> bool:
     p, c = ctx.c.placement, ctx.cfg.cluster
     asked = c.offload or c.offload_rollout
     on_gpus = p is not None and p.gpus and c.offloads_rollout      # --colocate implies it on GPUs
-    return bool((asked or on_gpus) and ctx.c.engines and hasattr(ctx.backends.engine, "release_memory"))
+    return bool((asked or on_gpus) and ctx.c.engines and ctx.backends.engine_spec.supports(SupportsMemoryRelease))
 
 
 def _trainer_offloads(ctx: TrainingContext) -> bool:
     p = ctx.c.placement
     return bool(p is not None and p.gpus and ctx.cfg.cluster.offloads_train and ctx.c.trainer is not None
-                and ctx.c.critic is None and hasattr(ctx.backends.trainer, "offload"))
+                and ctx.c.critic is None and ctx.backends.train_spec.supports(SupportsOffload))
 
 
 async def _engines(ctx: TrainingContext, method: str, tags: tuple[str, ...]) -> None:
@@ -62,7 +64,7 @@ async def to_engines(ctx: TrainingContext) -> None:
     moved = await ctx.c.trainer.handle.offload.remote() if offload else 0
     rest = ctx.engines_released
     if rest:
-        if ctx.c.trainer is not None and hasattr(ctx.backends.trainer, "release_cached_memory"):
+        if ctx.c.trainer is not None and ctx.backends.train_spec.supports(SupportsCachedMemoryRelease):
             await ctx.c.trainer.handle.release_cached_memory.remote()   # the last step's activations, cached
         await _engines(ctx, "resume_memory", rest)
         ctx.engines_released = ()

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
-
-import ray
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
@@ -30,24 +27,6 @@ from miles.phases.memory import resume_engine_weights, to_engines
 
 class WeightSyncMismatch(RuntimeError):
     """An engine holds different weights than the trainer gave it."""
-
-
-class IpcWeights:
-    """The CUDA IPC transport of a run, driver side: how many buckets the trainer's weights make, and
-    the release of whatever bucket is still alive when the run ends (registered after the trainer,
-    so it runs before the trainer's own teardown)."""
-
-    resource_name = "ipc_weight_buckets"
-
-    def __init__(self, trainer: Any, count: int):
-        self.trainer, self.count = trainer, count
-
-    async def dispose(self) -> None:
-        """Free the trainer's live buckets. The trainer itself is the run's."""
-        try:
-            await self.trainer.release_weight_buckets.remote()
-        except ray.exceptions.RayActorError:
-            pass                      # a dead trainer holds no GPU memory
 
 
 async def sync_weights(ctx: TrainingContext) -> str:

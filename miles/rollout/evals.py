@@ -1,4 +1,6 @@
-"""Evals in the background (the async machine): each a traced background job, while the loop goes on.
+"""Evals: what an eval measures (unbiased pass@k over each prompt's samples) and, on the async
+machine, how evals run in the background: each a traced background job, while the loop goes on.
+(The `eval` phase of the sync machine is miles.phases.eval; the executor generates and scores.)
 
 The dispatcher is registered with the disposer where it is created, after the executor and the
 models, so on every way out its drain runs before they are torn down and an eval in flight still
@@ -14,10 +16,30 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from math import comb
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 from miles.rollout.background import Job, cancel_jobs, start_job
 from miles.runtime.trace import Tracer
+
+if TYPE_CHECKING:
+    from miles.types import Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): P(at least one of k draws from n samples, c correct, is correct)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def pass_rates(samples: list[Sample], n: int, ks: Iterable[int]) -> dict[str, float]:
+    """Mean unbiased pass@k over the groups of n samples (a sample passes when its reward is > 0)."""
+    correct = [sum(s.reward > 0 for s in samples[i:i + n]) for i in range(0, len(samples), n)]
+    return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks}
+
 
 Evaluate = Callable[[int], Awaitable[dict[str, float]]]    # step -> eval metrics (a Ray ObjectRef is one)
 

@@ -37,7 +37,7 @@ import torch
 from miles.algorithms import TOKEN_LEVEL_ESTIMATORS, get_advantage_estimator, normalize_advantages, overlong_penalty
 from miles.config import AlgorithmConfig, EvalConfig, EvalDataset, GenerateConfig, RolloutConfig
 from miles.data.iterator import PromptIterator
-from miles.eval.metrics import pass_at_k
+from miles.rollout.evals import pass_rates
 from miles.rollout.filters import load_filter
 from miles.rollout.generation import (EngineBatcher, GenerateContext, RolloutContext, check_groups, check_outcome,
                                       load_generate_function, load_rollout_function, new_sample, run_samples)
@@ -391,12 +391,6 @@ def eval_metrics(samples: list[Sample], n: int, *, log_passrate: bool = False) -
     out = {"reward_mean": sum(s.reward for s in samples) / len(samples), **_status_ratios(samples)}
     out.update(pass_rates(samples, n, range(1, n + 1) if log_passrate else sorted({1, n})))
     return out
-
-
-def pass_rates(samples: list[Sample], n: int, ks: Any) -> dict[str, float]:
-    """Mean unbiased pass@k over the groups of n samples (a sample passes when its reward is > 0)."""
-    correct = [sum(s.reward > 0 for s in samples[i:i + n]) for i in range(0, len(samples), n)]
-    return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks}
 
 
 def _status_ratios(samples: list[Sample]) -> dict[str, float]:

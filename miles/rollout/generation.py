@@ -26,12 +26,12 @@ run's per-sample generation and rewards.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from miles.config import ConfigError, GenerateConfig, RolloutConfig
 from miles.types import Generation, Prompt, Sample, SamplingParams
+from miles.user_code import import_async_function
 
 if TYPE_CHECKING:
     from miles.rollout.tools import ToolKit
@@ -324,32 +324,12 @@ def check_outcome(samples: list[Sample]) -> None:
 
 def load_generate_function(path: str) -> GenerateFn:
     """--custom-generate-function-path: imported and checked to be `async fn(ctx, sample, sampling_params)`."""
-    return _load_async(path, "--custom-generate-function-path", 3, "async fn(ctx, sample, sampling_params) -> Sample")
+    return import_async_function(path, "--custom-generate-function-path", 3, "async fn(ctx, sample, sampling_params) -> Sample")
 
 
 def load_rollout_function(path: str) -> Callable[..., Awaitable[list[list[Sample]]]]:
     """--rollout-function-path: imported and checked to be `async fn(ctx, rollout_id)`."""
-    return _load_async(path, "--rollout-function-path", 2, "async fn(ctx, rollout_id) -> list[list[Sample]]")
-
-
-def _load_async(path: str, flag: str, num_args: int, expected: str) -> Callable[..., Any]:
-    from miles.user_code import import_user_function
-
-    fn = import_user_function(path, flag)
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-    if not is_async:
-        raise ConfigError(f"{flag} {path}: {getattr(fn, '__qualname__', fn)!s} is not an async function; miles "
-                          f"awaits it as {expected} (define it with `async def`)")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn                       # no signature to check: it will tell at the call
-    try:
-        sig.bind(*([None] * num_args))
-    except TypeError as exc:
-        raise ConfigError(f"{flag} {path}: {getattr(fn, '__qualname__', fn)!s}{sig} cannot be called as {expected}: "
-                          f"{exc}") from None
-    return fn
+    return import_async_function(path, "--rollout-function-path", 2, "async fn(ctx, rollout_id) -> list[list[Sample]]")
 
 
 # ---- a whole rollout -------------------------------------------------------------------------------

@@ -1,67 +1,51 @@
-"""The engine seam: what the phases and the executor ask of an inference engine, and the registry
-of engines `--rollout-engine` picks from.
+"""The engine seam: what the phases and the executor ask of an inference engine, the optional
+abilities an engine declares, and the spec each engine is registered with.
 
 An engine speaks token ids (see `miles.types`): prompts in, `Generation`s (ids, logprobs, the weight
-version that produced them) out. The composition root (`miles/phases/init.py:pick_backends`) picks
-the class once, by name, and makes it a Ray actor; nothing else names an engine. A new engine (the CUDA fast
-path, SGLang) is a module of its own implementing `Engine`, plus one `ENGINES` entry; its heavy
-imports stay in its module, which loads only when a run picks it.
+version that produced them) out. Each engine is a package of `miles.rollout.engines` with one
+`EngineSpec` (its `spec.py`), registered under its `--rollout-engine` name in
+`miles.rollout.engines.registry.ENGINES`; the composition root (`miles.phases.init.pick_backends`)
+picks the spec once and makes its class a Ray actor; nothing else names an engine. The spec says
+everything the run needs to know about the engine without importing it:
 
-Constructor, for every engine: `Cls(model_path, *, device, dtype, seed, **options)`, the options
-being what `pick_backends` reads from the rollout flags for that engine (`--rollout-max-batch-size`
-for the embedded and fast engines; `--rollout-mem-fraction` and the `--disable-*` switches for
-FastEngine). Every engine actor gets its GPUs from the run's placement (miles.cluster.placement).
+- `engine`: the class, "module:Class", imported only when a run picks it (its heavy imports stay there);
+- `options(cfg)`: its constructor options from the config, the one way they arrive. Constructor, for
+  every engine: `Cls(model_path, *, device, dtype, seed, **options, **fleet.engine_kwargs(...))`;
+- `fleet`: for an engine kind that needs more around its actors (a router in front of several
+  servers), "module:function" `(cfg, *, run_dir, num_engines) -> EngineFleet`; the composition root
+  makes the fleet once, before the engines, registers it with the disposer (so it goes after them),
+  passes `fleet.engine_kwargs(index, name)` (per-engine wiring: work folder, router address) to each
+  constructor and tells it when an engine joins or leaves;
+- `check(cfg, problems)`: the engine's own flags, run by `miles.config.validate` before Ray starts;
+- `capabilities`: the optional abilities below (runtime-checkable Protocols) the class implements;
+  the phases ask `spec.supports(SupportsX)`, never the class (a unit test holds each declaration to
+  the class);
+- `actor_threads`: the engine actor's threads (None: Ray's default, one for a plain actor; an async
+  actor runs its coroutine calls concurrently on its event loop);
+- `tensor_parallel`: one engine may span GPUs (--rollout-num-gpus-per-engine > 1);
+- `refuses(hf_checkpoint)`: why the engine cannot run a model (None: it can);
+- `prefer_on_gpus`: the engine that replaces this one on GPUs for the models it does not refuse.
 
-`--rollout-engine embedded` is the embedded engine wherever it can be fast: on CUDA it is FastEngine
+`--rollout-engine embedded` is the embedded engine wherever it can be fast: on GPUs it is FastEngine
 (our own forward, KV cache, CUDA graphs) for the models FastEngine implements, and EmbeddedEngine
-(transformers) otherwise or on CPU; `--rollout-engine fast` asks for FastEngine outright.
-
-An engine kind that needs more around its actors (a server's options, a router in front of several
-servers) has a classmethod `make_fleet(cfg: RunConfig, *, run_dir, num_engines) -> EngineFleet`: the
-composition root makes the fleet once, before the engines, registers it with the disposer (so it goes
-after them), passes `fleet.engine_kwargs(index, name)` to each constructor and tells it when an
-engine joins or leaves.
-
-Health (issue 17): the run probes every engine with `health()` every
-`--rollout-health-check-interval` seconds, and bounds every `generate` call by
-`--engine-generate-timeout`; an engine that does not answer, reports no progress, or overruns a call
-is killed and restarted within the restart budget. An engine answers `health` and `abort` while a
-`generate` runs in one of two ways: with `actor_threads = 2` (the composition root gives its actors
-that many threads; it must then guard its model itself, as `EmbeddedEngine` does with a lock), or
-as an async engine (coroutine methods: Ray runs an async actor's calls concurrently on its event
-loop, with its default concurrency; the SGLang engine, which limits its own requests). The probe
-skips other engines, which would answer only after the running call: FastEngine says
-`actor_threads = 1` (one call at a time), so it is not probed and its abort waits for the call.
+(transformers) otherwise or on CPU; `--rollout-engine fast` asks for FastEngine outright. Every
+engine actor gets its GPUs from the run's placement (miles.cluster.placement).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
+    from miles.config import RunConfig
     from miles.types import Generation, SamplingParams
+    from miles.weights.transport import WeightBucket
 
-# --rollout-engine NAME -> "module:Class", imported only when a run picks it
-ENGINES: dict[str, str] = {
-    "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
-    "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
-    "sglang": "miles.rollout.sglang_engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
-}
-# what an engine can hand back while the trainer trains, in SGLang's names (release/resume_memory below)
+# what an engine can hand back while the trainer trains, in SGLang's names (SupportsMemoryRelease)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-# sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
-# vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
-# past that, so 256 rows cost little more per step than 64 (issue 12's H200 bench: 256 requests in
-# one batch), and RL rollouts bring hundreds of requests per call. EmbeddedEngine keeps its 64 (the
-# CPU path, as before).
-EMBEDDED_MAX_BATCH_SIZE = 64
-FAST_MAX_BATCH_SIZE = 256
-# FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
-# left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
-FAST_MEM_FRACTION = 0.5
 
 
 class EngineUnresponsive(RuntimeError):
@@ -92,22 +76,6 @@ class Engine(Protocol):
     def weights_checksum(self) -> str:
         """`miles.weights.checksum.state_dict_checksum` of the weights as the engine holds them."""
         ...
-
-    # Optional capabilities, used when the class has them (the composition root looks):
-    #   load_weight_bucket(bucket: miles.weights.transport.WeightBucket) -> int | None
-    #       one bucket of a CUDA IPC weight update; without it weights go through the object store
-    #   release_memory(tags: Sequence[str] = MEMORY_TAGS) / resume_memory(tags = MEMORY_TAGS)
-    #       free GPU memory while the trainer trains (--offload-rollout, --colocate), and take it back;
-    #       each engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights,
-    #       SGLang frees them too); idempotent. miles.phases.memory says when.
-    #   health() -> {"busy": bool, "since_progress_s": float}
-    #       answers beside a running call (see the module docstring): seconds since the running
-    #       generate last made progress (0.0 idle; an idle engine first proves it can generate; the
-    #       SGLang engine counts a finished request, or its server's /health_generate, as progress);
-    #       the health monitor's probe
-    #   abort() -> None
-    #       the generate calls running now return at their next step (finish_reason "abort", with
-    #       what each request generated until then)
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (the trainer's checksum is taken in it)."""
@@ -156,7 +124,7 @@ class EngineFleet(Protocol):
     resource_name: str
 
     def engine_kwargs(self, index: int, name: str) -> dict[str, Any]:
-        """Constructor keywords of engine `index` beyond (model_path, device, dtype, seed)."""
+        """Engine `index`'s wiring into the fleet (work folder, router address), beyond its options."""
         ...
 
     async def joined(self, index: int, engine: Any) -> None:
@@ -172,3 +140,65 @@ class EngineFleet(Protocol):
         ...
 
     async def dispose(self) -> None: ...
+
+
+# -- optional abilities: an engine's spec declares the ones its class implements ----------------------
+
+@runtime_checkable
+class SupportsWeightBuckets(Protocol):
+    """Weights in CUDA IPC buckets (colocated on GPUs); without it weights go through the object store."""
+
+    def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
+        """One bucket of a weight update (miles.weights.transport)."""
+        ...
+
+
+@runtime_checkable
+class SupportsMemoryRelease(Protocol):
+    """Frees GPU memory while the trainer trains (--offload-rollout, --colocate) and takes it back; each
+    engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights, SGLang frees
+    them too); idempotent. miles.phases.memory says when."""
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
+
+
+@runtime_checkable
+class SupportsHealth(Protocol):
+    """Answers the health monitor's probe beside a running generate call (two actor threads, guarding
+    its model itself, or an async engine): seconds since the running generate last made progress
+    (0.0 idle; an idle engine first proves it can generate). An engine without it is not probed; its
+    hung calls are still found by --engine-generate-timeout."""
+
+    def health(self) -> dict[str, Any]:
+        """{"busy": bool, "since_progress_s": float}"""
+        ...
+
+
+@runtime_checkable
+class SupportsAbort(Protocol):
+    """The generate calls running now return at their next step (finish_reason "abort", with what each
+    request generated until then); answered beside them, as health."""
+
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine, as the run sees it (see the module docstring)."""
+
+    engine: str                                             # "module:Class" (an Engine)
+    options: Callable[[RunConfig], dict[str, Any]]          # constructor options from the config
+    capabilities: tuple[type, ...] = ()                     # the Supports* Protocols the class implements
+    fleet: str | None = None                                # "module:function" -> EngineFleet
+    check: Callable[[RunConfig, list[str]], None] | None = None   # its own flags, before Ray starts
+    actor_threads: int | None = None
+    tensor_parallel: bool = False
+    # hf_checkpoint -> None when the engine implements that model, else why not (None: every model)
+    refuses: Callable[[str], str | None] | None = None
+    # on GPUs, this engine gives way to that one (a name in ENGINES) for the models it does not refuse
+    prefer_on_gpus: str | None = None
+
+    def supports(self, capability: type) -> bool:
+        return capability in self.capabilities

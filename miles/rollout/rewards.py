@@ -42,7 +42,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from miles.config import ConfigError
+from miles.config import ConfigError, RunConfig
+from miles.config.checks import check
 from miles.runtime.threads import in_daemon_thread
 from miles.types import Prompt
 from miles.user_code import check_signature, display_name, import_user_function
@@ -408,3 +409,16 @@ def _describe(value: Any) -> str:
 
 def _name(fn: Callable[..., Any]) -> str:
     return display_name(fn)
+
+
+@check
+def _reward_types(cfg: RunConfig, problems: list[str]) -> None:
+    """--rm-type, and each --eval-config dataset's rm_type, names a reward this module has."""
+    r = cfg.rollout
+    if r.rm_type not in RM_TYPES:
+        problems.append(f"--rm-type {r.rm_type}: not a built-in reward; use one of {', '.join(RM_TYPES)} (or "
+                        "--custom-rm-path module:fn)")
+    for d in cfg.eval.datasets:
+        if d.rm_type is not None and d.rm_type not in RM_TYPES:
+            problems.append(f"--eval-config dataset {d.name!r}: rm_type {d.rm_type!r} is not a reward type here; use "
+                            f"one of {', '.join(RM_TYPES)} or leave it out to use the run's reward (--custom-rm-path)")

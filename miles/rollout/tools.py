@@ -155,9 +155,9 @@ def _args(call: ToolCall) -> str:
 
 def load_tool_kit(execute_path: str, *, specs_path: str | None, parser: str, timeout_s: float) -> ToolKit:
     """The run's ToolKit from its flags; every problem a ConfigError naming the flag."""
-    from miles.rollout.generation import _load_async
+    from miles.user_code import import_async_function
 
-    execute = _load_async(execute_path, "--generate-execute-tool-function-path", 2,
+    execute = import_async_function(execute_path, "--generate-execute-tool-function-path", 2,
                           "async fn(name, arguments) -> str")
     specs = load_tool_specs(specs_path) if specs_path else None
     return ToolKit(execute=execute, parser=parser, specs=specs, timeout_s=timeout_s)

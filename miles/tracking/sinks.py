@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from miles.config import ConfigError, TrackingConfig
+from miles.config import ConfigError, RunConfig, TrackingConfig
+from miles.config.checks import check
 from miles.tracking.metrics import MetricsWriter
 
 EXTRAS = {"use_tensorboard": ("tensorboard", "--use-tensorboard", "tensorboard"),
@@ -203,3 +204,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+@check
+def _sinks(cfg: RunConfig, problems: list[str]) -> None:
+    problems.extend(tracking_problems(cfg.tracking))

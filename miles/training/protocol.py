@@ -5,6 +5,10 @@ The composition root (`miles/phases/init.py:pick_backends`) picks the classes on
 makes them Ray actors; nothing else names a backend. A new backend (Megatron) is a module of its own
 implementing `TrainerBackend` (and `CriticBackend` if it trains PPO's critic), plus one
 `TRAIN_BACKENDS` entry; its heavy imports stay in its module, which loads only when a run picks it.
+Its optional abilities (`SupportsOffload`, `SupportsCachedMemoryRelease`, `SupportsWeightBuckets`)
+are declared on its spec; the phases ask the spec, never the class. The checks every backend shares
+(a critic for PPO, model parallelism) and each backend's own (`check`) are registered with
+`miles.config.checks` here, so they run before Ray starts.
 
 Constructors, for every backend:
     Trainer(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, device, dtype)
@@ -16,12 +20,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from miles.config import RunConfig
+from miles.config.checks import check as register_check
+from miles.config.schema import TRAIN_BACKEND_NAMES
+from miles.runtime.machine import import_object
 
 if TYPE_CHECKING:
     import torch
 
     from miles.types import Sample
+
+
+@runtime_checkable
+class SupportsOffload(Protocol):
+    """The optimizer state goes to host memory while the engines generate (--offload-train), and back."""
+
+    def offload(self) -> int:
+        """Bytes moved to the host."""
+        ...
+
+    def onload(self) -> int:
+        """Bytes moved back to the GPU."""
+        ...
+
+
+@runtime_checkable
+class SupportsCachedMemoryRelease(Protocol):
+    """Returns the CUDA blocks the last step cached (its activations) before the engines take memory back."""
+
+    def release_cached_memory(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsWeightBuckets(Protocol):
+    """Hands its weights out in CUDA IPC buckets of the engines' dtype (colocated on GPUs)."""
+
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int) -> int: ...
+
+    def weight_bucket(self, index: int, version: int) -> object: ...
+
+    def release_weight_buckets(self, index: int | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -35,15 +75,50 @@ class TrainBackendSpec:
     # the trainer actor starts one rank actor per trainer GPU itself: init gives it no GPU and passes
     # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs)
     ranked: bool = False
+    capabilities: tuple[type, ...] = ()   # the Supports* Protocols above that the trainer class implements
+
+    def supports(self, capability: type) -> bool:
+        return capability in self.capabilities
 
 
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
-    "torch": TrainBackendSpec(trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic"),
+    "torch": TrainBackendSpec(trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
+                              capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets)),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
                                  check="miles.training.megatron.checks:run_problems", model_parallel=True,
-                                 ranked=True),
+                                 ranked=True, capabilities=(SupportsCachedMemoryRelease,)),
 }
+assert tuple(TRAIN_BACKENDS) == TRAIN_BACKEND_NAMES, "the flag's choices are the registry's names"
+
+
+@register_check
+def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
+    """What the picked backend can take: PPO's critic, model parallelism, more than one GPU; then its own
+    checks (its package installed, the model fits it). An unknown name is config's own check."""
+    spec, t, c = TRAIN_BACKENDS.get(cfg.train.backend), cfg.train, cfg.cluster
+    if spec is None:
+        return
+    if spec.critic is None and cfg.algorithm.needs_critic:
+        problems.append(f"--train-backend {t.backend} has no critic: --advantage-estimator ppo needs one; "
+                        f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
+    parallel = [flag if isinstance(v, bool) else f"{flag} {v}" for flag, v, default in (
+        ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
+        ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
+        ("--context-parallel-size", t.context_parallel_size, 1),
+        ("--sequence-parallel", t.sequence_parallel, False)) if v != default]
+    if parallel and not spec.model_parallel:
+        problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
+                        f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
+    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1 and not spec.ranked:
+        problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
+                        f"{c.actor_num_gpus_per_node}: the {t.backend} trainer runs on one GPU (no FSDP "
+                        f"yet); use 1 x 1, or --train-backend "
+                        f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
+    if spec.check:
+        # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan
+        gpus = c.actor_num_nodes * c.actor_num_gpus_per_node if cfg.model.on_gpus else None
+        problems.extend(import_object(spec.check)(cfg, gpus))
 
 
 class TrainerBackend(Protocol):

@@ -125,6 +125,6 @@ class OptimizedModel:
         if self._host is not None:
             self._host.dispose()
         self._model = self._optimizer = self._host = None
-        if self.device.type == "cuda":      # see miles.rollout.engine.EmbeddedEngine.dispose
+        if self.device.type == "cuda":      # see miles.rollout.engines.embedded.engine.EmbeddedEngine.dispose
             gc.collect()
             torch.cuda.empty_cache()

@@ -27,8 +27,7 @@ from torch import Tensor
 from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
                               get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
                               normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
-from miles.algorithms.names import LOSS_AGG_MODES, LOSS_TYPES
-from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import TrainBatch
 from miles.user_code import display_name, import_user_function
 
@@ -37,30 +36,6 @@ Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
 # (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
 # fills batch.advantages
 AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
-
-
-def config_problems(train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> list[str]:
-    problems = []
-    if train.micro_batch_size < 1:
-        problems.append(f"--micro-batch-size must be >= 1, got {train.micro_batch_size}")
-    if train.global_batch_size is not None and train.global_batch_size < 1:
-        problems.append(f"--global-batch-size must be >= 1 (or unset: the whole rollout), got {train.global_batch_size}")
-    if train.clip_grad < 0:
-        problems.append(f"--clip-grad must be >= 0 (0 disables clipping), got {train.clip_grad}")
-    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
-        problems.append(f"--use-dynamic-batch-size needs --max-tokens-per-gpu >= 1, got {train.max_tokens_per_gpu}")
-    if algorithm.loss_type not in LOSS_TYPES:
-        problems.append(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, got {algorithm.loss_type!r}")
-    if (algorithm.loss_type == "custom_loss") != bool(algorithm.custom_loss_function_path):
-        problems.append("--loss-type custom_loss needs --custom-loss-function-path (and only it)")
-    if algorithm.loss_agg_mode not in LOSS_AGG_MODES:
-        problems.append(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {algorithm.loss_agg_mode!r}")
-    if algorithm.use_tis and algorithm.use_rollout_logprobs:
-        problems.append("--use-tis and --use-rollout-logprobs correct the same mismatch twice; keep one")
-    if not rollout.temperature > 0:
-        problems.append(f"--rollout-temperature must be > 0 to train on the rollouts (greedy ones cannot be), "
-                        f"got {rollout.temperature}")
-    return problems
 
 
 def _policy_term(loss_fn: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
@@ -179,7 +154,7 @@ def _ppo_gae(gamma: float, lambd: float, kl_coef: float, normalize: bool, batch:
 
 
 def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
-    if a.advantage_estimator == "ppo":
+    if a.needs_critic:
         return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
     if a.advantage_estimator == "reinforce_plus_plus":
         return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)

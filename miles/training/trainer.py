@@ -48,13 +48,13 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
-from miles.training.terms import PolicyObjective, config_problems
+from miles.training.terms import PolicyObjective
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -91,9 +91,6 @@ class Trainer(OptimizedModel):
         recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant.
         `hidden_forward` (chunked logprobs from hidden states) and `skip_old_logprobs` (no no-grad
         pass when it equals the step's own): None = on CUDA only, so CPU runs compute as they did."""
-        problems = config_problems(train, algorithm, rollout)
-        if problems:
-            raise ConfigError(problems)
         super().__init__(train=train, device=device, dtype=dtype)
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval

@@ -92,7 +92,7 @@ def profile_train(model: Path, a: argparse.Namespace) -> dict:
 
 
 def profile_engine(model: Path, a: argparse.Namespace) -> dict:
-    from miles.rollout.fast_engine import FastEngine
+    from miles.rollout.engines.fast.engine import FastEngine
     from miles.types import SamplingParams
 
     e = FastEngine(str(model), device="cuda", dtype="bfloat16")

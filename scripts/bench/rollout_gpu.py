@@ -209,7 +209,7 @@ def main() -> None:
 
 
 def run_baselines(path: str, shapes: list[dict], args, report: dict) -> None:
-    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.engines.embedded.engine import EmbeddedEngine
 
     for shape in shapes:
         if shape["name"] == "long" and args.skip_long_baselines:
@@ -228,7 +228,7 @@ def run_baselines(path: str, shapes: list[dict], args, report: dict) -> None:
 
 def run_fast(path: str, shapes: list[dict], args, report: dict, *, label: str = "fast",
              attention_kernel: bool = True) -> None:
-    from miles.rollout.fast_engine import FastEngine
+    from miles.rollout.engines.fast.engine import FastEngine
 
     context = max(max(len(q) for q in s["prompts"]) + s["max_new_tokens"] for s in shapes)
     log(f"FastEngine ({label}): max_batch_size={args.max_batch_size} max_context_len={context}")

@@ -74,7 +74,7 @@ def test_past_the_restart_budget_the_run_drains_with_the_cause(ray_cluster, tiny
     assert trace.events[-1].state == "shutdown" and miles_actors() == []
 
 
-# -- a new user's first runs (issue 19) --------------------------------------------------------------
+# -- a new user's first runs -----------------------------------------------------------------------
 
 
 

@@ -1,4 +1,4 @@
-"""Issue 20's faults, on real parts (the session's Ray cluster, the tiny model): corrupted checkpoints
+"""Reliability faults, on real parts (the session's Ray cluster, the tiny model): corrupted checkpoints
 are skipped on --load, a phase past its deadline drains the run, a corrupted engine fails the run
 naming it, a hung reward fails its sample (with --reward-timeout), a local cluster without token
 authentication is refused before it starts, and a SIGTERM while a reward never returns ends a run
@@ -123,7 +123,7 @@ def test_a_local_cluster_without_authentication_is_refused_before_it_starts(tiny
 
 
 def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_timeout(tiny_task, tmp_path):
-    # issue 20's case, in a run that starts its own local cluster as a user's does: rollout 0 trains,
+    # a stuck reward, in a run that starts its own local cluster as a user's does: rollout 0 trains,
     # rollout 1's reward never returns; the first SIGTERM must end the process within --stop-timeout
     # (default 20 s), saving rollout 0 on the way, and leave nothing behind
     rm = tmp_path / "stuck_rm.py"

@@ -1,4 +1,4 @@
-"""Colocated GRPO on one GPU (issue 13): the arithmetic demo learns with the engine on the trainer's GPU,
+"""Colocated GRPO on one GPU: the arithmetic demo learns with the engine on the trainer's GPU,
 weights synced by CUDA IPC and checked by checksum, the optimizer offloaded during rollouts, the
 engine's cache released during training, and memory flat. Skipped without CUDA.
 
@@ -100,7 +100,7 @@ def test_trainer_offload_between_rollouts_leaves_training_unchanged(model_path, 
 
 
 def test_fast_engine_release_resume_leaves_outputs_unchanged(model_path):
-    from miles.rollout.fast_engine import FastEngine
+    from miles.rollout.engines.fast.engine import FastEngine
 
     engine = FastEngine(model_path, max_batch_size=8)
     prompts, params = [[5, 6, 7], [9, 10], [11]], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)

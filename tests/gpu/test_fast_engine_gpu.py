@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.fast_engine import FastEngine
+from miles.rollout.engines.embedded.engine import EmbeddedEngine
+from miles.rollout.engines.fast.engine import FastEngine
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, make_tiny_model
@@ -57,7 +57,7 @@ def assert_fast_path(engine: FastEngine) -> None:
 
 
 def test_attention_kernel_equals_the_masked_stock_call_in_bf16():
-    from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
+    from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
 
     kv_heads, group, dim, max_len = 2, 7, 64, 1000
     q = torch.randn((6, kv_heads, group, dim), device="cuda", dtype=torch.bfloat16)

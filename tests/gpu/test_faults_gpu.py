@@ -1,4 +1,4 @@
-"""The fault matrix's engine and trainer deaths on one GPU, colocated (issue 13): each run still ends
+"""The fault matrix's engine and trainer deaths on one GPU, colocated: each run still ends
 clean (the trace conforms, teardown unwinds in reverse order, no actor or worker process is left),
 and the GPU is left as it was: no process of the run in `nvidia-smi`, its memory back to what it
 was before the run. The CPU cases are tests/faults/test_fault_matrix.py; these reuse its checks.

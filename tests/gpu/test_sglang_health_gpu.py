@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from miles.rollout.sglang_engine import ABORT_GRACE_S, SGLangEngine, SGLangEngineConfig
+from miles.rollout.engines.sglang.engine import ABORT_GRACE_S, SGLangEngine, SGLangEngineConfig
 from miles.types import SamplingParams
 from tests.fakes import real_sglang_installed
 from tests.tiny_model import make_tiny_model

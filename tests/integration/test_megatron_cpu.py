@@ -199,6 +199,16 @@ def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algori
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models[family]), want_w)
 
 
+def test_num_steps_per_rollout_gives_that_many_optimizer_steps_on_both_backends(models, tmp_path):
+    # the global batch is the config's derived one (TrainConfig.global_batch): 8 samples / 2 steps = 4 a step
+    train, algorithm, rollout = configs()
+    cfg = (replace(train, global_batch_size=None, num_steps_per_rollout=2), algorithm, rollout)
+    want, want_w = torch_trainer_run(models["qwen2"], cfg, [0])
+    results = run_ranks(1, models["qwen2"], cfg, tmp_path, rollouts=[0])
+    assert want[0]["num_steps"] == results[0]["metrics"][0]["num_steps"] == 2
+    assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
+
+
 @pytest.mark.parametrize("tp,pp,cp,world", [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 2), (1, 1, 2, 2), (2, 1, 2, 4),
                                             (1, 2, 2, 4), (1, 1, 2, 4)],
                          ids=["tp2", "pp2", "dp2", "cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2"])

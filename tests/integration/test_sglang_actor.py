@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from miles.rollout.sglang_engine import EXIT_SERVER_DIED, SGLangEngine, SGLangEngineConfig
+from miles.rollout.engines.sglang.engine import EXIT_SERVER_DIED, SGLangEngine, SGLangEngineConfig
 from miles.types import SamplingParams
 from tests.fakes import FAKES_DIR, sglang_processes
 from tests.tiny_model import make_tiny_model

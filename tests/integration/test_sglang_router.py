@@ -12,8 +12,8 @@ import signal
 import psutil
 import pytest
 
-from miles.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-from miles.rollout.sglang_router import SGLangRouter
+from miles.rollout.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
+from miles.rollout.engines.sglang.router import SGLangRouter
 from miles.types import SamplingParams
 from tests.fakes import FAKES_DIR, fake_calls, sglang_processes
 from tests.tiny_model import make_tiny_model

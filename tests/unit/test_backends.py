@@ -11,7 +11,8 @@ from miles.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, Ru
 from miles.config.flags import BY_DEST
 from miles.config.validate import validate
 from miles.phases.init import pick_backends
-from miles.rollout.protocol import ENGINES, Engine
+from miles.rollout.engines.registry import ENGINES
+from miles.rollout.protocol import Engine, EngineSpec
 from miles.runtime.machine import import_object
 from miles.training.protocol import TRAIN_BACKENDS, CriticBackend, TrainBackendSpec, TrainerBackend
 from tests.tiny_model import make_tiny_model
@@ -23,19 +24,21 @@ def members(protocol: type) -> set[str]:
 
 def test_every_registered_class_implements_its_protocol():
     assert members(Engine) >= {"generate", "update_weights", "weights_checksum", "weights_dtype", "dispose"}
-    for name, path in ENGINES.items():
-        cls = import_object(path)
+    for name, spec in ENGINES.items():
+        cls = import_object(spec.engine)
         assert not members(Engine) - set(dir(cls)), (name, members(Engine) - set(dir(cls)))
+        assert all(issubclass(cls, c) for c in spec.capabilities), name
     for name, spec in TRAIN_BACKENDS.items():
         trainer = import_object(spec.trainer)
         assert not members(TrainerBackend) - set(dir(trainer)), (name, members(TrainerBackend) - set(dir(trainer)))
+        assert all(issubclass(trainer, c) for c in spec.capabilities), name
         if spec.critic:
             critic = import_object(spec.critic)
             assert not members(CriticBackend) - set(dir(critic)), (name, members(CriticBackend) - set(dir(critic)))
 
 
 def test_flag_choices_are_the_registries():
-    assert BY_DEST["rollout_engine"].choices == tuple(ENGINES)
+    assert BY_DEST["rollout_engine"].choices == tuple(ENGINES)       # the registries assert it at import too
     assert BY_DEST["train_backend"].choices == tuple(TRAIN_BACKENDS)
 
 
@@ -55,7 +58,7 @@ def cfg_with(**rollout_and_train) -> RunConfig:
 
 
 def test_pick_backends_reads_both_flags(monkeypatch):
-    monkeypatch.setitem(ENGINES, "fake", f"{__name__}:FakeEngine")
+    monkeypatch.setitem(ENGINES, "fake", EngineSpec(engine=f"{__name__}:FakeEngine", options=lambda cfg: {}))
     monkeypatch.setitem(TRAIN_BACKENDS, "fake", TrainBackendSpec(trainer=f"{__name__}:FakeTrainer"))
     picked = pick_backends(cfg_with(engine="fake", backend="fake"))
     assert picked.engine is FakeEngine and picked.trainer is FakeTrainer and picked.critic is None
@@ -125,20 +128,27 @@ def test_embedded_on_cuda_is_the_fast_engine_for_models_it_implements(models):
     assert "model_type 'gpt2' is not implemented" in refused.fast_path_refused
 
 
-def test_rollout_engine_fast_runs_anywhere_but_refuses_models_it_does_not_implement(models):
+def test_device_auto_follows_the_clusters_gpus(models):
+    # the one rule of ModelConfig.uses_gpus: --device auto is on GPUs when the run's cluster has some
+    assert pick_backends(engine_cfg(models["qwen2"], device="auto")).engine_name == "embedded"
+    assert pick_backends(engine_cfg(models["qwen2"], device="auto"), cluster_gpus=2).engine_name == "fast"
+    assert pick_backends(engine_cfg(models["qwen2"], device="cpu"), cluster_gpus=2).engine_name == "embedded"
+
+
+def test_rollout_engine_fast_runs_anywhere_but_validate_refuses_models_it_does_not_implement(models):
     picked = pick_backends(engine_cfg(models["qwen2"], engine="fast"))              # CPU: eager, as CI runs it
     assert picked.engine.__name__ == "FastEngine" and picked.engine_options["mem_fraction"] == 0.5
     with pytest.raises(ConfigError, match=r"--rollout-engine fast cannot run --hf-checkpoint .*gpt2.*: "
                                           r"model_type 'gpt2' is not implemented.*use --rollout-engine embedded"):
-        pick_backends(engine_cfg(models["gpt2"], engine="fast", device="cuda"))
+        validate(engine_cfg(models["gpt2"], engine="fast", device="cuda"))
 
 
 def test_engine_defaults_live_in_one_place():
     import inspect
 
-    from miles.rollout.engine import EmbeddedEngine
-    from miles.rollout.fast_engine import FastEngine
-    from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+    from miles.rollout.engines.embedded.engine import EmbeddedEngine
+    from miles.rollout.engines.fast.engine import FastEngine
+    from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 
     fast, embedded = (inspect.signature(c).parameters for c in (FastEngine, EmbeddedEngine))
     assert fast["max_batch_size"].default == FAST_MAX_BATCH_SIZE == 256

@@ -1,4 +1,4 @@
-"""The miles flags of issue 19 in the config: how they parse, what they need, --eval-config's YAML."""
+"""The miles flags in the config: how they parse, what they need, --eval-config's YAML."""
 
 from __future__ import annotations
 

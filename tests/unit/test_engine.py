@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.algorithms import logprobs_from_logits
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.rollout.engine import EmbeddedEngine, EngineDisposedError
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError
 from miles.training.batch import make_train_batch
 from miles.training.trainer import Trainer
 from miles.types import Generation, Prompt, Sample, SamplingParams

@@ -4,6 +4,7 @@ and per-prompt caps; the health monitor's decisions on fake engines (hung, stall
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from types import SimpleNamespace
@@ -12,9 +13,11 @@ import pytest
 import ray
 
 from miles.config import RolloutConfig, TraceConfig
-from miles.phases.health import HealthMonitor, answers_beside_calls
-from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.sglang_engine import SGLangEngine
+from miles.phases.health import HealthMonitor
+from miles.rollout.engines.embedded.engine import EmbeddedEngine
+from miles.rollout.engines.registry import ENGINES
+from miles.rollout.protocol import SupportsHealth
+from miles.runtime.machine import import_object
 from miles.types import SamplingParams
 from tests.tiny_model import make_tiny_model
 
@@ -153,23 +156,13 @@ def test_a_probe_that_raises_counts_as_hung_and_the_monitor_goes_on():
     assert reason == "the health probe failed: RuntimeError: server gone"
 
 
-def test_only_engines_that_answer_beside_a_running_call_are_probed():
-    class TwoThreads:
-        actor_threads = 2
-
-        def health(self): ...
-
-    class OneThread(TwoThreads):
-        actor_threads = 1
-
-    class Async:                         # an async actor: Ray runs its calls concurrently
-        async def health(self): ...
-
-    class NoHealth:
-        actor_threads = 2
-
-    kinds = (EmbeddedEngine, SGLangEngine, TwoThreads, OneThread, Async, NoHealth)
-    assert [answers_beside_calls(k) for k in kinds] == [True, True, True, False, True, False]
+def test_only_engines_whose_spec_declares_health_are_probed_and_they_answer_beside_a_running_call():
+    declared = {name for name, spec in ENGINES.items() if spec.supports(SupportsHealth)}
+    assert declared == {"embedded", "sglang"}         # FastEngine runs one call at a time: not probed
+    for name in declared:       # two actor threads (the engine guards its model), or an async actor's coroutine
+        spec = ENGINES[name]
+        health = import_object(spec.engine).health
+        assert (spec.actor_threads or 1) >= 2 or inspect.iscoroutinefunction(health), name
 
 
 def test_engines_going_in_the_runs_teardown_are_not_reported_or_killed():

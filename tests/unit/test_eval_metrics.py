@@ -1,4 +1,4 @@
-from miles.eval.metrics import pass_at_k
+from miles.rollout.evals import pass_at_k
 import pytest
 
 

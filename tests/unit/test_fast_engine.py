@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
-from miles.rollout import fast_model
-from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _truncate
-from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
-from miles.rollout.fast_cache import batch_buckets, plan_positions, span_buckets
-from miles.rollout.fast_engine import FastEngine
+from miles.rollout.engines.fast import model as fast_model
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _truncate
+from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
+from miles.rollout.engines.fast.cache import batch_buckets, plan_positions, span_buckets
+from miles.rollout.engines.fast.engine import FastEngine
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, VOCAB_SIZE, _tokenizer, make_tiny_model
@@ -330,7 +330,7 @@ def test_a_request_longer_than_the_cache_is_refused(model_path):
 
 
 def test_per_prompt_caps_bound_each_response_and_uniform_caps_are_the_plain_call(model_path):
-    # issue 17's custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
+    # custom generation sends one cap per prompt (a multi-turn sample's remaining budget)
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     never_stop = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
     plain = engine.generate(PROMPTS, never_stop)

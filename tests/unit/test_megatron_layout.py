@@ -73,8 +73,9 @@ def test_layout_problems_name_the_flags():
 
 def test_batch_problems():
     dp2 = ParallelLayout(4, tp=2)
-    assert batch_problems(dp2, 16, None, 4) == []
-    assert "does not split over the 2 data-parallel ranks" in batch_problems(dp2, 15, None, 1)[0]
+    assert batch_problems(dp2, 16, 16, 4) == []
+    assert "does not split over the 2 data-parallel ranks" in batch_problems(dp2, 15, 15, 1)[0]
+    assert "does not split over the 2 data-parallel ranks" in batch_problems(dp2, 16, 5, 1)[0]
     pp2 = ParallelLayout(4, pp=2)                               # dp 2: 8 samples per rank per step
-    assert batch_problems(pp2, 16, None, 4) == []
-    assert "multiple of --micro-batch-size 3" in batch_problems(pp2, 16, None, 3)[0]
+    assert batch_problems(pp2, 16, 16, 4) == []
+    assert "multiple of --micro-batch-size 3" in batch_problems(pp2, 16, 16, 3)[0]

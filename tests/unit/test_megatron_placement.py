@@ -10,12 +10,14 @@ from miles.cluster.placement import PlacementRequest, RunPlacement, plan_placeme
 from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.config.schema import DataConfig
 from miles.phases.init import _trainer_placement
+from miles.training.protocol import TRAIN_BACKENDS
 
 
 def ctx(backend: str, **request) -> SimpleNamespace:
     cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
                     rollout=RolloutConfig(batch_size=1), train=TrainConfig(backend=backend))
-    return SimpleNamespace(cfg=cfg, c=SimpleNamespace(placement=RunPlacement(plan_placement(PlacementRequest(**request)))))
+    return SimpleNamespace(cfg=cfg, c=SimpleNamespace(placement=RunPlacement(plan_placement(PlacementRequest(**request)))),
+                           backends=SimpleNamespace(train_spec=TRAIN_BACKENDS[backend]))
 
 
 def test_megatron_ranks_take_the_trainers_gpus_of_the_plan():

@@ -98,11 +98,11 @@ def test_a_refused_key_in_a_config_file_gets_its_fate(tmp_path):
 
 def test_the_coming_from_miles_doc_is_the_table():
     text = DOC.read_text()
-    block = re.search(r"<!-- generated: python -m miles.config.miles_flags -->\n(.*?)<!-- end generated -->",
+    block = re.search(r"<!-- generated: python -m miles.config.flags -->\n(.*?)<!-- end generated -->",
                       text, re.S)
     assert block is not None, "docs/coming-from-miles.md lost its generated block"
     assert block.group(1) == markdown({f.name: f.help for f in FLAGS}), \
-        "regenerate it: python -m miles.config.miles_flags, between the markers"
+        "regenerate it: python -m miles.config.flags, between the markers"
 
 
 def test_running_md_names_every_flag_issue_19_implemented():

@@ -191,7 +191,7 @@ async def two_turns(ctx, sample, params):
 
 
 def test_real_trajectories_line_up_with_the_trainers_recomputation(tool_model, tmp_path, monkeypatch):
-    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.engines.embedded.engine import EmbeddedEngine
     from miles.training.batch import make_train_batch
     from miles.training.trainer import Trainer
 

@@ -93,7 +93,7 @@ def test_reward_key_and_group_rm(tmp_path, monkeypatch):
 
 
 def test_reward_timeout_fails_only_the_sample_and_names_it(tmp_path, monkeypatch):
-    # issue 20's --reward-timeout through issue 17's Rewards: the hung call scores 0.0 and is reported
+    # --reward-timeout through Rewards: the hung call scores 0.0 and is reported
     (tmp_path / "rm.py").write_text("import time\n"
                                     "def slow(prompt, response, label):\n"
                                     "    if response == 'hang':\n"

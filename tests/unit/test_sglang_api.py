@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 from miles.types import SamplingParams
 
 
@@ -84,12 +84,5 @@ def test_malformed_or_aborted_responses_are_errors_naming_the_request(body, matc
 
 def test_control_bodies_carry_only_sglang_fields():
     assert api.disk_update_body("/w", 2) == {"model_path": "/w", "weight_version": "2", "flush_cache": True}
-    assert api.tensor_update_body(["a", "b"], version=None, flush_cache=False) == \
-        {"serialized_named_tensors": ["a", "b"], "flush_cache": False, "load_format": "flattened_bucket"}
-    assert api.init_group_body("10.0.0.1", 29500, 1, 3, "g") == \
-        {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3, "group_name": "g",
-         "backend": "nccl"}
-    with pytest.raises(ValueError, match="differ in length"):
-        api.distributed_update_body(["a"], [], [[1]], group_name="g", version=1, flush_cache=True)
     with pytest.raises(ValueError, match="use one or more of weights, kv_cache, cuda_graph"):
         api.check_tags(["kv"])

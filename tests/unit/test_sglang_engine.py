@@ -14,10 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.rollout.sglang_client import SGLangHTTPError
-from miles.rollout.sglang_engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLangEngine, SGLangEngineConfig,
+from miles.rollout.engines.sglang.client import SGLangHTTPError
+from miles.rollout.engines.sglang.engine import (ABORT_GRACE_S, PROGRESS_FRESH_S, SGLangEngine, SGLangEngineConfig,
                                          SGLangServerDied, SGLangStartError)
-from miles.rollout.sglang_weights import bucket_payloads, flatten_bucket
 from miles.types import SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from tests.fakes import FAKES_DIR, fake_calls, fake_state, sglang_processes
@@ -155,38 +154,6 @@ def test_a_refused_update_keeps_the_version_and_still_continues_generation(engin
         run(engine.update_weights(weights, 1))
     assert info.value.status == 400 and engine.weight_version() == 0
     assert fake_calls(engine.url)[-1]["endpoint"] == "/continue_generation"
-
-
-def test_colocated_tensor_buckets_reach_the_server_as_sglang_reads_them(engine, model):
-    weights = exported(model, 0.0)
-    names = sorted(weights)
-    half = len(names) // 2
-    buckets = [flatten_bucket([(n, weights[n].to(torch.bfloat16)) for n in part])
-               for part in (names[:half], names[half:])]
-    payloads = [bucket_payloads(flat, entries, tp_size=1) for flat, entries in buckets]
-    run(engine.update_weights_from_tensor(payloads, 3))
-    calls = fake_calls(engine.url, "/update_weights_from_tensor")
-    assert [c["body"].get("weight_version") for c in calls] == [None, "3"]
-    assert [c["body"]["flush_cache"] for c in calls] == [False, True]
-    assert all(c["body"]["load_format"] == "flattened_bucket" and c["status"] == 200 for c in calls)
-    assert engine.weight_version() == 3
-    with pytest.raises(NotImplementedError, match="did not go through the disk"):
-        run(engine.weights_checksum())
-    with pytest.raises(ValueError, match="one payload per TP rank"):
-        run(engine.update_weights_from_tensor([payloads[0] * 2], 4))
-
-
-def test_nccl_updates_send_the_group_and_tensor_metadata(engine):
-    run(engine.init_weights_update_group("127.0.0.1", 29555, rank_offset=1, world_size=2))
-    run(engine.update_weights_from_distributed(["lm_head.weight"], ["bfloat16"], [[32, 32]], 5))
-    run(engine.destroy_weights_update_group())
-    calls = {c["endpoint"]: c for c in fake_calls(engine.url)}
-    assert calls["/init_weights_update_group"]["body"] == {
-        "master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2,
-        "group_name": "miles-weights", "backend": "nccl"}
-    body = calls["/update_weights_from_distributed"]["body"]
-    assert body["names"] == ["lm_head.weight"] and body["weight_version"] == "5" and body["shapes"] == [[32, 32]]
-    assert engine.weight_version() == 5
 
 
 def test_memory_is_released_and_resumed_by_tag(engine, model, tmp_path):

@@ -6,11 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.config import CheckpointConfig
 from miles.phases.drain import why_not_save_on_stop
 
 
 def ctx(**kw):
-    base = dict(cfg=SimpleNamespace(checkpoint=SimpleNamespace(save="ckpt", critic_save=None)), start_rollout=0,
+    base = dict(cfg=SimpleNamespace(checkpoint=CheckpointConfig(save="ckpt")), start_rollout=0,
                 saved_rollout=None, training=None, save_duration_s=None)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -22,7 +23,7 @@ def test_a_trained_unsaved_rollout_is_saved():
 
 
 @pytest.mark.parametrize("kw, rid, budget, reason", [
-    ({"cfg": SimpleNamespace(checkpoint=SimpleNamespace(save=None, critic_save=None))}, 3, None, "--save is not set"),
+    ({"cfg": SimpleNamespace(checkpoint=CheckpointConfig())}, 3, None, "--save is not set"),
     ({"start_rollout": 4}, 3, None, "no rollout was trained since the run started"),
     ({"saved_rollout": 3}, 3, None, "rollout 3 is saved already"),
     ({"training": 4}, 3, None, "train was cut short while the trainer stepped on rollout 4"),

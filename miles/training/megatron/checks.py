@@ -54,7 +54,7 @@ def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: Parall
     if not model and not problems:
         problems += tp_problems(model_spec(hf_config), layout.tp)
     if not problems:
-        problems += batch_problems(layout, rollout_samples, train.global_batch_size, train.micro_batch_size)
+        problems += batch_problems(layout, rollout_samples, train.global_batch(rollout_samples), train.micro_batch_size)
     return problems
 
 

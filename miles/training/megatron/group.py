@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
+from miles.config.schema import uses_gpus
 from miles.training.megatron.checks import group_problems, read_hf_config, requested_layout
 from miles.training.megatron.conversion import mcore_to_hf, model_spec
-from miles.training.terms import config_problems
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
 
@@ -52,9 +52,7 @@ def _rendezvous_address(_actor: Any) -> tuple[str, int]:
 def _uses_gpus(device: str) -> bool:
     import ray
 
-    if device == "auto":
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return device.startswith("cuda")
+    return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
 
 
 class MegatronTrainer:
@@ -73,8 +71,7 @@ class MegatronTrainer:
         hf_config = read_hf_config(model_path)
         if hf_config is None:
             raise ConfigError(f"--hf-checkpoint {model_path}: no config.json there; pass an HF-format model folder")
-        problems = config_problems(train, algorithm, rollout) + group_problems(hf_config, train, layout,
-                                                                               rollout.num_samples)
+        problems = group_problems(hf_config, train, layout, rollout.num_samples)
         if problems:
             raise ConfigError(problems)
         self._model_path, self._spec = model_path, model_spec(hf_config)

@@ -101,14 +101,15 @@ def layout_problems(world_size: int, tp: int, pp: int, cp: int, sequence_paralle
     return problems
 
 
-def batch_problems(layout: ParallelLayout, rollout_samples: int, global_batch_size: int | None,
-                   micro_batch_size: int) -> list[str]:
-    """Each optimizer step's samples split evenly over the data-parallel ranks; with pipeline
-    parallelism every micro-batch has the same shape (the stages exchange fixed-size activations)."""
-    gbs = global_batch_size or rollout_samples
+def batch_problems(layout: ParallelLayout, rollout_samples: int, global_batch: int, micro_batch_size: int) -> list[str]:
+    """Each optimizer step's samples (`global_batch`: `TrainConfig.global_batch`, from --global-batch-size
+    or --num-steps-per-rollout) split evenly over the data-parallel ranks; with pipeline parallelism
+    every micro-batch has the same shape (the stages exchange fixed-size activations)."""
+    gbs = global_batch
     if gbs % layout.dp:
-        return [f"--global-batch-size {gbs} (default: the rollout's {rollout_samples} samples) does not split "
-                f"over the {layout.dp} data-parallel ranks; use a multiple of {layout.dp}"]
+        return [f"the global batch of {gbs} samples (--global-batch-size, or the rollout's {rollout_samples} samples "
+                f"/ --num-steps-per-rollout) does not split over the {layout.dp} data-parallel ranks; use a "
+                f"multiple of {layout.dp}"]
     if layout.pp > 1 and (gbs // layout.dp) % micro_batch_size:
         return [f"with --pipeline-model-parallel-size {layout.pp}, each data-parallel rank's {gbs // layout.dp} "
                 f"samples per step must be a multiple of --micro-batch-size {micro_batch_size}"]

@@ -45,7 +45,7 @@ from miles.training.megatron.conversion import (hf_to_mcore, is_tp_split, merge_
 from miles.training.megatron.model import RankModel
 from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule
-from miles.training.terms import PolicyObjective, config_problems
+from miles.training.terms import PolicyObjective
 from miles.types import Sample
 from miles.weights.hf import load_tokenizer, resolve_dtype
 
@@ -73,10 +73,7 @@ def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
 class MegatronWorker:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device_type: str = "cuda", dtype: str = "auto"):
-        """Checks the configuration and remembers it; `setup` joins the group and builds the model."""
-        problems = config_problems(train, algorithm, rollout)
-        if problems:
-            raise ConfigError(problems)
+        """Remembers the configuration (validated before Ray started); `setup` joins the group and builds the model."""
         self._model_path, self._train_cfg, self._ref_load = model_path, train, algorithm.ref_load
         self._ref_interval = algorithm.ref_update_interval
         self._objective = PolicyObjective(algorithm, rollout)
@@ -182,7 +179,7 @@ class MegatronWorker:
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
-        results = [self._step(gb) for gb in split(batch, self._train_cfg.global_batch_size or batch.size)]
+        results = [self._step(gb) for gb in split(batch, self._train_cfg.global_batch(batch.size))]
         metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         metrics.update(prepared_metrics, num_steps=len(results), train_tokens=batch.num_tokens)
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from miles.rollout.engine import _truncate
+from miles.rollout.engines.embedded.engine import _truncate
 from miles.types import SamplingParams
 
 STOP, LENGTH = 1, 2    # finish codes in the per-request `reason` buffer (0: not finished)

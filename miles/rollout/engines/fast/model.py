@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.rollout.fast_attention import decode_attention, sdpa_decode_attention
+from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes

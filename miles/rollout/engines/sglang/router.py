@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from miles.rollout.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnreachable
+from miles.rollout.engines.sglang.client import SGLangClient, SGLangHTTPError, SGLangUnreachable
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 
 log = structlog.get_logger().bind(role="router")

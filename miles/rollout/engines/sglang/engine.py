@@ -3,7 +3,7 @@
 `SGLangEngine` starts `python -m sglang.launch_server` (token ids in and out, weight version "0" for
 the weights on disk, tensor parallel size from --rollout-num-gpus-per-engine, the user's --sglang-*
 flags) in its own process group, waits for `/health_generate`, and then speaks SGLang's HTTP API
-(`miles.rollout.sglang_api`, SGLang 0.5.23):
+(`miles.rollout.engines.sglang.api`, SGLang 0.5.23):
 
 - generate: one `/generate` request per prompt (through the run's sglang-router when it has one),
   each with its own `sampling_seed`; cancelled calls abort their requests (`/abort_request`).
@@ -15,9 +15,7 @@ flags) in its own process group, waits for `/health_generate`, and then speaks S
   calls' requests where they run (`/abort_request`); they return what they generated, finish_reason
   "abort".
 - weights: `update_weights` (the interface the phases call) writes the trainer's weights as HF
-  safetensors next to the model's config and loads them with `/update_weights_from_disk`;
-  `update_weights_from_tensor` sends CUDA IPC buckets (colocated; see `sglang_weights`);
-  `init_weights_update_group` + `update_weights_from_distributed` receive a NCCL broadcast.
+  safetensors next to the model's config and loads them with `/update_weights_from_disk`.
   Every update runs inside `/pause_generation` → `/flush_cache` → update → `/continue_generation`
   and names its version; the server's version is read back and must match.
 - memory: `release_memory` / `resume_memory` with tags (weights, kv_cache, cuda_graph) for
@@ -31,8 +29,7 @@ The server, in turn, is started with PR_SET_PDEATHSIG: it dies if the engine's p
 
 SGLang has no checksum that a trainer can reproduce (its `/weights_checker` hashes its own fused,
 sharded parameters on the GPU): `weights_checksum` is the checksum of the weights this engine handed
-to the server, checked together with the version the server reports (see its docstring);
-`server_checksum` is SGLang's own, comparable between engines of the same layout.
+to the server, checked together with the version the server reports (see its docstring).
 """
 
 from __future__ import annotations
@@ -55,9 +52,10 @@ from pathlib import Path
 
 import structlog
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
-from miles.rollout.sglang_client import SGLangClient, SGLangHTTPError, SGLangUnreachable
+from miles.rollout.engines.sglang.client import SGLangClient, SGLangHTTPError, SGLangUnreachable
+from miles.rollout.engines.sglang.spec import SGLangEngineConfig
 from miles.runtime.procs import OwnedProcess, die_with_parent, free_port, log_tail
 from miles.types import Generation, SamplingParams
 
@@ -88,26 +86,6 @@ class SGLangServerDied(RuntimeError):
     """The engine's server process is gone."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SGLangEngineConfig:
-    tp_size: int = 1                         # --rollout-num-gpus-per-engine
-    server_args: tuple[str, ...] = ()        # SGLang's own flags, from --sglang-* (sglang_api.passthrough_flags)
-    memory_saver: bool = False               # --enable-memory-saver, needed by release/resume (--offload-rollout)
-    host: str = "127.0.0.1"
-    startup_timeout_s: float = 600.0         # --sglang-server-startup-timeout (model load + CUDA graphs)
-    request_timeout_s: float = 3600.0
-    max_concurrency: int = 256               # requests in flight per engine (--sglang-server-concurrency)
-    pause_mode: str = "retract"              # requests in flight survive an update and finish on new weights
-    python: str = sys.executable
-    env: Mapping[str, str] = field(default_factory=dict)   # extra environment for the server
-
-    def __post_init__(self):
-        if self.tp_size < 1:
-            raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.tp_size}")
-        if self.pause_mode not in api.PAUSE_MODES:
-            raise ValueError(f"pause mode {self.pause_mode!r}: use one of {', '.join(api.PAUSE_MODES)}")
-
-
 @dataclass
 class _Call:
     """A generate call running: its requests' ids, and whether abort() was asked since it started."""
@@ -130,7 +108,7 @@ class SGLangEngine(TokenizerAccessors):
                  router_url: str | None = None, work_dir: str | os.PathLike | None = None,
                  exit_with_server: bool = False):
         """`device`, `dtype`, `seed` as every engine takes them (miles.rollout.protocol); the rest from
-        the run's SGLang fleet (`sglang_fleet.SGLangFleet.engine_kwargs`)."""
+        the run's config (`sglang`: the spec's options) and its SGLang fleet (the rest: `fleet.SGLangFleet.engine_kwargs`)."""
         cfg, name = sglang, engine_name
         self.name, self.cfg, self.model_path = name, cfg, str(model_path)
         self.device, self.dtype = device, server_dtype(dtype, device)
@@ -172,13 +150,6 @@ class SGLangEngine(TokenizerAccessors):
         threading.Thread(target=self._watch, name=f"{name}-sglang-watchdog", daemon=True).start()
         log.info("engine_ready", engine=name, url=self.url, pid=self.server.pid, model=self.model_path,
                  tp_size=cfg.tp_size, router=router_url)
-
-    @classmethod
-    def make_fleet(cls, cfg, *, run_dir, num_engines):
-        """The run's support for its SGLang engines (miles.rollout.protocol.EngineFleet)."""
-        from miles.rollout.sglang_fleet import make_fleet
-
-        return make_fleet(cfg, run_dir=run_dir, num_engines=num_engines)
 
     # --- the server process ---------------------------------------------------------------------
     def _launch(self, seed: int) -> OwnedProcess:
@@ -371,10 +342,6 @@ class SGLangEngine(TokenizerAccessors):
         except (SGLangHTTPError, SGLangUnreachable, KeyError, TypeError):
             return []                                   # the router is going: our own server still hears it
 
-    async def abort_all(self) -> None:
-        """Abort every request on this engine's server (leftovers at the end of a rollout)."""
-        await self._guard(self._live().abort())
-
     # --- health --------------------------------------------------------------------------------
     async def health(self) -> dict:
         """{"busy", "since_progress_s"}, the health monitor's probe (miles.rollout.protocol). Busy with
@@ -438,45 +405,6 @@ class SGLangEngine(TokenizerAccessors):
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return state_dict_checksum(tensors)
 
-    async def update_weights_from_tensor(self, buckets: Sequence[Sequence[str]], version: int, *,
-                                         load_format: str | None = "flattened_bucket") -> None:
-        """Colocated: each bucket is one base64 payload per TP rank (`sglang_weights.bucket_payloads`);
-        the cache is flushed and the version set with the last bucket."""
-        client = self._live()
-        if not buckets or any(len(b) != self.cfg.tp_size for b in buckets):
-            raise ValueError(f"{self.name}: each bucket needs one payload per TP rank ({self.cfg.tp_size}); "
-                             f"got {[len(b) for b in buckets]}")
-
-        async def send() -> None:
-            for i, payloads in enumerate(buckets):
-                last = i == len(buckets) - 1
-                await client.update_weights_from_tensor(api.tensor_update_body(
-                    payloads, version=int(version) if last else None, flush_cache=last, load_format=load_format))
-
-        await self._updating(send, int(version))
-        self._handed_over = None
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "miles-weights",
-                                        backend: str = "nccl") -> None:
-        """Join the trainer's NCCL group (trainer rank 0; this engine's TP ranks from rank_offset)."""
-        with self._controlling():        # the server's scheduler waits in it for the trainer's ranks
-            await self._guard(self._live().init_weights_update_group(api.init_group_body(
-                master_address, master_port, rank_offset, world_size, group_name, backend)))
-
-    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]], version: int, *,
-                                              group_name: str = "miles-weights") -> None:
-        """Receive one broadcast (the trainer broadcasts these tensors, in this order, concurrently)."""
-        client = self._live()
-        body = api.distributed_update_body(names, dtypes, shapes, group_name=group_name, version=int(version),
-                                           flush_cache=True)
-        await self._updating(lambda: client.update_weights_from_distributed(body), int(version))
-        self._handed_over = None
-
-    async def destroy_weights_update_group(self, group_name: str = "miles-weights") -> None:
-        await self._guard(self._live().destroy_weights_update_group(group_name))
-
     async def _updating(self, update: Callable[[], Awaitable[object]], version: int) -> None:
         """pause → flush → update → continue, then the server must report `version`."""
         client = self._live()
@@ -504,15 +432,9 @@ class SGLangEngine(TokenizerAccessors):
             raise RuntimeError(f"{self.name}: the server reports weight version {reported!r}, expected "
                                f"{self._version}")
         if self._handed_over is None:
-            raise NotImplementedError(f"{self.name}: no checksum for weights that did not go through the disk "
-                                      f"(the disk weights, CUDA IPC or NCCL updates); compare server_checksum() "
-                                      f"between engines instead")
+            raise NotImplementedError(f"{self.name}: no checksum of the weights the server loaded at start-up "
+                                      f"(only of those an update_weights handed it)")
         return self._handed_over
-
-    async def server_checksum(self) -> str:
-        """SGLang's `/weights_checker` checksum: equal between engines of one layout holding the same weights."""
-        answer = await self._guard(self._live().weights_checker("checksum"))
-        return answer["per_engine_checksum"]
 
     # --- memory --------------------------------------------------------------------------------
     async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:

@@ -1,6 +1,6 @@
 """An async HTTP client for one SGLang server (or a router in front of several): one method per endpoint.
 
-Bodies come from `miles.rollout.sglang_api`; this module only sends them and reads the answers. A
+Bodies come from `miles.rollout.engines.sglang.api`; this module only sends them and reads the answers. A
 non-2xx answer, or a 200 whose body says `"success": false`, raises SGLangHTTPError with the endpoint,
 the status and SGLang's message (whatever the error body's shape: `{"error": "..."}`,
 `{"error": {"message": ...}}`, `{"message": ...}` or plain text). A server that cannot be reached
@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from miles.rollout import sglang_api as api
+from miles.rollout.engines.sglang import api
 
 
 class SGLangHTTPError(RuntimeError):
@@ -104,22 +104,6 @@ class SGLangClient:
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> dict[str, Any]:
         return await self.request("POST", "/update_weights_from_disk", api.disk_update_body(model_path, version))
-
-    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/update_weights_from_tensor", body)
-
-    async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/init_weights_update_group", body)
-
-    async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", "/update_weights_from_distributed", body)
-
-    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
-        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    async def weights_checker(self, action: str) -> dict[str, Any]:
-        """SGLang's own weight check: snapshot | reset_tensors | compare | checksum."""
-        return await self.request("POST", "/weights_checker", {"action": action})
 
     # --- memory ---------------------------------------------------------------------------------
     async def release_memory(self, tags: list[str]) -> None:

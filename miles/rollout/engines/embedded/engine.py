@@ -31,7 +31,8 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.rollout.protocol import EMBEDDED_MAX_BATCH_SIZE, TokenizerAccessors
+from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
+from miles.rollout.protocol import TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
@@ -48,8 +49,6 @@ class EngineDisposedError(RuntimeError):
 
 
 class EmbeddedEngine(TokenizerAccessors):
-    actor_threads = 2       # health and abort are answered while a generate call runs (see the module docstring)
-
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:

@@ -1,7 +1,7 @@
 """SGLang's HTTP contract, as miles uses it: the launch command line, request bodies and response parsing.
 
-Pure functions, no I/O: the client (`sglang_client`) sends what these build, the engine
-(`sglang_engine`) turns what comes back into `Generation`s. Every field name here is taken from
+Pure functions, no I/O: the client (`client`) sends what these build, the engine
+(`engine`) turns what comes back into `Generation`s. Every field name here is taken from
 SGLang's own source, version `SGLANG_VERSION` (`sglang/srt/entrypoints/http_server.py`,
 `sglang/srt/managers/io_struct.py`, the `/generate` schema `sglang/api/v1/api_types.py`, the launch
 flags under `sglang/srt/arg_groups/fields/`):
@@ -158,36 +158,3 @@ def check_tags(tags: Sequence[str]) -> list[str]:
 def disk_update_body(model_path: str, version: int) -> dict[str, Any]:
     """UpdateWeightFromDiskReqInput; the server flushes its cache after loading (`flush_cache`)."""
     return {"model_path": model_path, "weight_version": str(version), "flush_cache": True}
-
-
-def tensor_update_body(payloads: Sequence[str], *, version: int | None, flush_cache: bool,
-                       load_format: str | None = "flattened_bucket") -> dict[str, Any]:
-    """UpdateWeightsFromTensorReqInput: `serialized_named_tensors` holds one base64 payload per TP
-    rank (each rank unpickles only its own). The version goes with the last bucket only."""
-    body: dict[str, Any] = {"serialized_named_tensors": list(payloads), "flush_cache": flush_cache}
-    if load_format is not None:
-        body["load_format"] = load_format
-    if version is not None:
-        body["weight_version"] = str(version)
-    return body
-
-
-def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                    group_name: str, backend: str = "nccl") -> dict[str, Any]:
-    """InitWeightsUpdateGroupReqInput: the trainer is rank 0; an engine's TP ranks are
-    rank_offset .. rank_offset + tp_size - 1 of `world_size`."""
-    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
-
-
-def distributed_update_body(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
-                            group_name: str, version: int | None, flush_cache: bool) -> dict[str, Any]:
-    """UpdateWeightsFromDistributedReqInput: the metadata of the tensors the trainer broadcasts next,
-    in broadcast order; dtypes as torch names without the prefix ("bfloat16")."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
-    body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                            "group_name": group_name, "flush_cache": flush_cache}
-    if version is not None:
-        body["weight_version"] = str(version)
-    return body

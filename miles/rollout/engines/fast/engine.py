@@ -29,14 +29,15 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.rollout import fast_attention
-from miles.rollout.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
-from miles.rollout.fast_cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
+from miles.rollout.engines.fast import attention as fast_attention
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
+from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, span_buckets)
-from miles.rollout.fast_model import Arch, Forward, compile_for, pack_weights, supports
-from miles.rollout.fast_sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
+from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
+from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.rollout.protocol import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION, MEMORY_TAGS, TokenizerAccessors
+from miles.config.schema import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -53,10 +54,6 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
 class FastEngine(TokenizerAccessors):
-    # one thread: the engine is not guarded for calls beside a running generate, so the health probe
-    # skips it (hung calls are found by --engine-generate-timeout) and an abort waits for the call
-    actor_threads = 1
-
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None,
@@ -279,7 +276,7 @@ class FastEngine(TokenizerAccessors):
             return
         self.release_memory()
         self._weights = self._forward = self._tokenizer = None
-        if self.device.type == "cuda":      # see miles.rollout.engine.EmbeddedEngine.dispose
+        if self.device.type == "cuda":      # see miles.rollout.engines.embedded.engine.EmbeddedEngine.dispose
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -330,7 +327,7 @@ class FastEngine(TokenizerAccessors):
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
         EmbeddedEngine._check(self, prompts, params)
-        # not here yet (issue 19 added them to the embedded engine): refuse rather than ignore them
+        # not implemented here yet (the embedded engine has them): refuse rather than ignore them
         if params.stop:
             raise ValueError("bad generate request: the fast engine does not support stop strings "
                              "(--rollout-stop) yet; use stop token ids (--rollout-stop-token-ids)")

@@ -1,1 +1,0 @@
-"""Evaluation: metrics and the eval phase's helpers."""

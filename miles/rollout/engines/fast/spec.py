@@ -1,0 +1,47 @@
+"""FastEngine's spec: our own Llama/Qwen2 forward, KV cache and CUDA graphs (eager on CPU)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.engines.embedded.spec import options as embedded_options
+from miles.rollout.protocol import EngineSpec, SupportsMemoryRelease, SupportsWeightBuckets
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
+
+
+def options(cfg: RunConfig) -> dict[str, Any]:
+    """The embedded engine's, plus the KV cache's share of the GPU and the --disable-* switches."""
+    r = cfg.rollout
+    return {**embedded_options(cfg), "mem_fraction": r.mem_fraction, "cuda_graph": r.cuda_graph,
+            "torch_compile": r.torch_compile, "attention_kernel": r.attention_kernel}
+
+
+def refusal(hf_checkpoint: str) -> str | None:
+    """None when FastEngine implements the checkpoint's model; else why not."""
+    from transformers import AutoConfig
+
+    from miles.rollout.engines.fast.model import supports
+
+    try:
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+    except (OSError, ValueError) as exc:
+        return f"its config does not load ({exc})"
+    return supports(config)
+
+
+def check(cfg: RunConfig, problems: list[str]) -> None:
+    """--rollout-engine fast names a model FastEngine implements (`embedded` falls back instead)."""
+    if cfg.rollout.engine != "fast":
+        return
+    refused = refusal(cfg.model.hf_checkpoint)
+    if refused:
+        problems.append(f"--rollout-engine fast cannot run --hf-checkpoint {cfg.model.hf_checkpoint}: {refused}; "
+                        "use --rollout-engine embedded (transformers)")
+
+
+# one thread: the engine is not guarded for calls beside a running generate, so it declares no health
+# (hung calls are found by --engine-generate-timeout) and no abort (it would wait for the call)
+SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
+                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease), actor_threads=1, refuses=refusal)

@@ -1,0 +1,88 @@
+"""One registry of checks, each rule once, all run by `validate` before Ray starts; config imports
+nothing above it; the facts derived from a config are its properties."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray
+
+import miles
+from miles.cli.train import main
+from miles.config import CheckpointConfig, ConfigError, ModelConfig
+from miles.config.checks import CHECKS, CONTRIBUTORS, run_checks
+from miles.config.flags import BY_DEST, parse_flags
+from miles.config.schema import USER_FUNCTION_FLAGS
+from tests.tiny_model import make_tiny_model
+
+CONFIG = Path(miles.__file__).parent / "config"
+ABOVE_CONFIG = ("miles.rollout", "miles.training", "miles.tracking", "miles.phases", "miles.cluster", "miles.api",
+                "miles.cli", "miles.checkpoint", "miles.weights", "miles.data")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    data = tmp / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", make_tiny_model(tmp / "m"), "--prompt-data", str(data), "--label-key", "label",
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+
+
+def test_config_imports_nothing_above_it():
+    for path in CONFIG.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [n for n in names if n.startswith(ABOVE_CONFIG)], (path.name, names)
+
+
+def test_every_contributor_registers_its_checks_once(base):
+    cfg, _ = parse_flags(base)
+    assert run_checks(cfg) == [] and run_checks(cfg) == []        # a second run registers nothing again
+    modules = {key.partition(":")[0] for key in CHECKS}
+    assert set(CONTRIBUTORS) <= modules | {"miles.rollout.engines.registry"}
+    assert "miles.config.validate" in modules
+
+
+def test_the_trainers_rules_fail_at_parse_time_with_exit_2(base):
+    # once refused inside the trainer actor, after Ray was up: now validate's, before it starts
+    with pytest.raises(ConfigError) as err:
+        parse_flags(base + ["--rollout-temperature", "0", "--clip-grad", "-1"])
+    assert err.value.problems == [
+        "--rollout-temperature 0.0: must be > 0 to train on the rollouts (greedy ones cannot be; >= 0 with "
+        "--debug-rollout-only)",
+        "--clip-grad -1.0: must be >= 0 (0 disables clipping)"]
+    assert parse_flags(base + ["--rollout-temperature", "0", "--debug-rollout-only"])[0].rollout.temperature == 0
+    assert main(base + ["--rollout-temperature", "0"]) == 2
+    assert not ray.is_initialized()
+
+
+def test_each_rule_is_reported_once(base):
+    with pytest.raises(ConfigError) as err:
+        parse_flags(base + ["--micro-batch-size", "0", "--loss-type", "custom_loss", "--use-dynamic-batch-size",
+                            "--use-tis", "--use-rollout-logprobs"])
+    problems = err.value.problems
+    for needle in ("--micro-batch-size 0", "--custom-loss-function-path", "--max-tokens-per-gpu",
+                   "--use-rollout-logprobs"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+
+
+def test_derived_facts_are_config_properties(base):
+    cfg, _ = parse_flags(base)
+    assert not cfg.algorithm.needs_critic and not cfg.has_critic
+    ppo = replace(cfg, algorithm=replace(cfg.algorithm, advantage_estimator="ppo"))
+    assert ppo.algorithm.needs_critic and ppo.has_critic and not replace(ppo, debug_rollout_only=True).has_critic
+    assert not CheckpointConfig().saves
+    assert all(CheckpointConfig(**{f: "x"}).saves for f in ("save", "critic_save", "save_hf_path"))
+    assert [ModelConfig(hf_checkpoint="m", device=d).uses_gpus(g) for d, g in (
+        ("auto", 0), ("auto", 2), ("cpu", 2), ("cuda", 0), ("cuda:1", 0))] == [False, True, False, True, True]
+    # every user-function flag is a flag, read into the field the table names
+    paths = {flag: f"pkg.mod:fn_{i}" for i, flag in enumerate(USER_FUNCTION_FLAGS)}
+    assert all(flag[2:].replace("-", "_") in BY_DEST for flag in USER_FUNCTION_FLAGS)
+    given = replace(cfg, **{s: replace(getattr(cfg, s), **{f: paths[flag] for flag, (s2, f) in USER_FUNCTION_FLAGS.items()
+                                                             if s2 == s}) for s in {s for s, _ in USER_FUNCTION_FLAGS.values()}})
+    assert given.user_function_paths == paths
