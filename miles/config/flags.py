@@ -24,7 +24,9 @@ from miles.rollout.rewards import RM_TYPES
 from miles.training.protocol import TRAIN_BACKENDS
 
 from .eval_config import load_eval_config
-from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
+from .megatron_arch import megatron_problems, pop_megatron_values
+from .megatron_flags import dest as megatron_dest, megatron_options
+from .miles_flags import PASSTHROUGH_PREFIX, fate, miles_value_aliases, refusal_line, refusal_lines, refused_in
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
     ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
@@ -91,7 +93,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", tuple(ENGINES)),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})", RM_TYPES),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward, one of " + " | ".join(RM_TYPES) +
+       " (boxed_TYPE scores the last \\boxed{...}; miles' other types get a line saying what to use)"),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -198,7 +201,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
-    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", tuple(TRAIN_BACKENDS)),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic): "
+       + " | ".join(TRAIN_BACKENDS) + " (miles' fsdp is torch here)"),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),
@@ -352,6 +356,12 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
     _f("keep-last-checkpoints", "checkpoint", "keep_last", int,
        "keep only the newest N checkpoints under --save (default: all; miles has no such flag)"),
+    _f("save-retain-interval", "checkpoint", "retain_interval", int,
+       "as miles: keep the checkpoint after every N rollouts and the newest; delete the others (default: keep all)"),
+    _f("log-probs-chunk-size", "train", "log_probs_chunk_size", int,
+       "rows per chunk of the chunked logprob computation (the trainer's CUDA path; default: 2048)"),
+    _f("gradient-checkpointing", "train", "recompute_activations", kind="true",
+       help="miles' FSDP name of --recompute-activations"),
     _f("eval-config", "eval", "datasets", kind="eval_config",
        help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
             "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
@@ -405,6 +415,7 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
                                      "(default: sync)")
     groups = {s: p.add_argument_group(GROUP_TITLES[s]) for s in SECTIONS}
+    _add_megatron_options(p)
     for f in FLAGS:
         g, opt, help_ = groups[f.section], f"--{f.name}", help_line(f)
         if f.kind in ("true", "false"):
@@ -419,6 +430,17 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
             metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
             g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
     return p
+
+
+def _add_megatron_options(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's architecture and kernel flags of miles' launch scripts (miles.config.megatron_flags)."""
+    g = p.add_argument_group("Megatron-LM flags of miles' launch scripts: architecture flags must equal "
+                             "--hf-checkpoint's config.json; kernel switches are accepted and change nothing here")
+    for name, f in megatron_options().items():     # values stay as given: the checks compare them as numbers
+        if f.takes is None:
+            g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=f.note)
+        else:
+            g.add_argument(f"--{name}", dest=megatron_dest(name), help=f.note, metavar=f.takes.upper())
 
 
 def help_line(f: Flag) -> str:
@@ -454,6 +476,9 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
+    values.update(miles_value_aliases(values))
+    megatron = pop_megatron_values(values)      # checked against --hf-checkpoint's config.json below
+    refused += megatron_problems(megatron, values.get("hf_checkpoint"))    # reported with the refused flags
     if passthrough:     # the command line's SGLang flags override the file's, flag by flag
         values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     try:                      # the refused flags first, then everything else wrong with the command line
@@ -474,7 +499,7 @@ def _leftovers(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
         hints = [u + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, names, 1)) else "")
                  for u in unknown]
         parser.error(f"unrecognized arguments: {', '.join(hints)}")
-    return [refusal_line(name) for name in dict.fromkeys(refused)]
+    return refusal_lines(refused)
 
 
 def split_passthrough(args: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
@@ -539,6 +564,9 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
         if dest not in BY_DEST and flag_name.startswith(PASSTHROUGH_PREFIX) and fate(flag_name) is None:
             extra = passthrough_from_file(flag_name[len(PASSTHROUGH_PREFIX):], value)
             values["sglang_server_args"] = (*values.get("sglang_server_args", ()), *extra)
+            continue
+        if flag_name in megatron_options():
+            values[megatron_dest(flag_name)] = value
             continue
         if dest not in BY_DEST:
             refused, _ = refused_in([f"--{dest.replace('_', '-')}"])

@@ -168,6 +168,7 @@ class TrainConfig:
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
+    log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: rows per chunk of the chunked logprobs
     compile_layers: bool | None = None  # --trainer-compile / --no-trainer-compile (None: on for the torch trainer on CUDA)
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
@@ -206,6 +207,7 @@ class CheckpointConfig:
     save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+    retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
 
 
 @dataclass(frozen=True, kw_only=True)

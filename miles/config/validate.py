@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
+from .miles_flags import rm_type_problem
 from .schema import ConfigError, RunConfig
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
+from miles.checkpoint.megatron_format import megatron_checkpoint_info, megatron_load_problems
 from miles.rollout.protocol import ENGINES
 from miles.runtime.machine import STATES, MachineDef, import_object
 from miles.training.protocol import TRAIN_BACKENDS
@@ -264,8 +266,9 @@ def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (("--ref-load", a.ref_load), ("--ref-update-interval", a.ref_update_interval)):
         if value is not None and not uses_ref:
             problems.append(f"{flag} {value} has no effect without a reference: add --use-kl-loss or --kl-coef")
-    if a.ref_load and not (Path(a.ref_load) / "config.json").is_file():
-        problems.append(f"--ref-load {a.ref_load}: no config.json there; pass an HF-format model folder")
+    if a.ref_load and not (Path(a.ref_load) / "config.json").is_file() and megatron_checkpoint_info(a.ref_load) is None:
+        problems.append(f"--ref-load {a.ref_load}: no config.json there; pass an HF-format model folder (or, with "
+                        "--train-backend megatron, a Megatron torch_dist checkpoint)")
 
 
 def _critic(cfg: RunConfig, problems: list[str]) -> None:
@@ -383,7 +386,11 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _rewards(cfg: RunConfig, problems: list[str]) -> None:
+    from miles.rollout.rewards import RM_TYPES
+
     r = cfg.rollout
+    if r.rm_type not in RM_TYPES:
+        problems.append(rm_type_problem(r.rm_type, RM_TYPES))
     if r.rm_type == "remote_rm" and not r.custom_rm_path and not r.rm_url:
         problems.append("--rm-type remote_rm needs --rm-url URL: the reward service to post responses to")
     if r.rm_url and not r.rm_url.startswith(("http://", "https://")):
@@ -512,6 +519,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         (a.use_unbiased_kl and not a.use_kl_loss, "--use-unbiased-kl", "--use-kl-loss"),
         (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
         (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
+        (c.retain_interval is not None and not c.save, "--save-retain-interval", "--save DIR"),
         (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
@@ -521,9 +529,15 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "is fn(logprobs, batch, reduce) -> loss, by import path")
     if d.chat_template_path and not Path(d.chat_template_path).is_file():
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
-    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len)):
+    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),
+                        ("--save-retain-interval", c.retain_interval),
+                        ("--log-probs-chunk-size", cfg.train.log_probs_chunk_size)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value}: must be a positive integer")
+    if c.retain_interval and c.save_interval and c.retain_interval % c.save_interval:
+        problems.append(f"--save-retain-interval {c.retain_interval} is not a multiple of --save-interval "
+                        f"{c.save_interval}: no checkpoint would fall on it (as in miles); make it a multiple")
+    problems += megatron_load_problems(cfg.train.backend, c.load, a.ref_load)
     if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
             cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
         problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")

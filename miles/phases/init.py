@@ -181,7 +181,8 @@ async def init(ctx: TrainingContext) -> str:
     await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
-        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last)
+        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last,
+                                      retain_interval=cfg.checkpoint.retain_interval)
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
