@@ -26,7 +26,7 @@ from miles.training.protocol import TRAIN_BACKENDS
 from .eval_config import load_eval_config
 from .megatron_arch import megatron_problems, pop_megatron_values
 from .megatron_flags import dest as megatron_dest, megatron_options
-from .miles_flags import PASSTHROUGH_PREFIX, fate, miles_value_aliases, refusal_line, refusal_lines, refused_in
+from .miles_flags import PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines, refused_in
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
     ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
@@ -80,14 +80,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("label-key", "data", "label_key", str, "the reference answer's key (for rule rewards)"),
     _f("metadata-key", "data", "metadata_key", str, "a per-row dict passed to the reward"),
     _f("apply-chat-template", "data", "apply_chat_template", kind="true", help="format prompts with the tokenizer's chat template"),
-    _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch (the default)"),
-    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order"),
+    _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch"),
+    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order (the default)"),
     _f("max-prompt-len", "data", "max_prompt_len", int, "drop prompts longer than this many tokens"),
     _f("response-key", "data", "response_key", str, "SFT (--loss-type sft_loss): the response's key in each row"),
     # rollout
     _f("rollout-batch-size", "rollout", "batch_size", int, "prompts per rollout"),
     _f("n-samples-per-prompt", "rollout", "n_samples_per_prompt", int, "responses per prompt (the GRPO group size)"),
-    _f("rollout-max-response-len", "rollout", "max_response_len", int, "max new tokens per response"),
+    _f("rollout-max-response-len", "rollout", "max_response_len", int, "max new tokens per response (miles leaves it unset; this build needs a cap)"),
     _f("rollout-temperature", "rollout", "temperature", float, "sampling temperature"),
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
@@ -177,7 +177,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("normalize-advantages", "algorithm", "normalize_advantages", kind="true",
        help="whiten advantages over the rollout's response tokens"),
     _f("loss-agg-mode", "algorithm", "loss_agg_mode", str,
-       "loss reduction: token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO)",
+       "loss reduction: token_mean (DAPO; miles' --calculate-per-token-loss), seq_mean_token_mean (GRPO; miles' "
+       "default), seq_mean_token_sum_norm (Dr. GRPO)",
        LOSS_AGG_MODES),
     _f("kl-coef", "algorithm", "kl_coef", float, "KL penalty in the token rewards (ppo, reinforce_plus_plus)"),
     _f("ref-load", "algorithm", "ref_load", str, "HF folder of the KL reference model (default: the initial policy)"),
@@ -201,8 +202,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
-    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic): "
-       + " | ".join(TRAIN_BACKENDS) + " (miles' fsdp is torch here)"),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic; miles' fsdp is "
+       "torch here)", tuple(TRAIN_BACKENDS)),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),
@@ -243,7 +244,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("eval-interval", "eval", "interval", int, "evaluate every N rollouts (and before training, and after the last)"),
     _f("skip-eval-before-train", "eval", "skip_before_train", kind="true", help="no eval before the first rollout"),
     _f("n-samples-per-eval-prompt", "eval", "n_samples_per_prompt", int, "responses per eval prompt (pass@k uses them)"),
-    _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy)"),
+    _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy; default: --rollout-temperature)"),
     _f("eval-max-response-len", "eval", "max_response_len", int, "max new tokens in eval (default: the rollout's)"),
     # cluster
     _f("ray-address", "cluster", "ray_address", str, "attach to this Ray cluster (default: start a local one)"),
@@ -428,7 +429,8 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
             g.add_argument(opt, metavar="JSON" if f.kind == "json" else "FILE", help=help_)
         else:
             metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
-            g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
+            choices = (*f.choices, *VALUE_ALIASES.get(opt[2:].replace("-", "_"), {})) if f.choices else None
+            g.add_argument(opt, type=f.type, choices=choices, help=help_, metavar=metavar)
     return p
 
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .megatron_flags import CHECKED, DEST_PREFIX, REQUIRED
+from .megatron_flags import CHECKED, DEST_PREFIX, REQUIRED, SETS
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")   # HF families with q_norm / k_norm
 
@@ -25,6 +25,9 @@ def pop_megatron_values(values: dict[str, Any]) -> dict[str, Any]:
     out = {k[len(DEST_PREFIX):].replace("_", "-"): values.pop(k) for k in [k for k in values if k.startswith(DEST_PREFIX)]}
     if out.get("recompute-granularity") == "full":
         values["recompute_activations"] = True
+    for name, (dest, value) in SETS.items():
+        if out.get(name):
+            values.setdefault(dest, value)      # an explicit flag of this build's wins
     return out
 
 

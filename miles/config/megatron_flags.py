@@ -117,6 +117,12 @@ REQUIRED: dict[str, MegatronFlag] = {
                                          required=1),
 }
 
+# Megatron switches that set one of this build's values: flag -> (RunConfig flag dest, value)
+SETS: dict[str, tuple[str, object]] = {
+    "calculate-per-token-loss": ("loss_agg_mode", "token_mean"),     # miles: mean over the global batch's tokens
+}
+SETS_NOTES = {"calculate-per-token-loss": "miles: the loss is the mean over the batch's tokens = --loss-agg-mode token_mean"}
+
 _DENSE = "this build trains dense models with full attention in bf16/fp32 (docs/coming-from-miles.md): "
 
 
@@ -152,7 +158,7 @@ def family_of(name: str) -> str | None:
 
 def megatron_options() -> dict[str, MegatronFlag]:
     """Every Megatron flag argparse takes: the checked, the required-value and the accepted ones."""
-    return {**CHECKED, **REQUIRED, **ACCEPTED}
+    return {**CHECKED, **REQUIRED, **ACCEPTED, **{n: MegatronFlag(None, SETS_NOTES[n]) for n in SETS}}
 
 
 DEST_PREFIX = "megatron__"     # their argparse dests; never a RunConfig field

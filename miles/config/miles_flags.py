@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .megatron_flags import ACCEPTED, CHECKED, FAMILIES, REQUIRED, family_of
+from .megatron_flags import ACCEPTED, CHECKED, FAMILIES, REQUIRED, SETS, SETS_NOTES, family_of
 
 NOT_YET = "not supported yet"
 _NO_ROUTER = ("no miles router here: the executor spreads requests over the engines (SGLang's: the run's "
@@ -108,8 +108,6 @@ REFUSED: dict[str, str] = {
     "use-opsm": f"off-policy sequence masking; {NOT_YET}",
     "custom-pg-loss-reducer-function-path": f"replaces the policy-loss reduction; {NOT_YET}: pick one with "
                                             "--loss-agg-mode",
-    "calculate-per-token-loss": "Megatron's per-token loss normalization; here that is --loss-agg-mode "
-                                "token_mean, the default: drop it",
     "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
     "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
     "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "
@@ -392,8 +390,9 @@ def refused_in(argv: Iterable[str]) -> tuple[list[str], list[str]]:
 def markdown(implemented: Mapping[str, str]) -> str:
     """The "coming from miles" tables: `implemented` maps flag names to their help lines."""
     lines = ["| miles flag | here |", "|---|---|"]
-    for name in sorted(set(MILES_FLAGS) | set(REFUSED) | (set(MILES_FLAGS) & set(ACCEPTED))):
+    for name in sorted(set(MILES_FLAGS) | set(REFUSED)):
         here = ("implemented: " + implemented[name] if name in implemented else
+                f"implemented: {SETS_NOTES[name]}" if name in SETS else
                 f"accepted: {ACCEPTED[name].note}" if name in ACCEPTED else fate(name) or passed_through(name))
         lines.append(f"| `--{name}` | {here.replace('|', '/')} |")
     lines += ["", "| flag family | here |", "|---|---|"]
@@ -403,6 +402,7 @@ def markdown(implemented: Mapping[str, str]) -> str:
     rows |= {name: f"checked: must equal --hf-checkpoint's config.json ({f.hf})" for name, f in CHECKED.items()}
     rows |= {name: f"accepted with {f.required} only: {f.note}" for name, f in REQUIRED.items()}
     rows |= {name: f"accepted: {f.note}" for name, f in ACCEPTED.items() if name not in MILES_FLAGS}
+    rows |= {name: f"implemented: {SETS_NOTES[name]}" for name in SETS if name not in MILES_FLAGS}
     lines += [f"| `--{name}` | {text.replace('|', '/')} |" for name, text in sorted(rows.items())]
     lines += ["", "| Megatron family | flags | here |", "|---|---|---|"]
     lines += [f"| {family} | {', '.join([f'`--{p}*`' for p in f.prefixes] + [f'`--{n}`' for n in f.names])} | "

@@ -36,7 +36,7 @@ class DataConfig:
     label_key: str | None = None        # --label-key
     metadata_key: str | None = None     # --metadata-key
     apply_chat_template: bool = False   # --apply-chat-template
-    rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
+    rollout_shuffle: bool = False       # --rollout-shuffle / --no-rollout-shuffle (miles: off)
     max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
     response_key: str = "response"      # --response-key: the response's key in SFT data (--loss-type sft_loss)
     chat_template_path: str | None = None  # --chat-template-path: a Jinja chat template instead of the tokenizer's
@@ -46,7 +46,7 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     batch_size: int                     # --rollout-batch-size: prompts per rollout
-    n_samples_per_prompt: int = 8       # --n-samples-per-prompt
+    n_samples_per_prompt: int = 1       # --n-samples-per-prompt (miles: 1)
     max_response_len: int = 64          # --rollout-max-response-len
     temperature: float = 1.0            # --rollout-temperature
     top_p: float = 1.0                  # --rollout-top-p
@@ -129,10 +129,12 @@ class AlgorithmConfig:
     eps_clip_c: float | None = None     # --eps-clip-c (dual clip)
     use_kl_loss: bool = False           # --use-kl-loss
     kl_loss_coef: float = 0.0           # --kl-loss-coef
-    kl_loss_type: KlLossType = "k3"     # --kl-loss-type k1 | k2 | k3 | low_var_kl
+    kl_loss_type: KlLossType = "k1"     # --kl-loss-type k1 | k2 | k3 | low_var_kl (miles: k1)
     entropy_coef: float = 0.0           # --entropy-coef
     normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
-    loss_agg_mode: LossAggMode = "token_mean"  # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; miles' default is the
+    # per-sample mean (--calculate-per-token-loss off), --calculate-per-token-loss is token_mean
+    loss_agg_mode: LossAggMode = "seq_mean_token_mean"
     kl_coef: float = 0.0                # --kl-coef: KL penalty in the token rewards (ppo, reinforce_plus_plus)
     ref_load: str | None = None         # --ref-load: HF folder of the reference model (None: the initial policy)
     ref_update_interval: int | None = None  # --ref-update-interval: reference := policy every N rollouts
@@ -235,7 +237,7 @@ class EvalConfig:
     interval: int | None = None         # --eval-interval (rollouts)
     skip_before_train: bool = False     # --skip-eval-before-train
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
-    temperature: float = 0.0            # --eval-temperature (0: greedy)
+    temperature: float | None = None    # --eval-temperature (0: greedy; None: --rollout-temperature, as miles)
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
     datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
     log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)

@@ -107,7 +107,7 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
     if not 0 < r.mem_fraction < 1:
         problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
                         "free after the weights that the KV cache takes")
-    if cfg.eval.temperature < 0:
+    if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
         problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.train.lr <= 0:
         problems.append(f"--lr {cfg.train.lr}: must be > 0")

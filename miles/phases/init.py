@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
+from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
@@ -36,6 +37,7 @@ from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.phases.health import start_health_monitor
+from miles.phases.megatron_resume import resume_from_megatron
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.phases.weights import IpcWeights
@@ -377,6 +379,8 @@ async def _resume(ctx: TrainingContext) -> None:
     the load reads matching its sha256, checked where it is read. Each one passed over is traced
     (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
     root = ctx.cfg.checkpoint.load
+    if (megatron := megatron_checkpoint_info(root)) is not None:    # miles' saves / converter (megatron backend)
+        return await resume_from_megatron(ctx, megatron)
     for rollout_id, path, problems in CheckpointStore(root).newest_first():
         verified = not problems and ctx.cfg.reliability.verify_load
         if verified:

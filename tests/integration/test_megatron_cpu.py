@@ -63,11 +63,15 @@ def make_samples(rollout_id: int, n: int = 8):
     return out
 
 
+# the loss these tests were derived with (before the defaults became miles': per-sample mean, k1)
+OLD_ALGORITHM_DEFAULTS = {"loss_agg_mode": "token_mean", "kl_loss_type": "k3"}
+
+
 def configs(**algorithm):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
     train = TrainConfig(lr=1e-2, micro_batch_size=2, global_batch_size=4, seed=3)
-    return train, AlgorithmConfig(**algorithm), RolloutConfig(batch_size=4, n_samples_per_prompt=2, max_response_len=8)
+    return train, AlgorithmConfig(**{**OLD_ALGORITHM_DEFAULTS, **algorithm}), RolloutConfig(batch_size=4, n_samples_per_prompt=2, max_response_len=8)
 
 
 # --- the ranks' side -----------------------------------------------------------------------------

@@ -85,6 +85,14 @@ def _rank(role: str, model: str, ckpt: str, out: str) -> None:
         raise
 
 
+def checksum(model: str) -> str:
+    from safetensors.torch import load_file
+
+    from miles.weights.checksum import state_dict_checksum
+
+    return state_dict_checksum(load_file(str(Path(model) / "model.safetensors")), dtype=torch.float32)
+
+
 def other_weights(src: str, dst: Path) -> str:
     """The same architecture as `src`, other weights (what --hf-checkpoint holds in the test)."""
     from transformers import AutoModelForCausalLM
@@ -100,13 +108,21 @@ def other_weights(src: str, dst: Path) -> str:
     return str(dst)
 
 
-def test_a_megatron_torch_dist_checkpoint_loads_as_policy_and_reference_with_its_weights_logprobs(tmp_path):
+@pytest.fixture(scope="module")
+def megatron_ckpt(tmp_path_factory):
+    """(the HF model it came from, the Megatron-LM checkpoint folder, its weights' logprobs)."""
+    root = tmp_path_factory.mktemp("megatron_ckpt")
+    source = make_model(root / "source", "qwen2")
+    ckpt = root / "Qwen-tiny_torch_dist"
+    return source, ckpt, run("write", source, ckpt, root)
+
+
+def test_a_megatron_torch_dist_checkpoint_loads_as_policy_and_reference_with_its_weights_logprobs(megatron_ckpt,
+                                                                                                tmp_path):
     from miles.checkpoint.megatron_format import megatron_checkpoint_info
 
-    source = make_model(tmp_path / "source", "qwen2")
+    source, ckpt, written = megatron_ckpt
     hf = other_weights(source, tmp_path / "hf")
-    ckpt = tmp_path / "Qwen-tiny_torch_dist"
-    written = run("write", source, ckpt, tmp_path)
     info = megatron_checkpoint_info(ckpt)
     assert info is not None and info.iteration == ITERATION and info.dist_dir == ckpt / f"iter_{ITERATION:07d}"
     read = run("read", hf, ckpt, tmp_path)
@@ -115,3 +131,25 @@ def test_a_megatron_torch_dist_checkpoint_loads_as_policy_and_reference_with_its
     assert not torch.allclose(read["policy"][mask], written["policy"][mask], atol=1e-3)
     torch.testing.assert_close(read["reference"][mask], written["policy"][mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(read["loaded"][mask], written["policy"][mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.ray
+def test_a_run_resumes_from_a_miles_iter_folder_at_the_next_iteration(megatron_ckpt, ray_cluster, tiny_task, tmp_path):
+    from tests.integration.test_megatron_ray import run as run_training, train_rows
+    from miles.runtime import read_trace
+    from tests.conftest import base_flags, miles_actors
+
+    source, ckpt, _ = megatron_ckpt
+    hf = other_weights(source, tmp_path / "hf")
+    result = run_training(base_flags({**tiny_task, "model": hf}, tmp_path / "run", train_backend="megatron",
+                                     load=ckpt, num_rollout=ITERATION + 2, device="cpu", global_batch_size=8,
+                                     micro_batch_size=4, check_weight_update_equal=True))
+    assert result.final_state == "shutdown"
+    resumed = read_trace(result.run_dir).of("resumed")[0]
+    assert (resumed.get("rollout_id"), resumed.get("next_rollout"), resumed.get("format")) == (
+        ITERATION, ITERATION + 1, "megatron_torch_dist")
+    assert [r["step"] for r in train_rows(result)] == [ITERATION + 1]      # miles: a resumed run starts at loaded+1
+    # the engines got the checkpoint's weights (the model it was made from), not --hf-checkpoint's
+    first_sync = read_trace(result.run_dir).of("weights_synced")[0].get("checksum")
+    assert first_sync == checksum(source) != checksum(hf)
+    assert miles_actors() == []
