@@ -25,7 +25,7 @@ from miles.training.protocol import TRAIN_BACKENDS
 
 from .eval_config import load_eval_config
 from .megatron_arch import megatron_problems, pop_megatron_values
-from .megatron_flags import dest as megatron_dest, megatron_options
+from .megatron_flags import dest as megatron_dest, help_text as megatron_help, megatron_options
 from .miles_flags import PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines, refused_in
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
@@ -440,9 +440,9 @@ def _add_megatron_options(p: argparse.ArgumentParser) -> None:
                              "--hf-checkpoint's config.json; kernel switches are accepted and change nothing here")
     for name, f in megatron_options().items():     # values stay as given: the checks compare them as numbers
         if f.takes is None:
-            g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=f.note)
+            g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=megatron_help(name))
         else:
-            g.add_argument(f"--{name}", dest=megatron_dest(name), help=f.note, metavar=f.takes.upper())
+            g.add_argument(f"--{name}", dest=megatron_dest(name), help=megatron_help(name), metavar=f.takes.upper())
 
 
 def help_line(f: Flag) -> str:

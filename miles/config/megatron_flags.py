@@ -161,6 +161,17 @@ def megatron_options() -> dict[str, MegatronFlag]:
     return {**CHECKED, **REQUIRED, **ACCEPTED, **{n: MegatronFlag(None, SETS_NOTES[n]) for n in SETS}}
 
 
+def help_text(name: str) -> str:
+    """The --help line of a Megatron flag argparse takes."""
+    if name in CHECKED:
+        return f"{CHECKED[name].note}: checked, must equal --hf-checkpoint's config.json ({CHECKED[name].hf})"
+    if name in REQUIRED:
+        return f"{REQUIRED[name].note}: accepted with {REQUIRED[name].required} only"
+    if name in SETS:
+        return SETS_NOTES[name]
+    return f"accepted: {ACCEPTED[name].note}"
+
+
 DEST_PREFIX = "megatron__"     # their argparse dests; never a RunConfig field
 
 

@@ -136,7 +136,8 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
             and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
-        problems.append("--n-samples-per-prompt 1 gives GRPO groups of one: use at least 2 samples per prompt")
+        problems.append("--n-samples-per-prompt 1 gives GRPO groups of one, which learn nothing (1 is miles' "
+                        "default): pass --n-samples-per-prompt N with N >= 2")
 
 
 def _algorithm(cfg: RunConfig, problems: list[str]) -> None:

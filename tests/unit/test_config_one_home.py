@@ -34,9 +34,9 @@ def both_configs(model: str, data: str) -> tuple[RunConfig, RunConfig]:
                           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
                           "--rollout-temperature", "0.7", "--rollout-max-response-len", "6", "--seed", "5",
                           "--loss-agg-mode", "seq_mean_token_sum_norm", "--lr", "0.01"])
-    code = RunConfig(model=ModelConfig(hf_checkpoint=model), data=DataConfig(rollout_shuffle=True, prompt_data=data, label_key="label"),
+    code = RunConfig(model=ModelConfig(hf_checkpoint=model), data=DataConfig(prompt_data=data, label_key="label"),
                      rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=2, temperature=0.7, max_response_len=6),
-                     algorithm=AlgorithmConfig(kl_loss_type="k3", loss_agg_mode="seq_mean_token_sum_norm"),
+                     algorithm=AlgorithmConfig(loss_agg_mode="seq_mean_token_sum_norm"),
                      train=TrainConfig(seed=5, lr=0.01), num_rollout=1)
     return cli, code
 

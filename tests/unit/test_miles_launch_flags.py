@@ -135,7 +135,7 @@ def test_the_qwen3_scripts_command_lines_parse_with_their_model_checked(tmp_path
 
 def test_the_llama_model_file_is_checked_equal_and_every_kernel_switch_accepted(tmp_path):
     argv = command(tmp_path, LLAMA31_8B_MODEL, "", LLAMA31_8B_CONFIG,
-                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 "
+                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 --n-samples-per-prompt 8 "
                    "--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 "
                    "--attention-softmax-in-fp32 --attention-backend flash --transformer-impl transformer_engine "
                    "--bf16 --overlap-grad-reduce --no-gradient-accumulation-fusion --use-flash-attn "
@@ -153,7 +153,7 @@ def test_the_fsdp_scripts_flags_have_their_fates(tmp_path):
     assert sorted(refused_flags(problems)) == ["--attn-implementation", "--use-fault-tolerance"]
     # miles' reward types this build lacks say what to use
     assert "--rm-type deepscaler is miles' DeepScaleR's math verifier; here --rm-type math" in "\n".join(problems)
-    cfg, _ = parse_flags(command(tmp_path, "", "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 "
+    cfg, _ = parse_flags(command(tmp_path, "", "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 --n-samples-per-prompt 8 "
                                  "--gradient-checkpointing --log-probs-chunk-size 512", QWEN3_4B_CONFIG))
     assert cfg.train.recompute_activations and cfg.train.log_probs_chunk_size == 512
 
@@ -164,7 +164,7 @@ def test_the_fsdp_scripts_flags_have_their_fates(tmp_path):
 def test_a_wrong_architecture_flag_exits_2_naming_both_values(tmp_path, flag, value, hf):
     model_args = QWEN3_4B_MODEL.replace(f"{flag} {hf.split(': ')[1]}", f"{flag} {value}")
     assert model_args != QWEN3_4B_MODEL
-    argv = command(tmp_path, model_args, "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1",
+    argv = command(tmp_path, model_args, "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 --n-samples-per-prompt 8",
                    QWEN3_4B_CONFIG)
     problems = problems_of(argv)
     assert [p for p in problems if p.startswith(f"{flag} {value} differs from --hf-checkpoint's config.json ({hf})")]
@@ -174,7 +174,7 @@ def test_a_wrong_architecture_flag_exits_2_naming_both_values(tmp_path, flag, va
 def test_a_switch_the_hf_model_contradicts_is_named(tmp_path):
     # Qwen3-4B ties its embeddings: a script saying otherwise describes another model
     argv = command(tmp_path, QWEN3_4B_MODEL + " --untie-embeddings-and-output-weights",
-                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1", QWEN3_4B_CONFIG)
+                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 --n-samples-per-prompt 8", QWEN3_4B_CONFIG)
     assert problems_of(argv) == [
         "--untie-embeddings-and-output-weights given differs from --hf-checkpoint's config.json (tie_word_embeddings "
         f"false: no): the model is built from {tmp_path / 'Qwen3-4B' / 'config.json'}; fix the flag, or point "
@@ -182,7 +182,7 @@ def test_a_switch_the_hf_model_contradicts_is_named(tmp_path):
 
 
 def test_the_architecture_keys_of_a_config_file_are_checked_too(tmp_path):
-    argv = command(tmp_path, "", "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1", QWEN3_4B_CONFIG)
+    argv = command(tmp_path, "", "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 --n-samples-per-prompt 8", QWEN3_4B_CONFIG)
     (tmp_path / "run.yaml").write_text("num-layers: 36\nhidden_size: 2560\nqk-layernorm: true\n")
     parse_flags(argv + ["--config", str(tmp_path / "run.yaml")])
     (tmp_path / "run.yaml").write_text("num-layers: 28\n")

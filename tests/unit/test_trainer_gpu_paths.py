@@ -131,7 +131,7 @@ def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, t
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
     base = ["--hf-checkpoint", str(model_path), "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1"]
+            "--num-rollout", "1", "--n-samples-per-prompt", "8"]
     assert parse_flags(base + ["--trainer-compile"])[0].train.compile_layers is True
     assert parse_flags(base + ["--no-trainer-compile"])[0].train.compile_layers is False
     assert parse_flags(base)[0].train.compile_layers is None        # auto: compiled with the torch trainer on CUDA
