@@ -194,3 +194,20 @@ def test_hf_values_read_transformers_5_rope_parameters():
     del cfg["rope_theta"], cfg["rope_scaling"]
     assert (hf_value("rotary-base", cfg), hf_value("rotary-scaling-factor", cfg), hf_value("use-rope-scaling", cfg)) \
         == (500000.0, 8.0, True)
+
+
+def test_log_probs_chunk_size_is_the_chunked_logprob_paths_rows(tmp_path):
+    from contextlib import nullcontext
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
+    from miles.training.forward import pick_forward
+    from tests.tiny_model import make_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"))
+    pick = dict(temperature=1.0, autocast=nullcontext, compute_dtype=torch.float32, hidden=True)
+    chunked, name = pick_forward(model, chunk_rows=512, **pick)
+    assert name == "hidden" and chunked.args[3] == 512
+    assert pick_forward(model, **pick)[0].args[3] == DEFAULT_CHUNK_ROWS     # miles' unset: the default
