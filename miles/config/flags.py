@@ -26,7 +26,8 @@ from miles.training.protocol import TRAIN_BACKENDS
 from .eval_config import load_eval_config
 from .megatron_arch import megatron_problems, pop_megatron_values
 from .megatron_flags import dest as megatron_dest, help_text as megatron_help, megatron_options
-from .miles_flags import PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines, refused_in
+from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
+                          refused_in)
 from .schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig, GenerateConfig,
     ModelConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig, TrackingConfig, TrainConfig,
@@ -81,7 +82,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("metadata-key", "data", "metadata_key", str, "a per-row dict passed to the reward"),
     _f("apply-chat-template", "data", "apply_chat_template", kind="true", help="format prompts with the tokenizer's chat template"),
     _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch"),
-    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order (the default)"),
+    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false",
+       help="keep the file's prompt order (the default)"),
     _f("max-prompt-len", "data", "max_prompt_len", int, "drop prompts longer than this many tokens"),
     _f("response-key", "data", "response_key", str, "SFT (--loss-type sft_loss): the response's key in each row"),
     # rollout

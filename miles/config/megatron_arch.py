@@ -22,7 +22,8 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")   # HF fami
 def pop_megatron_values(values: dict[str, Any]) -> dict[str, Any]:
     """Take the Megatron flags' values (argparse dests or config-file keys) out of `values`, by flag name;
     `--recompute-granularity full` sets recompute_activations in `values`."""
-    out = {k[len(DEST_PREFIX):].replace("_", "-"): values.pop(k) for k in [k for k in values if k.startswith(DEST_PREFIX)]}
+    given = [k for k in values if k.startswith(DEST_PREFIX)]
+    out = {k[len(DEST_PREFIX):].replace("_", "-"): values.pop(k) for k in given}
     if out.get("recompute-granularity") == "full":
         values["recompute_activations"] = True
     for name, (dest, value) in SETS.items():
