@@ -27,7 +27,7 @@ nvidia-smi -L >/dev/null || { echo "needs an NVIDIA GPU (SGLang serves on CUDA)"
 exec "$PY" -m miles.cli train \
   --hf-checkpoint "$MODEL" --device cuda --dtype bfloat16 \
   --prompt-data examples/arithmetic/data/train.jsonl --input-key input --label-key label \
-  --apply-chat-template --rm-type math \
+  --apply-chat-template --rm-type math --rollout-shuffle --loss-agg-mode token_mean \
   --eval-prompt-data arith examples/arithmetic/data/eval.jsonl --eval-interval 10 --eval-temperature 0 \
   --rollout-engine sglang --rollout-num-engines "$ENGINES" --rollout-num-gpus-per-engine 1 \
   --sglang-mem-fraction-static 0.35 --sglang-router-policy cache_aware \

@@ -92,7 +92,7 @@ def sft_trainer(model_dir: str | Path, spec: SftSpec) -> Trainer:
                         micro_batch_size=spec.batch_size, seed=spec.seed, lr_decay_style="cosine",
                         lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0)
     # SFT's samples come from the data, not from sampling: the rollout slice's temperature 1 leaves the logits alone
-    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_type="sft_loss"),
+    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"),
                    rollout=RolloutConfig(batch_size=spec.batch_size, n_samples_per_prompt=1), device="cpu")
 
 

@@ -35,12 +35,12 @@ def evaluate(model_dir: str | Path, *, temperature: float = 0.0, n: int = 1, see
     from miles.rollout.executor import RolloutExecutor
 
     engine = EmbeddedEngine(str(model_dir), device="cpu", dtype="float32", seed=seed)
-    data = DataConfig(prompt_data=str(eval_path), label_key="label", apply_chat_template=True)
+    data = DataConfig(rollout_shuffle=True, prompt_data=str(eval_path), label_key="label", apply_chat_template=True)
     prompts = load_prompts(data, engine.tokenizer)
-    rollout = RolloutConfig(batch_size=1, max_response_len=MAX_RESPONSE_LEN, temperature=1.0,
+    rollout = RolloutConfig(n_samples_per_prompt=8, batch_size=1, max_response_len=MAX_RESPONSE_LEN, temperature=1.0,
                             custom_rm_path=f"{HERE / 'task.py'}:reward")
     executor = RolloutExecutor(
-        prompts=prompts, eval_sets={"tool": prompts}, rollout=rollout, algorithm=AlgorithmConfig(),
+        prompts=prompts, eval_sets={"tool": prompts}, rollout=rollout, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
         eval=EvalConfig(prompt_data=(("tool", str(eval_path)),), n_samples_per_prompt=n, temperature=temperature),
         shuffle=False, tokenizer=engine.tokenizer, engines=[engine], seed=seed, generate=generate_config())
     return asyncio.run(executor.evaluate(0))

@@ -101,7 +101,7 @@ def sft_trainer(model_dir: str | Path, spec: SftSpec) -> Trainer:
     train = TrainConfig(lr=spec.lr, clip_grad=spec.clip_grad, global_batch_size=spec.batch_size,
                         micro_batch_size=spec.batch_size, seed=spec.seed, lr_decay_style="cosine",
                         lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0)
-    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_type="sft_loss"),
+    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"),
                    rollout=RolloutConfig(batch_size=spec.batch_size, n_samples_per_prompt=1), device="cpu")
 
 

@@ -49,11 +49,17 @@ log = structlog.get_logger("miles.checkpoint")
 
 
 class CheckpointStore:
-    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None):
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None,
+                 retain_interval: int | None = None):
+        """`keep_last`: only the newest N stay; `retain_interval` (miles' --save-retain-interval): the
+        checkpoint after every N rollouts (rollout id + 1 a multiple of N) and the newest stay."""
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last {keep_last} must be at least 1 (None keeps every checkpoint)")
+        if retain_interval is not None and retain_interval < 1:
+            raise ConfigError(f"retain_interval {retain_interval} must be at least 1 (None keeps every checkpoint)")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.retain_interval = retain_interval
 
     def path_for(self, rollout_id: int) -> Path:
         return self.root / f"iter_{rollout_id:07d}"
@@ -87,7 +93,7 @@ class CheckpointStore:
         self._write_latest(rollout_id)
         log.info("checkpoint_committed", rollout_id=rollout_id, path=str(final), num_files=len(files),
                  num_bytes=sum(f["size"] for f in files.values()))
-        if self.keep_last is not None:
+        if self.keep_last is not None or self.retain_interval is not None:
             self._prune(keep=rollout_id)
         return final
 
@@ -141,9 +147,14 @@ class CheckpointStore:
         _fsync_dir(self.root)
 
     def _prune(self, *, keep: int) -> None:
-        assert self.keep_last is not None
-        for rollout_id, path in self.list()[: -self.keep_last]:
-            if rollout_id == keep:  # never the one just saved, even when newer ids exist
+        saved = self.list()
+        newest = saved[-1][0] if saved else keep
+        too_old = {i for i, _ in saved[: -self.keep_last]} if self.keep_last is not None else set()
+        for rollout_id, path in saved:
+            if rollout_id in (keep, newest):  # never the one just saved, nor the newest
+                continue
+            retained = self.retain_interval is not None and (rollout_id + 1) % self.retain_interval == 0
+            if rollout_id not in too_old and (retained or self.retain_interval is None):
                 continue
             aside = self.root / f"{TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:12]}"
             os.rename(path, aside)  # a half-deleted directory must not look like a checkpoint

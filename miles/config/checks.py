@@ -24,6 +24,7 @@ Check = Callable[["RunConfig", list[str]], None]
 CONTRIBUTORS: tuple[str, ...] = (
     "miles.rollout.engines.registry",   # the engines' specs: tensor parallelism, each engine's own checks
     "miles.rollout.rewards",        # reward types
+    "miles.checkpoint.megatron_format",  # --load / --ref-load naming Megatron checkpoints
     "miles.training.protocol",      # the trainers' specs: names, critic, model parallelism, each backend's checks
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
     "miles.phases.faults",          # --inject-fault

@@ -21,8 +21,11 @@ import yaml
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
 
 from .eval_config import load_eval_config
+from .megatron_arch import megatron_problems, pop_megatron_values
+from .megatron_flags import dest as megatron_dest, help_text as megatron_help, megatron_options
+from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
+                          refused_in)
 from .validate import validate
-from .miles_flags import PASSTHROUGH_PREFIX, fate, refusal_line, refused_in
 from .schema import (
     EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
     USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
@@ -76,20 +79,22 @@ FLAGS: tuple[Flag, ...] = (
     _f("label-key", "data", "label_key", str, "the reference answer's key (for rule rewards)"),
     _f("metadata-key", "data", "metadata_key", str, "a per-row dict passed to the reward"),
     _f("apply-chat-template", "data", "apply_chat_template", kind="true", help="format prompts with the tokenizer's chat template"),
-    _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch (the default)"),
-    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false", help="keep the file's prompt order"),
+    _f("rollout-shuffle", "data", "rollout_shuffle", kind="true", help="shuffle prompts each epoch"),
+    _f("no-rollout-shuffle", "data", "rollout_shuffle", kind="false",
+       help="keep the file's prompt order (the default)"),
     _f("max-prompt-len", "data", "max_prompt_len", int, "drop prompts longer than this many tokens"),
     _f("response-key", "data", "response_key", str, "SFT (--loss-type sft_loss): the response's key in each row"),
     # rollout
     _f("rollout-batch-size", "rollout", "batch_size", int, "prompts per rollout"),
     _f("n-samples-per-prompt", "rollout", "n_samples_per_prompt", int, "responses per prompt (the GRPO group size)"),
-    _f("rollout-max-response-len", "rollout", "max_response_len", int, "max new tokens per response"),
+    _f("rollout-max-response-len", "rollout", "max_response_len", int, "max new tokens per response (miles leaves it unset; this build needs a cap)"),
     _f("rollout-temperature", "rollout", "temperature", float, "sampling temperature"),
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", ENGINE_NAMES),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...})"),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...}; miles' "
+       "other types get a line saying what to use)"),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -172,7 +177,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("normalize-advantages", "algorithm", "normalize_advantages", kind="true",
        help="whiten advantages over the rollout's response tokens"),
     _f("loss-agg-mode", "algorithm", "loss_agg_mode", str,
-       "loss reduction: token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO)",
+       "loss reduction: token_mean (DAPO; miles' --calculate-per-token-loss), seq_mean_token_mean (GRPO; miles' "
+       "default), seq_mean_token_sum_norm (Dr. GRPO)",
        LOSS_AGG_MODES),
     _f("kl-coef", "algorithm", "kl_coef", float, "KL penalty in the token rewards (ppo, reinforce_plus_plus)"),
     _f("ref-load", "algorithm", "ref_load", str, "HF folder of the KL reference model (default: the initial policy)"),
@@ -196,7 +202,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
     _f("seed", "train", "seed", int, "seed of everything (data order, init, sampling)"),
-    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic)", TRAIN_BACKEND_NAMES),
+    _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic; miles' fsdp is "
+       "torch here)", TRAIN_BACKEND_NAMES),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
        ("constant", "linear", "cosine")),
@@ -237,7 +244,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("eval-interval", "eval", "interval", int, "evaluate every N rollouts (and before training, and after the last)"),
     _f("skip-eval-before-train", "eval", "skip_before_train", kind="true", help="no eval before the first rollout"),
     _f("n-samples-per-eval-prompt", "eval", "n_samples_per_prompt", int, "responses per eval prompt (pass@k uses them)"),
-    _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy)"),
+    _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy; default: --rollout-temperature)"),
     _f("eval-max-response-len", "eval", "max_response_len", int, "max new tokens in eval (default: the rollout's)"),
     # cluster
     _f("ray-address", "cluster", "ray_address", str, "attach to this Ray cluster (default: start a local one)"),
@@ -350,6 +357,12 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
     _f("keep-last-checkpoints", "checkpoint", "keep_last", int,
        "keep only the newest N checkpoints under --save (default: all; miles has no such flag)"),
+    _f("save-retain-interval", "checkpoint", "retain_interval", int,
+       "as miles: keep the checkpoint after every N rollouts and the newest; delete the others (default: keep all)"),
+    _f("log-probs-chunk-size", "train", "log_probs_chunk_size", int,
+       "rows per chunk of the chunked logprob computation (the trainer's CUDA path; default: 2048)"),
+    _f("gradient-checkpointing", "train", "recompute_activations", kind="true",
+       help="miles' FSDP name of --recompute-activations"),
     _f("eval-config", "eval", "datasets", kind="eval_config",
        help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
             "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
@@ -403,6 +416,7 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
                                      "(default: sync)")
     groups = {s: p.add_argument_group(GROUP_TITLES[s]) for s in SECTIONS}
+    _add_megatron_options(p)
     for f in FLAGS:
         g, opt, help_ = groups[f.section], f"--{f.name}", help_line(f)
         if f.kind in ("true", "false"):
@@ -415,8 +429,20 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
             g.add_argument(opt, metavar="JSON" if f.kind == "json" else "FILE", help=help_)
         else:
             metavar = "{" + ",".join(f.choices) + "}" if f.choices else {int: "N", float: "X"}.get(f.type, "VALUE")
-            g.add_argument(opt, type=f.type, choices=f.choices, help=help_, metavar=metavar)
+            choices = (*f.choices, *VALUE_ALIASES.get(opt[2:].replace("-", "_"), {})) if f.choices else None
+            g.add_argument(opt, type=f.type, choices=choices, help=help_, metavar=metavar)
     return p
+
+
+def _add_megatron_options(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's architecture and kernel flags of miles' launch scripts (miles.config.megatron_flags)."""
+    g = p.add_argument_group("Megatron-LM flags of miles' launch scripts: architecture flags must equal "
+                             "--hf-checkpoint's config.json; kernel switches are accepted and change nothing here")
+    for name, f in megatron_options().items():     # values stay as given: the checks compare them as numbers
+        if f.takes is None:
+            g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=megatron_help(name))
+        else:
+            g.add_argument(f"--{name}", dest=megatron_dest(name), help=megatron_help(name), metavar=f.takes.upper())
 
 
 def help_line(f: Flag) -> str:
@@ -452,6 +478,9 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
+    values.update(miles_value_aliases(values))
+    megatron = pop_megatron_values(values)      # checked against --hf-checkpoint's config.json below
+    refused += megatron_problems(megatron, values.get("hf_checkpoint"))    # reported with the refused flags
     if passthrough:     # the command line's SGLang flags override the file's, flag by flag
         values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     try:                      # the refused flags first, then everything else wrong with the command line
@@ -472,7 +501,7 @@ def _leftovers(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
         hints = [u + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, names, 1)) else "")
                  for u in unknown]
         parser.error(f"unrecognized arguments: {', '.join(hints)}")
-    return [refusal_line(name) for name in dict.fromkeys(refused)]
+    return refusal_lines(refused)
 
 
 def split_passthrough(args: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
@@ -537,6 +566,9 @@ def load_config_file(path: str, problems: list[str]) -> tuple[dict[str, Any], st
         if dest not in BY_DEST and flag_name.startswith(PASSTHROUGH_PREFIX) and fate(flag_name) is None:
             extra = passthrough_from_file(flag_name[len(PASSTHROUGH_PREFIX):], value)
             values["sglang_server_args"] = (*values.get("sglang_server_args", ()), *extra)
+            continue
+        if flag_name in megatron_options():
+            values[megatron_dest(flag_name)] = value
             continue
         if dest not in BY_DEST:
             refused, _ = refused_in([f"--{dest.replace('_', '-')}"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from .megatron_flags import ACCEPTED, CHECKED, FAMILIES, REQUIRED, SETS, SETS_NOTES, family_of
+
 NOT_YET = "not supported yet"
 _NO_ROUTER = ("no miles router here: the executor spreads requests over the engines (SGLang's: the run's "
               "sglang-router, --sglang-router-policy); drop it")
@@ -31,7 +33,6 @@ _ONE_PROCESS = f"{NOT_YET}: --train-backend torch trains in one process"
 _MEGATRON_ONLY = (f"{NOT_YET}: --train-backend megatron has TP, PP and sequence parallelism (docs/megatron.md), no "
                   "experts or uneven pipeline stages")
 _WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store (CUDA IPC buckets with --colocate)"
-_ARCH = "Megatron model architecture; here it comes from --hf-checkpoint's config.json: drop it"
 
 # flag (without dashes) -> "what it does in miles; what to use here"
 REFUSED: dict[str, str] = {
@@ -107,8 +108,6 @@ REFUSED: dict[str, str] = {
     "use-opsm": f"off-policy sequence masking; {NOT_YET}",
     "custom-pg-loss-reducer-function-path": f"replaces the policy-loss reduction; {NOT_YET}: pick one with "
                                             "--loss-agg-mode",
-    "calculate-per-token-loss": "Megatron's per-token loss normalization; here that is --loss-agg-mode "
-                                "token_mean, the default: drop it",
     "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
     "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
     "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "
@@ -123,7 +122,6 @@ REFUSED: dict[str, str] = {
     "log-probs-max-tokens-per-gpu": f"token budget of the logprob forward; {NOT_YET}: --max-tokens-per-gpu "
                                     "budgets both the logprob and the training forwards",
     "use-dynamic-global-batch-size": f"global batches by tokens; {NOT_YET}",
-    "balance-data": f"balances tokens across data-parallel ranks; {_ONE_PROCESS}: drop it",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_ONE_PROCESS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "use-opd": f"on-policy distillation from a teacher; {NOT_YET}",
@@ -145,7 +143,6 @@ REFUSED: dict[str, str] = {
     "offload-rollout-level": f"what engine memory is offloaded; {NOT_YET}: --offload-rollout frees the KV cache",
     "offload-train-target": f"offload the trainer to cpu or disk; {NOT_YET}: --offload-train moves it to host memory",
     "offload-train-disk-dir": f"the trainer's disk-offload folder; {NOT_YET}: --offload-train moves it to host memory",
-    "train-memory-margin-bytes": f"memory kept free for the trainer; {NOT_YET}",
     "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
     "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
     # -- checkpoints and eval --------------------------------------------------------------------------
@@ -186,13 +183,26 @@ REFUSED: dict[str, str] = {
     "eval-max-context-len": f"the eval's prompt + response cap; {NOT_YET}: --rollout-max-context-len applies to evals",
     "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
                            "built-in one",
+    # -- the FSDP backend's and the launch scripts' run flags ----------------------------------------
+    "attn-implementation": "the FSDP backend's HF attention kernel (flash_attention_2/3); here the model's own "
+                           "(SDPA): drop it",
+    "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET}: --offload-train moves the "
+                        "optimizer state to host memory between steps",
+    "offload-optimizer-states": f"the optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host "
+                                "memory between steps",
+    "train-env-vars": "environment variables of the train actors (JSON); here actors inherit the driver's "
+                      "environment: export them before miles train",
+    "disable-compute-advantages-and-returns": "skips advantages for SFT; here --loss-type sft_loss needs none: "
+                                              "drop it",
     "wandb-key": "the W&B API key; here log in with `wandb login` or set WANDB_API_KEY: drop it",
     "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
     "disable-wandb-random-suffix": "keeps the W&B run name without a random suffix; here the W&B run's name "
                                    "and id are the miles run id: drop it",
 }
 
-# Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): those this build
+# Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): the architecture
+# flags (checked against --hf-checkpoint's config.json), the kernel switches (accepted) and the model
+# families this build does not train are in miles.config.megatron_flags; those this build
 # implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
 # --adam-beta1, --adam-beta2, --clip-grad, --seed, --micro-batch-size, --global-batch-size, --load,
 # --save, --save-interval, --ref-load, --no-save-optim, --recompute-activations, and for --train-backend megatron
@@ -200,28 +210,12 @@ REFUSED: dict[str, str] = {
 MEGATRON_REFUSED: dict[str, str] = {
     # --tensor/--pipeline/--context-parallel-size and --sequence-parallel are FLAGS (--train-backend megatron)
     **{name: f"Megatron parallelism; {_MEGATRON_ONLY}" for name in (
-        "expert-model-parallel-size", "expert-tensor-parallel-size", "decoder-last-pipeline-num-layers")},
-    "use-distributed-optimizer": "Megatron's distributed optimizer; --train-backend megatron always uses it: drop it",
-    **{name: _ARCH for name in (
-        "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
-        "num-query-groups", "kv-channels", "swiglu", "vocab-size", "padded-vocab-size", "normalization",
-        "norm-epsilon", "use-rotary-position-embeddings", "rotary-base", "disable-bias-linear", "add-qkv-bias",
-        "qk-layernorm", "untie-embeddings-and-output-weights", "position-embedding-type",
-        "max-position-embeddings", "seq-length", "make-vocab-size-divisible-by", "rotary-percent",
-        "use-rope-scaling")},
-    **{name: f"Megatron activation recomputation; {NOT_YET}: --recompute-activations checkpoints every layer"
-       for name in ("recompute-granularity", "recompute-method", "recompute-num-layers")},
-    "bf16": "Megatron's bf16 training; here --dtype bfloat16 (auto: bf16 on GPU, fp32 on CPU)",
+        "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers")},
     "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
-    "optimizer": "Megatron's optimizer choice; here always AdamW (Megatron's adam): drop it",
     "adam-eps": f"AdamW epsilon; {NOT_YET}: AdamW uses 1e-8",
-    "attention-dropout": "attention dropout; here dropout is off in training (logprobs must match the "
-                         "engine's): drop it",
-    "hidden-dropout": "hidden dropout; here dropout is off in training (logprobs must match the engine's): drop it",
-    "accumulate-allreduce-grads-in-fp32": "fp32 gradient accumulation; here gradients are fp32 already: drop it",
-    "attention-softmax-in-fp32": "fp32 attention softmax; the HF model decides here: drop it",
-    "attention-backend": "Megatron attention kernel choice; the HF model decides here: drop it",
-    "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}",
+    "lr-warmup-fraction": f"warmup as a share of --lr-decay-iters; {NOT_YET}: give --lr-warmup-iters N",
+    "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host memory "
+                             "between steps",
     "overlap-cpu-optimizer-d2h-h2d": f"overlapped optimizer offload copies; {NOT_YET}",
     "use-precision-aware-optimizer": f"Megatron's precision-aware optimizer; {NOT_YET}",
     "no-load-optim": "skips loading the optimizer state; here a checkpoint saved with --no-save-optim "
@@ -301,6 +295,37 @@ hf-checkpoint num-rollout num-epoch rollout-max-prompt-len
 """.split())
 
 
+# miles' --rm-type values this build does not have (miles/rollout/rm_hub): what each is; what to use
+_MATH_HERE = "here --rm-type math compares the final answer (boxed_math: the last \\boxed{...})"
+MILES_RM_TYPES: dict[str, str] = {
+    "deepscaler": f"DeepScaleR's math verifier; {_MATH_HERE}",
+    "dapo": f"DAPO's math verifier; {_MATH_HERE}",
+    "gemma_math": f"a math verifier for Gemma's answer format; {_MATH_HERE}",
+    "gpqa": f"GPQA multiple-choice scoring; {NOT_YET}: --rm-type exact_match on the letter, or --custom-rm-path",
+    "ifbench": f"IFBench instruction-following checks; {NOT_YET}: --custom-rm-path module:function",
+}
+
+
+def rm_type_problem(rm_type: str, here: Iterable[str]) -> str:
+    """The line for an --rm-type this build does not have: miles' meaning and what to use, or the list."""
+    name = rm_type.removeprefix("boxed_")
+    if name in MILES_RM_TYPES:
+        return f"--rm-type {rm_type} is miles' {MILES_RM_TYPES[name]}"
+    return f"--rm-type {rm_type}: no such reward type; use one of {', '.join(here)} (or --custom-rm-path)"
+
+
+# miles' values with another name here: dest -> {miles' value: this build's}
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "train_backend": {"fsdp": "torch"},   # miles' FSDP backend trains the HF model, as --train-backend torch does
+}
+
+
+def miles_value_aliases(values: Mapping[str, object]) -> dict[str, object]:
+    """The flag values (by argparse dest) that miles spells differently, in this build's spelling."""
+    return {dest: VALUE_ALIASES[dest][v] for dest, v in values.items()
+            if dest in VALUE_ALIASES and v in VALUE_ALIASES[dest]}
+
+
 def all_refused() -> dict[str, str]:
     """Every exact-name refusal: miles' and the Megatron ones."""
     return {**REFUSED, **MEGATRON_REFUSED}
@@ -312,6 +337,8 @@ def fate(name: str) -> str | None:
     for candidate in (name, name.removeprefix("no-")):
         if candidate in table:
             return table[candidate]
+        if (family := family_of(candidate)) is not None:
+            return f"{family}: {FAMILIES[family].line}"
         for prefix in sorted(REFUSED_PREFIXES, key=len, reverse=True):
             if candidate.startswith(prefix):
                 return REFUSED_PREFIXES[prefix]
@@ -327,6 +354,22 @@ def passed_through(name: str) -> str:
 
 def refusal_line(name: str) -> str:
     return f"--{name} is a miles flag this build does not take: {fate(name)}"
+
+
+def refusal_lines(names: Iterable[str]) -> list[str]:
+    """One line per refused flag; the flags of one refused Megatron family share one line."""
+    by_family: dict[str, list[str]] = {}
+    for name in dict.fromkeys(names):
+        by_family.setdefault(family_of(name.removeprefix("no-")) or f"--{name}", []).append(name)
+    lines = []
+    for key, members in by_family.items():
+        if key.startswith("--"):
+            lines.append(refusal_line(members[0]))
+        else:
+            flags = ", ".join(f"--{m}" for m in members)
+            lines.append(f"{flags} {'is a' if len(members) == 1 else 'are'} miles flag{'s' * (len(members) > 1)} "
+                         f"this build does not take: {fate(members[0])}")
+    return lines
 
 
 def refused_in(argv: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -348,11 +391,21 @@ def markdown(implemented: Mapping[str, str]) -> str:
     """The "coming from miles" tables: `implemented` maps flag names to their help lines."""
     lines = ["| miles flag | here |", "|---|---|"]
     for name in sorted(set(MILES_FLAGS) | set(REFUSED)):
-        here = "implemented: " + implemented[name] if name in implemented else fate(name) or passed_through(name)
+        here = ("implemented: " + implemented[name] if name in implemented else
+                f"implemented: {SETS_NOTES[name]}" if name in SETS else
+                f"accepted: {ACCEPTED[name].note}" if name in ACCEPTED else fate(name) or passed_through(name))
         lines.append(f"| `--{name}` | {here.replace('|', '/')} |")
     lines += ["", "| flag family | here |", "|---|---|"]
     lines += [f"| `--{prefix}*` | {text} |" for prefix, text in sorted(REFUSED_PREFIXES.items())]
     lines += ["", "| Megatron flag | here |", "|---|---|"]
-    lines += [f"| `--{name}` | {text} |" for name, text in sorted(MEGATRON_REFUSED.items())]
+    rows = {name: text for name, text in MEGATRON_REFUSED.items()}
+    rows |= {name: f"checked: must equal --hf-checkpoint's config.json ({f.hf})" for name, f in CHECKED.items()}
+    rows |= {name: f"accepted with {f.required} only: {f.note}" for name, f in REQUIRED.items()}
+    rows |= {name: f"accepted: {f.note}" for name, f in ACCEPTED.items() if name not in MILES_FLAGS}
+    rows |= {name: f"implemented: {SETS_NOTES[name]}" for name in SETS if name not in MILES_FLAGS}
+    lines += [f"| `--{name}` | {text.replace('|', '/')} |" for name, text in sorted(rows.items())]
+    lines += ["", "| Megatron family | flags | here |", "|---|---|---|"]
+    lines += [f"| {family} | {', '.join([f'`--{p}*`' for p in f.prefixes] + [f'`--{n}`' for n in f.names])} | "
+              f"{f.line} |" for family, f in FAMILIES.items()]
     return "\n".join(lines) + "\n"
 

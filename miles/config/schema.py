@@ -77,7 +77,7 @@ class DataConfig:
     label_key: str | None = None        # --label-key
     metadata_key: str | None = None     # --metadata-key
     apply_chat_template: bool = False   # --apply-chat-template
-    rollout_shuffle: bool = True        # --rollout-shuffle / --no-rollout-shuffle
+    rollout_shuffle: bool = False       # --rollout-shuffle / --no-rollout-shuffle (miles: off)
     max_prompt_len: int | None = None   # --max-prompt-len: drop longer prompts (tokens)
     response_key: str = "response"      # --response-key: the response's key in SFT data (--loss-type sft_loss)
     chat_template_path: str | None = None  # --chat-template-path: a Jinja chat template instead of the tokenizer's
@@ -87,7 +87,7 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     batch_size: int                     # --rollout-batch-size: prompts per rollout
-    n_samples_per_prompt: int = 8       # --n-samples-per-prompt
+    n_samples_per_prompt: int = 1       # --n-samples-per-prompt (miles: 1)
     max_response_len: int = 64          # --rollout-max-response-len
     temperature: float = 1.0            # --rollout-temperature
     top_p: float = 1.0                  # --rollout-top-p
@@ -170,10 +170,12 @@ class AlgorithmConfig:
     eps_clip_c: float | None = None     # --eps-clip-c (dual clip)
     use_kl_loss: bool = False           # --use-kl-loss
     kl_loss_coef: float = 0.0           # --kl-loss-coef
-    kl_loss_type: KlLossType = "k3"     # --kl-loss-type k1 | k2 | k3 | low_var_kl
+    kl_loss_type: KlLossType = "k1"     # --kl-loss-type k1 | k2 | k3 | low_var_kl (miles: k1)
     entropy_coef: float = 0.0           # --entropy-coef
     normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
-    loss_agg_mode: LossAggMode = "token_mean"  # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; miles' default is the
+    # per-sample mean (--calculate-per-token-loss off), --calculate-per-token-loss is token_mean
+    loss_agg_mode: LossAggMode = "seq_mean_token_mean"
     kl_coef: float = 0.0                # --kl-coef: KL penalty in the token rewards (ppo, reinforce_plus_plus)
     ref_load: str | None = None         # --ref-load: HF folder of the reference model (None: the initial policy)
     ref_update_interval: int | None = None  # --ref-update-interval: reference := policy every N rollouts
@@ -214,6 +216,7 @@ class TrainConfig:
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
+    log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: rows per chunk of the chunked logprobs
     compile_layers: bool | None = None  # --trainer-compile / --no-trainer-compile (None: on for the torch trainer on CUDA)
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
@@ -252,6 +255,7 @@ class CheckpointConfig:
     save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+    retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
 
     @property
     def saves(self) -> bool:
@@ -284,7 +288,7 @@ class EvalConfig:
     interval: int | None = None         # --eval-interval (rollouts)
     skip_before_train: bool = False     # --skip-eval-before-train
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
-    temperature: float = 0.0            # --eval-temperature (0: greedy)
+    temperature: float | None = None    # --eval-temperature (0: greedy; None: --rollout-temperature, as miles)
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
     datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
     log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)

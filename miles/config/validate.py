@@ -60,7 +60,7 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
     if not 0 < r.mem_fraction < 1:
         problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
                         "free after the weights that the KV cache takes")
-    if cfg.eval.temperature < 0:
+    if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
         problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.train.lr <= 0:
         problems.append(f"--lr {cfg.train.lr}: must be > 0")
@@ -92,7 +92,8 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
             and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
-        problems.append("--n-samples-per-prompt 1 gives GRPO groups of one: use at least 2 samples per prompt")
+        problems.append("--n-samples-per-prompt 1 gives GRPO groups of one, which learn nothing (1 is miles' "
+                        "default): pass --n-samples-per-prompt N with N >= 2")
 
 
 @check
@@ -221,8 +222,6 @@ def _kl_and_reference(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (("--ref-load", a.ref_load), ("--ref-update-interval", a.ref_update_interval)):
         if value is not None and not uses_ref:
             problems.append(f"{flag} {value} has no effect without a reference: add --use-kl-loss or --kl-coef")
-    if a.ref_load and not (Path(a.ref_load) / "config.json").is_file():
-        problems.append(f"--ref-load {a.ref_load}: no config.json there; pass an HF-format model folder")
 
 
 @check
@@ -461,6 +460,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         (a.use_unbiased_kl and not a.use_kl_loss, "--use-unbiased-kl", "--use-kl-loss"),
         (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
         (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
+        (c.retain_interval is not None and not c.save, "--save-retain-interval", "--save DIR"),
         (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
@@ -470,9 +470,14 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "is fn(logprobs, batch, reduce) -> loss, by import path")
     if d.chat_template_path and not Path(d.chat_template_path).is_file():
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
-    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len)):
+    for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),
+                        ("--save-retain-interval", c.retain_interval),
+                        ("--log-probs-chunk-size", cfg.train.log_probs_chunk_size)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value}: must be a positive integer")
+    if c.retain_interval and c.save_interval and c.retain_interval % c.save_interval:
+        problems.append(f"--save-retain-interval {c.retain_interval} is not a multiple of --save-interval "
+                        f"{c.save_interval}: no checkpoint would fall on it (as in miles); make it a multiple")
     if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
             cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
         problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")

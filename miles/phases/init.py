@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
+from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
@@ -38,6 +39,7 @@ from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.phases.health import start_health_monitor
+from miles.phases.megatron_resume import resume_from_megatron
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.rollout.executor import RolloutExecutor
@@ -142,7 +144,8 @@ async def init(ctx: TrainingContext) -> str:
     await _weight_transport(ctx, add)
     await _plan_rollouts(ctx)
     if cfg.checkpoint.save:
-        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last)
+        ctx.c.store = CheckpointStore(cfg.checkpoint.save, keep_last=cfg.checkpoint.keep_last,
+                                      retain_interval=cfg.checkpoint.retain_interval)
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
@@ -354,6 +357,8 @@ async def _resume(ctx: TrainingContext) -> None:
     the load reads matching its sha256, checked where it is read. Each one passed over is traced
     (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
     root = ctx.cfg.checkpoint.load
+    if (megatron := megatron_checkpoint_info(root)) is not None:    # miles' saves / converter (megatron backend)
+        return await resume_from_megatron(ctx, megatron)
     for rollout_id, path, problems in CheckpointStore(root).newest_first():
         verified = not problems and ctx.cfg.reliability.verify_load
         if verified:

@@ -250,7 +250,8 @@ class RolloutExecutor:
     def _eval_params(self, d: EvalDataset, rollout_id: int) -> SamplingParams:
         """A dataset's own values, else the eval flags' (--eval-temperature, ...), else the rollout's."""
         e, c = self._eval_cfg, self._cfg
-        temperature = e.temperature if d.temperature is None else d.temperature
+        temperature = (c.temperature if e.temperature is None else e.temperature) if d.temperature is None \
+            else d.temperature
         greedy = temperature == 0
         return SamplingParams(
             temperature=temperature, top_p=d.top_p if d.top_p is not None else (1.0 if greedy else c.top_p),

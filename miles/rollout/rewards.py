@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 from miles.config import ConfigError, RunConfig
 from miles.config.checks import check
+from miles.config.miles_flags import rm_type_problem
 from miles.runtime.threads import in_daemon_thread
 from miles.types import Prompt
 from miles.user_code import check_signature, display_name, import_user_function
@@ -416,8 +417,7 @@ def _reward_types(cfg: RunConfig, problems: list[str]) -> None:
     """--rm-type, and each --eval-config dataset's rm_type, names a reward this module has."""
     r = cfg.rollout
     if r.rm_type not in RM_TYPES:
-        problems.append(f"--rm-type {r.rm_type}: not a built-in reward; use one of {', '.join(RM_TYPES)} (or "
-                        "--custom-rm-path module:fn)")
+        problems.append(rm_type_problem(r.rm_type, RM_TYPES))
     for d in cfg.eval.datasets:
         if d.rm_type is not None and d.rm_type not in RM_TYPES:
             problems.append(f"--eval-config dataset {d.name!r}: rm_type {d.rm_type!r} is not a reward type here; use "

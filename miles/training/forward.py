@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.algorithms import entropy_from_logits, logprobs_from_logits, masked_logprobs_entropy
+from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.batch import TrainBatch
 
 # (model, micro-batch, want entropy, entropy gets gradients) -> (logprobs, entropy or None)
@@ -39,13 +40,14 @@ def logits_forward(temperature: float, autocast: Callable[[], AbstractContextMan
 
 
 def hidden_forward(temperature: float, autocast: Callable[[], AbstractContextManager], matmul_dtype: torch.dtype,
-                   model: nn.Module, mb: TrainBatch, entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+                   chunk_rows: int, model: nn.Module, mb: TrainBatch, entropy: bool,
+                   entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
     with autocast():
         # right padding + causal attention: the mask would change only the padding's own outputs
         hidden = model.get_decoder()(input_ids=mb.tokens, use_cache=False).last_hidden_state
     weight = model.get_output_embeddings().weight
     logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature,
-                                            matmul_dtype=matmul_dtype)
+                                            matmul_dtype=matmul_dtype, chunk_rows=chunk_rows)
     if not entropy:
         return logprobs, None
     return logprobs, ent if entropy_grad else ent.detach()   # detached: no backward work for a metric
@@ -66,12 +68,14 @@ def hidden_path_problem(model: nn.Module) -> str | None:
 
 
 def pick_forward(model: nn.Module, *, temperature: float, autocast: Callable[[], AbstractContextManager],
-                 compute_dtype: torch.dtype, hidden: bool) -> tuple[Forward, str]:
-    """The forward to use and its name; `hidden` asks for the chunked path where the model allows it."""
+                 compute_dtype: torch.dtype, hidden: bool,
+                 chunk_rows: int | None = None) -> tuple[Forward, str]:
+    """The forward to use and its name; `hidden` asks for the chunked path where the model allows it,
+    `chunk_rows` rows per chunk there (--log-probs-chunk-size; None: DEFAULT_CHUNK_ROWS)."""
     from functools import partial
 
     if hidden and hidden_path_problem(model) is None:
-        return partial(hidden_forward, temperature, autocast, compute_dtype), "hidden"
+        return partial(hidden_forward, temperature, autocast, compute_dtype, chunk_rows or DEFAULT_CHUNK_ROWS), "hidden"
     return partial(logits_forward, temperature, autocast), "logits"
 
 

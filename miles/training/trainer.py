@@ -103,7 +103,8 @@ class Trainer(OptimizedModel):
         on_cuda = self.device.type == "cuda"
         self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
-                                                   hidden=on_cuda if hidden_forward is None else hidden_forward)
+                                                   hidden=on_cuda if hidden_forward is None else hidden_forward,
+                                                   chunk_rows=train.log_probs_chunk_size)
         self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
         if train.recompute_activations:

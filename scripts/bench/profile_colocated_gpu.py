@@ -55,7 +55,7 @@ def profile_train(model: Path, a: argparse.Namespace) -> dict:
 
     t = Trainer(str(model), train=TrainConfig(lr=1e-6, micro_batch_size=64, global_batch_size=256,
                                               use_dynamic_batch_size=True, max_tokens_per_gpu=a.max_tokens),
-                algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=32, n_samples_per_prompt=8,
+                algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=RolloutConfig(batch_size=32, n_samples_per_prompt=8,
                                                                     max_response_len=256),
                 device="cuda", dtype="bfloat16")
     samples = fake_samples(256, 64, 256, vocab=1000)

@@ -140,11 +140,11 @@ def make(backend: str, model: str, args):
     if backend in ("torch", "torch-plain"):
         from miles.training.trainer import Trainer
         plain = {"hidden_forward": False, "skip_old_logprobs": False} if backend == "torch-plain" else {}
-        return Trainer(model, train=train, algorithm=AlgorithmConfig(), rollout=rollout_cfg, device=DEVICE, **plain)
+        return Trainer(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=rollout_cfg, device=DEVICE, **plain)
     if backend != "megatron":
         raise SystemExit(f"--backends: unknown backend {backend!r}; use torch, torch-plain, megatron")
     from miles.training.megatron.worker import MegatronWorker
-    worker = MegatronWorker(model, train=train, algorithm=AlgorithmConfig(), rollout=rollout_cfg, rank=0,
+    worker = MegatronWorker(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=rollout_cfg, rank=0,
                             world_size=1, device_type=DEVICE)
     worker.setup("127.0.0.1", free_port())
     return worker

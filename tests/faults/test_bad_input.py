@@ -54,7 +54,7 @@ def test_a_reward_that_raises_on_one_sample_fails_the_run_naming_it(ray_cluster,
                                       "        raise ValueError('cannot score this one')\n"
                                       "    return 0.0\n")
     code = train_main(base_flags(tiny_task, tmp_path / "run", custom_rm_path=f"{rm}:picky", rollout_batch_size=8,
-                                 no_rollout_shuffle=True))
+                                 rollout_shuffle=False))
     err = capsys.readouterr().err
     assert code == 2, err                                   # the user's reward failed: their input
     assert f"{rm}:picky failed on prompt 3" in err and "cannot score this one" in err

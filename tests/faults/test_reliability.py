@@ -58,7 +58,7 @@ def test_a_phase_past_its_deadline_drains_the_run_and_corrupted_checkpoints_are_
                                                                                         tmp_path):
     # run 1: three checkpoints, then rollout 3 hangs past its --phase-timeout: cancelled, the run drains
     ckpt = tmp_path / "ckpt"
-    data = {"no_rollout_shuffle": True, "no_save_hf": True}
+    data = {"rollout_shuffle": False, "no_save_hf": True}     # the file order (miles' default)
     raised = run(small(tiny_task, tmp_path, "first", num_rollout=4, save=ckpt, save_interval=1, **data,
                        inject_fault=["rollout:hang:4"], phase_timeout=["rollout=5"]))
     assert type(raised).__name__ == "PhaseTimeout" and "'rollout' ran past its 5 s deadline" in str(raised)
@@ -134,7 +134,7 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
                   "    return 1.0\n")
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     argv = [sys.executable, str(ROOT / "scripts/train.py"),
-            *small(tiny_task, tmp_path, "run", num_rollout=3, save=ckpt, no_rollout_shuffle=True,
+            *small(tiny_task, tmp_path, "run", num_rollout=3, save=ckpt, rollout_shuffle=False,
                    custom_rm_path=f"{rm}:stuck")]
     driver = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -86,7 +86,7 @@ def samples(n: int, seed: int) -> list[Sample]:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_trainer_offload_between_rollouts_leaves_training_unchanged(model_path, compiled):
     make = lambda: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8, compile_layers=compiled),  # noqa: E731
-                           algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=1))
+                           algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1))
     a, b = make(), make()
     a.train(samples(16, 0), 0)
     b.train(samples(16, 0), 0)

@@ -36,8 +36,8 @@ def test_engine_and_trainer_on_cuda_agree_and_learn(model_path):
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
     gens = engine.generate(prompts, params)
     assert gens == engine.generate(prompts, params)         # seeded sampling is reproducible on the GPU
-    trainer = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(eps_clip=0.2),
-                      rollout=RolloutConfig(batch_size=1))
+    trainer = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", eps_clip=0.2),
+                      rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1))
     samples = samples_from(prompts, gens, [1.0, -1.0] * 16)
     first = trainer.train(samples, rollout_id=0)
     # bf16 engine vs bf16-autocast trainer: close, not equal (fp32 on CPU agrees to 1e-5)
@@ -62,7 +62,7 @@ def test_compiled_layers_train_like_eager_ones(model_path, recompute):
                              [1.0, -1.0] * 16) for n in (8, 5, 11)]
     make = lambda compiled: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8, compile_layers=compiled,  # noqa: E731
                                                                   recompute_activations=recompute),
-                                    algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=1))
+                                    algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1))
     compiled, eager = make(None), make(False)
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.model.layers)   # None: compiled on CUDA
     start = torch.cat([p.detach().flatten().clone() for p in eager.model.parameters()])

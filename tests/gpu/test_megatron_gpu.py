@@ -69,7 +69,7 @@ def samples(rollout_id: int, n: int = 64):
 def configs(**train):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
-    return (TrainConfig(**{"lr": 2e-4, "micro_batch_size": 16, "clip_grad": 0.0, **train}), AlgorithmConfig(),
+    return (TrainConfig(**{"lr": 2e-4, "micro_batch_size": 16, "clip_grad": 0.0, **train}), AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
             RolloutConfig(batch_size=8, n_samples_per_prompt=8, max_response_len=6))
 
 

@@ -83,7 +83,7 @@ def test_recipe_makes_rewarded_responses_more_likely(recipe, ray_cluster, tiny_t
     torch.set_num_threads(1)
     train_prompts = [json.loads(x)["input"] for x in open(tiny_task["train"]).read().splitlines()[:8]]
     result = run(base_flags(tiny_task, tmp_path / "run", custom_rm_path=ones_reward, lr=1e-2, num_rollout=3,
-                            save=tmp_path / "ckpt", no_rollout_shuffle=True, rollout_batch_size=4,
+                            save=tmp_path / "ckpt", rollout_shuffle=False, rollout_batch_size=4,
                             **RECIPES[recipe]))
     assert result.final_state == "shutdown"
     rows = [r for r in result.metrics if r.get("kind") == "train"]

@@ -16,7 +16,7 @@ from miles.config.flags import parse_flags
 from miles.runtime import read_trace, with_disposer
 from miles.training.megatron.checks import installed
 from tests.conftest import base_flags, miles_actors
-from tests.integration.test_megatron_cpu import make_model
+from tests.integration.test_megatron_cpu import make_model, mcore_version
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not installed("megatron.core"), reason="needs megatron-core")]
@@ -32,7 +32,8 @@ def train_rows(result) -> list[dict]:
     return [r for r in rows if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}],
+@pytest.mark.parametrize("layout", [{"tensor_model_parallel_size": 2},
+                                    pytest.param({"context_parallel_size": 2}, marks=pytest.mark.extended)],
                          ids=["tp2", "cp2"])
 def test_megatron_two_rank_run_matches_torch_saves_resumes_and_cleans_up(ray_cluster, tiny_task, tmp_path, layout):
     task = {**tiny_task, "model": make_model(tmp_path / "model", "qwen2")}    # 4 heads, 2 key/value heads
@@ -53,7 +54,10 @@ def test_megatron_two_rank_run_matches_torch_saves_resumes_and_cleans_up(ray_clu
     tp, cp = layout.get("tensor_model_parallel_size", 1), layout.get("context_parallel_size", 1)
     assert (ready[0]["ranks"], ready[0]["tp"], ready[0]["cp"], ready[0]["backend"]) == (2, tp, cp, "megatron")
     want, got = train_rows(reference)[0], train_rows(result)[0]
-    for key in ("reward_mean", "loss", "pg_loss", "entropy", "grad_norm", "logprob_diff_rollout"):
+    keys = ("reward_mean", "loss", "pg_loss", "entropy", "grad_norm", "logprob_diff_rollout")
+    if tp > 1 and mcore_version() < (0, 17):      # megatron-core 0.16's TP grad norm: see assert_same_training
+        keys = tuple(k for k in keys if k != "grad_norm")
+    for key in keys:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
     store = CheckpointStore(tmp_path / "ckpt")
     assert [rid for rid, _ in store.list()] == [0, 1]

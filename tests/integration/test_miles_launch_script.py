@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from miles.config.flags import FLAGS
+from miles.config.megatron_flags import SETS
 from miles.config.miles_flags import fate
 from miles.runtime import read_trace
 from miles.tracking.metrics import read_metrics
@@ -58,7 +59,7 @@ def first_run(folder):
 
 
 def test_every_flag_of_the_script_is_implemented():
-    names = {f"--{f.name}" for f in FLAGS}
+    names = {f"--{f.name}" for f in FLAGS} | {f"--{name}" for name in SETS}   # miles' switches that set ours
     flags = script_flags()
     assert len(flags) > 45
     assert [f for f in flags if f not in names or fate(f[2:]) is not None] == []
@@ -143,13 +144,14 @@ def test_debug_train_only_replays_the_saved_rollouts_without_engines(folder, fir
 
 def test_miles_flags_this_build_refuses_stop_the_script_at_once(folder):
     done = launch(folder, "--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
-                  "--expert-model-parallel-size", "2", "--use-dynamic-global-batch-size",
+                  "--num-experts", "8", "--use-dynamic-global-batch-size",
                   "--log-probs-max-tokens-per-gpu", "4096", "--partial-rollout",
                   "--run-dir", "refused", timeout=120)
     assert done.returncode == 2
-    lines = [l.strip() for l in done.stderr.splitlines() if "is a miles flag this build does not take" in l]
+    lines = [l.strip() for l in done.stderr.splitlines() if "miles flag this build does not take" in l
+             or "miles flags this build does not take" in l]
     assert [l.split(" ")[1] for l in lines] == ["--offload-train-target", "--sglang-router-ip",
-                                                "--expert-model-parallel-size", "--use-dynamic-global-batch-size",
+                                                "--num-experts", "--use-dynamic-global-batch-size",
                                                 "--log-probs-max-tokens-per-gpu", "--partial-rollout"]
-    assert all("not supported yet" in l or "drop it" in l for l in lines)
+    assert all("not supported yet" in l or "drop it" in l or "this build trains dense models" in l for l in lines)
     assert not (folder / "refused").exists()                     # nothing started

@@ -164,10 +164,10 @@ def test_cancel_and_force_end_evals_in_flight():
 
 
 def cfg(**run) -> RunConfig:
-    algorithm = run.pop("algorithm", AlgorithmConfig())
-    return RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p.jsonl"),
-                     rollout=RolloutConfig(batch_size=2), algorithm=algorithm,
-                     cluster=run.pop("cluster", ClusterConfig()), eval=run.pop("eval", EvalConfig()), **run)
+    algorithm = run.pop("algorithm", AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"))
+    return RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p.jsonl"),
+                     rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=2), algorithm=algorithm,
+                     cluster=run.pop("cluster", ClusterConfig()), eval=run.pop("eval", EvalConfig(temperature=0.0)), **run)
 
 
 def problems(config: RunConfig, machine: str) -> list[str]:
@@ -181,14 +181,14 @@ def problems(config: RunConfig, machine: str) -> list[str]:
 def test_async_policy_loss_needs_an_off_policy_correction():
     [msg] = problems(cfg(), "async")
     assert "--use-tis" in msg and "--use-rollout-logprobs" in msg
-    assert problems(cfg(algorithm=AlgorithmConfig(use_tis=True)), "async") == []
-    assert problems(cfg(algorithm=AlgorithmConfig(use_rollout_logprobs=True)), "async") == []
-    assert problems(cfg(algorithm=AlgorithmConfig(loss_type="sft_loss")), "async") == []
+    assert problems(cfg(algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)), "async") == []
+    assert problems(cfg(algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_rollout_logprobs=True)), "async") == []
+    assert problems(cfg(algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss")), "async") == []
     assert problems(cfg(), "sync") == []
 
 
 def test_colocate_and_offload_are_for_the_sync_machine_only():
-    tis = AlgorithmConfig(use_tis=True)
+    tis = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(colocate=True)), "async")
     assert msg.startswith("--colocate cannot be used with the async machine")
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(offload_train=True)), "async")
@@ -197,9 +197,9 @@ def test_colocate_and_offload_are_for_the_sync_machine_only():
 
 
 def test_update_weights_interval_belongs_to_async_and_bounds_the_eval_interval():
-    tis = AlgorithmConfig(use_tis=True)
-    assert problems(cfg(algorithm=tis, update_weights_interval=2, eval=EvalConfig(interval=4)), "async") == []
-    [msg] = problems(cfg(algorithm=tis, update_weights_interval=2, eval=EvalConfig(interval=3)), "async")
+    tis = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)
+    assert problems(cfg(algorithm=tis, update_weights_interval=2, eval=EvalConfig(temperature=0.0, interval=4)), "async") == []
+    [msg] = problems(cfg(algorithm=tis, update_weights_interval=2, eval=EvalConfig(temperature=0.0, interval=3)), "async")
     assert "--eval-interval 3 is not a multiple of --update-weights-interval 2" in msg
     [msg] = problems(cfg(update_weights_interval=2), "sync")
     assert "--update-weights-interval 2: only the async machine reads it" in msg

@@ -51,8 +51,8 @@ class FakeTrainer:
 
 
 def cfg_with(**rollout_and_train) -> RunConfig:
-    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p.jsonl"),
-                    rollout=RolloutConfig(batch_size=2), num_rollout=1)
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p.jsonl"),
+                    rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=2), num_rollout=1)
     return replace(cfg, rollout=replace(cfg.rollout, engine=rollout_and_train.get("engine", "embedded")),
                    train=replace(cfg.train, backend=rollout_and_train.get("backend", "torch")))
 
@@ -77,7 +77,7 @@ def test_validate_names_unknown_backends_and_a_missing_critic(tmp_path, monkeypa
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
     cfg = replace(cfg_with(engine="vllm", backend="jax"), model=ModelConfig(hf_checkpoint=str(model)),
-                  data=DataConfig(prompt_data=str(data), label_key="label"))
+                  data=DataConfig(rollout_shuffle=True, prompt_data=str(data), label_key="label"))
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert "--rollout-engine vllm: no such engine; use one of embedded" in str(err.value)
@@ -153,7 +153,7 @@ def test_engine_defaults_live_in_one_place():
     fast, embedded = (inspect.signature(c).parameters for c in (FastEngine, EmbeddedEngine))
     assert fast["max_batch_size"].default == FAST_MAX_BATCH_SIZE == 256
     assert embedded["max_batch_size"].default == EMBEDDED_MAX_BATCH_SIZE == 64
-    assert fast["mem_fraction"].default == RolloutConfig(batch_size=1).mem_fraction == FAST_MEM_FRACTION
+    assert fast["mem_fraction"].default == RolloutConfig(n_samples_per_prompt=8, batch_size=1).mem_fraction == FAST_MEM_FRACTION
 
 
 def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):

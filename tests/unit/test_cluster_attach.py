@@ -20,7 +20,7 @@ def minimal(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1="}\n')
     return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1"]
+            "--num-rollout", "1", "--n-samples-per-prompt", "8"]
 
 
 def test_the_attach_flags_reach_the_cluster_slice(minimal):

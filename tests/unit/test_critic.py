@@ -29,7 +29,7 @@ SAMPLES = [sample([5, 6], [7, 8, 2], 1.0), sample([9], [4, 2], 0.0), sample([11,
 
 def critic(path, **kw):
     algo = {k: kw.pop(k) for k in list(kw) if k in AlgorithmConfig.__dataclass_fields__}
-    return Critic(path, train=TrainConfig(**{"lr": 1e-2, **kw}), algorithm=AlgorithmConfig(**algo), device="cpu")
+    return Critic(path, train=TrainConfig(**{"lr": 1e-2, **kw}), algorithm=AlgorithmConfig(**{"loss_agg_mode": "token_mean", "kl_loss_type": "k3", **algo}), device="cpu")
 
 
 def test_a_fresh_critic_values_every_prefix_at_zero_and_only_on_response_tokens(model_path):
@@ -77,7 +77,7 @@ def test_save_load_and_every_form_of_critic_load(model_path, tmp_path):
     store.commit(tmp, 3, {})
     assert resolve_critic_source(str(tmp_path / "root"))[1] == store.latest()[1] / CRITIC_DIR
     assert resolve_critic_source(model_path) == (model_path, None)      # HF folder: new head
-    from_root = Critic(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(),
+    from_root = Critic(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
                        init_from=str(tmp_path / "root"), device="cpu")
     assert torch.equal(from_root.values(SAMPLES), c.values(SAMPLES))
     with pytest.raises(FileNotFoundError, match="--critic-load"):
@@ -85,8 +85,8 @@ def test_save_load_and_every_form_of_critic_load(model_path, tmp_path):
 
 
 def test_ppo_advantages_come_from_the_critic_values(model_path):
-    t = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(advantage_estimator="ppo"),
-                rollout=RolloutConfig(batch_size=1), device="cpu")
+    t = Trainer(model_path, train=TrainConfig(lr=1e-2), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator="ppo"),
+                rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), device="cpu")
     values = torch.zeros(3, 5)
     values[0, 2:5] = torch.tensor([0.5, 0.25, 0.0])
     # gamma = lambda = 1: A_t = (rewards from t on) - V_t, and R_t = A_t + V_t is the return-to-go.

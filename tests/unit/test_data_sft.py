@@ -17,7 +17,7 @@ def write(path, rows):
 def test_responses_are_tokenized_and_end_with_eos(tmp_path):
     tok = _tokenizer()
     path = write(tmp_path / "sft.jsonl", [{"input": "1+2=", "response": "3"}, {"input": "4+5=", "response": "9"}])
-    prompts, responses = load_sft_data(DataConfig(prompt_data=path), tok)
+    prompts, responses = load_sft_data(DataConfig(rollout_shuffle=True, prompt_data=path), tok)
     assert [p.text for p in prompts] == ["1+2=", "4+5="]
     three = tok("3", add_special_tokens=False)["input_ids"]
     assert responses[0] == (*three, EOS_ID) and len(responses[1]) == 2
@@ -26,6 +26,6 @@ def test_responses_are_tokenized_and_end_with_eos(tmp_path):
 def test_rows_without_a_response_are_named(tmp_path):
     path = write(tmp_path / "sft.jsonl", [{"input": "1+2=", "answer": "3"}, {"input": "4+5=", "response": "9"}])
     with pytest.raises(ConfigError, match=r"1 of 2 rows \(row 1\) have no 'response' for --response-key.*SFT needs a response"):
-        load_sft_data(DataConfig(prompt_data=path), _tokenizer())
+        load_sft_data(DataConfig(rollout_shuffle=True, prompt_data=path), _tokenizer())
     with pytest.raises(ConfigError, match="none of the 2 rows has 'reply' for --response-key; a row has keys"):   # no row has the key at all
-        load_sft_data(DataConfig(prompt_data=path, response_key="reply"), _tokenizer())
+        load_sft_data(DataConfig(rollout_shuffle=True, prompt_data=path, response_key="reply"), _tokenizer())

@@ -133,8 +133,8 @@ def test_update_weights_changes_outputs_version_and_checksum(model_path):
     engine = EmbeddedEngine(model_path, device="cpu")
     before = engine.generate(PROMPTS, GREEDY)
     assert engine.weight_version() == 0 and {g.weight_version for g in before} == {0}
-    trainer = Trainer(model_path, train=TrainConfig(lr=0.05), algorithm=AlgorithmConfig(loss_type="sft_loss"),
-                      rollout=RolloutConfig(batch_size=1), device="cpu")
+    trainer = Trainer(model_path, train=TrainConfig(lr=0.05), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"),
+                      rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), device="cpu")
     samples = [Sample(prompt=Prompt(index=0, text="", prompt_ids=(5, 6)), group=0, response_ids=[7] * 8,
                       rollout_logprobs=[0.0] * 8, finish_reason="length", weight_version=0)]
     trainer.train(samples, rollout_id=0)

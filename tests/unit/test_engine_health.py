@@ -124,7 +124,7 @@ class FakeEngine:
 
 
 def monitor(engines):
-    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(batch_size=1, health_check_timeout_s=0.3),
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1, health_check_timeout_s=0.3),
                                               trace=TraceConfig()),
                           c=SimpleNamespace(engines=engines), tracer=FakeTracer(),
                           disposer=SimpleNamespace(closed=False))

@@ -39,8 +39,8 @@ PROMPTS = [Prompt(index=i, text=str(i), prompt_ids=(i,), label="1") for i in ran
 def executor(engine, *, algorithm=None, sft_responses=None, **rollout):
     cfg = RolloutConfig(**{"batch_size": 2, "n_samples_per_prompt": 2, "max_response_len": 4, "rm_type": "exact_match",
                            **rollout})
-    return RolloutExecutor(prompts=PROMPTS, eval_sets={}, rollout=cfg, algorithm=algorithm or AlgorithmConfig(),
-                           eval=EvalConfig(), shuffle=False, tokenizer=Digits(), engines=[engine], seed=0,
+    return RolloutExecutor(prompts=PROMPTS, eval_sets={}, rollout=cfg, algorithm=algorithm or AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+                           eval=EvalConfig(temperature=0.0), shuffle=False, tokenizer=Digits(), engines=[engine], seed=0,
                            sft_responses=sft_responses)
 
 
@@ -75,7 +75,7 @@ def test_overlong_penalty_grows_over_the_last_buffer_tokens():
     lengths = {0: 1, 1: 2, 2: 3, 3: 4}
     engine = ScriptedEngine(lambda p, k: [1] + [5] * (lengths[p * 2 + k] - 1))   # "1", "15", "155", "1555"
     batch = asyncio.run(executor(engine, overlong_buffer_len=2, overlong_penalty_factor=1.0,
-                                 algorithm=AlgorithmConfig(advantage_estimator="rloo")).generate(0))
+                                 algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator="rloo")).generate(0))
     # max 4, buffer 2: lengths 1, 2 -> 0; 3 -> (2 - 3) / 2 = -.5; 4 -> -1. Only "1" matches the label.
     assert [s.reward for s in batch.samples] == [1.0, 0.0, -0.5, -1.0]
     assert batch.metrics["overlong_penalty_mean"] == -0.375
@@ -87,7 +87,7 @@ def test_sft_serves_the_data_responses_without_any_engine():
             raise AssertionError("SFT must not generate")
 
     responses = {p.index: (3, p.index, 2) for p in PROMPTS}
-    ex = executor(NoEngine(), algorithm=AlgorithmConfig(loss_type="sft_loss"), sft_responses=responses,
+    ex = executor(NoEngine(), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"), sft_responses=responses,
                   n_samples_per_prompt=1)
     first, second = asyncio.run(ex.generate(0)), asyncio.run(ex.generate(1))
     assert [s.response_ids for s in first.samples] == [[3, 0, 2], [3, 1, 2]]
@@ -98,7 +98,7 @@ def test_sft_serves_the_data_responses_without_any_engine():
 @pytest.mark.parametrize("name", ["ppo", "reinforce_plus_plus"])
 def test_token_level_estimators_leave_advantages_to_the_trainer(name):
     engine = ScriptedEngine(even_all_right_odd_mixed)
-    batch = asyncio.run(executor(engine, algorithm=AlgorithmConfig(advantage_estimator=name)).generate(0))
+    batch = asyncio.run(executor(engine, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator=name)).generate(0))
     assert [s.reward for s in batch.samples] == [1.0, 1.0, 1.0, 0.0] and all(s.advantage == 0 for s in batch.samples)
 
 

@@ -32,13 +32,13 @@ class Recording:
 def executor(engine, eval_cfg=EvalConfig(), eval_sets=None, **rollout):
     cfg = RolloutConfig(**{"batch_size": 2, "n_samples_per_prompt": 4, "max_response_len": 4, "rm_type": "exact_match",
                            **rollout})
-    return RolloutExecutor(prompts=PROMPTS, eval_sets=eval_sets or {}, rollout=cfg, algorithm=AlgorithmConfig(),
+    return RolloutExecutor(prompts=PROMPTS, eval_sets=eval_sets or {}, rollout=cfg, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
                            eval=eval_cfg, shuffle=False, tokenizer=Digits(), engines=[engine], seed=0)
 
 
 def test_log_passrate_gives_every_k_up_to_n_for_rollouts():
     # labels "1": per prompt the 4 samples answer 1, 2, 2, 2 -> c = 1 of n = 4
-    batch = asyncio.run(executor(Recording([[1], [2], [2], [2]]), EvalConfig(log_passrate=True)).generate(0))
+    batch = asyncio.run(executor(Recording([[1], [2], [2], [2]]), EvalConfig(temperature=0.0, log_passrate=True)).generate(0))
     # pass@k = 1 - C(3, k) / C(4, k): 1/4, 1/2, 3/4, 1
     assert [batch.metrics[f"pass@{k}"] for k in (1, 2, 3, 4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     plain = asyncio.run(executor(Recording([[1]])).generate(0))

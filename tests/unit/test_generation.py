@@ -59,7 +59,7 @@ async def run(fn, engines, cfg=GenerateConfig(), n=1, prompts=PROMPTS):
     samples = [new_sample(p, i) for i, p in enumerate(prompts) for _ in range(n)]
 
     def make_ctx():
-        return GenerateContext(batcher, tokenizer=Digits(), rollout=RolloutConfig(batch_size=1), config=cfg,
+        return GenerateContext(batcher, tokenizer=Digits(), rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), config=cfg,
                                tools=None, evaluation=False)
 
     return await run_samples(fn, make_ctx, samples, PARAMS, cfg, batcher, num_engines=len(engines),
@@ -182,7 +182,7 @@ def test_an_engine_call_that_fails_fails_the_rollout():
 def executor(engines, generate_cfg, **rollout):
     cfg = RolloutConfig(**{"batch_size": 2, "n_samples_per_prompt": 2, "max_response_len": 8,
                            "rm_type": "deterministic_random", **rollout})
-    return RolloutExecutor(prompts=PROMPTS, eval_sets={}, rollout=cfg, algorithm=AlgorithmConfig(), eval=EvalConfig(),
+    return RolloutExecutor(prompts=PROMPTS, eval_sets={}, rollout=cfg, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), eval=EvalConfig(temperature=0.0),
                            shuffle=False, tokenizer=Digits(), engines=engines, seed=0, generate=generate_cfg)
 
 

@@ -16,8 +16,8 @@ def make(tmp_path):
 
     def make(**run) -> TrainingContext:
         sections = {k: run.pop(k) for k in ("checkpoint", "eval") if k in run}
-        cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
-                        rollout=RolloutConfig(batch_size=1), **{"num_rollout": 4, **run}, **sections)
+        cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p"),
+                        rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), **{"num_rollout": 4, **run}, **sections)
         tracer = Tracer(tmp_path / f"trace{len(tracers)}.jsonl", run_id="g", machine="sync", console="off")
         tracers.append(tracer)
         return TrainingContext(cfg, run_id="g", run_dir=tmp_path, tracer=tracer, disposer=Disposer())
@@ -49,15 +49,15 @@ def test_weights_due_every_interval_and_after_the_last(make):
 def test_eval_due(make):
     data = (("arith", "e.jsonl"),)
     assert not make().eval_due()                                           # no eval data
-    ctx = make(eval=EvalConfig(prompt_data=data, interval=2))
+    ctx = make(eval=EvalConfig(temperature=0.0, prompt_data=data, interval=2))
     assert ctx.eval_due()                                                  # before training
     ctx.evaluated_version = ctx.weight_version
     assert not ctx.eval_due()                                              # never twice on the same weights
     for done, expected in ((1, False), (2, True), (3, False), (4, True)):  # 4: every 2, and the last
         ctx.next_rollout, ctx.weight_version = done, done
         assert ctx.eval_due() is expected, done
-    assert not make(eval=EvalConfig(prompt_data=data, skip_before_train=True)).eval_due()
-    resumed = make(eval=EvalConfig(prompt_data=data, interval=3))
+    assert not make(eval=EvalConfig(temperature=0.0, prompt_data=data, skip_before_train=True)).eval_due()
+    resumed = make(eval=EvalConfig(temperature=0.0, prompt_data=data, interval=3))
     resumed.start_rollout = resumed.next_rollout = resumed.weight_version = 2
     assert not resumed.eval_due()        # resumed at 2, not a multiple of 3: the first eval waits for 3
 

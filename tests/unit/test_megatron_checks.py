@@ -58,7 +58,7 @@ def test_unsupported_architecture(task, megatron_installed, tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    argv = ["--hf-checkpoint", str(gpt2), "--prompt-data", data, "--rollout-batch-size", "2", "--num-rollout", "1",
+    argv = ["--hf-checkpoint", str(gpt2), "--prompt-data", data, "--rollout-batch-size", "2", "--num-rollout", "1", "--n-samples-per-prompt", "8",
             "--train-backend", "megatron"]
     with pytest.raises(ConfigError) as err:
         parse_flags(argv)
@@ -95,7 +95,7 @@ def test_context_parallel_is_accepted_and_counts_in_the_ranks(task, megatron_ins
 
 def test_parallel_flags_on_the_torch_backend(task):
     _, model, data = task
-    argv = ["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2", "--num-rollout", "1",
+    argv = ["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2", "--num-rollout", "1", "--n-samples-per-prompt", "8",
             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     with pytest.raises(ConfigError) as err:
         parse_flags(argv)
@@ -111,7 +111,7 @@ def test_ppo_needs_a_critic_the_megatron_backend_lacks(task, megatron_installed)
 def test_a_fitting_run_passes(task, megatron_installed):
     _, model, data = task
     cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",
-                          "--num-rollout", "1", "--train-backend", "megatron"])
+                          "--num-rollout", "1", "--n-samples-per-prompt", "8", "--train-backend", "megatron"])
     assert cfg.train.backend == "megatron" and cfg.train.tensor_model_parallel_size == 1
 
 
@@ -129,7 +129,7 @@ def test_the_torch_trainers_memory_flags_it_lacks_are_refused_by_name(task, mega
 def test_colocation_activation_recompute_and_engine_offload_are_accepted(task, megatron_installed):
     _, model, data = task
     cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",
-                          "--num-rollout", "1", "--train-backend", "megatron", "--colocate", "--offload-rollout",
+                          "--num-rollout", "1", "--n-samples-per-prompt", "8", "--train-backend", "megatron", "--colocate", "--offload-rollout",
                           "--recompute-activations"])
     assert cfg.cluster.colocate and cfg.train.recompute_activations
 

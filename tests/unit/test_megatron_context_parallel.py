@@ -61,8 +61,8 @@ def check_token_terms(rank, cp, group):
     from miles.training.megatron.context_parallel import ContextSplit, token_terms
     from miles.training.terms import PolicyObjective
 
-    objective = PolicyObjective(AlgorithmConfig(entropy_coef=0.01),
-                                RolloutConfig(batch_size=1, temperature=0.7, max_response_len=8))
+    objective = PolicyObjective(AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", entropy_coef=0.01),
+                                RolloutConfig(n_samples_per_prompt=8, batch_size=1, temperature=0.7, max_response_len=8))
     torch.manual_seed(1)
     b, seq, vocab = 3, 4 * cp, 11
     logits = torch.randn(b, seq, vocab, requires_grad=True)

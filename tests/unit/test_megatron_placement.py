@@ -14,8 +14,8 @@ from miles.training.protocol import TRAIN_BACKENDS
 
 
 def ctx(backend: str, **request) -> SimpleNamespace:
-    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
-                    rollout=RolloutConfig(batch_size=1), train=TrainConfig(backend=backend))
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p"),
+                    rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), train=TrainConfig(backend=backend))
     return SimpleNamespace(cfg=cfg, c=SimpleNamespace(placement=RunPlacement(plan_placement(PlacementRequest(**request)))),
                            backends=SimpleNamespace(train_spec=TRAIN_BACKENDS[backend]))
 

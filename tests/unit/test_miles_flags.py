@@ -11,6 +11,7 @@ from miles.config import ConfigError
 from miles.config.flags import FLAGS, parse_flags
 from miles.config.miles_flags import (MEGATRON_REFUSED, MILES_FLAGS, PASSTHROUGH_PREFIX, REFUSED, REFUSED_PREFIXES,
                                       fate, markdown, refused_in)
+from miles.config.megatron_flags import megatron_options
 from tests.unit.test_tracking_flags import base
 
 IMPLEMENTED = {f.name for f in FLAGS}
@@ -20,7 +21,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from-miles.md"
 def test_every_miles_flag_is_implemented_or_refused():
     # or an SGLang server flag (--sglang-<ServerArgs field>), passed through as miles passes it
     neither = [name for name in MILES_FLAGS if name not in IMPLEMENTED and fate(name) is None
-               and not name.startswith(PASSTHROUGH_PREFIX)]
+               and name not in megatron_options() and not name.startswith(PASSTHROUGH_PREFIX)]
     assert neither == []
 
 
@@ -34,7 +35,7 @@ def test_miles_own_sglang_flags_are_refused_and_sglang_server_flags_pass_through
 
 def test_no_flag_is_both_implemented_and_refused():
     # when another branch implements a flag refused here as "(issue N)", this fails until its row goes
-    both = sorted(IMPLEMENTED & (set(REFUSED) | set(MEGATRON_REFUSED)))
+    both = sorted(IMPLEMENTED & (set(REFUSED) | set(MEGATRON_REFUSED) | set(megatron_options())))
     assert both == [], f"implemented and refused: {both}; drop their rows from miles/config/miles_flags.py"
     stale = [(prefix, name) for prefix, text in REFUSED_PREFIXES.items() if "(issue" in text
              for name in IMPLEMENTED if name.startswith(prefix)]
@@ -57,16 +58,21 @@ def test_each_fate_is_one_line_saying_what_it_does_and_what_to_use():
 
 def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
     argv = base(tmp_path) + ["--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
-                             "--expert-model-parallel-size", "2", "--no-partial-rollout", "--critic-num-gpus-per-node=2",
-                             "--lr", "-1"]
+                             "--num-experts", "8", "--moe-router-topk", "2", "--no-partial-rollout",
+                             "--critic-num-gpus-per-node=2", "--expert-model-parallel-size", "2", "--lr", "-1"]
     with pytest.raises(ConfigError) as info:
         parse_flags(argv)
     problems = info.value.problems
     refused = [p for p in problems if "is a miles flag this build does not take" in p]
     assert [p.split(" ", 1)[0] for p in refused] == ["--offload-train-target", "--sglang-router-ip",
-                                                     "--expert-model-parallel-size", "--no-partial-rollout",
-                                                     "--critic-num-gpus-per-node"]
+                                                     "--no-partial-rollout", "--critic-num-gpus-per-node"]
     assert "offload the trainer to cpu or disk; not supported yet: --offload-train moves it to host memory" in refused[0]
+    # a refused Megatron family is one line for all of its flags
+    assert [p for p in problems if p.startswith("--num-experts, --moe-router-topk are miles flags this build does "
+                                                "not take: MoE: mixture-of-experts layers")]
+    # a Megatron flag with one possible value here names it
+    assert any(p.startswith("--expert-model-parallel-size 2: expert parallelism; dense models only here; here only 1")
+               for p in problems)
     assert any(p.startswith("--lr -1") for p in problems)       # reported together with the other problems
 
 

@@ -74,7 +74,7 @@ def run_multi_turn(engine, execute, *, max_turns=3, budget=40, timeout=5.0, spec
         prompt = Prompt(index=0, text="37*48=", prompt_ids=tuple(ids("37*48=")), label="1776")
 
         def make_ctx():
-            return GenerateContext(batcher, tokenizer=TOK, rollout=RolloutConfig(batch_size=1), config=cfg, tools=kit,
+            return GenerateContext(batcher, tokenizer=TOK, rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), config=cfg, tools=kit,
                                    evaluation=False)
 
         params = SamplingParams(max_new_tokens=budget)
@@ -202,12 +202,12 @@ def test_real_trajectories_line_up_with_the_trainers_recomputation(tool_model, t
                enumerate(["37*48=", "12*3=", "99*99="])]
     rollout = RolloutConfig(batch_size=3, n_samples_per_prompt=2, max_response_len=24, temperature=1.0,
                             rm_type="deterministic_random")
-    executor = RolloutExecutor(prompts=prompts, eval_sets={}, rollout=rollout, algorithm=AlgorithmConfig(),
-                               eval=EvalConfig(), shuffle=False, tokenizer=TOK, engines=[engine], seed=0,
+    executor = RolloutExecutor(prompts=prompts, eval_sets={}, rollout=rollout, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+                               eval=EvalConfig(temperature=0.0), shuffle=False, tokenizer=TOK, engines=[engine], seed=0,
                                generate=GenerateConfig(custom_generate_function_path="gen.py:two_turns"))
     samples = asyncio.run(executor.generate(0)).samples
     assert all(s.status == "completed" and 0 in s.loss_mask for s in samples)
-    trainer = Trainer(tool_model, train=TrainConfig(micro_batch_size=2), algorithm=AlgorithmConfig(),
+    trainer = Trainer(tool_model, train=TrainConfig(micro_batch_size=2), algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
                       rollout=rollout, device="cpu")
     batch = trainer.prepare(make_train_batch(samples, trainer.pad_id))
     mask = batch.loss_mask

@@ -57,14 +57,14 @@ def score(rewards: Rewards, samples: list[Sample], n: int) -> list[float]:
 
 
 def test_metadata_rm_type_overrides_per_sample_and_unscorable_samples_keep_zero():
-    rewards = Rewards(RolloutConfig(batch_size=1, rm_type="math"))
+    rewards = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, rm_type="math"))
     samples = [sample("4"), sample("\\boxed{5} then 4", metadata={"rm_type": "boxed_math"}), sample("4", status="failed")]
     # math reads 4 (the last number); boxed_math reads 5; the failed sample is not scored
     assert score(rewards, samples, 3) == [1.0, 0.0, 0.0]
 
 
 def test_unknown_metadata_rm_type_is_found_at_start_up():
-    rewards = Rewards(RolloutConfig(batch_size=1))
+    rewards = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1))
     bad = Prompt(index=7, text="q", prompt_ids=(1,), metadata={"rm_type": "mathh"})
     with pytest.raises(ConfigError, match="metadata 'rm_type' of prompt 7 'mathh'"):
         rewards.check_prompts([bad])
@@ -78,15 +78,15 @@ def test_reward_key_and_group_rm(tmp_path, monkeypatch):
         "    order = sorted(range(len(responses)), key=lambda i: len(responses[i]))\n"
         "    return [float(order.index(i)) for i in range(len(responses))]\n")
     monkeypatch.chdir(tmp_path)
-    keyed = Rewards(RolloutConfig(batch_size=1, custom_rm_path="rm.py:named", reward_key="len"))
+    keyed = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, custom_rm_path="rm.py:named", reward_key="len"))
     assert score(keyed, [sample("4"), sample("444")], 2) == [1.0, 3.0]
-    unkeyed = Rewards(RolloutConfig(batch_size=1, custom_rm_path="rm.py:named"))
+    unkeyed = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, custom_rm_path="rm.py:named"))
     with pytest.raises(RewardError, match="--reward-key"):
         score(unkeyed, [sample("4")], 1)
-    missing = Rewards(RolloutConfig(batch_size=1, custom_rm_path="rm.py:named", reward_key="f1"))
+    missing = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, custom_rm_path="rm.py:named", reward_key="f1"))
     with pytest.raises(RewardError, match="'acc', 'len'"):
         score(missing, [sample("4")], 1)
-    group = Rewards(RolloutConfig(batch_size=1, custom_rm_path="rm.py:ranked", group_rm=True))
+    group = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, custom_rm_path="rm.py:ranked", group_rm=True))
     # one call per group: rank by length within each group of 3
     assert score(group, [sample("aaa"), sample("a"), sample("aa"), sample("b"), sample("bb"), sample("")], 3) == \
         [2.0, 0.0, 1.0, 1.0, 2.0, 0.0]
@@ -101,7 +101,7 @@ def test_reward_timeout_fails_only_the_sample_and_names_it(tmp_path, monkeypatch
                                     "    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     timed_out = []
-    rewards = Rewards(RolloutConfig(batch_size=1, custom_rm_path="rm.py:slow"), timeout_s=0.3,
+    rewards = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, custom_rm_path="rm.py:slow"), timeout_s=0.3,
                       on_timeout=timed_out.append)
     samples = [sample("ok"), sample("hang"), sample("ok")]
     t0 = time.monotonic()
@@ -110,7 +110,7 @@ def test_reward_timeout_fails_only_the_sample_and_names_it(tmp_path, monkeypatch
 
 
 def test_an_eval_datasets_reward_replaces_the_runs_but_not_a_samples_own_type():
-    rewards = Rewards(RolloutConfig(batch_size=1, rm_type="math"))
+    rewards = Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, rm_type="math"))
     exact = rewards.for_type("exact_match", flag="--eval-config dataset 'x'")
     samples = [sample(" 4.0"), sample("\\boxed{4}", metadata={"rm_type": "boxed_math"})]
     asyncio.run(rewards.score(samples, 2, default=exact))
@@ -176,7 +176,7 @@ class FakeService:
 
 def remote_rewards(url: str, **kw) -> Rewards:
     options = {"rm_retry_backoff_s": 0.01, **kw}
-    return Rewards(RolloutConfig(batch_size=1, rm_type="remote_rm", rm_url=url, **options))
+    return Rewards(RolloutConfig(n_samples_per_prompt=8, batch_size=1, rm_type="remote_rm", rm_url=url, **options))
 
 
 def test_remote_reward_posts_prompt_response_label_and_reads_the_key():

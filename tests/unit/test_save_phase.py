@@ -53,8 +53,8 @@ class FakeActor:
 def context(tmp_path: Path, *, save: bool, critic_save: bool) -> TrainingContext:
     ckpt = CheckpointConfig(save=str(tmp_path / "ck") if save else None,
                             critic_save=str(tmp_path / "critic") if critic_save else None, save_interval=1)
-    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
-                    rollout=RolloutConfig(batch_size=1), checkpoint=ckpt, num_rollout=4)
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p"),
+                    rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), checkpoint=ckpt, num_rollout=4)
     ctx = TrainingContext(cfg, run_id="t", run_dir=tmp_path, tracer=Tracer(tmp_path / "trace.jsonl", run_id="t",
                           machine="m", console="off"), disposer=Disposer())
     ctx.c.trainer, ctx.c.critic = FakeActor("trainer"), FakeActor("critic")

@@ -17,7 +17,8 @@ def base(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input": "1+1=", "label": "2"}\n' * 4)
     model = make_tiny_model(tmp_path / "m")
-    return ["--hf-checkpoint", model, "--prompt-data", str(prompts), "--rollout-batch-size", "2", "--num-rollout", "1"]
+    return ["--hf-checkpoint", model, "--prompt-data", str(prompts), "--rollout-batch-size", "2", "--num-rollout", "1",
+            "--n-samples-per-prompt", "8"]
 
 
 def test_sglang_flags_pass_through_as_sglang_spells_them(base):

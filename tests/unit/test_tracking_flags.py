@@ -12,7 +12,7 @@ def base(tmp_path):
     (tmp_path / "m" / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"input": "1+1="}\n')
     return ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "p.jsonl"),
-            "--rollout-batch-size", "1", "--num-rollout", "1"]
+            "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "8"]
 
 
 def test_tracking_flags_build_the_tracking_config(tmp_path):

@@ -45,8 +45,8 @@ def test_missing_foreign_or_misnumbered_files_are_named(tmp_path):
 
 
 def cfg(**run):
-    return RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
-                     rollout=RolloutConfig(batch_size=1), **run)
+    return RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p"),
+                     rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), **run)
 
 
 def test_debug_flags_pick_their_machine_and_refuse_others():

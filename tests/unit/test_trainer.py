@@ -33,8 +33,8 @@ SAMPLES = [sample([5, 6, 14], [7, 8, 9, 10, 2], 1.0), sample([7], [21, 22], -1.0
 def trainer(path, **kw) -> Trainer:
     rollout = {k: kw.pop(k) for k in ("temperature", "max_response_len") if k in kw}   # how the samples were drawn
     algo = {k: kw.pop(k) for k in list(kw) if k in AlgorithmConfig.__dataclass_fields__}
-    return Trainer(path, train=TrainConfig(**{"lr": 1e-2, **kw}), algorithm=AlgorithmConfig(**algo),
-                   rollout=RolloutConfig(batch_size=1, **rollout), device="cpu")
+    return Trainer(path, train=TrainConfig(**{"lr": 1e-2, **kw}), algorithm=AlgorithmConfig(**{"loss_agg_mode": "token_mean", "kl_loss_type": "k3", **algo}),
+                   rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8, **rollout), device="cpu")
 
 
 def test_make_train_batch_layout():

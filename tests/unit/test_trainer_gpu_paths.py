@@ -20,7 +20,7 @@ def model_path(tmp_path_factory):
 
 def trainer(path, *, hidden_forward=False, skip_old_logprobs=False, algorithm=None, **train) -> Trainer:
     return Trainer(path, train=TrainConfig(**{"lr": 1e-2, "micro_batch_size": 2, **train}),
-                   algorithm=algorithm or AlgorithmConfig(entropy_coef=0.01), rollout=RolloutConfig(batch_size=1),
+                   algorithm=algorithm or AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", entropy_coef=0.01), rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1),
                    device="cpu", hidden_forward=hidden_forward, skip_old_logprobs=skip_old_logprobs)
 
 
@@ -93,12 +93,12 @@ def test_the_old_logprob_pass_is_skipped_only_when_it_equals_the_steps_own(model
         torch.testing.assert_close(w_skip[n], w_pass[n], atol=1e-6, rtol=1e-5)
     # two optimizer steps per rollout, or TIS: the second step's old logprobs are not its own: no skip
     assert trainer(model_path, skip_old_logprobs=True, global_batch_size=2).train(SAMPLES, 0)["logprob_passes"] == 1
-    tis = AlgorithmConfig(use_tis=True)
+    tis = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)
     assert trainer(model_path, skip_old_logprobs=True, algorithm=tis).train(SAMPLES, 0)["logprob_passes"] == 1
 
 
 def test_a_skipped_pass_still_reports_the_reference_diff_that_ci_test_reads(model_path):
-    kl = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    kl = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1)
     m_pass = trainer(model_path, algorithm=kl).train(SAMPLES, 0)
     m_skip = trainer(model_path, skip_old_logprobs=True, algorithm=kl).train(SAMPLES, 0)
     assert m_pass["logprob_passes"] == 2.0 and m_skip["logprob_passes"] == 1.0     # the reference's pass stays
@@ -131,7 +131,7 @@ def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, t
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
     base = ["--hf-checkpoint", str(model_path), "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1"]
+            "--num-rollout", "1", "--n-samples-per-prompt", "8"]
     assert parse_flags(base + ["--trainer-compile"])[0].train.compile_layers is True
     assert parse_flags(base + ["--no-trainer-compile"])[0].train.compile_layers is False
     assert parse_flags(base)[0].train.compile_layers is None        # auto: compiled with the torch trainer on CUDA

@@ -15,7 +15,7 @@ from tests.unit.test_trainer import SAMPLES
 
 
 def objective(**algorithm) -> PolicyObjective:
-    return PolicyObjective(AlgorithmConfig(**algorithm), RolloutConfig(batch_size=1))
+    return PolicyObjective(AlgorithmConfig(**{"loss_agg_mode": "token_mean", "kl_loss_type": "k3", **algorithm}), RolloutConfig(n_samples_per_prompt=8, batch_size=1))
 
 
 def current_logprobs(batch) -> torch.Tensor:

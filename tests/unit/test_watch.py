@@ -19,7 +19,7 @@ class Events:
 
 
 def ctx(**run):
-    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p.jsonl"),
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p.jsonl"),
                     rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=4), num_rollout=10, **run)
     return types.SimpleNamespace(cfg=cfg, tracer=Events(), zero_variance_streak=0, start_rollout=0, resumed=False)
 
@@ -37,7 +37,7 @@ def test_equal_rewards_in_every_group_for_several_rollouts_is_a_warning_until_si
 
 
 def test_sft_has_no_reward_variance_to_watch():
-    c = ctx(algorithm=AlgorithmConfig(loss_type="sft_loss"))
+    c = ctx(algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"))
     assert [watch_reward_variance(c, {"zero_std_group_ratio": 1.0}) for _ in range(5)] == [{}] * 5
 
 

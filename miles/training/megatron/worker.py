@@ -29,19 +29,21 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
 import torch
 from torch import Tensor
 
+from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.megatron import steps
 from miles.training.megatron.checks import requested_layout
 from miles.training.megatron.context_parallel import ContextSplit, token_terms
-from miles.training.megatron.conversion import (hf_to_mcore, is_tp_split, merge_tensor, model_spec, shard_tp,
-                                                stage_weights, te_names, unstage_weights)
+from miles.training.megatron.conversion import (TE_RENAMES, hf_to_mcore, is_tp_split, merge_tensor, model_spec,
+                                                shard_tp, stage_weights, te_names, unstage_weights)
 from miles.training.megatron.model import RankModel
 from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule
@@ -145,7 +147,11 @@ class MegatronWorker:
         # megatron makes its linear layers on the GPU but the local spec's norms (torch.nn.RMSNorm) on
         # the CPU; DDP's buffers move a policy's, nothing moves a frozen reference's
         gpt.to(self.device)
-        self._load_shard(gpt, hf_to_mcore(load_hf_weights(path), self.spec), use_te)
+        megatron = megatron_checkpoint_info(path)
+        if megatron is not None:          # miles' --load / --ref-load: a Megatron torch_dist checkpoint
+            self._load_dist_weights(gpt, megatron.dist_dir)
+        else:
+            self._load_shard(gpt, hf_to_mcore(load_hf_weights(path), self.spec), use_te)
         module, optimizer = wrap(gpt, config, train=train, distributed_optimizer=True)
         return RankModel(gpt=gpt, module=module, optimizer=optimizer, use_te=use_te)
 
@@ -318,10 +324,19 @@ class MegatronWorker:
         dist.barrier()
 
     def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote (same TP and PP; DP may differ), so the next step is the saved trainer's."""
+        """Restore what `save` wrote (same TP and PP; DP may differ), so the next step is the saved trainer's;
+        or the weights of a Megatron-LM torch_dist checkpoint (miles' saves and converter), whatever its
+        layout, with a fresh optimizer."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)
+        megatron = megatron_checkpoint_info(path) if not (path / STATE_FILE).is_file() else None
+        if megatron is not None:
+            model = self._live()
+            self._load_dist_weights(model.gpt, megatron.dist_dir)
+            model.optimizer.reload_model_params()     # main weights := the loaded ones (bf16 on GPUs)
+            self._prepared = None
+            return
         if not (path / STATE_FILE).is_file() or not (path / DIST_DIR).is_dir():
             raise FileNotFoundError(f"megatron checkpoint {path} lacks {STATE_FILE} or {DIST_DIR}/; pass a folder "
                                     "written by the megatron backend's save")
@@ -343,6 +358,30 @@ class MegatronWorker:
             self._set_rng_state(torch.load(rng, weights_only=False))
         self._num_steps = state["num_steps"]
         self._prepared = None
+
+    def _load_dist_weights(self, gpt: torch.nn.Module, dist_dir: Path) -> None:
+        """This rank's part of the model of a Megatron-LM dist checkpoint (any TP / PP it was saved with:
+        megatron-core reshards), read by megatron-core's dist_checkpointing. Its layers may carry the
+        Transformer Engine names of the norms (miles' converter) or the local spec's."""
+        from megatron.core import dist_checkpointing
+
+        # the layers' _extra_state (FP8 metadata objects) is not read: this build trains in bf16 / fp32
+        sharded = {n: e for n, e in gpt.sharded_state_dict().items() if not n.endswith("_extra_state")}
+        saved = set(dist_checkpointing.load_tensors_metadata(str(dist_dir)))
+        renames = {**TE_RENAMES, **{te: local for local, te in TE_RENAMES.items()}}
+        for name, entry in sharded.items():
+            key = getattr(entry, "key", None)
+            if key is None or key in saved:
+                continue
+            other = next((key[: -len(a)] + b for a, b in renames.items() if key.endswith("." + a)), None)
+            if other is None or other not in saved:
+                raise ConfigError(f"{dist_dir}: the checkpoint has no {key} for this model (layers "
+                                  f"{self.spec.num_layers}, from --hf-checkpoint {self._model_path}); it was saved "
+                                  "from another model")
+            sharded[name] = replace(entry, key=other)
+        loaded = dist_checkpointing.load({"model": sharded}, str(dist_dir))
+        _load_strict(gpt, loaded["model"], self.rank)
+        log.info("megatron_checkpoint_loaded", rank=self.rank, path=str(dist_dir), tensors=len(loaded["model"]))
 
     def _sharded_state(self, *, loading: bool) -> dict:
         model = self._live()

@@ -1,0 +1,26 @@
+"""Resuming from a Megatron-LM checkpoint under --load (miles' saves and its converter's `*_torch_dist`
+folder): the megatron trainer reads its weights, and the run continues from the iteration after the
+saved one, as miles does (its iteration is the rollout id). What such a checkpoint does not hold in a
+form this build reads starts fresh: the optimizer state and the prompt order's position (traced)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.checkpoint.megatron_format import MegatronCheckpoint
+
+if TYPE_CHECKING:
+    from miles.phases.context import TrainingContext
+
+
+async def resume_from_megatron(ctx: TrainingContext, checkpoint: MegatronCheckpoint) -> None:
+    """The trainer's weights from `checkpoint`; the next rollout is the one after its iteration (0 for
+    a converter's release folder)."""
+    await ctx.c.folders.load(ctx.c.trainer, "load", checkpoint.dist_dir)
+    next_rollout = 0 if checkpoint.iteration is None else checkpoint.iteration + 1
+    ctx.start_rollout = ctx.next_rollout = next_rollout
+    ctx.resumed = True
+    ctx.weight_version = 0              # the engines hold --hf-checkpoint's weights until the first sync
+    ctx.tracer.emit("resumed", rollout_id=checkpoint.iteration, path=str(checkpoint.dist_dir),
+                    next_rollout=next_rollout, verified=False, format="megatron_torch_dist",
+                    fresh=["optimizer", "data_position"])
