@@ -4,8 +4,13 @@ Signals are the CLI's business (library code installs none): the first SIGINT or
 run to stop (the current phase gets a share of --stop-timeout to finish, then `draining` saves the
 last trained rollout when --save is set, then the teardown), and arms a hard deadline: the process
 exits --stop-timeout seconds after that first signal whatever it is doing (a phase blocking the
-event loop included). A second signal cancels the run, which cuts draining short. Exit codes: 0 done,
-1 failed, 2 bad config or input, 130 SIGINT, 143 SIGTERM.
+event loop included). A second signal cancels the run, which cuts draining short. A phase cut by its
+deadline (--phase-timeout) arms the same hard deadline: from the cut to the process's exit is bounded
+as after a signal. Exit codes: 0 done, 1 failed, 2 bad config or input (a run dir or --save folder
+another run holds included), 130 SIGINT, 143 SIGTERM.
+
+The run dir's and --save's locks (miles.runtime.runlock) are taken here, before torch and Ray load,
+so a second run into a busy folder is refused within a second.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
+from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
+from miles.runtime.trace import new_run_id
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -83,6 +90,20 @@ class SignalStop:
               "cluster it started is ended by its reaper (the trace is cut short)", file=sys.stderr, flush=True)
         os._exit(SIGNAL_EXIT[sig])
 
+    def on_event(self, ev: dict[str, Any]) -> None:
+        """A trace listener: a phase cut by its own deadline arms the hard deadline, as a signal does
+        (what the phase left hung, a thread or an actor call, must not hold the exit)."""
+        if ev.get("event") == "phase_timeout" and ev.get("reason") == "deadline" and self._deadline is None:
+            self._deadline = threading.Timer(self.hard_exit_s, self._deadline_exit, args=(ev.get("state"),))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _deadline_exit(self, state: str) -> None:
+        print(f"{self.prog}: still running {self.hard_exit_s:g} s after phase {state!r} ran past its deadline "
+              "(--stop-timeout bounds the rest): exiting now; the run's actors go with this process (the trace "
+              "is cut short)", file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILED)
+
     @contextmanager
     def installed(self, *, until_exit: bool) -> Iterator["SignalStop"]:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNAL_EXIT}
@@ -99,17 +120,22 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     """Run under the CLI's signal handling. `until_exit`: the hard deadline a signal arms stays armed
     after this returns (the CLI's own process); in-process callers (tests) leave it off, and may move
     the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop."""
-    from miles.api.launch import new_run_id, train      # torch and Ray load only once the flags are known good
+    run_id = new_run_id()
+    locks = _lock_run_folders(cfg, run_id, prog)
+    if locks is None:
+        return EXIT_INPUT
+    from miles.api.launch import train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
-    run_id = new_run_id()
     cfg, progress = _with_progress(cfg, run_id)
     stops = SignalStop(prog, cfg.reliability.stop_timeout_s, hard_exit_s)
 
     async def main_task() -> None:
         stop = stops.attach()
-        result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id, listeners=[progress])
-        print(f"{prog}: done: {result.run_dir}", file=sys.stderr)
+        result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id,
+                                     listeners=[progress, stops.on_event], locks=locks)
+        word = f"stopped ({signal.Signals(stops.received[0]).name})" if stops.received else "done"
+        print(f"{prog}: {word}: {result.run_dir}", file=sys.stderr)
 
     received = stops.received
     if not sys.stderr.isatty():
@@ -122,11 +148,24 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
                 asyncio.run(main_task())
             finally:
                 progress.close()
+                for lock in locks:          # the disposer released them, unless the run never got that far
+                    lock.release()
         except (asyncio.CancelledError, KeyboardInterrupt):
             return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
         except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
             return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log_context.path)
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
+
+
+def _lock_run_folders(cfg, run_id: str, prog: str) -> list | None:
+    """The run dir's and --save's locks, or None after saying who holds one (the caller exits 2)."""
+    c = cfg.checkpoint
+    try:
+        return lock_folders(run_folders(cfg.trace.run_dir, run_id, save=c.save, critic_save=c.critic_save),
+                            run_id=run_id)
+    except FolderLocked as exc:
+        print(f"{prog}: bad input: {exc}", file=sys.stderr)
+        return None
 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:

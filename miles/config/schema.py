@@ -206,6 +206,8 @@ class CheckpointConfig:
     save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
+    allow_fresh_start: bool = False     # --allow-fresh-start: train from --hf-checkpoint when --load has nothing loadable
+    save_retries: int = 0               # --save-retries: saves that may fail on a full disk before the run fails
 
 
 @dataclass(frozen=True, kw_only=True)

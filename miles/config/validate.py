@@ -512,6 +512,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         (a.use_unbiased_kl and not a.use_kl_loss, "--use-unbiased-kl", "--use-kl-loss"),
         (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
         (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
+        (c.save_retries > 0 and not c.save, "--save-retries", "--save DIR"),
         (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
@@ -524,6 +525,8 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
     for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value}: must be a positive integer")
+    if c.save_retries < 0:
+        problems.append(f"--save-retries {c.save_retries}: must be >= 0")
     if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
             cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
         problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")
