@@ -55,7 +55,7 @@ class LoadFolder:
 
     @property
     def reason(self) -> str:
-        return {"missing": "no such directory yet", "empty": "the folder holds no checkpoint yet"}.get(
+        return {"missing": "no such directory yet", "empty": "no checkpoint there yet"}.get(
             self.kind, "")
 
 

@@ -28,10 +28,12 @@ from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
+from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_MARGIN_S = 1.5     # past the runner's bound after a phase deadline, for the process's own exit
 
 
 def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", prog: str = "miles train") -> int:
@@ -46,6 +48,19 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True)
 
 
+def exit_bounded(code: int) -> None:
+    """The process's end once a signal or a phase deadline bounded it: everything the run owned is torn
+    down (or abandoned to the owner-bound actors' fate and the cluster's reaper) by now, and the
+    interpreter's own finalization may not be: a Ray shutdown the teardown abandoned can hold it for
+    many seconds, in C, where no timer thread runs. So flush and leave."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 class SignalStop:
     """The first SIGINT/SIGTERM sets the run's stop event and arms the hard deadline; a second cancels
     the run. The handlers are Python's (`signal.signal`), not the loop's, so they run even while a
@@ -54,6 +69,9 @@ class SignalStop:
     def __init__(self, prog: str, stop_timeout_s: float, hard_exit_s: float | None = None):
         self.prog, self.stop_timeout_s = prog, stop_timeout_s
         self.hard_exit_s = stop_timeout_s if hard_exit_s is None else hard_exit_s
+        # after a phase deadline the runner ends the run within AFTER_DEADLINE_S; this is the backstop
+        self.deadline_exit_s = min(stop_timeout_s, AFTER_DEADLINE_S + EXIT_MARGIN_S) if hard_exit_s is None \
+            else hard_exit_s
         self.received: list[int] = []
         self.event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,6 +98,11 @@ class SignalStop:
         else:
             self._soon(lambda: self._task is not None and self._task.cancel())
 
+    @property
+    def bounded(self) -> bool:
+        """A signal or a phase deadline armed the hard deadline: the process's exit is bounded."""
+        return self._deadline is not None
+
     def _soon(self, fn: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn)
@@ -94,14 +117,14 @@ class SignalStop:
         """A trace listener: a phase cut by its own deadline arms the hard deadline, as a signal does
         (what the phase left hung, a thread or an actor call, must not hold the exit)."""
         if ev.get("event") == "phase_timeout" and ev.get("reason") == "deadline" and self._deadline is None:
-            self._deadline = threading.Timer(self.hard_exit_s, self._deadline_exit, args=(ev.get("state"),))
+            self._deadline = threading.Timer(self.deadline_exit_s, self._deadline_exit, args=(ev.get("state"),))
             self._deadline.daemon = True
             self._deadline.start()
 
     def _deadline_exit(self, state: str) -> None:
-        print(f"{self.prog}: still running {self.hard_exit_s:g} s after phase {state!r} ran past its deadline "
-              "(--stop-timeout bounds the rest): exiting now; the run's actors go with this process (the trace "
-              "is cut short)", file=sys.stderr, flush=True)
+        print(f"{self.prog}: still running {self.deadline_exit_s:g} s after phase {state!r} ran past its deadline: "
+              "exiting now; the run's actors are owner-bound and go with this process (the trace is cut short)",
+              file=sys.stderr, flush=True)
         os._exit(EXIT_FAILED)
 
     @contextmanager
@@ -143,17 +166,25 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     log_context = LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
                              level=cfg.tracking.worker_log_level)
     with process_logging(log_context), stops.installed(until_exit=until_exit):
+        code = _run_and_report(main_task, progress, locks, received, prog=prog, log=log_context.path)
+    if until_exit and stops.bounded:
+        exit_bounded(code)
+    return code
+
+
+def _run_and_report(main_task: Callable[[], Any], progress: Any, locks: list, received: list[int], *, prog: str,
+                    log: Path) -> int:
+    try:
         try:
-            try:
-                asyncio.run(main_task())
-            finally:
-                progress.close()
-                for lock in locks:          # the disposer released them, unless the run never got that far
-                    lock.release()
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
-        except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
-            return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log_context.path)
+            asyncio.run(main_task())
+        finally:
+            progress.close()
+            for lock in locks:          # the disposer released them, unless the run never got that far
+                lock.release()
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
+    except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
+        return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log)
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
 
 
