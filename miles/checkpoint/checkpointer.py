@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -44,8 +45,12 @@ class DiskFull(RuntimeError):
                          "--keep-last-checkpoints N), then resume with --load")
 
 
+NEARLY_FULL_BYTES = 16 << 20    # a save that fails with less than this free failed for the disk
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC, also when it came from an actor (Ray keeps the original as `cause`) or was chained."""
+    """ENOSPC, also when it came from an actor (Ray keeps the original as `cause`), was chained, or was
+    reworded by a library (safetensors: "No space left on device (os error 28)")."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -53,7 +58,7 @@ def is_disk_full(exc: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _ENOSPC_TEXT.search(str(e)):
             return True
         inner = getattr(e, "cause", None)
         todo += [inner if isinstance(inner, BaseException) else None, e.__cause__, e.__context__]
@@ -86,10 +91,16 @@ async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callab
         await write(tmp)
         return store.commit(tmp, rollout_id, manifest)
     except BaseException as exc:
+        # torch.save says only "unexpected pos ..." when the disk is full: the space left then tells
+        free = free_space(store.root)
+        full = isinstance(exc, Exception) and (is_disk_full(exc) or (free is not None and free < NEARLY_FULL_BYTES))
         store.abort(tmp)
-        if is_disk_full(exc):
+        if full:
             raise DiskFull(store.root, rollout_id, free_space(store.root)) from exc
         raise
+
+
+_ENOSPC_TEXT = re.compile(r"No space left on device|os error 28|\[Errno 28\]")
 
 
 def _bytes(n: int) -> str:

@@ -68,6 +68,28 @@ def test_enospc_on_a_small_tmpfs_removes_the_partial_and_names_the_folder_and_th
     assert_earlier_intact(store, [0, 1])
 
 
+def test_libraries_that_reword_enospc_still_make_a_disk_full(small_disk):
+    # torch.save on a full disk raises RuntimeError("... unexpected pos ..."), safetensors a SafetensorError
+    # saying "No space left on device (os error 28)": the save is a DiskFull either way
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    store = CheckpointStore(small_disk / "ckpt")
+    asyncio.run(save_atomically(store, 0, write_bytes(0), {}))
+    big = {"w": torch.zeros(1 << 20)}                                  # 4 MiB on a 2 MiB disk
+
+    async def torch_save(folder: Path) -> None:
+        torch.save(big, folder / "optimizer.pt")
+
+    async def safetensors_save(folder: Path) -> None:
+        save_file(big, str(folder / "model.safetensors"))
+
+    for write in (torch_save, safetensors_save):
+        with pytest.raises(DiskFull):
+            asyncio.run(save_atomically(store, 1, write, {}))
+        assert_earlier_intact(store, [0])
+
+
 class RemoteError(Exception):
     """Stands for Ray's RayTaskError: the actor's own exception rides along as `cause`."""
 
