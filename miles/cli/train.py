@@ -42,10 +42,15 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     except ConfigError as exc:
         print(f"{prog}: bad configuration:\n{_indent(exc)}", file=sys.stderr)
         return EXIT_INPUT
+    run_id = new_run_id()
+    locks = _lock_run_folders(cfg, run_id, prog)      # before torch and Ray load: a busy folder is refused at once
+    if locks is None:
+        return EXIT_INPUT
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
     # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
-    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True)
+    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True,
+                            run_id=run_id, locks=locks)
 
 
 def exit_bounded(code: int) -> None:
@@ -139,12 +144,14 @@ class SignalStop:
                 self._deadline.cancel()
 
 
-def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None) -> int:
+def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None,
+                     run_id: str | None = None, locks: list | None = None) -> int:
     """Run under the CLI's signal handling. `until_exit`: the hard deadline a signal arms stays armed
     after this returns (the CLI's own process); in-process callers (tests) leave it off, and may move
-    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop."""
-    run_id = new_run_id()
-    locks = _lock_run_folders(cfg, run_id, prog)
+    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop. `locks`:
+    the run's folders, locked by the caller under `run_id` (else locked here)."""
+    run_id = run_id or new_run_id()
+    locks = _lock_run_folders(cfg, run_id, prog) if locks is None else locks
     if locks is None:
         return EXIT_INPUT
     from miles.api.launch import train      # torch and Ray load only once the flags are known good

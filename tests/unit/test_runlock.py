@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -51,11 +50,9 @@ def test_a_second_process_is_refused_within_a_second(tmp_path):
     held = lock_folder(tmp_path / "run", what="--run-dir", run_id="r1")
     code = ("import sys; from miles.runtime.runlock import lock_folder, FolderLocked\n"
             "try:\n    lock_folder(sys.argv[1], what='--run-dir')\nexcept FolderLocked as e:\n    print(e); sys.exit(2)")
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and f"pid {os.getpid()}" in proc.stdout, proc
-    assert time.monotonic() - t0 < 10                  # (the CLI's own bound is measured in tests/faults)
     held.release()
 
 
