@@ -21,8 +21,9 @@ A round that ends before the window does is followed by another. After the windo
 runs to its end without faults. Each round must then: have trained its last rollout, raise greedy
 eval accuracy by at least --min-gain (the demo's bar: 15 points), pass `miles trace check` on every
 segment, and leave no process of any segment behind. The report (JSON, on stdout and in
-<out>/report.json) counts the rollouts lost to faults: rollouts trained more than once. Exit 0 when
-every round holds, 1 otherwise.
+<out>/report.json) counts the rollouts lost to faults: rollouts generated more than once (their
+samples, and their training if it was done, thrown away by a fault). Exit 0 when every round holds,
+1 otherwise.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class Soak:
         self.disk: Path | None = None
         self.disk_why = ""
         self.run_dir = self.out               # the round being hit
+        self.bag: list[str] = []                # the faults still to come in this cycle
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -155,16 +157,24 @@ class Soak:
         pids = actor_pids(Path(rnd.run_dir))
         if not pids:
             return False
-        kinds = [k for k in FAULTS if k != "enospc_save" or self.disk is not None]
-        if len(CheckpointStore(ckpt).list()) < 2:          # a corrupt newest needs an older one to load
-            kinds.remove("corrupt_newest")
-        kind = self.rng.choice(kinds)
+        kind = self.next_kind(ckpt)
         self.run_dir = Path(rnd.run_dir)
         detail = getattr(self, f"_{kind}")(driver, pids, ckpt)
         self.faults.append(Fault(round(time.monotonic() - self.t0, 1), kind, rnd.index, segment, detail))
         print(f"chaos: t={self.faults[-1].t:.0f}s round {rnd.index} segment {segment}: {kind} {detail}",
               file=sys.stderr, flush=True)
         return True
+
+    def next_kind(self, ckpt: Path) -> str:
+        """The next fault: every kind once in a random order, then again (a short soak meets each)."""
+        if not self.bag:
+            self.bag = [k for k in FAULTS if k != "enospc_save" or self.disk is not None]
+            self.rng.shuffle(self.bag)
+        usable = [k for k in self.bag if k != "corrupt_newest" or len(CheckpointStore(ckpt).list()) >= 2]
+        kind = usable[0] if usable else "sigterm_driver"     # a corrupt newest needs an older one to load
+        if kind in self.bag:
+            self.bag.remove(kind)
+        return kind
 
     def _kill_engine(self, driver, pids, ckpt) -> str:
         return signal_pid(pids.get("engine"), signal.SIGKILL)
@@ -227,10 +237,14 @@ class Soak:
         run_dir = Path(rnd.run_dir)
         segments = segment_paths(run_dir)
         checks = {"segments": len(segments), "trace_check": [trace_check(p) for p in segments]}
-        trained = [e.rollout_id for p in segments for e in read_trace(p).of("metrics")]
+        traces = [read_trace(p) for p in segments]
+        trained = [e.rollout_id for t in traces for e in t.of("metrics")]
+        generated = [e.rollout_id for t in traces for e in t.of("rollout_done")]
         checks["last_rollout"] = (self.args.num_rollout - 1) in trained
         checks["rollouts_trained"] = len(trained)
-        checks["rollouts_lost"] = len(trained) - len(set(trained))
+        # lost to faults: rollouts generated again (their first samples, or their training, thrown away)
+        checks["rollouts_lost"] = len(generated) - len(set(generated))
+        checks["rollouts_retrained"] = len(trained) - len(set(trained))
         checks["eval"] = eval_gain(run_dir, self.args.num_rollout)
         rnd.checks = checks
         if not checks["last_rollout"]:

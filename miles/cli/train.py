@@ -204,6 +204,10 @@ def _lock_run_folders(cfg, run_id: str, prog: str) -> list | None:
     except FolderLocked as exc:
         print(f"{prog}: bad input: {exc}", file=sys.stderr)
         return None
+    except OSError as exc:              # a --run-dir that is a file, a folder that cannot be created
+        print(f"{prog}: bad input: cannot use {exc.filename or 'the run dir'} for the run: {exc.strerror or exc}",
+              file=sys.stderr)
+        return None
 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:
