@@ -11,7 +11,9 @@ auto-resume script: `--load X --save X`), starts from `--hf-checkpoint`. Anythin
 `classify_load_folder` is the one place a folder is recognised. Each entry of `KINDS` looks at the
 folder and answers with its checkpoints (newest first) or None when the folder is not of its kind;
 the first that answers wins. miles' own layout (`iter_<id>/manifest.json`, miles.checkpoint.store)
-is the first; another kind of checkpoint (Megatron's `torch_dist` folders, say) is one more entry.
+is the one entry today. Another kind of checkpoint is one more entry; one that shares miles' folder
+names (Megatron's `torch_dist`: `iter_<id>/` and `latest_checkpointed_iteration.txt`, no manifest)
+goes before miles' own, which would otherwise answer with every folder unusable ("manifest missing").
 """
 
 from __future__ import annotations
