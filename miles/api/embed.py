@@ -198,7 +198,7 @@ class Run:
         for row in self._ctx.metrics_history:
             metrics.update(row)
         self.result = Result(final_state=self._runner.state, outcome=ended.outcome, error=self._runner.failure,
-                             metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.run_dir / "trace.jsonl")
+                             metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.tracer.path)
 
     def _require_task(self) -> asyncio.Task[Any]:
         if self._task is None:

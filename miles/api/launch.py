@@ -7,8 +7,6 @@ installs no signal handlers and never exits the process: the CLI (`miles/cli/tra
 from __future__ import annotations
 
 import asyncio
-import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +17,8 @@ from miles.config import RunConfig, as_dict
 from miles.phases.context import TrainingContext
 from miles.phases.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
+from miles.runtime.runlock import FolderLock, describe_holder, lock_folders, run_folders
+from miles.runtime.trace import new_run_id, next_segment_path
 from miles.config.validate import validate_for_machine
 
 
@@ -28,31 +28,41 @@ class RunResult:
     run_dir: Path
     final_state: str
     metrics: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def trace_path(self) -> Path:
-        return self.run_dir / "trace.jsonl"
+    trace_path: Path | None = None          # this run's segment of the run dir's trace
 
 
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+def lock_run(cfg: RunConfig, run_id: str) -> list[FolderLock]:
+    """The locks of the folders the run writes (miles.runtime.runlock); FolderLocked names a holder."""
+    c = cfg.checkpoint
+    return lock_folders(run_folders(cfg.trace.run_dir, run_id, save=c.save, critic_save=c.critic_save), run_id=run_id)
 
 
 def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = None,
                 disposer: Disposer, listeners: list[Callable[[dict[str, Any]], None]] | None = None,
-                stop: asyncio.Event | None = None) -> tuple[Runner, TrainingContext]:
-    """Everything up to the first phase: run dir, config.yaml, trace, context and runner."""
+                stop: asyncio.Event | None = None, locks: list[FolderLock] | None = None) -> tuple[Runner, TrainingContext]:
+    """Everything up to the first phase: the folders' locks (`locks`: taken by the caller already),
+    run dir, config.yaml, trace segment, context and runner."""
+    disposer.default_timeout, disposer.deadline = cfg.trace.teardown_timeout_s, cfg.trace.teardown_deadline_s
+    for lock in locks or ():                     # first registered: released last, after everything else
+        disposer.add(lock)
     definition = load_machine(machine)
     validate_for_machine(cfg, definition)        # before the run dir exists: bad input starts nothing
     run_id = run_id or new_run_id()
+    if locks is None:
+        locks = lock_run(cfg, run_id)
+        for lock in locks:
+            disposer.add(lock)
     run_dir = Path(cfg.trace.run_dir or f"runs/{run_id}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"machine": definition.name, **as_dict(cfg)}, sort_keys=False))
-    tracer = Tracer(run_dir / "trace.jsonl", run_id=run_id, machine=definition.name,
+    tracer = Tracer(next_segment_path(run_dir), run_id=run_id, machine=definition.name,
                     machine_hash=definition.hash, console=cfg.trace.console, listeners=listeners)
-    disposer.default_timeout, disposer.deadline = cfg.trace.teardown_timeout_s, cfg.trace.teardown_deadline_s
     disposer.bind_tracer(tracer)
+    for lock in locks:
+        if lock.taken_over is not None:
+            tracer.emit("lock_taken_over", folder=str(lock.folder), flag=lock.what, holder=lock.taken_over,
+                        message=f"{lock.what} {lock.folder} was locked by a run that is gone "
+                                f"({describe_holder(lock.taken_over)}); taken over")
     ctx = TrainingContext(cfg, run_id=run_id, run_dir=run_dir, tracer=tracer, disposer=disposer)
     if stop is not None:
         ctx.stop_requested = stop
@@ -66,12 +76,14 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
 
 async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", run_id: str | None = None,
                 stop: asyncio.Event | None = None,
-                listeners: list[Callable[[dict[str, Any]], None]] | None = None) -> RunResult:
+                listeners: list[Callable[[dict[str, Any]], None]] | None = None,
+                locks: list[FolderLock] | None = None) -> RunResult:
     """Run `machine` to its end. Raises the run's first failure after the teardown."""
     runner, ctx = prepare_run(cfg, machine=machine, run_id=run_id, disposer=disposer, listeners=listeners,
-                              stop=stop)
+                              stop=stop, locks=locks)
     try:
         final = await runner.run()
     finally:
         ctx.tracer.close()
-    return RunResult(run_id=ctx.run_id, run_dir=ctx.run_dir, final_state=final, metrics=ctx.metrics_history)
+    return RunResult(run_id=ctx.run_id, run_dir=ctx.run_dir, final_state=final, metrics=ctx.metrics_history,
+                     trace_path=ctx.tracer.path)

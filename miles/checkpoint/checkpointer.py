@@ -18,8 +18,10 @@ takes plain values (paths, dicts, a coroutine function that writes the parts): w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -30,17 +32,83 @@ from miles.checkpoint.store import CheckpointStore
 TRAINER_DIR, ROLLOUT_FILE, HF_DIR, CRITIC_DIR = "trainer", "rollout.json", "hf", "critic"
 
 
+class DiskFull(RuntimeError):
+    """A save ran out of disk space (ENOSPC, raised here or in the actor writing its part). The partial
+    checkpoint is removed; the earlier ones are untouched. Not the input's fault: the run fails (exit 1),
+    or with --save-retries goes on without this checkpoint."""
+
+    def __init__(self, root: Path, rollout_id: int, free_bytes: int | None):
+        self.root, self.rollout_id, self.free_bytes = root, rollout_id, free_bytes
+        free = "unknown" if free_bytes is None else _bytes(free_bytes)
+        super().__init__(f"the disk of --save {root} is full ({free} free after removing the partial checkpoint "
+                         f"of rollout {rollout_id}); the earlier checkpoints are intact: free some space (or "
+                         "--keep-last-checkpoints N), then resume with --load")
+
+
+NEARLY_FULL_BYTES = 16 << 20    # a save that fails with less than this free failed for the disk
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC, also when it came from an actor (Ray keeps the original as `cause`), was chained, or was
+    reworded by a library (safetensors: "No space left on device (os error 28)")."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _ENOSPC_TEXT.search(str(e)):
+            return True
+        inner = getattr(e, "cause", None)
+        todo += [inner if isinstance(inner, BaseException) else None, e.__cause__, e.__context__]
+    return False
+
+
+def free_space(path: Path) -> int | None:
+    """Bytes free to an unprivileged writer on `path`'s file system (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
 async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callable[[Path], Awaitable[Any]],
                           manifest: dict[str, Any]) -> Path:
     """`await write(folder)` into a fresh temporary folder, then commit it as checkpoint `rollout_id`
-    with the caller's manifest fields; any failure (or cancellation) aborts it and re-raises."""
-    tmp = store.begin(rollout_id)
+    with the caller's manifest fields; any failure (or cancellation) aborts it and re-raises (a full
+    disk as DiskFull, naming the folder and the space left)."""
+    try:
+        tmp = store.begin(rollout_id)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(store.root, rollout_id, free_space(store.root)) from exc
+        raise
     try:
         await write(tmp)
         return store.commit(tmp, rollout_id, manifest)
-    except BaseException:
+    except BaseException as exc:
+        # torch.save says only "unexpected pos ..." when the disk is full: the space left then tells
+        free = free_space(store.root)
+        full = isinstance(exc, Exception) and (is_disk_full(exc) or (free is not None and free < NEARLY_FULL_BYTES))
         store.abort(tmp)
+        if full:
+            raise DiskFull(store.root, rollout_id, free_space(store.root)) from exc
         raise
+
+
+_ENOSPC_TEXT = re.compile(r"No space left on device|os error 28|\[Errno 28\]")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def write_data_position(folder: Path, state: dict[str, Any]) -> None:

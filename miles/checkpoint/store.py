@@ -139,11 +139,15 @@ class CheckpointStore:
 
     def _write_latest(self, rollout_id: int) -> None:
         tmp = self.root / f"{TMP_PREFIX}latest-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(str(rollout_id))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / LATEST_FILE)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(str(rollout_id))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.root / LATEST_FILE)
+        except BaseException:
+            tmp.unlink(missing_ok=True)     # a full disk: no stray pointer file left behind
+            raise
         _fsync_dir(self.root)
 
     def _prune(self, *, keep: int) -> None:

@@ -1,6 +1,8 @@
 """`miles trace show | plot | check | diff`: understand a run from its trace alone.
 
-Each command takes a run directory or a trace file. Exit codes: 0 done (for `check`: conforms;
+Each command takes a run directory or a trace file. A run directory that was resumed holds one trace
+segment per run (`trace.jsonl`, `trace.2.jsonl`, ...): `show` and `check` take each in turn (`check`
+conforms when every segment does), `diff` compares segment with segment, `plot` draws the newest. Exit codes: 0 done (for `check`: conforms;
 for `diff`: same state sequence), 1 violations found or the runs differ, 2 bad input (no such file,
 an unknown machine).
 """
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from miles.runtime.machine import MachineDef, MachineDefinitionError, builtin_machines, load_machine
-from miles.runtime.trace import Trace, read_trace, resolve_trace_path
+from miles.runtime.trace import Trace, read_trace, resolve_trace_path, segment_paths
 
 from miles.tracetools.check import check_trace
 from miles.tracetools.diff import diff_traces, state_sequence
@@ -73,9 +75,25 @@ def load(path: str) -> Trace:
     return read_trace(p)
 
 
+def load_segments(path: str) -> list[Trace]:
+    """A run directory's segments, one per run, oldest first; a trace file alone."""
+    p = Path(path)
+    if p.is_dir() and len(segments := segment_paths(p)) > 1:
+        return [read_trace(s) for s in segments]
+    return [load(path)]
+
+
+def _segment_heading(traces: list[Trace], i: int) -> None:
+    if len(traces) > 1:
+        run_id = next((e.run_id for e in traces[i].events if e.run_id), "?")
+        print(f"{'' if i == 0 else chr(10)}== segment {i + 1}/{len(traces)}: {traces[i].path} (run {run_id})")
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    trace = load(args.run)
-    write_blocks(show_blocks(build_timeline(trace), all_rows=args.all), mode=args.format)
+    traces = load_segments(args.run)
+    for i, trace in enumerate(traces):
+        _segment_heading(traces, i)
+        write_blocks(show_blocks(build_timeline(trace), all_rows=args.all), mode=args.format)
     return OK
 
 
@@ -93,23 +111,41 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    trace = load(args.run)
+    traces = load_segments(args.run)
+    ok = True
+    for i, trace in enumerate(traces):
+        _segment_heading(traces, i)
+        ok = _check_one(trace, args) and ok
+    return OK if ok else FOUND
+
+
+def _check_one(trace: Trace, args: argparse.Namespace) -> bool:
     if not trace.events and args.machine is None:   # nothing names a machine; it is cut short anyway
         print(f"{trace.path}: the trace is cut short: it has no complete event (the driver was killed "
               "before its first event was written)")
-        return FOUND
+        return False
     definition = machine_for(trace, args.machine)
     report = check_trace(trace, definition)
     write_blocks(check_blocks(report, str(trace.path), {e.seq: e for e in trace.events}), mode=args.format)
-    return OK if report.ok else FOUND
+    return report.ok
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    a, b = load(args.a), load(args.b)
-    d = diff_traces(a, b)
-    write_blocks(diff_blocks(d, str(a.path), str(b.path), len(state_sequence(a)), len(state_sequence(b))),
-                 mode=args.format)
-    return OK if d is None else FOUND
+    as_, bs = load_segments(args.a), load_segments(args.b)
+    for i, (a, b) in enumerate(zip(as_, bs)):
+        d = diff_traces(a, b)
+        if d is not None or i == len(as_) - 1 == len(bs) - 1:
+            if len(as_) > 1 or len(bs) > 1:
+                print(f"segment {i + 1}: {a.path} vs {b.path}")
+            write_blocks(diff_blocks(d, str(a.path), str(b.path), len(state_sequence(a)), len(state_sequence(b))),
+                         mode=args.format)
+            if d is not None:
+                return FOUND
+    if len(as_) != len(bs):
+        print(f"the runs differ in how many times they ran: {args.a} has {len(as_)} trace segments, "
+              f"{args.b} {len(bs)}; the first {min(len(as_), len(bs))} walk the same states")
+        return FOUND
+    return OK
 
 
 COMMANDS = {"show": cmd_show, "plot": cmd_plot, "check": cmd_check, "diff": cmd_diff}

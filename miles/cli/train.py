@@ -4,8 +4,13 @@ Signals are the CLI's business (library code installs none): the first SIGINT or
 run to stop (the current phase gets a share of --stop-timeout to finish, then `draining` saves the
 last trained rollout when --save is set, then the teardown), and arms a hard deadline: the process
 exits --stop-timeout seconds after that first signal whatever it is doing (a phase blocking the
-event loop included). A second signal cancels the run, which cuts draining short. Exit codes: 0 done,
-1 failed, 2 bad config or input, 130 SIGINT, 143 SIGTERM.
+event loop included). A second signal cancels the run, which cuts draining short. A phase cut by its
+deadline (--phase-timeout) arms the same hard deadline: from the cut to the process's exit is bounded
+as after a signal. Exit codes: 0 done, 1 failed, 2 bad config or input (a run dir or --save folder
+another run holds included), 130 SIGINT, 143 SIGTERM.
+
+The run dir's and --save's locks (miles.runtime.runlock) are taken here, before torch and Ray load,
+so a second run into a busy folder is refused within a second.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ from typing import Any, Callable, Iterator, Sequence
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
+from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
+from miles.runtime.runner import AFTER_DEADLINE_S
+from miles.runtime.trace import new_run_id
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_MARGIN_S = 1.5     # past the runner's bound after a phase deadline, for the process's own exit
 
 
 def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", prog: str = "miles train") -> int:
@@ -33,10 +42,28 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     except ConfigError as exc:
         print(f"{prog}: bad configuration:\n{_indent(exc)}", file=sys.stderr)
         return EXIT_INPUT
+    run_id = new_run_id()
+    locks = _lock_run_folders(cfg, run_id, prog)      # before torch and Ray load: a busy folder is refused at once
+    if locks is None:
+        return EXIT_INPUT
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
     # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
-    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True)
+    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True,
+                            run_id=run_id, locks=locks)
+
+
+def exit_bounded(code: int) -> None:
+    """The process's end once a signal or a phase deadline bounded it: everything the run owned is torn
+    down (or abandoned to the owner-bound actors' fate and the cluster's reaper) by now, and the
+    interpreter's own finalization may not be: a Ray shutdown the teardown abandoned can hold it for
+    many seconds, in C, where no timer thread runs. So flush and leave."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class SignalStop:
@@ -47,6 +74,9 @@ class SignalStop:
     def __init__(self, prog: str, stop_timeout_s: float, hard_exit_s: float | None = None):
         self.prog, self.stop_timeout_s = prog, stop_timeout_s
         self.hard_exit_s = stop_timeout_s if hard_exit_s is None else hard_exit_s
+        # after a phase deadline the runner ends the run within AFTER_DEADLINE_S; this is the backstop
+        self.deadline_exit_s = min(stop_timeout_s, AFTER_DEADLINE_S + EXIT_MARGIN_S) if hard_exit_s is None \
+            else hard_exit_s
         self.received: list[int] = []
         self.event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -73,6 +103,11 @@ class SignalStop:
         else:
             self._soon(lambda: self._task is not None and self._task.cancel())
 
+    @property
+    def bounded(self) -> bool:
+        """A signal or a phase deadline armed the hard deadline: the process's exit is bounded."""
+        return self._deadline is not None
+
     def _soon(self, fn: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn)
@@ -82,6 +117,20 @@ class SignalStop:
               "(--stop-timeout): exiting now; the run's actors are owner-bound and go with this process, and a "
               "cluster it started is ended by its reaper (the trace is cut short)", file=sys.stderr, flush=True)
         os._exit(SIGNAL_EXIT[sig])
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        """A trace listener: a phase cut by its own deadline arms the hard deadline, as a signal does
+        (what the phase left hung, a thread or an actor call, must not hold the exit)."""
+        if ev.get("event") == "phase_timeout" and ev.get("reason") == "deadline" and self._deadline is None:
+            self._deadline = threading.Timer(self.deadline_exit_s, self._deadline_exit, args=(ev.get("state"),))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _deadline_exit(self, state: str) -> None:
+        print(f"{self.prog}: still running {self.deadline_exit_s:g} s after phase {state!r} ran past its deadline: "
+              "exiting now; the run's actors are owner-bound and go with this process (the trace is cut short)",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILED)
 
     @contextmanager
     def installed(self, *, until_exit: bool) -> Iterator["SignalStop"]:
@@ -95,21 +144,28 @@ class SignalStop:
                 self._deadline.cancel()
 
 
-def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None) -> int:
+def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None,
+                     run_id: str | None = None, locks: list | None = None) -> int:
     """Run under the CLI's signal handling. `until_exit`: the hard deadline a signal arms stays armed
     after this returns (the CLI's own process); in-process callers (tests) leave it off, and may move
-    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop."""
-    from miles.api.launch import new_run_id, train      # torch and Ray load only once the flags are known good
+    the hard deadline (`hard_exit_s`, default --stop-timeout) past what they check in-loop. `locks`:
+    the run's folders, locked by the caller under `run_id` (else locked here)."""
+    run_id = run_id or new_run_id()
+    locks = _lock_run_folders(cfg, run_id, prog) if locks is None else locks
+    if locks is None:
+        return EXIT_INPUT
+    from miles.api.launch import train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
-    run_id = new_run_id()
     cfg, progress = _with_progress(cfg, run_id)
     stops = SignalStop(prog, cfg.reliability.stop_timeout_s, hard_exit_s)
 
     async def main_task() -> None:
         stop = stops.attach()
-        result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id, listeners=[progress])
-        print(f"{prog}: done: {result.run_dir}", file=sys.stderr)
+        result = await with_disposer(train, cfg, machine=machine, stop=stop, run_id=run_id,
+                                     listeners=[progress, stops.on_event], locks=locks)
+        word = f"stopped ({signal.Signals(stops.received[0]).name})" if stops.received else "done"
+        print(f"{prog}: {word}: {result.run_dir}", file=sys.stderr)
 
     received = stops.received
     if not sys.stderr.isatty():
@@ -117,16 +173,41 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     log_context = LogContext(run_id=run_id, log_dir=f"{cfg.trace.run_dir}/logs", role="driver",
                              level=cfg.tracking.worker_log_level)
     with process_logging(log_context), stops.installed(until_exit=until_exit):
+        code = _run_and_report(main_task, progress, locks, received, prog=prog, log=log_context.path)
+    if until_exit and stops.bounded:
+        exit_bounded(code)
+    return code
+
+
+def _run_and_report(main_task: Callable[[], Any], progress: Any, locks: list, received: list[int], *, prog: str,
+                    log: Path) -> int:
+    try:
         try:
-            try:
-                asyncio.run(main_task())
-            finally:
-                progress.close()
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
-        except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
-            return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log_context.path)
+            asyncio.run(main_task())
+        finally:
+            progress.close()
+            for lock in locks:          # the disposer released them, unless the run never got that far
+                lock.release()
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        return SIGNAL_EXIT.get(received[0] if received else signal.SIGINT, 130)
+    except BaseException as exc:  # noqa: BLE001 - the process's last word on any failure
+        return report_failure(exc, prog=prog, shown=progress.model.error is not None, log=log)
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
+
+
+def _lock_run_folders(cfg, run_id: str, prog: str) -> list | None:
+    """The run dir's and --save's locks, or None after saying who holds one (the caller exits 2)."""
+    c = cfg.checkpoint
+    try:
+        return lock_folders(run_folders(cfg.trace.run_dir, run_id, save=c.save, critic_save=c.critic_save),
+                            run_id=run_id)
+    except FolderLocked as exc:
+        print(f"{prog}: bad input: {exc}", file=sys.stderr)
+        return None
+    except OSError as exc:              # a --run-dir that is a file, a folder that cannot be created
+        print(f"{prog}: bad input: cannot use {exc.filename or 'the run dir'} for the run: {exc.strerror or exc}",
+              file=sys.stderr)
+        return None
 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:

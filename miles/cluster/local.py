@@ -10,8 +10,10 @@
 - **Authentication.** Ray's token authentication is what stands between anyone who can reach those
   ports and code execution. Ray >= 2.60 turns it on for a new local cluster unless `RAY_AUTH_MODE` says
   otherwise; the run refuses to start a cluster with it off unless `--ray-allow-no-auth` says so.
-- **Services.** No dashboard (`include_dashboard=False`) and no metrics collection. Ray 2.60 has no
-  `ray.init` switch for its API server, the autoscaler monitor, or the raylet's two agents (the raylet
+- **Services.** No dashboard and no metrics collection. `include_dashboard=False` still starts
+  Ray's dashboard process (`dashboard.py`, as the head's "API server", serving the job and state
+  APIs a run never calls) and `ray.init` waits for it to come up; `no_dashboard_process` skips it.
+  Ray 2.60 has no `ray.init` switch for the autoscaler monitor or the raylet's two agents (the raylet
   requires both agent commands), so those start; the reaper (`miles/cluster/reaper.py`) ends them.
 - **Afterwards.** The reaper, a process in a session of its own, ends the cluster's stragglers when
   the driver closes its pipe or dies (`kill -9` included), moves Ray's logs into the run directory
@@ -96,6 +98,19 @@ def loopback_node(node_ip: str) -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+@contextmanager
+def no_dashboard_process() -> Iterator[None]:
+    """While `ray.init` starts a head node: no dashboard process (see the module docstring)."""
+    from ray._private.node import Node
+
+    saved = Node.start_api_server
+    Node.start_api_server = lambda self, **_: None       # the node records no dashboard URL: none runs
+    try:
+        yield
+    finally:
+        Node.start_api_server = saved
+
+
 class LocalCluster:
     """What a run that started its cluster owns beyond the connection: the session folder and the
     reaper that cleans it up. `close` is called after `ray.shutdown()`."""
@@ -129,7 +144,7 @@ def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_
     anything when it would run without authentication."""
     if problem := auth_problem(allow_no_auth):
         raise ConfigError(problem)
-    with loopback_node(node_ip):
+    with loopback_node(node_ip), no_dashboard_process():
         ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
                  _system_config=SYSTEM_CONFIG, **common)
     node = ray._private.worker._global_node

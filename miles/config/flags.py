@@ -9,6 +9,7 @@ one `ConfigError` before anything starts.
 from __future__ import annotations
 
 import argparse
+import re
 import difflib
 import json
 import os
@@ -363,6 +364,11 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "rows per chunk of the chunked logprob computation (the trainer's CUDA path; default: 2048)"),
     _f("gradient-checkpointing", "train", "recompute_activations", kind="true",
        help="miles' FSDP name of --recompute-activations"),
+    _f("allow-fresh-start", "checkpoint", "allow_fresh_start", kind="true",
+       help="when --load holds files but nothing loadable (every checkpoint corrupt), train from --hf-checkpoint "
+            "instead of refusing (default: refuse, exit 2; an empty or missing --load folder starts fresh anyway)"),
+    _f("save-retries", "checkpoint", "save_retries", int,
+       "saves that may fail for a full disk (the partial one removed, the run goes on) before the run fails"),
     _f("eval-config", "eval", "datasets", kind="eval_config",
        help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
             "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
@@ -407,11 +413,15 @@ BY_DEST = {f.name.replace("-", "_"): f for f in FLAGS} | {"sglang_server_args": 
 REQUIRED = ("hf-checkpoint", "prompt-data", "rollout-batch-size")
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")   # argparse's own misses -1e-4
+
+
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a language model with RL (GRPO, PPO and kin).",
                                 usage=f"{prog} [--config FILE] [--machine NAME] --hf-checkpoint DIR --prompt-data FILE "
                                       "--rollout-batch-size N [flags ...]",
                                 argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p._negative_number_matcher = NEGATIVE_NUMBER     # "--lr -1e-4" is a value, which validation then refuses
     p.add_argument("--config", help="YAML file of flag: value pairs; flags given here override it (default: none)")
     p.add_argument("--machine", help="lifecycle machine: a built-in name (sync, async, eval_only) or a .yaml path "
                                      "(default: sync)")

@@ -256,6 +256,8 @@ class CheckpointConfig:
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
     retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
+    allow_fresh_start: bool = False     # --allow-fresh-start: train from --hf-checkpoint when --load has nothing loadable
+    save_retries: int = 0               # --save-retries: saves that may fail on a full disk before the run fails
 
     @property
     def saves(self) -> bool:

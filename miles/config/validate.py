@@ -461,6 +461,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         (a.custom_tis_function_path is not None and not a.use_tis, "--custom-tis-function-path", "--use-tis"),
         (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
         (c.retain_interval is not None and not c.save, "--save-retain-interval", "--save DIR"),
+        (c.save_retries > 0 and not c.save, "--save-retries", "--save DIR"),
         (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
@@ -478,6 +479,8 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
     if c.retain_interval and c.save_interval and c.retain_interval % c.save_interval:
         problems.append(f"--save-retain-interval {c.retain_interval} is not a multiple of --save-interval "
                         f"{c.save_interval}: no checkpoint would fall on it (as in miles); make it a multiple")
+    if c.save_retries < 0:
+        problems.append(f"--save-retries {c.save_retries}: must be >= 0")
     if cfg.start_rollout_id is not None and (cfg.start_rollout_id < 0 or (
             cfg.num_rollout is not None and cfg.start_rollout_id >= cfg.num_rollout)):
         problems.append(f"--start-rollout-id {cfg.start_rollout_id}: must be in [0, --num-rollout {cfg.num_rollout})")

@@ -98,6 +98,7 @@ class TrainingContext(PhaseContext):
         self.training: int | None = None               # the rollout the trainer is stepping on (None between steps)
         self.saved_rollout: int | None = None          # the newest rollout this run saved
         self.save_duration_s: float | None = None      # how long that save took (a stop's save is budgeted by it)
+        self.saves_failed = 0                          # saves the disk had no room for (--save-retries)
         self.evaluated_version: int | None = None
         self.batch_ref: ray.ObjectRef | None = None    # the current rollout's samples, for the trainer
         self.save_requested = False                    # a host asked for a save now

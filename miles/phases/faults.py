@@ -15,6 +15,8 @@ by the phase would overwrite the corruption). Kinds:
     hang_thread     the phase waits on a thread that never returns (cancelling the wait leaves the thread)
     hang_ray        the phase waits on a Ray call that never returns: the executor actor blocks in it
                     (its event loop too, so its teardown must be forced)
+    hang_trainer    the phase waits on a trainer call that never returns (a stuck training step: the
+                    trainer's thread blocks in it, so its teardown must be forced)
     hang_blocking   the phase blocks the driver's event loop (time.sleep): only the CLI's hard deadline
                     (--stop-timeout after a signal) ends it
     corrupt_weights engine-0 gets the trainer's weights with one value changed, stamped with the
@@ -40,7 +42,7 @@ from miles.runtime.procs import pid_running
 from miles.runtime.threads import in_daemon_thread
 
 FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
-               "hang", "hang_thread", "hang_ray", "hang_blocking", "corrupt_weights", "hang_engine")
+               "hang", "hang_thread", "hang_ray", "hang_trainer", "hang_blocking", "corrupt_weights", "hang_engine")
 AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
 TEARDOWN_HANG_TIMEOUT_S = 0.2          # the hang is the point, not its length: each one costs a run this much
 
@@ -123,6 +125,8 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         await in_daemon_thread(threading.Event().wait, name="miles-injected-hang")
     elif f.kind == "hang_ray":
         await ctx.c.executor.handle.__ray_call__.remote(_block_forever)
+    elif f.kind == "hang_trainer":
+        await ctx.c.trainer.handle.__ray_call__.remote(_block_forever)
     elif f.kind == "hang_blocking":
         time.sleep(1e9)                # noqa: ASYNC251 - the point: nothing else on the loop runs
     elif f.kind == "corrupt_weights":

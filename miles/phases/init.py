@@ -26,6 +26,7 @@ import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
+from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
@@ -303,6 +304,7 @@ async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
 async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
+    check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start)
     check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
@@ -354,33 +356,45 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
 async def _resume(ctx: TrainingContext) -> None:
     """Restore trainer (weights, optimizer, RNG), data position and counters from the newest checkpoint
     under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
-    the load reads matching its sha256, checked where it is read. Each one passed over is traced
-    (`checkpoint_skipped`, with why); with none left, the run starts from --hf-checkpoint."""
-    root = ctx.cfg.checkpoint.load
+    the load reads matching its sha256, checked where it is read. Each one passed over is traced and
+    said (`checkpoint_skipped`: which, why, which is tried instead); with none left the run is refused
+    (miles.checkpoint.resume) unless the folder had nothing yet or --allow-fresh-start."""
+    root, allow = ctx.cfg.checkpoint.load, ctx.cfg.checkpoint.allow_fresh_start
     if (megatron := megatron_checkpoint_info(root)) is not None:    # miles' saves / converter (megatron backend)
         return await resume_from_megatron(ctx, megatron)
-    for rollout_id, path, problems in CheckpointStore(root).newest_first():
+    folder = classify_load_folder(root)
+    found: dict[Path, list[str]] = {}
+    for i, c in enumerate(folder.candidates):
+        problems = list(c.problems)
         verified = not problems and ctx.cfg.reliability.verify_load
         if verified:
-            problems = await _verify_where_read(ctx, path)
+            problems = await _verify_where_read(ctx, c.path)
         if problems:
-            ctx.tracer.emit("checkpoint_skipped", rollout_id=rollout_id, path=str(path), check="sha256" if verified
-                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS])
+            found[c.path] = problems
+            ctx.tracer.emit("checkpoint_skipped", rollout_id=c.rollout_id, path=str(c.path), check="sha256" if verified
+                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS],
+                            message=skipped_line(c, problems, list(folder.candidates[i + 1:])))
             continue
-        await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR)
-        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
-        # a critic kept under --critic-save comes back through --critic-load instead
-        if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-            await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR)
-        ctx.start_rollout = ctx.next_rollout = rollout_id + 1
+        await _load_checkpoint(ctx, c.path)
+        ctx.start_rollout = ctx.next_rollout = c.rollout_id + 1
         ctx.resumed = True
         ctx.weight_version = 0              # the engines hold the disk weights until the first sync
-        ctx.tracer.emit("resumed", rollout_id=rollout_id, path=str(path), next_rollout=ctx.next_rollout,
+        ctx.tracer.emit("resumed", rollout_id=c.rollout_id, path=str(c.path), next_rollout=ctx.next_rollout,
                         verified=verified)
         return
-    # --load X --save X before X exists: the auto-resume launch script's first run
-    reason = "no complete checkpoint" if Path(root).is_dir() else "no such directory yet"
+    if not (folder.starts_fresh or allow):
+        raise refuse_fresh_start(folder, found)
+    # --load X --save X before X holds anything: the auto-resume launch script's first run
+    reason = folder.reason or "nothing loadable, and --allow-fresh-start"
     ctx.tracer.emit("resume_skipped", reason=reason, root=root)
+
+
+async def _load_checkpoint(ctx: TrainingContext, path: Path) -> None:
+    await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR)
+    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+    # a critic kept under --critic-save comes back through --critic-load instead
+    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
+        await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR)
 
 
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:

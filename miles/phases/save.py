@@ -8,6 +8,8 @@ now its executor has already served the next rollout's prompts); with none recor
 executor's live position is that one. --save-hf PATH also exports the HF model to PATH, outside the
 checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
 reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/phases/checkpoint_io.py).
+A save the disk has no room for removes its partial folder and fails the run naming the folder and the
+space left (DiskFull, exit 1), or with --save-retries N goes on without that checkpoint N times.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, hf_copy_path, publish_folder,
+from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, DiskFull, hf_copy_path, publish_folder,
                                            save_atomically, write_data_position)
 from miles.phases.context import TrainingContext
 
@@ -27,7 +29,11 @@ async def save(ctx: TrainingContext) -> str:
     t0 = time.monotonic()
     path = None
     if ctx.c.store is not None:
-        path = await _save_run(ctx, rid)
+        try:
+            path = await _save_run(ctx, rid)
+        except DiskFull as exc:
+            _go_on_without(ctx, exc)           # within --save-retries; else the run fails (exit 1)
+            return "next"
     folders = ctx.c.folders                    # in place, or through Ray (miles.phases.checkpoint_io)
     if ctx.c.critic_store is not None:
         critic, optimizer = ctx.c.critic, ctx.cfg.checkpoint.save_optimizer
@@ -48,6 +54,20 @@ async def save(ctx: TrainingContext) -> str:
     ctx.tracer.emit("checkpoint_saved", rollout_id=rid, path=str(path) if path else None,
                     duration_s=round(ctx.save_duration_s, 6))
     return "next"
+
+
+def _go_on_without(ctx: TrainingContext, exc: DiskFull) -> None:
+    """A save the disk had no room for: re-raise, unless --save-retries has some left; then the run
+    goes on without that checkpoint (said on the console and in the trace)."""
+    left = ctx.cfg.checkpoint.save_retries - ctx.saves_failed
+    if left <= 0:
+        raise exc
+    ctx.saves_failed += 1
+    ctx.save_requested = False
+    ctx.tracer.emit("checkpoint_failed", rollout_id=exc.rollout_id, path=str(exc.root), free_bytes=exc.free_bytes,
+                    retries_left=left - 1)
+    ctx.tracer.emit("warning", code="disk_full", message=f"{exc}; going on without it ({left - 1} of "
+                                                         "--save-retries left)")
 
 
 async def _save_run(ctx: TrainingContext, rid: int) -> Path:

@@ -19,8 +19,11 @@ machine YAML and --phase-timeout): past it the task is cancelled (abandoned if i
 for CANCEL_GRACE_S: a shielded await, a thread it waits on) and PhaseTimeout takes the fail route. A
 stop request bounds the rest of the run by `stop_timeout_s` from the moment the runner sees it: the
 running phase gets PHASE_SHARE of it (then it is cut and `stop` fires), draining until DRAIN_SHARE,
-the teardown until TEARDOWN_SHARE; the rest is the process's exit. `ctx.deadline` tells the running
-phase when it will be cut (draining budgets a stop's save by it).
+the teardown until TEARDOWN_SHARE; the rest is the process's exit. A phase cut by its own deadline
+bounds the rest of the run the same way, by AFTER_DEADLINE_S (or the stop timeout, if shorter): what
+the cut phase left hung (an actor blocked in a call, a thread) is forced by then, not waited on for
+each resource's whole --teardown-timeout. `ctx.deadline` tells the running phase when it will be cut
+(draining budgets a stop's save by it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ PHASE_SHARE = 0.25             # of the stop timeout: the phase running when the
 DRAIN_SHARE = 0.7              # draining (with a stop's save) is cut by then
 TEARDOWN_SHARE = 0.9           # the teardown's deadline; the rest is the process's exit
 CANCEL_GRACE_S = 1.0           # a cancelled phase gets this long to unwind before it is abandoned
+AFTER_DEADLINE_S = 8.0         # a phase past its deadline: draining and the teardown end within this
 
 
 class PhaseContext:
@@ -68,7 +72,8 @@ class Runner:
         self.handlers = handlers if handlers is not None else definition.resolve_phases()
         self.deadlines = definition.deadlines() if deadlines is None else {**definition.deadlines(), **deadlines}
         self.stop_timeout_s = stop_timeout_s
-        self._stop_at: float | None = None          # when the runner first saw the stop request
+        self._stop_at: float | None = None          # when the rest of the run became bounded: a stop, a deadline
+        self._deadline_bound_s: float | None = None  # ... by how long, when a deadline did it (else the stop timeout)
         self._model = _Model()
         definition.check_guards(context)           # every guard exists before any phase runs
         self._decided: dict[str, bool] = {}         # the guards' values for the move being made
@@ -142,12 +147,16 @@ class Runner:
             return task.result()
         return await self._cut_phase(state, task, why, deadline, start)
 
+    @property
+    def _bound_s(self) -> float:
+        return self.stop_timeout_s if self._deadline_bound_s is None else self._deadline_bound_s
+
     def _cut(self, state: str, deadline: float) -> tuple[float, str]:
         """When the running phase is cut, and why: its own deadline, or the stop's share of the budget."""
         if self._stop_at is None:
             return deadline, "deadline"
         share = DRAIN_SHARE if state == self.definition.drain_state else PHASE_SHARE
-        stop_cut = self._stop_at + share * self.stop_timeout_s
+        stop_cut = self._stop_at + share * self._bound_s
         return (stop_cut, "stop") if stop_cut < deadline else (deadline, "deadline")
 
     def _note_stop(self, state: str, cause: int) -> None:
@@ -160,14 +169,21 @@ class Runner:
 
     async def _cut_phase(self, state: str, task: asyncio.Future, why: str, deadline: float, start: int) -> None:
         """Cancel the phase; a stop's cut of a phase with a stop route returns None, the rest raise."""
+        cut_at = time.monotonic()
         abandoned = await _cancel(task)
         timeout_s = round(time.monotonic() - (deadline - self.deadlines[state]), 6)
-        self.tracer.emit("phase_timeout", state=state, rollout_id=self.ctx.rollout_id, reason=why,
-                         after_s=timeout_s, abandoned=abandoned, cause=start)
+        seq = self.tracer.emit("phase_timeout", state=state, rollout_id=self.ctx.rollout_id, reason=why,
+                               after_s=timeout_s, abandoned=abandoned, cause=start)
+        if why == "deadline" and self._stop_at is None:     # the rest of the run is bounded, as after a stop
+            self._stop_at, self._deadline_bound_s = cut_at, min(AFTER_DEADLINE_S, self.stop_timeout_s)
+            self.tracer.emit("exit_bounded", state=state, reason="deadline", budget_s=self._bound_s, cause=seq,
+                             draining_cut_s=DRAIN_SHARE * self._bound_s, teardown_by_s=TEARDOWN_SHARE * self._bound_s)
         if why == "stop" and self._allows(state, STOP):
             return None
         budget = (f"its {self.deadlines[state]:g} s deadline" if why == "deadline"
-                  else f"the stop's budget ({DRAIN_SHARE:.0%} of --stop-timeout {self.stop_timeout_s:g} s)")
+                  else f"the stop's budget ({DRAIN_SHARE:.0%} of --stop-timeout {self.stop_timeout_s:g} s)"
+                  if self.ctx.stop_requested.is_set()
+                  else f"the exit's budget after a phase deadline ({DRAIN_SHARE:.0%} of {self._bound_s:g} s)")
         raise PhaseTimeout(f"phase {state!r} ran past {budget} and was "
                            f"{'abandoned (it ignored the cancel)' if abandoned else 'cancelled'}")
 
@@ -215,8 +231,8 @@ class Runner:
 
     async def _shutdown(self, t0: float) -> None:
         self.ctx.state = self.state
-        if self._stop_at is not None:           # the teardown fits in what the stop's budget leaves
-            left = self._stop_at + TEARDOWN_SHARE * self.stop_timeout_s - time.monotonic()
+        if self._stop_at is not None:           # the teardown fits in what the stop's (deadline's) budget leaves
+            left = self._stop_at + TEARDOWN_SHARE * self._bound_s - time.monotonic()
             self.ctx.disposer.deadline = min(self.ctx.disposer.deadline, max(left, 0.0))
         errors = await self.ctx.disposer.unwind()
         self.failure = merge_teardown_errors(self.failure, errors)

@@ -1,5 +1,9 @@
 """The run's trace: one JSON object per line in `<run_dir>/trace.jsonl`, written through structlog.
 
+Each run in a run directory writes a segment of its own: the first `trace.jsonl`, a resume into the
+same directory `trace.2.jsonl`, then `trace.3.jsonl`, ... (`segment_paths` lists them in order), so
+every segment is one run's whole story, with its own `run_start`, gapless `seq` and `run_end`.
+
 Each `Tracer` owns its own structlog pipeline (`structlog.wrap_logger`, no global configuration), so
 two runs in one process never see each other's events. Every event carries `seq` (gapless,
 monotonic), `ts` (UTC ISO), `mono` (seconds since the tracer started), `run_id`, `machine` and
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -23,10 +28,16 @@ from typing import Any, Callable, Iterator, TextIO
 import structlog
 
 TRACE_FILE = "trace.jsonl"
+_SEGMENT = re.compile(r"trace\.(\d+)\.jsonl")
 CORE_FIELDS = (
     "seq", "ts", "mono", "run_id", "machine", "machine_hash", "event", "src", "dst", "trigger",
     "state", "rollout_id", "duration_s", "error", "cause",
 )
+
+
+def new_run_id() -> str:
+    """`YYYYMMDD-HHMMSS-xxxxxx`: sortable by start time, unique enough for one machine's runs."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
@@ -226,10 +237,31 @@ class Trace:
         return [e for e in self.events if e.event in kinds]
 
 
+def segment_paths(run_dir: str | os.PathLike) -> list[Path]:
+    """The trace segments of a run directory, one per run, oldest first ([] when it has none)."""
+    d = Path(run_dir)
+    numbered = sorted((int(m.group(1)), p) for p in d.glob("trace.*.jsonl") if (m := _SEGMENT.fullmatch(p.name)))
+    first = [d / TRACE_FILE] if (d / TRACE_FILE).exists() else []
+    return first + [p for _, p in numbered]
+
+
+def next_segment_path(run_dir: str | os.PathLike) -> Path:
+    """Where the next run in `run_dir` writes its trace: `trace.jsonl`, else `trace.<n>.jsonl`."""
+    d = Path(run_dir)
+    existing = segment_paths(d)
+    if not existing:
+        return d / TRACE_FILE
+    last = _SEGMENT.fullmatch(existing[-1].name)
+    return d / f"trace.{int(last.group(1)) + 1 if last else 2}.jsonl"
+
+
 def resolve_trace_path(path: str | os.PathLike) -> Path:
-    """A run directory or a trace file → the trace file."""
+    """A run directory or a trace file → the trace file (a run directory's newest segment)."""
     p = Path(path)
-    return p / TRACE_FILE if p.is_dir() else p
+    if not p.is_dir():
+        return p
+    segments = segment_paths(p)
+    return segments[-1] if segments else p / TRACE_FILE
 
 
 def read_trace(path: str | os.PathLike) -> Trace:

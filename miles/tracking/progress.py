@@ -99,6 +99,12 @@ class ProgressModel:
     def _on_resume_skipped(self, ev: dict[str, Any]) -> list[str]:
         return [f"starting fresh: {ev.get('reason')} under --load {ev.get('root')}"]
 
+    def _on_checkpoint_skipped(self, ev: dict[str, Any]) -> list[str]:
+        return [ev.get("message") or f"checkpoint {ev.get('path')} skipped: {(ev.get('problems') or ['?'])[0]}"]
+
+    def _on_lock_taken_over(self, ev: dict[str, Any]) -> list[str]:
+        return [str(ev.get("message"))]
+
     def _on_start_rollout_set(self, ev: dict[str, Any]) -> list[str]:
         self.start_rollout = int(ev.get("next_rollout", 0))
         return [f"starting at rollout {self.start_rollout} (--start-rollout-id)"]

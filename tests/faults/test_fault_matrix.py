@@ -227,6 +227,7 @@ def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path,
 def test_cli_process_exit_code_on_signal(ray_cluster, tiny_task, tmp_path):
     proc = run_cli_with_signal(tiny_task, tmp_path, ray_cluster, "rollout:sigint")
     assert proc.returncode == 130, proc.stderr[-2000:]
+    assert f"stopped (SIGINT): {tmp_path / 'run'}" in proc.stderr and "done:" not in proc.stderr
     assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
 
 

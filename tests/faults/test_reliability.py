@@ -146,12 +146,14 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
     time.sleep(1.0)                                            # the executor is inside the reward now
     spawned = psutil.Process(driver.pid).children(recursive=True)
     assert exposed_sockets([driver.pid, *(p.pid for p in spawned)]) == []
+    assert not [p.pid for p in spawned if any("dashboard/dashboard.py" in a for a in p.cmdline())]   # none started
     session = Path(read_trace(trace_path).of("cluster_ready")[0].get("session_dir"))
     t0 = time.monotonic()
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
     exit_s = time.monotonic() - t0
     assert driver.returncode == 143, err[-3000:]
+    assert f"stopped (SIGTERM): {run_dir}" in err
     assert exit_s < STOP_TIMEOUT_DEFAULT_S, exit_s
     trace = read_trace(trace_path)
     assert trace.events[-1].event == "run_end" and trace.events[-1].get("outcome") == "stopped"

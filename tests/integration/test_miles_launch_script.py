@@ -70,7 +70,7 @@ def test_the_run_is_clean_on_stderr(first_run):
     assert "\x1b[" not in err, "colour codes off a terminal"
     assert "Token authentication" not in err, "Ray's token-auth notice"
     assert "Traceback" not in err and "unrecognized" not in err
-    assert "miles: starting fresh: no such directory yet under --load ckpt" in err
+    assert "miles: starting fresh: no checkpoint there yet under --load ckpt" in err     # --save ckpt made it (its lock)
     assert "miles: starting at rollout 1 (--start-rollout-id)" in err
 
 
@@ -86,7 +86,7 @@ def test_checkpoint_flags(folder, first_run):
         assert (folder / "hf" / f"iter_{rid}" / "model.safetensors").is_file()
     # --load ckpt --save ckpt before ckpt existed: a fresh start, traced
     trace = read_trace(folder / "run")
-    assert trace.of("resume_skipped")[0].get("reason") == "no such directory yet"
+    assert trace.of("resume_skipped")[0].get("reason") == "no checkpoint there yet"
 
 
 def test_rollout_and_training_flags(folder, first_run):

@@ -11,7 +11,7 @@ import pytest
 
 from miles.runtime import MachineDefinitionError, PhaseTimeout, load_machine, parse_machine, read_trace
 from miles.runtime.machine import DEFAULT_PHASE_TIMEOUT_S
-from miles.runtime.runner import CANCEL_GRACE_S, DRAIN_SHARE, PHASE_SHARE, TEARDOWN_SHARE
+from miles.runtime.runner import AFTER_DEADLINE_S, CANCEL_GRACE_S, DRAIN_SHARE, PHASE_SHARE, TEARDOWN_SHARE
 from tests.stub_phases import make_stub_run, stub_phase
 
 # this checkout's definition (an editable install elsewhere may serve `miles.machines`)
@@ -112,6 +112,47 @@ def test_the_teardown_after_a_stop_fits_in_what_the_budget_leaves(tmp_path):
     elapsed, raised = run_timed(runner)
     assert type(raised).__name__ == "TeardownTimeout"
     assert elapsed < TEARDOWN_SHARE * 2.0 + 1.5              # the unwind's floor for the entries after it
+
+
+@pytest.mark.parametrize("hang_after", ["teardown", "draining"])
+def test_after_a_phase_deadline_the_rest_of_the_run_is_bounded_as_after_a_stop(tmp_path, hang_after):
+    # the phase cut by its deadline left something hung: a resource whose teardown never returns (60 s
+    # of its own, forced), or draining stuck settling it; both end within the bound, not after 60 s
+    runner, ctx, _ = stub(tmp_path, hang_in="rollout", deadlines={"rollout": 0.3}, stop_timeout_s=20.0)
+    init = runner.handlers["init"]
+    forced: list[bool] = []
+
+    async def hung_teardown():
+        await asyncio.sleep(3600)
+
+    async def init_with_a_hung_resource(c):
+        c.disposer.add(hung_teardown, name="hung", timeout=60, force=lambda: forced.append(True))
+        return await init(c)
+
+    runner.handlers["init"] = init_with_a_hung_resource
+    if hang_after == "draining":
+        drain = runner.handlers["draining"]
+
+        async def hung_draining(c):
+            await asyncio.sleep(3600)
+            return await drain(c)
+
+        runner.handlers["draining"] = hung_draining
+    elapsed, raised = run_timed(runner)
+    assert isinstance(raised, PhaseTimeout) and "'rollout' ran past its 0.3 s deadline" in str(raised)
+    assert elapsed < 0.3 + AFTER_DEADLINE_S
+    assert forced == [True]
+    trace = read_trace(tmp_path / "trace.jsonl")
+    bound = trace.of("exit_bounded")[0]
+    assert (bound.state, bound.get("reason"), bound.get("budget_s")) == ("rollout", "deadline", AFTER_DEADLINE_S)
+    hung = next(e for e in trace.of("disposed") if e.get("resource") == "hung")
+    assert hung.get("outcome") == "forced"
+    if hang_after == "draining":
+        cut = trace.of("phase_timeout")[1]
+        assert (cut.state, cut.get("reason")) == ("draining", "stop")
+        assert cut.get("after_s") == pytest.approx(DRAIN_SHARE * AFTER_DEADLINE_S, abs=0.5)
+        assert "the exit's budget after a phase deadline" in " ".join(raised.__notes__)
+    assert ctx.disposed == ["res2", "res1", "res0"] and trace.events[-1].get("outcome") == "failed"
 
 
 def test_every_state_gets_its_yaml_timeout_and_flags_override_them():

@@ -1,0 +1,141 @@
+"""One run per folder: an exclusive lock on a run directory and on a `--save` folder.
+
+Two runs writing one run directory interleave their traces and metrics; two runs saving into one
+folder overwrite each other's checkpoints. Each folder a run writes gets a lock file, `LOCK_FILE`,
+held with `fcntl.flock` for the life of the run and holding a JSON record of its holder (pid, host,
+start time, run id, which flag). A second run finds the lock taken and raises `FolderLocked`
+naming the holder before it starts anything.
+
+The kernel drops a `flock` when its holder dies (`kill -9` included), so a lock file left by a dead
+run is taken at once; its record tells who left it (`FolderLock.taken_over`), which the run reports.
+A clean release empties the record. The lock file is never deleted: a file deleted while another
+process waits on it would let two runs hold two different inodes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = ".miles.lock"
+
+
+class FolderLocked(RuntimeError):
+    """Another live run holds the folder. The input's fault: the CLI exits 2."""
+
+    input_fault = True
+
+    def __init__(self, folder: Path, what: str, holder: dict[str, Any]):
+        self.folder, self.what, self.holder = folder, what, holder
+        super().__init__(f"{what} {folder} is in use by another run: {describe_holder(holder)}; wait for it to "
+                         f"end, stop it, or pass another {what}")
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """'pid 123 on host h since 2026-12-03 13:45:23 UTC (run 2026...-abc, --save)' from a record."""
+    if not holder:
+        return "a process that left no record"
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder["started"])) \
+        if isinstance(holder.get("started"), (int, float)) else "an unknown time"
+    run = f"run {holder['run_id']}, " if holder.get("run_id") else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')} since {since} ({run}{holder.get('what', '?')})"
+
+
+@dataclass
+class FolderLock:
+    """A held lock on one folder; `release` (the disposer's teardown) lets it go."""
+
+    folder: Path
+    what: str                         # the flag naming the folder: --run-dir, --save
+    fd: int | None
+    taken_over: dict[str, Any] | None = None   # the record a dead holder left behind, if any
+
+    @property
+    def resource_name(self) -> str:
+        return f"lock {self.what} {self.folder}"
+
+    def release(self) -> None:
+        """Empty the record and unlock (the file stays: see the module docstring). Idempotent."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)          # closing the last descriptor drops the flock
+
+    def dispose(self) -> None:
+        self.release()
+
+
+def lock_folder(folder: str | os.PathLike[str], *, what: str, run_id: str = "") -> FolderLock:
+    """Take `folder`'s lock (creating the folder) or raise FolderLocked naming its holder. Never waits."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderLocked(folder, what, _read_record(fd)) from None
+        left = _read_record(fd)             # a record under a free lock: its holder died holding it
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3),
+                  "run_id": run_id, "what": what}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return FolderLock(folder, what, fd, taken_over=left or None)
+
+
+def run_folders(run_dir: str | None, run_id: str, *, save: str | None = None,
+                critic_save: str | None = None) -> list[tuple[str, Path]]:
+    """The folders a run writes and must have to itself, as (flag, folder): the run dir (default
+    `runs/<run id>`), and the checkpoint folders it saves into."""
+    folders = [("--run-dir", Path(run_dir or f"runs/{run_id}"))]
+    return folders + [(flag, Path(p)) for flag, p in (("--save", save), ("--critic-save", critic_save)) if p]
+
+
+def lock_folders(folders: list[tuple[str, str | os.PathLike[str]]], *, run_id: str = "") -> list[FolderLock]:
+    """Lock each (flag, folder) in order, one lock per distinct folder; all or none (on a refusal,
+    those taken so far are released)."""
+    held: list[FolderLock] = []
+    seen: set[Path] = set()
+    try:
+        for what, folder in folders:
+            resolved = Path(folder).absolute()
+            if resolved in seen:
+                continue
+            seen.add(resolved)
+            held.append(lock_folder(folder, what=what, run_id=run_id))
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return held
+
+
+def read_holder(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The record in `folder`'s lock file ({} when none or empty)."""
+    try:
+        return json.loads((Path(folder) / LOCK_FILE).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        record = json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
