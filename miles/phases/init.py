@@ -24,6 +24,7 @@ import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
+from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
@@ -35,6 +36,7 @@ from miles.phases.checkpoint_io import pick_folders
 from miles.phases.context import TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.engine_reason import engine_reason
 from miles.phases.health import start_health_monitor
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
@@ -137,7 +139,7 @@ async def init(ctx: TrainingContext) -> str:
     ctx.backends = pick_backends(cfg)
     ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
                     cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
-                    fast_path_refused=ctx.backends.fast_path_refused)
+                    fast_path_refused=ctx.backends.fast_path_refused, **engine_reason(cfg, ctx.backends))
     tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
@@ -152,6 +154,7 @@ async def init(ctx: TrainingContext) -> str:
     _cluster_ready(ctx)
 
     ctx.c.placement = _place(ctx, add)
+    cfg = ctx.cfg                       # with --colocate when the one-GPU default layout chose it
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
     make_fleet = getattr(ctx.backends.engine, "make_fleet", None)
     if make_fleet is not None and ctx.c.placement.plan.num_engines:
@@ -255,6 +258,11 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
     gpus = cluster_gpus()
     use_gpus = cfg.model.device == "cuda" or (cfg.model.device == "auto" and gpus > 0)
     plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    auto = auto_colocate(cfg, use_gpus=use_gpus, cluster_gpus=gpus, started=ctx.c.cluster.started,
+                         needed_gpus=plan.gpus, machine=ctx.tracer.machine)
+    if auto is not None:
+        ctx.cfg = cfg = auto
+        plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
     check = TRAIN_BACKENDS[cfg.train.backend].check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems = import_object(check)(cfg, len(plan.trainers))
@@ -269,7 +277,7 @@ def _place(ctx: TrainingContext, add: Any) -> RunPlacement:
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus", actor_resources=resources)
         add(place.group)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
-                    colocate=cfg.cluster.colocate,
+                    colocate=cfg.cluster.colocate, auto_colocate=AUTO_COLOCATE_REASON if auto else None,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
 
