@@ -56,6 +56,9 @@ class ModelSpec:
 
 FAMILIES = ("llama", "qwen3", "llama3")
 OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3"}
+# SFT steps each committed model was made with (the Qwen3 one with fewer: its model is made on a
+# shared 2-core machine, where a step takes about a second)
+DEFAULT_STEPS = {"llama": 2500, "qwen3": 1200, "llama3": 2500}
 # Llama 3's RoPE scaling (Llama 3.1's factors) over a short original context, so that the scaled
 # low frequencies matter within the example's 64 positions
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -153,14 +156,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--out", type=Path, default=None, help="default: base_model/ (llama), "
                         "base_model_qwen3/, base_model_llama3/ here")
-    parser.add_argument("--steps", type=int, default=SftSpec.steps)
+    parser.add_argument("--steps", type=int, default=None, help=f"default: {DEFAULT_STEPS}")
     parser.add_argument("--seed", type=int, default=SftSpec.seed)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     quiet_info_logs()
     tokenizer = build_tokenizer()
-    spec = SftSpec(steps=args.steps, seed=args.seed)
+    spec = SftSpec(steps=args.steps or DEFAULT_STEPS[args.family], seed=args.seed)
     out = args.out or HERE / OUT_DIRS[args.family]
     with tempfile.TemporaryDirectory() as init_dir:     # the trainer starts from an HF folder
         build_model(ModelSpec(family=args.family), tokenizer, seed=spec.seed).save_pretrained(init_dir)
