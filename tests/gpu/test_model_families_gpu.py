@@ -29,7 +29,8 @@ from tests.unit.test_fast_engine import MANY, PROMPTS
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
-CASES = [("qwen3", True), ("qwen3", False), ("llama3", True), ("llama3", False)]
+# one tying each (the CPU tests cover both for both families): each case compiles its own layer pieces
+CASES = [("qwen3", True), ("llama3", False)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
