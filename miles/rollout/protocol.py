@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # --rollout-engine NAME -> "module:Class", imported only when a run picks it
 ENGINES: dict[str, str] = {
     "embedded": "miles.rollout.engine:EmbeddedEngine",      # transformers + torch sampling, CPU or GPU
-    "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2 forward, KV cache, CUDA graphs
+    "fast": "miles.rollout.fast_engine:FastEngine",         # Llama/Qwen2/Qwen3 forward, KV cache, CUDA graphs
     "sglang": "miles.rollout.sglang_engine:SGLangEngine",   # SGLang servers (docs/sglang.md), behind sglang-router
 }
 # what an engine can hand back while the trainer trains, in SGLang's names (release/resume_memory below)
