@@ -55,7 +55,11 @@ def test_bf16_on_the_fast_path_within_bf16_tolerance(model_path):
     engine = FastEngine(model_path, device="cuda", max_batch_size=8)
     model = hf(model_path, torch.bfloat16)
     check_bf16(engine, model)
-    assert_fast_path(engine)
+    if engine.arch.head_dim >= 16:
+        assert_fast_path(engine)
+    else:       # the tiny Llama 3's head_dim 8: below what the attention kernel takes, by design (usable())
+        assert engine._forward.compiled and engine._graphs.enabled and len(engine._graphs) > 0
+        assert not engine._forward.length_aware
 
 
 def check_bf16(engine: FastEngine, model) -> None:
@@ -103,9 +107,10 @@ def test_embedded_engine_gives_its_memory_back_and_answers_the_same(tmp_path):
     first = engine.generate(prompts, params)
     torch.cuda.synchronize()
     weights = sum(t.numel() * t.element_size() for t in engine._model.state_dict().values())
-    held = torch.cuda.memory_reserved()
+    # what this process holds besides (earlier tests' engines and compiled code): measured, not assumed
+    allocated, held = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     engine.release_memory(("weights", "kv_cache", "cuda_graph"))
-    assert torch.cuda.memory_allocated() < weights / 2 and torch.cuda.memory_reserved() < held
+    assert torch.cuda.memory_allocated() <= allocated - weights and torch.cuda.memory_reserved() < held
     assert engine.health() == {"busy": False, "since_progress_s": 0.0}
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate(prompts[:1], params)
