@@ -16,8 +16,8 @@ this process (no Ray): each `train(samples, rollout_id=step)` call gets one batc
 Deterministic: same seed, same machine, same torch build -> byte-identical model.safetensors. It runs
 on one CPU thread because the thread count changes the order of floating-point sums. `--device cuda`
 runs the same SFT on a GPU in float32 with deterministic kernels where torch has them (a minute
-instead of half an hour on a busy CPU): the committed Qwen3 and Llama 3 models were
-made that way (examples/arithmetic/README.md).
+instead of half an hour on a busy CPU; not the bytes the CPU makes). The committed models were all
+made on the CPU.
 
     python examples/arithmetic/make_base_model.py [--family llama|qwen3|llama3] [--out DIR] [--steps N] [--seed S]
         [--device cpu|cuda]
@@ -62,7 +62,7 @@ class ModelSpec:
 FAMILIES = ("llama", "qwen3", "llama3")
 OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3"}
 # SFT steps each committed model was made with
-DEFAULT_STEPS = {"llama": 2500, "qwen3": 1500, "llama3": 1500}
+DEFAULT_STEPS = {"llama": 2500, "qwen3": 1200, "llama3": 1200}
 # Llama 3's RoPE scaling (Llama 3.1's factors) over a short original context, so that the scaled
 # low frequencies matter within the example's 64 positions
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
