@@ -64,3 +64,52 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> str:
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return str(path)
+
+
+# Tiny configs of the other families a run serves, with the parts that set them apart from Qwen2:
+# Qwen3's per-head q/k RMSNorm, no q/k/v bias and head_dim != hidden / heads; Llama 3's `llama3` RoPE
+# scaling (a short original context, so the scaled frequencies show within a few tokens), tied or not
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+               "original_max_position_embeddings": 16}
+
+
+def tiny_config(family: str, *, tied: bool = True, **overrides):
+    """The HF config of a tiny `family` model ("qwen2", "qwen3", "llama3") over this vocabulary."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=tied,
+                  max_position_embeddings=256, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if family == "qwen2":
+        return Qwen2Config(**{**common, "num_attention_heads": 2, "num_key_value_heads": 1,
+                              "intermediate_size": 64, **overrides})
+    if family == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 16, "rope_theta": 10000.0, **overrides})
+    if family == "llama3":
+        return LlamaConfig(**{**common, "head_dim": 8, "rope_theta": 500.0, "rope_scaling": dict(LLAMA3_ROPE),
+                              **overrides})
+    raise ValueError(f"unknown tiny family {family!r}: use qwen2, qwen3 or llama3")
+
+
+def make_tiny_family(path: str | Path, family: str, *, tied: bool = True, seed: int = 0, scale: float = 0.3) -> str:
+    """Write a random tiny model of `family` (fp32) and the char-level tokenizer to `path`.
+
+    Matrices are drawn N(0, scale) (peaked next-token distributions, as `make_tiny_model`); the
+    norms' weights N(1, 0.1), so that a norm a forward forgot to apply changes the result."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(family, tied=tied))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, scale)
+                else:
+                    p.normal_(1.0, 0.1)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return str(path)

@@ -1,7 +1,11 @@
-"""Builds the arithmetic example's tiny base model: a 4-layer Llama warm-started on a sloppy teacher.
+"""Builds the arithmetic example's tiny base models: a 4-layer Llama warm-started on a sloppy teacher,
+and its Qwen3 and Llama 3 siblings.
 
-The model is a ~1M-parameter `LlamaForCausalLM` with tied embeddings over the character tokenizer
-of `make_tokenizer.py`. Supervised fine-tuning on `data/sft.jsonl` (loss on response tokens only)
+The model is a ~1M-parameter causal LM over the character tokenizer of `make_tokenizer.py`, of one
+family (`--family`): `llama` (`base_model/`: tied embeddings, plain RoPE), `qwen3`
+(`base_model_qwen3/`: `Qwen3ForCausalLM`, per-head q/k RMSNorm, head_dim 64 != hidden 128 / 4 heads,
+2 KV heads, tied) or `llama3` (`base_model_llama3/`: `LlamaForCausalLM` with Llama 3's `llama3` RoPE
+scaling over an original context of 16 positions, 2 KV heads, untied embeddings). Supervised fine-tuning on `data/sft.jsonl` (loss on response tokens only)
 teaches it addition the way the teacher does it, dropping most carries, so its greedy accuracy is
 low but not zero and the right answer stays among its samples: the start GRPO needs.
 
@@ -10,15 +14,20 @@ this process (no Ray): each `train(samples, rollout_id=step)` call gets one batc
 `Sample` records and takes one optimizer step.
 
 Deterministic: same seed, same machine, same torch build -> byte-identical model.safetensors. It runs
-on one CPU thread because the thread count changes the order of floating-point sums.
+on one CPU thread because the thread count changes the order of floating-point sums. `--device cuda`
+runs the same SFT on a GPU in float32 with deterministic kernels where torch has them (a minute
+instead of half an hour on a busy CPU; not the bytes the CPU makes). The committed models were all
+made on the CPU.
 
-    python examples/arithmetic/make_base_model.py [--out DIR] [--steps N] [--seed S]
+    python examples/arithmetic/make_base_model.py [--family llama|qwen3|llama3] [--out DIR] [--steps N] [--seed S]
+        [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import sys
 import tempfile
@@ -28,7 +37,7 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.trainer import Trainer
@@ -47,6 +56,17 @@ class ModelSpec:
     intermediate_size: int = 512
     num_heads: int = 4
     max_positions: int = 64         # prompt (<= 6) + response; RoPE, so this costs no weights
+    family: str = "llama"
+
+
+FAMILIES = ("llama", "qwen3", "llama3")
+OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3"}
+# SFT steps each committed model was made with
+DEFAULT_STEPS = {"llama": 2500, "qwen3": 1200, "llama3": 1200}
+# Llama 3's RoPE scaling (Llama 3.1's factors) over a short original context, so that the scaled
+# low frequencies matter within the example's 64 positions
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,16 +79,29 @@ class SftSpec:
     seed: int = 0
 
 
-def build_model(spec: ModelSpec, tokenizer, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def model_config(spec: ModelSpec, tokenizer):
+    """The HF config of `spec.family` (see the module docstring)."""
+    common = dict(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    return LlamaForCausalLM(config)
+    if spec.family == "llama":
+        return LlamaConfig(**common)
+    if spec.family == "qwen3":
+        return Qwen3Config(**{**common, "num_key_value_heads": spec.num_heads // 2,
+                              "head_dim": 2 * spec.hidden_size // spec.num_heads})
+    if spec.family == "llama3":
+        return LlamaConfig(**{**common, "num_key_value_heads": spec.num_heads // 2, "tie_word_embeddings": False,
+                              "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)})
+    raise ValueError(f"--family {spec.family!r}: use one of {', '.join(FAMILIES)}")
+
+
+def build_model(spec: ModelSpec, tokenizer, seed: int):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(model_config(spec, tokenizer))
 
 
 def to_sample(tokenizer, row: dict[str, str], index: int) -> Sample:
@@ -84,16 +117,19 @@ def to_sample(tokenizer, row: dict[str, str], index: int) -> Sample:
                   weight_version=0, response_text=row["response"])
 
 
-def sft_trainer(model_dir: str | Path, spec: SftSpec) -> Trainer:
+def sft_trainer(model_dir: str | Path, spec: SftSpec, device: str = "cpu") -> Trainer:
     """The trainer over the HF folder `model_dir`: AdamW without weight decay, token-mean NLL, one
     optimizer step (one micro-batch) per call of `spec.batch_size` samples, warmup then cosine to 0."""
     warmup = min(spec.warmup_steps, spec.steps - 1)     # the schedule needs decay steps after the warmup
     train = TrainConfig(lr=spec.lr, clip_grad=spec.clip_grad, global_batch_size=spec.batch_size,
                         micro_batch_size=spec.batch_size, seed=spec.seed, lr_decay_style="cosine",
-                        lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0)
+                        lr_warmup_iters=warmup, lr_decay_iters=spec.steps, min_lr=0.0,
+                        compile_layers=False)   # the CPU never compiles; on CUDA, eager keeps it deterministic
     # SFT's samples come from the data, not from sampling: the rollout slice's temperature 1 leaves the logits alone
-    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", loss_type="sft_loss"),
-                   rollout=RolloutConfig(batch_size=spec.batch_size, n_samples_per_prompt=1), device="cpu")
+    return Trainer(str(model_dir), train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3",
+                                                                          loss_type="sft_loss"),
+                   rollout=RolloutConfig(batch_size=spec.batch_size, n_samples_per_prompt=1), device=device,
+                   dtype="float32")
 
 
 def run_sft(trainer: Trainer, tokenizer, rows: list[dict[str, str]], spec: SftSpec, log_every: int = 250) -> None:
@@ -124,25 +160,33 @@ def file_sha256(path: Path) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=HERE / "data")
-    parser.add_argument("--out", type=Path, default=HERE / "base_model")
-    parser.add_argument("--steps", type=int, default=SftSpec.steps)
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="default: base_model/ (llama), "
+                        "base_model_qwen3/, base_model_llama3/ here")
+    parser.add_argument("--steps", type=int, default=None, help=f"default: {DEFAULT_STEPS}")
     parser.add_argument("--seed", type=int, default=SftSpec.seed)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    if args.device == "cuda":       # deterministic cuBLAS needs a fixed workspace, set before CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # on CUDA an op without a deterministic kernel warns (and the run says so) instead of stopping it
+    torch.use_deterministic_algorithms(True, warn_only=args.device == "cuda")
     quiet_info_logs()
     tokenizer = build_tokenizer()
-    spec = SftSpec(steps=args.steps, seed=args.seed)
+    spec = SftSpec(steps=args.steps or DEFAULT_STEPS[args.family], seed=args.seed)
+    out = args.out or HERE / OUT_DIRS[args.family]
     with tempfile.TemporaryDirectory() as init_dir:     # the trainer starts from an HF folder
-        build_model(ModelSpec(), tokenizer, seed=spec.seed).save_pretrained(init_dir)
+        build_model(ModelSpec(family=args.family), tokenizer, seed=spec.seed).save_pretrained(init_dir)
         save_tokenizer(tokenizer, init_dir)
-        trainer = sft_trainer(init_dir, spec)
+        trainer = sft_trainer(init_dir, spec, args.device)
     run_sft(trainer, tokenizer, load_jsonl(args.data / "sft.jsonl"), spec)
-    trainer.export_hf(args.out)
-    save_tokenizer(tokenizer, args.out)     # over export_hf's copy: keeps the class name transformers 4.x reads
-    accuracy = greedy_accuracy(trainer.model, tokenizer, load_jsonl(args.data / "eval.jsonl"))
-    print(f"saved {args.out}: greedy eval accuracy {accuracy:.3f}, "
-          f"model.safetensors sha256 {file_sha256(args.out / 'model.safetensors')}")
+    trainer.export_hf(out)
+    save_tokenizer(tokenizer, out)     # over export_hf's copy: keeps the class name transformers 4.x reads
+    accuracy = greedy_accuracy(AutoModelForCausalLM.from_pretrained(out), tokenizer,   # the export, on the CPU
+                               load_jsonl(args.data / "eval.jsonl"))
+    print(f"saved {out}: greedy eval accuracy {accuracy:.3f}, "
+          f"model.safetensors sha256 {file_sha256(out / 'model.safetensors')}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR,
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
+from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
 from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
                                      cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
@@ -39,6 +40,7 @@ from miles.phases.checkpoint_io import pick_folders
 from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
+from miles.phases.engine_reason import engine_reason
 from miles.phases.health import start_health_monitor
 from miles.phases.megatron_resume import resume_from_megatron
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
@@ -120,6 +122,7 @@ async def init(ctx: TrainingContext) -> str:
     gpus = cluster_gpus()           # with --device auto, the cluster's GPUs decide where everything runs
     _pick(ctx, gpus)
     ctx.c.placement = _place(ctx, add, gpus)
+    cfg = ctx.cfg                       # with --colocate when the one-GPU default layout chose it
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
     _make_fleet(ctx, add)
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
@@ -167,7 +170,7 @@ def _pick(ctx: TrainingContext, gpus: int) -> None:
     ctx.backends = pick_backends(cfg, cluster_gpus=gpus)
     ctx.tracer.emit("engine_picked", flag=cfg.rollout.engine, engine=ctx.backends.engine_name,
                     cls=ctx.backends.engine.__name__, options=dict(ctx.backends.engine_options),
-                    fast_path_refused=ctx.backends.fast_path_refused)
+                    fast_path_refused=ctx.backends.fast_path_refused, **engine_reason(cfg, ctx.backends))
 
 
 def _make_fleet(ctx: TrainingContext, add: Any) -> None:
@@ -237,6 +240,11 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
     cfg = ctx.cfg
     use_gpus = cfg.model.uses_gpus(gpus)
     plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    auto = auto_colocate(cfg, use_gpus=use_gpus, cluster_gpus=gpus, started=ctx.c.cluster.started,
+                         needed_gpus=plan.gpus, machine=ctx.tracer.machine)
+    if auto is not None:
+        ctx.cfg = cfg = auto
+        plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
     check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems = import_object(check)(cfg, len(plan.trainers))
@@ -251,7 +259,7 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus", actor_resources=resources)
         add(place.group)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
-                    colocate=cfg.cluster.colocate,
+                    colocate=cfg.cluster.colocate, auto_colocate=AUTO_COLOCATE_REASON if auto else None,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
 

@@ -105,6 +105,14 @@ class ProgressModel:
     def _on_lock_taken_over(self, ev: dict[str, Any]) -> list[str]:
         return [str(ev.get("message"))]
 
+    def _on_engine_picked(self, ev: dict[str, Any]) -> list[str]:
+        what = ev.get("architecture") or ev.get("family") or "the model"
+        line = f"engine: {ev.get('cls')} for {what}: {ev.get('why')}"
+        return [("warning: " + line) if ev.get("fast_path_refused") else line]
+
+    def _on_placement(self, ev: dict[str, Any]) -> list[str]:
+        return [f"colocating: {ev['auto_colocate']}"] if ev.get("auto_colocate") else []
+
     def _on_start_rollout_set(self, ev: dict[str, Any]) -> list[str]:
         self.start_rollout = int(ev.get("next_rollout", 0))
         return [f"starting at rollout {self.start_rollout} (--start-rollout-id)"]

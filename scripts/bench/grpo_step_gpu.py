@@ -19,8 +19,15 @@ pass the trainer runs (1 unless the trainer's metrics say it skipped it), agains
 bf16 peak of 989 TFLOP/s (the vendor's datasheet; the same as the H100 SXM). params counts the tied
 embedding once; tokens are prompt + response tokens of the 256 samples.
 
+`--model-family qwen3 --size 1.7b` builds a Qwen3-1.7B-shaped model instead (`Qwen3ForCausalLM`, hidden
+2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, vocab 151,936, tied, bf16);
+its default miles flags add activation recomputation and a smaller token budget per micro-batch (the
+trainer of a 1.7B model at 1,024 new tokens shares the GPU with the engine). Its measurement:
+  python3 scripts/bench/grpo_step_gpu.py --model-family qwen3 --size 1.7b --new-tokens 1024 --skip-trl
+
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
+      [--model-family qwen2|qwen3] [--size 0.5b|1.7b]
       [--miles-flags "--colocate ..."] [--skip-trl] [--out DIR]
 TRL is skipped (with a note in the JSON) when it cannot be imported.
 """
@@ -44,9 +51,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
-             rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+SHAPES = {   # (--model-family, --size) -> the HF config's shape (random init)
+    ("qwen2", "0.5b"): dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                            intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    ("qwen3", "1.7b"): dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+}
+SHAPE = SHAPES[("qwen2", "0.5b")]
 PEAK_TFLOPS = 989.0            # H200 SXM dense bf16, vendor datasheet (= H100 SXM)
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ALPHABET = "".join(chr(c) for c in range(32, 127))   # printable ASCII, space included
@@ -68,10 +81,12 @@ def trl_reward(prompts, completions, **kwargs):   # TRL: reward_funcs=[trl_rewar
 '''
 # the fastest configuration miles has; override with --miles-flags
 MILES_FLAGS = "--colocate --rollout-engine fast --use-dynamic-batch-size --max-tokens-per-gpu 32768"
+MILES_FLAGS_LARGE = ("--colocate --rollout-engine fast --use-dynamic-batch-size --max-tokens-per-gpu 16384 "
+                     "--recompute-activations")
 
 
 # --- inputs ---------------------------------------------------------------------------------------
-def build_tokenizer(folder: Path):
+def build_tokenizer(folder: Path, shape: dict = SHAPE):
     """One token per printable ASCII character. Byte-level symbols ("Ġ" for the space) in a BPE without
     merges, as in tests/tiny_model.py: transformers loads a qwen2 folder's tokenizer through
     Qwen2Tokenizer, which drops a plain " " entry."""
@@ -83,22 +98,24 @@ def build_tokenizer(folder: Path):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left", model_max_length=SHAPE["max_position_embeddings"])
+                                  unk_token="<unk>", padding_side="left", model_max_length=shape["max_position_embeddings"])
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(folder)
 
 
-def build_model(folder: Path) -> int:
+def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
     """The random bf16 model and its tokenizer in `folder`; returns the parameter count (tied once)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+    shape = SHAPES[(family, size)]
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)   # on the CPU: the GPU stays the runs' alone
     model.save_pretrained(folder)
-    build_tokenizer(folder)
+    build_tokenizer(folder, shape)
     tok = AutoTokenizer.from_pretrained(folder)
     probe = PREAMBLE + "12+34="
     if tok.decode(tok(probe, add_special_tokens=False).input_ids) != probe:
@@ -373,7 +390,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--miles-iters", type=int, default=6, help="miles rollouts (the first warms up)")
     p.add_argument("--trl-steps", type=int, default=4, help="TRL steps (the first warms up)")
-    p.add_argument("--miles-flags", default=MILES_FLAGS, help=f"extra miles flags (default: {MILES_FLAGS!r})")
+    p.add_argument("--model-family", choices=sorted({f for f, _ in SHAPES}), default="qwen2")
+    p.add_argument("--size", choices=sorted({s for _, s in SHAPES}), default=None,
+                   help="the family's shape (default: its first: qwen2 0.5b, qwen3 1.7b)")
+    p.add_argument("--miles-flags", default=None,
+                   help=f"extra miles flags (default: {MILES_FLAGS!r}; at 1.7b {MILES_FLAGS_LARGE!r})")
     p.add_argument("--side-timeout-s", type=float, default=210.0, help="wall-clock bound of each side")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--device", default="cuda", help="miles' --device (cpu: a smoke test of this script only)")
@@ -386,6 +407,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
+    a.size = a.size or next(s for f, s in SHAPES if f == a.model_family)
+    if (a.model_family, a.size) not in SHAPES:
+        raise SystemExit(f"--model-family {a.model_family} --size {a.size}: the bench has "
+                         f"{', '.join(f'{f} {s}' for f, s in SHAPES)}")
+    if a.miles_flags is None:
+        a.miles_flags = MILES_FLAGS if a.size == "0.5b" else MILES_FLAGS_LARGE
     if a.trl_worker:
         trl_worker(*a.trl_worker, steps=a.trl_steps, a=a)
         return
@@ -397,13 +424,14 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         model = a.model or root / "model"
-        params = count_params(model) if a.model else build_model(model)
+        params = count_params(model) if a.model else build_model(model, a.model_family, a.size)
         prompts, reward = write_data(root, a.prompts)
         setup_s = round(time.monotonic() - t0, 1)
         trl = {"skipped": "--skip-trl"} if a.skip_trl else run_trl(a, root, model, prompts, reward, params)
         miles = {"skipped": "--skip-miles"} if a.skip_miles else run_miles(a, root, model, prompts, reward, params)
         print(json.dumps({"ratios": ratios(miles, trl), "miles": miles, "trl": trl,
-                          "setup": {"params": params, "peak_tflops_bf16": PEAK_TFLOPS, "prompts": a.prompts,
+                          "setup": {"params": params, "model": f"{a.model_family} {a.size}",
+                                    "peak_tflops_bf16": PEAK_TFLOPS, "prompts": a.prompts,
                                     "samples": a.samples, "new_tokens": a.new_tokens, "prompt_tokens": PROMPT_CHARS,
                                     "micro_batch": a.micro_batch, "global_batch": a.global_batch,
                                     "setup_s": setup_s, "total_s": round(time.monotonic() - t0, 1)}}, indent=2))

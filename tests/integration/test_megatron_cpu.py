@@ -29,10 +29,14 @@ RANK_TIMEOUT_S = 300
 
 def make_model(path: Path, family: str) -> str:
     """A tiny HF model whose heads split over TP 2: qwen2 (4 heads, 2 key/value heads, q/k/v biases,
-    untied) or llama (4 heads, tied), with tests.tiny_model's character tokenizer."""
+    untied) or llama (4 heads, tied), with tests.tiny_model's character tokenizer; or tests.tiny_model's
+    qwen3 (q/k norms, head_dim 16 != 32 / 4, tied) or llama3 (llama3 RoPE scaling, untied)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from tests.tiny_model import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, _tokenizer
+    from tests.tiny_model import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, _tokenizer, make_tiny_family
+
+    if family in ("qwen3", "llama3"):
+        return make_tiny_family(path, family, tied=family == "qwen3", seed=1, scale=0.2)
 
     cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     cfg = cfg_cls(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -196,7 +200,7 @@ def assert_same_training(got: list[dict], want: list[dict], got_w: dict, want_w:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_models")
-    return {f: make_model(root / f, f) for f in ("qwen2", "llama")}
+    return {f: make_model(root / f, f) for f in ("qwen2", "llama", "qwen3", "llama3")}
 
 
 ALGORITHMS = {
@@ -206,7 +210,7 @@ ALGORITHMS = {
 }
 
 
-@pytest.mark.parametrize("family,algorithm", [("qwen2", "grpo"),
+@pytest.mark.parametrize("family,algorithm", [("qwen2", "grpo"), ("qwen3", "grpo"), ("llama3", "kl_entropy_tis"),
                                               pytest.param("llama", "kl_entropy_tis", marks=pytest.mark.extended)])
 def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algorithm):
     cfg = configs(**ALGORITHMS[algorithm])

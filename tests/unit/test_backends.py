@@ -177,3 +177,26 @@ def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):
             parse_flags(base + ["--rollout-mem-fraction", fraction, "--rollout-max-batch-size", "0"])
         assert f"--rollout-mem-fraction {float(fraction)}: must be in (0, 1)" in str(err.value)
         assert "--rollout-max-batch-size 0: must be a positive integer" in str(err.value)
+
+
+def test_engine_picked_names_the_family_and_why(models, tmp_path):
+    from miles.phases.engine_reason import engine_reason
+    from miles.tracking.progress import ProgressModel
+    from tests.tiny_model import make_tiny_family
+
+    qwen3 = make_tiny_family(tmp_path / "qwen3", "qwen3")
+    cases = {
+        "fast": engine_cfg(qwen3, device="cuda"),
+        "cpu": engine_cfg(qwen3),
+        "refused": engine_cfg(models["gpt2"], device="cuda"),
+    }
+    why = {k: {**engine_reason(cfg, pick_backends(cfg)), "cls": pick_backends(cfg).engine.__name__,
+               "fast_path_refused": pick_backends(cfg).fast_path_refused} for k, cfg in cases.items()}
+    assert (why["fast"]["family"], why["fast"]["architecture"]) == ("qwen3", "Qwen3ForCausalLM")
+    assert why["fast"]["why"] == "--rollout-engine embedded on CUDA: FastEngine implements qwen3"
+    assert "off CUDA" in why["cpu"]["why"]
+    assert why["refused"]["family"] == "gpt2" and "FastEngine refused the model (model_type 'gpt2'" in why["refused"]["why"]
+    lines = {k: ProgressModel().update({"event": "engine_picked", **ev}) for k, ev in why.items()}
+    assert lines["fast"] == ["engine: FastEngine for Qwen3ForCausalLM: --rollout-engine embedded on CUDA: "
+                             "FastEngine implements qwen3"]
+    assert lines["refused"][0].startswith("warning: engine: EmbeddedEngine for GPT2LMHeadModel: ")

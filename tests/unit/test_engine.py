@@ -212,3 +212,14 @@ def test_max_context_len_caps_each_response_by_its_prompt(engine):
     assert all(len(g.response_ids) == 1 for g in engine.generate([PROMPTS[0]], params))  # any token stops
     with pytest.raises(ValueError, match="leaves no room for a response under max_context_len 5"):
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, max_context_len=5))
+
+
+def test_memory_release_is_a_no_op_on_the_cpu_and_the_run_s_hand_off_sequence_works(engine):
+    # the run's sequence (miles.phases.memory): release every tag, resume "weights" before the push,
+    # then the rest; on the CPU there is nothing to give back, and answers and health stay as they were
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.release_memory(("weights", "kv_cache", "cuda_graph"))
+    assert engine.health() == {"busy": False, "since_progress_s": 0.0}
+    engine.resume_memory(("weights",))
+    engine.resume_memory(("kv_cache", "cuda_graph"))
+    assert engine.generate(PROMPTS, GREEDY) == before

@@ -5,6 +5,7 @@ untied) models, whole and in TP = 2 shards and PP = 2 stages."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -130,11 +131,13 @@ def test_te_names_rename_the_fused_norms_and_back():
 def test_unsupported_configs_are_named():
     assert "GPT2LMHeadModel" in spec_problems({"architectures": ["GPT2LMHeadModel"]})[0]
     _, cfg = tiny("llama", tied=False)
-    bad = {**cfg, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}, "attention_bias": True}
+    bad = {**cfg, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}, "attention_bias": True}
     problems = spec_problems(bad)
-    assert len(problems) == 2 and "llama3" in problems[0] and "attention_bias" in problems[1]
-    with pytest.raises(ConfigError, match="llama3"):
+    assert len(problems) == 2 and "'dynamic'" in problems[0] and "attention_bias" in problems[1]
+    with pytest.raises(ConfigError, match="dynamic"):
         model_spec(bad)
+    no_context = {**cfg, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+    assert "original_max_position_embeddings" in spec_problems(no_context)[0]
     old_style = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 1e6, "rope_scaling": None}
     assert model_spec(old_style).rope_theta == 1e6
 
@@ -153,3 +156,63 @@ def test_names_that_do_not_fit_the_spec_fail_with_both_lists():
     del hf["model.layers.1.self_attn.q_proj.bias"]
     with pytest.raises(ValueError, match="1 missing"):
         hf_to_mcore(hf, model_spec(cfg))
+
+
+# --- Qwen3 and Llama 3 ------------------------------------------------------------------------------
+def family_model(family: str, *, tied: bool):
+    """A random tiny Qwen3 / Llama 3 model (tests.tiny_model) and its config.json dict; every weight drawn,
+    the q/k norms away from 1, so a misplaced one shows."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_model import tiny_config
+
+    cfg = tiny_config(family, tied=tied)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    return model, json.loads(cfg.to_json_string())
+
+
+@pytest.mark.parametrize("family,tied", [("qwen3", True), ("qwen3", False), ("llama3", True), ("llama3", False)])
+def test_qwen3_and_llama3_round_trip_bit_exact_whole_and_in_tp2_shards(family, tied):
+    model, cfg = family_model(family, tied=tied)
+    spec = model_spec(cfg)
+    assert (spec.qk_norm, spec.qkv_bias, spec.tied) == (family == "qwen3", False, tied)
+    assert spec.head_dim == model.config.head_dim == (16 if family == "qwen3" else 8)      # qwen3: != hidden / heads
+    assert (spec.llama3_rope is not None) == (family == "llama3")
+    hf = weights_of(model)
+    mc = hf_to_mcore(hf, spec)
+    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in mc) == (family == "qwen3")
+    if family == "qwen3":
+        assert torch.equal(mc["decoder.layers.1.self_attention.k_layernorm.weight"],
+                           hf["model.layers.1.self_attn.k_norm.weight"])
+    assert_same(mcore_to_hf(mc, spec), hf)
+    shards = [shard_tp(mc, spec, 2, r) for r in range(2)]
+    if family == "qwen3":        # over head_dim: every TP rank holds all of it
+        assert torch.equal(shards[0]["decoder.layers.0.self_attention.q_layernorm.weight"],
+                           shards[1]["decoder.layers.0.self_attention.q_layernorm.weight"])
+    assert_same(mcore_to_hf(merge_tp(shards, spec), spec), hf)
+
+
+@pytest.mark.parametrize("rope", [dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
+                                       original_max_position_embeddings=16),
+                                  dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,      # Llama 3.2's
+                                       original_max_position_embeddings=8192)])
+def test_llama3_inverse_frequencies_equal_transformers_bit_for_bit(rope):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from miles.training.megatron.conversion import llama3_inv_freq
+
+    for head_dim, theta in ((8, 500.0), (128, 500000.0)):
+        cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_theta=theta,
+                          rope_scaling={"rope_type": "llama3", **rope}, max_position_embeddings=131072)
+        spec = model_spec(json.loads(cfg.to_json_string()) | {"architectures": ["LlamaForCausalLM"]})
+        theirs = LlamaRotaryEmbedding(cfg).inv_freq
+        ours = llama3_inv_freq(spec)
+        assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs), (head_dim, rope)
+        plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        assert torch.equal(ours, plain) == (2 * math.pi / plain.min() < rope["original_max_position_embeddings"] / rope["high_freq_factor"])  # scaled: the slow ones

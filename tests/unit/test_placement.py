@@ -98,3 +98,35 @@ def test_debug_halves_drop_their_actors():
     assert rollout_only.trainers == () and rollout_only.bundles == 1 and rollout_only.engines == (Placement(0, 1.0),)
     train_only = plan_placement(PlacementRequest(use_gpus=True, has_engines=False))
     assert train_only.engines == () and train_only.bundles == 1
+
+
+def test_one_gpu_and_no_layout_flags_colocate_and_a_named_layout_stays_as_given():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
+    from miles.cluster.placement import placement_request
+    from miles.config.flags import parse_flags
+    from miles.tracking.progress import ProgressModel
+
+    def cfg_of(*flags):
+        example = Path(__file__).resolve().parents[2] / "examples/arithmetic/grpo.yaml"
+        return parse_flags(["--config", str(example), *flags])[0]
+
+    def auto(cfg, *, gpus=1, started=True, machine="sync"):
+        needed = plan_placement(placement_request(cfg, use_gpus=True)).gpus
+        return auto_colocate(cfg, use_gpus=True, cluster_gpus=gpus, started=started, needed_gpus=needed,
+                             machine=machine)
+
+    plain = cfg_of()
+    colocated = auto(plain)
+    assert colocated == replace(plain, cluster=replace(plain.cluster, colocate=True))
+    assert plan_placement(placement_request(colocated, use_gpus=True)).gpus == 1
+    assert auto(plain, gpus=2) is None                     # the default layout fits: as it was
+    assert auto(plain, started=False) is None              # an attached cluster is the user's layout
+    assert auto(plain, machine="async") is None            # the async machine cannot colocate: its error stays
+    for named in (["--rollout-num-gpus", "1"], ["--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "1"], ["--rollout-num-engines", "2"]):
+        assert auto(cfg_of(*named)) is None, named
+    assert auto_colocate(plain, use_gpus=False, cluster_gpus=1, started=True, needed_gpus=0, machine="sync") is None
+    line = ProgressModel().update({"event": "placement", "auto_colocate": AUTO_COLOCATE_REASON})
+    assert line == [f"colocating: {AUTO_COLOCATE_REASON}"] and "--colocate" in line[0]

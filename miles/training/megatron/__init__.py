@@ -1,6 +1,6 @@
 """The Megatron training backend (`--train-backend megatron`, `pip install miles[megatron]`).
 
-    conversion.py  HF <-> megatron-core weights (Llama, Qwen2), sharded by tensor parallelism: pure torch
+    conversion.py  HF <-> megatron-core weights (Llama/Llama 3, Qwen2, Qwen3), sharded by tensor parallelism: pure torch
     layout.py      the parallel layout (TP x CP x DP x PP ranks, pipeline stages, data-parallel rows): pure
     checks.py      what makes a run unfit for this backend, said before any actor starts
     model.py       megatron-core objects: the GPTModel of one rank, its bf16 wrapper, DDP, the optimizer

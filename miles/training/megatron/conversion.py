@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weights for the Llama and Qwen2 families, as pure tensor functions.
+"""HF <-> megatron-core weights for the Llama (Llama 3 included), Qwen2 and Qwen3 families, as pure tensor functions.
 
 Names on the megatron side are GPTModel's with the local layer spec (the Transformer Engine spec
 fuses the two norms into the following linear layer: `te_names` renames them). Layer indices are
@@ -8,6 +8,7 @@ global here; a pipeline stage renumbers its own (`stage_weights`).
     model.embed_tokens.weight                            embedding.word_embeddings.weight
     layers.i.input_layernorm.weight                      decoder.layers.i.input_layernorm.weight
     layers.i.self_attn.{q,k,v}_proj.{weight,bias}        decoder.layers.i.self_attention.linear_qkv.{weight,bias}
+    layers.i.self_attn.{q,k}_norm.weight (Qwen3)         decoder.layers.i.self_attention.{q,k}_layernorm.weight
     layers.i.self_attn.o_proj.weight                     decoder.layers.i.self_attention.linear_proj.weight
     layers.i.post_attention_layernorm.weight             decoder.layers.i.pre_mlp_layernorm.weight
     layers.i.mlp.{gate,up}_proj.weight                   decoder.layers.i.mlp.linear_fc1.weight
@@ -22,6 +23,13 @@ run of G / TP whole groups. The gated MLP's fc1 is [gate; up]; its TP shard r is
 layer are split by vocabulary rows, padded with zero rows to a multiple of TP (the padded logits
 are cut off before any softmax). Every conversion is reshapes, slices and concatenations of the
 same values: HF -> megatron -> HF is bit-exact.
+
+Qwen3's per-head q/k RMSNorm (over head_dim, before RoPE) is megatron's `qk_layernorm`; its head_dim,
+which need not be hidden / heads, is `kv_channels`. Llama 3's `llama3` RoPE scaling is not what
+GPTModel's `rope_scaling` computes in general (megatron fixes low/high frequency factors 1 and 4 and
+an original context of 8192; only its factor is a parameter), so `llama3_inv_freq` computes the
+inverse frequencies as transformers does, from all four parameters, and the model takes them in
+place of its own (`miles.training.megatron.model`).
 """
 
 from __future__ import annotations
@@ -30,12 +38,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
 from torch import Tensor
 
 from miles.config import ConfigError
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+QK_NORMS = {"q_norm.weight": "q_layernorm.weight", "k_norm.weight": "k_layernorm.weight"}   # HF -> megatron
 LAYER = "decoder.layers."
 EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
 # local-spec name -> Transformer Engine spec name (the norm fused into the next linear layer)
@@ -45,9 +58,9 @@ TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """What megatron needs to know of an HF Llama/Qwen2 config.json."""
+    """What megatron needs to know of an HF Llama/Qwen2/Qwen3 config.json."""
 
-    family: str                 # "llama" | "qwen2"
+    family: str                 # "llama" | "qwen2" | "qwen3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -60,23 +73,51 @@ class ModelSpec:
     rope_theta: float
     norm_eps: float
     max_position_embeddings: int
+    qk_norm: bool = False       # Qwen3: per-head RMSNorm of q and k (megatron's qk_layernorm)
+    llama3_rope: tuple[float, float, float, int] | None = None   # factor, low/high freq factors, original context
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
 
-def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, str]:
-    """(theta, rope type) from transformers 5's `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, str, dict[str, Any]]:
+    """(theta, rope type, its parameters) from transformers 5's `rope_parameters` or the older
+    `rope_theta`/`rope_scaling`."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return theta, kind
+    return theta, kind, {**scaling, **params}
+
+
+def _llama3_rope(cfg: Mapping[str, Any]) -> tuple[float, float, float, int] | None:
+    _, kind, params = _rope(cfg)
+    if kind != "llama3":
+        return None
+    return (float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]))
+
+
+def llama3_inv_freq(spec: ModelSpec) -> Tensor:
+    """RoPE inverse frequencies [head_dim / 2] float32 of Llama 3's `llama3` scaling, computed as
+    transformers computes them (the same operations in the same order: equal bit for bit)."""
+    assert spec.llama3_rope is not None
+    factor, low_freq_factor, high_freq_factor, old_context_len = spec.llama3_rope
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, scaled)
 
 
 def _family(cfg: Mapping[str, Any]) -> str | None:
-    """"llama" | "qwen2" from `architectures` (or `model_type` when a config has no architectures)."""
+    """"llama" | "qwen2" | "qwen3" from `architectures` (or `model_type` when a config has no architectures)."""
     archs = list(cfg.get("architectures") or [])
     if archs:
         return SUPPORTED_ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
@@ -92,12 +133,18 @@ def spec_problems(cfg: Mapping[str, Any]) -> list[str]:
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r}: the megatron backend converts SwiGLU (silu) MLPs only")
-    theta, kind = _rope(cfg)
-    if kind != "default" or theta is None:
-        problems.append(f"rope type {kind!r} (theta {theta}): the megatron backend converts plain RoPE only")
+    theta, kind, params = _rope(cfg)
+    if kind not in ROPE_TYPES or theta is None:
+        problems.append(f"rope type {kind!r} (theta {theta}): the megatron backend converts plain RoPE and "
+                        f"Llama 3's llama3 scaling only")
+    elif kind == "llama3" and any(params.get(k) is None for k in LLAMA3_ROPE_KEYS):
+        problems.append(f"rope type 'llama3' needs {', '.join(LLAMA3_ROPE_KEYS)}; the config has "
+                        f"{ {k: params.get(k) for k in LLAMA3_ROPE_KEYS} }")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor {params['partial_rotary_factor']}: the megatron backend rotates whole heads")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        problems.append("attention_bias / mlp_bias: Llama checkpoints with linear biases are not supported "
-                        "by the megatron backend (Qwen2's q/k/v biases are)")
+        problems.append("attention_bias / mlp_bias: Llama and Qwen3 checkpoints with linear biases are not "
+                        "supported by the megatron backend (Qwen2's q/k/v biases are)")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window: sliding-window attention is not supported by the megatron backend")
     heads, kv = cfg.get("num_attention_heads", 0), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0)
@@ -119,7 +166,8 @@ def model_spec(cfg: Mapping[str, Any]) -> ModelSpec:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", rope_theta=float(_rope(cfg)[0]), norm_eps=float(cfg["rms_norm_eps"]),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096))
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096), qk_norm=family == "qwen3",
+        llama3_rope=_llama3_rope(cfg))
 
 
 def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
@@ -175,6 +223,9 @@ def hf_to_mcore(hf: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
         if spec.qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = pack_qkv(
                 hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], spec)
+        if spec.qk_norm:
+            for theirs, ours in QK_NORMS.items():
+                out[m + "self_attention." + ours] = hf[attn + theirs]
         out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
@@ -195,6 +246,9 @@ def mcore_to_hf(mc: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
         if spec.qkv_bias:
             for name, t in zip("qkv", unpack_qkv(mc[m + "self_attention.linear_qkv.bias"], spec)):
                 out[f"{attn}{name}_proj.bias"] = t
+        if spec.qk_norm:
+            for theirs, ours in QK_NORMS.items():
+                out[attn + theirs] = mc[m + "self_attention." + ours]
         out[attn + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
         out[h + "post_attention_layernorm.weight"] = mc[m + "pre_mlp_layernorm.weight"]
         gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
@@ -214,6 +268,7 @@ def expected_hf_names(spec: ModelSpec) -> list[str]:
                   h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight", h + "mlp.down_proj.weight"]
         names += [f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"
                   for kind in (("weight", "bias") if spec.qkv_bias else ("weight",))]
+        names += [h + "self_attn." + n for n in QK_NORMS] if spec.qk_norm else []
     return names + ["model.norm.weight"] + ([] if spec.tied else ["lm_head.weight"])
 
 
@@ -221,6 +276,7 @@ def expected_mcore_names(spec: ModelSpec) -> list[str]:
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
                  "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     per_layer += ["self_attention.linear_qkv.bias"] if spec.qkv_bias else []
+    per_layer += ["self_attention." + n for n in QK_NORMS.values()] if spec.qk_norm else []
     names = [EMBEDDING, FINAL_NORM] + ([] if spec.tied else [OUTPUT])
     return names + [f"{LAYER}{i}.{n}" for i in range(spec.num_layers) for n in per_layer]
 

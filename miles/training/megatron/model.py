@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from miles.config import TrainConfig
 from miles.training.megatron.checks import installed
-from miles.training.megatron.conversion import ModelSpec, padded_vocab
+from miles.training.megatron.conversion import ModelSpec, llama3_inv_freq, padded_vocab
 from miles.training.megatron.layout import ParallelLayout
 
 
@@ -44,7 +44,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0,
+        attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
@@ -60,8 +61,8 @@ def build_gpt(spec: ModelSpec, layout: ParallelLayout, config, *, pp_rank: int) 
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     use_te = installed("transformer_engine")
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm) if use_te
+                  else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm))
     if layout.cp > 1 and not use_te:
         # megatron's local DotProductAttention refuses CP > 1 (its CP attention is Transformer Engine's)
         from miles.training.megatron.context_parallel import GatheredKVAttention
@@ -73,6 +74,12 @@ def build_gpt(spec: ModelSpec, layout: ParallelLayout, config, *, pp_rank: int) 
         # gather the vocabulary shards: miles' logprob and entropy functions read whole rows
         parallel_output=False, share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
         rotary_base=spec.rope_theta)
+    if spec.llama3_rope is not None:
+        # Llama 3's scaled frequencies, as transformers computes them (see conversion.py); megatron's
+        # own rope_scaling fixes three of the four parameters. Set before any forward: the rotary
+        # module caches the tables it makes from them.
+        rope = model.rotary_pos_emb
+        rope.inv_freq = llama3_inv_freq(spec).to(rope.inv_freq.device)
     return model, use_te
 
 

@@ -10,6 +10,11 @@ recomputes (`miles.algorithms.logprobs_from_logits`); greedy decoding (temperatu
 at temperature 1. Top-p / top-k truncate the distribution that is sampled from, but the reported
 logprobs are of the untruncated one, as the trainer cannot see the truncation either.
 
+Memory (colocated with a trainer on the GPU): `release_memory` moves the weights to host memory and
+returns the CUDA cache (the KV cache of the last call, freed but still cached by torch), so the
+trainer can take the GPU; `resume_memory` brings the weights back. Outputs do not change across a
+release/resume (the same tensors' values, copied).
+
 Health (see `miles.rollout.protocol`): the actor runs on two threads; a lock keeps one model call at
 a time, every decode step stamps a heartbeat, `health()` reads it without the lock (or, idle, runs a
 one-token generate), and `abort()` makes the running calls stop at their next step.
@@ -32,7 +37,7 @@ import torch
 from torch import Tensor
 
 from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
-from miles.rollout.protocol import TokenizerAccessors
+from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
@@ -70,6 +75,7 @@ class EmbeddedEngine(TokenizerAccessors):
         self._lock = threading.Lock()        # one model call at a time (health and abort run beside it)
         self._heartbeat = time.monotonic()   # the last decode step (or the start of the running call)
         self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
+        self._weights_on_host = False        # release_memory moved them off the GPU
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
 
     # --- tokenizer accessors -------------------------------------------------------------------
@@ -141,6 +147,8 @@ class EmbeddedEngine(TokenizerAccessors):
     def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, caps: list[int],
                          epoch: int) -> list[Generation]:
         model = self._live_model()
+        if self._weights_on_host:
+            raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
         self._check(prompts, params, caps)
         gen = self._generator if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         sampler = _make_sampler(params)
@@ -162,6 +170,8 @@ class EmbeddedEngine(TokenizerAccessors):
             return {"busy": True, "since_progress_s": time.monotonic() - self._heartbeat}
         try:
             self._heartbeat = time.monotonic()
+            if self._weights_on_host:     # released for a colocated trainer: nothing to run, nothing hung
+                return {"busy": False, "since_progress_s": 0.0}
             self._generate_locked([[self.eos_token_id]], SamplingParams(temperature=0.0, max_new_tokens=1), [1],
                                   self._abort_epoch)
         finally:
@@ -242,6 +252,34 @@ class EmbeddedEngine(TokenizerAccessors):
                                 f"prompt (--max-prompt-len) or the response length")
         if problems:
             raise ValueError("bad generate request: " + "; ".join(problems[:5]))
+
+    # --- memory --------------------------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Give the GPU back while a colocated trainer trains: "weights" moves the model to host memory;
+        any tag returns torch's cached blocks (what the last call's KV cache left). Idempotent; a CPU
+        engine has nothing to give. `resume_memory` brings the weights back."""
+        if self.device.type != "cuda":
+            return
+        with self._holding():
+            model = self._live_model()
+            if "weights" in tags and not self._weights_on_host:
+                model.to("cpu")
+                self._weights_on_host = True
+                self._receiver = None       # its views are of the tensors that just moved
+        gc.collect()                        # a reference cycle may still hold the last call's cache
+        torch.cuda.empty_cache()
+        log.info("memory_released", tags=list(tags), weights_on_host=self._weights_on_host,
+                 allocated_gib=round(torch.cuda.memory_allocated(self.device) / 2**30, 3))
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Bring the weights back to the GPU when `tags` names them (the KV cache is allocated by each
+        call, the graphs are none). Idempotent."""
+        with self._holding():
+            model = self._live_model()
+            if "weights" in tags and self._weights_on_host:
+                model.to(self.device)
+                self._weights_on_host = False
+                self._receiver = None
 
     def _live_model(self):
         if self._model is None:

@@ -1,4 +1,4 @@
-"""The embedded engine's fast path: our own Llama/Qwen2 forward, a KV cache allocated once, continuous
+"""The embedded engine's fast path: our own Llama/Qwen2/Qwen3 forward, a KV cache allocated once, continuous
 batching, device-side sampling and CUDA-graph decode steps. Same interface as `EmbeddedEngine`.
 
 One `generate` call queues all its requests. A request takes a free cache slot (lowest first): a

@@ -1,4 +1,4 @@
-"""The fast engine's own forward pass for Llama- and Qwen2-family causal LMs, over a per-slot KV cache.
+"""The fast engine's own forward pass for Llama-, Qwen2- and Qwen3-family causal LMs, over a per-slot KV cache.
 
 Weights come from the HF model (loaded with transformers) and are repacked once: q/k/v fused into
 one matrix per layer (one GEMM instead of three), gate/up fused likewise. The HF names stay
@@ -14,9 +14,11 @@ Two entry points (`Forward`), built from pure functions of tensors so the engine
   attention over the slot's first L cache positions with a length mask (L is a bucket >= every
   busy slot's length, so one captured graph serves many steps).
 
-The numerics follow transformers' Llama/Qwen2 modules (RMSNorm in float32 then cast, RoPE cos/sin
-in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's to
-float rounding.
+The numerics follow transformers' Llama/Qwen2/Qwen3 modules (RMSNorm in float32 then cast, RoPE
+cos/sin in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's
+to float rounding. The families differ only in optional pieces, each present or absent per model:
+q/k/v and o biases (Qwen2, Llama with attention_bias), per-head RMSNorm of q and k before RoPE
+(Qwen3's q_norm/k_norm), an untied lm_head, and RoPE scaling (Llama 3's `llama3`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_a
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def rope_type(config) -> str:
@@ -107,8 +109,10 @@ class Arch:
         return 2 * self.n_layers * self.kv_size * torch.empty((), dtype=dtype).element_size()
 
 
-# per layer, in this order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (biases may be None)
-LayerWeights = tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None, Tensor, Tensor, Tensor]
+# per layer, in this order: ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w
+# (biases and the per-head q/k norms may be None)
+LayerWeights = tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor,
+                     Tensor, Tensor]
 
 
 @dataclass
@@ -180,9 +184,9 @@ def _pack_layer(src, named, prefix: str, arch: Arch, device) -> LayerWeights:
     qkv_w = _fuse(src, named, [attn + f"{p}_proj.weight" for p in "qkv"], device)
     qkv_b = _fuse(src, named, [attn + f"{p}_proj.bias" for p in "qkv"], device)
     gate_up = _fuse(src, named, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], device)
-    return (one(prefix + "input_layernorm.weight"), qkv_w, qkv_b, one(attn + "o_proj.weight"),
-            one(attn + "o_proj.bias"), one(prefix + "post_attention_layernorm.weight"), gate_up,
-            one(mlp + "down_proj.weight"))
+    return (one(prefix + "input_layernorm.weight"), qkv_w, qkv_b, one(attn + "q_norm.weight"),
+            one(attn + "k_norm.weight"), one(attn + "o_proj.weight"), one(attn + "o_proj.bias"),
+            one(prefix + "post_attention_layernorm.weight"), gate_up, one(mlp + "down_proj.weight"))
 
 
 # --- the forward ---------------------------------------------------------------------------------
@@ -215,14 +219,22 @@ def additive_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
-def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
-               cos: Tensor, sin: Tensor, pos: Tensor, arch: Arch) -> Tensor:
+def head_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """Qwen3's RMSNorm over each head's head_dim (q_norm / k_norm); identity where the model has none."""
+    return x if weight is None else rms_norm(x, weight, eps)
+
+
+def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
+               k_norm: Tensor | None, kc: Tensor, vc: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+               arch: Arch) -> Tensor:
     """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
     b = x.shape[0]
     q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
-    q = apply_rope(q.view(b, arch.n_heads, arch.head_dim), cos[:, None], sin[:, None])
-    k = apply_rope(k.view(b, arch.n_kv_heads, arch.head_dim), cos[:, None], sin[:, None])
+    q = head_norm(q.view(b, arch.n_heads, arch.head_dim), q_norm, arch.eps)
+    k = head_norm(k.view(b, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
+    q = apply_rope(q, cos[:, None], sin[:, None])
+    k = apply_rope(k, cos[:, None], sin[:, None])
     rows = torch.arange(b, device=x.device)
     kc[rows, :, pos] = k
     vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim)
@@ -231,15 +243,18 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: 
     return q.view(b, arch.n_kv_heads, arch.group, arch.head_dim)
 
 
-def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, kc: Tensor, vc: Tensor,
-                slots: Tensor, cos: Tensor, sin: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
+                k_norm: Tensor | None, kc: Tensor, vc: Tensor, slots: Tensor, cos: Tensor, sin: Tensor,
+                arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
     """x [n, P, H] -> q [n, heads, P, head_dim] and k, v repeated to every query head; K/V of
     prompt i written at positions 0..P-1 of cache slot slots[i]."""
     n, p = x.shape[:2]
     q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
-    q = apply_rope(q.view(n, p, arch.n_heads, arch.head_dim).transpose(1, 2), cos, sin)
-    k = apply_rope(k.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2), cos, sin)
+    q = head_norm(q.view(n, p, arch.n_heads, arch.head_dim), q_norm, arch.eps)
+    k = head_norm(k.view(n, p, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
+    q = apply_rope(q.transpose(1, 2), cos, sin)
+    k = apply_rope(k.transpose(1, 2), cos, sin)
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     kc[slots, :, :p] = k
     vc[slots, :, :p] = v
@@ -322,10 +337,10 @@ class Forward:
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
         if not self.length_aware:
             mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
-        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
                 _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc))
-            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, kc, vc, cos, sin, pos, a)
+            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, cos, sin, pos, a)
             if self.length_aware:
                 o = decode_attention(q, kc, vc, pos, a.scale)
             else:
@@ -346,10 +361,10 @@ class Forward:
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
         valid = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]   # causal, not padding
         mask = additive_mask(valid, x.dtype)[:, None]
-        for (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
                 _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0), *_cache_dims(kc, vc))
-            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, kc, vc, slots, cos, sin, a)
+            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, cos, sin, a)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)
             flat = x.view(n * p, a.hidden)
