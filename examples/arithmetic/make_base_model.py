@@ -62,7 +62,7 @@ class ModelSpec:
 FAMILIES = ("llama", "qwen3", "llama3")
 OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3"}
 # SFT steps each committed model was made with
-DEFAULT_STEPS = {"llama": 2500, "qwen3": 1200, "llama3": 1200}
+DEFAULT_STEPS = {"llama": 2500, "qwen3": 2500, "llama3": 1200}
 # Llama 3's RoPE scaling (Llama 3.1's factors) over a short original context, so that the scaled
 # low frequencies matter within the example's 64 positions
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
