@@ -143,7 +143,8 @@ def test_a_reward_returning_nan_names_the_cause_once_first_exit_2(ray_cluster, t
     causes = [line for line in err.splitlines() if "RewardError" in line or "nan_reward" in line]
     assert len(causes) == 1 and causes[0].startswith("miles: error in rollout: RewardError: reward function "
                                                      "nan.py:nan_reward failed on prompt"), err   # once
-    assert err.splitlines().index(causes[0]) == 2                                 # first: after "started", "init"
+    before = err.splitlines()[:err.splitlines().index(causes[0])]                # first: after the start-up lines
+    assert [line.split(":")[1].split()[0] for line in before] == ["run", "init", "engine"], err
     assert "returned nan (float); expected a finite float" in causes[0]
     assert "\x1b[" not in err and "Traceback" not in err and "RayTaskError" not in err
     assert err.rstrip().splitlines()[-2:] == ["miles train: bad input: the error above",
