@@ -8,8 +8,10 @@ naming the holder before it starts anything.
 
 The kernel drops a `flock` when its holder dies (`kill -9` included), so a lock file left by a dead
 run is taken at once; its record tells who left it (`FolderLock.taken_over`), which the run reports.
-A clean release empties the record. The lock file is never deleted: a file deleted while another
-process waits on it would let two runs hold two different inodes.
+A clean release empties the record. A folder the lock itself created and that still holds nothing
+but the lock file (a run refused before it wrote anything) is removed again, so a refused run leaves
+no litter; the file is unlinked while its lock is held, and a run that locked a file unlinked under
+it finds so (the path's inode is no longer its descriptor's) and locks the new one instead.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class FolderLock:
     what: str                         # the flag naming the folder: --run-dir, --save
     fd: int | None
     taken_over: dict[str, Any] | None = None   # the record a dead holder left behind, if any
+    created: bool = False             # the lock made the folder: removed again if nothing else is written there
 
     @property
     def resource_name(self) -> str:
@@ -67,8 +70,15 @@ class FolderLock:
         fd, self.fd = self.fd, None
         try:
             os.ftruncate(fd, 0)
+            if self.created and _only_the_lock(self.folder):
+                (self.folder / LOCK_FILE).unlink()      # still held: nobody can lock this inode meanwhile
         finally:
             os.close(fd)          # closing the last descriptor drops the flock
+        if self.created:
+            try:
+                self.folder.rmdir()                     # only if still empty
+            except OSError:
+                pass
 
     def dispose(self) -> None:
         self.release()
@@ -77,14 +87,10 @@ class FolderLock:
 def lock_folder(folder: str | os.PathLike[str], *, what: str, run_id: str = "") -> FolderLock:
     """Take `folder`'s lock (creating the folder) or raise FolderLocked naming its holder. Never waits."""
     folder = Path(folder)
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = _locked_fd(folder, what)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FolderLocked(folder, what, _read_record(fd)) from None
         left = _read_record(fd)             # a record under a free lock: its holder died holding it
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3),
                   "run_id": run_id, "what": what}
@@ -94,7 +100,34 @@ def lock_folder(folder: str | os.PathLike[str], *, what: str, run_id: str = "") 
     except BaseException:
         os.close(fd)
         raise
-    return FolderLock(folder, what, fd, taken_over=left or None)
+    return FolderLock(folder, what, fd, taken_over=left or None, created=created)
+
+
+def _locked_fd(folder: Path, what: str) -> int:
+    """A descriptor of the folder's lock file holding its flock; a file another run unlinked while we
+    waited for it to let go is not the folder's lock any more, so the path is opened again."""
+    path = folder / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise FolderLocked(folder, what, holder) from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _only_the_lock(folder: Path) -> bool:
+    try:
+        return [e.name for e in folder.iterdir()] == [LOCK_FILE]
+    except OSError:
+        return False
 
 
 def run_folders(run_dir: str | None, run_id: str, *, save: str | None = None,

@@ -69,3 +69,39 @@ def test_folders_are_locked_all_or_none_once_each(tmp_path):
     for lock in locks:
         lock.release()
     assert run_folders(None, "20261203-x")[0] == ("--run-dir", Path("runs/20261203-x"))
+
+
+def test_a_folder_the_lock_made_goes_again_when_nothing_else_was_written_there(tmp_path):
+    made = lock_folder(tmp_path / "new" / "run", what="--run-dir")
+    made.release()
+    assert not (tmp_path / "new" / "run").exists()               # a refused run leaves no litter
+    used = lock_folder(tmp_path / "used", what="--run-dir")
+    (tmp_path / "used" / "trace.jsonl").write_text("{}\n")
+    used.release()
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == [LOCK_FILE, "trace.jsonl"]
+    (tmp_path / "mine").mkdir()
+    kept = lock_folder(tmp_path / "mine", what="--save")
+    kept.release()
+    assert (tmp_path / "mine").is_dir()                           # the user's folder stays, lock file and all
+
+
+def test_a_lock_file_unlinked_between_open_and_lock_is_not_taken_as_the_lock(tmp_path, monkeypatch):
+    import miles.runtime.runlock as runlock
+
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / LOCK_FILE
+    real_flock, calls = runlock.fcntl.flock, []
+
+    def flock_after_another_run_let_go(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            path.unlink()              # the run holding it released and removed it after we opened it
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(runlock.fcntl, "flock", flock_after_another_run_let_go)
+    lock = lock_folder(tmp_path / "run", what="--run-dir")
+    try:
+        assert len(calls) == 2                                      # the unlinked file was let go, the path reopened
+        assert os.fstat(lock.fd).st_ino == os.stat(path).st_ino    # the lock held is the folder's file
+    finally:
+        lock.release()
