@@ -57,9 +57,10 @@ def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(observed_ru
     trace = read_trace(run_dir)
     registered = [e.get("resource") for e in trace.of("registered")]
     sinks = ["metrics_writer"] + ["tensorboard"] * HAS_TB + ["wandb"] * HAS_WANDB
-    assert registered[:len(sinks) + 1] == sinks + ["ray_cluster"]
+    locks = [f"lock --run-dir {run_dir}"]          # the run's folders: registered first, so released last
+    assert registered[:len(locks) + len(sinks) + 1] == locks + sinks + ["ray_cluster"]
     disposed = [e.get("resource") for e in trace.of("disposed")]
-    assert disposed[-len(sinks):] == list(reversed(sinks))
+    assert disposed[-len(sinks) - len(locks):] == list(reversed(sinks)) + locks
     assert all(e.get("outcome") == "ok" for e in trace.of("disposed"))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["kind"]) for r in rows] == [(0, "eval"), (0, "train"), (1, "train"), (2, "eval")]

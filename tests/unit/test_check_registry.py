@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import ray
 
 import miles
 from miles.cli.train import main
@@ -57,8 +56,9 @@ def test_the_trainers_rules_fail_at_parse_time_with_exit_2(base):
         "--debug-rollout-only)",
         "--clip-grad -1.0: must be >= 0 (0 disables clipping)"]
     assert parse_flags(base + ["--rollout-temperature", "0", "--debug-rollout-only"])[0].rollout.temperature == 0
-    assert main(base + ["--rollout-temperature", "0"]) == 2
-    assert not ray.is_initialized()
+    run_dir = Path(base[base.index("--prompt-data") + 1]).parent / "refused-run"
+    assert main(base + ["--rollout-temperature", "0", "--run-dir", str(run_dir)]) == 2
+    assert not run_dir.exists()       # refused with the flags: no run dir, so no Ray, no actor
 
 
 def test_each_rule_is_reported_once(base):
