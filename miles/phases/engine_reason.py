@@ -32,8 +32,9 @@ def engine_reason(cfg: RunConfig, backends: Backends) -> dict[str, Any]:
                "transformers' generate serves it, much slower")
     elif asked != name:
         why = f"--rollout-engine {asked} on CUDA: FastEngine implements {family}"
-    elif name == "embedded":
-        why = "--rollout-engine embedded off CUDA: transformers' generate (the fast path is CUDA's)"
+    elif backends.engine_spec.prefer_on_gpus:
+        why = (f"--rollout-engine {asked} off CUDA: {backends.engine.__name__} (the fast path, "
+               f"{backends.engine_spec.prefer_on_gpus}, runs on GPUs)")
     else:
         why = f"--rollout-engine {asked}"
     return {"family": family, "architecture": arch, "why": why}
