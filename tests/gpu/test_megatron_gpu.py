@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = str(ROOT / "examples/arithmetic/base_model")      # a trained Llama: realistic, peaked logits
 
 
-def samples(rollout_id: int, n: int = 64):
+def samples(rollout_id: int, n: int = 64, base: str = BASE):
     """Samples as a rollout makes them: the demo's prompts, responses sampled (temperature 1) from the
     base model itself in float32, with their logprobs, rewarded by the demo's task. Responses drawn
     from the policy keep the comparison where RL trains: uniformly random tokens would sit where
@@ -38,8 +38,8 @@ def samples(rollout_id: int, n: int = 64):
 
     from miles.types import Prompt, Sample
 
-    tok = AutoTokenizer.from_pretrained(BASE)
-    model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     rows = [json.loads(line) for line in (ROOT / "examples/arithmetic/data/eval.jsonl").read_text().splitlines()]
     gen = torch.Generator().manual_seed(rollout_id)
     out = []
@@ -79,32 +79,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def megatron_rank(cfg):
+def megatron_rank(cfg, base: str = BASE):
     from miles.training.megatron.worker import MegatronWorker
 
     train, algorithm, rollout = cfg
-    worker = MegatronWorker(BASE, train=train, algorithm=algorithm, rollout=rollout, rank=0, world_size=1,
+    worker = MegatronWorker(base, train=train, algorithm=algorithm, rollout=rollout, rank=0, world_size=1,
                             device_type="cuda")
     worker.setup("127.0.0.1", free_port())
     return worker
 
 
-def torch_trainer(cfg):
+def torch_trainer(cfg, base: str = BASE):
     from miles.training.trainer import Trainer
 
     train, algorithm, rollout = cfg
-    return Trainer(BASE, train=train, algorithm=algorithm, rollout=rollout, device="cuda")
+    return Trainer(base, train=train, algorithm=algorithm, rollout=rollout, device="cuda")
 
 
-def test_logprobs_equal_the_torch_backends_within_bf16():
+@pytest.mark.parametrize("family", ["base_model", "base_model_llama3", "base_model_qwen3"])
+def test_logprobs_equal_the_torch_backends_within_bf16(family):
+    # Llama (plain RoPE), Llama 3 (rope scaling llama3, untied) and Qwen3 (q/k norms) through the
+    # conversion on CUDA
     from miles.training.batch import make_train_batch
 
+    base = str(ROOT / "examples/arithmetic" / family)
     cfg = configs()
-    worker, trainer = megatron_rank(cfg), torch_trainer(cfg)
+    worker, trainer = megatron_rank(cfg, base), torch_trainer(cfg, base)
     try:
-        worker.prepare_rollout(samples(0), 0)
+        batch = samples(0, base=base)
+        worker.prepare_rollout(batch, 0)
         got = worker._prepared[1].old_logprobs                # [B, T] of the current weights
-        want = trainer.prepare(make_train_batch(samples(0), trainer.pad_id)).old_logprobs
+        want = trainer.prepare(make_train_batch(batch, trainer.pad_id)).old_logprobs
         mask = worker._prepared[1].loss_mask
         diff = (got - want)[mask].abs()
         # both run bf16 matmuls on the same bf16-rounded weights; norms and softmax differ in rounding
