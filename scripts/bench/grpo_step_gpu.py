@@ -27,7 +27,7 @@ trainer of a 1.7B model at 1,024 new tokens shares the GPU with the engine). Its
 
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
-      [--model-family qwen2|qwen3] [--size 0.5b|1.7b]
+      [--model-family qwen2|qwen3] [--size 0.5b|0.6b|1.7b|4b|8b]
       [--miles-flags "--colocate ..."] [--skip-trl] [--out DIR]
 TRL is skipped (with a note in the JSON) when it cannot be imported.
 """
@@ -58,6 +58,17 @@ SHAPES = {   # (--model-family, --size) -> the HF config's shape (random init)
     ("qwen3", "1.7b"): dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                             head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
                             max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    # the other dense Qwen3 shapes (their HF configs' sizes), with Qwen3's 40,960-token context for
+    # the long-answer workloads
+    ("qwen3", "0.6b"): dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    ("qwen3", "4b"): dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
+                          max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    ("qwen3", "8b"): dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+                          max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
 }
 SHAPE = SHAPES[("qwen2", "0.5b")]
 PEAK_TFLOPS = 989.0            # H200 SXM dense bf16, vendor datasheet (= H100 SXM)
@@ -113,7 +124,8 @@ def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
     config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)   # on the CPU: the GPU stays the runs' alone
+    # on the CPU (the GPU stays the runs' alone), made in bf16: an 8B model is 16 GB, not 32
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     build_tokenizer(folder, shape)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -392,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-steps", type=int, default=4, help="TRL steps (the first warms up)")
     p.add_argument("--model-family", choices=sorted({f for f, _ in SHAPES}), default="qwen2")
     p.add_argument("--size", choices=sorted({s for _, s in SHAPES}), default=None,
-                   help="the family's shape (default: its first: qwen2 0.5b, qwen3 1.7b)")
+                   help="the family's shape (default: its first: qwen2 0.5b, qwen3 1.7b; qwen3 also 0.6b, 4b, 8b)")
     p.add_argument("--miles-flags", default=None,
                    help=f"extra miles flags (default: {MILES_FLAGS!r}; at 1.7b {MILES_FLAGS_LARGE!r})")
     p.add_argument("--side-timeout-s", type=float, default=210.0, help="wall-clock bound of each side")
