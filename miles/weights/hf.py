@@ -84,7 +84,12 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Tensor]) -> None:
     before anything is copied, so a bad dict leaves the model untouched. In-place copies keep tied
     parameters tied and keep any optimizer's references to the parameters valid.
     """
-    live = model_weights(model)
+    copy_checked(model_weights(model), state_dict)
+
+
+def copy_checked(live: Mapping[str, Tensor], state_dict: Mapping[str, Tensor]) -> None:
+    """Copy `state_dict` into the `live` tensors in place (dtype and device converted), after checking
+    every name and shape first: a bad dict raises ValueError naming them and leaves `live` untouched."""
     problems = _mismatch(live, state_dict)
     if problems:
         raise ValueError("weights do not fit the model: " + "; ".join(problems)

@@ -51,24 +51,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHAPES = {   # (--model-family, --size) -> the HF config's shape (random init)
-    ("qwen2", "0.5b"): dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                            intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                            max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
-    ("qwen3", "1.7b"): dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                            head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
-                            max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
-    # the other dense Qwen3 shapes (their HF configs' sizes), with Qwen3's 40,960-token context for
-    # the long-answer workloads
-    ("qwen3", "0.6b"): dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                            head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
-                            max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
-    ("qwen3", "4b"): dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
-                          max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
-    ("qwen3", "8b"): dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
-                          max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+def _shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, *, head_dim: int | None = None,
+           tied: bool = True, context: int = 4096) -> dict:
+    shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=tied,
+                 max_position_embeddings=context, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    return shape | ({"head_dim": head_dim} if head_dim else {})
+
+
+SHAPES = {   # (--model-family, --size) -> the HF config's shape (random init), the released models' sizes
+    ("qwen2", "0.5b"): _shape(896, 24, 14, 2, 4864),
+    ("qwen3", "1.7b"): _shape(2048, 28, 16, 8, 6144, head_dim=128),
+    # with Qwen3's 40,960-token context for the long-answer workloads
+    ("qwen3", "0.6b"): _shape(1024, 28, 16, 8, 3072, head_dim=128, context=40960),
+    ("qwen3", "4b"): _shape(2560, 36, 32, 8, 9728, head_dim=128, context=40960),
+    ("qwen3", "8b"): _shape(4096, 36, 32, 8, 12288, head_dim=128, tied=False, context=40960),
 }
 SHAPE = SHAPES[("qwen2", "0.5b")]
 PEAK_TFLOPS = 989.0            # H200 SXM dense bf16, vendor datasheet (= H100 SXM)

@@ -40,7 +40,7 @@ from miles.config.schema import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
-from miles.weights.hf import _mismatch, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from miles.weights.hf import copy_checked, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
@@ -234,14 +234,8 @@ class FastEngine(TokenizerAccessors):
         """Copy the trainer's `model_weights` dict (HF names, any device/dtype) into the engine's own
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
-        named = self._live_weights().named
-        problems = _mismatch(named, state_dict)
-        if problems:
-            raise ValueError("weights do not fit the model: " + "; ".join(problems)
-                             + ". Send the dict that miles.weights.hf.model_weights gives for the same architecture")
-        with torch.inference_mode():
-            for name, t in named.items():
-                t.copy_(state_dict[name])
+        with torch.inference_mode():      # the engine's tensors may be inference tensors
+            copy_checked(self._live_weights().named, state_dict)
         self._version = int(version)
         log.info("weights_updated", version=self._version)
 
