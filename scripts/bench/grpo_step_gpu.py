@@ -25,6 +25,10 @@ its default miles flags add activation recomputation and a smaller token budget 
 trainer of a 1.7B model at 1,024 new tokens shares the GPU with the engine). Its measurement:
   python3 scripts/bench/grpo_step_gpu.py --model-family qwen3 --size 1.7b --new-tokens 1024 --skip-trl
 
+The small end, on the CPU (the embedded default the demo runs; TRL installed beside the project):
+  python3 scripts/bench/grpo_step_gpu.py --device cpu --model examples/arithmetic/base_model \
+      --task arithmetic --new-tokens 6 --miles-flags "" [--miles-iters 6 --trl-steps 6]
+
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
       [--model-family qwen2|qwen3] [--size 0.5b|0.6b|1.7b|4b|8b]
@@ -138,11 +142,30 @@ def count_params(folder: Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
 
 
-def write_data(root: Path, n_prompts: int) -> tuple[Path, Path]:
+ARITHMETIC_REWARD_SOURCE = '''"""The arithmetic demo's reward: 1 for the exact sum, else 0."""
+
+
+def reward(prompt, response, label):
+    return float(response.strip() == label)
+
+
+def trl_reward(prompts, completions, label, **kwargs):
+    return [float(c.strip() == y) for c, y in zip(completions, label)]
+'''
+
+
+def write_data(root: Path, n_prompts: int, task: str = "digits") -> tuple[Path, Path, float]:
+    """The prompts file, the reward file and the prompts' mean length in tokens (characters)."""
     import random
 
-    r = random.Random(0)
     path = root / "prompts.jsonl"
+    if task == "arithmetic":        # the CPU demo's own prompts (examples/arithmetic), short answers
+        rows = [json.loads(line) for line in (ROOT / "examples/arithmetic/data/train.jsonl").open()][:n_prompts]
+        path.write_text("".join(json.dumps({"input": r["input"], "prompt": r["input"], "label": r["label"]}) + "\n"
+                                for r in rows))
+        (root / "reward.py").write_text(ARITHMETIC_REWARD_SOURCE)
+        return path, root / "reward.py", statistics.fmean(len(r["input"]) for r in rows)
+    r = random.Random(0)
     with open(path, "w") as f:
         for _ in range(n_prompts):
             a, b = r.randint(10, 99), r.randint(10, 99)
@@ -150,7 +173,7 @@ def write_data(root: Path, n_prompts: int) -> tuple[Path, Path]:
             f.write(json.dumps({"input": text, "prompt": text, "label": str(a + b)}) + "\n")
     reward = root / "reward.py"
     reward.write_text(REWARD_SOURCE)
-    return path, reward
+    return path, reward, float(PROMPT_CHARS)
 
 
 # --- GPU memory, sampled from outside the processes -----------------------------------------------
@@ -279,7 +302,7 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     steps = res["step_s"]
     steady = statistics.median(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
     lengths = res["completion_len_mean"]
-    tokens = a.prompts * a.samples * (PROMPT_CHARS + (statistics.fmean(lengths) if lengths else a.new_tokens))
+    tokens = a.prompts * a.samples * (a.prompt_tokens + (statistics.fmean(lengths) if lengths else a.new_tokens))
     mfu = 6 * params * tokens / (steady * PEAK_TFLOPS * 1e12) if steady else None
     return {"steady_step_s": steady, "first_step_s": steps[0] if steps else None, "step_s": steps,
             "median_step_s": statistics.median(steps) if steps else None,
@@ -341,7 +364,7 @@ def summarize_miles(run_dir: Path, mem: MemorySampler, params: int, a: argparse.
     phase = {p: [round(it["phases"].get(p, 0.0), 4) for it in iters] for p in ("weight_sync", "rollout", "train")}
     mfu = []
     for it, m in zip(iters, metrics):
-        tokens = a.prompts * a.samples * PROMPT_CHARS + m.get("gen_tokens", a.prompts * a.samples * a.new_tokens)
+        tokens = a.prompts * a.samples * a.prompt_tokens + m.get("gen_tokens", a.prompts * a.samples * a.new_tokens)
         passes = m.get("logprob_passes", 1.0)       # no-grad logprob passes the trainer ran (0 when skipped)
         mfu.append(round((6 + 2 * passes) * params * tokens / (it["phases"]["train"] * PEAK_TFLOPS * 1e12), 4))
     steady = lambda xs: statistics.median(xs[1:]) if len(xs) > 1 else xs[0]   # noqa: E731
@@ -410,6 +433,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None,
                    help="use this HF folder instead of building the 0.5B-shaped one (a smoke test)")
     p.add_argument("--skip-miles", action="store_true")
+    p.add_argument("--task", choices=("digits", "arithmetic"), default="digits",
+                   help="digits: 64-character prompts, the reward is the share of digits (the GPU shapes); "
+                        "arithmetic: the CPU demo's prompts and exact-sum reward (with --model "
+                        "examples/arithmetic/base_model --device cpu: the small end)")
     p.add_argument("--trl-worker", nargs=4, metavar=("MODEL", "PROMPTS", "REWARD", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -434,14 +461,14 @@ def main() -> None:
         t0 = time.monotonic()
         model = a.model or root / "model"
         params = count_params(model) if a.model else build_model(model, a.model_family, a.size)
-        prompts, reward = write_data(root, a.prompts)
+        prompts, reward, a.prompt_tokens = write_data(root, a.prompts, a.task)
         setup_s = round(time.monotonic() - t0, 1)
         trl = {"skipped": "--skip-trl"} if a.skip_trl else run_trl(a, root, model, prompts, reward, params)
         miles = {"skipped": "--skip-miles"} if a.skip_miles else run_miles(a, root, model, prompts, reward, params)
         print(json.dumps({"ratios": ratios(miles, trl), "miles": miles, "trl": trl,
-                          "setup": {"params": params, "model": f"{a.model_family} {a.size}",
+                          "setup": {"params": params, "model": str(a.model) if a.model else f"{a.model_family} {a.size}",
                                     "peak_tflops_bf16": PEAK_TFLOPS, "prompts": a.prompts,
-                                    "samples": a.samples, "new_tokens": a.new_tokens, "prompt_tokens": PROMPT_CHARS,
+                                    "samples": a.samples, "new_tokens": a.new_tokens, "prompt_tokens": a.prompt_tokens, "task": a.task,
                                     "micro_batch": a.micro_batch, "global_batch": a.global_batch,
                                     "setup_s": setup_s, "total_s": round(time.monotonic() - t0, 1)}}, indent=2))
 
