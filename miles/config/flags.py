@@ -458,7 +458,8 @@ def _add_megatron_options(p: argparse.ArgumentParser) -> None:
     for name, f in megatron_options().items():     # values stay as given: the checks compare them as numbers
         if name in MEGATRON_ALIASES:                # Megatron-LM's other name of a flag here: the same option
             target = BY_DEST[MEGATRON_ALIASES[name]]
-            g.add_argument(f"--{name}", dest=MEGATRON_ALIASES[name], type=target.type, help=megatron_help(name))
+            g.add_argument(f"--{name}", dest=MEGATRON_ALIASES[name], type=target.type, help=megatron_help(name),
+                           metavar={int: "N", float: "X"}.get(target.type, "VALUE"))
         elif f.takes is None:
             g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=megatron_help(name))
         elif f.takes == "list":

@@ -30,7 +30,7 @@ from . import megatron_lm
 
 @dataclass(frozen=True)
 class MegatronFlag:
-    takes: str | None          # None: a switch; "int" | "float" | "str": one value; "list": several (nargs)
+    takes: str | None          # None: a switch; "int" | "float" | "str" | "value": one value; "list": several (nargs)
     note: str                  # what the flag is (for --help and the docs' table)
     hf: str = ""               # CHECKED: what of config.json it must equal (miles.config.megatron_arch reads it)
     required: object = None    # REQUIRED: the one value this build runs
@@ -145,7 +145,7 @@ FAMILIES: dict[str, Family] = {name: Family(g.prefixes, tuple(g.flags), g.line)
                                for name, g in megatron_lm.FAMILIES.items()}
 # the rest of Megatron-LM's kernel, memory, logging and I/O switches: accepted, no effect
 LM_ACCEPTED: dict[str, MegatronFlag] = {
-    name: MegatronFlag(None if kind == "switch" else "list" if kind == "list" else "str", line)
+    name: MegatronFlag(None if kind == "switch" else "list" if kind == "list" else "value", line)
     for name, (kind, line) in megatron_lm.accepted().items()}
 # Megatron-LM's other names of this build's flags: name -> the RunConfig flag dest it sets
 ALIASES: dict[str, str] = {name: dest for name, (_, dest) in megatron_lm.ALIASES.items()}

@@ -23,6 +23,7 @@ Pure data: imports nothing of miles.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 NOT_YET = "not supported yet"
@@ -386,6 +387,7 @@ def accepted() -> dict[str, tuple[str, str]]:
     return {name: (kind, g.line) for g in ACCEPTED.values() for name, kind in g.flags.items()}
 
 
+@functools.cache
 def kinds() -> dict[str, str]:
     """Every Megatron-LM flag this table knows: name -> kind."""
     out = {**IMPLEMENTED, **SCRIPTS, **SCRIPTS_REFUSED, **REFUSED_KINDS, **{n: k for n, (k, _) in ALIASES.items()}}

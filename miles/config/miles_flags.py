@@ -407,8 +407,7 @@ def markdown(implemented: Mapping[str, str]) -> str:
     rows |= {name: f"accepted: {f.note}" for name, f in ACCEPTED.items() if name not in MILES_FLAGS}
     rows |= {name: f"implemented: {SETS_NOTES[name]}" for name in SETS if name not in MILES_FLAGS}
     rows |= {name: f"implemented: Megatron-LM's name of --{dest.replace('_', '-')}" for name, dest in ALIASES.items()}
-    lines += [f"| `--{name}` | {text.replace('|', '/')} |" for name, text in sorted(rows.items())
-              if name not in megatron_lm.REFUSED_LINES]
+    lines += [f"| `--{name}` | {text.replace('|', '/')} |" for name, text in sorted(rows.items())]
     lines += ["", "| Megatron family | flags | here |", "|---|---|---|"]
     for family, f in FAMILIES.items():     # a family's names its prefixes cover are not listed again
         flags = [f"`--{p}*`" for p in f.prefixes] + [f"`--{n}`" for n in f.names if not n.startswith(f.prefixes)]
