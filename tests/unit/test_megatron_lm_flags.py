@@ -171,7 +171,7 @@ def megatron_scheduler(style: str, **kw):
                                              ("WSD", "minus_sqrt"), ("inverse-square-root", None),
                                              ("cosine", None), ("linear", None)])
 def test_decay_styles_are_megatron_lms_after_warmup(style, wsd_style):
-    pytest.importorskip("megatron.core")
+    pytest.importorskip("megatron.core")        # imported by the suite's megatron tests already
     warmup, decay, wsd = 4, 40, 12
     sched = megatron_scheduler(style, warmup=warmup, decay=decay, wsd=wsd, wsd_style=wsd_style, init=1e-4)
     ours = [lr_at(s, lr=1e-3, min_lr=1e-5, warmup_iters=warmup, decay_iters=decay, style=style, warmup_init=1e-4,
@@ -189,7 +189,12 @@ def test_wsd_is_flat_then_decays_over_its_last_steps():
     lrs = [lr_at(s, lr=1.0, min_lr=0.0, warmup_iters=2, decay_iters=20, style="WSD", wsd_decay_iters=5,
                  wsd_style="linear") for s in range(23)]
     assert lrs[2:16] == [1.0] * 14 and lrs[16:21] == pytest.approx([0.8, 0.6, 0.4, 0.2, 0.0]) and lrs[21:] == [0, 0]
+    # halfway through the decay phase (r = 1/2), by Megatron-LM's formulas
+    half = {style: lr_at(18, lr=1.0, min_lr=0.0, decay_iters=20, style="WSD", wsd_decay_iters=4, wsd_style=style)
+            for style in ("exponential", "cosine", "minus_sqrt")}
+    assert half == pytest.approx({"exponential": 2 * 0.5 ** 0.5 - 1, "cosine": 0.5, "minus_sqrt": 1 - 0.5 ** 0.5})
     assert math.isclose(lr_at(100, lr=1.0, warmup_iters=4, style="inverse-square-root"), 0.2)
+    assert lr_at(101, lr=1.0, min_lr=0.01, warmup_iters=4, decay_iters=100, style="inverse-square-root") == 0.01
 
 
 def test_wsd_flags_parse_and_are_checked(tmp_path):
