@@ -290,8 +290,10 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
                                       or t.lr_decay_iters is not None and t.lr_wsd_decay_iters > t.lr_decay_iters):
         problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-iters N: the decay phase's optimizer steps, "
                         f"1..--lr-decay-iters {t.lr_decay_iters}; got {t.lr_wsd_decay_iters}")
-    if not 0 <= t.lr_warmup_init <= t.lr:
-        problems.append(f"--lr-warmup-init {t.lr_warmup_init}: need 0 <= warmup-init <= --lr {t.lr}")
+    top = min(t.lr, t.critic_lr or t.lr)      # the critic warms up from it too
+    if not 0 <= t.lr_warmup_init <= top:
+        problems.append(f"--lr-warmup-init {t.lr_warmup_init}: need 0 <= warmup-init <= --lr {t.lr}"
+                        + (f" and --critic-lr {t.critic_lr}" if t.critic_lr else ""))
 
 
 @check
