@@ -9,8 +9,9 @@ one `ConfigError` before anything starts.
 from __future__ import annotations
 
 import argparse
-import re
 import difflib
+import functools
+import re
 import json
 import os
 from dataclasses import MISSING, dataclass, fields
@@ -23,7 +24,7 @@ from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOS
 
 from .eval_config import load_eval_config
 from .megatron_arch import megatron_problems, pop_megatron_values
-from .megatron_flags import dest as megatron_dest, help_text as megatron_help, megatron_options
+from .megatron_flags import ALIASES as MEGATRON_ALIASES, dest as megatron_dest, help_text as megatron_help, megatron_options
 from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
                           refused_in)
 from .validate import validate
@@ -206,10 +207,16 @@ FLAGS: tuple[Flag, ...] = (
     _f("train-backend", "train", "backend", str, "training backend (policy trainer and critic; miles' fsdp is "
        "torch here)", TRAIN_BACKEND_NAMES),
     _f("critic-lr", "train", "critic_lr", float, "the critic's learning rate (default: --lr)"),
-    _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup",
-       ("constant", "linear", "cosine")),
+    _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup (Megatron-LM's)",
+       ("constant", "linear", "cosine", "inverse-square-root", "WSD")),
     _f("lr-warmup-iters", "train", "lr_warmup_iters", int, "optimizer steps of linear learning-rate warmup"),
-    _f("lr-decay-iters", "train", "lr_decay_iters", int, "optimizer step where linear/cosine decay reaches --min-lr"),
+    _f("lr-warmup-init", "train", "lr_warmup_init", float, "the learning rate warmup starts from"),
+    _f("lr-decay-iters", "train", "lr_decay_iters", int,
+       "optimizer step where the decay reaches --min-lr (linear, cosine, WSD; inverse-square-root: optional)"),
+    _f("lr-wsd-decay-iters", "train", "lr_wsd_decay_iters", int,
+       "WSD: optimizer steps of the decay phase, which ends at --lr-decay-iters (the rate is --lr before it)"),
+    _f("lr-wsd-decay-style", "train", "lr_wsd_decay_style", str, "WSD: the decay phase's shape",
+       ("exponential", "linear", "cosine", "minus_sqrt")),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
     _f("use-dynamic-batch-size", "train", "use_dynamic_batch_size", kind="true",
        help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples"),
@@ -446,13 +453,26 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
 
 def _add_megatron_options(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's architecture and kernel flags of miles' launch scripts (miles.config.megatron_flags)."""
-    g = p.add_argument_group("Megatron-LM flags of miles' launch scripts: architecture flags must equal "
-                             "--hf-checkpoint's config.json; kernel switches are accepted and change nothing here")
+    g = p.add_argument_group("Megatron-LM flags: architecture flags must equal --hf-checkpoint's config.json; "
+                             "kernel, memory, logging and I/O switches are accepted and change nothing here")
     for name, f in megatron_options().items():     # values stay as given: the checks compare them as numbers
-        if f.takes is None:
+        if name in MEGATRON_ALIASES:                # Megatron-LM's other name of a flag here: the same option
+            target = BY_DEST[MEGATRON_ALIASES[name]]
+            g.add_argument(f"--{name}", dest=MEGATRON_ALIASES[name], type=target.type, help=megatron_help(name),
+                           metavar={int: "N", float: "X"}.get(target.type, "VALUE"))
+        elif f.takes is None:
             g.add_argument(f"--{name}", dest=megatron_dest(name), action="store_true", help=megatron_help(name))
+        elif f.takes == "list":
+            g.add_argument(f"--{name}", dest=megatron_dest(name), nargs="*", help=megatron_help(name), metavar="VALUE")
         else:
             g.add_argument(f"--{name}", dest=megatron_dest(name), help=megatron_help(name), metavar=f.takes.upper())
+
+
+@functools.lru_cache(maxsize=4)
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """The parser parse_flags reads with: built once (Megatron-LM's ~600 flags make building it cost more
+    than a parse), never changed after."""
+    return build_parser(prog)
 
 
 def help_line(f: Flag) -> str:
@@ -475,7 +495,7 @@ def _default(f: Flag) -> Any:
 
 def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train") -> tuple[RunConfig, str | None]:
     """Parse the command line (and --config file) into a validated RunConfig and the machine name."""
-    parser = build_parser(prog)
+    parser = _parser(prog)
     known, rest = parser.parse_known_args(argv)
     passthrough, rest = split_passthrough(rest)
     ns = vars(known)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .megatron_flags import CHECKED, DEST_PREFIX, REQUIRED, SETS
+from .megatron_flags import ALIASES, CHECKED, DEST_PREFIX, REQUIRED, SETS
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")   # HF families with q_norm / k_norm
 
@@ -29,6 +29,9 @@ def pop_megatron_values(values: dict[str, Any]) -> dict[str, Any]:
     for name, (dest, value) in SETS.items():
         if out.get(name):
             values.setdefault(dest, value)      # an explicit flag of this build's wins
+    for name, dest in ALIASES.items():
+        if name in out:
+            values.setdefault(dest, out.pop(name))
     return out
 
 
@@ -78,6 +81,7 @@ def hf_value(name: str, hf: dict[str, Any]) -> Any:
         "use-rope-scaling": scaling is not None,
         "rotary-scaling-factor": (scaling or {}).get("factor"),
         "rope-scaling-factor": (scaling or {}).get("factor"),
+        "rope-type": "yarn" if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "yarn" else "rope",
         "max-position-embeddings": hf.get("max_position_embeddings"),
         "normalization": "LayerNorm" if "layer_norm_eps" in hf and "rms_norm_eps" not in hf else "RMSNorm",
         "norm-epsilon": hf.get("rms_norm_eps", hf.get("layer_norm_eps")),

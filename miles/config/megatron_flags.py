@@ -11,21 +11,26 @@ each such flag gets one of these fates:
   per-layer recomputation); another value is a problem naming the flag and what to use here;
 - `ACCEPTED`: a switch that only tunes Megatron-LM's kernels or memory; accepted, with its note in
   `--help` (it changes nothing here);
-- `FAMILIES`: model families this build does not train (MoE, MLA, DSA, FP8/FP4, MTP, LoRA), refused
-  with one line per family.
+- `FAMILIES`: model families this build does not train (MoE, MLA, DSA, FP8/FP4, MTP, LoRA, and the
+  rest of Megatron-LM's families: `miles.config.megatron_lm`), refused with one line per family.
+
+The rest of Megatron-LM's flags (not in miles' scripts) have their fates in `miles.config.megatron_lm`;
+this module takes its accepted ones (`LM_ACCEPTED`), its aliases and its families from there.
 
 Each table maps a flag name (without dashes) to `MegatronFlag`; argparse reads `takes` (None: a
-switch, else the value's type name). Pure data: imports nothing of miles.
+switch, else the value's type name). Pure data: imports nothing of miles above config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import megatron_lm
+
 
 @dataclass(frozen=True)
 class MegatronFlag:
-    takes: str | None          # None: a switch; "int" | "float" | "str": one value
+    takes: str | None          # None: a switch; "int" | "float" | "str" | "value": one value; "list": several (nargs)
     note: str                  # what the flag is (for --help and the docs' table)
     hf: str = ""               # CHECKED: what of config.json it must equal (miles.config.megatron_arch reads it)
     required: object = None    # REQUIRED: the one value this build runs
@@ -52,6 +57,7 @@ CHECKED: dict[str, MegatronFlag] = {
     "use-rope-scaling": _check(None, "rope_scaling present", "RoPE scaling (Llama 3)"),
     "rotary-scaling-factor": _check("float", "rope_scaling.factor", "RoPE scaling factor"),
     "rope-scaling-factor": _check("float", "rope_scaling.factor", "RoPE scaling factor"),
+    "rope-type": _check("str", "rope_scaling.rope_type yarn, else rope", "rope or yarn RoPE"),
     "max-position-embeddings": _check("int", "max_position_embeddings", "positions the model was trained for"),
     "normalization": _check("str", "normalization", "RMSNorm (rms_norm_eps) or LayerNorm (layer_norm_eps)"),
     "norm-epsilon": _check("float", "rms_norm_eps", "the norms' epsilon"),
@@ -76,7 +82,7 @@ ACCEPTED: dict[str, MegatronFlag] = {
                                             "--train-backend megatron uses Transformer Engine when installed: no effect"),
     "attention-backend": MegatronFlag("str", "Megatron-LM's attention kernel (flash | fused | unfused | auto); "
                                              "the backend picks its own: no effect"),
-    "cp-comm-type": MegatronFlag("str", "how context-parallel ranks exchange keys and values (p2p | a2a | allgather); "
+    "cp-comm-type": MegatronFlag("list", "how context-parallel ranks exchange keys and values (p2p | a2a | allgather); "
                                         "here CP ranks all-gather them: no effect"),
     "bf16": MegatronFlag(None, "Megatron-LM's bf16 training; here --dtype auto trains bf16 on GPUs: no effect"),
     "accumulate-allreduce-grads-in-fp32": MegatronFlag(None, "fp32 gradient accumulation; here gradients are "
@@ -108,6 +114,10 @@ REQUIRED: dict[str, MegatronFlag] = {
     "expert-tensor-parallel-size": MegatronFlag("int", "expert tensor parallelism; dense models only here",
                                                 required=1),
     "optimizer": MegatronFlag("str", "Megatron's optimizer; here always AdamW (Megatron's adam)", required="adam"),
+    "weight-decay-incr-style": MegatronFlag("str", "a weight-decay schedule; here --weight-decay is constant",
+                                            required="constant"),
+    "tokenizer-type": MegatronFlag("str", "Megatron-LM's tokenizer kind; here the tokenizer is --hf-checkpoint's "
+                                          "(AutoTokenizer)", required="HuggingFaceTokenizer"),
     # full recomputation of every layer is --recompute-activations (miles.config.megatron_arch sets it)
     "recompute-granularity": MegatronFlag("str", "activation recomputation; full = --recompute-activations",
                                           required="full"),
@@ -123,9 +133,6 @@ SETS: dict[str, tuple[str, object]] = {
 }
 SETS_NOTES = {"calculate-per-token-loss": "miles: the loss is the mean over the batch's tokens = --loss-agg-mode token_mean"}
 
-_DENSE = "this build trains dense models with full attention in bf16/fp32 (docs/coming-from-miles.md): "
-
-
 @dataclass(frozen=True)
 class Family:
     prefixes: tuple[str, ...]  # every flag starting with one of these
@@ -133,19 +140,15 @@ class Family:
     line: str                  # what the family is in miles; what to use here
 
 
-FAMILIES: dict[str, Family] = {
-    "MoE": Family(("moe-",), ("num-experts",), f"mixture-of-experts layers; {_DENSE}train a dense model"),
-    "MLA": Family(("mla-",), ("multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim",
-                              "qk-pos-emb-head-dim", "v-head-dim"),
-                  f"multi-latent attention (DeepSeek); {_DENSE}train a model with standard attention"),
-    "DSA": Family(("dsa-",), ("use-dsa", "index-topk", "index-head-dim", "index-n-heads"),
-                  f"DeepSeek sparse attention; {_DENSE}train a model with full attention"),
-    "FP8/FP4": Family(("fp8-", "fp4-"), ("fp8", "fp4", "first-last-layers-bf16", "num-layers-at-start-in-bf16",
-                                          "num-layers-at-end-in-bf16"),
-                      f"FP8/FP4 training; {_DENSE}use --dtype bfloat16"),
-    "MTP": Family(("mtp-",), (), f"multi-token-prediction layers; {_DENSE}drop them (the model's MTP head is not trained)"),
-    "LoRA": Family(("lora-",), (), "LoRA adapters; not supported yet: the whole model trains (drop the --lora-* flags)"),
-}
+# the model families and Megatron-LM features this build does not train or run (miles.config.megatron_lm)
+FAMILIES: dict[str, Family] = {name: Family(g.prefixes, tuple(g.flags), g.line)
+                               for name, g in megatron_lm.FAMILIES.items()}
+# the rest of Megatron-LM's kernel, memory, logging and I/O switches: accepted, no effect
+LM_ACCEPTED: dict[str, MegatronFlag] = {
+    name: MegatronFlag(None if kind == "switch" else "list" if kind == "list" else "value", line)
+    for name, (kind, line) in megatron_lm.accepted().items()}
+# Megatron-LM's other names of this build's flags: name -> the RunConfig flag dest it sets
+ALIASES: dict[str, str] = {name: dest for name, (_, dest) in megatron_lm.ALIASES.items()}
 
 
 def family_of(name: str) -> str | None:
@@ -157,8 +160,9 @@ def family_of(name: str) -> str | None:
 
 
 def megatron_options() -> dict[str, MegatronFlag]:
-    """Every Megatron flag argparse takes: the checked, the required-value and the accepted ones."""
-    return {**CHECKED, **REQUIRED, **ACCEPTED, **{n: MegatronFlag(None, SETS_NOTES[n]) for n in SETS}}
+    """Every Megatron flag argparse takes: the checked, the required-value and the accepted ones, and the aliases."""
+    return {**LM_ACCEPTED, **CHECKED, **REQUIRED, **ACCEPTED, **{n: MegatronFlag(None, SETS_NOTES[n]) for n in SETS},
+            **{n: MegatronFlag("str", f"Megatron-LM's name of --{d.replace('_', '-')}") for n, d in ALIASES.items()}}
 
 
 def help_text(name: str) -> str:
@@ -169,7 +173,9 @@ def help_text(name: str) -> str:
         return f"{REQUIRED[name].note}: accepted with {REQUIRED[name].required} only"
     if name in SETS:
         return SETS_NOTES[name]
-    return f"accepted: {ACCEPTED[name].note}"
+    if name in ALIASES:
+        return f"Megatron-LM's name of --{ALIASES[name].replace('_', '-')}: the same"
+    return f"accepted: {(ACCEPTED.get(name) or LM_ACCEPTED[name]).note}"
 
 
 DEST_PREFIX = "megatron__"     # their argparse dests; never a RunConfig field

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .megatron_flags import ACCEPTED, CHECKED, FAMILIES, REQUIRED, SETS, SETS_NOTES, family_of
+from . import megatron_lm
+from .megatron_flags import ACCEPTED, ALIASES, CHECKED, FAMILIES, REQUIRED, SETS, SETS_NOTES, family_of
 
 NOT_YET = "not supported yet"
 _NO_ROUTER = ("no miles router here: the executor spreads requests over the engines (SGLang's: the run's "
@@ -327,8 +328,8 @@ def miles_value_aliases(values: Mapping[str, object]) -> dict[str, object]:
 
 
 def all_refused() -> dict[str, str]:
-    """Every exact-name refusal: miles' and the Megatron ones."""
-    return {**REFUSED, **MEGATRON_REFUSED}
+    """Every exact-name refusal: miles', those of the Megatron flags miles' scripts pass, and Megatron-LM's."""
+    return {**megatron_lm.REFUSED_LINES, **REFUSED, **MEGATRON_REFUSED}
 
 
 def fate(name: str) -> str | None:
@@ -381,9 +382,11 @@ def refused_in(argv: Iterable[str]) -> tuple[list[str], list[str]]:
             if not after_refused:
                 unknown.append(token)
             continue
-        name = token[2:].split("=", 1)[0]
-        after_refused = fate(name) is not None
-        (refused if after_refused else unknown).append(name if after_refused else token)
+        name, eq, _ = token[2:].partition("=")
+        is_refused = fate(name) is not None
+        (refused if is_refused else unknown).append(name if is_refused else token)
+        # a refused switch (Megatron-LM's kinds) has no values: a token after it is a stray
+        after_refused = is_refused and not eq and megatron_lm.takes_values(name)
     return refused, unknown
 
 
@@ -403,9 +406,16 @@ def markdown(implemented: Mapping[str, str]) -> str:
     rows |= {name: f"accepted with {f.required} only: {f.note}" for name, f in REQUIRED.items()}
     rows |= {name: f"accepted: {f.note}" for name, f in ACCEPTED.items() if name not in MILES_FLAGS}
     rows |= {name: f"implemented: {SETS_NOTES[name]}" for name in SETS if name not in MILES_FLAGS}
+    rows |= {name: f"implemented: Megatron-LM's name of --{dest.replace('_', '-')}" for name, dest in ALIASES.items()}
     lines += [f"| `--{name}` | {text.replace('|', '/')} |" for name, text in sorted(rows.items())]
     lines += ["", "| Megatron family | flags | here |", "|---|---|---|"]
-    lines += [f"| {family} | {', '.join([f'`--{p}*`' for p in f.prefixes] + [f'`--{n}`' for n in f.names])} | "
-              f"{f.line} |" for family, f in FAMILIES.items()]
+    for family, f in FAMILIES.items():     # a family's names its prefixes cover are not listed again
+        flags = [f"`--{p}*`" for p in f.prefixes] + [f"`--{n}`" for n in f.names if not n.startswith(f.prefixes)]
+        lines.append(f"| {family} | {', '.join(flags)} | {f.line} |")
+    lines += ["", "| Megatron-LM flags (beyond miles' scripts), accepted | flags | here |", "|---|---|---|"]
+    lines += [f"| {name} | {', '.join(f'`--{n}`' for n in g.flags)} | accepted: {g.line} |"
+              for name, g in megatron_lm.ACCEPTED.items()]
+    lines += ["", "| Megatron-LM flag (beyond miles' scripts) | here |", "|---|---|"]
+    lines += [f"| `--{name}` | {text} |" for name, text in sorted(megatron_lm.REFUSED_LINES.items())]
     return "\n".join(lines) + "\n"
 

@@ -209,8 +209,11 @@ class TrainConfig:
     seed: int = 0                       # --seed
     backend: str = "torch"              # --train-backend: one of TRAIN_BACKEND_NAMES
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
-    lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine
+    lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine | inverse-square-root | WSD
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
+    lr_warmup_init: float = 0.0         # --lr-warmup-init: the rate warmup starts from
+    lr_wsd_decay_iters: int | None = None  # --lr-wsd-decay-iters: WSD's decay phase, the last steps before --lr-decay-iters
+    lr_wsd_decay_style: str = "exponential"  # --lr-wsd-decay-style exponential | linear | cosine | minus_sqrt
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count

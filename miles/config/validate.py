@@ -282,9 +282,18 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
     if t.lr_warmup_iters < 0 or not 0 <= t.min_lr <= t.lr:
         problems.append(f"--lr-warmup-iters {t.lr_warmup_iters} / --min-lr {t.min_lr}: need warmup >= 0 and "
                         f"0 <= min-lr <= --lr {t.lr}")
-    if t.lr_decay_style != "constant" and (t.lr_decay_iters is None or t.lr_decay_iters <= t.lr_warmup_iters):
+    if t.lr_decay_style in ("linear", "cosine", "WSD") and (t.lr_decay_iters is None
+                                                            or t.lr_decay_iters <= t.lr_warmup_iters):
         problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters N (optimizer steps) greater "
                         f"than --lr-warmup-iters {t.lr_warmup_iters}; got {t.lr_decay_iters}")
+    if t.lr_decay_style == "WSD" and (t.lr_wsd_decay_iters is None or t.lr_wsd_decay_iters <= 0
+                                      or t.lr_decay_iters is not None and t.lr_wsd_decay_iters > t.lr_decay_iters):
+        problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-iters N: the decay phase's optimizer steps, "
+                        f"1..--lr-decay-iters {t.lr_decay_iters}; got {t.lr_wsd_decay_iters}")
+    top = min(t.lr, t.critic_lr or t.lr)      # the critic warms up from it too
+    if not 0 <= t.lr_warmup_init <= top:
+        problems.append(f"--lr-warmup-init {t.lr_warmup_init}: need 0 <= warmup-init <= --lr {t.lr}"
+                        + (f" and --critic-lr {t.critic_lr}" if t.critic_lr else ""))
 
 
 @check

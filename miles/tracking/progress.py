@@ -94,7 +94,8 @@ class ProgressModel:
 
     def _on_resumed(self, ev: dict[str, Any]) -> list[str]:
         self.start_rollout = int(ev.get("next_rollout", 0))
-        return [f"resumed after rollout {ev.get('rollout_id')} from {ev.get('path')}"]
+        line = f"resumed after rollout {ev.get('rollout_id')} from {ev.get('path')}"
+        return [f"{line} ({ev['note']})" if ev.get("note") else line]
 
     def _on_resume_skipped(self, ev: dict[str, Any]) -> list[str]:
         return [f"starting fresh: {ev.get('reason')} under --load {ev.get('root')}"]

@@ -148,6 +148,9 @@ def test_a_run_resumes_from_a_miles_iter_folder_at_the_next_iteration(megatron_c
     resumed = read_trace(result.run_dir).of("resumed")[0]
     assert (resumed.get("rollout_id"), resumed.get("next_rollout"), resumed.get("format")) == (
         ITERATION, ITERATION + 1, "megatron_torch_dist")
+    # what starts fresh is said, not left to be found out
+    assert resumed.get("fresh") == ["optimizer", "lr_schedule", "data_position"]
+    assert "optimizer state is not read" in resumed.get("note")
     assert [r["step"] for r in train_rows(result)] == [ITERATION + 1]      # miles: a resumed run starts at loaded+1
     # the engines got the checkpoint's weights (the model it was made from), not --hf-checkpoint's
     first_sync = read_trace(result.run_dir).of("weights_synced")[0].get("checksum")

@@ -63,6 +63,15 @@ def test_resume_counts_from_the_checkpoint():
     assert m.done == 7
 
 
+def test_a_resume_that_starts_something_fresh_says_what():
+    from miles.phases.megatron_resume import FRESH_NOTE
+
+    line, = ProgressModel().update(ev("resumed", 1.0, rollout_id=7, next_rollout=8, path="ckpt/iter_0000007",
+                                      format="megatron_torch_dist", note=FRESH_NOTE))
+    assert line == f"resumed after rollout 7 from ckpt/iter_0000007 ({FRESH_NOTE})"
+    assert "optimizer state is not read" in line
+
+
 def test_plain_lines_tell_the_story_with_metrics_from_the_file(tmp_path):
     out = io.StringIO()
     p = Progress("plain", run_dir=tmp_path, expected=Expected(samples_per_rollout=16), stream=out)

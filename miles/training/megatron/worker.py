@@ -381,7 +381,9 @@ class MegatronWorker:
             sharded[name] = replace(entry, key=other)
         loaded = dist_checkpointing.load({"model": sharded}, str(dist_dir))
         _load_strict(gpt, loaded["model"], self.rank)
-        log.info("megatron_checkpoint_loaded", rank=self.rank, path=str(dist_dir), tensors=len(loaded["model"]))
+        # Megatron-LM's optimizer state is in its own gradient-bucket layout: not read (miles.phases.megatron_resume)
+        log.info("megatron_checkpoint_loaded", rank=self.rank, path=str(dist_dir), tensors=len(loaded["model"]),
+                 optimizer="fresh", optimizer_state_in_checkpoint=any(k.startswith("optimizer.") for k in saved))
 
     def _sharded_state(self, *, loading: bool) -> dict:
         model = self._live()
