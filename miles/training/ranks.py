@@ -38,6 +38,15 @@ def rendezvous_address(_actor: Any) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def ranks_use_gpus(device: str) -> bool:
+    """Whether the ranks run on GPUs: --device, with "auto" decided by the connected cluster's GPUs."""
+    import ray
+
+    from miles.config.schema import uses_gpus
+
+    return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
+
+
 class RankGroup:
     def __init__(self, rank_cls: type, options: Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any):
         """One `rank_cls(*args, rank=r, world_size=len(options), **kwargs)` actor per entry of `options`,

@@ -13,6 +13,7 @@ every rank has written its part.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,8 +48,13 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    import torch.distributed as dist
+
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
+    with warnings.catch_warnings():
+        if not dist.is_initialized():       # the one-process trainer: loading in one process is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

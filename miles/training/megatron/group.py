@@ -21,10 +21,9 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
-from miles.config.schema import uses_gpus
 from miles.training.megatron.checks import group_problems, read_hf_config, requested_layout
 from miles.training.megatron.conversion import mcore_to_hf, model_spec
-from miles.training.ranks import RankGroup
+from miles.training.ranks import RankGroup, ranks_use_gpus
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
 
@@ -33,19 +32,13 @@ log = structlog.get_logger().bind(role="trainer", backend="megatron")
 HF_WEIGHTS_FILE = "model.safetensors"
 
 
-def _uses_gpus(device: str) -> bool:
-    import ray
-
-    return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
-
-
 class MegatronTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", rank_options: Sequence[Mapping[str, Any]] | None = None,
                  world_size: int | None = None):
         from miles.training.megatron.worker import MegatronWorker
 
-        on_gpu = _uses_gpus(device)
+        on_gpu = ranks_use_gpus(device)
         options = [dict(o) for o in rank_options] if rank_options else None
         layout = requested_layout(train, len(options) if options else world_size)
         hf_config = read_hf_config(model_path)
