@@ -229,11 +229,13 @@ def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
     on several ranks) on GPUs gets no GPU itself and hands each of its ranks one trainer placement of
     the plan; on the CPU it starts --actor-num-nodes x --actor-num-gpus-per-node ranks, when more than one."""
     place, ranks = ctx.c.placement, ctx.cfg.cluster.trainer_ranks
-    if ctx.backends.train_spec.ranked and place.gpus:
-        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers]}
-    if ctx.backends.train_spec.ranked and ranks > 1:
-        return {"placement": place.options(place.plan.trainers[0]), "world_size": ranks}
-    return {"placement": place.options(place.plan.trainers[0])}
+    if not ctx.backends.train_spec.ranked:
+        return {"placement": place.options(place.plan.trainers[0])}
+    namespace = {"namespace": ctx.c.cluster.namespace}       # the ranks' names live in the run's namespace
+    if place.gpus:
+        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers],
+                **namespace}
+    return {"placement": place.options(place.plan.trainers[0]), **namespace, **({"world_size": ranks} if ranks > 1 else {})}
 
 
 def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:

@@ -24,6 +24,7 @@ import structlog
 log = structlog.get_logger().bind(role="trainer")
 
 DISPOSE_TIMEOUT_S = 60.0
+RANK_ACTOR_PREFIX = "trainer-rank-"     # rank r's actor is named RANK_ACTOR_PREFIX + str(r) in the run's namespace
 
 
 def rendezvous_address(_actor: Any) -> tuple[str, int]:
@@ -48,9 +49,11 @@ def ranks_use_gpus(device: str) -> bool:
 
 
 class RankGroup:
-    def __init__(self, rank_cls: type, options: Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any):
+    def __init__(self, rank_cls: type, options: Sequence[Mapping[str, Any]], *args: Any, namespace: str | None = None,
+                 **kwargs: Any):
         """One `rank_cls(*args, rank=r, world_size=len(options), **kwargs)` actor per entry of `options`,
-        then `setup` on all of them. Whatever fails here disposes the ranks made so far."""
+        named in `namespace` (the run's: an actor's own default is its driver's, not the one it was
+        made in), then `setup` on all of them. Whatever fails here disposes the ranks made so far."""
         import ray
 
         from miles.cluster.ray_cluster import in_driver_cwd
@@ -61,9 +64,11 @@ class RankGroup:
         remote = ray.remote(in_driver_cwd(rank_cls, cwd) if cwd else rank_cls)
         self.world_size = len(options)
         self._ranks: list[Any] | None = []
+        self._broken = False     # a call failed on one rank while others were still in it
         try:
             for r, o in enumerate(options):
-                self._ranks.append(remote.options(**{"num_cpus": 0, "name": f"trainer-rank-{r}", **o}).remote(
+                self._ranks.append(remote.options(**{"num_cpus": 0, "name": f"{RANK_ACTOR_PREFIX}{r}", **o,
+                                                       **({"namespace": namespace} if namespace else {})}).remote(
                     *args, rank=r, world_size=self.world_size, **kwargs))
             address, port = ray.get(self._ranks[0].__ray_call__.remote(rendezvous_address))
             self.all("setup", address, port)
@@ -80,7 +85,12 @@ class RankGroup:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done[0])
+            try:
+                ray.get(done[0])
+            except BaseException:
+                # the ranks still in the call may wait forever in a collective with the failed one
+                self._broken = self._broken or bool(pending)
+                raise
         return ray.get(refs)
 
     def live(self) -> list[Any]:
@@ -90,14 +100,16 @@ class RankGroup:
 
     def dispose(self) -> None:
         """Each rank frees its state and process group (within DISPOSE_TIMEOUT_S: a rank stuck in a
-        collective does not answer), then every rank is killed. Idempotent. The owner actor is the run's."""
+        collective does not answer), then every rank is killed; after a call that failed on one rank
+        while others were in it (a rank died mid-step), the ranks are killed at once. Idempotent. The
+        owner actor is the run's."""
         import ray
 
         ranks, self._ranks = self._ranks, None
         if not ranks:
             return
-        refs = [rank.dispose.remote() for rank in ranks]
-        done, stuck = ray.wait(refs, num_returns=len(refs), timeout=DISPOSE_TIMEOUT_S)
+        refs = [] if self._broken else [rank.dispose.remote() for rank in ranks]
+        done, stuck = ray.wait(refs, num_returns=len(refs), timeout=DISPOSE_TIMEOUT_S) if refs else ([], [])
         if stuck:
             log.warning("rank_dispose_timeout", ranks=[refs.index(r) for r in stuck], timeout_s=DISPOSE_TIMEOUT_S)
         for rank in ranks:

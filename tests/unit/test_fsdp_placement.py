@@ -21,7 +21,7 @@ def ctx(gpus_per_node: int, use_gpus: bool) -> SimpleNamespace:
                     rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), train=TrainConfig(backend="torch"),
                     cluster=ClusterConfig(actor_num_gpus_per_node=gpus_per_node))
     plan = plan_placement(PlacementRequest(use_gpus=use_gpus, actor_num_gpus_per_node=gpus_per_node))
-    return SimpleNamespace(cfg=cfg, c=SimpleNamespace(placement=RunPlacement(plan)),
+    return SimpleNamespace(cfg=cfg, c=SimpleNamespace(cluster=SimpleNamespace(namespace="ns"), placement=RunPlacement(plan)),
                            backends=SimpleNamespace(train_spec=TRAIN_BACKENDS["torch"].for_ranks(gpus_per_node)))
 
 
@@ -34,8 +34,9 @@ def test_one_rank_is_the_one_process_trainer_and_more_are_the_fsdp_group():
 
 def test_fsdp_ranks_take_the_trainer_placements_or_start_as_cpu_processes():
     on_gpus = _trainer_placement(ctx(2, use_gpus=True))
-    assert on_gpus == {"placement": {"num_gpus": 0}, "rank_options": [{"num_gpus": 0.4}, {"num_gpus": 0.4}]}
-    assert _trainer_placement(ctx(2, use_gpus=False)) == {"placement": {"num_gpus": 0}, "world_size": 2}
+    assert on_gpus == {"placement": {"num_gpus": 0}, "rank_options": [{"num_gpus": 0.4}, {"num_gpus": 0.4}],
+                      "namespace": "ns"}
+    assert _trainer_placement(ctx(2, use_gpus=False)) == {"placement": {"num_gpus": 0}, "world_size": 2, "namespace": "ns"}
     assert _trainer_placement(ctx(1, use_gpus=False)) == {"placement": {"num_gpus": 0}}
 
 

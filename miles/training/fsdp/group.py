@@ -35,14 +35,14 @@ HF_WEIGHTS_FILE = "model.safetensors"
 class FSDPTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", rank_options: Sequence[Mapping[str, Any]] | None = None,
-                 world_size: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 world_size: int | None = None, namespace: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         from miles.training.fsdp.rank import FSDPRank
 
         on_gpu = ranks_use_gpus(device)
         options = [dict(o) for o in rank_options] if rank_options else [{"num_gpus": 1 if on_gpu else 0}] * (world_size or 1)
         self._model_path, self._bucket_bytes = model_path, bucket_bytes
         self._group = RankGroup(FSDPRank, options, model_path, train=train, algorithm=algorithm, rollout=rollout,
-                                device=device, dtype=dtype)
+                                device=device, dtype=dtype, namespace=namespace)
         self._buckets: list[list[str]] | None = None
         log.info("trainer_ready", model=model_path, ranks=len(options), gpus=on_gpu)
 

@@ -65,7 +65,7 @@ class FSDPRank(Trainer):
         super().__init__(model_path, **kwargs)
 
     def _start_optimizer(self, model: torch.nn.Module) -> None:
-        units = shard_model(model, device_type=self.device.type)
+        units = shard_model(model, compute_dtype=self.compute_dtype)
         super()._start_optimizer(model)
         log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=units)
 

@@ -4,9 +4,10 @@ that makes N ranks take the same optimizer step as one.
 - `shard_model`: `fully_shard` on every decoder layer, then on the whole model (its embeddings, final
   norm and LM head form the root unit). Each parameter becomes a DTensor holding 1/N of its rows on
   this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
-  reshard. On CUDA the units compute in bfloat16 (`MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)`): the sharded float32 parameters stay the master weights, gradients are
-  reduced in float32. On the CPU everything stays float32.
+  reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
+  (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
+  the master weights, gradients are reduced in float32. On the CPU (or --dtype float32) everything
+  stays float32.
 - Gradients are *summed* over the ranks (divide factor 1): every rank's micro-batch loss is already
   divided by the whole global batch's normalizer, so the sum over ranks is the global batch's
   gradient, as on one rank.
@@ -30,14 +31,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def shard_model(model: nn.Module, *, device_type: str) -> int:
+def shard_model(model: nn.Module, *, compute_dtype: torch.dtype) -> int:
     """`fully_shard` each decoder layer, then the model, over the default process group (in place);
-    returns the number of units. bf16 compute / fp32 reduce on CUDA, float32 on the CPU."""
+    returns the number of units. Units compute in `compute_dtype` (the trainer's: bf16 on CUDA,
+    float32 on the CPU) and reduce gradients in float32."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
-    if device_type == "cuda":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(layer, **kwargs)

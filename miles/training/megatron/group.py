@@ -35,7 +35,7 @@ HF_WEIGHTS_FILE = "model.safetensors"
 class MegatronTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", rank_options: Sequence[Mapping[str, Any]] | None = None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, namespace: str | None = None):
         from miles.training.megatron.worker import MegatronWorker
 
         on_gpu = ranks_use_gpus(device)
@@ -50,7 +50,8 @@ class MegatronTrainer:
         self._model_path, self._spec = model_path, model_spec(hf_config)
         options = options or [{"num_gpus": 1 if on_gpu else 0}] * layout.world_size
         self._group = RankGroup(MegatronWorker, options, model_path, train=train, algorithm=algorithm,
-                                rollout=rollout, device_type="cuda" if on_gpu else "cpu", dtype=dtype)
+                                rollout=rollout, device_type="cuda" if on_gpu else "cpu", dtype=dtype,
+                                namespace=namespace)
         log.info("trainer_ready", model=model_path, ranks=layout.world_size, tp=layout.tp, pp=layout.pp,
                  cp=layout.cp, dp=layout.dp, gpus=on_gpu)
 
