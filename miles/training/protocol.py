@@ -109,7 +109,10 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
     spec, t, c = TRAIN_BACKENDS.get(cfg.train.backend), cfg.train, cfg.cluster
     if spec is None:
         return
-    spec = spec.for_ranks(c.trainer_ranks)
+    one, spec = spec, spec.for_ranks(c.trainer_ranks)
+    if spec is not one and c.offloads_train and not spec.supports(SupportsOffload):
+        problems.append(f"--offload-train (or --offload): the {t.backend} trainer on {c.trainer_ranks} ranks keeps its "
+                        "optimizer state on the GPUs; drop it, or train on one GPU")
     if spec.critic is None and cfg.algorithm.needs_critic:
         problems.append(f"--train-backend {t.backend} has no critic: --advantage-estimator ppo needs one; "
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")

@@ -1,6 +1,9 @@
 """The torch trainer on N ranks (FSDP2 over gloo, ranks as spawned processes): the same loss, gradient
 norm and updated weights as the one-process trainer on the same global batch, and its sharded
-checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks)."""
+checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks).
+
+The 2-rank run also recomputes activations and plans micro-batches by token budget, neither of which
+changes the step: the one-process trainer it is compared with does neither."""
 
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm")
 
 
-def configs() -> dict:
-    return dict(train=TrainConfig(**TRAIN), algorithm=AlgorithmConfig(**ALGO),
+RANKS_TRAIN = dict(recompute_activations=True, use_dynamic_batch_size=True, max_tokens_per_gpu=12)
+
+
+def configs(**train) -> dict:
+    return dict(train=TrainConfig(**TRAIN, **train), algorithm=AlgorithmConfig(**ALGO),
                 rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8), device="cpu")
 
 
@@ -41,7 +47,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, load
     torch.set_num_threads(1)
     from miles.training.fsdp.rank import FSDPRank
 
-    t = FSDPRank(model, rank=rank, world_size=world_size, **configs())
+    t = FSDPRank(model, rank=rank, world_size=world_size, **configs(**RANKS_TRAIN))
     t.setup("127.0.0.1", port)
     results = []
     for rollout_id in (0, 1):
