@@ -32,7 +32,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, rng_file, save_sharded
 from miles.training.fsdp.sharding import (full_tensor, padded_count, rank_rows, shard_model, sum_over_ranks,
-                                          weight_buckets)
+                                          bucket_names)
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
@@ -117,7 +117,7 @@ class FSDPRank(Trainer):
     # --- weights -----------------------------------------------------------------------------------
     def weight_buckets(self, bucket_bytes: int) -> list[list[str]]:
         """The weights' HF names (tied aliases once) in buckets of at most `bucket_bytes` when whole."""
-        return weight_buckets(model_weights(self._live()), bucket_bytes)
+        return bucket_names(model_weights(self._live()), bucket_bytes)
 
     def gathered_weights(self, names: list[str], everywhere: bool = False) -> dict[str, Tensor]:
         """Whole CPU float32 copies of the weights `names` on rank 0 (on every rank with `everywhere`),

@@ -86,7 +86,7 @@ def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, 
     return dict(zip(keys, t.tolist()))
 
 
-def weight_buckets(weights: dict[str, Tensor], bucket_bytes: int) -> list[list[str]]:
+def bucket_names(weights: dict[str, Tensor], bucket_bytes: int) -> list[list[str]]:
     """Names of `weights` in order, grouped so that each group's full (unsharded) tensors take at most
     `bucket_bytes` (a larger tensor is a bucket of its own)."""
     buckets: list[list[str]] = [[]]
