@@ -1,5 +1,6 @@
 """One FSDP2 rank of the torch trainer on CUDA (NCCL, world size 1) against the unsharded trainer on the
-same rollouts; skipped without a GPU. No Ray: the rank is built in this process.
+same rollouts; skipped without a GPU. No Ray: the rank is built in this process. The skipped
+old-logprob pass (the step records its logprobs, summed over the ranks) is exercised here only.
 
 float32 (--dtype float32): the same losses, gradient norms and weights to float tolerance. bfloat16
 (the CUDA default): FSDP casts the parameters to bf16 for the whole unit where autocast keeps the
@@ -21,7 +22,8 @@ from tests.unit.test_trainer import SAMPLES, sample
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
-TRAIN = TrainConfig(lr=1e-3, micro_batch_size=2, global_batch_size=3, clip_grad=1.0, compile_layers=False)
+# one optimizer step per rollout: on CUDA both skip the no-grad old-logprob pass (the step records them)
+TRAIN = TrainConfig(lr=1e-3, micro_batch_size=2, clip_grad=1.0, compile_layers=False)
 ALGO = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1,
                        entropy_coef=0.01, eps_clip=0.2)
 
@@ -61,15 +63,16 @@ def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, d
     finally:
         rank.dispose()       # its process group goes too: the next case makes its own
     for (metrics, weights), (want_metrics, want_weights) in zip(got, want, strict=True):
-        for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "logprob_diff_rollout"):
             assert metrics[k] == pytest.approx(want_metrics[k], rel=rel, abs=atol), k
+        assert metrics["logprob_passes"] == want_metrics["logprob_passes"]
         for name, w in weights.items():
             if name.endswith("k_proj.bias"):    # zero gradient in exact arithmetic: Adam steps on rounding noise
                 continue
             torch.testing.assert_close(w, want_weights[name], rtol=rel, atol=atol, msg=name)
     resumed = Trainer(model_path, **kwargs(dtype), hidden_forward=False)
     resumed.load(tmp_path / "ck")
-    assert resumed.num_steps == 6
+    assert resumed.num_steps == 3
     for name, w in resumed.weights().items():
         torch.testing.assert_close(w, got[-1][1][name], rtol=0, atol=0, msg=name)
     plain.dispose()
