@@ -1,6 +1,7 @@
 """The torch trainer on N ranks (FSDP2 over gloo, ranks as spawned processes): the same loss, gradient
 norm and updated weights as the one-process trainer on the same global batch, and its sharded
-checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks).
+checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks), and the
+one-process checkpoint resumed on 2 ranks.
 
 The 2-rank run also recomputes activations and plans micro-batches by token budget, neither of which
 changes the step: the one-process trainer it is compared with does neither."""
@@ -41,29 +42,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, load: str | None, save: str | None):
-    """One rank: (resume from `load`), train rollout 0, (save into `save`), train rollout 1; write
-    its metrics and the whole weights after each rollout to out/rank_<r>.pt."""
+def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]]):
+    """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes the
+    metrics and the whole weights after each train to out/rank_<r>.pt."""
     torch.set_num_threads(1)
     from miles.training.fsdp.rank import FSDPRank
 
     t = FSDPRank(model, rank=rank, world_size=world_size, **configs(**RANKS_TRAIN))
     t.setup("127.0.0.1", port)
     results = []
-    for rollout_id in (0, 1):
-        if rollout_id == 0 and load:
-            t.load(load)
-            continue
-        results.append((t.train(ROLLOUT, rollout_id), t.weights()))
-        if save and rollout_id == 0:
-            t.save(save)
+    for action, arg in script:
+        if action == "train":
+            results.append((t.train(ROLLOUT, arg), t.weights()))
+        else:
+            getattr(t, action)(arg)
     torch.save(results, Path(out) / f"rank_{rank}.pt")
     t.dispose()
 
 
-def run_ranks(world_size: int, model: str, out: Path, *, load: Path | None = None, save: Path | None = None) -> list:
-    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), load and str(load), save and str(save)),
-             nprocs=world_size)
+def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]]) -> list:
+    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script), nprocs=world_size)
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -75,18 +73,23 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(model_path, tmp_path_factory):
-    """The one-process trainer on the two rollouts; its checkpoint after rollout 0."""
+    """The one-process trainer on three rollouts; its checkpoint after rollout 0."""
     t = Trainer(model_path, **configs())
     ck = tmp_path_factory.mktemp("one") / "ck"
-    first = (t.train(ROLLOUT, 0), t.weights())
+    results = [(t.train(ROLLOUT, 0), t.weights())]
     t.save(ck)
-    return [first, (t.train(ROLLOUT, 1), t.weights())], ck
+    results += [(t.train(ROLLOUT, r), t.weights()) for r in (1, 2)]
+    return results, ck
 
 
 @pytest.fixture(scope="module")
-def two_ranks(model_path, tmp_path_factory):
+def two_ranks(model_path, one_rank, tmp_path_factory):
+    """2 ranks: rollout 0 from the initial weights; the one-process checkpoint of rollout 0
+    loaded, rollout 1, saved (the checkpoint the others resume)."""
     out = tmp_path_factory.mktemp("two")
-    return run_ranks(2, model_path, out, save=out / "ck"), out / "ck"
+    script = [("train", 0), ("load", str(one_rank[1])), ("train", 1),
+              ("save", str(out / "ck"))]
+    return run_ranks(2, model_path, out, script), out / "ck"
 
 
 def assert_same(got: list, want: list) -> None:
@@ -102,10 +105,10 @@ def assert_same(got: list, want: list) -> None:
         assert {n for n in off if not n.endswith("k_proj.bias")} == set(), off
 
 
-def test_two_ranks_take_the_one_rank_steps(one_rank, two_ranks):
+def test_two_ranks_take_the_one_rank_steps_and_resume_its_checkpoint(one_rank, two_ranks):
     ranks, _ = two_ranks
-    for got in ranks:                # every rank reports the same metrics and holds the same whole weights
-        assert_same(got, one_rank[0])
+    for got in ranks:   # every rank reports the same metrics and holds the same whole weights
+        assert_same(got, one_rank[0][:2])       # rollout 1 after loading the one-process checkpoint
     assert ranks[0][0][1]["model.embed_tokens.weight"].shape == (32, 32)   # gathered whole, not a shard
 
 
@@ -115,18 +118,18 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_one(one_rank, two_ranks, mod
         "rank_0.pt", "rank_1.pt"]
     t = Trainer(model_path, **configs())
     t.load(ck)
-    assert t.num_steps == 2
-    assert_same([(t.train(ROLLOUT, 1), t.weights())], one_rank[0][1:])
+    assert t.num_steps == 4
+    assert_same([(t.train(ROLLOUT, 2), t.weights())], one_rank[0][2:])
 
 
 @pytest.mark.extended
 def test_four_ranks_resume_the_two_rank_checkpoint(one_rank, two_ranks, model_path, tmp_path):
     _, ck = two_ranks
-    for got in run_ranks(4, model_path, tmp_path, load=ck):
-        assert_same(got, one_rank[0][1:])
+    for got in run_ranks(4, model_path, tmp_path, [("load", str(ck)), ("train", 2)]):
+        assert_same(got, one_rank[0][2:])
 
 
 @pytest.mark.extended
 def test_four_ranks_take_the_one_rank_steps(one_rank, model_path, tmp_path):
-    for got in run_ranks(4, model_path, tmp_path):
-        assert_same(got, one_rank[0])
+    for got in run_ranks(4, model_path, tmp_path, [("train", 0), ("train", 1)]):
+        assert_same(got, one_rank[0][:2])

@@ -60,5 +60,35 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+def load_full(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None = None,
+              optimizer_state: dict | None = None) -> None:
+    """Whole weights (and the one-process trainer's optimizer state, keyed by parameter index as
+    `Optimizer.state_dict()` writes it) into a sharded model: each rank keeps its shards. Every rank
+    calls it with the same whole tensors."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    # the tied LM head is the embedding: the one-process trainer's file names it once
+    weights = {**{alias: weights[name] for alias, name in _aliases(model, weights).items()}, **weights}
+    set_model_state_dict(model, weights, options=full)
+    if optimizer is not None and optimizer_state is not None:
+        names = [n for n, _ in model.named_parameters()]      # the optimizer's parameter order, tied ones once
+        by_name = {"state": {names[i]: st for i, st in optimizer_state["state"].items()},
+                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                    for g in optimizer_state["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, by_name, options=full)
+
+
+def _aliases(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name missing from `weights`: the name of the same parameter that is there} (tied parameters)."""
+    out, seen = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen and name not in weights:
+            out[name] = seen[id(t)]
+        seen.setdefault(id(t), name)
+    return out
+
+
 def rng_file(path: str | Path, rank: int) -> Path:
     return Path(path) / RNG_DIR / f"rank_{rank}.pt"

@@ -30,11 +30,12 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
-from miles.training.fsdp.checkpoint import is_sharded_checkpoint, rng_file, save_sharded
+from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
 from miles.training.fsdp.sharding import (full_tensor, padded_count, rank_rows, shard_model, sum_over_ranks,
                                           bucket_names)
 from miles.training.microbatch import plan_micro_batches, take_rows
-from miles.training.rng import rng_state
+from miles.training.rng import rng_state, set_rng_state
+from miles.training.shell import OPTIMIZER_FILE
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
 from miles.weights.hf import load_weights, model_weights, resolve_device
 
@@ -163,11 +164,32 @@ class FSDPRank(Trainer):
         dist.barrier()          # the caller commits the folder once every rank has written
 
     def load(self, path: str | Path) -> None:
-        """What `save` wrote, on any number of ranks (`Trainer._load_sharded`)."""
-        if not is_sharded_checkpoint(path):
-            raise FileNotFoundError(f"trainer checkpoint {path} is not a sharded one (no dcp/.metadata); the torch "
-                                    "trainer on several ranks resumes from folders it saved on one or more ranks")
-        self._load_sharded(Path(path))
+        """What `save` wrote, on any number of ranks (`Trainer._load_sharded`), or what the one-process
+        trainer saved (its whole weights and optimizer state, sharded here)."""
+        path = Path(path)
+        if is_sharded_checkpoint(path):
+            self._load_sharded(path)
+        else:
+            self._load_whole(path)
+
+    def _load_whole(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        from miles.training.trainer import MODEL_FILE, RNG_FILE
+
+        with_optimizer = self._saved_with_optimizer(path)
+        needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if with_optimizer else ())
+        missing = [f for f in needed if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; pass a folder written "
+                                    "by the torch trainer's save (on one rank or several)")
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if with_optimizer else None
+        load_full(self._live(), load_file(str(path / MODEL_FILE)), self._optimizer, optimizer_state)
+        self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
+        set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+        if self._ref_interval and (path / REF_FILE).is_file():
+            load_weights(self._ref, load_file(str(path / REF_FILE)))
+        self._prepared = None
 
     def dispose(self) -> None:
         """The trainer's state, then this rank's process group. Idempotent."""
