@@ -327,6 +327,11 @@ class ClusterConfig:
         return self.offload or self.offload_train
 
     @property
+    def trainer_ranks(self) -> int:
+        """The trainer's ranks: one per trainer GPU, or as many CPU processes on a CPU run."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
     def offloads_rollout(self) -> bool:
         """--colocate frees the engines' cache during training too (miles: colocate turns it on)."""
         return self.offload or self.offload_rollout or self.colocate

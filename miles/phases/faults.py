@@ -8,6 +8,8 @@ by the phase would overwrite the corruption). Kinds:
     raise           the phase raises InjectedFault
     kill_engine     SIGKILL engine-0's worker process (the run restarts it, within its budget)
     kill_trainer    SIGKILL the trainer's worker process (unrecoverable: the run fails)
+    kill_trainer_rank  SIGKILL the last rank's process of a trainer on several ranks (the others may
+                    wait for it in a collective: the run fails, and the ranks are killed at teardown)
     sigint/sigterm  the driver sends itself the signal (the CLI drains, then exits 130/143)
     teardown_raise  register a teardown that raises
     teardown_hang   register a teardown that hangs past a 0.2 s timeout, with no force
@@ -41,7 +43,7 @@ from miles.runtime.machine import STATES
 from miles.runtime.procs import pid_running
 from miles.runtime.threads import in_daemon_thread
 
-FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "sigint", "sigterm", "teardown_raise", "teardown_hang",
+FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "kill_trainer_rank", "sigint", "sigterm", "teardown_raise", "teardown_hang",
                "hang", "hang_thread", "hang_ray", "hang_trainer", "hang_blocking", "corrupt_weights", "hang_engine")
 AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
 TEARDOWN_HANG_TIMEOUT_S = 0.2          # the hang is the point, not its length: each one costs a run this much
@@ -106,6 +108,8 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
             return
         os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
+    elif f.kind == "kill_trainer_rank":
+        await _kill_last_rank(ctx, f)
     elif f.kind == "hang_engine":
         engine = ctx.c.engines[0]
         if engine.pid is None or not pid_running(engine.pid):
@@ -133,6 +137,29 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         engine = ctx.c.engines[0]
         corrupted = ctx.c.trainer.handle.__ray_call__.remote(_perturbed_weights)   # stays in the object store
         await engine.handle.update_weights.remote(corrupted, await engine.handle.weight_version.remote())
+
+
+async def _kill_last_rank(ctx: Any, f: FaultSpec) -> None:
+    """SIGKILL the highest rank's process; the trace names every rank's pid (`trainer_rank_pids`)."""
+    import ray
+
+    from miles.training.ranks import RANK_ACTOR_PREFIX
+
+    namespace = ctx.c.cluster.namespace
+    names = sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a.get("namespace") == namespace and a["name"].startswith(RANK_ACTOR_PREFIX)),
+                   key=lambda n: int(n.removeprefix(RANK_ACTOR_PREFIX)))
+    if len(names) < 2:
+        ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the trainer does not run on several ranks")
+        return
+    pids = {n: await ray.get_actor(n, namespace=namespace).__ray_call__.remote(_pid) for n in names}
+    ctx.tracer.emit("trainer_rank_pids", pids=pids)
+    os.kill(pids[names[-1]], signal.SIGKILL)
+    await asyncio.sleep(0.5)       # let Ray notice before the phase uses the trainer
+
+
+def _pid(_actor: Any) -> int:
+    return os.getpid()
 
 
 def _block_forever(_actor: Any) -> None:

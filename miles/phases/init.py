@@ -67,7 +67,7 @@ def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
     """--rollout-engine and --train-backend → their specs and classes, imported now (validate checked the
     names, and that --rollout-engine fast can run the model). `cluster_gpus`: the GPUs of the run's
     cluster, which decide --device auto (`ModelConfig.uses_gpus`)."""
-    train_spec = TRAIN_BACKENDS[cfg.train.backend]
+    train_spec = TRAIN_BACKENDS[cfg.train.backend].for_ranks(cfg.cluster.trainer_ranks)
     name, refused = pick_engine(cfg, on_gpus=cfg.model.uses_gpus(cluster_gpus))
     engine_spec = ENGINES[name]
     backends = Backends(engine=import_object(engine_spec.engine), trainer=import_object(train_spec.trainer),
@@ -225,12 +225,17 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
 
 
 def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
-    """Where the trainer runs: the plan's first trainer placement; a `ranked` backend (megatron)
-    on GPUs gets no GPU itself and hands each of its ranks one trainer placement of the plan."""
-    place = ctx.c.placement
-    if ctx.backends.train_spec.ranked and place.gpus:
-        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers]}
-    return {"placement": place.options(place.plan.trainers[0])}
+    """Where the trainer runs: the plan's first trainer placement; a `ranked` backend (megatron, torch
+    on several ranks) on GPUs gets no GPU itself and hands each of its ranks one trainer placement of
+    the plan; on the CPU it starts --actor-num-nodes x --actor-num-gpus-per-node ranks, when more than one."""
+    place, ranks = ctx.c.placement, ctx.cfg.cluster.trainer_ranks
+    if not ctx.backends.train_spec.ranked:
+        return {"placement": place.options(place.plan.trainers[0])}
+    namespace = {"namespace": ctx.c.cluster.namespace}       # the ranks' names live in the run's namespace
+    if place.gpus:
+        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers],
+                **namespace}
+    return {"placement": place.options(place.plan.trainers[0]), **namespace, **({"world_size": ranks} if ranks > 1 else {})}
 
 
 def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:

@@ -76,15 +76,25 @@ class TrainBackendSpec:
     # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs)
     ranked: bool = False
     capabilities: tuple[type, ...] = ()   # the Supports* Protocols above that the trainer class implements
+    # the spec the backend runs under on more than one trainer rank (a `ranked` one); None: this spec's
+    many_ranks: TrainBackendSpec | None = None
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities
 
+    def for_ranks(self, ranks: int) -> TrainBackendSpec:
+        """The spec of a run with `ranks` trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node)."""
+        return self.many_ranks if ranks > 1 and self.many_ranks is not None else self
+
 
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
-    "torch": TrainBackendSpec(trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
-                              capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets)),
+    "torch": TrainBackendSpec(
+        trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
+        capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets),
+        # FSDP2 data parallel; the critic stays one process on the first trainer GPU
+        many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer", critic="miles.training.critic:Critic",
+                                    ranked=True, capabilities=(SupportsCachedMemoryRelease,))),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
                                  check="miles.training.megatron.checks:run_problems", model_parallel=True,
                                  ranked=True, capabilities=(SupportsCachedMemoryRelease,)),
@@ -99,6 +109,10 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
     spec, t, c = TRAIN_BACKENDS.get(cfg.train.backend), cfg.train, cfg.cluster
     if spec is None:
         return
+    one, spec = spec, spec.for_ranks(c.trainer_ranks)
+    if spec is not one and c.offloads_train and not spec.supports(SupportsOffload):
+        problems.append(f"--offload-train (or --offload): the {t.backend} trainer on {c.trainer_ranks} ranks keeps its "
+                        "optimizer state on the GPUs; drop it, or train on one GPU")
     if spec.critic is None and cfg.algorithm.needs_critic:
         problems.append(f"--train-backend {t.backend} has no critic: --advantage-estimator ppo needs one; "
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")
@@ -110,10 +124,9 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
     if parallel and not spec.model_parallel:
         problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
                         f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")
-    if c.actor_num_nodes * c.actor_num_gpus_per_node > 1 and not spec.ranked:
+    if c.trainer_ranks > 1 and not spec.ranked:
         problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
-                        f"{c.actor_num_gpus_per_node}: the {t.backend} trainer runs on one GPU (no FSDP "
-                        f"yet); use 1 x 1, or --train-backend "
+                        f"{c.actor_num_gpus_per_node}: the {t.backend} trainer runs on one GPU; use 1 x 1, or --train-backend "
                         f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
     if spec.check:
         # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan

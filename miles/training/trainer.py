@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -51,6 +52,7 @@ from torch import Tensor
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
@@ -75,7 +77,7 @@ def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
                if isinstance(getattr(batch, f.name), Tensor)}
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{rank}")    # ranks writing one path do not share a temp file
     torch.save({"format": "miles-train-batch-v1", "rollout_id": rollout_id, "rank": rank, **tensors}, tmp)
     tmp.replace(path)
     return path
@@ -83,6 +85,7 @@ def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int
 
 class Trainer(OptimizedModel):
     role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
+    rank = 0            # its data-parallel rank (miles.training.fsdp.rank.FSDPRank sets its own)
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", hidden_forward: bool | None = None,
@@ -140,7 +143,7 @@ class Trainer(OptimizedModel):
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
         if self._train_cfg.save_debug_train_data:
-            save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch)
+            save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
@@ -148,10 +151,13 @@ class Trainer(OptimizedModel):
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
-            load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
+            self._refresh_reference()
             metrics["ref_updated"] = 1.0
         log.info("train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
         return metrics
+
+    def _refresh_reference(self) -> None:
+        load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
 
     def prepare_rollout(self, samples: list[Sample], rollout_id: int, values: Tensor | None = None) -> Tensor | None:
         """Pack and prepare one rollout for `train(samples, rollout_id)` (see `prepare`); returns the
@@ -279,6 +285,9 @@ class Trainer(OptimizedModel):
         from safetensors.torch import load_file
 
         path = Path(path)
+        if is_sharded_checkpoint(path):      # saved by the torch trainer on several ranks
+            self._load_sharded(path)
+            return
         # saved with --no-save-optim: no optimizer state, and a fresh optimizer
         needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
         missing = [f for f in needed if not (path / f).is_file()]
@@ -288,6 +297,23 @@ class Trainer(OptimizedModel):
         load_weights(self._live(), load_file(str(path / MODEL_FILE)))
         self._load_optimizer(path)
         set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+        if self._ref_interval and (path / REF_FILE).is_file():
+            load_weights(self._ref, load_file(str(path / REF_FILE)))
+        self._prepared = None
+
+    def _load_sharded(self, path: Path) -> None:
+        """A sharded checkpoint (`miles.training.fsdp.checkpoint`), resharded onto this trainer's ranks
+        (one, without a process group, or any number)."""
+        from safetensors.torch import load_file
+
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(f"trainer checkpoint {path} lacks {STATE_FILE}; pass a folder written by "
+                                    "the torch trainer's save")
+        state = json.loads((path / STATE_FILE).read_text())
+        load_sharded(self._live(), self._optimizer if state.get("optimizer", True) else None, path)
+        self._num_steps = state["num_steps"]
+        own = rng_file(path, self.rank)
+        set_rng_state(torch.load(own if own.is_file() else rng_file(path, 0), weights_only=True))
         if self._ref_interval and (path / REF_FILE).is_file():
             load_weights(self._ref, load_file(str(path / REF_FILE)))
         self._prepared = None

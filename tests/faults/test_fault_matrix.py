@@ -279,3 +279,22 @@ def test_a_second_sigint_cuts_draining_short(ray_cluster, tiny_task, tmp_path):
     assert end.state == "shutdown" and end.get("outcome") in ("cancelled", "stopped")
     assert miles_actors(trace.of("cluster_ready")[0].get("namespace")) == []
     assert leftover_actor_processes(trace) == []
+
+
+@pytest.mark.extended      # ~37 s on 2 quiet cores (85 s busy), 2 ranks starting: beyond CI's budget
+def test_a_trainer_rank_killed_in_train_ends_the_run_and_leaves_no_rank(ray_cluster, tiny_task, tmp_path):
+    # the torch trainer on 2 CPU ranks (FSDP2 over gloo); rank 1 dies as the step starts, rank 0 would
+    # wait for it in the step's first collective: the step fails at once and teardown kills rank 0
+    raised = run_in_process(tiny_task, tmp_path, ["train:kill_trainer_rank"], extra=["--actor-num-gpus-per-node", "2"])
+    assert "ActorDiedError" in f"{type(raised).__name__} {raised}"
+    trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="ActorDiedError", ckpt=tmp_path / "ckpt")
+    ranks, = trace.of("trainer_rank_pids")
+    pids = ranks.get("pids")
+    assert sorted(pids) == ["trainer-rank-0", "trainer-rank-1"]
+    deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
+    while any(pid_running(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [n for n, p in pids.items() if pid_running(p)] == []
+    disposed = {e.get("resource"): e for e in trace.of("disposed")}
+    assert disposed["trainer"].get("outcome") == "ok"       # killed at once, not after a dispose timeout
+    assert disposed["trainer"].get("duration_s") < 10

@@ -7,13 +7,16 @@ The HF export of the last save is what the engine ran: its weights' checksum is 
 weight sync checked on the engine, and transformers' own greedy decoding of the export scores what
 the run's last eval (greedy, on the engine) scored.
 
-One run (Qwen3, torch) is in the default set; the other three repeat the path with another family
-or backend at 2-7 min each here and are `extended` (bash scripts/test.sh -m extended).
+One run (Qwen3, torch) is in the default set, with the torch trainer on 2 ranks (FSDP2 over gloo,
+--actor-num-gpus-per-node 2 on the CPU): its weights reach the engine gathered bucket by bucket and
+its export is made from them; the other three repeat the path with another family or backend at 2-7
+min each here, on one rank, and are `extended` (bash scripts/test.sh -m extended).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -31,18 +34,25 @@ EXAMPLE = ROOT / "examples/arithmetic"
 NEEDS_MEGATRON = pytest.mark.skipif(not installed("megatron.core"), reason="needs megatron-core")
 
 
-@pytest.mark.parametrize("family,backend", [
-    ("qwen3", "torch"),
-    pytest.param("llama3", "torch", marks=pytest.mark.extended),
-    pytest.param("qwen3", "megatron", marks=[pytest.mark.extended, NEEDS_MEGATRON]),
-    pytest.param("llama3", "megatron", marks=[pytest.mark.extended, NEEDS_MEGATRON]),
+@pytest.mark.parametrize("family,backend,ranks", [
+    ("qwen3", "torch", 2),
+    pytest.param("llama3", "torch", 1, marks=pytest.mark.extended),
+    pytest.param("qwen3", "megatron", 1, marks=[pytest.mark.extended, NEEDS_MEGATRON]),
+    pytest.param("llama3", "megatron", 1, marks=[pytest.mark.extended, NEEDS_MEGATRON]),
 ])
-def test_family_learns_arithmetic_and_its_export_is_the_engine_s_model(ray_cluster, tmp_path, family, backend):
+def test_family_learns_arithmetic_and_its_export_is_the_engine_s_model(ray_cluster, tmp_path, family, backend, ranks):
     cfg, _ = parse_flags(["--config", str(EXAMPLE / "grpo.yaml"), "--hf-checkpoint", str(EXAMPLE / f"base_model_{family}"),
                           "--train-backend", backend, "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ck"),
-                          "--save-interval", "40", "--trace-console", "off", "--check-weight-update-equal"])
+                          "--save-interval", "40", "--trace-console", "off", "--check-weight-update-equal",
+                          "--actor-num-gpus-per-node", str(ranks)])
     result = asyncio.run(with_disposer(train, cfg))
     trace, after = assert_learns_arithmetic(result)
+    if ranks > 1:       # the trainer that ran is the FSDP group of that many ranks, each with its own shards
+        ready = [json.loads(line) for line in (result.run_dir / "logs" / "trainer-0.jsonl").open()
+                 if '"trainer_ready"' in line]
+        assert [r.get("ranks") for r in ready] == [ranks]
+        assert sorted(p.name for p in (tmp_path / "ck" / "iter_0000039" / "trainer" / "rng").iterdir()) == [
+            f"rank_{r}.pt" for r in range(ranks)]
     picked, = trace.of("engine_picked")
     assert picked.get("family") == {"qwen3": "qwen3", "llama3": "llama"}[family]
     last_sync = trace.of("weights_synced")[-1]

@@ -6,16 +6,12 @@ fans every call out to all of them, and answers with rank 0's result (the ranks 
 or the merge of their weight shards. Where the ranks run: `rank_options`, one dict of Ray actor
 options per rank, as the run's placement gives them (a placement group bundle and a GPU share
 each); without it, `world_size` ranks (default TP x PP x CP) asking Ray for one GPU each (none on
-the CPU). The ranks are owned by this actor: if it dies, Ray reaps them.
-
-A call that fails on one rank fails here at once (the other ranks may be stuck in a collective
-waiting for it); `dispose` then gives each rank `DISPOSE_TIMEOUT_S` to free its GPU state and
-process group, and kills every rank.
+the CPU). The ranks (`miles.training.ranks.RankGroup`) are owned by this actor: if it dies, Ray
+reaps them; a call that fails on one rank fails here at once.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,47 +21,24 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
-from miles.config.schema import uses_gpus
 from miles.training.megatron.checks import group_problems, read_hf_config, requested_layout
 from miles.training.megatron.conversion import mcore_to_hf, model_spec
+from miles.training.ranks import RankGroup, ranks_use_gpus
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
 
 log = structlog.get_logger().bind(role="trainer", backend="megatron")
 
-DISPOSE_TIMEOUT_S = 60.0
 HF_WEIGHTS_FILE = "model.safetensors"
-
-
-def _rendezvous_address(_actor: Any) -> tuple[str, int]:
-    """Rank 0's node address and a free port on it (run inside rank 0's actor)."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
-def _uses_gpus(device: str) -> bool:
-    import ray
-
-    return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
 
 
 class MegatronTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", rank_options: Sequence[Mapping[str, Any]] | None = None,
-                 world_size: int | None = None):
-        import ray
-
-        from miles.cluster.ray_cluster import in_driver_cwd
+                 world_size: int | None = None, namespace: str | None = None):
         from miles.training.megatron.worker import MegatronWorker
-        from miles.user_code import DRIVER_CWD_ENV
 
-        on_gpu = _uses_gpus(device)
+        on_gpu = ranks_use_gpus(device)
         options = [dict(o) for o in rank_options] if rank_options else None
         layout = requested_layout(train, len(options) if options else world_size)
         hf_config = read_hf_config(model_path)
@@ -76,36 +49,14 @@ class MegatronTrainer:
             raise ConfigError(problems)
         self._model_path, self._spec = model_path, model_spec(hf_config)
         options = options or [{"num_gpus": 1 if on_gpu else 0}] * layout.world_size
-        # a rank reads user files (--custom-loss-function-path) from the driver's directory, as this actor does
-        cwd = os.environ.get(DRIVER_CWD_ENV)
-        remote = ray.remote(in_driver_cwd(MegatronWorker, cwd) if cwd else MegatronWorker)
-        self._ranks = [remote.options(**{"num_cpus": 0, "name": f"trainer-rank-{r}", **o}).remote(
-            model_path, train=train, algorithm=algorithm, rollout=rollout, rank=r, world_size=layout.world_size,
-            device_type="cuda" if on_gpu else "cpu", dtype=dtype) for r, o in enumerate(options)]
-        try:
-            address, port = ray.get(self._ranks[0].__ray_call__.remote(_rendezvous_address))
-            self._all("setup", address, port)
-        except BaseException:
-            self.dispose()
-            raise
+        self._group = RankGroup(MegatronWorker, options, model_path, train=train, algorithm=algorithm,
+                                rollout=rollout, device_type="cuda" if on_gpu else "cpu", dtype=dtype,
+                                namespace=namespace)
         log.info("trainer_ready", model=model_path, ranks=layout.world_size, tp=layout.tp, pp=layout.pp,
                  cp=layout.cp, dp=layout.dp, gpus=on_gpu)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every rank; the first rank to fail raises here without waiting for the rest."""
-        import ray
-
-        refs = [getattr(rank, method).remote(*args) for rank in self._live()]
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done[0])
-        return ray.get(refs)
-
-    def _live(self) -> list[Any]:
-        if self._ranks is None:
-            raise RuntimeError("the megatron trainer was disposed; create a new one")
-        return self._ranks
+        return self._group.all(method, *args)
 
     # --- the trainer seam ------------------------------------------------------------------------
     def prepare_rollout(self, samples: list[Sample], rollout_id: int, values: Tensor | None = None) -> None:
@@ -161,19 +112,6 @@ class MegatronTrainer:
         load_tokenizer(self._model_path).save_pretrained(str(path))
 
     def dispose(self) -> None:
-        """Each rank frees its model, optimizer, parallel state and process group (within
-        DISPOSE_TIMEOUT_S: a rank stuck in a collective does not answer), then every rank is killed.
-        Idempotent. This actor itself is the run's."""
-        import ray
-
-        ranks, self._ranks = self._ranks, None
-        if not ranks:
-            return
-        refs = [rank.dispose.remote() for rank in ranks]
-        done, stuck = ray.wait(refs, num_returns=len(refs), timeout=DISPOSE_TIMEOUT_S)
-        if stuck:
-            log.warning("rank_dispose_timeout", ranks=[refs.index(r) for r in stuck], timeout_s=DISPOSE_TIMEOUT_S)
-        for rank in ranks:
-            ray.kill(rank, no_restart=True)
-        for ref in done:
-            ray.get(ref)          # a rank whose teardown raised: said after every rank is gone
+        """Each rank frees its model, optimizer, parallel state and process group, then every rank is
+        killed (`RankGroup.dispose`). Idempotent. This actor itself is the run's."""
+        self._group.dispose()

@@ -1,0 +1,202 @@
+"""One rank of the torch trainer on N ranks: the one-process `Trainer`, its model sharded with FSDP2
+(`miles.training.fsdp.sharding`), data parallel over each global batch.
+
+Every rank receives the whole rollout and packs the same [B, T] batch, so each computes the global
+batch's normalizers itself. A rank runs only its contiguous share of the rows (`rank_rows`), in
+micro-batches of --micro-batch-size rows (or --max-tokens-per-gpu tokens), padded to the same count
+on every rank; the gradients are summed over the ranks by FSDP's reduce-scatter. What must be whole
+on every rank is summed over the ranks: the no-grad logprobs (old and reference; the advantages may
+normalise over the rollout), the logprobs a step records in place of a skipped pass, and the loss
+terms. So the metrics are the same on every rank, and the step is the one-rank step.
+
+What is not sharded: the frozen KL reference is a whole float32 copy on every rank (no gradients,
+no optimizer state). Each rank's decoder layers run eagerly (no torch.compile) and the logprobs
+come from the logits: the chunked hidden-state path reads the LM head outside the model's forward,
+where FSDP has not gathered it.
+
+A plain class; `miles.training.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+import torch
+from torch import Tensor
+
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.batch import TrainBatch
+from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
+from miles.training.fsdp.sharding import (full_tensor, padded_count, rank_rows, shard_model, sum_over_ranks,
+                                          bucket_names)
+from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.rng import rng_state, set_rng_state
+from miles.training.shell import OPTIMIZER_FILE
+from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
+from miles.weights.hf import load_weights, model_weights, resolve_device
+
+log = structlog.get_logger().bind(role="trainer-rank")
+
+
+class FSDPRank(Trainer):
+    def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
+                 rank: int, world_size: int, device: str = "auto", dtype: str = "auto"):
+        """Remembers the configuration; `setup` joins the group, then loads and shards the model."""
+        self.rank, self.world_size = rank, world_size
+        self._init_args = (model_path, dict(train=replace(train, compile_layers=False), algorithm=algorithm,
+                                            rollout=rollout, device=device, dtype=dtype, hidden_forward=False))
+        self._distributed = False
+        self._model = None
+
+    def setup(self, address: str, port: int) -> None:
+        """Join the group (all ranks at once), then build the trainer with its model sharded."""
+        import torch.distributed as dist
+
+        model_path, kwargs = self._init_args
+        device = resolve_device(kwargs["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)   # Ray shows this rank its own GPU only
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
+                                rank=self.rank, world_size=self.world_size)
+        self._distributed = True
+        super().__init__(model_path, **kwargs)
+
+    def _start_optimizer(self, model: torch.nn.Module) -> None:
+        units = shard_model(model, compute_dtype=self.compute_dtype)
+        super()._start_optimizer(model)
+        log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=units)
+
+    # --- data parallel ---------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
+        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
+        empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
+        t = self._train_cfg
+        mine = rank_rows(batch.size, self.rank, self.world_size)
+        groups = [] if not mine else plan_micro_batches(
+            batch.attention_mask[mine], micro_batch_size=micro_batch_size or t.micro_batch_size,
+            max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None)
+        groups = [[mine[i] for i in g] for g in groups]
+        groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
+        for rows in groups:
+            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), take_rows(batch, rows or [0])
+
+    def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
+                             record: Tensor | None = None) -> dict[str, float]:
+        """The one-rank trainer's, over this rank's rows; terms and `record` summed over the ranks."""
+        import torch.distributed as dist
+
+        normalizer, num_tokens = self._objective.normalizers(batch)
+        sums: dict[str, float] = defaultdict(float)
+        for rows, mb in self._micro_batches(batch, micro_batch_size):
+            loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
+            real = rows.numel() > 0
+            (loss if real else loss * 0.0).backward()
+            if record is not None and real:
+                record[rows, :logprobs.shape[1]] = logprobs.detach()
+            for k, v in terms.items():
+                sums[k] += v if real else 0.0
+        if record is not None:
+            dist.all_reduce(record)
+        return sum_over_ranks(dict(sums), self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: TrainBatch) -> Tensor:
+        import torch.distributed as dist
+
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        for rows, mb in self._micro_batches(batch):
+            logprobs = self._forward(model, mb, False, False)[0]
+            if rows.numel():
+                out[rows, :mb.tokens.shape[1]] = logprobs
+        dist.all_reduce(out)
+        return out
+
+    # --- weights -----------------------------------------------------------------------------------
+    def weight_buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """The weights' HF names (tied aliases once) in buckets of at most `bucket_bytes` when whole."""
+        return bucket_names(model_weights(self._live()), bucket_bytes)
+
+    def gathered_weights(self, names: list[str], everywhere: bool = False) -> dict[str, Tensor]:
+        """Whole CPU float32 copies of the weights `names` on rank 0 (on every rank with `everywhere`),
+        {} on the others; a collective: every rank calls it with the same names. One tensor is whole
+        on the device at a time."""
+        live = model_weights(self._live())
+        out: dict[str, Tensor] = {}
+        for name in names:
+            whole = full_tensor(live[name].detach())
+            if everywhere or self.rank == 0:
+                out[name] = whole.to("cpu", copy=True).contiguous()
+            del whole
+        return out
+
+    def weights(self) -> dict[str, Tensor]:
+        """Every weight whole, on every rank (a collective)."""
+        return self.gathered_weights(list(model_weights(self._live())), everywhere=True)
+
+    def _refresh_reference(self) -> None:
+        load_weights(self._ref, self.weights())
+
+    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
+        from miles.weights.checksum import state_dict_checksum
+
+        return state_dict_checksum(self.weights(), dtype=dtype)
+
+    # --- checkpoint ----------------------------------------------------------------------------------
+    def save(self, path: str | Path, optimizer: bool = True) -> None:
+        """This rank's part of the sharded checkpoint (`miles.training.fsdp.checkpoint`) in `path`."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        rng_file(path, self.rank).parent.mkdir(parents=True, exist_ok=True)
+        save_sharded(self._live(), self._optimizer if optimizer else None, path)
+        torch.save(rng_state(), rng_file(path, self.rank))
+        if self.rank == 0:
+            (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer,
+                                                       "world_size": self.world_size}))
+            if self._ref_interval:
+                save_file({n: t.detach().cpu().contiguous() for n, t in model_weights(self._ref).items()},
+                          str(path / REF_FILE))
+        dist.barrier()          # the caller commits the folder once every rank has written
+
+    def load(self, path: str | Path) -> None:
+        """What `save` wrote, on any number of ranks (`Trainer._load_sharded`), or what the one-process
+        trainer saved (its whole weights and optimizer state, sharded here)."""
+        path = Path(path)
+        if is_sharded_checkpoint(path):
+            self._load_sharded(path)
+        else:
+            self._load_whole(path)
+
+    def _load_whole(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        from miles.training.trainer import MODEL_FILE, RNG_FILE
+
+        with_optimizer = self._saved_with_optimizer(path)
+        needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if with_optimizer else ())
+        missing = [f for f in needed if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; pass a folder written "
+                                    "by the torch trainer's save (on one rank or several)")
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if with_optimizer else None
+        load_full(self._live(), load_file(str(path / MODEL_FILE)), self._optimizer, optimizer_state)
+        self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
+        set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+        if self._ref_interval and (path / REF_FILE).is_file():
+            load_weights(self._ref, load_file(str(path / REF_FILE)))
+        self._prepared = None
+
+    def dispose(self) -> None:
+        """The trainer's state, then this rank's process group. Idempotent."""
+        import torch.distributed as dist
+
+        if self._model is not None:
+            super().dispose()
+        if self._distributed:
+            self._distributed = False
+            dist.destroy_process_group()

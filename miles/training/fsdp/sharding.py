@@ -1,0 +1,101 @@
+"""FSDP2 for the torch trainer: the model sharded per decoder layer, and the data-parallel arithmetic
+that makes N ranks take the same optimizer step as one.
+
+- `shard_model`: `fully_shard` on every decoder layer, then on the whole model (its embeddings, final
+  norm and LM head form the root unit). Each parameter becomes a DTensor holding 1/N of its rows on
+  this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
+  reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
+  (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
+  the master weights, gradients are reduced in float32. On the CPU (or --dtype float32) everything
+  stays float32.
+- Gradients are *summed* over the ranks (divide factor 1): every rank's micro-batch loss is already
+  divided by the whole global batch's normalizer, so the sum over ranks is the global batch's
+  gradient, as on one rank.
+- `rank_rows`: this rank's contiguous share of a batch's rows; `padded_count`: every rank runs the
+  same number of micro-batches (each forward and backward is a collective under FSDP), a rank with
+  fewer rows runs empty ones that contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layer list of an HF causal LM (`model.get_decoder().layers`)."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers) to shard per "
+                        "layer; the torch backend on more than one rank needs an HF decoder-only causal LM")
+    return layers
+
+
+def shard_model(model: nn.Module, *, compute_dtype: torch.dtype) -> int:
+    """`fully_shard` each decoder layer, then the model, over the default process group (in place);
+    returns the number of units. Units compute in `compute_dtype` (the trainer's: bf16 on CUDA,
+    float32 on the CPU) and reduce gradients in float32."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)    # a sum: the losses are already global-batch shares
+            # a custom factor is a PREMUL_SUM reduction, which gloo refuses; a plain SUM is the same here
+            m.set_force_sum_reduction_for_comms(True)
+    return len(layers) + 1
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of a (possibly sharded) parameter; a collective for a DTensor: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rank_rows(num_rows: int, rank: int, world_size: int) -> list[int]:
+    """Rank `rank`'s contiguous share of `num_rows` rows (the first ranks take one more when they do
+    not divide evenly; a rank may get none)."""
+    base, extra = divmod(num_rows, world_size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
+
+
+def padded_count(count: int, device: torch.device) -> int:
+    """The largest `count` over the ranks (a collective)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value summed over the ranks (every rank passes the same keys)."""
+    import torch.distributed as dist
+
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def bucket_names(weights: dict[str, Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Names of `weights` in order, grouped so that each group's full (unsharded) tensors take at most
+    `bucket_bytes` (a larger tensor is a bucket of its own)."""
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets if buckets[-1] else []

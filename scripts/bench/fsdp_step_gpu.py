@@ -1,0 +1,184 @@
+"""Benchmark: the torch trainer's step on one rank under FSDP2 against the unsharded trainer, one GPU.
+
+Builds a random Qwen2.5-0.5B-shaped model (as scripts/bench/train_megatron_gpu.py does) and trains
+each variant on the same GRPO rollouts of random tokens (--samples samples of --prompt-len prompt and
+--response-len response tokens, one optimizer step per rollout, micro-batches of --micro-batch-size);
+--warmup rollouts first, then --rollouts timed ones, each timed in its two calls:
+
+  prepare_s   prepare_rollout: the no-grad forward for the old logprobs (and packing)
+  step_s      train: forward + backward + optimizer step
+  tokens_per_s, peak_mem_gib (torch.cuda.max_memory_allocated over the timed rollouts)
+
+Variants (--variants, in this order by default):
+  plain   the unsharded trainer computing what an FSDP rank computes: full logits, the old-logprob
+          pass skipped where the trainer skips it, decoder layers eager (no torch.compile)
+  fsdp    one FSDP2 rank (miles.training.fsdp.rank.FSDPRank, NCCL world of 1 on CUDA, gloo on the
+          CPU): fully_shard per decoder layer, bf16 params / fp32 reduce on CUDA
+  torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
+          compiled layers), for reference
+
+`fsdp_over_plain` is fsdp's (prepare_s + step_s) over plain's: the sharding's overhead on one rank.
+
+Usage (GPU machine, from the checkout):
+  PYTHONPATH=$PWD python3 scripts/bench/fsdp_step_gpu.py [--out result.json]
+  --device cpu: a tiny shape and batch on the CPU (a smoke run: float32, gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SHAPE_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True, rope_theta=1e6,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6)
+SHAPE_SMOKE = dict(SHAPE_05B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=128)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_model(path: Path, shape: dict, device: str) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_model import _tokenizer
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model.to(torch.bfloat16).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    del model
+    return str(path)
+
+
+def rollout(seed: int, n: int, prompt_len: int, response_len: int, vocab: int):
+    from miles.types import Prompt, Sample
+
+    rng = random.Random(seed)
+    return [Sample(prompt=Prompt(index=i, text="", prompt_ids=tuple(rng.randrange(3, vocab) for _ in range(prompt_len))),
+                   group=i // 8, response_ids=[rng.randrange(3, vocab) for _ in range(response_len)],
+                   rollout_logprobs=[-5.0] * response_len, finish_reason="length", weight_version=0,
+                   reward=float(i % 2), advantage=rng.uniform(-1, 1)) for i in range(n)]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_variant(trainer, args, shape: dict) -> dict:
+    tokens = args.samples * (args.prompt_len + args.response_len)
+    for r in range(args.warmup):
+        samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
+        trainer.prepare_rollout(samples, r)
+        trainer.train(samples, r)
+    sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    prepare_s = step_s = 0.0
+    losses = []
+    for r in range(args.warmup, args.warmup + args.rollouts):
+        samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
+        t0 = time.perf_counter()
+        trainer.prepare_rollout(samples, r)
+        sync(args.device)
+        t1 = time.perf_counter()
+        metrics = trainer.train(samples, r)
+        sync(args.device)
+        prepare_s, step_s = prepare_s + t1 - t0, step_s + time.perf_counter() - t1
+        losses.append(metrics["loss"])
+    return {"prepare_s": round(prepare_s / args.rollouts, 4), "step_s": round(step_s / args.rollouts, 4),
+            "tokens_per_rollout": tokens, "tokens_per_s": round(tokens * args.rollouts / (prepare_s + step_s)),
+            "losses": [round(v, 6) for v in losses],
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make(variant: str, model: str, args):
+    from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+
+    train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples)
+    kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+              rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
+                                    max_response_len=args.response_len), device=args.device)
+    if variant == "fsdp":
+        from miles.training.fsdp.rank import FSDPRank
+
+        rank = FSDPRank(model, rank=0, world_size=1, **kw)
+        rank.setup("127.0.0.1", free_port())
+        return rank
+    from dataclasses import replace
+
+    from miles.training.trainer import Trainer
+
+    if variant == "plain":
+        return Trainer(model, **{**kw, "train": replace(train, compile_layers=False)}, hidden_forward=False)
+    if variant == "torch":
+        return Trainer(model, **kw)
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, torch")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--variants", default="plain,fsdp,torch")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA here; pass --device cpu for the smoke run")
+    shape = SHAPE_05B if args.device == "cuda" else SHAPE_SMOKE
+    if args.device == "cpu":
+        args.samples, args.prompt_len, args.response_len, args.micro_batch_size = 16, 8, 16, 4
+        args.warmup, args.rollouts = 1, 1
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": shape,
+              "samples": args.samples, "prompt_len": args.prompt_len, "response_len": args.response_len,
+              "micro_batch_size": args.micro_batch_size, "rollouts_timed": args.rollouts, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model", shape, args.device)
+        for variant in args.variants.split(","):
+            log(f"{variant}: building")
+            trainer = make(variant, model, args)
+            result["variants"][variant] = time_variant(trainer, args, shape)
+            log(f"{variant}: {result['variants'][variant]}")
+            trainer.dispose()
+            del trainer
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    done = result["variants"]
+    if {"plain", "fsdp"} <= done.keys():
+        total = {k: done[k]["prepare_s"] + done[k]["step_s"] for k in ("plain", "fsdp")}
+        result["fsdp_over_plain"] = round(total["fsdp"] / total["plain"], 3)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""One FSDP2 rank of the torch trainer on CUDA (NCCL, world size 1) against the unsharded trainer on the
+same rollouts; skipped without a GPU. No Ray: the rank is built in this process. The skipped
+old-logprob pass (the step records its logprobs, summed over the ranks) is exercised here only.
+
+float32 (--dtype float32): the same losses, gradient norms and weights to float tolerance. bfloat16
+(the CUDA default): FSDP casts the parameters to bf16 for the whole unit where autocast keeps the
+norms' weights in float32, so the two agree to bf16 rounding, not bit for bit. The rank's sharded
+checkpoint loads into the unsharded trainer.
+"""
+
+from __future__ import annotations
+
+import socket
+import pytest
+import torch
+
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.trainer import Trainer
+from tests.tiny_model import make_tiny_model
+from tests.unit.test_trainer import SAMPLES, sample
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
+# one optimizer step per rollout: on CUDA both skip the no-grad old-logprob pass (the step records them)
+TRAIN = TrainConfig(lr=1e-3, micro_batch_size=2, clip_grad=1.0, compile_layers=False)
+ALGO = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1,
+                       entropy_coef=0.01, eps_clip=0.2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kwargs(dtype: str) -> dict:
+    return dict(train=TRAIN, algorithm=ALGO, rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8),
+                device="cuda", dtype=dtype)
+
+
+def run(trainer, rollouts: int = 3) -> list:
+    return [(trainer.train(ROLLOUT, r), trainer.weights()) for r in range(rollouts)]
+
+
+@pytest.mark.parametrize("dtype,rel,atol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.1, 1e-2)])
+def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, dtype, rel, atol):
+    from miles.training.fsdp.rank import FSDPRank
+
+    plain = Trainer(model_path, **kwargs(dtype), hidden_forward=False)
+    want = run(plain)
+    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs(dtype))
+    try:
+        rank.setup("127.0.0.1", free_port())
+        assert rank.compute_dtype == plain.compute_dtype
+        got = run(rank)
+        rank.save(tmp_path / "ck")
+    finally:
+        rank.dispose()       # its process group goes too: the next case makes its own
+    for (metrics, weights), (want_metrics, want_weights) in zip(got, want, strict=True):
+        for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "logprob_diff_rollout"):
+            assert metrics[k] == pytest.approx(want_metrics[k], rel=rel, abs=atol), k
+        assert metrics["logprob_passes"] == want_metrics["logprob_passes"]
+        for name, w in weights.items():
+            if name.endswith("k_proj.bias"):    # zero gradient in exact arithmetic: Adam steps on rounding noise
+                continue
+            torch.testing.assert_close(w, want_weights[name], rtol=rel, atol=atol, msg=name)
+    resumed = Trainer(model_path, **kwargs(dtype), hidden_forward=False)
+    resumed.load(tmp_path / "ck")
+    assert resumed.num_steps == 3
+    for name, w in resumed.weights().items():
+        torch.testing.assert_close(w, got[-1][1][name], rtol=0, atol=0, msg=name)
+    plain.dispose()
+    resumed.dispose()

@@ -1,0 +1,135 @@
+"""The torch trainer on N ranks (FSDP2 over gloo, ranks as spawned processes): the same loss, gradient
+norm and updated weights as the one-process trainer on the same global batch, and its sharded
+checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks), and the
+one-process checkpoint resumed on 2 ranks.
+
+The 2-rank run also recomputes activations and plans micro-batches by token budget, neither of which
+changes the step: the one-process trainer it is compared with does neither."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.trainer import Trainer
+from tests.tiny_model import make_tiny_model
+from tests.unit.test_trainer import SAMPLES, sample
+
+# 6 samples of different lengths: 2 ranks get 3 each, 4 ranks get 2, 2, 1, 1 (unequal micro-batch counts)
+ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
+TRAIN = dict(lr=1e-2, micro_batch_size=2, global_batch_size=3, clip_grad=0.5)     # two optimizer steps a rollout
+ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+            eps_clip=0.2)
+METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm")
+
+
+RANKS_TRAIN = dict(recompute_activations=True, use_dynamic_batch_size=True, max_tokens_per_gpu=12)
+
+
+def configs(**train) -> dict:
+    return dict(train=TrainConfig(**TRAIN, **train), algorithm=AlgorithmConfig(**ALGO),
+                rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8), device="cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]]):
+    """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes the
+    metrics and the whole weights after each train to out/rank_<r>.pt."""
+    torch.set_num_threads(1)
+    from miles.training.fsdp.rank import FSDPRank
+
+    t = FSDPRank(model, rank=rank, world_size=world_size, **configs(**RANKS_TRAIN))
+    t.setup("127.0.0.1", port)
+    results = []
+    for action, arg in script:
+        if action == "train":
+            results.append((t.train(ROLLOUT, arg), t.weights()))
+        else:
+            getattr(t, action)(arg)
+    torch.save(results, Path(out) / f"rank_{rank}.pt")
+    t.dispose()
+
+
+def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]]) -> list:
+    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script), nprocs=world_size)
+    return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_path, tmp_path_factory):
+    """The one-process trainer on three rollouts; its checkpoint after rollout 0."""
+    t = Trainer(model_path, **configs())
+    ck = tmp_path_factory.mktemp("one") / "ck"
+    results = [(t.train(ROLLOUT, 0), t.weights())]
+    t.save(ck)
+    results += [(t.train(ROLLOUT, r), t.weights()) for r in (1, 2)]
+    return results, ck
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_path, one_rank, tmp_path_factory):
+    """2 ranks: rollout 0 from the initial weights; the one-process checkpoint of rollout 0
+    loaded, rollout 1, saved (the checkpoint the others resume)."""
+    out = tmp_path_factory.mktemp("two")
+    script = [("train", 0), ("load", str(one_rank[1])), ("train", 1),
+              ("save", str(out / "ck"))]
+    return run_ranks(2, model_path, out, script), out / "ck"
+
+
+def assert_same(got: list, want: list) -> None:
+    for (metrics, weights), (want_metrics, want_weights) in zip(got, want, strict=True):
+        for k in METRICS:
+            assert metrics[k] == pytest.approx(want_metrics[k], rel=1e-4, abs=1e-6), k
+        assert metrics["num_steps"] == want_metrics["num_steps"] == 2
+        assert weights.keys() == want_weights.keys()
+        off = {n: float((w - want_weights[n]).abs().max()) for n, w in weights.items()
+               if not torch.allclose(w, want_weights[n], rtol=1e-4, atol=1e-5)}
+        # a key bias's gradient is 0 in exact arithmetic (softmax ignores the q.b_k added to a whole row
+        # of scores); Adam turns the rounding noise left of it into steps of lr size, in any order of sums
+        assert {n for n in off if not n.endswith("k_proj.bias")} == set(), off
+
+
+def test_two_ranks_take_the_one_rank_steps_and_resume_its_checkpoint(one_rank, two_ranks):
+    ranks, _ = two_ranks
+    for got in ranks:   # every rank reports the same metrics and holds the same whole weights
+        assert_same(got, one_rank[0][:2])       # rollout 1 after loading the one-process checkpoint
+    assert ranks[0][0][1]["model.embed_tokens.weight"].shape == (32, 32)   # gathered whole, not a shard
+
+
+def test_a_checkpoint_saved_on_two_ranks_resumes_on_one(one_rank, two_ranks, model_path):
+    _, ck = two_ranks
+    assert (ck / "dcp" / ".metadata").is_file() and sorted(p.name for p in (ck / "rng").iterdir()) == [
+        "rank_0.pt", "rank_1.pt"]
+    t = Trainer(model_path, **configs())
+    t.load(ck)
+    assert t.num_steps == 4
+    assert_same([(t.train(ROLLOUT, 2), t.weights())], one_rank[0][2:])
+
+
+@pytest.mark.extended
+def test_four_ranks_resume_the_two_rank_checkpoint(one_rank, two_ranks, model_path, tmp_path):
+    _, ck = two_ranks
+    for got in run_ranks(4, model_path, tmp_path, [("load", str(ck)), ("train", 2)]):
+        assert_same(got, one_rank[0][2:])
+
+
+@pytest.mark.extended
+def test_four_ranks_take_the_one_rank_steps(one_rank, model_path, tmp_path):
+    for got in run_ranks(4, model_path, tmp_path, [("train", 0), ("train", 1)]):
+        assert_same(got, one_rank[0][:2])
