@@ -11,9 +11,10 @@ the executor's per-sample ones for the sequence-level estimators, or token-level
 the reference and the critic's `values` are (REINFORCE++ returns, PPO's GAE, both with --kl-coef's
 KL in the token rewards); for PPO it returns the critic's targets. `train(samples, rollout_id)` then
 takes one optimizer step per global batch of `train.global_batch_size` samples, each accumulated
-over micro-batches of `train.micro_batch_size` samples, or of at most `train.max_tokens_per_gpu`
-padded tokens with --use-dynamic-batch-size (it prepares the rollout itself when nothing was
-prepared). Every micro-batch term is reduced with the *global* batch's count (tokens, or
+over micro-batches of `train.micro_batch_size` samples, or with --use-dynamic-batch-size of at most
+`train.max_tokens_per_gpu` real tokens packed end to end into one row (`miles.training.packing`;
+padded rows x longest with --no-pack-sequences) (it prepares the rollout itself when nothing was
+prepared); metric `tokens_computed_per_real` is the padding's cost (1.0 packed). Every micro-batch term is reduced with the *global* batch's count (tokens, or
 sequences for the seq-mean reductions) as the denominator, so the accumulated gradient equals the
 gradient of the reduction over the whole global batch.
 
@@ -52,6 +53,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.packing import computed_tokens, use_packing
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
@@ -101,10 +103,12 @@ class Trainer(OptimizedModel):
         self._ref = self._make_reference(algorithm)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
+        self._packed = use_packing(train, self._model, self._ref)
         self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
-                                                   chunk_rows=train.log_probs_chunk_size)
+                                                   chunk_rows=train.log_probs_chunk_size, packed=self._packed)
+        self._computed = [0, 0]   # positions the forwards computed, real tokens among them (this train call)
         self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
         if train.recompute_activations:
@@ -139,11 +143,13 @@ class Trainer(OptimizedModel):
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
+        self._computed = [0, 0]
         if self._train_cfg.save_debug_train_data:
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
+        metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
+                       tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
@@ -198,9 +204,13 @@ class Trainer(OptimizedModel):
         or token-budget groups with --use-dynamic-batch-size."""
         t = self._train_cfg
         groups = plan_micro_batches(batch.attention_mask, micro_batch_size=micro_batch_size or t.micro_batch_size,
-                                    max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None)
+                                    max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None,
+                                    packed=self._packed)
         for rows in groups:
-            yield torch.as_tensor(rows, device=batch.tokens.device), take_rows(batch, rows)
+            mb = take_rows(batch, rows)
+            self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
+            self._computed[1] += int(mb.attention_mask.sum())
+            yield torch.as_tensor(rows, device=batch.tokens.device), mb
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:
