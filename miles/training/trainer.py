@@ -52,6 +52,8 @@ from torch import Tensor
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
+from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.packing import computed_tokens, use_packing
 from miles.training.rng import rng_state, set_rng_state
@@ -109,6 +111,11 @@ class Trainer(OptimizedModel):
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
                                                    chunk_rows=train.log_probs_chunk_size, packed=self._packed)
         self._computed = [0, 0]   # positions the forwards computed, real tokens among them (this train call)
+        self._logits_path = not forward_name.startswith("hidden")
+        self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
+        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and not on_cuda:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
+                             "planned from the free memory)")
         self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
         if train.recompute_activations:
@@ -150,6 +157,8 @@ class Trainer(OptimizedModel):
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
+        if self._memory_budget is not None:
+            metrics["memory_token_budget"] = float(self._memory_budget)
         if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
@@ -203,14 +212,25 @@ class Trainer(OptimizedModel):
         """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows,
         or token-budget groups with --use-dynamic-batch-size."""
         t = self._train_cfg
+        planned = self._plan_memory(batch) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
         groups = plan_micro_batches(batch.attention_mask, micro_batch_size=micro_batch_size or t.micro_batch_size,
-                                    max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None,
-                                    packed=self._packed)
+                                    max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
+                                    else None, packed=self._packed,
+                                    memory_tokens=None if t.use_dynamic_batch_size else planned)
         for rows in groups:
             mb = take_rows(batch, rows)
             self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
             self._computed[1] += int(mb.attention_mask.sum())
             yield torch.as_tensor(rows, device=batch.tokens.device), mb
+
+    def _plan_memory(self, batch: TrainBatch) -> int:
+        """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
+        self._memory_budget = cuda_token_budget(
+            self._model, self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
+            recompute=self._train_cfg.recompute_activations, logits=self._logits_path,
+            chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS,
+            min_tokens=int(batch.attention_mask.sum(dim=1).max()))
+        return self._memory_budget
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:

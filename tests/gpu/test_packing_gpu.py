@@ -75,3 +75,18 @@ def test_packed_training_step_matches_the_padded_one_in_bf16(recompute):
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=2e-2)
     assert torch.nn.functional.cosine_similarity(a[3], b[3], dim=0) > 0.99
     assert (b[3].norm() / a[3].norm() - 1).abs() < 0.05
+
+
+def test_without_a_token_budget_cuda_plans_one_from_free_memory():
+    """No --max-tokens-per-gpu on CUDA: each train call plans a budget from the free memory
+    (miles.training.memory_plan), reports it, and trains; the first call reserves the optimizer
+    state that does not exist yet, so the second call's budget is not smaller."""
+    data = samples(n=64)
+    t = Trainer(QWEN3, train=TrainConfig(lr=1e-3, micro_batch_size=64),
+                algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+                rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=8), device="cuda")
+    first, second = t.train(data, 0), t.train(data, 1)
+    longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in data)
+    assert first["memory_token_budget"] >= longest
+    assert second["memory_token_budget"] >= first["memory_token_budget"] * 0.95
+    assert first["gpu_mem_peak_gib"] * 2 ** 30 < torch.cuda.get_device_properties(0).total_memory
