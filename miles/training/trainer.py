@@ -25,7 +25,7 @@ decided once, by `miles.training.terms.PolicyObjective` (shared with the megatro
 never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
-chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). When a rollout takes exactly
+chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every device, when a rollout takes exactly
 one optimizer step and nothing but the PPO ratio reads the trainer's pre-step logprobs (no TIS, no
 --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes them is skipped: they
 are, by construction, the step's own logprobs before its update, so the step uses them detached
@@ -56,6 +56,7 @@ from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.packing import computed_tokens, use_packing
+from miles.training.threads import cpu_threads
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
@@ -93,8 +94,9 @@ class Trainer(OptimizedModel):
                  skip_old_logprobs: bool | None = None):
         """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
         recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant.
-        `hidden_forward` (chunked logprobs from hidden states) and `skip_old_logprobs` (no no-grad
-        pass when it equals the step's own): None = on CUDA only, so CPU runs compute as they did."""
+        `hidden_forward` (chunked logprobs from hidden states): None = on CUDA only, so CPU runs
+        compute as they did. `skip_old_logprobs` (no no-grad pass when it equals the step's own, which
+        holds on every device: the model runs in eval mode, no dropout): None = yes."""
         super().__init__(train=train, device=device, dtype=dtype)
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
@@ -116,8 +118,9 @@ class Trainer(OptimizedModel):
         if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and not on_cuda:
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
                              "planned from the free memory)")
-        self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
+        self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
+        threads = cpu_threads(self.device)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
@@ -125,7 +128,7 @@ class Trainer(OptimizedModel):
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
-                 may_skip_old_logprobs=self._may_skip_old_pass)
+                 may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
