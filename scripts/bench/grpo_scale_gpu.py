@@ -44,7 +44,8 @@ step.SHAPES.setdefault(("qwen3", "4b"), dict(QWEN3, hidden_size=2560, num_hidden
 step.SHAPES.setdefault(("qwen3", "8b"), dict(QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                                              intermediate_size=12288, tie_word_embeddings=False))
 
-BASE_FLAGS = "--colocate --rollout-engine fast --use-dynamic-batch-size --recompute-activations"
+# --max-prompt-len: the engine sizes its slots to the K/V of the longest prompt + answer (prompts are 64 tokens)
+BASE_FLAGS = "--colocate --rollout-engine fast --use-dynamic-batch-size --recompute-activations --max-prompt-len 128"
 WORKLOADS = {
     # name: (family, size, prompts, samples, new tokens, micro-batch, TRL in the same run, extra miles flags)
     "1.7b-1k": ("qwen3", "1.7b", 32, 8, 1024, 64, True, "--max-tokens-per-gpu 16384"),
