@@ -141,17 +141,17 @@ def _per_sample_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens:
     return torch.cat(outs, dim=2)
 
 
-def _varlen_attention(fn, causal: dict, gqa: bool, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
+def _varlen_attention(fn, causal: dict, gqa: bool, has_scale: bool, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
                       max_len: int, scaling: float | None) -> Tensor:
     """The same through torch's variable-length flash attention ([L, H, D] layout)."""
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))   # usually a no-op: [L, H, D] views
     options = dict(causal)
     if gqa:
         options["enable_gqa"] = True
     else:
         n_rep = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-    if scaling is not None:
+    if scaling is not None and has_scale:
         options["scale"] = scaling
     out = fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
     return out.transpose(0, 1)[None]
@@ -171,10 +171,11 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("packed attention has no sliding window or softcap; run with --no-pack-sequences")
     varlen = _varlen_once()
+    # a torch whose varlen_attn takes no scale still serves the default one, 1/sqrt(head_dim)
+    default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
     if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
-            (scaling is None or varlen[3]):
-        out = _varlen_attention(varlen[0], varlen[1], varlen[2], query, key, value, cu_seqlens,
-                                int(kwargs["max_length_q"]), scaling)
+            (varlen[3] or default_scale):
+        out = _varlen_attention(*varlen, query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
     else:
         out = _per_sample_attention(query, key, value, cu_seqlens, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -152,3 +152,32 @@ def test_a_model_packing_cannot_serve_is_refused_by_name(tmp_path):
     batch = make_train_batch(samples(3), pad_id=0)
     padded = model(input_ids=take_rows(batch, [0]).tokens).logits     # no boundaries: plain causal attention
     assert torch.isfinite(padded).all()
+
+
+@pytest.mark.parametrize("gqa,has_scale,causal", [(True, True, {"window_size": (-1, 0)}),
+                                                   (False, False, {"is_causal": True})])
+def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):
+    """CUDA's path, on the CPU: `_varlen_attention` passes [L, H, D] tensors, the boundaries and the
+    causal / GQA / scale options the way each torch version's varlen_attn takes them; a stand-in
+    with varlen_attn's contract (each span attended alone) must give the per-sample result."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 13, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    seen = {}
+
+    def varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **options):
+        seen.update(options, shapes=(query.shape, key.shape), max=(max_q, max_k))
+        if options.get("enable_gqa"):
+            key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
+        bounds = cu_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(x[s:e].transpose(0, 1) for x in (query, key, value)), is_causal=True,
+            scale=options.get("scale")).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
+
+    scale = 8 ** -0.5
+    from miles.training.packing import _per_sample_attention, _varlen_attention
+
+    out = _varlen_attention(varlen_attn, causal, gqa, has_scale, q, k, v, cu, 7, scale)
+    torch.testing.assert_close(out, _per_sample_attention(q, k, v, cu, scale))
+    assert seen["shapes"] == ((13, 4, 8), (13, 2 if gqa else 4, 8)) and seen["max"] == (7, 7)
+    assert ("scale" in seen) == has_scale and all(seen[key] == value for key, value in causal.items())
