@@ -13,10 +13,13 @@ KL in the token rewards); for PPO it returns the critic's targets. `train(sample
 takes one optimizer step per global batch of `train.global_batch_size` samples, each accumulated
 over micro-batches of `train.micro_batch_size` samples, or with --use-dynamic-batch-size of at most
 `train.max_tokens_per_gpu` real tokens packed end to end into one row (`miles.training.packing`;
-padded rows x longest with --no-pack-sequences) (it prepares the rollout itself when nothing was
-prepared); metric `tokens_computed_per_real` is the padding's cost (1.0 packed). Every micro-batch term is reduced with the *global* batch's count (tokens, or
-sequences for the seq-mean reductions) as the denominator, so the accumulated gradient equals the
-gradient of the reduction over the whole global batch.
+padded rows x longest with --no-pack-sequences); it prepares the rollout itself when nothing was
+prepared. Metric `tokens_computed_per_real` is the padding's cost (1.0 packed). On CUDA without
+--max-tokens-per-gpu, micro-batches are capped by a budget planned from the free memory
+(`miles.training.memory_plan`, metric `memory_token_budget`). Every micro-batch term is reduced
+with the *global* batch's count (tokens, or sequences for the seq-mean reductions) as the
+denominator, so the accumulated gradient equals the gradient of the reduction over the whole
+global batch.
 
 The loss: policy loss (PPO clip, or GSPO when the advantage estimator is gspo; or SFT's NLL for
 --loss-type sft_loss) + kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term
@@ -25,11 +28,11 @@ decided once, by `miles.training.terms.PolicyObjective` (shared with the megatro
 never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
-chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every device, when a rollout takes exactly
-one optimizer step and nothing but the PPO ratio reads the trainer's pre-step logprobs (no TIS, no
---use-rollout-logprobs, no KL in the reward), the no-grad pass that computes them is skipped: they
-are, by construction, the step's own logprobs before its update, so the step uses them detached
-(metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
+chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every device, when a
+rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
+logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
+them is skipped: they are, by construction, the step's own logprobs before its update, so the
+step uses them detached (metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
 
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
@@ -49,17 +52,17 @@ import structlog
 import torch
 from torch import Tensor
 
+from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
-from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import plan_micro_batches, take_rows
 from miles.training.packing import computed_tokens, use_packing
-from miles.training.threads import cpu_threads
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
+from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -98,6 +101,9 @@ class Trainer(OptimizedModel):
         compute as they did. `skip_old_logprobs` (no no-grad pass when it equals the step's own, which
         holds on every device: the model runs in eval mode, no dropout): None = yes."""
         super().__init__(train=train, device=device, dtype=dtype)
+        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and self.device.type != "cuda":
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
+                             "planned from the free memory)")
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
@@ -115,9 +121,6 @@ class Trainer(OptimizedModel):
         self._computed = [0, 0]   # positions the forwards computed, real tokens among them (this train call)
         self._logits_path = not forward_name.startswith("hidden")
         self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
-        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and not on_cuda:
-            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
-                             "planned from the free memory)")
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
         threads = cpu_threads(self.device)
