@@ -13,8 +13,9 @@ makes none for an implementation without a mask function), and each layer gets t
 boundaries (`cu_seq_lens_q`, `max_length_q`) through the forward's keyword arguments. On CUDA, in
 half precision, the boundaries go to torch's variable-length flash attention
 (`torch.nn.attention.varlen.varlen_attn`) when this torch has it: O(sum of l_i^2) work, no mask.
-Elsewhere (CPU, float32, an older torch) each sample's span runs through SDPA with `is_causal`, one
-call per sample: the same work, exact, no [L, L] mask either. Called without boundaries (a padded
+Elsewhere (CPU, float32, an older torch) the pack's samples are laid out as right-padded rows for one
+causal SDPA call and packed back (`_padded_attention`): the attention of a padded micro-batch, exact,
+no [L, L] mask either, while everything else in the layers runs on real tokens only. Called without boundaries (a padded
 forward of the same model) it is plain causal SDPA, which is exact on right-padded rows.
 
 Why not transformers' own packed format (restarting `position_ids`, no mask): with SDPA it builds a
@@ -128,17 +129,24 @@ def _repeat_kv(x: Tensor, n_rep: int, head_dim: int = 1) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim)
 
 
-@torch.compiler.disable
-def _per_sample_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
-                          scaling: float | None) -> Tensor:
-    """[1, H, L, D] q, [1, Hkv, L, D] k/v -> [1, H, L, D]: causal SDPA on each sample's span."""
+def _padded_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_len: int,
+                      scaling: float | None) -> Tensor:
+    """[1, H, L, D] q, [1, Hkv, L, D] k/v -> [1, H, L, D]: the pack's samples laid out as right-padded
+    rows for one causal SDPA call (a real token never sees the padding after it), then packed back.
+    The same work as a padded micro-batch's attention, without a mask and without a host sync."""
+    n, total = cu_seqlens.shape[0] - 1, query.shape[2]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sample = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=total)
+    offset = torch.arange(total, device=query.device) - cu_seqlens[:-1].long()[sample]
+
+    def rows(x: Tensor) -> Tensor:       # [1, h, L, D] -> [n, h, max_len, D]
+        padded = x.new_zeros(n, max_len, x.shape[1], x.shape[3])
+        return padded.index_put((sample, offset), x[0].transpose(0, 1)).transpose(1, 2)
+
     n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    bounds = cu_seqlens.tolist()
-    outs = [torch.nn.functional.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                             is_causal=True, scale=scaling)
-            for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(outs, dim=2)
+    k, v = (_repeat_kv(rows(x), n_rep) for x in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(rows(query), k, v, is_causal=True, scale=scaling)
+    return out.transpose(1, 2)[sample, offset].transpose(0, 1)[None]
 
 
 def _varlen_attention(fn, causal: dict, gqa: bool, has_scale: bool, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
@@ -177,7 +185,7 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
             (varlen[3] or default_scale):
         out = _varlen_attention(*varlen, query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
     else:
-        out = _per_sample_attention(query, key, value, cu_seqlens, scaling)
+        out = _padded_attention(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

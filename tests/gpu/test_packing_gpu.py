@@ -12,12 +12,22 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.packing import _per_sample_attention, _varlen_once, packed_attention
+from miles.training.packing import _varlen_once, packed_attention
 from miles.training.trainer import Trainer
 from tests.unit.test_trainer import sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 QWEN3 = "examples/arithmetic/base_model_qwen3"
+
+
+def per_sample_attention(query, key, value, cu_seqlens, scaling):
+    """The reference: each sample's span through its own causal SDPA ([1, H, L, D] layout)."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    bounds = cu_seqlens.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
 
 
 def test_this_torch_has_varlen_attention():
@@ -36,7 +46,7 @@ def test_varlen_pack_equals_each_samples_own_attention(heads, kv_heads, head_dim
     v = torch.randn(1, kv_heads, total, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out, _ = packed_attention(torch.nn.Module(), q, k, v, None, scaling=head_dim ** -0.5, cu_seq_lens_q=cu,
                               max_length_q=max(lengths))
-    ref = _per_sample_attention(q, k, v, cu, head_dim ** -0.5).transpose(1, 2)
+    ref = per_sample_attention(q, k, v, cu, head_dim ** -0.5).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)

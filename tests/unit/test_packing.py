@@ -26,6 +26,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def per_sample_attention(query, key, value, cu_seqlens, scaling):
+    """The reference: each sample's span through its own causal SDPA ([1, H, L, D] layout)."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    bounds = cu_seqlens.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
+
+
 def samples(n=10, seed=0):
     rng = random.Random(seed)
     out = []
@@ -175,9 +185,9 @@ def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):
             scale=options.get("scale")).transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:])])
 
     scale = 8 ** -0.5
-    from miles.training.packing import _per_sample_attention, _varlen_attention
+    from miles.training.packing import _varlen_attention
 
     out = _varlen_attention(varlen_attn, causal, gqa, has_scale, q, k, v, cu, 7, scale)
-    torch.testing.assert_close(out, _per_sample_attention(q, k, v, cu, scale))
+    torch.testing.assert_close(out, per_sample_attention(q, k, v, cu, scale))
     assert seen["shapes"] == ((13, 4, 8), (13, 2 if gqa else 4, 8)) and seen["max"] == (7, 7)
     assert ("scale" in seen) == has_scale and all(seen[key] == value for key, value in causal.items())
