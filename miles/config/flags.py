@@ -221,7 +221,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("use-dynamic-batch-size", "train", "use_dynamic_batch_size", kind="true",
        help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples"),
     _f("max-tokens-per-gpu", "train", "max_tokens_per_gpu", int,
-       "token budget of a micro-batch with --use-dynamic-batch-size (rows x longest row)"),
+       "token budget of a micro-batch with --use-dynamic-batch-size: its real tokens, packed end to end into one "
+       "row with per-sample attention (rows x longest row with --no-pack-sequences). Not given, on CUDA: "
+       "micro-batches are capped at floor(0.8 x (free memory - gradients, optimizer state, weight copies, logprob "
+       "chunks) / activation bytes per token) padded tokens (miles/training/memory_plan.py states the rule)"),
+    _f("no-pack-sequences", "train", "pack_sequences", kind="false",
+       help="with --use-dynamic-batch-size: right-padded rows per micro-batch instead of one packed row"),
     _f("recompute-activations", "train", "recompute_activations", kind="true",
        help="activation checkpointing: recompute each layer's activations in the backward (less memory)"),
     _f("trainer-compile", "train", "compile_layers", kind="true",

@@ -217,7 +217,8 @@ class TrainConfig:
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
-    max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's padded tokens (rows x longest)
+    max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's tokens (real ones packed, else rows x longest)
+    pack_sequences: bool = True         # --no-pack-sequences: token-budget micro-batches as padded rows, not one packed row
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
     log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: rows per chunk of the chunked logprobs
     compile_layers: bool | None = None  # --trainer-compile / --no-trainer-compile (None: on for the torch trainer on CUDA)

@@ -433,8 +433,9 @@ def _on_policy_problems(cfg: RunConfig, name: str) -> list[str]:
 @check
 def _gpu_memory(cfg: RunConfig, problems: list[str]) -> None:
     t = cfg.train
-    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
-        problems.append("--use-dynamic-batch-size needs --max-tokens-per-gpu N: the token budget of a micro-batch")
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None and cfg.model.on_gpus is False:
+        problems.append("--use-dynamic-batch-size needs --max-tokens-per-gpu N on the CPU: the token budget of a "
+                        "micro-batch (on CUDA it is planned from the free memory)")
     if t.max_tokens_per_gpu is not None and not t.use_dynamic_batch_size:
         problems.append(f"--max-tokens-per-gpu {t.max_tokens_per_gpu} has no effect without --use-dynamic-batch-size")
     if t.max_tokens_per_gpu is not None and t.max_tokens_per_gpu < 1:

@@ -9,7 +9,9 @@
   tokens, and SDPA keeps its flash kernel). Outside the loss mask its logprobs and entropies are 0.
 
 Both return (logprobs [B, T] float32, entropy [B, T] float32 or None), aligned to tokens as in
-`miles.algorithms.entropy`; every consumer reads them under the loss mask only.
+`miles.algorithms.entropy`; every consumer reads them under the loss mask only. `packed` (picked at
+start-up with --use-dynamic-batch-size, `miles.training.packing`): the micro-batch's real tokens run
+as one [1, L] row with per-sample attention, and the results come back in its [B, T] layout.
 """
 
 from __future__ import annotations
@@ -23,13 +25,26 @@ from torch import Tensor, nn
 from miles.algorithms import entropy_from_logits, logprobs_from_logits, masked_logprobs_entropy
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.batch import TrainBatch
+from miles.training.packing import Pack
 
 # (model, micro-batch, want entropy, entropy gets gradients) -> (logprobs, entropy or None)
 Forward = Callable[[nn.Module, TrainBatch, bool, bool], tuple[Tensor, Tensor | None]]
 
 
 def logits_forward(temperature: float, autocast: Callable[[], AbstractContextManager], model: nn.Module,
-                   mb: TrainBatch, entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+                   mb: TrainBatch, entropy: bool, entropy_grad: bool, packed: bool = False) -> tuple[Tensor, Tensor | None]:
+    if packed:
+        pack = Pack.of(mb.attention_mask)
+        tokens = pack.pack(mb.tokens)
+        with autocast():
+            logits = model(input_ids=tokens, use_cache=False, **pack.model_kwargs()).logits
+        # a sample's first position would read the previous sample's last logits: 0, as in a row of its own
+        first = pack.position_ids == 0
+        logprobs = pack.unpack(logprobs_from_logits(logits, tokens, temperature).masked_fill(first, 0.0))
+        if not entropy:
+            return logprobs, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return logprobs, pack.unpack(entropy_from_logits(logits, temperature).masked_fill(first, 0.0))
     with autocast():
         logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False).logits
     logprobs = logprobs_from_logits(logits, mb.tokens, temperature)
@@ -41,13 +56,22 @@ def logits_forward(temperature: float, autocast: Callable[[], AbstractContextMan
 
 def hidden_forward(temperature: float, autocast: Callable[[], AbstractContextManager], matmul_dtype: torch.dtype,
                    chunk_rows: int, model: nn.Module, mb: TrainBatch, entropy: bool,
-                   entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-    with autocast():
-        # right padding + causal attention: the mask would change only the padding's own outputs
-        hidden = model.get_decoder()(input_ids=mb.tokens, use_cache=False).last_hidden_state
+                   entropy_grad: bool, packed: bool = False) -> tuple[Tensor, Tensor | None]:
     weight = model.get_output_embeddings().weight
-    logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature,
-                                            matmul_dtype=matmul_dtype, chunk_rows=chunk_rows)
+    if packed:      # the loss mask is False on every sample's first (prompt) token: no cross-sample reads
+        pack = Pack.of(mb.attention_mask)
+        tokens = pack.pack(mb.tokens)
+        with autocast():
+            hidden = model.get_decoder()(input_ids=tokens, use_cache=False, **pack.model_kwargs()).last_hidden_state
+        logprobs, ent = (pack.unpack(x) for x in masked_logprobs_entropy(
+            hidden, weight, tokens, pack.pack(mb.loss_mask), temperature, matmul_dtype=matmul_dtype,
+            chunk_rows=chunk_rows))
+    else:
+        with autocast():
+            # right padding + causal attention: the mask would change only the padding's own outputs
+            hidden = model.get_decoder()(input_ids=mb.tokens, use_cache=False).last_hidden_state
+        logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature,
+                                                matmul_dtype=matmul_dtype, chunk_rows=chunk_rows)
     if not entropy:
         return logprobs, None
     return logprobs, ent if entropy_grad else ent.detach()   # detached: no backward work for a metric
@@ -68,15 +92,17 @@ def hidden_path_problem(model: nn.Module) -> str | None:
 
 
 def pick_forward(model: nn.Module, *, temperature: float, autocast: Callable[[], AbstractContextManager],
-                 compute_dtype: torch.dtype, hidden: bool,
-                 chunk_rows: int | None = None) -> tuple[Forward, str]:
+                 compute_dtype: torch.dtype, hidden: bool, chunk_rows: int | None = None,
+                 packed: bool = False) -> tuple[Forward, str]:
     """The forward to use and its name; `hidden` asks for the chunked path where the model allows it,
-    `chunk_rows` rows per chunk there (--log-probs-chunk-size; None: DEFAULT_CHUNK_ROWS)."""
+    `chunk_rows` rows per chunk there (--log-probs-chunk-size; None: DEFAULT_CHUNK_ROWS); `packed`
+    runs each micro-batch as one packed row (the model's attention switched by `enable_packing`)."""
     from functools import partial
 
     if hidden and hidden_path_problem(model) is None:
-        return partial(hidden_forward, temperature, autocast, compute_dtype, chunk_rows or DEFAULT_CHUNK_ROWS), "hidden"
-    return partial(logits_forward, temperature, autocast), "logits"
+        return partial(hidden_forward, temperature, autocast, compute_dtype, chunk_rows or DEFAULT_CHUNK_ROWS,
+                       packed=packed), "hidden" + ("+packed" if packed else "")
+    return partial(logits_forward, temperature, autocast, packed=packed), "logits" + ("+packed" if packed else "")
 
 
 def compile_decoder_layers(model: nn.Module) -> int:

@@ -8,13 +8,11 @@ of its own (it cannot be split). Which rows share a micro-batch does not change 
 micro-batch term is divided by the global batch's normalizer (miles.training.trainer), so the
 accumulated gradient is the same for any partition of the rows.
 
-Why padded rows and not padding-free packing: transformers (5.x) packs sequences when given
-`position_ids` that restart per sequence and no attention mask, but with SDPA it then builds a
-[T, T] block-diagonal mask over the whole pack and runs attention over all T² pairs (no flash
-kernel): at a 64 x 300-token micro-batch that is ~19k² pairs per layer, more FLOPs than the model
-itself. Right-padded rows need no mask at all under causal attention (a real token never looks at
-the padding after it), so a forward with `attention_mask=None` is exact on the real tokens and keeps
-SDPA's flash kernel; the price is the padding, which the length sort keeps small.
+Packed (the default with a token budget; `miles.training.packing`): the budget bounds a micro-batch's
+*real* tokens (`pack_groups`), since its forward runs them end to end in one row with per-sample
+attention and computes no padding. `--no-pack-sequences` (or a model packing does not support)
+keeps the padded plan above, whose cost is rows x longest; right-padded rows need no mask under
+causal attention (a real token never looks at the padding after it), so that forward is exact too.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import torch
 from torch import Tensor
 
 from miles.training.batch import TrainBatch
+from miles.training.packing import pack_groups
 
 
 def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -59,13 +58,20 @@ def take_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
                              if isinstance(getattr(batch, f.name), Tensor)})
 
 
-def plan_micro_batches(attention_mask: Tensor, *, micro_batch_size: int,
-                       max_tokens_per_gpu: int | None = None) -> list[list[int]]:
-    """Row groups of a right-padded batch: by token budget when `max_tokens_per_gpu` is set, else by
-    `micro_batch_size` rows."""
-    if max_tokens_per_gpu is None:
-        return fixed_size_groups(attention_mask.shape[0], micro_batch_size)
-    return token_budget_groups(attention_mask.sum(dim=1).tolist(), max_tokens_per_gpu)
+def plan_micro_batches(attention_mask: Tensor, *, micro_batch_size: int, max_tokens_per_gpu: int | None = None,
+                       packed: bool = False, memory_tokens: int | None = None) -> list[list[int]]:
+    """Row groups of a right-padded batch: by token budget when `max_tokens_per_gpu` is set (real
+    tokens when `packed`, rows x longest otherwise), else by `micro_batch_size` rows, each group
+    then split further where its padded size exceeds `memory_tokens` (the memory-planned cap when
+    no budget was given; None: no cap)."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    if max_tokens_per_gpu is not None:
+        return (pack_groups if packed else token_budget_groups)(lengths, max_tokens_per_gpu)
+    groups = fixed_size_groups(attention_mask.shape[0], micro_batch_size)
+    if memory_tokens is None:
+        return groups
+    return [[rows[i] for i in sub] for rows in groups
+            for sub in token_budget_groups([lengths[r] for r in rows], memory_tokens)]
 
 
 def padded_tokens(batch: TrainBatch) -> int:

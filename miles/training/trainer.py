@@ -11,11 +11,15 @@ the executor's per-sample ones for the sequence-level estimators, or token-level
 the reference and the critic's `values` are (REINFORCE++ returns, PPO's GAE, both with --kl-coef's
 KL in the token rewards); for PPO it returns the critic's targets. `train(samples, rollout_id)` then
 takes one optimizer step per global batch of `train.global_batch_size` samples, each accumulated
-over micro-batches of `train.micro_batch_size` samples, or of at most `train.max_tokens_per_gpu`
-padded tokens with --use-dynamic-batch-size (it prepares the rollout itself when nothing was
-prepared). Every micro-batch term is reduced with the *global* batch's count (tokens, or
-sequences for the seq-mean reductions) as the denominator, so the accumulated gradient equals the
-gradient of the reduction over the whole global batch.
+over micro-batches of `train.micro_batch_size` samples, or with --use-dynamic-batch-size of at most
+`train.max_tokens_per_gpu` real tokens packed end to end into one row (`miles.training.packing`;
+padded rows x longest with --no-pack-sequences); it prepares the rollout itself when nothing was
+prepared. Metric `tokens_computed_per_real` is the padding's cost (1.0 packed). On CUDA without
+--max-tokens-per-gpu, micro-batches are capped by a budget planned from the free memory
+(`miles.training.memory_plan`, metric `memory_token_budget`). Every micro-batch term is reduced
+with the *global* batch's count (tokens, or sequences for the seq-mean reductions) as the
+denominator, so the accumulated gradient equals the gradient of the reduction over the whole
+global batch.
 
 The loss: policy loss (PPO clip, or GSPO when the advantage estimator is gspo; or SFT's NLL for
 --loss-type sft_loss) + kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term
@@ -24,11 +28,11 @@ decided once, by `miles.training.terms.PolicyObjective` (shared with the megatro
 never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
-chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). When a rollout takes exactly
-one optimizer step and nothing but the PPO ratio reads the trainer's pre-step logprobs (no TIS, no
---use-rollout-logprobs, no KL in the reward), the no-grad pass that computes them is skipped: they
-are, by construction, the step's own logprobs before its update, so the step uses them detached
-(metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
+chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every device, when a
+rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
+logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
+them is skipped: they are, by construction, the step's own logprobs before its update, so the
+step uses them detached (metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
 
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
@@ -49,14 +53,18 @@ import structlog
 import torch
 from torch import Tensor
 
+from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
+from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.packing import computed_tokens, use_packing
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
+from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -92,9 +100,13 @@ class Trainer(OptimizedModel):
                  skip_old_logprobs: bool | None = None):
         """`rollout` says how the samples were drawn: its temperature divides the logits the trainer
         recomputes logprobs from, its max_response_len is seq_mean_token_sum_norm's constant.
-        `hidden_forward` (chunked logprobs from hidden states) and `skip_old_logprobs` (no no-grad
-        pass when it equals the step's own): None = on CUDA only, so CPU runs compute as they did."""
+        `hidden_forward` (chunked logprobs from hidden states): None = on CUDA only, so CPU runs
+        compute as they did. `skip_old_logprobs` (no no-grad pass when it equals the step's own, which
+        holds on every device: the model runs in eval mode, no dropout): None = yes."""
         super().__init__(train=train, device=device, dtype=dtype)
+        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and self.device.type != "cuda":
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
+                             "planned from the free memory)")
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
@@ -104,12 +116,17 @@ class Trainer(OptimizedModel):
         self._ref = self._make_reference(algorithm)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
+        self._packed = use_packing(train, self._model, self._ref)
         self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
-                                                   chunk_rows=train.log_probs_chunk_size)
-        self._may_skip_old_pass = ((on_cuda if skip_old_logprobs is None else skip_old_logprobs)
+                                                   chunk_rows=train.log_probs_chunk_size, packed=self._packed)
+        self._computed = [0, 0]   # positions the forwards computed, real tokens among them (this train call)
+        self._logits_path = not forward_name.startswith("hidden")
+        self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
+        self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
+        threads = cpu_threads(self.device)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
@@ -117,7 +134,7 @@ class Trainer(OptimizedModel):
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
-                 may_skip_old_logprobs=self._may_skip_old_pass)
+                 may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
@@ -142,11 +159,15 @@ class Trainer(OptimizedModel):
             self.prepare_rollout(samples, rollout_id)
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
+        self._computed = [0, 0]
         if self._train_cfg.save_debug_train_data:
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens)
+        metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
+                       tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
+        if self._memory_budget is not None:
+            metrics["memory_token_budget"] = float(self._memory_budget)
         if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
@@ -202,11 +223,37 @@ class Trainer(OptimizedModel):
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
         """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows,
         or token-budget groups with --use-dynamic-batch-size."""
+        for rows in self._plan_groups(batch, list(range(batch.size)), micro_batch_size):
+            yield torch.as_tensor(rows, device=batch.tokens.device), self._take(batch, rows)
+
+    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None) -> list[list[int]]:
+        """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
+        real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
         t = self._train_cfg
-        groups = plan_micro_batches(batch.attention_mask, micro_batch_size=micro_batch_size or t.micro_batch_size,
-                                    max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None)
-        for rows in groups:
-            yield torch.as_tensor(rows, device=batch.tokens.device), take_rows(batch, rows)
+        if not rows:
+            return []
+        planned = self._plan_memory(batch) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
+        groups = plan_micro_batches(batch.attention_mask[rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
+                                    max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
+                                    else None, packed=self._packed,
+                                    memory_tokens=None if t.use_dynamic_batch_size else planned)
+        return [[rows[i] for i in g] for g in groups]
+
+    def _take(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
+        """The micro-batch of `rows`, counted in tokens_computed_per_real."""
+        mb = take_rows(batch, rows)
+        self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
+        self._computed[1] += int(mb.attention_mask.sum())
+        return mb
+
+    def _plan_memory(self, batch: TrainBatch) -> int:
+        """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
+        self._memory_budget = cuda_token_budget(
+            self._model, self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
+            recompute=self._train_cfg.recompute_activations, logits=self._logits_path,
+            chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS,
+            min_tokens=int(batch.attention_mask.sum(dim=1).max()))
+        return self._memory_budget
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:

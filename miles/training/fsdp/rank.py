@@ -33,7 +33,7 @@ from miles.training.batch import TrainBatch
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
 from miles.training.fsdp.sharding import (full_tensor, padded_count, rank_rows, shard_model, sum_over_ranks,
                                           bucket_names)
-from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.microbatch import take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
@@ -74,15 +74,11 @@ class FSDPRank(Trainer):
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
         """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
         empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
-        t = self._train_cfg
-        mine = rank_rows(batch.size, self.rank, self.world_size)
-        groups = [] if not mine else plan_micro_batches(
-            batch.attention_mask[mine], micro_batch_size=micro_batch_size or t.micro_batch_size,
-            max_tokens_per_gpu=t.max_tokens_per_gpu if t.use_dynamic_batch_size else None)
-        groups = [[mine[i] for i in g] for g in groups]
+        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size)
         groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
         for rows in groups:
-            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), take_rows(batch, rows or [0])
+            mb = self._take(batch, rows) if rows else take_rows(batch, [0])
+            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), mb
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:

@@ -5,7 +5,9 @@ paged). A slot holds one sequence at positions 0..max_len-1, so decode attention
 strided slice `cache[:B, :, :L]` with no page-table gather: it runs as one stock attention kernel,
 is captured in a CUDA graph as is, and the same code runs on CPU in CI. The price is memory
 reserved up to max_len for every slot, so max_len is bounded by what fits (`plan_positions`);
-RL rollouts know their prompt and response limits, which is what max_len should be.
+RL rollouts know their prompt and response limits, which is what max_len should be: given them
+(`context_len`), the engine runs as many slots as hold that many positions each (`plan_slots`),
+so long answers lower the slot count (sequences queue for a free slot) instead of being refused.
 
 Decode steps run over the first B slots (B a batch bucket >= the highest busy slot) and attend
 over the first L positions (L a span bucket >= the longest busy sequence), so one graph per
@@ -74,6 +76,24 @@ def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_pe
             f"--rollout-mem-fraction {mem_fraction} of the {free_bytes / GiB:.2f} GiB free holds only {n} "
             f"positions per slot for --rollout-max-batch-size {slots}; raise the fraction or lower the batch size")
     return n if n == model_limit or n < POSITION_ALIGN else n - n % POSITION_ALIGN
+
+
+def plan_slots(*, free_bytes: int, mem_fraction: float, max_slots: int, bytes_per_position: int,
+               context_len: int) -> int:
+    """Slots (sequences decoded at once) whose K/V of `context_len` positions each fit in
+    mem_fraction of free memory, at most `max_slots`: admission by K/V memory. A long-answer run
+    whose every sequence cannot hold `context_len` positions in `max_slots` slots runs fewer slots
+    (the others queue and start as slots free up) instead of having its requests refused.
+    Raises ValueError, naming the flags, when not even one sequence fits."""
+    budget = int(free_bytes * mem_fraction)
+    fit = budget // (context_len * bytes_per_position)
+    if fit < 1:
+        raise ValueError(
+            f"one sequence of {context_len} positions (--max-prompt-len + --rollout-max-response-len) needs "
+            f"{context_len * bytes_per_position / GiB:.2f} GiB of KV cache, more than --rollout-mem-fraction "
+            f"{mem_fraction} of the {free_bytes / GiB:.2f} GiB free ({budget / GiB:.2f} GiB); raise the fraction or "
+            f"shorten the prompts or responses")
+    return min(max_slots, fit)
 
 
 def batch_buckets(slots: int) -> list[int]:

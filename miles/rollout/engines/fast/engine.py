@@ -32,7 +32,7 @@ from torch import Tensor
 from miles.rollout.engines.fast import attention as fast_attention
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
-                                      plan_positions, span_buckets)
+                                      plan_positions, plan_slots, span_buckets)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
@@ -56,11 +56,14 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 class FastEngine(TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
-                 max_context_len: int | None = None,
+                 max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
-        fits); `cuda_graph` / `torch_compile` / `attention_kernel` (the length-aware decode
+        fits); `context_len` (without max_context_len): the positions every request may need (the
+        run's longest prompt + response); when `max_batch_size` slots of it do not fit, the engine
+        runs as many slots as do (`plan_slots`, a `kv_slots_reduced` warning); `cuda_graph` /
+        `torch_compile` / `attention_kernel` (the length-aware decode
         attention): CUDA only, off for debugging or comparison."""
         from transformers import AutoConfig
 
@@ -74,9 +77,19 @@ class FastEngine(TokenizerAccessors):
         self.max_batch_size = max_batch_size
         self._load(model_path, seed)
         cuda = self.device.type == "cuda"
+        free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.dtype)
+        if context_len is not None and max_context_len is None:
+            needed = context_len if self._max_positions is None else min(context_len, self._max_positions)
+            slots = plan_slots(free_bytes=free, mem_fraction=mem_fraction, max_slots=max_batch_size,
+                               bytes_per_position=per_position, context_len=needed)
+            if slots < max_batch_size:
+                log.warning("kv_slots_reduced", slots=slots, asked=max_batch_size, context_len=needed,
+                            hint="the KV cache holds this many sequences of context_len positions; the others "
+                                 "queue for a free slot (raise --rollout-mem-fraction for more)")
+                self.max_batch_size = max_batch_size = slots
         self.max_len = plan_positions(
-            free_bytes=free_memory(self.device), mem_fraction=mem_fraction, slots=max_batch_size,
-            bytes_per_position=self.arch.kv_bytes_per_position(self.dtype), model_limit=self._max_positions,
+            free_bytes=free, mem_fraction=mem_fraction, slots=max_batch_size,
+            bytes_per_position=per_position, model_limit=self._max_positions,
             max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)

@@ -1,0 +1,242 @@
+"""Padding-free micro-batches: the rows of a micro-batch laid end to end in one row of real tokens.
+
+With `--use-dynamic-batch-size --max-tokens-per-gpu N` a micro-batch holds up to N *real* tokens
+(`pack_groups`), and its forward runs on one [1, L] row (L = its real tokens): position ids restart
+at every sample, and attention stays inside each sample (causal within it, blind to the others).
+The logprobs and entropies come back in the micro-batch's right-padded [b, W] layout (`Pack.unpack`),
+so every loss, reduction and metric reads exactly what the padded forward gives (float rounding
+aside): packing changes the work done, not the numbers.
+
+Attention inside a pack is `packed_attention`, registered with transformers as the implementation
+"miles_packed" (`enable_packing`): a model with it builds no attention mask at all (transformers
+makes none for an implementation without a mask function), and each layer gets the pack's sample
+boundaries (`cu_seq_lens_q`, `max_length_q`) through the forward's keyword arguments. On CUDA, in
+half precision, the boundaries go to torch's variable-length flash attention
+(`torch.nn.attention.varlen.varlen_attn`) when this torch has it: O(sum of l_i^2) work, no mask.
+Elsewhere (CPU, float32, an older torch) the pack's samples are laid out as right-padded rows for one
+causal SDPA call and packed back (`_padded_attention`): the attention of a padded micro-batch, exact,
+no [L, L] mask either, while everything else in the layers runs on real tokens only. Called without boundaries (a padded
+forward of the same model) it is plain causal SDPA, which is exact on right-padded rows.
+
+Why not transformers' own packed format (restarting `position_ids`, no mask): with SDPA it builds a
+[L, L] block-diagonal mask and attends over all L^2 pairs without the flash kernel, more work than
+the padding it saves.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+ATTENTION_NAME = "miles_packed"
+# families whose decoder hands position ids and extra keyword arguments to the attention function
+# unchanged (RoPE from position_ids; tests/unit/test_packing.py, tests/gpu/test_packing_gpu.py)
+PACKING_FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices of each packed micro-batch: first-fit decreasing on the rows' real tokens, each
+    group's sum <= max_tokens (a row longer than the budget gets a group of its own; rows are never
+    split). Deterministic (ties by row index); every index appears exactly once."""
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for g, free in enumerate(room):
+            if lengths[i] <= free:
+                groups[g].append(i)
+                room[g] -= lengths[i]
+                break
+        else:
+            groups.append([i])
+            room.append(max_tokens - lengths[i])
+    return groups
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Where a right-padded micro-batch's real tokens go in its [1, L] pack (row after row)."""
+
+    real: Tensor           # [b, W] bool, the padded layout's real tokens (attention_mask)
+    position_ids: Tensor   # [1, L] int64, 0.. within each sample
+    cu_seqlens: Tensor     # [b + 1] int32, sample boundaries in the pack
+    max_len: int           # the longest sample
+
+    @classmethod
+    def of(cls, attention_mask: Tensor) -> Pack:
+        real = attention_mask.bool()
+        lengths = real.sum(dim=1)
+        if not bool((lengths > 0).all()):
+            raise ValueError("a packed micro-batch has a row without tokens")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=real.device)
+        cu[1:] = lengths.cumsum(0)
+        starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+        positions = torch.arange(int(cu[-1]), device=real.device) - starts
+        return cls(real=real, position_ids=positions[None], cu_seqlens=cu, max_len=int(lengths.max()))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.shape[1])
+
+    def pack(self, x: Tensor) -> Tensor:
+        """[b, W, ...] -> [1, L, ...]: the real tokens, row after row."""
+        return x[self.real][None]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[1, L] -> [b, W], zeros on the padding; differentiable in `x`."""
+        return x.new_zeros(self.real.shape).masked_scatter(self.real, x.reshape(-1))
+
+    def model_kwargs(self) -> dict:
+        """What a forward of the packed row passes to the model: the restarting positions and the
+        boundaries `packed_attention` reads (transformers' names for them)."""
+        return {"position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_len, "max_length_k": self.max_len}
+
+
+# --- attention --------------------------------------------------------------------------------------
+def _varlen():
+    """(varlen_attn, its keyword arguments for causal, GQA and scale) when this torch has it, else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+_VARLEN: list = []       # [_varlen()], looked up once
+
+
+def _varlen_once():
+    if not _VARLEN:
+        _VARLEN.append(_varlen())
+    return _VARLEN[0]
+
+
+def _repeat_kv(x: Tensor, n_rep: int, head_dim: int = 1) -> Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim)
+
+
+def _padded_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_len: int,
+                      scaling: float | None) -> Tensor:
+    """[1, H, L, D] q, [1, Hkv, L, D] k/v -> [1, H, L, D]: the pack's samples laid out as right-padded
+    rows for one causal SDPA call (a real token never sees the padding after it), then packed back.
+    The same work as a padded micro-batch's attention, without a mask and without a host sync."""
+    n, total = cu_seqlens.shape[0] - 1, query.shape[2]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sample = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=total)
+    offset = torch.arange(total, device=query.device) - cu_seqlens[:-1].long()[sample]
+
+    def rows(x: Tensor) -> Tensor:       # [1, h, L, D] -> [n, h, max_len, D]
+        padded = x.new_zeros(n, max_len, x.shape[1], x.shape[3])
+        return padded.index_put((sample, offset), x[0].transpose(0, 1)).transpose(1, 2)
+
+    n_rep = query.shape[1] // key.shape[1]
+    k, v = (_repeat_kv(rows(x), n_rep) for x in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(rows(query), k, v, is_causal=True, scale=scaling)
+    return out.transpose(1, 2)[sample, offset].transpose(0, 1)[None]
+
+
+def _varlen_attention(fn, causal: dict, gqa: bool, has_scale: bool, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
+                      max_len: int, scaling: float | None) -> Tensor:
+    """The same through torch's variable-length flash attention ([L, H, D] layout)."""
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))   # usually a no-op: [L, H, D] views
+    options = dict(causal)
+    if gqa:
+        options["enable_gqa"] = True
+    else:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    if scaling is not None and has_scale:
+        options["scale"] = scaling
+    out = fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return out.transpose(0, 1)[None]
+
+
+def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("packed attention has no sliding window or softcap; run with --no-pack-sequences")
+    varlen = _varlen_once()
+    # a torch whose varlen_attn takes no scale still serves the default one, 1/sqrt(head_dim)
+    default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
+    if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
+            (varlen[3] or default_scale):
+        out = _varlen_attention(*varlen, query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    else:
+        out = _padded_attention(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """None when `packed_attention` computes this model's attention exactly; else why not."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "_attn_implementation"):
+        return "not a transformers model"
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "sliding-window attention"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit softcapping"
+    if getattr(cfg, "model_type", None) not in PACKING_FAMILIES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one packing was checked on"
+    return None
+
+
+def enable_packing(*models: nn.Module) -> str | None:
+    """Switch `models` to `packed_attention`; returns why not (and leaves them as they were) when a
+    model cannot pack."""
+    for model in models:
+        problem = packing_problem(model)
+        if problem is not None:
+            return problem
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, packed_attention)
+    for model in models:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTENTION_NAME)
+        else:
+            model.config._attn_implementation = ATTENTION_NAME
+    return None
+
+
+def use_packing(train, *models: nn.Module | None) -> bool:
+    """Whether the trainer packs (--use-dynamic-batch-size without --no-pack-sequences); when it does,
+    `models` (the policy, a reference) are switched to packed attention. A model packing cannot
+    serve keeps padded micro-batches, with a warning that says why."""
+    if not (train.use_dynamic_batch_size and train.pack_sequences):
+        return False
+    problem = enable_packing(*(m for m in models if m is not None))
+    if problem is not None:
+        import structlog
+
+        structlog.get_logger().warning("packing_off", reason=problem,
+                                       hint="token-budget micro-batches stay right-padded rows (rows x longest)")
+        return False
+    return True
+
+
+def computed_tokens(attention_mask: Tensor, packed: bool) -> int:
+    """Positions a micro-batch's forward computes: its real tokens packed, rows x width padded."""
+    return int(attention_mask.sum()) if packed else attention_mask.shape[0] * attention_mask.shape[1]

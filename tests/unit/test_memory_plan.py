@@ -1,0 +1,103 @@
+"""The memory-planned token budget (CUDA without --max-tokens-per-gpu) as pure functions: the
+activation bytes per token bound what autograd really keeps, the budget follows the stated rule,
+a device where nothing fits is refused by the flags that make room, and the cap splits a fixed
+micro-batch without merging rows."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from miles.config import ConfigError
+from miles.config.flags import parse_flags
+from miles.training.batch import TrainBatch
+from miles.training.forward import hidden_forward, logits_forward
+from miles.training.memory_plan import (HEADROOM, activation_bytes_per_token, plan_token_budget, reserve_bytes)
+from miles.training.microbatch import plan_micro_batches
+
+
+def saved_bytes_per_token(model, forward, tokens=(96, 192)) -> float:
+    """Bytes autograd saves per token in a forward of `forward` (the slope between two lengths;
+    parameters and autocast's weight copies are per step, not per token, and cancel out)."""
+    sizes = []
+    for t in tokens:
+        ids = torch.randint(0, model.config.vocab_size, (1, t))
+        zeros = torch.zeros(1, t)
+        mask = torch.ones(1, t, dtype=torch.bool)
+        mask[:, 0] = False
+        mb = TrainBatch(tokens=ids, loss_mask=mask, advantages=zeros, token_rewards=zeros, rollout_logprobs=zeros,
+                        attention_mask=torch.ones(1, t, dtype=torch.long), weight_version=0)
+        seen, total = set(), [0]
+
+        def pack(x):
+            if x.data_ptr() not in seen:
+                seen.add(x.data_ptr())
+                total[0] += x.numel() * x.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            forward(model, mb, True, True)
+        sizes.append(total[0])
+    return (sizes[1] - sizes[0]) / (tokens[1] - tokens[0])
+
+
+@pytest.mark.parametrize("dims", [(128, 384, 4, 2, 32), (128, 768, 2, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_bytes_per_token_bound_what_autograd_keeps(dims, dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    h, inter, heads, kv, head_dim = dims
+    cfg = Qwen3Config(hidden_size=h, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                      head_dim=head_dim, num_hidden_layers=2, vocab_size=512)
+    model = Qwen3ForCausalLM(cfg)
+
+    def autocast():
+        return torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+    e = torch.finfo(dtype).bits // 8
+    for logits, forward in ((False, partial(hidden_forward, 1.0, autocast, dtype, 2048)),
+                            (True, partial(logits_forward, 1.0, autocast))):
+        measured = saved_bytes_per_token(model, forward)
+        bound = activation_bytes_per_token(cfg, compute_bytes=e, recompute=False, logits=logits)
+        assert measured <= bound < 1.35 * measured, (logits, measured, bound)
+    assert activation_bytes_per_token(cfg, compute_bytes=e, recompute=True, logits=False) < \
+        0.7 * activation_bytes_per_token(cfg, compute_bytes=e, recompute=False, logits=False)
+
+
+def test_the_budget_is_the_stated_rule():
+    gib = 2 ** 30
+    assert plan_token_budget(10 * gib, 2 * gib, 100_000) == int(HEADROOM * 8 * gib / 100_000)
+    # the first step still allocates gradients (4 B/param) and AdamW's moments (8 B/param); later ones do not
+    first = reserve_bytes(params=10 ** 9, grads_allocated=False, optimizer_allocated=False, compute_bytes=2,
+                          chunk_rows=2048, vocab=151_936)
+    later = reserve_bytes(params=10 ** 9, grads_allocated=True, optimizer_allocated=True, compute_bytes=2,
+                          chunk_rows=2048, vocab=151_936)
+    assert first - later == 12 * 10 ** 9 and later == 2 * 10 ** 9 + 2048 * 151_936 * 16
+    with pytest.raises(ValueError, match="--recompute-activations.*--offload-train"):
+        plan_token_budget(10 * gib, 2 * gib, 100_000, min_tokens=10 ** 6)
+    with pytest.raises(ValueError, match="only 0 fit"):
+        plan_token_budget(gib, 2 * gib, 100_000)
+
+
+def test_the_cap_splits_fixed_micro_batches_by_padded_size_without_merging():
+    lengths = [30, 5, 5, 5, 20, 20, 3, 40]
+    mask = torch.zeros(len(lengths), 40, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    groups = plan_micro_batches(mask, micro_batch_size=4, memory_tokens=60)
+    fixed = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    assert all(any(set(g) <= set(f) for f in fixed) for g in groups)     # pieces of the fixed micro-batches
+    assert all(len(g) * max(lengths[i] for i in g) <= 60 or len(g) == 1 for g in groups)
+    assert plan_micro_batches(mask, micro_batch_size=4) == fixed          # no cap: as before
+
+
+def test_dynamic_batches_without_a_budget_are_refused_on_the_cpu_only(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", "examples/arithmetic/base_model", "--prompt-data", str(data),
+            "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2", "--use-dynamic-batch-size"]
+    with pytest.raises(ConfigError, match="--max-tokens-per-gpu N on the CPU"):
+        parse_flags(base + ["--device", "cpu"])
+    assert parse_flags(base + ["--device", "cuda"])[0].train.max_tokens_per_gpu is None
