@@ -116,7 +116,7 @@ class Trainer(OptimizedModel):
         self._ref = self._make_reference(algorithm)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
-        self._packed = use_packing(train, self._model, self._ref)
+        self._packed = use_packing(train, self._model, self._ref, device=self.device)
         self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,

@@ -76,10 +76,11 @@ def step(packed: bool, recompute: bool, data):
     return batch, seen, terms, grads
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_packed_training_step_matches_the_padded_one_in_bf16(recompute):
+def test_packed_training_step_matches_the_padded_one_in_bf16():
+    # with --recompute-activations the trainer does not pack on CUDA (miles.training.packing.
+    # RECOMPUTE_ON_CUDA): packed under recompute, this comparison found a logprob 0.86 off
     data = samples()
-    a, b = step(False, recompute, data), step(True, recompute, data)
+    a, b = step(False, False, data), step(True, False, data)
     mask = a[0].loss_mask
     assert (b[1][mask] - a[1][mask]).abs().max() < 0.1          # bf16 forwards of different shapes
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=2e-2)

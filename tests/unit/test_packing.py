@@ -164,6 +164,23 @@ def test_a_model_packing_cannot_serve_is_refused_by_name(tmp_path):
     assert torch.isfinite(padded).all()
 
 
+def test_recompute_on_cuda_trains_padded_rows_and_says_why():
+    from structlog.testing import capture_logs
+    from transformers import AutoModelForCausalLM
+
+    from miles.training.packing import use_packing
+
+    model = AutoModelForCausalLM.from_pretrained(MODELS[1])
+    train = TrainConfig(micro_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=256,
+                        recompute_activations=True)
+    with capture_logs() as logs:
+        assert use_packing(train, model, device=torch.device("cuda")) is False
+    assert [e["reason"] for e in logs if e["event"] == "packing_off"] == [
+        "--recompute-activations on CUDA: packed attention under recompute disagreed with the padded forward on the GPU"]
+    assert model.config._attn_implementation != "miles_packed"
+    assert use_packing(train, model, device=torch.device("cpu")) is True          # the CPU packs under recompute
+
+
 @pytest.mark.parametrize("gqa,has_scale,causal", [(True, True, {"window_size": (-1, 0)}),
                                                    (False, False, {"is_causal": True})])
 def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):

@@ -87,7 +87,13 @@ class FSDPRank(Trainer):
 
         normalizer, num_tokens = self._objective.normalizers(batch)
         sums: dict[str, float] = defaultdict(float)
-        for rows, mb in self._micro_batches(batch, micro_batch_size):
+        pairs = list(self._micro_batches(batch, micro_batch_size))     # as many on every rank
+        for i, (rows, mb) in enumerate(pairs):
+            # gradients accumulate unsharded until the last micro-batch, which reduce-scatters them
+            # once (not once per micro-batch); the units stay gathered between the micro-batches
+            last = i == len(pairs) - 1
+            self._model.set_requires_gradient_sync(last)
+            self._model.set_reshard_after_backward(last)
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             real = rows.numel() > 0
             (loss if real else loss * 0.0).backward()
