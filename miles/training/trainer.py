@@ -94,6 +94,7 @@ def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int
 class Trainer(OptimizedModel):
     role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
     rank = 0            # its data-parallel rank (miles.training.fsdp.rank.FSDPRank sets its own)
+    world_size = 1      # ranks training together (the CPU ranks of one machine share its cores)
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", hidden_forward: bool | None = None,
@@ -126,7 +127,7 @@ class Trainer(OptimizedModel):
         self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
-        threads = cpu_threads(self.device)
+        threads = cpu_threads(self.device, share=self.world_size)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
