@@ -1,0 +1,25 @@
+#!/bin/bash
+# One call on the GPU machine (the device tool runs it in the checkout, with `.whl/` carried):
+# install the wheels, then run the steps named in the arguments, each bounded so that the call
+# stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
+# megatron), gpuB (megatron + families), fsdpbench, faults. Results that files make go to $OUT.
+# The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
+#   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
+set -u
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    families) timeout 240 python3 -m pytest tests/gpu/test_model_families_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    bench) timeout 225 python3 scripts/bench/grpo_step_gpu.py --miles-iters 21 --trl-steps 3 --side-timeout-s 140 --out /tmp/bench05 > $OUT/bench05.log 2>&1; tail -c 6000 $OUT/bench05.log ;;
+    gpuA) timeout 575 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py 2>&1 | tail -45 ;;
+    gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
+    fsdpbench) timeout 150 python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp.json > $OUT/fsdp.log 2>&1; tail -c 3000 $OUT/fsdp.log ;;
+    faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
+  esac
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+done
+echo "=== done $(date +%T)"
