@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
-import socket
 import sys
 import tempfile
 import time
@@ -41,39 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-SHAPE_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True, rope_theta=1e6,
-                 max_position_embeddings=32768, rms_norm_eps=1e-6)
-SHAPE_SMOKE = dict(SHAPE_05B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   intermediate_size=128)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def build_model(path: Path, shape: dict, device: str) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tests.tiny_model import _tokenizer
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model.to(torch.bfloat16).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    del model
-    return str(path)
-
-
-def rollout(seed: int, n: int, prompt_len: int, response_len: int, vocab: int):
-    from miles.types import Prompt, Sample
-
-    rng = random.Random(seed)
-    return [Sample(prompt=Prompt(index=i, text="", prompt_ids=tuple(rng.randrange(3, vocab) for _ in range(prompt_len))),
-                   group=i // 8, response_ids=[rng.randrange(3, vocab) for _ in range(response_len)],
-                   rollout_logprobs=[-5.0] * response_len, finish_reason="length", weight_version=0,
-                   reward=float(i % 2), advantage=rng.uniform(-1, 1)) for i in range(n)]
+# the shapes, the model and the rollouts of the megatron bench beside this file: the same inputs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_megatron_gpu import (SHAPE_05B, SHAPE_SMOKE, add_rollout_args, build_model, free_port,  # noqa: E402
+                                log, rollout)
 
 
 def sync(device: str) -> None:
@@ -108,12 +77,6 @@ def time_variant(trainer, args, shape: dict) -> dict:
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make(variant: str, model: str, args):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
@@ -141,12 +104,7 @@ def make(variant: str, model: str, args):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--response-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rollouts", type=int, default=3)
+    add_rollout_args(p)
     p.add_argument("--variants", default="plain,fsdp,torch")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()

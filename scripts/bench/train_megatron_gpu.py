@@ -60,13 +60,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def build_model(path: Path, shape: dict) -> str:
+def build_model(path: Path, shape: dict, device: str = DEVICE) -> str:
+    """A random Qwen2 of `shape` (made on `device`, saved in bf16) with the tests' tokenizer, in `path`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tests.tiny_model import _tokenizer
 
     torch.manual_seed(0)
-    with torch.device(DEVICE):
+    with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     model.to(torch.bfloat16).save_pretrained(path)
     _tokenizer().save_pretrained(path)
@@ -126,6 +127,16 @@ def time_backend(trainer, args, shape: dict) -> dict:
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None}
 
 
+def add_rollout_args(p: argparse.ArgumentParser) -> None:
+    """The rollout's shape and the timing's length (this bench's and the FSDP bench's)."""
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rollouts", type=int, default=3)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,12 +163,7 @@ def make(backend: str, model: str, args):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--response-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rollouts", type=int, default=3)
+    add_rollout_args(p)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--backends", default="torch,torch-plain,megatron")
     p.add_argument("--smoke", action="store_true", help="tiny shape and batch (CPU too)")

@@ -1,7 +1,7 @@
 """Packed micro-batches on CUDA: torch's variable-length flash attention inside a pack against each
 sample's own causal SDPA (values and gradients, GQA), and the trainer's packed step against its
-padded one in bf16 with the CUDA defaults (chunked logprobs, compiled layers), with and without
-activation recompute. Skipped without a GPU; no Ray."""
+padded one in bf16 with the CUDA defaults (chunked logprobs, compiled layers; activation recompute
+trains padded rows on CUDA). Skipped without a GPU; no Ray."""
 
 from __future__ import annotations
 
@@ -14,20 +14,11 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
 from miles.training.packing import _varlen_once, packed_attention
 from miles.training.trainer import Trainer
+from tests.unit.test_packing import per_sample_attention
 from tests.unit.test_trainer import sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 QWEN3 = "examples/arithmetic/base_model_qwen3"
-
-
-def per_sample_attention(query, key, value, cu_seqlens, scaling):
-    """The reference: each sample's span through its own causal SDPA ([1, H, L, D] layout)."""
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
-    bounds = cu_seqlens.tolist()
-    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling)
-        for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
 
 
 def test_this_torch_has_varlen_attention():
