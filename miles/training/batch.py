@@ -69,24 +69,26 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
     for i, s in enumerate(samples):
         _check_sample(i, s)
     width = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-    b = len(samples)
-    tokens = torch.full((b, width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((b, width), dtype=torch.bool)
-    advantages = torch.zeros((b, width), dtype=torch.float32)
-    token_rewards = torch.zeros((b, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((b, width), dtype=torch.float32)
-    attention_mask = torch.zeros((b, width), dtype=torch.long)
-    for i, s in enumerate(samples):
+    # rows built as Python lists and made tensors once per field: a tensor per sample and field
+    # cost more than the train step's own work on the CPU demo's tiny model
+    tokens, loss_mask, advantages, token_rewards, rollout_logprobs, attention_mask = ([] for _ in range(6))
+    for s in samples:
         p, r = len(s.prompt.prompt_ids), len(s.response_ids)
-        tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
-        mask = torch.tensor(s.mask(), dtype=torch.bool)
-        loss_mask[i, p:p + r] = mask
-        advantages[i, p:p + r] = torch.where(mask, s.advantage, 0.0)
-        trained = mask.nonzero()
-        if len(trained):
-            token_rewards[i, p + int(trained[-1])] = s.reward
-        rollout_logprobs[i, p:p + r] = torch.where(mask, torch.tensor(s.rollout_logprobs, dtype=torch.float32), 0.0)
-        attention_mask[i, :p + r] = 1
+        pad, mask = width - p - r, s.mask()
+        tokens.append([*s.tokens, *[pad_id] * pad])
+        loss_mask.append([False] * p + list(mask) + [False] * pad)
+        advantages.append([0.0] * p + [s.advantage if m else 0.0 for m in mask] + [0.0] * pad)
+        rewards = [0.0] * width
+        trained = [j for j, m in enumerate(mask) if m]
+        if trained:
+            rewards[p + trained[-1]] = s.reward
+        token_rewards.append(rewards)
+        rollout_logprobs.append([0.0] * p + [lp if m else 0.0 for lp, m in zip(s.rollout_logprobs, mask)] + [0.0] * pad)
+        attention_mask.append([1] * (p + r) + [0] * pad)
+    tokens, attention_mask = torch.tensor(tokens, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long)
+    loss_mask = torch.tensor(loss_mask, dtype=torch.bool)
+    advantages, token_rewards, rollout_logprobs = (torch.tensor(x, dtype=torch.float32)
+                                                   for x in (advantages, token_rewards, rollout_logprobs))
     return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages, token_rewards=token_rewards,
                       rollout_logprobs=rollout_logprobs, attention_mask=attention_mask,
                       weight_version=min(s.weight_version for s in samples))
