@@ -9,7 +9,8 @@ config at the start of each train call, after a colocated engine has released it
 - free: the device's free memory plus what this process's allocator holds cached but unused.
 - reserve: what the step will still allocate whatever the micro-batch: the float32 gradients
   (4 B/param) and AdamW's two moments (8 B/param) when they do not exist yet on the device (the
-  first step; after --offload-train), autocast's half-precision weight copies (2 B/param under a
+  first step; never with --offload-train, whose step streams them a chunk at a time once the
+  activations are gone), autocast's half-precision weight copies (2 B/param under a
   bf16/fp16 compute dtype), and the chunked logprob pass's temporaries (chunk rows x vocab x 16 B:
   the chunk's logits and three float32 passes over them).
 - bytes_per_token (`activation_bytes_per_token`): what autograd keeps per token for the backward.
@@ -79,8 +80,10 @@ def plan_token_budget(free_bytes: int, reserve: int, bytes_per_token: int, *, mi
 
 
 def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute: bool, logits: bool,
-                      chunk_rows: int, min_tokens: int) -> int:
-    """`plan_token_budget` for `model` on the CUDA `device` now (see the module docstring)."""
+                      chunk_rows: int, min_tokens: int, streamed: bool = False) -> int:
+    """`plan_token_budget` for `model` on the CUDA `device` now (see the module docstring). `streamed`:
+    the optimizer state lives on the host and each step streams it (--offload-train), so the step
+    never allocates it here beside the activations."""
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)
@@ -89,7 +92,7 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     reserve = reserve_bytes(params=sum(p.numel() for p in params),
                             grads_allocated=any(p.grad is not None for p in params),
-                            optimizer_allocated=bool(state) and all(v.is_cuda for v in state),
+                            optimizer_allocated=streamed or (bool(state) and all(v.is_cuda for v in state)),
                             compute_bytes=compute_bytes, chunk_rows=chunk_rows, vocab=model.config.vocab_size)
     per_token = activation_bytes_per_token(model.config, compute_bytes=compute_bytes, recompute=recompute,
                                            logits=logits)

@@ -1,17 +1,24 @@
 """Hand the trainer's GPU memory to a colocated engine and take it back (--offload-train).
 
-`HostOffload.offload()` copies the optimizer state (AdamW's exp_avg and exp_avg_sq: twice the
-float32 parameters) and, optionally, the parameters themselves into host buffers, drops the
-gradients, and returns the freed blocks to CUDA (`empty_cache`), so that another process (the
-engine) can allocate them. `onload()` copies everything back. Values are bit-for-bit the same after
-a round trip: the next optimizer step is the one that would have been taken without it.
+`HostOffload.offload()` drops the gradients, moves the optimizer state (AdamW's exp_avg and
+exp_avg_sq: twice the float32 parameters) and, optionally, the parameters themselves into host
+buffers, and returns the freed blocks to CUDA (`empty_cache`), so that another process (the engine)
+can allocate them. `onload()` brings the parameters back; the optimizer state stays on the host
+from the first offload on, and `step()` streams it through the device a chunk of parameters at a
+time (`chunk_bytes` of float32 parameters: their moments copied in, the optimizer's own update run
+on just those parameters, the moments copied back). The bytes crossing the bus per iteration are
+the same as bringing the whole state back for the step and sending it out again, but the device
+never holds more than one chunk of it: an 8B model's 64 GB of moments need not fit beside its 32 GB
+of float32 weights, 32 GB of gradients and a colocated engine.
 
-Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous
-and fast) and reused by every later offload; `dispose` drops them. Parameters stay the same
+Values are bit-for-bit the same: the update is the optimizer's own `step()` over each chunk (AdamW
+is element-wise, so a chunk's update does not depend on the others), and a round trip copies. On a
+machine without CUDA the same code runs with host "device" tensors: the copies still happen, which is
+what the CPU tests check.
+
+Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
+fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
 `nn.Parameter` objects (only `.data` moves), so the optimizer's references stay valid.
-
-On a machine without CUDA the same code runs with host "device" tensors: the copies still happen,
-which is what the CPU tests check.
 """
 
 from __future__ import annotations
@@ -21,74 +28,120 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
+
 
 class HostOffload:
     """Owned by the trainer that creates it; `dispose` frees the host buffers (it does not onload)."""
 
     resource_name = "trainer_offload"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, weights: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, weights: bool = False,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if weights and model is None:
             raise ValueError("offloading the weights needs the model")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self._optimizer, self._model, self._weights = optimizer, model, weights
+        self._chunk_bytes = chunk_bytes
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
-        self._device: dict[tuple[int, str], torch.device] = {}
+        self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
 
-    def _tensors(self) -> Iterator[tuple[tuple[int, str], object, str]]:
-        """(key, container, attribute-or-item name) of every tensor this offloads."""
-        for param, state in self._optimizer.state.items():
-            for name, value in state.items():
-                if isinstance(value, Tensor) and value.numel() > 1:   # AdamW's scalar step stays put
-                    yield (id(param), name), state, name
-        if self._weights:
-            for param in self._model.parameters():
-                yield (id(param), ".data"), param, ".data"
-
+    # --- the optimizer state ----------------------------------------------------------------------
     @staticmethod
-    def _get(container, name: str) -> Tensor:
-        return container.data if name == ".data" else container[name]
+    def _moments(state: dict) -> Iterator[str]:
+        """The state's per-element tensors (AdamW's scalar step stays where the optimizer keeps it)."""
+        return (k for k, v in list(state.items()) if isinstance(v, Tensor) and k != "step")
 
-    @staticmethod
-    def _set(container, name: str, value: Tensor) -> None:
-        if name == ".data":
-            container.data = value
-        else:
-            container[name] = value
+    def _to_host(self, param: Tensor, state: dict) -> int:
+        """`param`'s optimizer state into its host buffers (made at the first call); bytes copied."""
+        moved = 0
+        for name in self._moments(state):
+            value = state[name]
+            if value.device.type == "cpu" and self._host.get((id(param), name)) is value:
+                continue
+            state[name] = self._buffer((id(param), name), value)
+            state[name].copy_(value, non_blocking=value.is_cuda)
+            moved += value.numel() * value.element_size()
+        return moved
 
+    def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
+        host = self._host.get(key)
+        if host is None or host.shape != like.shape or host.dtype != like.dtype:
+            host = self._host[key] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+        return host
+
+    def step(self) -> int:
+        """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
+        parameters at a time; the state ends in the host buffers. Returns the bytes copied each way."""
+        opt = self._optimizer
+        groups, moved = opt.param_groups, 0
+        try:
+            for group in groups:
+                for chunk in self._chunks([p for p in group["params"] if p.grad is not None]):
+                    for p in chunk:      # a first step finds no state: the optimizer makes it on the device
+                        state = opt.state[p]
+                        for name in self._moments(state):
+                            state[name] = state[name].to(p.device, non_blocking=True)
+                    opt.param_groups = [{**group, "params": chunk}]
+                    opt.step()
+                    for p in chunk:
+                        moved += self._to_host(p, opt.state[p])
+        finally:
+            opt.param_groups = groups
+        self._settle()
+        return moved
+
+    def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
+        chunk, size = [], 0
+        for p in params:
+            if chunk and size + p.numel() * p.element_size() > self._chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(p)
+            size += p.numel() * p.element_size()
+        if chunk:
+            yield chunk
+
+    # --- the hand-offs ------------------------------------------------------------------------------
     def offload(self) -> int:
-        """Move the tensors to host memory; returns the bytes moved. Idempotent."""
+        """Gradients dropped; the optimizer state (and the weights) to host memory; the bytes the
+        device gave up (the state only the first time: afterwards it is on the host already).
+        Idempotent."""
         if self.offloaded:
             return 0
         moved = 0
         if self._model is not None:
             for p in self._model.parameters():
-                p.grad = None             # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
-        for key, container, name in self._tensors():
-            value = self._get(container, name)
-            host = self._host.get(key)
-            if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                host = self._host[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                                     pin_memory=value.is_cuda)
-            host.copy_(value, non_blocking=value.is_cuda)
-            self._device[key] = value.device
-            self._set(container, name, host)
-            moved += value.numel() * value.element_size()
+                if p.grad is not None:    # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
+                    moved += p.grad.numel() * p.grad.element_size()
+                    p.grad = None
+        for param, state in self._optimizer.state.items():
+            moved += self._to_host(param, state)
+        if self._weights:
+            for param in self._model.parameters():
+                self._device[id(param)] = param.device
+                host = self._buffer((id(param), ".data"), param.data)
+                host.copy_(param.data, non_blocking=param.is_cuda)
+                param.data = host
+                moved += host.numel() * host.element_size()
         self._settle()
         self.offloaded = True
         return moved
 
     def onload(self) -> int:
-        """Copy the tensors back to where they were; returns the bytes moved. Idempotent."""
+        """The weights back to where they were (the optimizer state stays: `step` streams it); bytes
+        moved. Idempotent."""
         if not self.offloaded:
             return 0
         moved = 0
-        for key, container, name in self._tensors():
-            host = self._get(container, name)
-            device = self._device[key]
-            value = host.to(device, non_blocking=device.type == "cuda", copy=True)
-            self._set(container, name, value)
-            moved += host.numel() * host.element_size()
+        if self._weights:
+            for param in self._model.parameters():
+                device = self._device[id(param)]
+                host = param.data
+                param.data = host.to(device, non_blocking=device.type == "cuda", copy=True)
+                moved += host.numel() * host.element_size()
         self._settle()
         self.offloaded = False
         return moved
@@ -99,6 +152,7 @@ class HostOffload:
             torch.cuda.empty_cache()      # freed blocks go back to CUDA, where a colocated engine can take them
 
     def dispose(self) -> None:
-        """Drop the host buffers (not the tensors the optimizer holds now). The optimizer is the trainer's."""
-        if not self.offloaded:
-            self._host.clear()
+        """Drop the host buffers that nothing holds any more (the optimizer's state stays with it: the
+        optimizer is the trainer's, which drops both)."""
+        held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
+        self._host = {k: v for k, v in self._host.items() if id(v) in held}

@@ -3,8 +3,9 @@
 What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
 run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
 step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the optimizer
-state and step count on disk, the optimizer state's trips to host memory while a colocated engine
-needs the GPU (`offload` / `onload`, --offload-train), and the disposal. What a model computes (policy loss, value loss) and
+state and step count on disk, the optimizer state's move to host memory while a colocated engine
+needs the GPU (`offload`, --offload-train; from then on each step streams it through the GPU a chunk
+at a time: `miles.training.offload`), and the disposal. What a model computes (policy loss, value loss) and
 what else it saves are the subclass's.
 """
 
@@ -71,7 +72,10 @@ class OptimizedModel:
                                      f"lower {self.lr_hint}, set --clip-grad, or look for bad samples")
         for group in self._optimizer.param_groups:
             group["lr"] = self._lr_at(self._num_steps)
-        self._optimizer.step()
+        if self._host is not None:
+            self._host.step()           # the state lives in host memory since the first offload
+        else:
+            self._optimizer.step()
         self._num_steps += 1
         return grad_norm
 
@@ -95,7 +99,8 @@ class OptimizedModel:
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
     def offload(self) -> int:
-        """The optimizer state to host memory, the gradients dropped (--offload-train); bytes moved."""
+        """The optimizer state to host memory, the gradients dropped (--offload-train); bytes moved.
+        The state stays there: every later step streams it (`HostOffload.step`)."""
         if self._host is None:
             self._host = HostOffload(self._optimizer, self._live())
         return self._host.offload()
@@ -107,7 +112,8 @@ class OptimizedModel:
             torch.cuda.empty_cache()
 
     def onload(self) -> int:
-        """Back from `offload` (a no-op when nothing is offloaded); bytes moved."""
+        """Back from `offload`: nothing to move (the optimizer state stays on the host, streamed by
+        each step); bytes moved."""
         return 0 if self._host is None else self._host.onload()
 
     def _live(self) -> nn.Module:

@@ -253,7 +253,7 @@ class Trainer(OptimizedModel):
             self._model, self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
             recompute=self._train_cfg.recompute_activations, logits=self._logits_path,
             chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS,
-            min_tokens=int(batch.attention_mask.sum(dim=1).max()))
+            min_tokens=int(batch.attention_mask.sum(dim=1).max()), streamed=self._host is not None)
         return self._memory_budget
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,

@@ -1,4 +1,4 @@
-"""Optimizer state (and weights) to host memory and back: bit-for-bit, and training goes on as before."""
+"""Optimizer state (and weights) to host memory, the streamed step: bit-for-bit, and training goes on as before."""
 
 import copy
 
@@ -27,8 +27,15 @@ def state_tensors(opt):
     return {(i, k): v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
 
 
+def streamed(model, opt, seed, off):
+    gen = torch.Generator().manual_seed(seed)
+    opt.zero_grad(set_to_none=True)
+    model(torch.randn(16, 4, generator=gen)).square().mean().backward()
+    return off.step()
+
+
 @pytest.mark.parametrize("weights", [False, True])
-def test_round_trip_is_exact_and_the_next_steps_are_unchanged(weights):
+def test_offload_keeps_the_state_on_the_host_and_the_streamed_steps_equal_the_optimizers(weights):
     model, opt = model_and_optimizer()
     step(model, opt, 0)
     twin = copy.deepcopy(model)
@@ -37,42 +44,76 @@ def test_round_trip_is_exact_and_the_next_steps_are_unchanged(weights):
     before = {k: v.clone() for k, v in state_tensors(opt).items()}
     params = list(model.parameters())
 
-    off = HostOffload(opt, model, weights=weights)
+    off = HostOffload(opt, model, weights=weights, chunk_bytes=40)   # every parameter in a chunk of its own
     moved = off.offload()
-    # exp_avg and exp_avg_sq of every parameter (the scalar step stays), plus the parameters
+    # the gradients dropped, exp_avg and exp_avg_sq of every parameter (the scalar step stays), the parameters
     n_bytes = sum(p.numel() * 4 for p in params)
-    assert moved == 2 * n_bytes + (n_bytes if weights else 0)
+    assert moved == 3 * n_bytes + (n_bytes if weights else 0)
     assert all(p.grad is None for p in params)
     held = state_tensors(opt)
-    assert all(held[k].data_ptr() != before[k].data_ptr() or before[k].numel() == 1 for k in held)
+    assert all(held[k].data_ptr() != before[k].data_ptr() for k in held if k[1] != "step")
     assert off.offload() == 0                                         # idempotent
-    assert off.onload() == moved and off.onload() == 0
+    assert off.onload() == (n_bytes if weights else 0) and off.onload() == 0   # the state stays on the host
     assert list(model.parameters()) == params                         # the same Parameter objects
     for k, v in state_tensors(opt).items():
         assert torch.equal(v, before[k])
     for seed in (1, 2):
-        step(model, opt, seed)
+        streamed(model, opt, seed, off)
         step(twin, twin_opt, seed)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+    after = state_tensors(opt)
+    assert all(after[k] is held[k] for k in held if k[1] != "step")   # updated in its host buffers
+    assert all(torch.equal(v, twin_opt.state_dict()["state"][k[0]][k[1]]) for k, v in after.items())
 
 
-def test_buffers_are_reused_and_dispose_drops_them():
+def test_a_first_step_streams_the_state_it_makes_and_chunks_split_by_bytes():
+    model, opt = model_and_optimizer()
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    off = HostOffload(opt, model, chunk_bytes=1)          # one parameter per chunk
+    assert off.offload() == 0                              # no state nor gradients before the first step
+    assert [len(c) for c in off._chunks(list(model.parameters()))] == [1, 1, 1, 1]
+    streamed(model, opt, 0, off)
+    step(twin, twin_opt, 0)
+    assert len(opt.state) == 4 and opt.param_groups[0]["params"] == list(model.parameters())
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    keys = {(id(p), n) for p in model.parameters() for n in ("exp_avg", "exp_avg_sq")}
+    assert set(off._host) == keys                          # the new state went into host buffers
+
+
+def test_a_state_loaded_onto_the_device_is_used_then_put_back_in_the_host_buffers():
+    model, opt = model_and_optimizer()
+    off = HostOffload(opt, model)
+    step(model, opt, 0)
+    off.offload()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)                             # torch puts loaded state on the parameters' device
+    loaded = state_tensors(opt)
+    streamed(model, opt, 1, off)
+    assert all(state_tensors(opt)[k] is not loaded[k] for k in loaded if k[1] != "step")
+    assert all(off._host[(id(p), "exp_avg")] is opt.state[p]["exp_avg"] for p in model.parameters())
+
+
+def test_buffers_are_reused_and_dispose_keeps_only_what_the_state_holds():
     model, opt = model_and_optimizer()
     step(model, opt, 0)
-    off = HostOffload(opt)
+    off = HostOffload(opt, model, weights=True)
     off.offload()
-    first = {k: v.data_ptr() for k, v in state_tensors(opt).items() if v.numel() > 1}
+    first = {k: v.data_ptr() for k, v in state_tensors(opt).items() if k[1] != "step"}
     off.onload()
-    step(model, opt, 1)
+    streamed(model, opt, 1, off)
     off.offload()
-    assert {k: v.data_ptr() for k, v in state_tensors(opt).items() if v.numel() > 1} == first
+    assert {k: v.data_ptr() for k, v in state_tensors(opt).items() if k[1] != "step"} == first
     off.onload()
     off.dispose()
-    assert off._host == {}
+    assert len(off._host) == 2 * len(list(model.parameters()))     # the weights' buffers went
 
 
-def test_weights_need_the_model():
+def test_weights_need_the_model_and_chunks_a_size():
     _, opt = model_and_optimizer()
     with pytest.raises(ValueError, match="needs the model"):
         HostOffload(opt, weights=True)
+    with pytest.raises(ValueError, match="chunk_bytes must be positive"):
+        HostOffload(opt, chunk_bytes=0)

@@ -113,13 +113,13 @@ def test_offload_between_rollouts_leaves_training_unchanged(model_path):
     a.train(SAMPLES, 0)
     b.train(SAMPLES, 0)
     assert a.offload() > 0 and all(p.grad is None for p in a.model.parameters())
-    assert a.onload() > 0 and a.onload() == 0
+    assert a.onload() == 0          # the optimizer state stays on the host: each step streams it
     a.train(more, 1)
     b.train(more, 1)
     for (n, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(pa, pb), n
-    assert a.offload() > 0          # and dispose frees what is offloaded
-    a.dispose()
+    assert 0 < a.offload() < sum(p.numel() * 4 for p in a.model.parameters()) * 1.01   # the gradients only now
+    a.dispose()                     # and frees the host state
 
 
 def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, tmp_path):
