@@ -275,7 +275,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-gpus-per-node", "cluster", "num_gpus_per_node", int, "GPUs of each node"),
     _f("offload", "cluster", "offload", kind="true", help="--offload-train and --offload-rollout"),
     _f("offload-train", "cluster", "offload_train", kind="true",
-       help="the trainer's optimizer state goes to host memory while the engines roll out"),
+       help="the trainer's optimizer state goes to pinned host memory at the first rollout and stays there: "
+            "each step streams it through the GPU 1 GiB of parameters at a time, so the GPU never holds it whole"),
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
        help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
             "weights too (on with --colocate; sync machine)"),

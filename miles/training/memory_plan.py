@@ -31,7 +31,12 @@ The budget caps micro-batches by their padded size (rows x longest; `plan_micro_
 one row's length cannot be split further: where even the longest row does not fit,
 `plan_token_budget` says so, naming the flags that make room, and the trainer logs that as a
 `memory_plan_tight` warning and trains one row per micro-batch (the coefficients are not yet
-checked against GPU peaks, so the plan warns rather than refuses).
+checked against GPU peaks, so the per-step plan warns rather than refuses).
+
+What is refused is a run whose step cannot fit at all: `startup_problems`, the torch backend's
+check, adds up what a step needs on a trainer GPU (weights, gradients, optimizer state, a colocated
+engine's weights, one longest sample's activations; see its comment) when the placement is known,
+before any actor starts, and names the flags that make room.
 """
 
 from __future__ import annotations
@@ -105,3 +110,105 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 
         structlog.get_logger().warning("memory_plan_tight", problem=str(exc), budget=min_tokens)
         return min_tokens
+
+
+# --- the start-up check ------------------------------------------------------------------------------
+# What a run's plan needs on each trainer GPU during a step, checked once the placement is known
+# (validate with --device cuda, init again with the plan), before any actor takes memory: a plan that
+# cannot fit is refused then, naming the flags that make room, rather than running out of memory in
+# its first train call minutes later. The parts, per trainer GPU (P parameters, N trainer ranks):
+#   float32 weights 4P/N, gradients 4P/N, AdamW's moments 8P/N (none with --offload-train: the step
+#   streams them), autocast's half-precision weight copies 2P/N, the frozen KL reference 4P (a whole
+#   float32 copy), PPO's critic 16P (weights, gradients, moments on the first trainer GPU), a colocated
+#   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
+#   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
+#   one sample), and a CUDA context per process on the GPU.
+CONTEXT_BYTES = 1 << 30
+
+
+def parameter_count(model_path: str) -> int | None:
+    """The parameters of the HF model at `model_path` (tied ones once), from its config on the meta
+    device: nothing is allocated. None when it has no readable config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes: int, reference: bool,
+              critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int) -> dict[str, int]:
+    """Bytes a training step needs on each trainer GPU, by part (see the comment above)."""
+    return {
+        "weights": 4 * params // ranks,
+        "gradients": 4 * params // ranks,
+        "optimizer": 8 * params // ranks if optimizer_on_gpu else 0,
+        "compute_copies": 2 * params // ranks if compute_bytes < 4 else 0,
+        "reference": 4 * params if reference else 0,
+        "critic": 16 * params if critic else 0,
+        "engine_weights": engine_weight_bytes,
+        "activations": math.ceil(activation_bytes / HEADROOM),
+        "cuda_contexts": processes * CONTEXT_BYTES,
+    }
+
+
+def gpu_memory_bytes() -> int | None:
+    """The smallest total memory of this machine's GPUs (nvidia-smi: no CUDA context is made), None
+    when there is no nvidia-smi to ask (a driver without GPUs: the check is left to the trainer's plan)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return min(int(line) for line in out.split()) * 2 ** 20
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | None = None) -> list[str]:
+    """The torch trainer's check of a GPU run's memory plan (the backend spec's `check`): one problem
+    naming the flags to change when a step cannot fit on a trainer GPU, else none. Runs only where the
+    trainer's GPUs are known and their memory can be read (`gpu_bytes`, else `gpu_memory_bytes()`)."""
+    if not trainer_gpus or cfg.model.on_gpus is False:
+        return []
+    total = gpu_bytes if gpu_bytes is not None else gpu_memory_bytes()
+    params = parameter_count(cfg.model.hf_checkpoint) if total else None
+    if not params:
+        return []
+    from transformers import AutoConfig
+
+    t, c, r, a = cfg.train, cfg.cluster, cfg.rollout, cfg.algorithm
+    compute_bytes = 4 if cfg.model.dtype == "float32" else 2
+    prompt = cfg.data.max_prompt_len
+    longest = r.max_context_len or (prompt or 0) + r.max_response_len
+    per_token = activation_bytes_per_token(AutoConfig.from_pretrained(cfg.model.hf_checkpoint),
+                                           compute_bytes=compute_bytes, recompute=t.recompute_activations, logits=False)
+    streamed = c.offloads_train and not a.needs_critic and trainer_gpus == 1
+    engine_keeps = c.colocate and r.engine == "fast"
+    need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
+                     reference=a.use_kl_loss or a.kl_coef > 0, critic=a.needs_critic,
+                     engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
+                     processes=2 if c.colocate else 1)
+    if sum(need.values()) <= total:
+        return []
+    gib = 2 ** 30
+    room = [f for f, missing in (
+        ("--offload-train (AdamW's moments, 8 B/param, stay in host memory)", not streamed and trainer_gpus == 1
+         and not a.needs_critic),
+        ("--recompute-activations", not t.recompute_activations),
+        ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
+        ("--rollout-engine sglang (it releases its weights while the trainer trains)", engine_keeps),
+        ("more trainer GPUs (--actor-num-gpus-per-node N shards the model)", True)) if missing]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in need.items() if v)
+    return [f"the torch trainer's step needs about {sum(need.values()) / gib:.1f} GiB on each of its GPUs "
+            f"({parts} GiB; a {params / 1e9:.2f}B-parameter model, samples up to {longest} tokens) but a GPU here "
+            f"has {total / gib:.1f} GiB; make room with " + "; ".join(room)]

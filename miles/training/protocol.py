@@ -91,9 +91,11 @@ class TrainBackendSpec:
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(
         trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
+        check="miles.training.memory_plan:startup_problems",
         capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets),
         # FSDP2 data parallel; the critic stays one process on the first trainer GPU
         many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer", critic="miles.training.critic:Critic",
+                                    check="miles.training.memory_plan:startup_problems",
                                     ranked=True, capabilities=(SupportsCachedMemoryRelease,))),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
                                  check="miles.training.megatron.checks:run_problems", model_parallel=True,

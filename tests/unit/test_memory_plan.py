@@ -3,6 +3,7 @@ activation bytes per token bound what autograd really keeps, the budget follows 
 a device where nothing fits is refused by the flags that make room, and the cap splits a fixed
 micro-batch without merging rows."""
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -101,3 +102,69 @@ def test_dynamic_batches_without_a_budget_are_refused_on_the_cpu_only(tmp_path):
     with pytest.raises(ConfigError, match="--max-tokens-per-gpu N on the CPU"):
         parse_flags(base + ["--device", "cpu"])
     assert parse_flags(base + ["--device", "cuda"])[0].train.max_tokens_per_gpu is None
+
+
+QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, tie_word_embeddings=False, max_position_embeddings=40960)
+H200 = 141 * 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    """A GRPO run's config on one GPU, colocated with the fast engine, 2k-token answers, and an 8B
+    model folder (config only: the check reads shapes, never weights)."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("plan")
+    (tmp / "p.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
+    (tmp / "qwen3-8b").mkdir()
+    (tmp / "qwen3-8b" / "config.json").write_text(json.dumps(QWEN3_8B))
+
+    def make(*flags, model=tmp / "qwen3-8b"):
+        cfg = parse_flags(["--hf-checkpoint", "examples/arithmetic/base_model", "--prompt-data", str(tmp / "p.jsonl"),
+                           "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2",
+                           "--device", "cuda", "--colocate", "--rollout-engine", "fast",
+                           "--rollout-max-response-len", "2048", "--max-prompt-len", "128", *flags])[0]
+        return replace(cfg, model=replace(cfg.model, hf_checkpoint=str(model)))
+    return make
+
+
+def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_that_make_room(gpu_run):
+    from miles.training.memory_plan import parameter_count, startup_problems
+
+    assert parameter_count(gpu_run().model.hf_checkpoint) == pytest.approx(8.19e9, rel=0.01)
+    # weights 4 + gradients 4 + moments 8 + bf16 copies 2 + the engine's bf16 weights 2 B/param: 18 x 8.19e9 > 141 GiB
+    (problem,) = startup_problems(gpu_run("--recompute-activations"), 1, gpu_bytes=H200)
+    assert "--offload-train" in problem and "--recompute-activations" not in problem and "141.0 GiB" in problem
+    assert "optimizer 61.0" in problem and "engine weights 15.3" in problem
+    # the moments streamed from host memory: 10 B/param + activations fit
+    assert startup_problems(gpu_run("--recompute-activations", "--offload-train"), 1, gpu_bytes=H200) == []
+    # 16k-token answers without recompute: every layer's activations of one sample no longer fit
+    (long,) = startup_problems(gpu_run("--offload-train", "--rollout-max-response-len", "16384"), 1, gpu_bytes=H200)
+    assert "--recompute-activations" in long and "--offload-train" not in long and "samples up to 16512 tokens" in long
+    # a frozen KL reference is a whole float32 copy more (it still fits beside streamed moments)
+    (kl,) = startup_problems(gpu_run("--recompute-activations", "--use-kl-loss"), 1, gpu_bytes=H200)
+    assert "reference 30.5" in kl and "reference" not in problem
+    assert startup_problems(gpu_run("--recompute-activations", "--offload-train", "--use-kl-loss"), 1,
+                            gpu_bytes=H200) == []
+    # two trainer GPUs shard the state (--offload-train is refused there by its own check)
+    assert startup_problems(gpu_run("--recompute-activations"), 2, gpu_bytes=H200) == []
+    # nothing to check: no GPUs known, a CPU run
+    assert startup_problems(gpu_run(), None, gpu_bytes=H200) == []
+    cpu = gpu_run()
+    assert startup_problems(replace(cpu, model=replace(cpu.model, device="cpu")), 1, gpu_bytes=H200) == []
+
+
+def test_validate_runs_the_start_up_check_with_this_machines_gpu_memory(tmp_path, monkeypatch):
+    import miles.training.memory_plan as plan
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    flags = ["--hf-checkpoint", "examples/arithmetic/base_model", "--prompt-data", str(data), "--rollout-batch-size",
+             "1", "--num-rollout", "1", "--n-samples-per-prompt", "2", "--device", "cuda"]
+    monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 2 ** 29)          # half a GiB: not even a CUDA context
+    with pytest.raises(ConfigError, match=r"step needs about 1\.0 GiB .* a GPU here has 0\.5 GiB"):
+        parse_flags(flags)
+    monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 80 * 2 ** 30)
+    assert parse_flags(flags)[0].model.device == "cuda"
