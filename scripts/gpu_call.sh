@@ -2,7 +2,8 @@
 # One call on the GPU machine (the device tool runs it in the checkout, with `.whl/` carried):
 # install the wheels, then run the steps named in the arguments, each bounded so that the call
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
-# megatron), gpuB (megatron + families), fsdpbench, faults. Results that files make go to $OUT.
+# megatron), gpuB (megatron + families), fsdpbench, faults, scale:WORKLOAD (grpo_scale_gpu.py's, e.g.
+# scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments). Results that files make go to $OUT.
 # The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
 #   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
 set -u
@@ -18,6 +19,9 @@ for step in "$@"; do
     gpuA) timeout 575 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py 2>&1 | tail -45 ;;
     gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
     fsdpbench) timeout 150 python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp.json > $OUT/fsdp.log 2>&1; tail -c 3000 $OUT/fsdp.log ;;
+    scale:*) w=${step#scale:}; timeout ${SCALE_S:-330} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${SCALE_ARGS:-} \
+        --out /tmp/scale-$w > $OUT/scale-$w.json 2> $OUT/scale-$w.log; echo "rc=$?"; tail -c 2500 $OUT/scale-$w.log; \
+        tail -c 5000 $OUT/scale-$w.json ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
   esac
   nvidia-smi --query-gpu=memory.used --format=csv,noheader

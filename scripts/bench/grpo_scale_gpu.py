@@ -129,7 +129,7 @@ def main() -> None:
         t0 = time.monotonic()
         model = s.model or root / "model"
         params = step.count_params(model) if s.model else step.build_model(model, family, size)
-        data, reward = step.write_data(root, prompts)
+        data, reward, a.prompt_tokens = step.write_data(root, prompts)
         trl = {"skipped": "not this workload's comparison"} if not with_trl else \
             {"skipped": "--skip-trl"} if s.skip_trl else step.run_trl(a, root, model, data, reward, params)
         miles = step.run_miles(a, root, model, data, reward, params)

@@ -125,15 +125,22 @@ def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
     config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
-    # on the CPU (the GPU stays the runs' alone), made in bf16: an 8B model is 16 GB, not 32
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # made in bf16 (an 8B model is 16 GB, not 32), on the GPU where there is one (a CPU initialises 8B
+    # parameters in minutes); freed before the runs start
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     build_tokenizer(folder, shape)
     tok = AutoTokenizer.from_pretrained(folder)
     probe = PREAMBLE + "12+34="
     if tok.decode(tok(probe, add_special_tokens=False).input_ids) != probe:
         raise SystemExit("the character tokenizer does not round-trip on this transformers version")
-    return sum(p.numel() for p in model.parameters())     # parameters() lists a tied weight once
+    params = sum(p.numel() for p in model.parameters())     # parameters() lists a tied weight once
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return params
 
 
 def count_params(folder: Path) -> int:

@@ -53,9 +53,9 @@ def samples(n=48, seed=0):
             for _ in range(n)]
 
 
-def step(packed: bool, recompute: bool, data):
+def step(packed: bool, recompute: bool, data, compiled: bool | None = None):
     train = TrainConfig(lr=1e-3, micro_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
-                        pack_sequences=packed, recompute_activations=recompute)
+                        pack_sequences=packed, recompute_activations=recompute, compile_layers=compiled)
     t = Trainer(QWEN3, train=train, algorithm=AlgorithmConfig(loss_agg_mode="seq_mean_token_mean", kl_loss_type="k3"),
                 rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=6), device="cuda")
     assert t._packed is packed
@@ -77,6 +77,31 @@ def test_packed_training_step_matches_the_padded_one_in_bf16():
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=2e-2)
     assert torch.nn.functional.cosine_similarity(a[3], b[3], dim=0) > 0.99
     assert (b[3].norm() / a[3].norm() - 1).abs() < 0.05
+
+
+@pytest.mark.parametrize("compiled", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(reason="packed + recompute + compiled layers disagreed (one logprob "
+                                                      "0.86 off): why --recompute-activations trains padded rows on CUDA")),
+])
+def test_packed_step_under_recompute_matches_the_padded_one(monkeypatch, compiled):
+    """Where the packed-under-recompute disagreement lives: the trainer's rule (RECOMPUTE_ON_CUDA) is
+    lifted here to pack under recompute, with and without compiled layers, against the padded step."""
+    import miles.training.trainer as trainer_module
+    from miles.training.packing import enable_packing
+
+    def pack_anyway(train, *models, device=None):
+        return train.use_dynamic_batch_size and train.pack_sequences and \
+            enable_packing(*(m for m in models if m is not None)) is None
+    data = samples()
+    a = step(False, True, data, compiled)
+    monkeypatch.setattr(trainer_module, "use_packing", pack_anyway)
+    b = step(True, True, data, compiled)
+    mask = a[0].loss_mask
+    diff = (b[1][mask] - a[1][mask]).abs().max()
+    assert diff < 0.1, f"packed under recompute (compiled layers: {compiled}): a logprob {float(diff):.3f} off"
+    assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=2e-2)
+    assert torch.nn.functional.cosine_similarity(a[3], b[3], dim=0) > 0.99
 
 
 def test_without_a_token_budget_cuda_plans_one_from_free_memory():
