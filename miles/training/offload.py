@@ -19,6 +19,12 @@ what the CPU tests check.
 Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
 fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
 `nn.Parameter` objects (only `.data` moves), so the optimizer's references stay valid.
+
+Under FSDP2 (the torch trainer on several ranks) the parameters and their optimizer state are
+DTensors: a rank moves its own shard (the DTensor's local tensor) and the state stays a DTensor of the
+same mesh, placements and global shape around the host shard, so the optimizer, the sharded
+checkpoint and the next streamed step see what they saw before. (Only the optimizer state: the
+weights of a DTensor model stay where FSDP keeps them.)
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class HostOffload:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if weights and model is None:
             raise ValueError("offloading the weights needs the model")
+        if weights and any(_local(p) is not p for p in model.parameters()):
+            raise ValueError("offloading a sharded (DTensor) model's weights is not supported: FSDP keeps them")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self._optimizer, self._model, self._weights = optimizer, model, weights
@@ -59,11 +67,14 @@ class HostOffload:
         moved = 0
         for name in self._moments(state):
             value = state[name]
-            if value.device.type == "cpu" and self._host.get((id(param), name)) is value:
-                continue
-            state[name] = self._buffer((id(param), name), value)
-            state[name].copy_(value, non_blocking=value.is_cuda)
-            moved += value.numel() * value.element_size()
+            local = _local(value)
+            host = self._host.get((id(param), name))
+            if host is not None and local.device.type == "cpu" and local.data_ptr() == host.data_ptr():
+                continue          # there already (a DTensor's local may be a view of the buffer: not `is`)
+            host = self._buffer((id(param), name), local)
+            host.copy_(local, non_blocking=local.is_cuda)
+            state[name] = _around(value, host)
+            moved += local.numel() * local.element_size()
         return moved
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
@@ -83,7 +94,8 @@ class HostOffload:
                     for p in chunk:      # a first step finds no state: the optimizer makes it on the device
                         state = opt.state[p]
                         for name in self._moments(state):
-                            state[name] = state[name].to(p.device, non_blocking=True)
+                            value = state[name]
+                            state[name] = _around(value, _local(value).to(_local(p).device, non_blocking=True))
                     opt.param_groups = [{**group, "params": chunk}]
                     opt.step()
                     for p in chunk:
@@ -96,11 +108,12 @@ class HostOffload:
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk, size = [], 0
         for p in params:
-            if chunk and size + p.numel() * p.element_size() > self._chunk_bytes:
+            nbytes = _local(p).numel() * p.element_size()
+            if chunk and size + nbytes > self._chunk_bytes:
                 yield chunk
                 chunk, size = [], 0
             chunk.append(p)
-            size += p.numel() * p.element_size()
+            size += nbytes
         if chunk:
             yield chunk
 
@@ -115,7 +128,7 @@ class HostOffload:
         if self._model is not None:
             for p in self._model.parameters():
                 if p.grad is not None:    # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
-                    moved += p.grad.numel() * p.grad.element_size()
+                    moved += _local(p.grad).numel() * p.grad.element_size()
                     p.grad = None
         for param, state in self._optimizer.state.items():
             moved += self._to_host(param, state)
@@ -156,3 +169,23 @@ class HostOffload:
         optimizer is the trainer's, which drops both)."""
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (the tensor itself otherwise)."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _around(like: Tensor, local: Tensor) -> Tensor:
+    """`local` as what `like` is: a DTensor of `like`'s mesh, placements and global shape around it, or
+    `local` itself."""
+    if not _is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")

@@ -50,3 +50,48 @@ def test_offload_frees_gpu_memory_and_onload_restores_it_exactly(weights):
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     off.dispose()
+
+
+def test_sharded_state_goes_to_pinned_host_shards_and_streamed_steps_equal_the_optimizers():
+    """FSDP2 on one NCCL rank (the torch trainer's ranks): the optimizer state's DTensors keep their
+    mesh and shape around pinned host shards, the GPU gives the memory back, and the streamed steps
+    equal the optimizer's own step on a twin."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        pairs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+            pairs.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        (model, opt), (twin, twin_opt) = pairs
+        step(model, opt, 0)
+        step(twin, twin_opt, 0)
+        param_bytes = sum(p.numel() * 4 for p in model.parameters())
+        off = HostOffload(opt, model, chunk_bytes=(1024 * 1024 + 1024) * 4)
+        before = torch.cuda.memory_allocated()
+        assert off.offload() == 3 * param_bytes
+        assert before - torch.cuda.memory_allocated() >= 3 * param_bytes * 0.99
+        for p in model.parameters():
+            value = opt.state[p]["exp_avg"]
+            assert type(value).__name__ == "DTensor" and value.shape == p.shape
+            assert value._local_tensor.device.type == "cpu" and value._local_tensor.is_pinned()
+        off.onload()
+        for seed in (1, 2):
+            step(model, opt, seed, off)
+            step(twin, twin_opt, seed)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        off.dispose()
+    finally:
+        dist.destroy_process_group()

@@ -117,3 +117,64 @@ def test_weights_need_the_model_and_chunks_a_size():
         HostOffload(opt, weights=True)
     with pytest.raises(ValueError, match="chunk_bytes must be positive"):
         HostOffload(opt, chunk_bytes=0)
+
+
+def _sharded_rank(rank: int, world: int, port: int, out) -> None:
+    """One gloo rank: a model sharded with FSDP2 and its twin; the offloaded one steps streamed."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        models = []
+        for _ in range(2):
+            model, _ = model_and_optimizer()
+            fully_shard(model[0])
+            fully_shard(model)
+            models.append((model, torch.optim.AdamW(model.parameters(), lr=0.1)))
+        (model, opt), (twin, twin_opt) = models
+        step(model, opt, 0)
+        step(twin, twin_opt, 0)
+        off = HostOffload(opt, model, chunk_bytes=64)
+        local = sum(p._local_tensor.numel() * 4 for p in model.parameters())
+        assert off.offload() == 3 * local                    # this rank's shards: gradients, two moments
+        for seed in (1, 2):
+            streamed(model, opt, seed + rank, off)
+            step(twin, twin_opt, seed + rank)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        for p in model.parameters():
+            value = opt.state[p]["exp_avg"]
+            assert type(value).__name__ == "DTensor" and value.shape == p.shape
+            assert value._local_tensor.data_ptr() == off._host[(id(p), "exp_avg")].data_ptr()
+        assert off.onload() == 0 and off.offload() == local    # the gradients only: the state is there
+        with pytest.raises(ValueError, match="sharded .* weights"):
+            HostOffload(opt, model, weights=True)
+        out.put((rank, "ok"))
+    except BaseException as exc:            # the parent reports it
+        import traceback
+        out.put((rank, traceback.format_exc()[-600:]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_state_moves_shard_by_shard_and_the_streamed_steps_equal_the_optimizers():
+    """FSDP2 on 2 gloo ranks: each rank's optimizer state shards go to its host buffers inside
+    DTensors of the same mesh and shape, and streamed steps equal the optimizer's own."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert results == {0: "ok", 1: "ok"}
