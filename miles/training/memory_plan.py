@@ -192,7 +192,7 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     longest = r.max_context_len or (prompt or 0) + r.max_response_len
     per_token = activation_bytes_per_token(AutoConfig.from_pretrained(cfg.model.hf_checkpoint),
                                            compute_bytes=compute_bytes, recompute=t.recompute_activations, logits=False)
-    streamed = c.offloads_train and not a.needs_critic and trainer_gpus == 1
+    streamed = c.offloads_train and not a.needs_critic
     engine_keeps = c.colocate and r.engine == "fast"
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
                      reference=a.use_kl_loss or a.kl_coef > 0, critic=a.needs_critic,
@@ -202,8 +202,7 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
         return []
     gib = 2 ** 30
     room = [f for f, missing in (
-        ("--offload-train (AdamW's moments, 8 B/param, stay in host memory)", not streamed and trainer_gpus == 1
-         and not a.needs_critic),
+        ("--offload-train (AdamW's moments, 8 B/param, stay in host memory)", not streamed and not a.needs_critic),
         ("--recompute-activations", not t.recompute_activations),
         ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
         ("--rollout-engine sglang (it releases its weights while the trainer trains)", engine_keeps),

@@ -57,8 +57,10 @@ def test_a_backend_without_ranks_is_still_refused_more_than_one(tiny_task, monke
                      "2", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2"])
 
 
-def test_offload_train_is_refused_on_several_ranks(tiny_task):
-    with pytest.raises(ConfigError, match="--offload-train .*on 2 ranks keeps its optimizer state on the GPUs"):
-        parse_flags(["--hf-checkpoint", tiny_task["model"], "--prompt-data", tiny_task["train"], "--rollout-batch-size",
-                     "2", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2",
-                     "--offload-train"])
+def test_offload_train_is_taken_on_several_ranks(tiny_task):
+    from miles.training.protocol import SupportsOffload
+
+    cfg, _ = parse_flags(["--hf-checkpoint", tiny_task["model"], "--prompt-data", tiny_task["train"],
+                          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+                          "--actor-num-gpus-per-node", "2", "--offload-train"])
+    assert cfg.cluster.offloads_train and TRAIN_BACKENDS["torch"].for_ranks(2).supports(SupportsOffload)

@@ -148,7 +148,7 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
     assert "reference 30.5" in kl and "reference" not in problem
     assert startup_problems(gpu_run("--recompute-activations", "--offload-train", "--use-kl-loss"), 1,
                             gpu_bytes=H200) == []
-    # two trainer GPUs shard the state (--offload-train is refused there by its own check)
+    # two trainer GPUs shard the state
     assert startup_problems(gpu_run("--recompute-activations"), 2, gpu_bytes=H200) == []
     # nothing to check: no GPUs known, a CPU run
     assert startup_problems(gpu_run(), None, gpu_bytes=H200) == []

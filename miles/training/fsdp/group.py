@@ -79,6 +79,14 @@ class FSDPTrainer:
     def load(self, path: str | Path) -> None:
         self._group.all("load", str(path))
 
+    def offload(self) -> int:
+        """Every rank's optimizer state shards to its host memory, the gradients dropped (--offload-train);
+        the bytes all ranks gave up. Each later step streams the shards (`miles.training.offload`)."""
+        return sum(self._group.all("offload"))
+
+    def onload(self) -> int:
+        return sum(self._group.all("onload"))
+
     def export_hf(self, path: str | Path) -> None:
         """An HF folder (config, model.safetensors, tokenizer) that AutoModelForCausalLM loads, float32
         like the one-process trainer's `save_pretrained`."""
