@@ -119,29 +119,28 @@ class HostOffload:
 
     # --- the hand-offs ------------------------------------------------------------------------------
     def offload(self) -> int:
-        """Gradients dropped; the optimizer state (and the weights) to host memory; the bytes the
-        device gave up (the state only the first time: afterwards it is on the host already).
-        Idempotent."""
+        """Gradients dropped; the optimizer state (and the weights) to host memory. Returns the bytes of
+        trainer state in host memory now, off the GPU while the engines run (the state moves only the
+        first time: afterwards it is there already). Idempotent."""
         if self.offloaded:
             return 0
-        moved = 0
         if self._model is not None:
             for p in self._model.parameters():
-                if p.grad is not None:    # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
-                    moved += _local(p.grad).numel() * p.grad.element_size()
-                    p.grad = None
+                p.grad = None             # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
+        held = 0
         for param, state in self._optimizer.state.items():
-            moved += self._to_host(param, state)
+            self._to_host(param, state)
+            held += sum(_local(state[n]).numel() * state[n].element_size() for n in self._moments(state))
         if self._weights:
             for param in self._model.parameters():
                 self._device[id(param)] = param.device
                 host = self._buffer((id(param), ".data"), param.data)
                 host.copy_(param.data, non_blocking=param.is_cuda)
                 param.data = host
-                moved += host.numel() * host.element_size()
+                held += host.numel() * host.element_size()
         self._settle()
         self.offloaded = True
-        return moved
+        return held
 
     def onload(self) -> int:
         """The weights back to where they were (the optimizer state stays: `step` streams it); bytes

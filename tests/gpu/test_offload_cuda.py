@@ -33,7 +33,7 @@ def test_offload_frees_gpu_memory_and_onload_restores_it_exactly(weights):
     before = torch.cuda.memory_allocated()
     off.offload()
     freed = before - torch.cuda.memory_allocated()
-    # state (2x) + grads (1x) + weights (1x when asked)
+    # state (2x) + grads (1x, dropped) + weights (1x when asked)
     assert freed >= (3 + weights) * param_bytes * 0.99, (freed, param_bytes)
     assert all(v.device.type == "cpu" and v.is_pinned() for s in opt.state.values() for v in s.values() if v.numel() > 1)
     off.onload()
@@ -80,8 +80,8 @@ def test_sharded_state_goes_to_pinned_host_shards_and_streamed_steps_equal_the_o
         param_bytes = sum(p.numel() * 4 for p in model.parameters())
         off = HostOffload(opt, model, chunk_bytes=(1024 * 1024 + 1024) * 4)
         before = torch.cuda.memory_allocated()
-        assert off.offload() == 3 * param_bytes
-        assert before - torch.cuda.memory_allocated() >= 3 * param_bytes * 0.99
+        assert off.offload() == 2 * param_bytes            # the moments' shards, now in host memory
+        assert before - torch.cuda.memory_allocated() >= 3 * param_bytes * 0.99   # and the gradients dropped
         for p in model.parameters():
             value = opt.state[p]["exp_avg"]
             assert type(value).__name__ == "DTensor" and value.shape == p.shape

@@ -46,9 +46,9 @@ def test_offload_keeps_the_state_on_the_host_and_the_streamed_steps_equal_the_op
 
     off = HostOffload(opt, model, weights=weights, chunk_bytes=40)   # every parameter in a chunk of its own
     moved = off.offload()
-    # the gradients dropped, exp_avg and exp_avg_sq of every parameter (the scalar step stays), the parameters
+    # exp_avg and exp_avg_sq of every parameter (the scalar step stays), the parameters
     n_bytes = sum(p.numel() * 4 for p in params)
-    assert moved == 3 * n_bytes + (n_bytes if weights else 0)
+    assert moved == 2 * n_bytes + (n_bytes if weights else 0)
     assert all(p.grad is None for p in params)
     held = state_tensors(opt)
     assert all(held[k].data_ptr() != before[k].data_ptr() for k in held if k[1] != "step")
@@ -72,7 +72,7 @@ def test_a_first_step_streams_the_state_it_makes_and_chunks_split_by_bytes():
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
     off = HostOffload(opt, model, chunk_bytes=1)          # one parameter per chunk
-    assert off.offload() == 0                              # no state nor gradients before the first step
+    assert off.offload() == 0                              # no state before the first step
     assert [len(c) for c in off._chunks(list(model.parameters()))] == [1, 1, 1, 1]
     streamed(model, opt, 0, off)
     step(twin, twin_opt, 0)
@@ -138,7 +138,7 @@ def _sharded_rank(rank: int, world: int, port: int, out) -> None:
         step(twin, twin_opt, 0)
         off = HostOffload(opt, model, chunk_bytes=64)
         local = sum(p._local_tensor.numel() * 4 for p in model.parameters())
-        assert off.offload() == 3 * local                    # this rank's shards: gradients, two moments
+        assert off.offload() == 2 * local                    # this rank's shards of the two moments
         for seed in (1, 2):
             streamed(model, opt, seed + rank, off)
             step(twin, twin_opt, seed + rank)
@@ -148,7 +148,7 @@ def _sharded_rank(rank: int, world: int, port: int, out) -> None:
             value = opt.state[p]["exp_avg"]
             assert type(value).__name__ == "DTensor" and value.shape == p.shape
             assert value._local_tensor.data_ptr() == off._host[(id(p), "exp_avg")].data_ptr()
-        assert off.onload() == 0 and off.offload() == local    # the gradients only: the state is there
+        assert off.onload() == 0 and off.offload() == 2 * local    # held there, not moved again
         with pytest.raises(ValueError, match="sharded .* weights"):
             HostOffload(opt, model, weights=True)
         out.put((rank, "ok"))
