@@ -181,6 +181,10 @@ class Trainer(OptimizedModel):
     def _refresh_reference(self) -> None:
         load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
 
+    def _set_reference(self, weights: dict[str, Tensor]) -> None:
+        """The reference's weights from a checkpoint's REF_FILE (whole tensors under HF names)."""
+        load_weights(self._ref, weights)
+
     def prepare_rollout(self, samples: list[Sample], rollout_id: int, values: Tensor | None = None) -> Tensor | None:
         """Pack and prepare one rollout for `train(samples, rollout_id)` (see `prepare`); returns the
         critic's targets [B, T] on CPU for PPO (then `values` [B, T] are the critic's), else None."""
@@ -346,7 +350,7 @@ class Trainer(OptimizedModel):
         self._load_optimizer(path)
         set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         if self._ref_interval and (path / REF_FILE).is_file():
-            load_weights(self._ref, load_file(str(path / REF_FILE)))
+            self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 
     def _load_sharded(self, path: Path) -> None:
@@ -363,7 +367,7 @@ class Trainer(OptimizedModel):
         own = rng_file(path, self.rank)
         set_rng_state(torch.load(own if own.is_file() else rng_file(path, 0), weights_only=True))
         if self._ref_interval and (path / REF_FILE).is_file():
-            load_weights(self._ref, load_file(str(path / REF_FILE)))
+            self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 
     def export_hf(self, path: str | Path) -> None:

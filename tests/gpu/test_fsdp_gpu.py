@@ -2,15 +2,19 @@
 same rollouts; skipped without a GPU. No Ray: the rank is built in this process. The skipped
 old-logprob pass (the step records its logprobs, summed over the ranks) is exercised here only.
 
-float32 (--dtype float32): the same losses, gradient norms and weights to float tolerance. bfloat16
-(the CUDA default): FSDP casts the parameters to bf16 for the whole unit where autocast keeps the
-norms' weights in float32, so the two agree to bf16 rounding, not bit for bit. The rank's sharded
-checkpoint loads into the unsharded trainer.
+Both take the CUDA defaults: logprobs from the hidden states through the chunked LM head (on the rank
+inside the FSDP root's forward), decoder layers torch.compiled (on the rank after fully_shard), or
+both eager (`compiled` False). float32 (--dtype float32): the same losses, gradient norms and weights
+to float tolerance. bfloat16 (the CUDA default): FSDP casts the parameters to bf16 for the whole unit
+(no autocast on the rank) where autocast keeps the norms' weights in float32, so the two agree to
+bf16 rounding, not bit for bit. The rank's sharded checkpoint loads into the unsharded trainer.
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
 # one optimizer step per rollout: on CUDA both skip the no-grad old-logprob pass (the step records them)
-TRAIN = TrainConfig(lr=1e-3, micro_batch_size=2, clip_grad=1.0, compile_layers=False)
+TRAIN = TrainConfig(lr=1e-3, micro_batch_size=2, clip_grad=1.0)
 ALGO = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1,
                        entropy_coef=0.01, eps_clip=0.2)
 
@@ -39,25 +43,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kwargs(dtype: str) -> dict:
-    return dict(train=TRAIN, algorithm=ALGO, rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8),
-                device="cuda", dtype=dtype)
+def kwargs(dtype: str, compiled: bool = True) -> dict:
+    return dict(train=replace(TRAIN, compile_layers=compiled), algorithm=ALGO,
+                rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=8), device="cuda", dtype=dtype)
 
 
 def run(trainer, rollouts: int = 3) -> list:
     return [(trainer.train(ROLLOUT, r), trainer.weights()) for r in range(rollouts)]
 
 
-@pytest.mark.parametrize("dtype,rel,atol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.1, 1e-2)])
-def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, dtype, rel, atol):
+@pytest.mark.parametrize("dtype,compiled,rel,atol", [("float32", False, 1e-4, 1e-5), ("float32", True, 1e-4, 1e-5),
+                                                     ("bfloat16", True, 0.1, 1e-2)])
+def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, dtype, compiled, rel, atol):
     from miles.training.fsdp.rank import FSDPRank
 
-    plain = Trainer(model_path, **kwargs(dtype), hidden_forward=False)
+    plain = Trainer(model_path, **kwargs(dtype, compiled))
     want = run(plain)
-    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs(dtype))
+    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs(dtype, compiled))
     try:
         rank.setup("127.0.0.1", free_port())
         assert rank.compute_dtype == plain.compute_dtype
+        assert not rank._logits_path and not plain._logits_path       # both on the chunked hidden-state path
         got = run(rank)
         rank.save(tmp_path / "ck")
     finally:
@@ -70,7 +76,7 @@ def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, d
             if name.endswith("k_proj.bias"):    # zero gradient in exact arithmetic: Adam steps on rounding noise
                 continue
             torch.testing.assert_close(w, want_weights[name], rtol=rel, atol=atol, msg=name)
-    resumed = Trainer(model_path, **kwargs(dtype), hidden_forward=False)
+    resumed = Trainer(model_path, **kwargs(dtype, compiled=False))
     resumed.load(tmp_path / "ck")
     assert resumed.num_steps == 3
     for name, w in resumed.weights().items():

@@ -3,8 +3,10 @@ norm and updated weights as the one-process trainer on the same global batch, an
 checkpoint resumed on another number of ranks (the one-process trainer, or 4 ranks), and the
 one-process checkpoint resumed on 2 ranks.
 
-The 2-rank run also recomputes activations and plans micro-batches by token budget, neither of which
-changes the step: the one-process trainer it is compared with does neither."""
+The 2-rank run also recomputes activations, plans micro-batches by token budget and takes its logprobs
+through the chunked hidden-state path (CUDA's), none of which changes the step: the one-process trainer
+it is compared with does none of these. Every run has a KL reference (sharded on the ranks) refreshed
+from the policy after each rollout and carried by the checkpoints."""
 
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from tests.unit.test_trainer import SAMPLES, sample
 # 6 samples of different lengths: 2 ranks get 3 each, 4 ranks get 2, 2, 1, 1 (unequal micro-batch counts)
 ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
 TRAIN = dict(lr=1e-2, micro_batch_size=2, global_batch_size=3, clip_grad=0.5)     # two optimizer steps a rollout
+# the KL reference refreshed from the policy after every rollout: the checkpoints carry it (REF_FILE),
+# so each resume below also loads a reference that differs from the initial policy
 ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
-            eps_clip=0.2)
+            eps_clip=0.2, ref_update_interval=1)
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm")
 
 
@@ -42,14 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]]):
+def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]],
+               hidden: bool):
     """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes the
-    metrics and the whole weights after each train to out/rank_<r>.pt."""
+    metrics and the whole weights after each train to out/rank_<r>.pt. `hidden`: the chunked
+    hidden-state logprobs (CUDA's path) in place of the logits."""
     torch.set_num_threads(1)
     from miles.training.fsdp.rank import FSDPRank
 
-    t = FSDPRank(model, rank=rank, world_size=world_size, **configs(**RANKS_TRAIN))
+    t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=hidden, **configs(**RANKS_TRAIN))
     t.setup("127.0.0.1", port)
+    assert t._logits_path is not hidden
     results = []
     for action, arg in script:
         if action == "train":
@@ -60,8 +67,8 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
     t.dispose()
 
 
-def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]]) -> list:
-    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script), nprocs=world_size)
+def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]], hidden: bool = False) -> list:
+    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script, hidden), nprocs=world_size)
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -85,11 +92,12 @@ def one_rank(model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(model_path, one_rank, tmp_path_factory):
     """2 ranks: rollout 0 from the initial weights; the one-process checkpoint of rollout 0
-    loaded, rollout 1, saved (the checkpoint the others resume)."""
+    loaded, rollout 1, saved (the checkpoint the others resume). The ranks take their logprobs from
+    the hidden states through the chunked LM head (the one-process trainer from the logits)."""
     out = tmp_path_factory.mktemp("two")
     script = [("train", 0), ("load", str(one_rank[1])), ("train", 1),
               ("save", str(out / "ck"))]
-    return run_ranks(2, model_path, out, script), out / "ck"
+    return run_ranks(2, model_path, out, script, hidden=True), out / "ck"
 
 
 def assert_same(got: list, want: list) -> None:

@@ -9,19 +9,23 @@ on every rank is summed over the ranks: the no-grad logprobs (old and reference;
 normalise over the rollout), the logprobs a step records in place of a skipped pass, and the loss
 terms. So the metrics are the same on every rank, and the step is the one-rank step.
 
-What is not sharded: the frozen KL reference is a whole float32 copy on every rank (no gradients,
-no optimizer state). Each rank's decoder layers run eagerly (no torch.compile) and the logprobs
-come from the logits: the chunked hidden-state path reads the LM head outside the model's forward,
-where FSDP has not gathered it.
+The frozen KL reference is sharded like the policy (no gradients, no optimizer state); its no-grad
+pass runs data parallel too, and --ref-update-interval copies the policy's shards into it.
+
+Every forward runs inside its model's FSDP root (`sharding.Root`), so the chunked hidden-state
+logprobs (CUDA's path: the LM head applied outside the model's own forward) read a gathered head and
+its gradient is reduce-scattered like the others. On CUDA the decoder layers are torch.compiled
+after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off), and there is
+no autocast: FSDP's mixed-precision policy casts each unit's parameters to bf16 once per gather.
 
 A plain class; `miles.training.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -31,26 +35,29 @@ from torch import Tensor
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
-from miles.training.fsdp.sharding import (full_tensor, padded_count, rank_rows, shard_model, sum_over_ranks,
-                                          bucket_names)
+from miles.training.fsdp.sharding import (Root, bucket_names, decoder_layers, full_tensor, padded_count, rank_rows,
+                                          reshard_all, shard_model, sum_over_ranks)
 from miles.training.microbatch import take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
-from miles.weights.hf import load_weights, model_weights, resolve_device
+from miles.weights.hf import model_weights, resolve_device
 
 log = structlog.get_logger().bind(role="trainer-rank")
 
 
 class FSDPRank(Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
-                 rank: int, world_size: int, device: str = "auto", dtype: str = "auto"):
-        """Remembers the configuration; `setup` joins the group, then loads and shards the model."""
+                 rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
+                 hidden_forward: bool | None = None):
+        """Remembers the configuration; `setup` joins the group, then loads and shards the model.
+        `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only)."""
         self.rank, self.world_size = rank, world_size
-        self._init_args = (model_path, dict(train=replace(train, compile_layers=False), algorithm=algorithm,
-                                            rollout=rollout, device=device, dtype=dtype, hidden_forward=False))
+        self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
+                                            dtype=dtype, hidden_forward=hidden_forward))
         self._distributed = False
         self._model = None
+        self._roots: dict[int, Root] = {}      # id(model) -> its FSDP root: the policy's (and the reference's)
 
     def setup(self, address: str, port: int) -> None:
         """Join the group (all ranks at once), then build the trainer with its model sharded."""
@@ -64,11 +71,31 @@ class FSDPRank(Trainer):
                                 rank=self.rank, world_size=self.world_size)
         self._distributed = True
         super().__init__(model_path, **kwargs)
+        forward = self._forward         # every forward runs inside its model's root (see sharding.Root)
+        self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))
+
+    def _shard(self, model: torch.nn.Module) -> Root:
+        root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size)
+        self._roots[id(model)] = root
+        return root
+
+    def _make_reference(self, algorithm: AlgorithmConfig):
+        """The one-process trainer's reference, sharded like the policy (no optimizer, no gradients):
+        its no-grad logprob pass runs data parallel, as the policy's."""
+        ref = super()._make_reference(algorithm)
+        if ref is not None:
+            self._shard(ref)
+        return ref
 
     def _start_optimizer(self, model: torch.nn.Module) -> None:
-        units = shard_model(model, compute_dtype=self.compute_dtype)
+        self._root = self._shard(model)
         super()._start_optimizer(model)
-        log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=units)
+        log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=len(decoder_layers(model)) + 1)
+
+    def _autocast(self):
+        """None: FSDP's mixed-precision policy already casts each unit's parameters to the compute
+        dtype once per gather; autocast on top would only add its per-op dispatch."""
+        return contextlib.nullcontext()
 
     # --- data parallel ---------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
@@ -92,8 +119,8 @@ class FSDPRank(Trainer):
             # gradients accumulate unsharded until the last micro-batch, which reduce-scatters them
             # once (not once per micro-batch); the units stay gathered between the micro-batches
             last = i == len(pairs) - 1
-            self._model.set_requires_gradient_sync(last)
-            self._model.set_reshard_after_backward(last)
+            self._root.set_requires_gradient_sync(last)
+            self._root.set_reshard_after_backward(last)
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             real = rows.numel() > 0
             (loss if real else loss * 0.0).backward()
@@ -114,6 +141,7 @@ class FSDPRank(Trainer):
             logprobs = self._forward(model, mb, False, False)[0]
             if rows.numel():
                 out[rows, :mb.tokens.shape[1]] = logprobs
+        reshard_all(self._roots[id(model)])
         dist.all_reduce(out)
         return out
 
@@ -139,8 +167,15 @@ class FSDPRank(Trainer):
         """Every weight whole, on every rank (a collective)."""
         return self.gathered_weights(list(model_weights(self._live())), everywhere=True)
 
+    @torch.no_grad()
     def _refresh_reference(self) -> None:
-        load_weights(self._ref, self.weights())
+        """The policy's shards into the reference's (same names, same sharding: no communication)."""
+        ref = model_weights(self._ref)
+        for name, t in model_weights(self._live()).items():
+            ref[name].to_local().copy_(t.to_local())
+
+    def _set_reference(self, weights: dict[str, Tensor]) -> None:
+        load_full(self._ref, weights)
 
     def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
         from miles.weights.checksum import state_dict_checksum
@@ -157,12 +192,14 @@ class FSDPRank(Trainer):
         rng_file(path, self.rank).parent.mkdir(parents=True, exist_ok=True)
         save_sharded(self._live(), self._optimizer if optimizer else None, path)
         torch.save(rng_state(), rng_file(path, self.rank))
+        # the reference gathered whole (a collective), written by rank 0 like the one-process file
+        ref = {n: full_tensor(t.detach()).cpu().contiguous() for n, t in model_weights(self._ref).items()} \
+            if self._ref_interval else None
         if self.rank == 0:
             (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer,
                                                        "world_size": self.world_size}))
-            if self._ref_interval:
-                save_file({n: t.detach().cpu().contiguous() for n, t in model_weights(self._ref).items()},
-                          str(path / REF_FILE))
+            if ref is not None:
+                save_file(ref, str(path / REF_FILE))
         dist.barrier()          # the caller commits the folder once every rank has written
 
     def load(self, path: str | Path) -> None:
@@ -190,7 +227,7 @@ class FSDPRank(Trainer):
         self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
         set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         if self._ref_interval and (path / REF_FILE).is_file():
-            load_weights(self._ref, load_file(str(path / REF_FILE)))
+            self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 
     def dispose(self) -> None:
@@ -199,6 +236,7 @@ class FSDPRank(Trainer):
 
         if self._model is not None:
             super().dispose()
+        self._roots, self._root = {}, None
         if self._distributed:
             self._distributed = False
             dist.destroy_process_group()

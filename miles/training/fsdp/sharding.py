@@ -1,8 +1,11 @@
 """FSDP2 for the torch trainer: the model sharded per decoder layer, and the data-parallel arithmetic
 that makes N ranks take the same optimizer step as one.
 
-- `shard_model`: `fully_shard` on every decoder layer, then on the whole model (its embeddings, final
-  norm and LM head form the root unit). Each parameter becomes a DTensor holding 1/N of its rows on
+- `shard_model`: `fully_shard` on every decoder layer, then on a `Root` holding the model (its
+  embeddings, final norm and LM head form the root unit). Every forward runs inside the root's
+  forward (`Root(fn)` calls `fn(model)`), so the root's parameters are gathered for whatever `fn`
+  reads, the LM head's weight too when the chunked logprobs read it outside the model's own forward,
+  and their gradients are reduce-scattered after the backward. Each parameter becomes a DTensor holding 1/N of its rows on
   this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
   reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
   (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
@@ -18,8 +21,13 @@ that makes N ranks take the same optimizer step as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import Tensor, nn
+
+T = TypeVar("T")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -31,25 +39,50 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def shard_model(model: nn.Module, *, compute_dtype: torch.dtype) -> int:
-    """`fully_shard` each decoder layer, then the model, over the default process group (in place);
-    returns the number of units. Units compute in `compute_dtype` (the trainer's: bf16 on CUDA,
-    float32 on the CPU) and reduce gradients in float32."""
+class Root(nn.Module):
+    """The root FSDP unit: holds the model (`lm`, parameters under the model's own names); calling it
+    with `fn` runs `fn(lm)` between the root's pre-forward (its parameters gathered) and post-forward
+    hooks. Only a callable goes in, so FSDP neither moves nor casts the micro-batch's tensors."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, fn: Callable[[nn.Module], T]) -> T:
+        return fn(self.lm)
+
+
+def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int) -> Root:
+    """`fully_shard` each decoder layer, then a `Root` around the model, over the default process
+    group (the model's parameters become DTensors in place); returns the root. Units compute in
+    `compute_dtype` (the trainer's: bf16 on CUDA, float32 on the CPU) and reduce gradients in float32.
+    On one rank a layer keeps its gathered parameters from its forward to its backward: the
+    "gather" is a copy (and the cast), resharding would only repeat it."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {}
+    kwargs: dict = {}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    layers = decoder_layers(model)
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    for m in model.modules():
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=world_size > 1, **kwargs)
+    root = fully_shard(Root(model), **kwargs)    # FSDP keeps a root gathered from forward to backward
+    for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)    # a sum: the losses are already global-batch shares
             # a custom factor is a PREMUL_SUM reduction, which gloo refuses; a plain SUM is the same here
             m.set_force_sum_reduction_for_comms(True)
-    return len(layers) + 1
+    return root
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Free every unit's gathered parameters. After a no-grad forward (no backward reshards them) the
+    gathered copies would otherwise stay, holding memory and going stale when the sharded parameters
+    change outside a step (a load, a reference refresh)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def full_tensor(t: Tensor) -> Tensor:
