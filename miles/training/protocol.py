@@ -96,7 +96,8 @@ TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
         # FSDP2 data parallel; the critic stays one process on the first trainer GPU
         many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer", critic="miles.training.critic:Critic",
                                     check="miles.training.memory_plan:startup_problems",
-                                    ranked=True, capabilities=(SupportsOffload, SupportsCachedMemoryRelease))),
+                                    ranked=True, capabilities=(SupportsOffload, SupportsCachedMemoryRelease,
+                                                                  SupportsWeightBuckets))),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
                                  check="miles.training.megatron.checks:run_problems", model_parallel=True,
                                  ranked=True, capabilities=(SupportsCachedMemoryRelease,)),

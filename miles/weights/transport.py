@@ -125,16 +125,27 @@ class WeightBucket:
     payload: Tensor | None = None
     ipc: tuple | None = None  # torch.multiprocessing.reductions.reduce_tensor's args for rebuild_cuda_tensor
     device_uuid: str | None = None   # the GPU the buffer lives on (device indices differ between processes)
+    # (device_uuid, ipc) of copies of the same bytes on other GPUs (a trainer on several ranks, one
+    # copy per rank's GPU): an engine maps the copy on a GPU it sees
+    peers: tuple[tuple[str, tuple], ...] = ()
 
     def open(self) -> Tensor:
-        """The bucket's bytes: the payload, or the trainer's buffer mapped into this process."""
+        """The bucket's bytes: the payload, or the trainer's buffer (on a GPU this process sees) mapped
+        into this process."""
         if self.payload is not None:
             return self.payload
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        args = list(self.ipc)
-        args[_IPC_DEVICE_ARG] = _local_device_index(self.device_uuid)
-        return rebuild_cuda_tensor(*args)
+        copies = ((self.device_uuid, self.ipc), *self.peers)
+        for uuid, ipc in copies:
+            index = _local_device_index(uuid)
+            if index is not None:
+                args = list(ipc)
+                args[_IPC_DEVICE_ARG] = index
+                return rebuild_cuda_tensor(*args)
+        raise RuntimeError(f"this process sees none of the GPUs {[u for u, _ in copies]} that hold the trainer's "
+                           "weight bucket; CUDA IPC needs the engine on a trainer GPU (--colocate), else use the "
+                           "object store")
 
 
 _IPC_DEVICE_ARG = 6   # position of the device index in reduce_tensor's args for CUDA tensors
@@ -144,12 +155,12 @@ def _device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _local_device_index(uuid: str | None) -> int:
+def _local_device_index(uuid: str | None) -> int | None:
+    """This process's index of the GPU `uuid`; None when it does not see that GPU."""
     for i in range(torch.cuda.device_count()):
         if _device_uuid(i) == uuid:
             return i
-    raise RuntimeError(f"this process does not see the GPU {uuid} that holds the trainer's weight bucket; "
-                       f"CUDA IPC needs the engine on the trainer's GPU (--colocate), else use the object store")
+    return None
 
 
 class BucketSender:

@@ -83,3 +83,55 @@ def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, d
         torch.testing.assert_close(w, got[-1][1][name], rtol=0, atol=0, msg=name)
     plain.dispose()
     resumed.dispose()
+
+
+class RankSender:
+    """A rank's bucket calls under BucketSender's names, for test_weight_ipc's `push`; each bucket goes
+    through the trainer's merge as in a run."""
+
+    def __init__(self, rank, dtype: torch.dtype, bucket_bytes: int):
+        self.rank, self.num_buckets = rank, rank.weight_bucket_count(dtype, bucket_bytes)
+
+    def bucket(self, index: int, version: int):
+        from miles.training.fsdp.buckets import merge_rank_buckets
+
+        return merge_rank_buckets([self.rank.weight_bucket(index, version)])
+
+    def release(self, index: int) -> None:
+        self.rank.release_weight_buckets(index)
+
+
+def test_one_fsdp_rank_syncs_a_colocated_engine_over_cuda_ipc(model_path, tmp_path):
+    """The rank's CUDA IPC buckets (gathered whole, bf16) into an engine process on the same GPU: the
+    engine's weights then have the rank's checksum in bf16, after each of two syncs with a training
+    step between them, and no bucket outlives its release."""
+    import torch.multiprocessing as mp
+
+    from miles.training.fsdp.rank import FSDPRank
+    from tests.gpu.test_weight_ipc import engine_process, push
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    engine = ctx.Process(target=engine_process, args=(make_tiny_model(tmp_path / "engine", seed=1), inbox, outbox))
+    engine.start()
+    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs("bfloat16", compiled=False))
+    try:
+        rank.setup("127.0.0.1", free_port())
+        kind, before = outbox.get(timeout=120)
+        assert kind == "ready" and before != rank.weights_checksum(torch.bfloat16)
+        sender = RankSender(rank, torch.bfloat16, bucket_bytes=8192)
+        assert sender.num_buckets > 1
+        for version in (1, 2):
+            acks = push(sender, version, inbox, outbox)
+            assert [a[2] for a in acks] == [None] * (sender.num_buckets - 1) + [version]
+            inbox.put("checksum")
+            assert outbox.get(timeout=60) == ("checksum", rank.weights_checksum(torch.bfloat16))
+            assert rank._sender.live_buckets == []
+            rank.train(ROLLOUT, version)         # new weights for the next sync
+    finally:
+        rank.dispose()
+        inbox.put(None)
+        engine.join(timeout=60)
+        if engine.is_alive():
+            engine.kill()
+    assert engine.exitcode == 0

@@ -32,6 +32,7 @@ ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm")
 
 
+BUCKET_BYTES = 4096      # several buckets of the tiny model (its embedding alone is 2 KiB in bf16)
 RANKS_TRAIN = dict(recompute_activations=True, use_dynamic_batch_size=True, max_tokens_per_gpu=12)
 
 
@@ -61,10 +62,25 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
     for action, arg in script:
         if action == "train":
             results.append((t.train(ROLLOUT, arg), t.weights()))
+        elif action == "buckets":
+            torch.save(take_buckets(t, arg), Path(out) / f"buckets_{rank}.pt")
         else:
             getattr(t, action)(arg)
     torch.save(results, Path(out) / f"rank_{rank}.pt")
     t.dispose()
+
+
+def take_buckets(t, bucket_bytes: int) -> list[dict[str, torch.Tensor] | None]:
+    """The weight buckets (in bf16, an engine's dtype) as the weight sync takes them: each bucket's
+    tensors, or None where the rank handed out no bytes."""
+    from miles.weights.transport import bucket_views
+
+    out = []
+    for i in range(t.weight_bucket_count(torch.bfloat16, bucket_bytes)):
+        b = t.weight_bucket(i, 1)
+        out.append(None if b is None else {n: v.clone() for n, v in bucket_views(b.metas, b.open()).items()})
+        t.release_weight_buckets(i)
+    return out
 
 
 def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]], hidden: bool = False) -> list:
@@ -95,9 +111,10 @@ def two_ranks(model_path, one_rank, tmp_path_factory):
     loaded, rollout 1, saved (the checkpoint the others resume). The ranks take their logprobs from
     the hidden states through the chunked LM head (the one-process trainer from the logits)."""
     out = tmp_path_factory.mktemp("two")
-    script = [("train", 0), ("load", str(one_rank[1])), ("train", 1),
+    script = [("train", 0), ("load", str(one_rank[1])), ("train", 1), ("buckets", BUCKET_BYTES),
               ("save", str(out / "ck"))]
-    return run_ranks(2, model_path, out, script, hidden=True), out / "ck"
+    ranks = run_ranks(2, model_path, out, script, hidden=True)
+    return ranks, out / "ck", [torch.load(out / f"buckets_{r}.pt") for r in range(2)]
 
 
 def assert_same(got: list, want: list) -> None:
@@ -114,14 +131,29 @@ def assert_same(got: list, want: list) -> None:
 
 
 def test_two_ranks_take_the_one_rank_steps_and_resume_its_checkpoint(one_rank, two_ranks):
-    ranks, _ = two_ranks
+    ranks, _, _ = two_ranks
     for got in ranks:   # every rank reports the same metrics and holds the same whole weights
         assert_same(got, one_rank[0][:2])       # rollout 1 after loading the one-process checkpoint
     assert ranks[0][0][1]["model.embed_tokens.weight"].shape == (32, 32)   # gathered whole, not a shard
 
 
+def test_two_ranks_hand_out_weight_buckets_of_whole_tensors_in_the_engines_dtype(one_rank, two_ranks):
+    ranks, _, buckets = two_ranks
+    assert buckets[1] == [None] * len(buckets[0])       # off CUDA rank 0 alone keeps the bytes
+    assert len(buckets[0]) > 1
+    sent = {n: t for b in buckets[0] for n, t in b.items()}
+    assert sum(len(b) for b in buckets[0]) == len(sent)           # every tensor once
+    mine, single = ranks[0][1][1], one_rank[0][1][1]      # the weights after rollout 1: the ranks', one rank's
+    assert sent.keys() == mine.keys()
+    for name, t in sent.items():
+        assert t.dtype == torch.bfloat16 and t.shape == mine[name].shape, name
+        assert torch.equal(t, mine[name].to(torch.bfloat16)), name
+        if not name.endswith("k_proj.bias"):       # see assert_same
+            torch.testing.assert_close(t, single[name].to(torch.bfloat16), rtol=1e-2, atol=1e-3, msg=name)
+
+
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_one(one_rank, two_ranks, model_path):
-    _, ck = two_ranks
+    _, ck, _ = two_ranks
     assert (ck / "dcp" / ".metadata").is_file() and sorted(p.name for p in (ck / "rng").iterdir()) == [
         "rank_0.pt", "rank_1.pt"]
     t = Trainer(model_path, **configs())
@@ -132,7 +164,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_one(one_rank, two_ranks, mod
 
 @pytest.mark.extended
 def test_four_ranks_resume_the_two_rank_checkpoint(one_rank, two_ranks, model_path, tmp_path):
-    _, ck = two_ranks
+    _, ck, _ = two_ranks
     for got in run_ranks(4, model_path, tmp_path, [("load", str(ck)), ("train", 2)]):
         assert_same(got, one_rank[0][2:])
 

@@ -19,3 +19,15 @@ def test_buckets_hold_at_most_the_byte_budget_unless_one_tensor_is_larger():
     assert bucket_names(weights, 80) == [["a", "b"], ["c"], ["d"]]
     assert bucket_names(weights, 1000) == [["a", "b", "c", "d"]]
     assert bucket_names({}, 80) == []
+
+
+def test_a_merged_bucket_offers_every_ranks_ipc_copy_and_keeps_rank_0s_bytes():
+    from miles.training.fsdp.buckets import merge_rank_buckets
+    from miles.weights.transport import WeightBucket
+
+    ipc = [WeightBucket(index=0, count=1, version=3, metas=(), ipc=("h", r), device_uuid=f"gpu-{r}") for r in range(3)]
+    merged = merge_rank_buckets(ipc)
+    assert (merged.device_uuid, merged.ipc) == ("gpu-0", ("h", 0))
+    assert merged.peers == (("gpu-1", ("h", 1)), ("gpu-2", ("h", 2)))
+    payload = WeightBucket(index=0, count=1, version=3, metas=(), payload=torch.zeros(4, dtype=torch.uint8))
+    assert merge_rank_buckets([payload, None]) is payload        # off CUDA: rank 0's bytes, nothing to merge

@@ -7,7 +7,8 @@ The composition root makes `FSDPTrainer` an actor like the one-process trainer; 
 a GPU share each) or, on the CPU, `world_size` ranks; every call goes to all ranks, and the answer is
 rank 0's (the ranks agree on metrics). Weights leave bucket by bucket: the ranks gather one bucket of
 whole tensors at a time (`DEFAULT_BUCKET_BYTES` of float32), rank 0 copies it to the host, so no rank
-ever holds the whole model on its device. Checkpoints are sharded (`miles.training.fsdp.checkpoint`);
+ever holds the whole model on its device; colocated on GPUs, the CUDA IPC buckets are gathered the
+same way in the engines' dtype, one copy per rank's GPU (`miles.training.fsdp.buckets`). Checkpoints are sharded (`miles.training.fsdp.checkpoint`);
 the HF export is the one-process trainer's format.
 """
 
@@ -22,10 +23,11 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.training.fsdp.buckets import merge_rank_buckets
 from miles.training.ranks import RankGroup, ranks_use_gpus
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
-from miles.weights.transport import DEFAULT_BUCKET_BYTES
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer", backend="torch")
 
@@ -59,6 +61,19 @@ class FSDPTrainer:
 
     def release_cached_memory(self) -> None:
         self._group.all("release_cached_memory")
+
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """The CUDA IPC transport's buckets (`miles.training.fsdp.buckets`): the weights cast to `dtype`
+        in buffers of at most `bucket_bytes`, planned once on every rank."""
+        return self._group.all("weight_bucket_count", dtype, bucket_bytes)[0]
+
+    def weight_bucket(self, index: int, version: int) -> WeightBucket:
+        """Bucket `index` of the current weights, gathered by every rank; its IPC copies (one per rank's
+        GPU) stay alive until `release_weight_buckets`."""
+        return merge_rank_buckets(self._group.all("weight_bucket", index, version))
+
+    def release_weight_buckets(self, index: int | None = None) -> None:
+        self._group.all("release_weight_buckets", index)
 
     def weights(self) -> dict[str, Tensor]:
         """The whole weights under HF names on the CPU (float32), gathered bucket by bucket."""

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
+from miles.training.fsdp.buckets import GatheredWeights
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
 from miles.training.fsdp.sharding import (Root, bucket_names, decoder_layers, full_tensor, padded_count, rank_rows,
                                           reshard_all, shard_model, sum_over_ranks)
@@ -42,6 +43,7 @@ from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
 from miles.weights.hf import model_weights, resolve_device
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer-rank")
 
@@ -162,6 +164,23 @@ class FSDPRank(Trainer):
                 out[name] = whole.to("cpu", copy=True).contiguous()
             del whole
         return out
+
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """The buckets of the weights cast to `dtype` (planned once, from the shards' global shapes;
+        `miles.training.fsdp.buckets`); CUDA IPC buffers on CUDA, host bytes elsewhere."""
+        if self._sender is None:
+            self._sender = BucketSender(lambda: GatheredWeights(model_weights(self._live()), dtype), dtype=dtype,
+                                        bucket_bytes=bucket_bytes, ipc=self.device.type == "cuda")
+        return self._sender.num_buckets
+
+    def weight_bucket(self, index: int, version: int) -> WeightBucket | None:
+        """Bucket `index` filled with the current weights (a collective): this rank's IPC copy on CUDA;
+        off CUDA rank 0's bytes, None on the other ranks (which only take part in the gathers)."""
+        if self._sender.ipc or self.rank == 0:
+            return self._sender.bucket(index, version)
+        GatheredWeights(model_weights(self._live()), self._sender.dtype).take_part(
+            [m.name for m in self._sender.plans[index].metas])
+        return None
 
     def weights(self) -> dict[str, Tensor]:
         """Every weight whole, on every rank (a collective)."""
