@@ -105,17 +105,18 @@ def pick_forward(model: nn.Module, *, temperature: float, autocast: Callable[[],
     return partial(logits_forward, temperature, autocast, packed=packed), "logits" + ("+packed" if packed else "")
 
 
-def compile_decoder_layers(model: nn.Module) -> int:
+def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     """torch.compile each decoder layer in place (CUDA trainer): the layers' elementwise work (norms
     in float32, rotary, SiLU x up, residual adds, their backward) fuses into a few kernels instead of
     one pass over the activations each. One layer class compiles once (the others reuse its code);
     micro-batch shapes become dynamic after the second one. Returns the layers compiled (0: the model
-    has no `.layers` list to compile, and runs as it is)."""
+    has no `.layers` list to compile, and runs as it is). `backend`: torch.compile's (tests on the CPU
+    pass one that needs no C++ compiler)."""
     layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
     if not isinstance(layers, nn.ModuleList):
         return 0
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=backend)
     return len(layers)
 
 

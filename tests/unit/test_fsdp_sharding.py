@@ -31,3 +31,41 @@ def test_a_merged_bucket_offers_every_ranks_ipc_copy_and_keeps_rank_0s_bytes():
     assert merged.peers == (("gpu-1", ("h", 1)), ("gpu-2", ("h", 2)))
     payload = WeightBucket(index=0, count=1, version=3, metas=(), payload=torch.zeros(4, dtype=torch.uint8))
     assert merge_rank_buckets([payload, None]) is payload        # off CUDA: rank 0's bytes, nothing to merge
+
+
+def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_path):
+    """The order the trainer uses on CUDA (shard, then compile each layer in place), on one gloo rank:
+    FSDP's hooks run outside the compiled code, the gradients are the eager ones. aot_eager traces
+    forward and backward as inductor does, without its C++ compiler."""
+    import socket
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from miles.training.forward import compile_decoder_layers
+    from miles.training.fsdp.sharding import shard_model
+    from miles.weights.hf import load_causal_lm
+    from tests.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny")
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        grads = []
+        for compiled in (False, True):
+            model = load_causal_lm(path, device=torch.device("cpu"), dtype=torch.float32)
+            root = shard_model(model, compute_dtype=torch.float32, world_size=1)
+            graphs = counters["stats"]["unique_graphs"]
+            if compiled:
+                assert compile_decoder_layers(model, backend="aot_eager") == model.config.num_hidden_layers
+            for _ in range(2):      # two micro-batches: the layers stay gathered between them on one rank
+                root(lambda lm: lm(input_ids=tokens).logits.logsumexp(-1).sum()).backward()
+            assert (counters["stats"]["unique_graphs"] > graphs) is compiled
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    finally:
+        dist.destroy_process_group()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
