@@ -36,7 +36,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.fsdp.buckets import GatheredWeights
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
-from miles.training.fsdp.sharding import (Root, bucket_names, decoder_layers, full_tensor, padded_count, rank_rows,
+from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, padded_count, rank_rows,
                                           reshard_all, shard_model, sum_over_ranks)
 from miles.training.microbatch import take_rows
 from miles.training.rng import rng_state, set_rng_state
@@ -112,8 +112,6 @@ class FSDPRank(Trainer):
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:
         """The one-rank trainer's, over this rank's rows; terms and `record` summed over the ranks."""
-        import torch.distributed as dist
-
         normalizer, num_tokens = self._objective.normalizers(batch)
         sums: dict[str, float] = defaultdict(float)
         pairs = list(self._micro_batches(batch, micro_batch_size))     # as many on every rank
@@ -131,20 +129,18 @@ class FSDPRank(Trainer):
             for k, v in terms.items():
                 sums[k] += v if real else 0.0
         if record is not None:
-            dist.all_reduce(record)
+            all_reduce_sum(record)
         return sum_over_ranks(dict(sums), self.device)
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
-        import torch.distributed as dist
-
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         for rows, mb in self._micro_batches(batch):
             logprobs = self._forward(model, mb, False, False)[0]
             if rows.numel():
                 out[rows, :mb.tokens.shape[1]] = logprobs
         reshard_all(self._roots[id(model)])
-        dist.all_reduce(out)
+        all_reduce_sum(out)
         return out
 
     # --- weights -----------------------------------------------------------------------------------

@@ -74,6 +74,14 @@ def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int
     return root
 
 
+def all_reduce_sum(t: Tensor) -> None:
+    """`t` summed over the ranks in place (nothing to do on one rank)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+
+
 def reshard_all(root: nn.Module) -> None:
     """Free every unit's gathered parameters. After a no-grad forward (no backward reshards them) the
     gathered copies would otherwise stay, holding memory and going stale when the sharded parameters
@@ -101,18 +109,23 @@ def rank_rows(num_rows: int, rank: int, world_size: int) -> list[int]:
 
 
 def padded_count(count: int, device: torch.device) -> int:
-    """The largest `count` over the ranks (a collective)."""
+    """The largest `count` over the ranks (a collective; none on one rank, where it would only cost a
+    device round trip)."""
     import torch.distributed as dist
 
+    if dist.get_world_size() == 1:
+        return count
     t = torch.tensor([count], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Each value summed over the ranks (every rank passes the same keys)."""
+    """Each value summed over the ranks (every rank passes the same keys; one rank: the values)."""
     import torch.distributed as dist
 
+    if dist.get_world_size() == 1:
+        return values
     keys = sorted(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
