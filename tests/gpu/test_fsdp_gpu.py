@@ -8,6 +8,8 @@ both eager (`compiled` False). float32 (--dtype float32): the same losses, gradi
 to float tolerance. bfloat16 (the CUDA default): FSDP casts the parameters to bf16 for the whole unit
 (no autocast on the rank) where autocast keeps the norms' weights in float32, so the two agree to
 bf16 rounding, not bit for bit. The rank's sharded checkpoint loads into the unsharded trainer.
+
+The rank's CUDA IPC weight buckets reach an engine process on the same GPU (test_weight_ipc's engine).
 """
 
 from __future__ import annotations
