@@ -117,8 +117,9 @@ def test_compiled_pieces_do_not_recompile(monkeypatch, tmp_path):
     # of every width and start, beside whole-prompt prefills, reuse the compiled layer pieces
     monkeypatch.setattr(fast_model, "COMPILE_BACKEND", "eager")
     engine = FastEngine(make_tiny_model(tmp_path / "qwen2"), device="cpu", max_batch_size=3, chunked_prefill_size=3)
-    engine._use_compiled(True)
-    engine._compile_shapes()
+    with torch._dynamo.config.patch(recompile_limit=2):   # whole prompts (n >= 2) and pieces (n = 1): two variants
+        engine._use_compiled(True)
+        engine._compile_shapes()
     with torch._dynamo.config.patch(error_on_recompile=True):
         gens = engine.generate(EDGES + MANY, SamplingParams(temperature=1.0, max_new_tokens=6, seed=0))
     assert engine._forward.compiled and engine.last_stats["prefill_pieces"] > 10 and len(gens) == len(EDGES + MANY)

@@ -141,8 +141,7 @@ class FastEngine(TokenizerAccessors):
         elem = torch.empty((), dtype=self.dtype).element_size()
         rows = self.max_batch_size + 1
         sampling = rows * self.arch.vocab * (elem + 4 * 4)
-        tokens = max(PREFILL_TOKENS, 2 * self.chunked_prefill_size)   # a piece runs beside a 1-token scratch row
-        prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        prefill = max(PREFILL_TOKENS, self.chunked_prefill_size) * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
         return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
 
     def _set_buckets(self) -> None:
@@ -197,7 +196,9 @@ class FastEngine(TokenizerAccessors):
         for n, p in ((2, 2), (3, 5)):   # built like a real prefill's inputs (the guards check strides too)
             ids, lens, _, slots = self._prefill_inputs([([self.pad_token_id] * p, 0, self._scratch)] * n)
             self._forward.prefill(ids, lens, slots, self._cache.layers)
-            self._forward.prefill(ids, lens, slots, self._cache.layers, starts=torch.zeros_like(lens), span=p)
+            # a piece is one row (a size-1 batch dim: its own compiled variant, built here too)
+            self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=torch.zeros_like(lens[:1]),
+                                  span=p)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -443,10 +444,12 @@ class FastEngine(TokenizerAccessors):
         req, slot, done = table.filling[0]
         prompt = call.prompts[req]
         size = min(self.chunked_prefill_size, len(prompt) - done)
+        # one row, no scratch row padded to its width (that would double a piece's work); a 1-token
+        # last piece is padded to 2 (no size-1 length dim), its pad written at the first decode position
         rows = [(prompt[done:done + size], req, slot), ([self.pad_token_id], len(call.prompts), self._scratch)]
-        ids, lens, reqs, slots = self._prefill_inputs(rows)   # the scratch row: as in `_prefill`
+        ids, lens, reqs, slots = self._prefill_inputs(rows)
         starts = _to_device(torch.tensor([done, 0], dtype=torch.long), self.device)
-        logits = self._forward.prefill(ids, lens, slots, self._cache.layers, starts=starts,
+        logits = self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=starts[:1],
                                        span=done + ids.shape[1])
         call.pieces += 1
         done += size
@@ -455,7 +458,8 @@ class FastEngine(TokenizerAccessors):
             self._state.pos[slot] = done
             return
         table.filling.popleft()
-        self._first_tokens(logits, reqs, slots, starts + lens, call)
+        # the sampler sees two rows, the second (the scratch slot's) a copy: its kernels keep no size-1 dim
+        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call)
         table.start(slot, len(prompt), step)
 
     def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call) -> None:
