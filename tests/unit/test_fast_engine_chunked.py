@@ -123,3 +123,23 @@ def test_compiled_pieces_do_not_recompile(monkeypatch, tmp_path):
     with torch._dynamo.config.patch(error_on_recompile=True):
         gens = engine.generate(EDGES + MANY, SamplingParams(temperature=1.0, max_new_tokens=6, seed=0))
     assert engine._forward.compiled and engine.last_stats["prefill_pieces"] > 10 and len(gens) == len(EDGES + MANY)
+
+
+def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
+    from inspect import signature
+
+    from miles.config.flags import parse_flags
+    from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, ConfigError
+    from miles.rollout.engines.fast.spec import options
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", make_tiny_model(tmp_path / "model"), "--prompt-data", str(data),
+            "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2", "--rollout-engine", "fast"]
+    cfg, _ = parse_flags(base + ["--rollout-chunked-prefill-size", "512"])
+    assert options(cfg)["chunked_prefill_size"] == 512
+    default, _ = parse_flags(base)
+    assert "chunked_prefill_size" not in options(default)    # the engine's own default
+    assert signature(FastEngine).parameters["chunked_prefill_size"].default == FAST_CHUNKED_PREFILL_SIZE == 8192
+    with pytest.raises(ConfigError, match="--rollout-chunked-prefill-size 0: must be a positive integer"):
+        parse_flags(base + ["--rollout-chunked-prefill-size", "0"])

@@ -36,7 +36,7 @@ from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapsh
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.config.schema import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
@@ -50,7 +50,6 @@ _CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine relea
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
 SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
 PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
-CHUNKED_PREFILL_SIZE = PREFILL_TOKENS   # longer prompts are prefilled in pieces of this many tokens
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
@@ -59,7 +58,7 @@ class FastEngine(TokenizerAccessors):
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
-                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE):
+                 chunked_prefill_size: int = FAST_CHUNKED_PREFILL_SIZE):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
