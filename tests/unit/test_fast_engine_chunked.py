@@ -143,3 +143,6 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     assert signature(FastEngine).parameters["chunked_prefill_size"].default == FAST_CHUNKED_PREFILL_SIZE == 8192
     with pytest.raises(ConfigError, match="--rollout-chunked-prefill-size 0: must be a positive integer"):
         parse_flags(base + ["--rollout-chunked-prefill-size", "0"])
+    sglang = [a if a != "fast" else "sglang" for a in base]
+    with pytest.raises(ConfigError, match="an SGLang server's is --sglang-chunked-prefill-size N"):
+        parse_flags(sglang + ["--rollout-chunked-prefill-size", "512"])
