@@ -9,6 +9,16 @@ steps and read `SNAPSHOT_LAG` steps later (the GPU is never left idle waiting fo
 knows without asking when a slot reaches max_new_tokens. Freed slots are refilled at once from the
 queue; when the queue is empty, busy slots are moved down so the decode batch shrinks.
 
+Chunked prefill: a prompt longer than `chunked_prefill_size` takes its slot but is not prefilled
+with the others. Each turn of the loop prefills one piece of it (`_piece`: one row, at most that
+many tokens), whose queries attend to the K/V the earlier pieces left in the slot and causally to
+the piece itself, then runs the decode step of the running sequences; the last piece samples the
+first token and the slot joins the decode batch. So a piece's activations are bounded by the
+chunk, not the prompt (its attention reads the slot's K/V so far, with a [piece, prefix + piece]
+mask instead of the whole prompt's square one), and a long prompt does not stall the others.
+Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
+for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
+
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
 and on CPU everything runs eagerly in float32 (that is what CI tests).
