@@ -14,8 +14,9 @@ with the others. Each turn of the loop prefills one piece of it (`_piece`: one r
 many tokens), whose queries attend to the K/V the earlier pieces left in the slot and causally to
 the piece itself, then runs the decode step of the running sequences; the last piece samples the
 first token and the slot joins the decode batch. So a piece's activations are bounded by the
-chunk, not the prompt (its attention reads the slot's K/V so far, with a [piece, prefix + piece]
-mask instead of the whole prompt's square one), and a long prompt does not stall the others.
+chunk, not the prompt (its attention reads the slot's K/V so far under an implicit bottom-right
+causal mask, where a whole prompt's prefill builds a [P, P] one), and a long prompt does not
+stall the others.
 Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
 for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
 
@@ -454,7 +455,8 @@ class FastEngine(TokenizerAccessors):
         prompt = call.prompts[req]
         size = min(self.chunked_prefill_size, len(prompt) - done)
         # one row, no scratch row padded to its width (that would double a piece's work); a 1-token
-        # last piece is padded to 2 (no size-1 length dim), its pad written at the first decode position
+        # last piece is padded to 2 (no size-1 length dim), its pad's K/V written at the first decode
+        # position, which that decode step overwrites before any query reads it
         rows = [(prompt[done:done + size], req, slot), ([self.pad_token_id], len(call.prompts), self._scratch)]
         ids, lens, reqs, slots = self._prefill_inputs(rows)
         starts = _to_device(torch.tensor([done, 0], dtype=torch.long), self.device)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
 
@@ -360,23 +361,25 @@ class Forward:
         """Right-padded prompts ids [n, P] of lengths lens [n] into cache `slots` [n]; -> logits [n, V]
         of each row's last token.
 
-        `starts` [n] (a piece of a longer prompt, chunked prefill): row i's tokens go to positions
-        starts[i].. of its slot, and its queries attend to the K/V already in the slot before them
-        (earlier pieces) and causally to the piece itself, read from the cache over its first
-        `span` (>= every starts[i] + lens[i]) positions. None: whole prompts from position 0, whose
-        attention reads the fresh K/V alone."""
+        `starts` [1] (one piece of a longer prompt, chunked prefill; n must be 1): its tokens go to
+        positions starts[0]..starts[0]+P-1 of its slot, with span = starts[0] + P, and its queries
+        attend to the K/V already in the slot before them (earlier pieces) and causally to the piece
+        itself, read from the cache. The mask is implicit (bottom-right aligned causal: no [P, span]
+        tensor). Right padding in a piece (P > lens[0]) is attended only by the padding's own
+        queries. None: whole prompts from position 0, whose attention reads the fresh K/V alone."""
         a, w = self.arch, self.weights
         n, p = ids.shape
+        if starts is not None and (n != 1 or span < p):
+            raise ValueError(f"a prefill piece is one row with span >= its width; got {n} rows, width {p}, span {span}")
         x = F.embedding(ids, w.embed)
         offsets = torch.arange(p, device=ids.device)
         pos = offsets.repeat(n, 1) if starts is None else starts[:, None] + offsets   # [n, P], contiguous
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
         if starts is None:
             valid = (offsets[None, :] <= offsets[:, None])[None] & (offsets < lens[:, None])[:, None, :]
-        else:   # bottom-right aligned causal mask over the slot's positions; every query sees key 0
-            keys = torch.arange(span, device=ids.device)
-            valid = (keys <= pos[:, :, None]) & (keys < (starts + lens)[:, None, None])
-        mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P or span]
+            mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P]
+        else:
+            mask = causal_lower_right(p, span)
         for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
                 _dynamic((x, 0), (x, 1), (slots, 0), (pos, 0), (pos, 1), (cos, 0), (cos, 1), (sin, 0), (sin, 1),
