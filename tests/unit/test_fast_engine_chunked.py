@@ -2,6 +2,8 @@
 prefilled piece by piece, beside the decode steps of the running sequences, with the outputs of
 the unchunked engine and of a plain transformers forward."""
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -104,12 +106,9 @@ def test_sampling_is_reproducible_and_follows_the_distribution(model_path, unchu
     hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
     with torch.no_grad():
         probs = torch.softmax(hf(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
-    counts = {}
-    for g in gens:
-        counts[g.response_ids[0]] = counts.get(g.response_ids[0], 0) + 1
-    from collections import Counter
-    assert chi_square_p(Counter(counts), probs, n) > 1e-3
-    assert chi_square_p(Counter(counts), torch.softmax(probs.log() / 0.5, -1), n) < 1e-6   # it has power
+    counts = Counter(g.response_ids[0] for g in gens)
+    assert chi_square_p(counts, probs, n) > 1e-3
+    assert chi_square_p(counts, torch.softmax(probs.log() / 0.5, -1), n) < 1e-6   # it has power
 
 
 def test_compiled_pieces_do_not_recompile(monkeypatch, tmp_path):
@@ -135,7 +134,8 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
     base = ["--hf-checkpoint", make_tiny_model(tmp_path / "model"), "--prompt-data", str(data),
-            "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2", "--rollout-engine", "fast"]
+            "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2",
+            "--rollout-engine", "fast"]
     cfg, _ = parse_flags(base + ["--rollout-chunked-prefill-size", "512"])
     assert options(cfg)["chunked_prefill_size"] == 512
     default, _ = parse_flags(base)

@@ -151,7 +151,8 @@ class FastEngine(TokenizerAccessors):
         elem = torch.empty((), dtype=self.dtype).element_size()
         rows = self.max_batch_size + 1
         sampling = rows * self.arch.vocab * (elem + 4 * 4)
-        prefill = max(PREFILL_TOKENS, self.chunked_prefill_size) * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        tokens = max(PREFILL_TOKENS, self.chunked_prefill_size)
+        prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
         return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
 
     def _set_buckets(self) -> None:
