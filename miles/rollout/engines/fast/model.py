@@ -377,7 +377,7 @@ class Forward:
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
         if starts is None:
             valid = (offsets[None, :] <= offsets[:, None])[None] & (offsets < lens[:, None])[:, None, :]
-            mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P]
+            mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P]: causal, not padding
         else:
             mask = causal_lower_right(p, span)
         for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
