@@ -29,7 +29,7 @@ from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_a
                           refused_in)
 from .validate import validate
 from .schema import (
-    EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
+    EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
     USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
     TrackingConfig, TrainConfig,
@@ -123,6 +123,9 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: run the layers eagerly, not torch.compile'd (debugging; faster start)"),
     _f("disable-attention-kernel", "rollout", "attention_kernel", kind="false",
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
+    _f("rollout-chunked-prefill-size", "rollout", "chunked_prefill_size", int,
+       f"FastEngine: a prompt longer than this is prefilled in pieces of this many tokens, one piece per decode "
+       f"step of the running sequences (SGLang's --chunked-prefill-size; default: {FAST_CHUNKED_PREFILL_SIZE})"),
     # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "

@@ -27,6 +27,7 @@ FAST_MAX_BATCH_SIZE = 256
 # FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
 # left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
 FAST_MEM_FRACTION = 0.5
+FAST_CHUNKED_PREFILL_SIZE = 8192   # FastEngine prefills longer prompts in pieces of this many tokens
 
 # every function a run loads by path: flag -> (config section, field). What actors import, so what a run on
 # an attached cluster ships; a config file's relative file paths are read relative to the file
@@ -113,6 +114,7 @@ class RolloutConfig:
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
+    chunked_prefill_size: int | None = None  # --rollout-chunked-prefill-size: FastEngine's prefill piece (None: its own)
     # rewards beyond --rm-type / --custom-rm-path
     rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
     rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request

@@ -43,6 +43,7 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--debug-exit-after-rollout", cfg.debug_exit_after_rollout), ("--eval-max-response-len", cfg.eval.max_response_len),
         ("--update-weights-interval", cfg.update_weights_interval),
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
+        ("--rollout-chunked-prefill-size", cfg.rollout.chunked_prefill_size),
         ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):

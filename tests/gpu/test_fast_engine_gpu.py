@@ -8,6 +8,8 @@ machine with only torch, transformers and structlog (no Ray):
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -114,6 +116,60 @@ def test_continuous_batching_equals_one_by_one_and_eager(model_path, fp32):
         assert b.finish_reason == alone.finish_reason == e.finish_reason
     assert len({len(b.response_ids) for b in batched}) > 2
     assert_fast_path(small)
+
+
+def test_chunked_prefill_equals_the_unchunked_engine(model_path, fp32, bf16):
+    # prompts of up to 100 tokens in pieces of 16 (one piece per decode step of the running ones), more
+    # requests than slots. The fixtures compiled this model's pieces for both dtypes, the one-row piece
+    # variant included: the chunked engines reuse them (a recompile here raises)
+    long = [[4 + (7 * i + j) % 25 for j in range(n)] for i, n in enumerate((16, 17, 32, 47, 100))]
+    prompts = long + MANY
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        chunked = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=3, chunked_prefill_size=16)
+        got = chunked.generate(prompts, GREEDY)
+        chunked_bf16 = FastEngine(model_path, device="cuda", max_batch_size=3, chunked_prefill_size=16)
+        got_bf16 = chunked_bf16.generate(prompts, GREEDY)
+    assert chunked.last_stats["prefill_pieces"] == 2 + 2 + 3 + 7   # the 16-token prompt is one whole prefill
+    model = hf(model_path)
+    for prompt, g, w in zip(prompts, got, fp32.generate(prompts, GREEDY)):   # float32: exact, as unchunked
+        assert g.response_ids == w.response_ids
+        assert g.finish_reason == w.finish_reason
+        assert (torch.tensor(g.logprobs) - torch.tensor(w.logprobs)).abs().max() < 1e-4
+    for prompt, g in zip(long, got):
+        assert g.response_ids == full_forward_logits(model, prompt, g.response_ids).argmax(-1).tolist()
+    model = hf(model_path, torch.bfloat16)
+    for prompt, g in zip(prompts, got_bf16):   # bf16: each greedy token the reference's argmax up to a near-tie
+        logits = full_forward_logits(model, prompt, g.response_ids)
+        chosen = logits.gather(-1, torch.tensor(g.response_ids, device="cuda")[:, None]).squeeze(-1)
+        assert (logits.max(-1).values - chosen).max() < 0.25
+    assert_fast_path(chunked)
+    assert_fast_path(chunked_bf16)
+
+
+def test_chunked_prefill_memory_is_the_pieces_not_the_prompts(tmp_path):
+    # a 6,000-token prompt prefilled whole builds a [P, P] mask (144 MB in float32, and its 36 MB bool
+    # source); in pieces of 512 under the implicit causal mask, the prefill's transients are a piece's
+    # activations and the slot's K/V so far: a few MB for this tiny model. Same greedy answer.
+    path = make_tiny_model(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    prompt = [4 + (7 * j) % 25 for j in range(6000)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    peaks, answers = [], []
+    for size in (8192, 512):
+        engine = FastEngine(path, device="cuda", dtype="float32", max_batch_size=2, max_context_len=6100,
+                            torch_compile=False, chunked_prefill_size=size)
+        engine.generate([prompt], params)      # graphs captured, allocator warm
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        answers.append(engine.generate([prompt], params)[0].response_ids)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert engine.last_stats["prefill_pieces"] == (0 if size == 8192 else 12)
+        del engine
+    assert answers[0] == answers[1]
+    assert peaks[1] * 4 < peaks[0], peaks
 
 
 def test_sampling_is_reproducible_on_the_gpu(bf16):

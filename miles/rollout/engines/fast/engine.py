@@ -9,6 +9,17 @@ steps and read `SNAPSHOT_LAG` steps later (the GPU is never left idle waiting fo
 knows without asking when a slot reaches max_new_tokens. Freed slots are refilled at once from the
 queue; when the queue is empty, busy slots are moved down so the decode batch shrinks.
 
+Chunked prefill: a prompt longer than `chunked_prefill_size` takes its slot but is not prefilled
+with the others. Each turn of the loop prefills one piece of it (`_piece`: one row, at most that
+many tokens), whose queries attend to the K/V the earlier pieces left in the slot and causally to
+the piece itself, then runs the decode step of the running sequences; the last piece samples the
+first token and the slot joins the decode batch. So a piece's activations are bounded by the
+chunk, not the prompt (its attention reads the slot's K/V so far under an implicit bottom-right
+causal mask, where a whole prompt's prefill builds a [P, P] one), and a long prompt does not
+stall the others.
+Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
+for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
+
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
 and on CPU everything runs eagerly in float32 (that is what CI tests).
@@ -36,7 +47,7 @@ from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapsh
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
                                          stop_table)
-from miles.config.schema import FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
@@ -57,18 +68,24 @@ class FastEngine(TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
-                 cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True):
+                 cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
+                 chunked_prefill_size: int = FAST_CHUNKED_PREFILL_SIZE):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
         run's longest prompt + response); when `max_batch_size` slots of it do not fit, the engine
         runs as many slots as do (`plan_slots`, a `kv_slots_reduced` warning); `cuda_graph` /
         `torch_compile` / `attention_kernel` (the length-aware decode
-        attention): CUDA only, off for debugging or comparison."""
+        attention): CUDA only, off for debugging or comparison; `chunked_prefill_size`: a prompt
+        longer than this is prefilled in pieces of this many tokens, one piece per decode step
+        of the other sequences (SGLang's --chunked-prefill-size)."""
         from transformers import AutoConfig
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        self.chunked_prefill_size = chunked_prefill_size
         reason = supports(AutoConfig.from_pretrained(model_path))
         if reason:
             raise ValueError(f"FastEngine cannot run {model_path}: {reason}; use EmbeddedEngine")
@@ -129,11 +146,13 @@ class FastEngine(TokenizerAccessors):
 
     def _workspace_bytes(self) -> int:
         """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
-        batch, one prefill's activations, and a fixed reserve."""
+        batch, one prefill's activations (a batch of whole prompts or a piece of a long one), and a
+        fixed reserve."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         rows = self.max_batch_size + 1
         sampling = rows * self.arch.vocab * (elem + 4 * 4)
-        prefill = PREFILL_TOKENS * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        tokens = max(PREFILL_TOKENS, self.chunked_prefill_size)
+        prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
         return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
 
     def _set_buckets(self) -> None:
@@ -188,6 +207,9 @@ class FastEngine(TokenizerAccessors):
         for n, p in ((2, 2), (3, 5)):   # built like a real prefill's inputs (the guards check strides too)
             ids, lens, _, slots = self._prefill_inputs([([self.pad_token_id] * p, 0, self._scratch)] * n)
             self._forward.prefill(ids, lens, slots, self._cache.layers)
+            # a piece is one row (a size-1 batch dim: its own compiled variant, built here too)
+            self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=torch.zeros_like(lens[:1]),
+                                  span=p)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -327,7 +349,7 @@ class FastEngine(TokenizerAccessors):
             steps = self._run(call)
             tokens, logprobs, lengths, reasons = out.to_host()
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
-                               seconds=time.perf_counter() - t0)
+                               prefill_pieces=call.pieces, seconds=time.perf_counter() - t0)
         return [Generation(t[:n], lp[:n], "stop" if r == STOP else "length", version)
                 for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
 
@@ -363,12 +385,17 @@ class FastEngine(TokenizerAccessors):
                 table.finish(self._snapshot.read(), self._snapshot.step)
                 pending = False
             table.expire(step)
-            if queue and len(table.running) < table.n and (checkpoint or not table.running):
+            if queue and table.busy() < table.n and (checkpoint or not table.running):
                 self._refill(table, queue, step, call)
                 table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
+            if table.filling:        # one piece of a long prompt per decode step of the others
+                self._piece(table, step, call)
+                table.expire(step)
             if not table.running:
+                if table.filling:
+                    continue
                 return step
-            if checkpoint and not queue:
+            if checkpoint and not queue and not table.filling:
                 self._compact(table, step)
             if not pending and step % CHECK_EVERY == 0:
                 self._snapshot.take(self._state.active, step)
@@ -394,11 +421,18 @@ class FastEngine(TokenizerAccessors):
                              self._logits[:b])
 
     def _refill(self, table: _Slots, queue: deque, step: int, call: _Call) -> None:
-        """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens."""
+        """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens.
+        A prompt longer than `chunked_prefill_size` only takes its slot here; `_piece` prefills it."""
         free = table.free()[:len(queue)]
         pairs = sorted(((queue.popleft(), s) for s in free), key=lambda rs: len(call.prompts[rs[0]]))
         chunk: list[tuple[int, int]] = []
         for req, slot in pairs:  # sorted by length: this prompt is the chunk's widest
+            if len(call.prompts[req]) > self.chunked_prefill_size:
+                table.fill(req, slot)
+                # decode steps feed every slot below the batch's top, idle ones too: this one's
+                # write goes to the next piece's first position, which that piece overwrites
+                self._state.pos[slot] = 0
+                continue
             if chunk and len(call.prompts[req]) * (len(chunk) + 1) > PREFILL_TOKENS:
                 self._prefill(chunk, call)
                 chunk = []
@@ -412,13 +446,41 @@ class FastEngine(TokenizerAccessors):
         if len(rows) == 1:  # a second row in the scratch slot: no size-1 dims (compiled kernels stay generic)
             rows.append(([self.pad_token_id], len(call.prompts), self._scratch))
         ids, lens, reqs, slots = self._prefill_inputs(rows)
+        call.prefills += 1
+        self._first_tokens(self._forward.prefill(ids, lens, slots, self._cache.layers), reqs, slots, lens, call)
+
+    def _piece(self, table: _Slots, step: int, call: _Call) -> None:
+        """Prefill the next piece of the first long prompt being filled: its queries attend to the
+        earlier pieces' K/V in its slot. The last piece samples the first token and starts the slot."""
+        req, slot, done = table.filling[0]
+        prompt = call.prompts[req]
+        size = min(self.chunked_prefill_size, len(prompt) - done)
+        # one row, no scratch row padded to its width (that would double a piece's work); a 1-token
+        # last piece is padded to 2 (no size-1 length dim), its pad's K/V written at the first decode
+        # position, which that decode step overwrites before any query reads it
+        rows = [(prompt[done:done + size], req, slot), ([self.pad_token_id], len(call.prompts), self._scratch)]
+        ids, lens, reqs, slots = self._prefill_inputs(rows)
+        starts = _to_device(torch.tensor([done, 0], dtype=torch.long), self.device)
+        logits = self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=starts[:1],
+                                       span=done + ids.shape[1])
+        call.pieces += 1
+        done += size
+        if done < len(prompt):
+            table.filling[0][2] = done
+            self._state.pos[slot] = done
+            return
+        table.filling.popleft()
+        # the sampler sees two rows, the second (the scratch slot's) a copy: its kernels keep no size-1 dim
+        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call)
+        table.start(slot, len(prompt), step)
+
+    def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call) -> None:
+        """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot."""
         st = self._state
         st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
-        logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
         tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
                            call.is_stop, call.max_new)
-        call.prefills += 1
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
     def _prefill_inputs(self, rows: list[tuple[list[int], int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -469,7 +531,8 @@ class _Call:
     def __init__(self, prompts: list[list[int]], max_new: int, sampler: Sampler, is_stop: Tensor,
                  out: CallOutputs):
         self.prompts, self.max_new, self.sampler, self.is_stop, self.out = prompts, max_new, sampler, is_stop, out
-        self.prefills = 0
+        self.prefills = 0   # prefill forwards of whole prompts (a batch each)
+        self.pieces = 0     # prefill forwards of pieces of long prompts
 
 
 class _SlotState:
@@ -503,9 +566,18 @@ class _Slots:
     def __init__(self, n: int, max_new: int):
         self.n, self.max_new = n, max_new
         self.running: dict[int, tuple[int, int]] = {}   # slot -> (prompt length, step it started at)
+        self.filling: deque[list[int]] = deque()         # [request, slot, tokens prefilled] of long prompts
 
     def free(self) -> list[int]:
-        return [s for s in range(self.n) if s not in self.running]
+        taken = set(self.running) | {slot for _, slot, _ in self.filling}
+        return [s for s in range(self.n) if s not in taken]
+
+    def busy(self) -> int:
+        return len(self.running) + len(self.filling)
+
+    def fill(self, req: int, slot: int) -> None:
+        """`slot` is taken by a long prompt, prefilled piece by piece before it runs."""
+        self.filling.append([req, slot, 0])
 
     def start(self, slot: int, prompt_len: int, step: int) -> None:
         self.running[slot] = (prompt_len, step)

@@ -9,7 +9,9 @@ of the HF-named dict, byte for byte.
 Two entry points (`Forward`), built from pure functions of tensors so the engine may
 `torch.compile` them and capture them in CUDA graphs, and CI runs them eagerly on CPU:
 - `prefill`: right-padded prompts [n, P], causal attention over the prompt itself, K/V
-  written into the prompt's cache slot at positions 0..P-1.
+  written into the prompt's cache slot at positions 0..P-1; or pieces of long prompts (chunked
+  prefill): a piece's K/V written at its positions start..start+P-1, its queries attending to
+  the slot's cache up to themselves (the earlier pieces' K/V and the piece's own, causally).
 - `decode`: one token per slot for the first B slots, K/V written at each slot's position,
   attention over the slot's first L cache positions with a length mask (L is a bucket >= every
   busy slot's length, so one captured graph serves many steps).
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
 
@@ -244,20 +247,22 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
 
 
 def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
-                k_norm: Tensor | None, kc: Tensor, vc: Tensor, slots: Tensor, cos: Tensor, sin: Tensor,
+                k_norm: Tensor | None, kc: Tensor, vc: Tensor, slots: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
                 arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
-    """x [n, P, H] -> q [n, heads, P, head_dim] and k, v repeated to every query head; K/V of
-    prompt i written at positions 0..P-1 of cache slot slots[i]."""
+    """x [n, P, H] at cache positions pos [n, P] -> q [n, heads, P, head_dim] and k, v repeated to
+    every query head; K/V of row i written at positions pos[i] of cache slot slots[i]. cos, sin
+    [n, P, head_dim] are pos's RoPE."""
     n, p = x.shape[:2]
     q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = head_norm(q.view(n, p, arch.n_heads, arch.head_dim), q_norm, arch.eps)
     k = head_norm(k.view(n, p, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
-    q = apply_rope(q.transpose(1, 2), cos, sin)
-    k = apply_rope(k.transpose(1, 2), cos, sin)
+    q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
+    k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
-    kc[slots, :, :p] = k
-    vc[slots, :, :p] = v
+    # advanced indices on dims 0 and 2 put their [n, P] dims first: [n, P, kv_heads, head_dim]
+    kc[slots[:, None], :, pos] = k.transpose(1, 2)
+    vc[slots[:, None], :, pos] = v.transpose(1, 2)
     return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
 
 
@@ -351,20 +356,37 @@ class Forward:
             x = self._out_mlp(x, o, o_w, o_b, ln2, gate_up_w, down_w, a)
         final_logits(x, w, a, out=out)
 
-    def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]],
+                starts: Tensor | None = None, span: int = 0) -> Tensor:
         """Right-padded prompts ids [n, P] of lengths lens [n] into cache `slots` [n]; -> logits [n, V]
-        of each prompt's last token."""
+        of each row's last token.
+
+        `starts` [1] (one piece of a longer prompt, chunked prefill; n must be 1): its tokens go to
+        positions starts[0]..starts[0]+P-1 of its slot, with span = starts[0] + P, and its queries
+        attend to the K/V already in the slot before them (earlier pieces) and causally to the piece
+        itself, read from the cache. The mask is implicit (bottom-right aligned causal: no [P, span]
+        tensor). Right padding in a piece (P > lens[0]) is attended only by the padding's own
+        queries. None: whole prompts from position 0, whose attention reads the fresh K/V alone."""
         a, w = self.arch, self.weights
         n, p = ids.shape
+        if starts is not None and (n != 1 or span < p):
+            raise ValueError(f"a prefill piece is one row with span >= its width; got {n} rows, width {p}, span {span}")
         x = F.embedding(ids, w.embed)
-        pos = torch.arange(p, device=ids.device)
+        offsets = torch.arange(p, device=ids.device)
+        pos = offsets.repeat(n, 1) if starts is None else starts[:, None] + offsets   # [n, P], contiguous
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
-        valid = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]   # causal, not padding
-        mask = additive_mask(valid, x.dtype)[:, None]
+        if starts is None:
+            valid = (offsets[None, :] <= offsets[:, None])[None] & (offsets < lens[:, None])[:, None, :]
+            mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P]: causal, not padding
+        else:
+            mask = causal_lower_right(p, span)
         for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
             if self.compiled:
-                _dynamic((x, 0), (x, 1), (slots, 0), (cos, 0), (sin, 0), *_cache_dims(kc, vc))
-            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, cos, sin, a)
+                _dynamic((x, 0), (x, 1), (slots, 0), (pos, 0), (pos, 1), (cos, 0), (cos, 1), (sin, 0), (sin, 1),
+                         *_cache_dims(kc, vc))
+            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, pos, cos, sin, a)
+            if starts is not None:   # this piece's K/V is in the cache now, after the earlier pieces'
+                k, v = (c[slots, :, :span].repeat_interleave(a.group, dim=1) for c in (kc, vc))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)
             flat = x.view(n * p, a.hidden)

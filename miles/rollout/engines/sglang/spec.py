@@ -55,6 +55,9 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
     if r.engine == "sglang" and r.max_batch_size is not None:
         problems.append(f"--rollout-max-batch-size {r.max_batch_size} is the embedded and fast engines' limit; an "
                         "SGLang server's is --sglang-max-running-requests N")
+    if r.engine == "sglang" and r.chunked_prefill_size is not None:
+        problems.append(f"--rollout-chunked-prefill-size {r.chunked_prefill_size} is the fast engine's; an SGLang "
+                        "server's is --sglang-chunked-prefill-size N")
     if r.engine == "sglang" and r.health_check_interval_s > 0 and \
             0 < r.health_check_timeout_s < api.MIN_HEALTH_CHECK_TIMEOUT_S:
         problems.append(f"--rollout-health-check-timeout {r.health_check_timeout_s:g}: an SGLang server answers "
