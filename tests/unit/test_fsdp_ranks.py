@@ -64,6 +64,8 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
             results.append((t.train(ROLLOUT, arg), t.weights()))
         elif action == "buckets":
             torch.save(take_buckets(t, arg), Path(out) / f"buckets_{rank}.pt")
+        elif arg is None:
+            getattr(t, action)()
         else:
             getattr(t, action)(arg)
     torch.save(results, Path(out) / f"rank_{rank}.pt")
@@ -108,10 +110,12 @@ def one_rank(model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(model_path, one_rank, tmp_path_factory):
     """2 ranks: rollout 0 from the initial weights; the one-process checkpoint of rollout 0
-    loaded, rollout 1, saved (the checkpoint the others resume). The ranks take their logprobs from
+    loaded, its optimizer state offloaded (--offload-train: rollout 1's steps stream it from host
+    memory), rollout 1, saved (the checkpoint the others resume). The ranks take their logprobs from
     the hidden states through the chunked LM head (the one-process trainer from the logits)."""
     out = tmp_path_factory.mktemp("two")
-    script = [("train", 0), ("load", str(one_rank[1])), ("train", 1), ("buckets", BUCKET_BYTES),
+    script = [("train", 0), ("load", str(one_rank[1])), ("offload", None), ("onload", None), ("train", 1),
+              ("buckets", BUCKET_BYTES),
               ("save", str(out / "ck"))]
     ranks = run_ranks(2, model_path, out, script, hidden=True)
     return ranks, out / "ck", [torch.load(out / f"buckets_{r}.pt") for r in range(2)]
