@@ -27,7 +27,12 @@ trainer of a 1.7B model at 1,024 new tokens shares the GPU with the engine). Its
 
 The small end, on the CPU (the embedded default the demo runs; TRL installed beside the project):
   python3 scripts/bench/grpo_step_gpu.py --device cpu --model examples/arithmetic/base_model \
-      --task arithmetic --new-tokens 6 --miles-flags "" [--miles-iters 6 --trl-steps 6]
+      --task arithmetic --new-tokens 6 --miles-flags "" [--miles-iters 6 --trl-steps 6] [--trl-site DIR]
+TRL's stack in a folder of its own, so that nothing of the project's environment changes (torch,
+transformers and pyarrow stay the environment's; dill 0.4.1, as datasets' fingerprinting pickles a
+pyarrow type that dill 0.3.8 cannot on Python 3.11):
+  pip install --no-deps --target DIR trl==1.16.0 datasets==5.2.0 accelerate==1.16.0 dill==0.4.1 \
+      multiprocess==0.70.19 xxhash pandas python-dateutil pytz tzdata
 
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
@@ -285,17 +290,25 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
                    "model_dtype": str(next(trainer.model.parameters()).dtype)}}))
 
 
+def trl_env(site: Path | None) -> dict | None:
+    """The TRL worker's environment: with --trl-site, that folder first on its path (and only on its:
+    miles' side never sees the TRL stack's packages)."""
+    if site is None:
+        return None
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+
 def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, reward: Path, params: int) -> dict:
-    try:
-        import trl  # noqa: F401
-    except ImportError as exc:
-        return {"skipped": f"trl is not importable: {exc}"}
+    env = trl_env(a.trl_site)
+    probe = subprocess.run([sys.executable, "-c", "import trl"], env=env, capture_output=True, text=True)
+    if probe.returncode:
+        return {"skipped": f"trl is not importable: {probe.stderr.strip().splitlines()[-1:]}"}
     out = root / "trl.json"
     cmd = [sys.executable, __file__, "--trl-worker", str(model), str(prompts), str(reward), str(out),
            "--trl-steps", str(a.trl_steps), "--micro-batch", str(a.micro_batch), "--global-batch",
            str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens)]
     with MemorySampler() as mem:
-        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log")
+        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log", env=env)
     if not out.is_file():
         return {"error": "TRL wrote no result", **run, "log_tail": tail(run["log"])}
     res = json.loads(out.read_text())
@@ -429,6 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"extra miles flags (default: {MILES_FLAGS!r}; at 1.7b {MILES_FLAGS_LARGE!r})")
     p.add_argument("--side-timeout-s", type=float, default=210.0, help="wall-clock bound of each side")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--trl-site", type=Path, default=None,
+                   help="a folder TRL and its data stack were installed into (pip install --target), put on the "
+                        "TRL side's path only (see the module docstring)")
     p.add_argument("--device", default="cuda", help="miles' --device (cpu: a smoke test of this script only)")
     p.add_argument("--model", type=Path, default=None,
                    help="use this HF folder instead of building the 0.5B-shaped one (a smoke test)")
