@@ -64,7 +64,7 @@ from miles.training.packing import computed_tokens, use_packing
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
-from miles.cluster.cpu_threads import cpu_threads
+from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights

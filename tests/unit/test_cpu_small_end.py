@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.cluster.cpu_threads import pick_cpu_threads
+from miles.training.threads import pick_cpu_threads
 from miles.training.trainer import Trainer
 from tests.unit.test_trainer import SAMPLES
 

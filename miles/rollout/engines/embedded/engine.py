@@ -36,7 +36,6 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.cluster.cpu_threads import cpu_threads
 from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
@@ -56,16 +55,13 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine(TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE, cpu_share: int = 1):
-        """`cpu_share`: engines generating at once on this machine; on the CPU, inside a Ray actor,
-        each computes with its share of the cores (`miles.cluster.cpu_threads`)."""
+                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         self._model = load_causal_lm(model_path, device=self.device, dtype=self.dtype)
-        threads = cpu_threads(self.device, share=cpu_share)
         self._tokenizer = load_tokenizer(model_path)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
@@ -80,7 +76,7 @@ class EmbeddedEngine(TokenizerAccessors):
         self._heartbeat = time.monotonic()   # the last decode step (or the start of the running call)
         self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
         self._weights_on_host = False        # release_memory moved them off the GPU
-        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype), cpu_threads=threads)
+        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
 
     # --- tokenizer accessors -------------------------------------------------------------------
     @property

@@ -12,11 +12,9 @@ if TYPE_CHECKING:
 
 
 def options(cfg: RunConfig) -> dict[str, Any]:
-    """--rollout-max-batch-size when given (else the engine's own default); the engines' share of
-    the CPU's cores (--rollout-num-engines generate at once)."""
+    """--rollout-max-batch-size when given (else the engine's own default)."""
     r = cfg.rollout
-    return ({} if r.max_batch_size is None else {"max_batch_size": r.max_batch_size}) | \
-        ({"cpu_share": r.num_engines} if r.num_engines > 1 else {})
+    return {} if r.max_batch_size is None else {"max_batch_size": r.max_batch_size}
 
 
 # two threads: health and abort are answered while a generate call runs (the engine guards its model);

@@ -1,13 +1,16 @@
-"""How many threads a torch process on the CPU computes with inside a Ray actor.
+"""How many threads a CPU trainer computes with.
 
 Ray starts an actor declared with `num_cpus=0` (every miles actor: CPUs are not what places them)
-with OMP_NUM_THREADS=1, so torch in the trainer or a CPU engine would use one core of a machine
-it has to itself while it works: in the synchronous loop the engine generates while the trainer
-waits, and the trainer trains while the engine waits. On the CPU, inside a Ray actor, each takes
-its share of the cores its process may run on instead (measured on a 2-core machine: the demo's
-train phase went from 27 s with one thread to 19 s with two; the demo-shaped generate from 0.147 s
-to 0.114 s). Outside an actor (a test, a script, an in-process run) torch's setting is the caller's
-and is left alone.
+with OMP_NUM_THREADS=1, so torch in the trainer actor would use one core of a machine it has to
+itself while it trains (the rollout waits for it in the synchronous loop). On the CPU, inside a Ray
+actor, the trainer takes the cores its process may run on instead (measured on a 2-core machine:
+the demo's train phase went from 27 s with one thread to 19 s with two). Outside an actor (a test,
+a script, an in-process run) torch's setting is the caller's and is left alone.
+
+A CPU engine keeps Ray's one thread: its decode steps are many small parallel regions, and with two
+threads every stray wake-up of the run's other processes stalls one of them at each region's barrier
+(measured in the demo-shaped run on 2 cores: a 256-sample generate took 136-147 ms with two threads,
+121-136 ms with one, though two were faster in a process of its own).
 """
 
 from __future__ import annotations
@@ -41,9 +44,8 @@ def pick_cpu_threads(*, on_cpu: bool, in_actor: bool, cores: int, current: int) 
 
 
 def cpu_threads(device: torch.device, share: int = 1) -> int:
-    """Apply `pick_cpu_threads` for a process computing on `device`, one of `share` such processes
-    working at once on this machine's cores (CPU trainer ranks, engines: each takes its part, not
-    all); returns the threads torch uses now."""
+    """Apply `pick_cpu_threads` for a trainer on `device`, one of `share` trainer processes on this
+    machine's cores (CPU ranks: each takes its part, not all); returns the threads torch uses now."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cores = max(1, cores // max(1, share))
     n = pick_cpu_threads(on_cpu=device.type == "cpu", in_actor=in_ray_actor(), cores=cores,
