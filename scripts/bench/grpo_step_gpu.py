@@ -13,7 +13,8 @@ Printed JSON, the ratios first:
   miles           per-iteration times (between successive weight_sync starts), per-phase times
                   (rollout, weight_sync, train) from the trace, the weight sync's own duration,
                   train MFU, peak GPU memory per iteration and overall
-  trl             per-step times (a step generates and trains one global batch), MFU of the whole step
+  trl             per-step times (a step generates and trains one global batch), MFU of the whole step,
+                  the generate + score part of each step (generate_s: the rest of a step is its training)
 MFU counts 6 x params x tokens for forward + backward and 2 x params x tokens for each no-grad logprob
 pass the trainer runs (1 unless the trainer's metrics say it skipped it), against the H200's dense
 bf16 peak of 989 TFLOP/s (the vendor's datasheet; the same as the H100 SXM). params counts the tied
@@ -276,13 +277,24 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
                         bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda)
     trainer = GRPOTrainer(model=model, reward_funcs=[module.trl_reward], args=config, train_dataset=data,
                           callbacks=[Clock()])
+    generate_s = []         # TRL's generate + score of each step (its _generate_and_score_completions)
+    inner = getattr(trainer, "_generate_and_score_completions", None)
+    if inner is not None:
+        def timed(*args, **kwargs):
+            sync()
+            t0 = time.monotonic()
+            out = inner(*args, **kwargs)
+            sync()
+            generate_s.append(round(time.monotonic() - t0, 4))
+            return out
+        trainer._generate_and_score_completions = timed
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     step_s = [round(e - s, 4) for s, e in times if e is not None]
     lengths = [x["completions/mean_length"] for x in records if "completions/mean_length" in x]
     Path(out).write_text(json.dumps({
-        "step_s": step_s, "completion_len_mean": lengths,
+        "step_s": step_s, "generate_s": generate_s, "completion_len_mean": lengths,
         "torch_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 3) if cuda else None,
         "config": {"gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
                    "per_device_train_batch_size": micro, "gradient_accumulation_steps": config.gradient_accumulation_steps,
@@ -317,7 +329,9 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     lengths = res["completion_len_mean"]
     tokens = a.prompts * a.samples * (a.prompt_tokens + (statistics.fmean(lengths) if lengths else a.new_tokens))
     mfu = 6 * params * tokens / (steady * PEAK_TFLOPS * 1e12) if steady else None
+    gen = res.get("generate_s") or []
     return {"steady_step_s": steady, "first_step_s": steps[0] if steps else None, "step_s": steps,
+            "steady_generate_s": statistics.median(gen[1:]) if len(gen) > 1 else None,
             "median_step_s": statistics.median(steps) if steps else None,
             "mfu_whole_step": round(mfu, 4) if mfu else None, "tokens_per_step": round(tokens),
             "gpu_mem_peak_mib": mem.peak_mib(), **{k: v for k, v in res.items() if k != "step_s"}, "run": run}
