@@ -3,8 +3,8 @@
 - `object_store` (CPU, and the fallback): the trainer hands `weights()` (CPU float32 copies, a
   `HostWeights`) to Ray's object store; each engine loads the dict (`EmbeddedEngine.update_weights`).
   `HostWeights` pickles each tensor as a flat numpy byte array, which Ray moves out of band (one
-  copy into the store, none out of it) instead of through torch's own pickling of storages: on the
-  CPU demo's 4 MB model the trainer-to-engine hop took 12 ms instead of 27.
+  copy into the store, none out of it) instead of through torch's own pickling of storages (the CPU
+  demo's 4 MB model went from one actor to another in 12 ms instead of 27).
 - `cuda_ipc` (engines colocated with the trainer on CUDA): the trainer casts its weights to the
   engines' dtype into flat device buffers ("buckets") of at most `--update-weight-buffer-size` bytes,
   and sends each bucket as a CUDA IPC handle plus per-tensor (name, shape, dtype, offset) metadata.
