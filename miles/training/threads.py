@@ -6,6 +6,11 @@ itself while it trains (the rollout waits for it in the synchronous loop). On th
 actor, the trainer takes the cores its process may run on instead (measured on a 2-core machine:
 the demo's train phase went from 27 s with one thread to 19 s with two). Outside an actor (a test,
 a script, an in-process run) torch's setting is the caller's and is left alone.
+
+A CPU engine keeps Ray's one thread: its decode steps are many small parallel regions, and with two
+threads every stray wake-up of the run's other processes stalls one of them at each region's barrier
+(measured in the demo-shaped run on 2 cores: a 256-sample generate took 136-147 ms with two threads,
+121-136 ms with one, though two were faster in a process of its own).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
-from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, WeightBucket
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer")
 
@@ -294,7 +294,7 @@ class Trainer(OptimizedModel):
     # --- weights and state ---------------------------------------------------------------------
     def weights(self) -> dict[str, Tensor]:
         """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
-        return state_dict_to_cpu(model_weights(self._live()))
+        return HostWeights(state_dict_to_cpu(model_weights(self._live())))
 
     def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
         """Buckets of the CUDA IPC transport (made once): the weights cast to `dtype` in flat buffers

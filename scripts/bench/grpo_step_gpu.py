@@ -13,7 +13,8 @@ Printed JSON, the ratios first:
   miles           per-iteration times (between successive weight_sync starts), per-phase times
                   (rollout, weight_sync, train) from the trace, the weight sync's own duration,
                   train MFU, peak GPU memory per iteration and overall
-  trl             per-step times (a step generates and trains one global batch), MFU of the whole step
+  trl             per-step times (a step generates and trains one global batch), MFU of the whole step,
+                  the generate + score part of each step (generate_s: the rest of a step is its training)
 MFU counts 6 x params x tokens for forward + backward and 2 x params x tokens for each no-grad logprob
 pass the trainer runs (1 unless the trainer's metrics say it skipped it), against the H200's dense
 bf16 peak of 989 TFLOP/s (the vendor's datasheet; the same as the H100 SXM). params counts the tied
@@ -27,7 +28,12 @@ trainer of a 1.7B model at 1,024 new tokens shares the GPU with the engine). Its
 
 The small end, on the CPU (the embedded default the demo runs; TRL installed beside the project):
   python3 scripts/bench/grpo_step_gpu.py --device cpu --model examples/arithmetic/base_model \
-      --task arithmetic --new-tokens 6 --miles-flags "" [--miles-iters 6 --trl-steps 6]
+      --task arithmetic --new-tokens 6 --miles-flags "" [--miles-iters 6 --trl-steps 6] [--trl-site DIR]
+TRL's stack in a folder of its own, so that nothing of the project's environment changes (torch,
+transformers and pyarrow stay the environment's; dill 0.4.1, as datasets' fingerprinting pickles a
+pyarrow type that dill 0.3.8 cannot on Python 3.11):
+  pip install --no-deps --target DIR trl==1.16.0 datasets==5.2.0 accelerate==1.16.0 dill==0.4.1 \
+      multiprocess==0.70.19 xxhash pandas python-dateutil pytz tzdata
 
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
@@ -278,13 +284,24 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
                         bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda)
     trainer = GRPOTrainer(model=model, reward_funcs=[module.trl_reward], args=config, train_dataset=data,
                           callbacks=[Clock()])
+    generate_s = []         # TRL's generate + score of each step (its _generate_and_score_completions)
+    inner = getattr(trainer, "_generate_and_score_completions", None)
+    if inner is not None:
+        def timed(*args, **kwargs):
+            sync()
+            t0 = time.monotonic()
+            out = inner(*args, **kwargs)
+            sync()
+            generate_s.append(round(time.monotonic() - t0, 4))
+            return out
+        trainer._generate_and_score_completions = timed
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     step_s = [round(e - s, 4) for s, e in times if e is not None]
     lengths = [x["completions/mean_length"] for x in records if "completions/mean_length" in x]
     Path(out).write_text(json.dumps({
-        "step_s": step_s, "completion_len_mean": lengths,
+        "step_s": step_s, "generate_s": generate_s, "completion_len_mean": lengths,
         "torch_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 3) if cuda else None,
         "config": {"gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
                    "per_device_train_batch_size": micro, "gradient_accumulation_steps": config.gradient_accumulation_steps,
@@ -292,17 +309,25 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
                    "model_dtype": str(next(trainer.model.parameters()).dtype)}}))
 
 
+def trl_env(site: Path | None) -> dict | None:
+    """The TRL worker's environment: with --trl-site, that folder first on its path (and only on its:
+    miles' side never sees the TRL stack's packages)."""
+    if site is None:
+        return None
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+
 def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, reward: Path, params: int) -> dict:
-    try:
-        import trl  # noqa: F401
-    except ImportError as exc:
-        return {"skipped": f"trl is not importable: {exc}"}
+    env = trl_env(a.trl_site)
+    probe = subprocess.run([sys.executable, "-c", "import trl"], env=env, capture_output=True, text=True)
+    if probe.returncode:
+        return {"skipped": f"trl is not importable: {probe.stderr.strip().splitlines()[-1:]}"}
     out = root / "trl.json"
     cmd = [sys.executable, __file__, "--trl-worker", str(model), str(prompts), str(reward), str(out),
            "--trl-steps", str(a.trl_steps), "--micro-batch", str(a.micro_batch), "--global-batch",
            str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens)]
     with MemorySampler() as mem:
-        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log")
+        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log", env=env)
     if not out.is_file():
         return {"error": "TRL wrote no result", **run, "log_tail": tail(run["log"])}
     res = json.loads(out.read_text())
@@ -311,7 +336,9 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     lengths = res["completion_len_mean"]
     tokens = a.prompts * a.samples * (a.prompt_tokens + (statistics.fmean(lengths) if lengths else a.new_tokens))
     mfu = 6 * params * tokens / (steady * PEAK_TFLOPS * 1e12) if steady else None
+    gen = res.get("generate_s") or []
     return {"steady_step_s": steady, "first_step_s": steps[0] if steps else None, "step_s": steps,
+            "steady_generate_s": statistics.median(gen[1:]) if len(gen) > 1 else None,
             "median_step_s": statistics.median(steps) if steps else None,
             "mfu_whole_step": round(mfu, 4) if mfu else None, "tokens_per_step": round(tokens),
             "gpu_mem_peak_mib": mem.peak_mib(), **{k: v for k, v in res.items() if k != "step_s"}, "run": run}
@@ -436,6 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"extra miles flags (default: {MILES_FLAGS!r}; at 1.7b {MILES_FLAGS_LARGE!r})")
     p.add_argument("--side-timeout-s", type=float, default=210.0, help="wall-clock bound of each side")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--trl-site", type=Path, default=None,
+                   help="a folder TRL and its data stack were installed into (pip install --target), put on the "
+                        "TRL side's path only (see the module docstring)")
     p.add_argument("--device", default="cuda", help="miles' --device (cpu: a smoke test of this script only)")
     p.add_argument("--model", type=Path, default=None,
                    help="use this HF folder instead of building the 0.5B-shaped one (a smoke test)")

@@ -124,3 +124,20 @@ def test_ipc_needs_cuda_weights():
     sender = BucketSender(weights, dtype=torch.float32, ipc=True)
     with pytest.raises(ValueError, match="on CUDA"):
         sender.bucket(0, 1)
+
+
+def test_host_weights_pickle_out_of_band_as_the_same_tensors():
+    import pickle
+
+    from miles.weights.transport import HostWeights
+
+    sent = {**weights(), "half": torch.randn(3, 5).to(torch.bfloat16)}
+    buffers = []     # what Ray keeps out of band: the tensors' bytes, not copies inside the pickle
+    data = pickle.dumps(HostWeights(sent), protocol=5, buffer_callback=buffers.append)
+    got = pickle.loads(data, buffers=buffers)
+    assert type(got) is dict and list(got) == list(sent)
+    assert len(buffers) == len(sent) and len(data) < 2000
+    for name, t in sent.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+    assert state_dict_checksum(got) == state_dict_checksum(sent)
