@@ -182,8 +182,9 @@ def _around(like: Tensor, local: Tensor) -> Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    # not `DTensor.from_local`, which moves a local tensor to the mesh's device type (a host shard
+    # would go straight back to the GPU); the spec (mesh, placements, global shape) is `like`'s
+    return DTensor(local, like._spec, requires_grad=like.requires_grad)
 
 
 def _is_dtensor(t: Tensor) -> bool:

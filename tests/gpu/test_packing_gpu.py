@@ -68,8 +68,8 @@ def step(packed: bool, recompute: bool, data, compiled: bool | None = None):
 
 
 def test_packed_training_step_matches_the_padded_one_in_bf16():
-    # with --recompute-activations the trainer does not pack on CUDA (miles.training.packing.
-    # RECOMPUTE_ON_CUDA): packed under recompute, this comparison found a logprob 0.86 off
+    # with --recompute-activations and compiled layers the trainer does not pack on CUDA (miles.training.
+    # packing.RECOMPUTE_ON_CUDA): packed that way, this comparison found a logprob 0.86 off
     data = samples()
     a, b = step(False, False, data), step(True, False, data)
     mask = a[0].loss_mask
@@ -85,8 +85,9 @@ def test_packed_training_step_matches_the_padded_one_in_bf16():
                                                       "0.86 off): why --recompute-activations trains padded rows on CUDA")),
 ])
 def test_packed_step_under_recompute_matches_the_padded_one(monkeypatch, compiled):
-    """Where the packed-under-recompute disagreement lives: the trainer's rule (RECOMPUTE_ON_CUDA) is
-    lifted here to pack under recompute, with and without compiled layers, against the padded step."""
+    """Where the packed-under-recompute disagreement lives: packed under recompute with eager layers (what
+    --no-trainer-compile gives) against the padded step, and with compiled layers, where the trainer's
+    rule (RECOMPUTE_ON_CUDA) is lifted here to pack anyway."""
     import miles.training.trainer as trainer_module
     from miles.training.packing import enable_packing
 
