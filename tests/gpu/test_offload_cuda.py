@@ -56,15 +56,12 @@ def test_sharded_state_goes_to_pinned_host_shards_and_streamed_steps_equal_the_o
     """FSDP2 on one NCCL rank (the torch trainer's ranks): the optimizer state's DTensors keep their
     mesh and shape around pinned host shards, the GPU gives the memory back, and the streamed steps
     equal the optimizer's own step on a twin."""
-    import socket
-
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from tests.unit.test_fsdp_ranks import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         pairs = []
         for _ in range(2):

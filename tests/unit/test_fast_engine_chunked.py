@@ -12,19 +12,12 @@ from miles.rollout.engines.fast import model as fast_model
 from miles.rollout.engines.fast.engine import FastEngine
 from miles.types import SamplingParams
 from tests.tiny_model import make_tiny_model
-from tests.unit.test_fast_engine import MANY, chi_square_p, make_tiny_llama, reference_greedy
+from tests.unit.test_fast_engine import MANY, chi_square_p, model_path, reference_greedy  # noqa: F401 (a fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 # with chunks of 4: 1 token, exactly one chunk, exactly two and three chunks, one past two chunks
 EDGES = [[9], [5, 6, 14, 11], [7, 8, 9, 10, 11, 12, 13, 14], [4 + i % 25 for i in range(12)],
          [21, 22, 20, 23, 5, 6, 7, 8, 9]]
-
-
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def model_path(request, tmp_path_factory):
-    torch.set_num_threads(1)
-    make = make_tiny_model if request.param == "qwen2" else make_tiny_llama
-    return make(tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,6 @@ def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_
     """The order the trainer uses on CUDA (shard, then compile each layer in place), on one gloo rank:
     FSDP's hooks run outside the compiled code, the gradients are the eager ones. aot_eager traces
     forward and backward as inductor does, without its C++ compiler."""
-    import socket
-
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -46,13 +44,11 @@ def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_
     from miles.training.fsdp.sharding import shard_model
     from miles.weights.hf import load_causal_lm
     from tests.tiny_model import make_tiny_model
+    from tests.unit.test_fsdp_ranks import free_port
 
     path = make_tiny_model(tmp_path / "tiny")
     tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         grads = []
         for compiled in (False, True):

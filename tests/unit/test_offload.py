@@ -162,13 +162,11 @@ def _sharded_rank(rank: int, world: int, port: int, out) -> None:
 def test_sharded_state_moves_shard_by_shard_and_the_streamed_steps_equal_the_optimizers():
     """FSDP2 on 2 gloo ranks: each rank's optimizer state shards go to its host buffers inside
     DTensors of the same mesh and shape, and streamed steps equal the optimizer's own."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.unit.test_fsdp_ranks import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, out)) for r in range(2)]
