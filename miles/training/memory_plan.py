@@ -126,16 +126,12 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 CONTEXT_BYTES = 1 << 30
 
 
-def parameter_count(model_path: str) -> int | None:
-    """The parameters of the HF model at `model_path` (tied ones once), from its config on the meta
-    device: nothing is allocated. None when it has no readable config."""
+def parameter_count(config) -> int:
+    """The parameters of the HF model of `config` (tied ones once), built on the meta device: nothing
+    is allocated."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError):
-        return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -181,17 +177,21 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     if not trainer_gpus or cfg.model.on_gpus is False:
         return []
     total = gpu_bytes if gpu_bytes is not None else gpu_memory_bytes()
-    params = parameter_count(cfg.model.hf_checkpoint) if total else None
-    if not params:
+    if not total:
         return []
     from transformers import AutoConfig
 
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
+    except (OSError, ValueError):       # validate reports an unreadable model folder itself
+        return []
+    params = parameter_count(hf_config)
     t, c, r, a = cfg.train, cfg.cluster, cfg.rollout, cfg.algorithm
     compute_bytes = 4 if cfg.model.dtype == "float32" else 2
     prompt = cfg.data.max_prompt_len
     longest = r.max_context_len or (prompt or 0) + r.max_response_len
-    per_token = activation_bytes_per_token(AutoConfig.from_pretrained(cfg.model.hf_checkpoint),
-                                           compute_bytes=compute_bytes, recompute=t.recompute_activations, logits=False)
+    per_token = activation_bytes_per_token(hf_config, compute_bytes=compute_bytes, recompute=t.recompute_activations,
+                                           logits=False)
     streamed = c.offloads_train and not a.needs_critic
     engine_keeps = c.colocate and r.engine == "fast"
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,

@@ -62,9 +62,8 @@ class HostOffload:
         """The state's per-element tensors (AdamW's scalar step stays where the optimizer keeps it)."""
         return (k for k, v in list(state.items()) if isinstance(v, Tensor) and k != "step")
 
-    def _to_host(self, param: Tensor, state: dict) -> int:
-        """`param`'s optimizer state into its host buffers (made at the first call); bytes copied."""
-        moved = 0
+    def _to_host(self, param: Tensor, state: dict) -> None:
+        """`param`'s optimizer state into its host buffers (made at the first call)."""
         for name in self._moments(state):
             value = state[name]
             local = _local(value)
@@ -74,8 +73,6 @@ class HostOffload:
             host = self._buffer((id(param), name), local)
             host.copy_(local, non_blocking=local.is_cuda)
             state[name] = _around(value, host)
-            moved += local.numel() * local.element_size()
-        return moved
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
         host = self._host.get(key)
@@ -83,11 +80,11 @@ class HostOffload:
             host = self._host[key] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
         return host
 
-    def step(self) -> int:
+    def step(self) -> None:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
-        parameters at a time; the state ends in the host buffers. Returns the bytes copied each way."""
+        parameters at a time; the state ends in the host buffers."""
         opt = self._optimizer
-        groups, moved = opt.param_groups, 0
+        groups = opt.param_groups
         try:
             for group in groups:
                 for chunk in self._chunks([p for p in group["params"] if p.grad is not None]):
@@ -99,11 +96,10 @@ class HostOffload:
                     opt.param_groups = [{**group, "params": chunk}]
                     opt.step()
                     for p in chunk:
-                        moved += self._to_host(p, opt.state[p])
+                        self._to_host(p, opt.state[p])
         finally:
             opt.param_groups = groups
         self._settle()
-        return moved
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk, size = [], 0

@@ -102,8 +102,8 @@ class OptimizedModel:
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
     def offload(self) -> int:
-        """The optimizer state to host memory, the gradients dropped (--offload-train); bytes moved.
-        The state stays there: every later step streams it (`HostOffload.step`)."""
+        """The optimizer state to host memory, the gradients dropped (--offload-train); the bytes of
+        state held there. It stays there: every later step streams it (`HostOffload.step`)."""
         if self._host is None:
             self._host = HostOffload(self._optimizer, self._live())
         return self._host.offload()

@@ -133,7 +133,9 @@ def gpu_run(tmp_path_factory):
 def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_that_make_room(gpu_run):
     from miles.training.memory_plan import parameter_count, startup_problems
 
-    assert parameter_count(gpu_run().model.hf_checkpoint) == pytest.approx(8.19e9, rel=0.01)
+    from transformers import AutoConfig
+
+    assert parameter_count(AutoConfig.from_pretrained(gpu_run().model.hf_checkpoint)) == pytest.approx(8.19e9, rel=0.01)
     # weights 4 + gradients 4 + moments 8 + bf16 copies 2 + the engine's bf16 weights 2 B/param: 18 x 8.19e9 > 141 GiB
     (problem,) = startup_problems(gpu_run("--recompute-activations"), 1, gpu_bytes=H200)
     assert "--offload-train" in problem and "--recompute-activations" not in problem and "141.0 GiB" in problem
