@@ -18,7 +18,7 @@ for step in "$@"; do
     bench) timeout 225 python3 scripts/bench/grpo_step_gpu.py --miles-iters 21 --trl-steps 3 --side-timeout-s 140 --out /tmp/bench05 > $OUT/bench05.log 2>&1; tail -c 6000 $OUT/bench05.log ;;
     gpuA) timeout 575 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py 2>&1 | tail -45 ;;
     gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
-    fsdpbench) timeout 150 python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp.json > $OUT/fsdp.log 2>&1; tail -c 3000 $OUT/fsdp.log ;;
+    fsdpbench) timeout 150 python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp.json --profile $OUT/prof > $OUT/fsdp.log 2>&1; tail -c 3000 $OUT/fsdp.log ;;
     scale:*) w=${step#scale:}; timeout ${SCALE_S:-330} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${SCALE_ARGS:-} \
         --out /tmp/scale-$w > $OUT/scale-$w.json 2> $OUT/scale-$w.log; echo "rc=$?"; tail -c 2500 $OUT/scale-$w.log; \
         tail -c 5000 $OUT/scale-$w.json ;;

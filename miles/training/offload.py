@@ -34,6 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from miles.training.shards import around, local, step_shards
+
 DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
 
 
@@ -46,7 +48,7 @@ class HostOffload:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if weights and model is None:
             raise ValueError("offloading the weights needs the model")
-        if weights and any(_local(p) is not p for p in model.parameters()):
+        if weights and any(local(p) is not p for p in model.parameters()):
             raise ValueError("offloading a sharded (DTensor) model's weights is not supported: FSDP keeps them")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -66,13 +68,13 @@ class HostOffload:
         """`param`'s optimizer state into its host buffers (made at the first call)."""
         for name in self._moments(state):
             value = state[name]
-            local = _local(value)
+            shard = local(value)
             host = self._host.get((id(param), name))
-            if host is not None and local.device.type == "cpu" and local.data_ptr() == host.data_ptr():
+            if host is not None and shard.device.type == "cpu" and shard.data_ptr() == host.data_ptr():
                 continue          # there already (a DTensor's local may be a view of the buffer: not `is`)
-            host = self._buffer((id(param), name), local)
-            host.copy_(local, non_blocking=local.is_cuda)
-            state[name] = _around(value, host)
+            host = self._buffer((id(param), name), shard)
+            host.copy_(shard, non_blocking=shard.is_cuda)
+            state[name] = around(value, host)
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
         host = self._host.get(key)
@@ -84,27 +86,22 @@ class HostOffload:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
         parameters at a time; the state ends in the host buffers."""
         opt = self._optimizer
-        groups = opt.param_groups
-        try:
-            for group in groups:
-                for chunk in self._chunks([p for p in group["params"] if p.grad is not None]):
-                    for p in chunk:      # a first step finds no state: the optimizer makes it on the device
-                        state = opt.state[p]
-                        for name in self._moments(state):
-                            value = state[name]
-                            state[name] = _around(value, _local(value).to(_local(p).device, non_blocking=True))
-                    opt.param_groups = [{**group, "params": chunk}]
-                    opt.step()
-                    for p in chunk:
-                        self._to_host(p, opt.state[p])
-        finally:
-            opt.param_groups = groups
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        for chunk in self._chunks(params):
+            for p in chunk:          # a first step finds no state: the optimizer makes it on the device
+                state = opt.state[p]
+                for name in self._moments(state):
+                    value = state[name]
+                    state[name] = around(value, local(value).to(local(p).device, non_blocking=True))
+            step_shards(opt, chunk)
+            for p in chunk:
+                self._to_host(p, opt.state[p])
         self._settle()
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk, size = [], 0
         for p in params:
-            nbytes = _local(p).numel() * p.element_size()
+            nbytes = local(p).numel() * p.element_size()
             if chunk and size + nbytes > self._chunk_bytes:
                 yield chunk
                 chunk, size = [], 0
@@ -126,7 +123,7 @@ class HostOffload:
         held = 0
         for param, state in self._optimizer.state.items():
             self._to_host(param, state)
-            held += sum(_local(state[n]).numel() * state[n].element_size() for n in self._moments(state))
+            held += sum(local(state[n]).numel() * state[n].element_size() for n in self._moments(state))
         if self._weights:
             for param in self._model.parameters():
                 self._device[id(param)] = param.device
@@ -165,23 +162,3 @@ class HostOffload:
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
 
-
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's shard on this rank (the tensor itself otherwise)."""
-    return t._local_tensor if _is_dtensor(t) else t
-
-
-def _around(like: Tensor, local: Tensor) -> Tensor:
-    """`local` as what `like` is: a DTensor of `like`'s mesh, placements and global shape around it, or
-    `local` itself."""
-    if not _is_dtensor(like):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    # not `DTensor.from_local`, which moves a local tensor to the mesh's device type (a host shard
-    # would go straight back to the GPU); the spec (mesh, placements, global shape) is `like`'s
-    return DTensor(local, like._spec, requires_grad=like.requires_grad)
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")

@@ -22,6 +22,7 @@ from torch import nn
 from miles.config import TrainConfig
 from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
+from miles.training.shards import clip_grad_norm, step_shards
 from miles.training.schedule import lr_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
@@ -65,7 +66,7 @@ class OptimizedModel:
 
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradients and step; returns the gradient norm before clipping."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._live().parameters(), self._max_grad_norm))
+        grad_norm = clip_grad_norm(self._live().parameters(), self._max_grad_norm)
         if not math.isfinite(grad_norm):
             # stepping would write NaN/inf into every weight; stop with the weights still good
             raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
@@ -75,7 +76,7 @@ class OptimizedModel:
         if self._host is not None:
             self._host.step()           # the state lives in host memory since the first offload
         else:
-            self._optimizer.step()
+            step_shards(self._optimizer)    # torch's step; under FSDP2 on each parameter's local shard
         # nothing reads the gradients after the step: their 4 B/param go back to the allocator now (a
         # colocated engine's KV cache gets them during the rollout) instead of at the next step's start
         self._optimizer.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ each variant on the same GRPO rollouts of random tokens (--samples samples of --
 
   prepare_s   prepare_rollout: the no-grad forward for the old logprobs (and packing)
   step_s      train: forward + backward + optimizer step
+  optimizer_s of step_s: gradient clipping + the optimizer's update
   tokens_per_s, peak_mem_gib (torch.cuda.max_memory_allocated over the timed rollouts)
 
 Variants (--variants, in this order by default):
@@ -21,7 +22,9 @@ Variants (--variants, in this order by default):
 (the issue's bound: at most 1.10).
 
 Usage (GPU machine, from the checkout):
-  PYTHONPATH=$PWD python3 scripts/bench/fsdp_step_gpu.py [--out result.json]
+  PYTHONPATH=$PWD python3 scripts/bench/fsdp_step_gpu.py [--out result.json] [--profile DIR]
+  --profile DIR: one more rollout per variant under torch.profiler; DIR/<variant>.txt gets its ops by
+  self CUDA time and by CPU time (where the sharding's time goes)
   --device cpu: a tiny shape and batch on the CPU (a smoke run: float32, gloo)
 """
 
@@ -51,8 +54,45 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_optimizer(trainer, device: str) -> list[float]:
+    """The trainer's `_optimizer_step` timed (synchronised) from now on; the list fills per step."""
+    times: list[float] = []
+    step = trainer._optimizer_step
+
+    def timed():
+        sync(device)
+        t0 = time.perf_counter()
+        out = step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    trainer._optimizer_step = timed
+    return times
+
+
+def profile(trainer, args, shape: dict, rollout_id: int, path: Path) -> None:
+    """One more rollout under torch.profiler; its op tables into `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    samples = rollout(rollout_id, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        trainer.prepare_rollout(samples, rollout_id)
+        trainer.train(samples, rollout_id)
+        sync(args.device)
+    table = prof.key_averages()
+    by_cuda = table.table(sort_by="self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total",
+                          row_limit=45, max_name_column_width=70)
+    by_cpu = table.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=70)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"=== by self device time\n{by_cuda}\n=== by CPU time (inclusive)\n{by_cpu}\n")
+
+
 def time_variant(trainer, args, shape: dict) -> dict:
     tokens = args.samples * (args.prompt_len + args.response_len)
+    optimizer_times = time_optimizer(trainer, args.device)
     for r in range(args.warmup):
         samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
         trainer.prepare_rollout(samples, r)
@@ -72,7 +112,9 @@ def time_variant(trainer, args, shape: dict) -> dict:
         sync(args.device)
         prepare_s, step_s = prepare_s + t1 - t0, step_s + time.perf_counter() - t1
         losses.append(metrics["loss"])
+    timed = optimizer_times[-args.rollouts:]
     return {"prepare_s": round(prepare_s / args.rollouts, 4), "step_s": round(step_s / args.rollouts, 4),
+            "optimizer_s": round(sum(timed) / len(timed), 4) if timed else None,
             "tokens_per_rollout": tokens, "tokens_per_s": round(tokens * args.rollouts / (prepare_s + step_s)),
             "losses": [round(v, 6) for v in losses],
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None}
@@ -108,6 +150,7 @@ def main() -> None:
     add_rollout_args(p)
     p.add_argument("--variants", default="torch,fsdp")
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--profile", type=Path, help="profile one more rollout per variant; tables into this folder")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA here; pass --device cpu for the smoke run")
@@ -125,6 +168,8 @@ def main() -> None:
             trainer = make(variant, model, args)
             result["variants"][variant] = time_variant(trainer, args, shape)
             log(f"{variant}: {result['variants'][variant]}")
+            if args.profile:
+                profile(trainer, args, shape, args.warmup + args.rollouts, args.profile / f"{variant}.txt")
             trainer.dispose()
             del trainer
             gc.collect()
