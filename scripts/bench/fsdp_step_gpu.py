@@ -17,6 +17,7 @@ Variants (--variants, in this order by default):
           CPU): fully_shard per decoder layer and a root, bf16 params / fp32 reduce on CUDA, the same
           chunked logprobs (inside the root's forward) and compiled layers as torch
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
+  NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
 `fsdp_over_torch` is fsdp's (prepare_s + step_s) over torch's: the sharding's overhead on one rank
 (the issue's bound: at most 1.10).
@@ -71,8 +72,9 @@ def time_optimizer(trainer, device: str) -> list[float]:
     return times
 
 
-def profile(trainer, args, shape: dict, rollout_id: int, path: Path) -> None:
-    """One more rollout under torch.profiler; its op tables into `path`."""
+def profile(trainer, args, shape: dict, rollout_id: int, path: Path, trace: bool = False) -> None:
+    """One more rollout under torch.profiler; its op tables into `path` (and its Chrome trace beside it
+    with `trace`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -87,6 +89,8 @@ def profile(trainer, args, shape: dict, rollout_id: int, path: Path) -> None:
                           row_limit=45, max_name_column_width=70)
     by_cpu = table.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=70)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if trace:
+        prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     path.write_text(f"=== by self device time\n{by_cuda}\n=== by CPU time (inclusive)\n{by_cpu}\n")
 
 
@@ -121,27 +125,30 @@ def time_variant(trainer, args, shape: dict) -> dict:
 
 
 def make(variant: str, model: str, args):
+    """A trainer for `variant` (see the module docstring); a "-eager" suffix turns off compiled layers."""
+    from dataclasses import replace
+
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
-    train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples)
+    base, eager = variant.removesuffix("-eager"), variant.endswith("-eager")
+    train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples,
+                        compile_layers=False if eager or base == "plain" else None)
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
-    if variant == "fsdp":
+    if base == "fsdp":
         from miles.training.fsdp.rank import FSDPRank
 
         rank = FSDPRank(model, rank=0, world_size=1, **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
-    from dataclasses import replace
-
     from miles.training.trainer import Trainer
 
-    if variant == "plain":
-        return Trainer(model, **{**kw, "train": replace(train, compile_layers=False)}, hidden_forward=False)
-    if variant == "torch":
+    if base == "plain":
+        return Trainer(model, **kw, hidden_forward=False)
+    if base == "torch":
         return Trainer(model, **kw)
-    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, torch")
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, torch (each may end in -eager)")
 
 
 def main() -> None:
@@ -151,6 +158,7 @@ def main() -> None:
     p.add_argument("--variants", default="torch,fsdp")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", type=Path, help="profile one more rollout per variant; tables into this folder")
+    p.add_argument("--trace", action="store_true", help="with --profile: also each variant's Chrome trace")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA here; pass --device cpu for the smoke run")
@@ -169,7 +177,8 @@ def main() -> None:
             result["variants"][variant] = time_variant(trainer, args, shape)
             log(f"{variant}: {result['variants'][variant]}")
             if args.profile:
-                profile(trainer, args, shape, args.warmup + args.rollouts, args.profile / f"{variant}.txt")
+                profile(trainer, args, shape, args.warmup + args.rollouts, args.profile / f"{variant}.txt",
+                        trace=args.trace)
             trainer.dispose()
             del trainer
             gc.collect()
@@ -180,6 +189,8 @@ def main() -> None:
     for base in ("torch", "plain"):
         if {base, "fsdp"} <= done.keys():
             result[f"fsdp_over_{base}"] = round(total["fsdp"] / total[base], 3)
+    if {"torch-eager", "fsdp-eager"} <= done.keys():
+        result["fsdp_over_torch_eager"] = round(total["fsdp-eager"] / total["torch-eager"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
