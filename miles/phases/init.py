@@ -43,6 +43,7 @@ from miles.phases.engines import make_engine
 from miles.phases.engine_reason import engine_reason
 from miles.phases.health import start_health_monitor
 from miles.phases.megatron_resume import resume_from_megatron
+from miles.phases.memory import trainer_offloads
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.rollout.executor import RolloutExecutor
@@ -403,6 +404,10 @@ async def _resume(ctx: TrainingContext) -> None:
 
 
 async def _load_checkpoint(ctx: TrainingContext, path: Path) -> None:
+    if trainer_offloads(ctx):
+        # offloaded first (a fresh optimizer: nothing moves), so the load puts the optimizer state
+        # straight into host memory instead of whole on a GPU the colocated engines already share
+        await ctx.c.trainer.handle.offload.remote()
     await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR)
     await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
     # a critic kept under --critic-save comes back through --critic-load instead

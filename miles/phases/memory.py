@@ -36,7 +36,7 @@ def _engines_release(ctx: TrainingContext) -> bool:
     return bool((asked or on_gpus) and ctx.c.engines and ctx.backends.engine_spec.supports(SupportsMemoryRelease))
 
 
-def _trainer_offloads(ctx: TrainingContext) -> bool:
+def trainer_offloads(ctx: TrainingContext) -> bool:
     p = ctx.c.placement
     return bool(p is not None and p.gpus and ctx.cfg.cluster.offloads_train and ctx.c.trainer is not None
                 and ctx.c.critic is None and ctx.backends.train_spec.supports(SupportsOffload))
@@ -57,7 +57,7 @@ async def resume_engine_weights(ctx: TrainingContext) -> None:
 
 
 async def to_engines(ctx: TrainingContext) -> None:
-    release, offload = _engines_release(ctx), _trainer_offloads(ctx)
+    release, offload = _engines_release(ctx), trainer_offloads(ctx)
     if not (release or offload):
         return
     t0 = time.monotonic()
@@ -73,7 +73,7 @@ async def to_engines(ctx: TrainingContext) -> None:
 
 
 async def to_trainer(ctx: TrainingContext) -> None:
-    release, offload = _engines_release(ctx), _trainer_offloads(ctx)
+    release, offload = _engines_release(ctx), trainer_offloads(ctx)
     if not (release or offload):
         return
     t0 = time.monotonic()

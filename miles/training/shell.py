@@ -95,10 +95,15 @@ class OptimizedModel:
         return not state.is_file() or json.loads(state.read_text()).get("optimizer", True)
 
     def _load_optimizer(self, path: Path) -> None:
-        """Optimizer state and step count, each when `path` holds it."""
+        """Optimizer state and step count, each when `path` holds it. Offloaded (the run offloads
+        before it resumes: miles.phases.init), the state goes to the host buffers, never whole on the
+        device."""
         if (path / OPTIMIZER_FILE).is_file():
-            self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
-                                                       weights_only=True))
+            if self._host is not None and self._host.offloaded:
+                self._host.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+            else:
+                self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                           weights_only=True))
         if (path / self.state_file).is_file():
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 

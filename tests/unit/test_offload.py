@@ -119,6 +119,28 @@ def test_weights_need_the_model_and_chunks_a_size():
         HostOffload(opt, chunk_bytes=0)
 
 
+def test_a_saved_state_loads_into_the_host_buffers_and_steps_as_torchs_load():
+    model, opt = model_and_optimizer()
+    step(model, opt, 0)
+    saved = copy.deepcopy(opt.state_dict())
+    twin, twin_opt = copy.deepcopy(model), None
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.5)     # the saved lr wins, as in torch's load
+    twin_opt.load_state_dict(saved)
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    off = HostOffload(fresh, model)
+    off.offload()
+    off.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == 0.1
+    for p in model.parameters():
+        assert fresh.state[p]["exp_avg"].data_ptr() == off._host[(id(p), "exp_avg")].data_ptr()
+    streamed(model, fresh, 1, off)
+    step(twin, twin_opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    other = HostOffload(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    with pytest.raises(ValueError, match="4 parameters in 1 groups, this optimizer 2 in 1: not this model's"):
+        other.load_state_dict(saved)
+
+
 def _sharded_rank(rank: int, world: int, port: int, out) -> None:
     """One gloo rank: a model sharded with FSDP2 and its twin; the offloaded one steps streamed."""
     import torch.distributed as dist

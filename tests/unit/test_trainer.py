@@ -132,6 +132,30 @@ def test_save_then_load_continues_bit_identically(model_path, tmp_path):
     assert torch.equal(after_resumed[1], after_straight[1]) and after_resumed[2] == after_straight[2]
 
 
+def test_an_offloaded_trainer_resumes_with_its_optimizer_state_in_the_host_buffers(model_path, tmp_path):
+    """--offload-train resumes (miles.phases.init offloads before it loads): the saved moments go
+    straight into the host buffers, and the next (streamed) step is the straight run's, bit for bit."""
+    cfg = dict(global_batch_size=2, micro_batch_size=1, weight_decay=0.1)
+    straight = trainer(model_path, **cfg)
+    straight.train(SAMPLES, 0)
+    straight.save(tmp_path / "ckpt")
+    straight.train(SAMPLES, 1)
+
+    resumed = trainer(model_path, **cfg)
+    assert resumed.offload() == 0               # a fresh optimizer: nothing to move yet
+    resumed.load(tmp_path / "ckpt")
+    host = resumed._host._host
+    state = resumed._optimizer.state
+    params = list(resumed._live().parameters())
+    assert len(state) == len(params) and {name for _, name in host} == {"exp_avg", "exp_avg_sq"}
+    for p in params:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert state[p][name].data_ptr() == host[(id(p), name)].data_ptr()
+    assert resumed._optimizer.param_groups[0]["weight_decay"] == 0.1
+    resumed.train(SAMPLES, 1)
+    assert resumed.weights_checksum() == straight.weights_checksum()
+
+
 def test_load_names_missing_files(model_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="optimizer.pt"):
         trainer(model_path).load(tmp_path)
