@@ -2,13 +2,16 @@
 
 Builds a random Qwen2.5-0.5B-shaped model (as scripts/bench/train_megatron_gpu.py does) and trains
 each variant on the same GRPO rollouts of random tokens (--samples samples of --prompt-len prompt and
---response-len response tokens, one optimizer step per rollout, micro-batches of --micro-batch-size);
---warmup rollouts first, then --rollouts timed ones, each timed in its two calls:
+--response-len response tokens, one optimizer step per rollout, micro-batches of --micro-batch-size).
+All variants live in the process at once (the FSDP ranks share one process group of 1): each
+runs --warmup rollouts, then the --rollouts timed ones go round-robin over the variants (the step at
+this shape is bound by the host CPU, whose speed drifted by 25% between runs of the sequential
+version); medians over the timed rollouts, each timed in its two calls:
 
   prepare_s   prepare_rollout: the no-grad forward for the old logprobs (and packing)
   step_s      train: forward + backward + optimizer step
   optimizer_s of step_s: gradient clipping + the optimizer's update
-  tokens_per_s, peak_mem_gib (torch.cuda.max_memory_allocated over the timed rollouts)
+  tokens_per_s; peak_mem_gib_all_variants (torch.cuda.max_memory_allocated, every variant alive)
 
 Variants (--variants, in this order by default):
   torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
@@ -21,7 +24,7 @@ Variants (--variants, in this order by default):
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
   NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
-`fsdp_over_torch` is fsdp's (prepare_s + step_s) over torch's: the sharding's overhead on one rank
+`fsdp_over_torch` is fsdp's median (prepare_s + step_s) over torch's: the sharding's overhead on one rank
 (the issue's bound: at most 1.10); `fsdp_layers_over_torch` the same for the many-rank layout.
 
 Usage (GPU machine, from the checkout):
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -96,34 +100,47 @@ def profile(trainer, args, shape: dict, rollout_id: int, path: Path, trace: bool
     path.write_text(f"=== by self device time\n{by_cuda}\n=== by CPU time (inclusive)\n{by_cpu}\n")
 
 
-def time_variant(trainer, args, shape: dict) -> dict:
-    tokens = args.samples * (args.prompt_len + args.response_len)
-    optimizer_times = time_optimizer(trainer, args.device)
-    for r in range(args.warmup):
-        samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
-        trainer.prepare_rollout(samples, r)
-        trainer.train(samples, r)
+def time_one(trainer, args, shape: dict, rollout_id: int) -> tuple[float, float, float]:
+    """(prepare_s, step_s, loss) of one rollout."""
+    samples = rollout(rollout_id, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
     sync(args.device)
+    t0 = time.perf_counter()
+    trainer.prepare_rollout(samples, rollout_id)
+    sync(args.device)
+    t1 = time.perf_counter()
+    metrics = trainer.train(samples, rollout_id)
+    sync(args.device)
+    return t1 - t0, time.perf_counter() - t1, metrics["loss"]
+
+
+def time_interleaved(trainers: dict, args, shape: dict) -> dict:
+    """Every variant warmed up, then the timed rollouts round-robin (rollout r on every variant
+    before r + 1, the order rotated each round), so that a drift of the host's speed over the run
+    (the step is bound by the CPU's launches at this shape) falls on all variants alike."""
+    names = list(trainers)
+    optimizer_times = {n: time_optimizer(t, args.device) for n, t in trainers.items()}
+    for n, t in trainers.items():
+        for r in range(args.warmup):
+            time_one(t, args, shape, r)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    prepare_s = step_s = 0.0
-    losses = []
-    for r in range(args.warmup, args.warmup + args.rollouts):
-        samples = rollout(r, args.samples, args.prompt_len, args.response_len, shape["vocab_size"])
-        t0 = time.perf_counter()
-        trainer.prepare_rollout(samples, r)
-        sync(args.device)
-        t1 = time.perf_counter()
-        metrics = trainer.train(samples, r)
-        sync(args.device)
-        prepare_s, step_s = prepare_s + t1 - t0, step_s + time.perf_counter() - t1
-        losses.append(metrics["loss"])
-    timed = optimizer_times[-args.rollouts:]
-    return {"prepare_s": round(prepare_s / args.rollouts, 4), "step_s": round(step_s / args.rollouts, 4),
-            "optimizer_s": round(sum(timed) / len(timed), 4) if timed else None,
-            "tokens_per_rollout": tokens, "tokens_per_s": round(tokens * args.rollouts / (prepare_s + step_s)),
-            "losses": [round(v, 6) for v in losses],
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None}
+    runs: dict[str, list] = {n: [] for n in names}
+    for i, r in enumerate(range(args.warmup, args.warmup + args.rollouts)):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            runs[n].append(time_one(trainers[n], args, shape, r))
+    tokens = args.samples * (args.prompt_len + args.response_len)
+    out = {}
+    for n in names:
+        prepare, step, losses = zip(*runs[n])
+        totals = [a + b for a, b in zip(prepare, step)]
+        timed = optimizer_times[n][-args.rollouts:]
+        out[n] = {"prepare_s": round(statistics.median(prepare), 4), "step_s": round(statistics.median(step), 4),
+                  "total_s_median": round(statistics.median(totals), 4), "total_s": [round(v, 4) for v in totals],
+                  "optimizer_s": round(statistics.median(timed), 4) if timed else None, "tokens_per_rollout": tokens,
+                  "tokens_per_s": round(tokens / statistics.median(totals)), "losses": [round(v, 6) for v in losses]}
+    if args.device == "cuda":
+        out["peak_mem_gib_all_variants"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
 
 
 def make(variant: str, model: str, args):
@@ -174,21 +191,23 @@ def main() -> None:
               "micro_batch_size": args.micro_batch_size, "rollouts_timed": args.rollouts, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", shape, args.device)
+        trainers = {}
         for variant in args.variants.split(","):
             log(f"{variant}: building")
-            trainer = make(variant, model, args)
-            result["variants"][variant] = time_variant(trainer, args, shape)
+            trainers[variant] = make(variant, model, args)      # all alive at once: they take turns
+        result["variants"] = time_interleaved(trainers, args, shape)
+        result["peak_mem_gib_all_variants"] = result["variants"].pop("peak_mem_gib_all_variants", None)
+        for variant, trainer in trainers.items():
             log(f"{variant}: {result['variants'][variant]}")
             if args.profile:
                 profile(trainer, args, shape, args.warmup + args.rollouts, args.profile / f"{variant}.txt",
                         trace=args.trace)
+        for trainer in reversed(list(trainers.values())):   # the rank that made the process group goes last
             trainer.dispose()
-            del trainer
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+        del trainers
+        gc.collect()
     done = result["variants"]
-    total = {k: v["prepare_s"] + v["step_s"] for k, v in done.items()}
+    total = {k: v["total_s_median"] for k, v in done.items()}
     for base in ("torch", "plain"):
         if {base, "fsdp"} <= done.keys():
             result[f"fsdp_over_{base}"] = round(total["fsdp"] / total[base], 3)

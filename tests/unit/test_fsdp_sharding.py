@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from miles.training.fsdp.sharding import bucket_names, rank_rows
@@ -65,3 +66,32 @@ def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_
         dist.destroy_process_group()
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_rank_uses_the_process_group_it_finds_and_refuses_one_of_another_shape(tmp_path):
+    """A program that made the process's default group (the FSDP bench keeps several one-rank
+    trainers in one process) has a rank join it and keep it after `dispose`; a group of another
+    size is refused with what to do."""
+    import torch.distributed as dist
+
+    from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+    from miles.training.fsdp.rank import FSDPRank
+    from tests.tiny_model import make_tiny_model
+    from tests.unit.test_fsdp_ranks import free_port
+
+    path = make_tiny_model(tmp_path / "tiny")
+    kw = dict(train=TrainConfig(lr=1e-3, micro_batch_size=2), algorithm=AlgorithmConfig(),
+              rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=2), device="cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ranks = [FSDPRank(str(path), rank=0, world_size=1, **kw) for _ in range(2)]
+        for r in ranks:
+            r.setup("127.0.0.1", 0)          # no rendezvous: the group is there
+        assert ranks[0].weights_checksum() == ranks[1].weights_checksum()
+        for r in ranks:
+            r.dispose()
+        assert dist.is_initialized()          # its maker's, not the ranks'
+        with pytest.raises(RuntimeError, match="rank 0 of 1, not rank 1 of 2: one group per process"):
+            FSDPRank(str(path), rank=1, world_size=2, **kw).setup("127.0.0.1", 0)
+    finally:
+        dist.destroy_process_group()

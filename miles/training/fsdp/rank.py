@@ -74,16 +74,25 @@ class FSDPRank(Trainer):
         self._roots: dict[int, Root] = {}      # id(model) -> its FSDP root: the policy's (and the reference's)
 
     def setup(self, address: str, port: int) -> None:
-        """Join the group (all ranks at once), then build the trainer with its model sharded."""
+        """Join the group (all ranks at once), then build the trainer with its model sharded. A process
+        whose default group exists already (a program that made it; several one-rank trainers in one
+        process, as the FSDP bench interleaves them) uses that group if its rank and size are this
+        rank's, and leaves it to its maker on `dispose`."""
         import torch.distributed as dist
 
         model_path, kwargs = self._init_args
         device = resolve_device(kwargs["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)   # Ray shows this rank its own GPU only
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
-                                rank=self.rank, world_size=self.world_size)
-        self._distributed = True
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+                raise RuntimeError(f"this process's torch.distributed group is rank {dist.get_rank()} of "
+                                   f"{dist.get_world_size()}, not rank {self.rank} of {self.world_size}: one group "
+                                   "per process; destroy it first or start this rank in a process of its own")
+        else:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size)
+            self._distributed = True
         super().__init__(model_path, **kwargs)
         forward = self._forward         # every forward runs inside its model's root (see sharding.Root)
         self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))
