@@ -17,15 +17,14 @@ Variants (--variants, in this order by default):
   torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
           compiled decoder layers, autocast to bf16)
   fsdp    one FSDP2 rank (miles.training.fsdp.rank.FSDPRank, NCCL world of 1 on CUDA, gloo on the
-          CPU) in its one-rank layout: the root the only unit, float32 params under autocast, the
-          same chunked logprobs (inside the root's forward) and compiled layers as torch
-  fsdp-layers  one rank in the many-rank layout: fully_shard per decoder layer and a root, bf16
-          params / fp32 reduce on CUDA, no autocast (what each of N ranks runs)
+          CPU): fully_shard per decoder layer and a root, bf16 params / fp32 reduce on CUDA, the same
+          chunked logprobs (inside the root's forward) and compiled layers as torch (what each of N
+          ranks runs; a one-GPU run itself trains with the one-process trainer)
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
   NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
 `fsdp_over_torch` is fsdp's median (prepare_s + step_s) over torch's: the sharding's overhead on one rank
-(the issue's bound: at most 1.10); `fsdp_layers_over_torch` the same for the many-rank layout.
+(the issue's bound: at most 1.10).
 
 Usage (GPU machine, from the checkout):
   PYTHONPATH=$PWD python3 scripts/bench/fsdp_step_gpu.py [--out result.json] [--profile DIR]
@@ -155,10 +154,10 @@ def make(variant: str, model: str, args):
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
-    if base in ("fsdp", "fsdp-layers"):
+    if base == "fsdp":
         from miles.training.fsdp.rank import FSDPRank
 
-        rank = FSDPRank(model, rank=0, world_size=1, many_rank_layout=base == "fsdp-layers", **kw)
+        rank = FSDPRank(model, rank=0, world_size=1, **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
     from miles.training.trainer import Trainer
@@ -167,15 +166,14 @@ def make(variant: str, model: str, args):
         return Trainer(model, **kw, hidden_forward=False)
     if base == "torch":
         return Trainer(model, **kw)
-    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp-layers, torch (each may end "
-                     "in -eager)")
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, torch (each may end in -eager)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     add_rollout_args(p)
-    p.add_argument("--variants", default="torch,fsdp,fsdp-layers")
+    p.add_argument("--variants", default="torch,fsdp")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", type=Path, help="profile one more rollout per variant; tables into this folder")
     p.add_argument("--trace", action="store_true", help="with --profile: also each variant's Chrome trace")
@@ -211,10 +209,8 @@ def main() -> None:
     for base in ("torch", "plain"):
         if {base, "fsdp"} <= done.keys():
             result[f"fsdp_over_{base}"] = round(total["fsdp"] / total[base], 3)
-    for name in ("fsdp-layers", "fsdp-eager", "fsdp-layers-eager"):
-        base = "torch-eager" if name.endswith("-eager") else "torch"
-        if {name, base} <= done.keys():
-            result[f"{name}_over_{base}".replace("-", "_")] = round(total[name] / total[base], 3)
+    if {"fsdp-eager", "torch-eager"} <= done.keys():
+        result["fsdp_over_torch_eager"] = round(total["fsdp-eager"] / total["torch-eager"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -4,13 +4,10 @@ old-logprob pass (the step records its logprobs, summed over the ranks) is exerc
 
 Both take the CUDA defaults: logprobs from the hidden states through the chunked LM head (on the rank
 inside the FSDP root's forward), decoder layers torch.compiled (on the rank after fully_shard), or
-both eager (`compiled` False). The rank runs in each of its layouts. The one-rank layout (its
-default here: the root the only unit, float32 parameters under autocast) computes what the unsharded
-trainer computes, in bf16 too. The many-rank layout (a unit per layer, forced on one rank): float32
-(--dtype float32) gives the same losses, gradient norms and weights to float tolerance; in bfloat16
-FSDP casts the parameters to bf16 for the whole unit (no autocast) where autocast keeps the norms'
-weights in float32, so the two agree to bf16 rounding, not bit for bit. The rank's sharded
-checkpoint loads into the unsharded trainer.
+both eager (`compiled` False). float32 (--dtype float32): the same losses, gradient norms and weights
+to float tolerance. bfloat16 (the CUDA default): FSDP casts the parameters to bf16 for the whole unit
+(no autocast on the rank) where autocast keeps the norms' weights in float32, so the two agree to
+bf16 rounding, not bit for bit. The rank's sharded checkpoint loads into the unsharded trainer.
 
 The rank's CUDA IPC weight buckets reach an engine process on the same GPU (test_weight_ipc's engine).
 """
@@ -57,15 +54,14 @@ def run(trainer, rollouts: int = 3) -> list:
     return [(trainer.train(ROLLOUT, r), trainer.weights()) for r in range(rollouts)]
 
 
-@pytest.mark.parametrize("layers,dtype,compiled,rel,atol", [
-    (True, "float32", False, 1e-4, 1e-5), (True, "float32", True, 1e-4, 1e-5), (True, "bfloat16", True, 0.1, 1e-2),
-    (False, "bfloat16", True, 1e-3, 1e-4)])
-def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, layers, dtype, compiled, rel, atol):
+@pytest.mark.parametrize("dtype,compiled,rel,atol", [("float32", False, 1e-4, 1e-5), ("float32", True, 1e-4, 1e-5),
+                                                     ("bfloat16", True, 0.1, 1e-2)])
+def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, dtype, compiled, rel, atol):
     from miles.training.fsdp.rank import FSDPRank
 
     plain = Trainer(model_path, **kwargs(dtype, compiled))
     want = run(plain)
-    rank = FSDPRank(model_path, rank=0, world_size=1, many_rank_layout=layers, **kwargs(dtype, compiled))
+    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs(dtype, compiled))
     try:
         rank.setup("127.0.0.1", free_port())
         assert rank.compute_dtype == plain.compute_dtype
@@ -120,7 +116,7 @@ def test_one_fsdp_rank_syncs_a_colocated_engine_over_cuda_ipc(model_path, tmp_pa
     inbox, outbox = ctx.Queue(), ctx.Queue()
     engine = ctx.Process(target=engine_process, args=(make_tiny_model(tmp_path / "engine", seed=1), inbox, outbox))
     engine.start()
-    rank = FSDPRank(model_path, rank=0, world_size=1, many_rank_layout=True, **kwargs("bfloat16", compiled=False))
+    rank = FSDPRank(model_path, rank=0, world_size=1, **kwargs("bfloat16", compiled=False))
     try:
         rank.setup("127.0.0.1", free_port())
         kind, before = outbox.get(timeout=120)

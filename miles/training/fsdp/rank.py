@@ -15,18 +15,8 @@ pass runs data parallel too, and --ref-update-interval copies the policy's shard
 Every forward runs inside its model's FSDP root (`sharding.Root`), so the chunked hidden-state
 logprobs (CUDA's path: the LM head applied outside the model's own forward) read a gathered head and
 its gradient is reduce-scattered like the others. On CUDA the decoder layers are torch.compiled
-after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off).
-
-Two layouts:
-- many ranks: a unit per decoder layer (each gathered just before its forward and backward), and
-  no autocast: FSDP's mixed-precision policy casts each unit's parameters to bf16 once per gather.
-- one rank (`many_rank_layout` False, the default for a world of 1): nothing is split, so the root
-  is the only unit, its parameters stay float32 and autocast computes in bf16 as on the one-process
-  trainer. Per-layer units would only add their hooks' Python to every layer's forward and backward,
-  and FSDP's bf16 parameters would have it accumulate each micro-batch's gradients into float32 in
-  Python, parameter by parameter; on an H200 the 0.5B bench's step was 1.36x the unsharded trainer's
-  that way (docs/performance.md). The one-rank layout is what a one-GPU `--train-backend fsdp` run
-  gets; the many-rank layout runs on one rank when forced (the GPU tests, the bench's fsdp-layers).
+after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off), and there is
+no autocast: FSDP's mixed-precision policy casts each unit's parameters to bf16 once per gather.
 
 A plain class; `miles.training.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
 """
@@ -61,12 +51,10 @@ log = structlog.get_logger().bind(role="trainer-rank")
 class FSDPRank(Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
-                 hidden_forward: bool | None = None, many_rank_layout: bool | None = None):
+                 hidden_forward: bool | None = None):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model.
-        `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only);
-        `many_rank_layout` (None: when `world_size` > 1) as in the module docstring."""
+        `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only)."""
         self.rank, self.world_size = rank, world_size
-        self._per_layer = world_size > 1 if many_rank_layout is None else many_rank_layout
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
                                             dtype=dtype, hidden_forward=hidden_forward))
         self._distributed = False
@@ -98,8 +86,7 @@ class FSDPRank(Trainer):
         self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))
 
     def _shard(self, model: torch.nn.Module) -> Root:
-        root = shard_model(model, compute_dtype=self.compute_dtype if self._per_layer else torch.float32,
-                           per_layer=self._per_layer)
+        root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size)
         self._roots[id(model)] = root
         return root
 
@@ -114,14 +101,12 @@ class FSDPRank(Trainer):
     def _start_optimizer(self, model: torch.nn.Module) -> None:
         self._root = self._shard(model)
         super()._start_optimizer(model)
-        log.info("rank_sharded", rank=self.rank, world_size=self.world_size,
-                 units=len(decoder_layers(model)) + 1 if self._per_layer else 1)
+        log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=len(decoder_layers(model)) + 1)
 
     def _autocast(self):
-        """The many-rank layout: none (FSDP's mixed-precision policy already casts each unit's
-        parameters to the compute dtype once per gather; autocast on top would only add its per-op
-        dispatch). The one-rank layout: the one-process trainer's."""
-        return contextlib.nullcontext() if self._per_layer else super()._autocast()
+        """None: FSDP's mixed-precision policy already casts each unit's parameters to the compute
+        dtype once per gather; autocast on top would only add its per-op dispatch."""
+        return contextlib.nullcontext()
 
     # --- data parallel ---------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):

@@ -1,16 +1,16 @@
 """FSDP2 for the torch trainer: the model sharded per decoder layer, and the data-parallel arithmetic
 that makes N ranks take the same optimizer step as one.
 
-- `shard_model`: `fully_shard` on every decoder layer (on more than one rank), then on a `Root`
-  holding the model (its embeddings, final norm and LM head form the root unit). Every forward runs inside the root's
+- `shard_model`: `fully_shard` on every decoder layer, then on a `Root` holding the model (its
+  embeddings, final norm and LM head form the root unit). Every forward runs inside the root's
   forward (`Root(fn)` calls `fn(model)`), so the root's parameters are gathered for whatever `fn`
   reads, the LM head's weight too when the chunked logprobs read it outside the model's own forward,
   and their gradients are reduce-scattered after the backward. Each parameter becomes a DTensor holding 1/N of its rows on
   this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
-  reshard. On CUDA and more than one rank the units compute in bfloat16, the trainer's compute dtype
+  reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
   (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
-  the master weights, gradients are reduced in float32, the gathers move half the bytes. On the CPU
-  (or --dtype float32) everything stays float32; on one rank see `FSDPRank`'s layout.
+  the master weights, gradients are reduced in float32. On the CPU (or --dtype float32) everything
+  stays float32.
 - Gradients are *summed* over the ranks (divide factor 1): every rank's micro-batch loss is already
   divided by the whole global batch's normalizer, so the sum over ranks is the global batch's
   gradient, as on one rank.
@@ -52,24 +52,19 @@ class Root(nn.Module):
         return fn(self.lm)
 
 
-def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, per_layer: bool) -> Root:
-    """`fully_shard` each decoder layer when `per_layer`, then a `Root` around the model, over the
-    default process group (the model's parameters become DTensors in place); returns the root. Units
-    compute in `compute_dtype` (bf16: FSDP casts each unit's parameters once per gather; float32: no
-    mixed-precision policy) and reduce gradients in float32.
-
-    Without `per_layer` the root is the only unit (FSDPRank's layout on one rank: see there). With it,
-    on one rank (the many-rank layout forced, for tests and the bench) a layer keeps its gathered
-    parameters from its forward to its backward: the "gather" is a copy, resharding would repeat it."""
-    import torch.distributed as dist
+def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int) -> Root:
+    """`fully_shard` each decoder layer, then a `Root` around the model, over the default process
+    group (the model's parameters become DTensors in place); returns the root. Units compute in
+    `compute_dtype` (the trainer's: bf16 on CUDA, float32 on the CPU) and reduce gradients in float32.
+    On one rank a layer keeps its gathered parameters from its forward to its backward: the
+    "gather" is a copy (and the cast), resharding would only repeat it."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if per_layer:
-        for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=dist.get_world_size() > 1, **kwargs)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=world_size > 1, **kwargs)
     root = fully_shard(Root(model), **kwargs)    # FSDP keeps a root gathered from forward to backward
     for m in root.modules():
         if isinstance(m, FSDPModule):
