@@ -1,10 +1,11 @@
 """The optimizer step and gradient clipping over each parameter's local shard.
 
 Under FSDP2 every parameter, its gradient and its AdamW moments are DTensors (`Shard(0)` over the
-ranks). Stepping them as DTensors is correct but slow: every elementwise op of the optimizer's
-foreach update and of `clip_grad_norm_` goes through DTensor's dispatch (sharding propagation,
-unwrapping and rewrapping each tensor of the list), a few hundred Python-level ops per step
-that the unsharded trainer does not pay. Neither needs the global view:
+ranks). Stepped as DTensors, every elementwise op of the optimizer's foreach update and of
+`clip_grad_norm_` goes through DTensor's dispatch (sharding propagation, unwrapping and rewrapping
+each tensor of the list), Python the unsharded trainer does not pay. Neither needs the global view
+(on one H200 the 0.5B rank's clipped step takes 22 ms this way, the unsharded trainer's 17 ms; the
+DTensor step was not timed):
 
 - AdamW is element-wise, so its update of a shard depends only on that shard's elements.
   `step_shards` runs the optimizer's own `step()` with the local tensors standing in for the
