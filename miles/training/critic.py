@@ -54,6 +54,11 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(lm.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)    # start at V = 0: no made-up baseline before any data
         nn.init.zeros_(self.value_head.bias)
+        head = lm.get_output_embeddings()
+        if head is not None and head.weight is not lm.get_input_embeddings().weight:
+            # an untied LM head is never used (values read the backbone), so it never has a gradient or
+            # optimizer state; frozen, it is not expected to have state when a sharded critic loads one
+            head.requires_grad_(False)
 
     def get_decoder(self) -> nn.Module:
         """The backbone's decoder (as on an HF causal LM): FSDP shards its layers one unit each."""

@@ -20,7 +20,7 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.weights.hf import model_weights
-from tests.tiny_model import PAD_ID, make_tiny_model
+from tests.tiny_model import PAD_ID, make_tiny_family, make_tiny_model
 from tests.unit.test_fsdp_ranks import ROLLOUT, free_port
 
 TRAIN = dict(lr=1e-2, micro_batch_size=1, global_batch_size=3, clip_grad=0.5)     # two optimizer steps a rollout
@@ -134,6 +134,22 @@ def test_two_ranks_start_from_a_critic_folder(one_rank, model_path, tmp_path):
     """--critic-load of the one-process checkpoint of rollout 0: the ranks restore it at start-up."""
     for got in run_ranks(2, model_path, tmp_path, [("train", 1)], init_from=str(one_rank[1])):
         assert_same(got, one_rank[0][1:2])
+
+
+def test_an_untied_lm_head_is_frozen_and_the_two_rank_checkpoint_resumes_on_one(tmp_path):
+    """A Llama with its own LM head: the head, which values never read, has no gradient and so no
+    optimizer state; frozen, the sharded load does not ask for its state."""
+    path = make_tiny_family(tmp_path / "llama", "llama3", tied=False)
+    c = Critic(path, **configs())
+    head = c._live().lm.get_output_embeddings().weight
+    assert not head.requires_grad and any(p is head for p in c._optimizer.param_groups[0]["params"])
+    one = [rollout(c, r, lambda t: t) for r in (0, 1)]
+    ranks = run_ranks(2, path, tmp_path, [("train", 0), ("save", str(tmp_path / "ck"))])
+    for got in ranks:
+        assert_same(got, one[:1])
+    resumed = Critic(path, **configs())
+    resumed.load(tmp_path / "ck")
+    assert_same([rollout(resumed, 1, lambda t: t)], one[1:])
 
 
 @pytest.mark.extended
