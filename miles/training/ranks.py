@@ -50,6 +50,15 @@ def ranks_use_gpus(device: str) -> bool:
     return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
 
 
+def rank_actor_options(device: str, rank_options: Sequence[Mapping[str, Any]] | None,
+                       world_size: int | None) -> list[dict[str, Any]]:
+    """Each rank's Ray actor options: the placements the composition root gave (`rank_options`, on
+    GPUs), else `world_size` ranks (default 1) of a whole GPU each, or none on the CPU."""
+    if rank_options:
+        return [dict(o) for o in rank_options]
+    return [{"num_gpus": 1 if ranks_use_gpus(device) else 0}] * (world_size or 1)
+
+
 class RankGroup:
     def __init__(self, rank_cls: type, options: Sequence[Mapping[str, Any]], *args: Any, namespace: str | None = None,
                  prefix: str = RANK_ACTOR_PREFIX, **kwargs: Any):

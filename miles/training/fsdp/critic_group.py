@@ -20,7 +20,7 @@ import structlog
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, TrainConfig
-from miles.training.ranks import CRITIC_RANK_ACTOR_PREFIX, RankGroup, ranks_use_gpus
+from miles.training.ranks import CRITIC_RANK_ACTOR_PREFIX, RankGroup, rank_actor_options
 from miles.types import Sample
 
 log = structlog.get_logger().bind(role="critic", backend="torch")
@@ -34,13 +34,11 @@ class FSDPCritic:
         dict of Ray actor options per rank (on GPUs), else `world_size` ranks."""
         from miles.training.fsdp.critic_rank import FSDPCriticRank
 
-        on_gpu = ranks_use_gpus(device)
-        options = [dict(o) for o in rank_options] if rank_options else \
-            [{"num_gpus": 1 if on_gpu else 0}] * (world_size or 1)
+        options = rank_actor_options(device, rank_options, world_size)
         self._group = RankGroup(FSDPCriticRank, options, model_path, train=train, algorithm=algorithm,
                                 init_from=init_from, device=device, dtype=dtype, namespace=namespace,
                                 prefix=CRITIC_RANK_ACTOR_PREFIX)
-        log.info("critic_ready", model=model_path, ranks=len(options), gpus=on_gpu)
+        log.info("critic_ready", model=model_path, ranks=len(options), gpus=any(o.get("num_gpus") for o in options))
 
     def values(self, samples: list[Sample]) -> Tensor:
         import ray

@@ -12,8 +12,8 @@ each parameter's local shard.
 
 The layout is `FSDPRank`'s: on many ranks a unit per decoder layer of the backbone, computing in
 the compute dtype through FSDP's mixed precision (bf16 on CUDA, float32 on the CPU) without
-autocast; on one rank (forced: the critic on one rank is the one-process `Critic`) the root is the
-only unit and autocast computes.
+autocast; in a world of one (a run uses the one-process `Critic` there) the root is the only unit
+and autocast computes.
 
 Checkpoints are the one-process `Critic.save` folder, so either loads the other's and any number
 of ranks loads any other's: the weights are gathered whole one tensor at a time and the optimizer
@@ -40,8 +40,8 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.training.fsdp.checkpoint import load_full, whole_optimizer_state
-from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, padded_count, rank_rows,
-                                          reshard_all, shard_model, sum_over_ranks)
+from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, join_group, padded_count,
+                                          rank_rows, reshard_all, shard_model, sum_over_ranks)
 from miles.training.microbatch import take_rows
 from miles.training.shell import OPTIMIZER_FILE
 from miles.types import Sample
@@ -52,12 +52,10 @@ log = structlog.get_logger().bind(role="critic-rank")
 
 class FSDPCriticRank(Critic):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rank: int, world_size: int,
-                 init_from: str | None = None, device: str = "auto", dtype: str = "auto",
-                 many_rank_layout: bool | None = None):
-        """Remembers the configuration; `setup` joins the group, then loads and shards the model.
-        `many_rank_layout` (None: when `world_size` > 1) as in the module docstring."""
+                 init_from: str | None = None, device: str = "auto", dtype: str = "auto"):
+        """Remembers the configuration; `setup` joins the group, then loads and shards the model."""
         self.rank, self.world_size = rank, world_size
-        self._per_layer = world_size > 1 if many_rank_layout is None else many_rank_layout
+        self._per_layer = world_size > 1        # the layout (module docstring)
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, init_from=init_from, device=device,
                                             dtype=dtype))
         self._distributed = False
@@ -66,15 +64,9 @@ class FSDPCriticRank(Critic):
     def setup(self, address: str, port: int) -> None:
         """Join the group (all ranks at once), then build the critic with its model sharded (and
         restored, when --critic-load names a critic folder)."""
-        import torch.distributed as dist
-
         model_path, kwargs = self._init_args
-        device = resolve_device(kwargs["device"])
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)   # Ray shows this rank its own GPU only
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
-                                rank=self.rank, world_size=self.world_size)
-        self._distributed = True
+        self._distributed = join_group(resolve_device(kwargs["device"]), address, port, rank=self.rank,
+                                       world_size=self.world_size)     # False: the process's group, kept
         super().__init__(model_path, **kwargs)
 
     def _start_optimizer(self, model: torch.nn.Module) -> None:
