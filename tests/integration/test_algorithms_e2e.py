@@ -168,3 +168,16 @@ def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task,
                     algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
                     init_from=str(tmp_path / "ckpt"))      # the newest checkpoint's critic/, on one process
     assert critic.num_steps == sum(r["critic/num_steps"] for r in rows)
+
+
+@pytest.mark.extended   # the resume path of the test above, end to end (bash scripts/test.sh -m extended)
+def test_ppo_on_two_ranks_resumes_its_policy_and_critic_on_two_ranks(ray_cluster, tiny_task, ones_reward, tmp_path):
+    torch.set_num_threads(1)
+    flags = dict(custom_rm_path=ones_reward, lr=1e-2, save=tmp_path / "ckpt", rollout_batch_size=4,
+                 actor_num_gpus_per_node=2, save_interval=1, **RECIPES["ppo"])
+    first = run(base_flags(tiny_task, tmp_path / "first", num_rollout=1, **flags))
+    resumed = run(base_flags(tiny_task, tmp_path / "resumed", num_rollout=2, load=tmp_path / "ckpt", **flags))
+    assert first.final_state == resumed.final_state == "shutdown"
+    rows = [r for r in resumed.metrics if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["critic/values_mean"] != 0        # the critic came back trained: a fresh head values 0
