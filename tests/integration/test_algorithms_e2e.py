@@ -164,6 +164,7 @@ def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task,
     ready = [json.loads(line) for line in (result.run_dir / "logs" / "critic-0.jsonl").open()
              if '"critic_ready"' in line]
     assert [r.get("ranks") for r in ready] == [2]
+    assert "critic" in {e.get("resource") for e in read_trace(result.run_dir).of("disposed")}   # and its ranks
     critic = Critic(tiny_task["model"], train=TrainConfig(lr=1e-2), device="cpu",
                     algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
                     init_from=str(tmp_path / "ckpt"))      # the newest checkpoint's critic/, on one process
