@@ -29,8 +29,8 @@ from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
-from miles.cluster.placement import (PlacementGroupResource, RunPlacement, check_actor_resources, check_cluster,
-                                     cluster_gpus, placement_request, plan_placement)
+from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
+                                     check_cluster, cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
@@ -219,24 +219,33 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
         init_from = driver_path(cfg.checkpoint.critic_load) if cfg.checkpoint.critic_load else None
         needs = {"--hf-checkpoint": path, **({"--critic-load": init_from} if init_from else {})}
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, path, name="critic", placement=place.options(place.plan.critics[0]),
+            ctx.backends.critic, path, name="critic", **_critic_placement(ctx),
             needs=needs, train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=init_from, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
 
 
 def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
-    """Where the trainer runs: the plan's first trainer placement; a `ranked` backend (megatron, torch
-    on several ranks) on GPUs gets no GPU itself and hands each of its ranks one trainer placement of
-    the plan; on the CPU it starts --actor-num-nodes x --actor-num-gpus-per-node ranks, when more than one."""
+    return _ranked_placement(ctx, ctx.c.placement.plan.trainers)
+
+
+def _critic_placement(ctx: TrainingContext) -> dict[str, Any]:
+    """PPO's critic's: the plan has one critic placement beside each trainer placement."""
+    return _ranked_placement(ctx, ctx.c.placement.plan.critics)
+
+
+def _ranked_placement(ctx: TrainingContext, placements: tuple[Placement, ...]) -> dict[str, Any]:
+    """Where the trainer (or the critic) runs, given its `placements` in the plan: the first one; a
+    `ranked` backend (megatron, torch on several ranks) on GPUs gets no GPU itself and hands each of
+    its ranks one of them; on the CPU it starts --actor-num-nodes x --actor-num-gpus-per-node ranks,
+    when more than one."""
     place, ranks = ctx.c.placement, ctx.cfg.cluster.trainer_ranks
     if not ctx.backends.train_spec.ranked:
-        return {"placement": place.options(place.plan.trainers[0])}
+        return {"placement": place.options(placements[0])}
     namespace = {"namespace": ctx.c.cluster.namespace}       # the ranks' names live in the run's namespace
     if place.gpus:
-        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in place.plan.trainers],
-                **namespace}
-    return {"placement": place.options(place.plan.trainers[0]), **namespace, **({"world_size": ranks} if ranks > 1 else {})}
+        return {"placement": {"num_gpus": 0}, "rank_options": [place.options(p) for p in placements], **namespace}
+    return {"placement": place.options(placements[0]), **namespace, **({"world_size": ranks} if ranks > 1 else {})}
 
 
 def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:

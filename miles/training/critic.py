@@ -54,6 +54,15 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(lm.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)    # start at V = 0: no made-up baseline before any data
         nn.init.zeros_(self.value_head.bias)
+        head = lm.get_output_embeddings()
+        if head is not None and head.weight is not lm.get_input_embeddings().weight:
+            # an untied LM head is never used (values read the backbone), so it never has a gradient or
+            # optimizer state; frozen, it is not expected to have state when a sharded critic loads one
+            head.requires_grad_(False)
+
+    def get_decoder(self) -> nn.Module:
+        """The backbone's decoder (as on an HF causal LM): FSDP shards its layers one unit each."""
+        return self.lm.get_decoder()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, T] values, aligned to tokens: out[:, t] from the hidden state at t - 1, out[:, 0] = 0."""
@@ -130,17 +139,29 @@ class Critic(OptimizedModel):
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate_gradients(batch)
+        grad_norm = self._optimizer_step()
+        return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
+
+    def _accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
+        """The global batch's value-loss gradients, micro-batch by micro-batch; its loss terms."""
         normalizer = max(batch.num_tokens, 1)
         sums: dict[str, float] = defaultdict(float)
         for mb in split(batch, self._train_cfg.micro_batch_size):
-            v = self._forward(mb)
-            loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, value_clip=self._value_clip,
-                                 reduce=token_mean, normalizer=normalizer)
+            loss, terms = self._micro_loss(mb, normalizer)
             loss.backward()
-            sums["value_loss"] += loss.item()
-            sums["value_clip_frac"] += float(m["value_clip_frac"]) * mb.num_tokens / normalizer
-        grad_norm = self._optimizer_step()
-        return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
+            for k, v in terms.items():
+                sums[k] += v
+        return dict(sums)
+
+    def _micro_loss(self, mb: TrainBatch, normalizer: int) -> tuple[Tensor, dict[str, float]]:
+        """A micro-batch's share of the global batch's value loss (divided by the global batch's
+        `normalizer` tokens), and its share of the terms reported."""
+        v = self._forward(mb)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, value_clip=self._value_clip,
+                             reduce=token_mean, normalizer=normalizer)
+        return loss, {"value_loss": loss.item(),
+                      "value_clip_frac": float(m["value_clip_frac"]) * mb.num_tokens / normalizer}
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         with self._autocast():
@@ -150,14 +171,22 @@ class Critic(OptimizedModel):
     def save(self, path: str | Path, *, optimizer: bool = True) -> None:
         """Into the folder `path`: the backbone as an HF folder (save_pretrained, with the tokenizer), the
         value head, the optimizer state (unless `optimizer` is False: --no-save-optim) and the step count."""
+        model = self._live()
+        self._write_folder(Path(path), state_dict_to_cpu(model_weights(model)),
+                           self._optimizer.state_dict() if optimizer else None)
+
+    def _write_folder(self, path: Path, weights: dict[str, Tensor], optimizer_state: dict | None) -> None:
+        """`save`'s folder from whole CPU `weights` (the ValueModel's names, tied aliases once) and
+        the optimizer state keyed by parameter index (None: not saved); also what the critic's rank 0
+        writes on many ranks, so either loads the other's."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        model = self._live()
-        model.lm.save_pretrained(str(path))
+        lm = {n.removeprefix("lm."): t for n, t in weights.items() if n.startswith("lm.")}
+        head = {n.removeprefix("value_head."): t for n, t in weights.items() if n.startswith("value_head.")}
+        self._live().lm.save_pretrained(str(path), state_dict=lm)
         self._tokenizer.save_pretrained(str(path))
-        save_file(state_dict_to_cpu(model_weights(model.value_head)), str(path / HEAD_FILE))
-        self._save_optimizer(path, optimizer=optimizer)
+        save_file(head, str(path / HEAD_FILE))
+        self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state)
 
     def load(self, path: str | Path) -> None:
         """Restore what `save` wrote: backbone, head, optimizer state, step count."""

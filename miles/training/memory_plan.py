@@ -119,7 +119,8 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 # its first train call minutes later. The parts, per trainer GPU (P parameters, N trainer ranks):
 #   float32 weights 4P/N, gradients 4P/N, AdamW's moments 8P/N (none with --offload-train: the step
 #   streams them), autocast's half-precision weight copies 2P/N, the frozen KL reference 4P/N (float32,
-#   sharded like the policy on N ranks), PPO's critic 16P (weights, gradients, moments on the first trainer GPU), a colocated
+#   sharded like the policy on N ranks), PPO's critic 16P/N (weights, gradients, moments; on N ranks, one per
+#   trainer GPU, sharded like the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
 #   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
 #   one sample), and a CUDA context per process on the GPU.
@@ -146,7 +147,7 @@ def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes:
         "optimizer": 8 * params // ranks if optimizer_on_gpu else 0,
         "compute_copies": 2 * params // ranks if compute_bytes < 4 else 0,
         "reference": 4 * params // ranks if reference else 0,
-        "critic": 16 * params if critic else 0,
+        "critic": 16 * params // ranks if critic else 0,
         "engine_weights": engine_weight_bytes,
         "activations": math.ceil(activation_bytes / HEADROOM),
         "cuda_contexts": processes * CONTEXT_BYTES,

@@ -14,6 +14,7 @@ Constructors, for every backend:
     Trainer(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, device, dtype)
         (+ rank_options: list of Ray actor options, one per rank, for a `ranked` backend on GPUs)
     Critic(model_path, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from, device, dtype)
+        (+ rank_options, or world_size on the CPU, as the trainer's for a `ranked` backend)
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class TrainBackendSpec:
     check: str | None = None
     model_parallel: bool = False    # reads --tensor/--pipeline/--context-parallel-size and --sequence-parallel
     # the trainer actor starts one rank actor per trainer GPU itself: init gives it no GPU and passes
-    # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs)
+    # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs); the critic
+    # actor, when there is one, the same with the plan's critic placements
     ranked: bool = False
     capabilities: tuple[type, ...] = ()   # the Supports* Protocols above that the trainer class implements
     # the spec the backend runs under on more than one trainer rank (a `ranked` one); None: this spec's
@@ -93,8 +95,9 @@ TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
         trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
         check="miles.training.memory_plan:startup_problems",
         capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets),
-        # FSDP2 data parallel; the critic stays one process on the first trainer GPU
-        many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer", critic="miles.training.critic:Critic",
+        # FSDP2 data parallel, the policy's ranks and PPO's critic's side by side on the trainer GPUs
+        many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer",
+                                    critic="miles.training.fsdp.critic_group:FSDPCritic",
                                     check="miles.training.memory_plan:startup_problems",
                                     ranked=True, capabilities=(SupportsOffload, SupportsCachedMemoryRelease,
                                                                   SupportsWeightBuckets))),

@@ -24,7 +24,9 @@ import structlog
 log = structlog.get_logger().bind(role="trainer")
 
 DISPOSE_TIMEOUT_S = 60.0
-RANK_ACTOR_PREFIX = "trainer-rank-"     # rank r's actor is named RANK_ACTOR_PREFIX + str(r) in the run's namespace
+# rank r's actor is named prefix + str(r) in the run's namespace: the policy's ranks by default, PPO's
+# critic's ranks (which run beside them) under their own prefix
+RANK_ACTOR_PREFIX, CRITIC_RANK_ACTOR_PREFIX = "trainer-rank-", "critic-rank-"
 
 
 def rendezvous_address(_actor: Any) -> tuple[str, int]:
@@ -48,12 +50,21 @@ def ranks_use_gpus(device: str) -> bool:
     return uses_gpus(device, int(ray.cluster_resources().get("GPU", 0)))
 
 
+def rank_actor_options(device: str, rank_options: Sequence[Mapping[str, Any]] | None,
+                       world_size: int | None) -> list[dict[str, Any]]:
+    """Each rank's Ray actor options: the placements the composition root gave (`rank_options`, on
+    GPUs), else `world_size` ranks (default 1) of a whole GPU each, or none on the CPU."""
+    if rank_options:
+        return [dict(o) for o in rank_options]
+    return [{"num_gpus": 1 if ranks_use_gpus(device) else 0}] * (world_size or 1)
+
+
 class RankGroup:
     def __init__(self, rank_cls: type, options: Sequence[Mapping[str, Any]], *args: Any, namespace: str | None = None,
-                 **kwargs: Any):
+                 prefix: str = RANK_ACTOR_PREFIX, **kwargs: Any):
         """One `rank_cls(*args, rank=r, world_size=len(options), **kwargs)` actor per entry of `options`,
-        named in `namespace` (the run's: an actor's own default is its driver's, not the one it was
-        made in), then `setup` on all of them. Whatever fails here disposes the ranks made so far."""
+        named `prefix` + r in `namespace` (the run's: an actor's own default is its driver's, not the one
+        it was made in), then `setup` on all of them. Whatever fails here disposes the ranks made so far."""
         import ray
 
         from miles.cluster.ray_cluster import in_driver_cwd
@@ -67,7 +78,7 @@ class RankGroup:
         self._broken = False     # a call failed on one rank while others were still in it
         try:
             for r, o in enumerate(options):
-                self._ranks.append(remote.options(**{"num_cpus": 0, "name": f"{RANK_ACTOR_PREFIX}{r}", **o,
+                self._ranks.append(remote.options(**{"num_cpus": 0, "name": f"{prefix}{r}", **o,
                                                        **({"namespace": namespace} if namespace else {})}).remote(
                     *args, rank=r, world_size=self.world_size, **kwargs))
             address, port = ray.get(self._ranks[0].__ray_call__.remote(rendezvous_address))

@@ -83,11 +83,12 @@ class OptimizedModel:
         self._num_steps += 1
         return grad_norm
 
-    def _save_optimizer(self, path: Path, *, optimizer: bool = True) -> None:
+    def _save_optimizer(self, path: Path, *, optimizer: bool = True, state: dict | None = None) -> None:
         """The step count, and the optimizer state unless `optimizer` is False (--no-save-optim: a
-        resume from `path` starts a fresh optimizer; the state file says so)."""
+        resume from `path` starts a fresh optimizer; the state file says so). `state`: what to write in
+        place of `self._optimizer.state_dict()` (a sharded optimizer's state, gathered whole)."""
         if optimizer:
-            torch.save(self._optimizer.state_dict(), path / OPTIMIZER_FILE)
+            torch.save(self._optimizer.state_dict() if state is None else state, path / OPTIMIZER_FILE)
         (path / self.state_file).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer}))
 
     def _saved_with_optimizer(self, path: Path) -> bool:

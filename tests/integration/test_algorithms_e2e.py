@@ -144,3 +144,41 @@ def test_critic_warm_up_saves_only_the_critic_and_a_later_run_starts_from_it(ray
     main = run(base_flags(tiny_task, tmp_path / "main", num_rollout=1, critic_load=tmp_path / "critic", **ppo))
     first = [r for r in main.metrics if r.get("kind") == "train"][0]
     assert first["critic/values_mean"] != 0 and first["actor_trained"] == 1   # a fresh head would value 0
+
+
+def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task, ones_reward, tmp_path):
+    """--actor-num-gpus-per-node 2 on the CPU: the policy and PPO's critic each run as 2 FSDP ranks
+    (gloo); the critic learns, and its checkpoint is the one-process critic's folder."""
+    from miles.config import AlgorithmConfig, TrainConfig
+    from miles.training.critic import Critic
+
+    torch.set_num_threads(1)
+    result = run(base_flags(tiny_task, tmp_path / "run", custom_rm_path=ones_reward, lr=1e-2, num_rollout=2,
+                            save=tmp_path / "ckpt", rollout_batch_size=4, actor_num_gpus_per_node=2,
+                            **RECIPES["ppo"]))
+    assert result.final_state == "shutdown"
+    rows = [r for r in result.metrics if r.get("kind") == "train"]
+    assert [r["actor_trained"] for r in rows] == [1, 1]
+    assert rows[0]["critic/values_mean"] == 0 and rows[-1]["critic/values_mean"] > 0
+    assert all(r["critic/num_steps"] >= 1 and r["critic/grad_norm"] > 0 for r in rows)
+    ready = [json.loads(line) for line in (result.run_dir / "logs" / "critic-0.jsonl").open()
+             if '"critic_ready"' in line]
+    assert [r.get("ranks") for r in ready] == [2]
+    assert "critic" in {e.get("resource") for e in read_trace(result.run_dir).of("disposed")}   # and its ranks
+    critic = Critic(tiny_task["model"], train=TrainConfig(lr=1e-2), device="cpu",
+                    algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+                    init_from=str(tmp_path / "ckpt"))      # the newest checkpoint's critic/, on one process
+    assert critic.num_steps == sum(r["critic/num_steps"] for r in rows)
+
+
+@pytest.mark.extended   # the resume path of the test above, end to end (bash scripts/test.sh -m extended)
+def test_ppo_on_two_ranks_resumes_its_policy_and_critic_on_two_ranks(ray_cluster, tiny_task, ones_reward, tmp_path):
+    torch.set_num_threads(1)
+    flags = dict(custom_rm_path=ones_reward, lr=1e-2, save=tmp_path / "ckpt", rollout_batch_size=4,
+                 actor_num_gpus_per_node=2, save_interval=1, **RECIPES["ppo"])
+    first = run(base_flags(tiny_task, tmp_path / "first", num_rollout=1, **flags))
+    resumed = run(base_flags(tiny_task, tmp_path / "resumed", num_rollout=2, load=tmp_path / "ckpt", **flags))
+    assert first.final_state == resumed.final_state == "shutdown"
+    rows = [r for r in resumed.metrics if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["critic/values_mean"] != 0        # the critic came back trained: a fresh head values 0

@@ -1,6 +1,7 @@
 """Where the torch trainer's ranks run: one rank on one trainer placement as before; with more than one
 (--actor-num-nodes x --actor-num-gpus-per-node) the FSDP group, whose ranks take the plan's trainer
-placements on GPUs, or start as that many CPU processes on a CPU run."""
+placements on GPUs, or start as that many CPU processes on a CPU run. PPO's critic the same, on the
+plan's critic placements."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from miles.cluster.placement import PlacementRequest, RunPlacement, plan_placeme
 from miles.config import ConfigError, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.config.schema import ClusterConfig, DataConfig
-from miles.phases.init import _trainer_placement
+from miles.phases.init import _critic_placement, _trainer_placement
 from miles.training.protocol import TRAIN_BACKENDS
 
 
@@ -20,7 +21,8 @@ def ctx(gpus_per_node: int, use_gpus: bool) -> SimpleNamespace:
     cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p"),
                     rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1), train=TrainConfig(backend="torch"),
                     cluster=ClusterConfig(actor_num_gpus_per_node=gpus_per_node))
-    plan = plan_placement(PlacementRequest(use_gpus=use_gpus, actor_num_gpus_per_node=gpus_per_node))
+    plan = plan_placement(PlacementRequest(use_gpus=use_gpus, actor_num_gpus_per_node=gpus_per_node,
+                                           has_critic=True))
     return SimpleNamespace(cfg=cfg, c=SimpleNamespace(cluster=SimpleNamespace(namespace="ns"), placement=RunPlacement(plan)),
                            backends=SimpleNamespace(train_spec=TRAIN_BACKENDS["torch"].for_ranks(gpus_per_node)))
 
@@ -29,6 +31,8 @@ def test_one_rank_is_the_one_process_trainer_and_more_are_the_fsdp_group():
     assert TRAIN_BACKENDS["torch"].for_ranks(1).trainer == "miles.training.trainer:Trainer"
     many = TRAIN_BACKENDS["torch"].for_ranks(2)
     assert many.trainer == "miles.training.fsdp.group:FSDPTrainer" and many.ranked
+    assert TRAIN_BACKENDS["torch"].for_ranks(1).critic == "miles.training.critic:Critic"
+    assert many.critic == "miles.training.fsdp.critic_group:FSDPCritic"
     assert TRAIN_BACKENDS["megatron"].for_ranks(4) is TRAIN_BACKENDS["megatron"]
 
 
@@ -38,6 +42,17 @@ def test_fsdp_ranks_take_the_trainer_placements_or_start_as_cpu_processes():
                       "namespace": "ns"}
     assert _trainer_placement(ctx(2, use_gpus=False)) == {"placement": {"num_gpus": 0}, "world_size": 2, "namespace": "ns"}
     assert _trainer_placement(ctx(1, use_gpus=False)) == {"placement": {"num_gpus": 0}}
+
+
+def test_the_critics_ranks_take_the_critic_placements_beside_the_trainers():
+    plan = ctx(2, use_gpus=True).c.placement.plan
+    assert [c.bundle for c in plan.critics] == [t.bundle for t in plan.trainers] == [0, 1]
+    on_gpus = _critic_placement(ctx(2, use_gpus=True))
+    assert on_gpus == {"placement": {"num_gpus": 0}, "namespace": "ns",
+                       "rank_options": [{"num_gpus": c.num_gpus} for c in plan.critics]}
+    assert _critic_placement(ctx(2, use_gpus=False)) == {"placement": {"num_gpus": 0}, "world_size": 2,
+                                                         "namespace": "ns"}
+    assert _critic_placement(ctx(1, use_gpus=False)) == {"placement": {"num_gpus": 0}}
 
 
 def test_fsdp_is_torch_and_takes_several_ranks(tiny_task):

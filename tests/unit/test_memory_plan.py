@@ -152,6 +152,13 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
                             gpu_bytes=H200) == []
     # two trainer GPUs shard the state
     assert startup_problems(gpu_run("--recompute-activations"), 2, gpu_bytes=H200) == []
+    # PPO's critic is 16 B/param more, sharded like the policy: 9 + 8 + 2 engine B/param do not fit on 2
+    # GPUs, 4.5 + 4 + 2 on 4 do
+    ppo = gpu_run("--recompute-activations", "--advantage-estimator", "ppo")
+    (critic,) = startup_problems(ppo, 1, gpu_bytes=H200)
+    assert "critic 122.1" in critic and "--offload-train" not in critic
+    assert "critic 61.0" in startup_problems(ppo, 2, gpu_bytes=H200)[0]
+    assert startup_problems(ppo, 4, gpu_bytes=H200) == []
     # nothing to check: no GPUs known, a CPU run
     assert startup_problems(gpu_run(), None, gpu_bytes=H200) == []
     cpu = gpu_run()

@@ -80,6 +80,21 @@ def load_full(model: nn.Module, weights: dict[str, torch.Tensor], optimizer: tor
         set_optimizer_state_dict(model, optimizer, by_name, options=full)
 
 
+def whole_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The sharded `optimizer`'s state gathered whole onto rank 0's CPU, keyed by parameter index as the
+    one-process `Optimizer.state_dict()` writes it (what `load_full` reads); {} on the other ranks.
+    Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+    if not by_name:
+        return {}
+    index = {n: i for i, (n, _) in enumerate(model.named_parameters())}   # the optimizer's order, tied ones once
+    return {"state": {index[n]: st for n, st in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+
+
 def _aliases(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, str]:
     """{name missing from `weights`: the name of the same parameter that is there} (tied parameters)."""
     out, seen = {}, {}

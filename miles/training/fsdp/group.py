@@ -24,7 +24,7 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.fsdp.buckets import merge_rank_buckets
-from miles.training.ranks import RankGroup, ranks_use_gpus
+from miles.training.ranks import RankGroup, rank_actor_options
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, WeightBucket
@@ -40,13 +40,12 @@ class FSDPTrainer:
                  world_size: int | None = None, namespace: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         from miles.training.fsdp.rank import FSDPRank
 
-        on_gpu = ranks_use_gpus(device)
-        options = [dict(o) for o in rank_options] if rank_options else [{"num_gpus": 1 if on_gpu else 0}] * (world_size or 1)
+        options = rank_actor_options(device, rank_options, world_size)
         self._model_path, self._bucket_bytes = model_path, bucket_bytes
         self._group = RankGroup(FSDPRank, options, model_path, train=train, algorithm=algorithm, rollout=rollout,
                                 device=device, dtype=dtype, namespace=namespace)
         self._buckets: list[list[str]] | None = None
-        log.info("trainer_ready", model=model_path, ranks=len(options), gpus=on_gpu)
+        log.info("trainer_ready", model=model_path, ranks=len(options), gpus=any(o.get("num_gpus") for o in options))
 
     # --- the trainer seam ------------------------------------------------------------------------
     def prepare_rollout(self, samples: list[Sample], rollout_id: int, values: Tensor | None = None) -> Tensor | None:

@@ -36,8 +36,8 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.fsdp.buckets import GatheredWeights
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
-from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, padded_count, rank_rows,
-                                          reshard_all, shard_model, sum_over_ranks)
+from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, join_group,
+                                          padded_count, rank_rows, reshard_all, shard_model, sum_over_ranks)
 from miles.training.microbatch import take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
@@ -65,22 +65,10 @@ class FSDPRank(Trainer):
         """Join the group (all ranks at once), then build the trainer with its model sharded. A process
         whose default group exists already (a program that made it; several one-rank trainers in one
         process, as the FSDP bench interleaves them) uses that group if its rank and size are this
-        rank's, and leaves it to its maker on `dispose`."""
-        import torch.distributed as dist
-
+        rank's, and leaves it to its maker on `dispose` (`sharding.join_group`)."""
         model_path, kwargs = self._init_args
-        device = resolve_device(kwargs["device"])
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)   # Ray shows this rank its own GPU only
-        if dist.is_initialized():
-            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
-                raise RuntimeError(f"this process's torch.distributed group is rank {dist.get_rank()} of "
-                                   f"{dist.get_world_size()}, not rank {self.rank} of {self.world_size}: one group "
-                                   "per process; destroy it first or start this rank in a process of its own")
-        else:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size)
-            self._distributed = True
+        self._distributed = join_group(resolve_device(kwargs["device"]), address, port, rank=self.rank,
+                                       world_size=self.world_size)
         super().__init__(model_path, **kwargs)
         forward = self._forward         # every forward runs inside its model's root (see sharding.Root)
         self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))

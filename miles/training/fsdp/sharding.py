@@ -74,6 +74,27 @@ def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int
     return root
 
 
+def join_group(device: torch.device, address: str, port: int, *, rank: int, world_size: int) -> bool:
+    """Join the ranks' default process group at rank 0's `address`:`port` (all ranks at once): NCCL on
+    `device`'s GPU (Ray shows each rank its own GPU only), gloo on the CPU. True when this call made
+    the group (the caller destroys it); False when the process had one already, of this `rank` and
+    `world_size` (a program that made it, such as the FSDP bench's one-rank trainers sharing one
+    process), which stays its maker's; one of another shape is refused."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise RuntimeError(f"this process's torch.distributed group is rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, not rank {rank} of {world_size}: one group "
+                               "per process; destroy it first or start this rank in a process of its own")
+        return False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}:{port}",
+                            rank=rank, world_size=world_size)
+    return True
+
+
 def all_reduce_sum(t: Tensor) -> None:
     """`t` summed over the ranks in place (nothing to do on one rank)."""
     import torch.distributed as dist
