@@ -30,7 +30,7 @@ _FULLY_ASYNC = f"{NOT_YET}: --machine async overlaps rollout r+1 with training o
 _EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async overlaps them with training)"
 _FT = f"{NOT_YET}: dead or hung engines are restarted by default (--engine-max-restarts, --rollout-health-check-*)"
 _AGENTIC = f"{NOT_YET}: multi-turn tool use is --generate-execute-tool-function-path (docs/agents.md)"
-_ONE_PROCESS = f"{NOT_YET}: --train-backend torch trains in one process"
+_FSDP_RANKS = f"{NOT_YET}: the torch backend's ranks form one FSDP2 group, each a contiguous share of every batch's rows"
 _MEGATRON_ONLY = (f"{NOT_YET}: --train-backend megatron has TP, PP and sequence parallelism (docs/megatron.md), no "
                   "experts or uneven pipeline stages")
 _WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store (CUDA IPC buckets with --colocate)"
@@ -60,8 +60,10 @@ REFUSED: dict[str, str] = {
     "check-weight-update-allow-quant-error": f"tolerance for quantized engines in the weight check; {NOT_YET} "
                                              "(engines hold exact copies here)",
     # -- placement and engines --------------------------------------------------------------------
-    "critic-num-nodes": f"nodes for the critic; {_ONE_PROCESS}",
-    "critic-num-gpus-per-node": f"GPUs per node for the critic; {_ONE_PROCESS}",
+    "critic-num-nodes": f"nodes for the critic; {NOT_YET}: PPO's critic runs on the trainer's GPUs, one rank beside "
+                        "each policy rank (--actor-num-nodes x --actor-num-gpus-per-node): drop it",
+    "critic-num-gpus-per-node": f"GPUs per node for the critic; {NOT_YET}: PPO's critic runs on the trainer's GPUs, "
+                                "one rank beside each policy rank (--actor-num-nodes x --actor-num-gpus-per-node): drop it",
     "prefill-num-servers": f"prefill/decode disaggregation; {NOT_YET}",
     "rollout-external": f"uses SGLang servers started elsewhere; {NOT_YET}",
     "rollout-external-engine-addrs": f"addresses of SGLang servers started elsewhere; {NOT_YET}",
@@ -101,7 +103,8 @@ REFUSED: dict[str, str] = {
     "min-batch-collection-ratio": "parsed but never read by miles: drop it",
     "rollout-task-type": "parsed but never read by miles: drop it",
     # -- training -------------------------------------------------------------------------------------
-    "megatron-to-hf-mode": f"how Megatron weights map to HF names; {_ONE_PROCESS} on HF checkpoints: drop it",
+    "megatron-to-hf-mode": f"how Megatron weights map to HF names; {NOT_YET}: the torch backend trains HF checkpoints "
+                           "as they are and --train-backend megatron converts them itself: drop it",
     "custom-model-provider-path": f"a custom Megatron model provider; {NOT_YET}: the model is "
                                   "AutoModelForCausalLM from --hf-checkpoint",
     "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
@@ -123,7 +126,7 @@ REFUSED: dict[str, str] = {
     "log-probs-max-tokens-per-gpu": f"token budget of the logprob forward; {NOT_YET}: --max-tokens-per-gpu "
                                     "budgets both the logprob and the training forwards",
     "use-dynamic-global-batch-size": f"global batches by tokens; {NOT_YET}",
-    "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_ONE_PROCESS}: drop it",
+    "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "use-opd": f"on-policy distillation from a teacher; {NOT_YET}",
     "opd-type": f"on-policy distillation teacher kind; {NOT_YET}",
@@ -132,7 +135,7 @@ REFUSED: dict[str, str] = {
     "lora-rank": f"LoRA training; {NOT_YET}: the whole model trains",
     "target-modules": f"LoRA target modules; {NOT_YET}: the whole model trains",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
-    "indep-dp": f"one independent cell per data-parallel replica; {_ONE_PROCESS}",
+    "indep-dp": f"one independent cell per data-parallel replica; {_FSDP_RANKS}",
     # -- weight sync and memory --------------------------------------------------------------------
     "update-weight-transfer-mode": f"broadcast, p2p or disk-delta weight sync; {_WEIGHT_SYNC}",
     "p2p-transfer-num-workers": f"RDMA weight-sync workers; {_WEIGHT_SYNC}",
@@ -168,7 +171,7 @@ REFUSED: dict[str, str] = {
     "dumper-enable": f"tensor dumps inside Megatron; {NOT_YET}: --save-debug-train-data dumps the train batches",
     "profile-target": f"torch profiler targets; {NOT_YET}",
     "enable-event-analyzer": f"miles' event analyzer; {NOT_YET}: miles trace show RUN_DIR reads the run's trace",
-    "debug-deterministic-collective": f"deterministic NCCL collectives; {_ONE_PROCESS}",
+    "debug-deterministic-collective": f"deterministic NCCL collectives; {NOT_YET}",
     "ci-inject-rollout-data-path": "replays recorded rollouts with live engines; here "
                                    "--load-debug-rollout-data replays them without engines",
     "ci-save-grad-norm": f"records gradient norms for a CI comparison; {NOT_YET}",
