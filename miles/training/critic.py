@@ -35,6 +35,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder ins
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.shell import OptimizedModel
+from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -90,6 +91,7 @@ def resolve_critic_source(path: str) -> tuple[str, Path | None]:
 
 class Critic(OptimizedModel):
     role, state_file, lr_hint = "critic", STATE_FILE, "--critic-lr"
+    world_size = 1      # critic processes training together (the CPU ranks of one machine share its cores)
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, init_from: str | None = None,
                  device: str = "auto", dtype: str = "auto"):
@@ -103,7 +105,11 @@ class Critic(OptimizedModel):
         self._start_optimizer(self._model)
         if restore is not None:          # the backbone came from the folder already; head, optimizer, steps
             self._load_state(restore)
-        log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device))
+        # on the CPU inside a Ray actor, the cores its process may use (the trainer's rule: miles.training.threads);
+        # the critic and the trainer take turns in the train phase, so each may use them all
+        threads = cpu_threads(self.device, share=self.world_size)
+        log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device),
+                 cpu_threads=threads)
 
     # --- values and training -------------------------------------------------------------------
     @torch.no_grad()
