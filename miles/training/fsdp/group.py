@@ -27,7 +27,7 @@ from miles.training.fsdp.buckets import merge_rank_buckets
 from miles.training.ranks import RankGroup, rank_actor_options
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
-from miles.weights.transport import DEFAULT_BUCKET_BYTES, WeightBucket
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, HostWeights, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer", backend="torch")
 
@@ -75,10 +75,11 @@ class FSDPTrainer:
         self._group.all("release_weight_buckets", index)
 
     def weights(self) -> dict[str, Tensor]:
-        """The whole weights under HF names on the CPU (float32), gathered bucket by bucket."""
+        """The whole weights under HF names on the CPU (float32), gathered bucket by bucket; to the
+        engines as `HostWeights` (numpy bytes, out of band), as the one-process trainer's."""
         if self._buckets is None:
             self._buckets = self._group.all("weight_buckets", self._bucket_bytes)[0]
-        out: dict[str, Tensor] = {}
+        out: dict[str, Tensor] = HostWeights()
         for names in self._buckets:
             out.update(self._group.all("gathered_weights", names)[0])
         return out

@@ -43,7 +43,7 @@ from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
 from miles.weights.hf import model_weights, resolve_device
-from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, WeightBucket
+from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer-rank")
 
@@ -148,9 +148,9 @@ class FSDPRank(Trainer):
     def gathered_weights(self, names: list[str], everywhere: bool = False) -> dict[str, Tensor]:
         """Whole CPU float32 copies of the weights `names` on rank 0 (on every rank with `everywhere`),
         {} on the others; a collective: every rank calls it with the same names. One tensor is whole
-        on the device at a time."""
+        on the device at a time. They cross Ray as `HostWeights` (numpy bytes, out of band)."""
         live = model_weights(self._live())
-        out: dict[str, Tensor] = {}
+        out: dict[str, Tensor] = HostWeights()
         for name in names:
             whole = full_tensor(live[name].detach())
             if everywhere or self.rank == 0:
