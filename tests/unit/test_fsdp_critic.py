@@ -20,8 +20,8 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.weights.hf import model_weights
-from tests.tiny_model import PAD_ID, make_tiny_family, make_tiny_model
-from tests.unit.test_fsdp_ranks import ROLLOUT, free_port
+from tests.tiny_model import PAD_ID, make_tiny_family
+from tests.unit.test_fsdp_ranks import ROLLOUT, free_port, model_path  # noqa: F401 (the module-scoped fixture)
 
 TRAIN = dict(lr=1e-2, micro_batch_size=1, global_batch_size=3, clip_grad=0.5)     # two optimizer steps a rollout
 ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator="ppo", value_clip=0.2)
@@ -65,12 +65,6 @@ def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, ob
               init_from: str | None = None) -> list:
     mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), init_from, script), nprocs=world_size)
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

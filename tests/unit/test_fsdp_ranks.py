@@ -47,6 +47,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_gloo_ranks(target, world_size: int = 2) -> dict[int, str]:
+    """`target(rank, world_size, port, queue)` in `world_size` spawned processes (each puts (rank,
+    "ok" or its traceback) on the queue); {rank: what it put}."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, out)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return results
+
+
 def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]],
                hidden: bool):
     """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes the

@@ -184,17 +184,6 @@ def _sharded_rank(rank: int, world: int, port: int, out) -> None:
 def test_sharded_state_moves_shard_by_shard_and_the_streamed_steps_equal_the_optimizers():
     """FSDP2 on 2 gloo ranks: each rank's optimizer state shards go to its host buffers inside
     DTensors of the same mesh and shape, and streamed steps equal the optimizer's own."""
-    import torch.multiprocessing as mp
+    from tests.unit.test_fsdp_ranks import spawn_gloo_ranks
 
-    from tests.unit.test_fsdp_ranks import free_port
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    assert results == {0: "ok", 1: "ok"}
+    assert spawn_gloo_ranks(_sharded_rank) == {0: "ok", 1: "ok"}

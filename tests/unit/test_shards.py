@@ -100,17 +100,6 @@ def test_on_two_fsdp_ranks_the_norm_and_the_step_equal_the_whole_models():
     """FSDP2 over 2 gloo ranks against an unsharded twin: the global gradient norm (one all-reduce of
     the local squares), the clipped step and AdamW's update on the shards equal the twin's; the
     moments a first step makes are DTensors placed like their parameters."""
-    import torch.multiprocessing as mp
+    from tests.unit.test_fsdp_ranks import spawn_gloo_ranks
 
-    from tests.unit.test_fsdp_ranks import free_port
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    assert results == {0: "ok", 1: "ok"}
+    assert spawn_gloo_ranks(_rank) == {0: "ok", 1: "ok"}
