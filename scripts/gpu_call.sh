@@ -4,7 +4,8 @@
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
 # megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
 # fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"), faults, scale:WORKLOAD
-# (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments). Results that
+# (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
+# SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
 # files make go to $OUT.
 # The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
 #   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
@@ -22,9 +23,10 @@ for step in "$@"; do
     gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
     fsdpbench) timeout ${FSDP_S:-150} python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp.json ${FSDP_ARGS:-} > $OUT/fsdp.log 2>&1; tail -c 3000 $OUT/fsdp.log ;;
     megatron) timeout ${MEGATRON_S:-300} python3 -m pytest tests/gpu/test_megatron_gpu.py -q -p no:cacheprovider --durations=6 2>&1 | tail -20 ;;
-    scale:*) w=${step#scale:}; timeout ${SCALE_S:-330} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${SCALE_ARGS:-} \
+    scale:*) w=${step#scale:}; k=${w//[.-]/_}; sv=SCALE_S_$k; av=SCALE_ARGS_$k   # per workload: SCALE_S_8b_2k, SCALE_ARGS_8b_2k
+        timeout ${!sv:-${SCALE_S:-330}} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${!av:-${SCALE_ARGS:-}} \
         --out /tmp/scale-$w > $OUT/scale-$w.json 2> $OUT/scale-$w.log; echo "rc=$?"; tail -c 2500 $OUT/scale-$w.log; \
-        tail -c 5000 $OUT/scale-$w.json ;;
+        tail -c 5000 $OUT/scale-$w.json; for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
   esac
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
