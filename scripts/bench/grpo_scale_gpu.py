@@ -19,7 +19,7 @@ Printed JSON: the workload, its goal verdicts, then `grpo_step_gpu`'s miles / tr
 
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_scale_gpu.py --workload 1.7b-1k [--miles-iters 4] [--out DIR]
-      [--miles-flags "..."] [--skip-trl] [--side-timeout-s 550]
+      [--miles-flags "..."] [--no-recompute] [--skip-trl] [--side-timeout-s 550]
 A CPU smoke test of the script only: --workload smoke --device cpu --model FOLDER --skip-trl.
 """
 
@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first warms up)")
     p.add_argument("--miles-flags", default=None, help="replace the workload's miles flags")
     p.add_argument("--side-timeout-s", type=float, default=550.0, help="wall-clock bound of each side")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="train without --recompute-activations (and so packed: see the packing section of the docs)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", type=Path, default=None, help="use this HF folder instead of building the shape")
@@ -117,6 +119,8 @@ def main() -> None:
     s = parse_args()
     family, size, prompts, samples, new_tokens, micro, with_trl, extra = WORKLOADS[s.workload]
     flags = s.miles_flags if s.miles_flags is not None else f"{BASE_FLAGS} {extra}"
+    if s.no_recompute:
+        flags = " ".join(f for f in flags.split() if f != "--recompute-activations")
     a = step.parse_args(["--prompts", str(prompts), "--samples", str(samples), "--new-tokens", str(new_tokens),
                          "--micro-batch", str(micro), "--global-batch", str(prompts * samples),
                          "--miles-iters", str(s.miles_iters), "--trl-steps", str(s.trl_steps),
