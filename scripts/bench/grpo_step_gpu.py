@@ -221,23 +221,44 @@ class MemorySampler:
         return max(vals) if vals else None
 
 
+class _Stopped(Exception):
+    """SIGTERM reached this script (an outer `timeout`): end the running side as if its bound had passed."""
+
+
+_stopped: list[int] = []         # the signal, once one came: later sides do not start
+
+
+def _on_sigterm(signum, frame) -> None:
+    _stopped.append(signum)
+    raise _Stopped()
+
+
 def run_bounded(cmd: list[str], *, timeout_s: float, log: Path, env: dict | None = None) -> dict:
-    """Run `cmd` (its own process group) with output to `log`; past the timeout, SIGTERM the group,
-    then SIGKILL it 60 s later. Returns the exit status, wall time and whether it timed out."""
+    """Run `cmd` (its own process group) with output to `log`; past the timeout, or when this script
+    gets SIGTERM, SIGTERM the group, then SIGKILL it 60 s later (a group of its own does not get the
+    outer `timeout`'s signal: without this a killed bench left its miles run holding the GPU).
+    Returns the exit status, wall time and whether it timed out (or was stopped)."""
+    if _stopped:
+        return {"rc": None, "wall_s": 0.0, "timed_out": True, "stopped": "SIGTERM before it started", "log": str(log)}
+    signal.signal(signal.SIGTERM, _on_sigterm)
     t0 = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc, timed_out = proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, _Stopped):
             timed_out = True
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second signal must not cut the clean-up short
             os.killpg(proc.pid, signal.SIGTERM)       # miles tears down on SIGTERM; TRL just exits
             try:
                 rc = proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc = proc.wait()
-    return {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "timed_out": timed_out, "log": str(log)}
+    out = {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "timed_out": timed_out, "log": str(log)}
+    if _stopped:
+        out["stopped"] = "SIGTERM"
+    return out
 
 
 def tail(path: str, n: int = 30) -> str:
