@@ -26,7 +26,8 @@ for step in "$@"; do
     scale:*) w=${step#scale:}; k=${w//[.-]/_}; sv=SCALE_S_$k; av=SCALE_ARGS_$k   # per workload: SCALE_S_8b_2k, SCALE_ARGS_8b_2k
         timeout ${!sv:-${SCALE_S:-330}} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${!av:-${SCALE_ARGS:-}} \
         --out /tmp/scale-$w > $OUT/scale-$w.json 2> $OUT/scale-$w.log; echo "rc=$?"; tail -c 2500 $OUT/scale-$w.log; \
-        tail -c 5000 $OUT/scale-$w.json; for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done ;;
+        tail -c 5000 $OUT/scale-$w.json; for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done; \
+        [ -f /tmp/scale-$w/miles-run/trace.jsonl ] && gzip -c /tmp/scale-$w/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
   esac
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
