@@ -2,8 +2,11 @@
 
 What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
 run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
-step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the optimizer
-state and step count on disk, the optimizer state's move to host memory while a colocated engine
+step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the
+micro-batches of a global batch (--micro-batch-size rows, or with --use-dynamic-batch-size token-budget
+groups of at most --max-tokens-per-gpu tokens, packed into one row when the model packs; on CUDA without
+--max-tokens-per-gpu a budget planned from the free memory: `miles.training.microbatch`,
+`miles.training.memory_plan`), the optimizer state and step count on disk, the optimizer state's move to host memory while a colocated engine
 needs the GPU (`offload`, --offload-train; from then on each step streams it through the GPU a chunk
 at a time: `miles.training.offload`), and the disposal. What a model computes (policy loss, value loss) and
 what else it saves are the subclass's.
@@ -20,6 +23,10 @@ import torch
 from torch import nn
 
 from miles.config import TrainConfig
+from miles.training.batch import TrainBatch
+from miles.training.memory_plan import cuda_token_budget
+from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.packing import computed_tokens
 from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
 from miles.training.shards import clip_grad_norm, step_shards
@@ -40,6 +47,9 @@ class OptimizedModel:
     def __init__(self, *, train: TrainConfig, device: str, dtype: str):
         seed_everything(train.seed)
         self.device = resolve_device(device)
+        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and self.device.type != "cuda":
+            raise ValueError(f"--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (the {self.role} is on "
+                             f"{self.device.type}; on CUDA the budget is planned from the free memory)")
         self.compute_dtype = resolve_dtype(dtype, self.device)
         self._train_cfg = train
         self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
@@ -48,6 +58,9 @@ class OptimizedModel:
         self._optimizer: torch.optim.Optimizer | None = None
         self._num_steps = 0
         self._host: HostOffload | None = None       # made at the first offload
+        self._packed = False         # token-budget micro-batches run packed (the subclass decides: use_packing)
+        self._computed = [0, 0]      # positions the forwards computed, real tokens among them (a train call)
+        self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
 
     def _start_optimizer(self, model: nn.Module) -> None:
         t = self._train_cfg
@@ -82,6 +95,47 @@ class OptimizedModel:
         self._optimizer.zero_grad(set_to_none=True)
         self._num_steps += 1
         return grad_norm
+
+    # --- micro-batches -----------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
+        """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows
+        (or `micro_batch_size`), or token-budget groups with --use-dynamic-batch-size."""
+        for rows in self._plan_groups(batch, list(range(batch.size)), micro_batch_size):
+            yield torch.as_tensor(rows, device=batch.tokens.device), self._take(batch, rows)
+
+    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None = None) -> list[list[int]]:
+        """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
+        real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
+        t = self._train_cfg
+        if not rows:
+            return []
+        planned = self._plan_memory(batch) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
+        groups = plan_micro_batches(batch.attention_mask[rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
+                                    max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
+                                    else None, packed=self._packed,
+                                    memory_tokens=None if t.use_dynamic_batch_size else planned)
+        return [[rows[i] for i in g] for g in groups]
+
+    def _take(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
+        """The micro-batch of `rows`, counted in tokens_computed_per_real."""
+        mb = take_rows(batch, rows)
+        self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
+        self._computed[1] += int(mb.attention_mask.sum())
+        return mb
+
+    def _memory_plan_args(self) -> dict:
+        """What `cuda_token_budget` sizes a step by: the model whose config gives the activations
+        (`model`), whether the forward makes [T, V] logits (`logits`) and the rows of a logprob chunk
+        (`chunk_rows`; 0: none). The subclass's forward decides."""
+        raise NotImplementedError
+
+    def _plan_memory(self, batch: TrainBatch) -> int:
+        """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
+        self._memory_budget = cuda_token_budget(
+            optimizer=self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
+            recompute=self._train_cfg.recompute_activations, min_tokens=int(batch.attention_mask.sum(dim=1).max()),
+            streamed=self._host is not None, **self._memory_plan_args())
+        return self._memory_budget
 
     def _save_optimizer(self, path: Path, *, optimizer: bool = True, state: dict | None = None) -> None:
         """The step count, and the optimizer state unless `optimizer` is False (--no-save-optim: a

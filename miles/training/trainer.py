@@ -58,9 +58,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
-from miles.training.memory_plan import cuda_token_budget
-from miles.training.microbatch import plan_micro_batches, take_rows
-from miles.training.packing import computed_tokens, use_packing
+from miles.training.packing import use_packing
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective
@@ -105,9 +103,6 @@ class Trainer(OptimizedModel):
         compute as they did. `skip_old_logprobs` (no no-grad pass when it equals the step's own, which
         holds on every device: the model runs in eval mode, no dropout): None = yes."""
         super().__init__(train=train, device=device, dtype=dtype)
-        if train.use_dynamic_batch_size and train.max_tokens_per_gpu is None and self.device.type != "cuda":
-            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (on CUDA the budget is "
-                             "planned from the free memory)")
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
@@ -122,9 +117,7 @@ class Trainer(OptimizedModel):
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
                                                    chunk_rows=train.log_probs_chunk_size, packed=self._packed)
-        self._computed = [0, 0]   # positions the forwards computed, real tokens among them (this train call)
         self._logits_path = not forward_name.startswith("hidden")
-        self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass)
         threads = cpu_threads(self.device, share=self.world_size)
@@ -225,40 +218,9 @@ class Trainer(OptimizedModel):
         return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
-        """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows,
-        or token-budget groups with --use-dynamic-batch-size."""
-        for rows in self._plan_groups(batch, list(range(batch.size)), micro_batch_size):
-            yield torch.as_tensor(rows, device=batch.tokens.device), self._take(batch, rows)
-
-    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None) -> list[list[int]]:
-        """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
-        real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
-        t = self._train_cfg
-        if not rows:
-            return []
-        planned = self._plan_memory(batch) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
-        groups = plan_micro_batches(batch.attention_mask[rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
-                                    max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
-                                    else None, packed=self._packed,
-                                    memory_tokens=None if t.use_dynamic_batch_size else planned)
-        return [[rows[i] for i in g] for g in groups]
-
-    def _take(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
-        """The micro-batch of `rows`, counted in tokens_computed_per_real."""
-        mb = take_rows(batch, rows)
-        self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
-        self._computed[1] += int(mb.attention_mask.sum())
-        return mb
-
-    def _plan_memory(self, batch: TrainBatch) -> int:
-        """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
-        self._memory_budget = cuda_token_budget(
-            self._model, self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
-            recompute=self._train_cfg.recompute_activations, logits=self._logits_path,
-            chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS,
-            min_tokens=int(batch.attention_mask.sum(dim=1).max()), streamed=self._host is not None)
-        return self._memory_budget
+    def _memory_plan_args(self) -> dict:
+        return dict(model=self._model, logits=self._logits_path,
+                    chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS)
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:

@@ -48,7 +48,21 @@ from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeig
 log = structlog.get_logger().bind(role="trainer-rank")
 
 
-class FSDPRank(Trainer):
+class RankMicroBatches:
+    """The micro-batches of one data-parallel rank, for the policy's rank and the critic's (both
+    `OptimizedModel`s, whose `_plan_groups` and `_take` plan them; `rank`, `world_size` set)."""
+
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
+        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
+        empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
+        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size)
+        groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
+        for rows in groups:
+            mb = self._take(batch, rows) if rows else take_rows(batch, [0])
+            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), mb
+
+
+class FSDPRank(RankMicroBatches, Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
                  hidden_forward: bool | None = None):
@@ -97,15 +111,6 @@ class FSDPRank(Trainer):
         return contextlib.nullcontext()
 
     # --- data parallel ---------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
-        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
-        empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
-        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size)
-        groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
-        for rows in groups:
-            mb = self._take(batch, rows) if rows else take_rows(batch, [0])
-            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), mb
-
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                              record: Tensor | None = None) -> dict[str, float]:
         """The one-rank trainer's, over this rank's rows; terms and `record` summed over the ranks."""
