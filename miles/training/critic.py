@@ -11,6 +11,10 @@ One rollout, as the train phase drives it (critic first, as miles does):
     critic.train(samples, values, returns, rid)                   # 0.5 (V - R)^2, value-clipped around `values`
     trainer.train(samples, rid)                                   # skipped for --num-critic-only-steps rollouts
 
+Its micro-batches are the policy's (the shell's plan): --micro-batch-size rows, or token-budget groups
+with --use-dynamic-batch-size (packed into one row when the backbone packs); each micro-batch's value
+loss is divided by the global batch's tokens, so the gradient does not depend on the split.
+
 Where the critic starts (`init_from`, --critic-load): an HF causal-LM folder (default: the policy's
 --hf-checkpoint) gets a new zero-initialised head, so every first value is 0; a folder written by
 `Critic.save` restores backbone, head, optimizer and step count; a checkpoint root (CheckpointStore)
@@ -34,6 +38,7 @@ from miles.algorithms import masked_mean, token_mean, value_loss
 from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder inside a checkpoint
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
+from miles.training.packing import Pack, use_packing
 from miles.training.shell import OptimizedModel
 from miles.training.threads import cpu_threads
 from miles.types import Sample
@@ -65,10 +70,18 @@ class ValueModel(nn.Module):
         """The backbone's decoder (as on an HF causal LM): FSDP shards its layers one unit each."""
         return self.lm.get_decoder()
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, T] values, aligned to tokens: out[:, t] from the hidden state at t - 1, out[:, 0] = 0."""
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.value_head(hidden).squeeze(-1).float()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, packed: bool = False) -> Tensor:
+        """[B, T] values, aligned to tokens: out[:, t] from the hidden state at t - 1, out[:, 0] = 0.
+        `packed`: the right-padded rows' real tokens run as one row (`miles.training.packing`; the
+        backbone's attention switched by `enable_packing`), the values come back in the rows' layout."""
+        if packed:
+            pack = Pack.of(attention_mask)
+            hidden = self.lm.base_model(input_ids=pack.pack(input_ids), use_cache=False,
+                                        **pack.model_kwargs()).last_hidden_state
+            v = pack.unpack(self.value_head(hidden).squeeze(-1).float())
+        else:
+            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            v = self.value_head(hidden).squeeze(-1).float()
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
@@ -103,13 +116,16 @@ class Critic(OptimizedModel):
         self._tokenizer = tokenizer = load_tokenizer(backbone)
         self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         self._start_optimizer(self._model)
+        # the policy's micro-batching (the shell's): with --use-dynamic-batch-size token-budget groups, packed
+        # into one row when the backbone can pack
+        self._packed = use_packing(train, self._model.lm, device=self.device)
         if restore is not None:          # the backbone came from the folder already; head, optimizer, steps
             self._load_state(restore)
         # on the CPU inside a Ray actor, the cores its process may use (the trainer's rule: miles.training.threads);
         # the critic and the trainer take turns in the train phase, so each may use them all
         threads = cpu_threads(self.device, share=self.world_size)
         log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device),
-                 cpu_threads=threads)
+                 cpu_threads=threads, packed=self._packed)
 
     # --- values and training -------------------------------------------------------------------
     @torch.no_grad()
@@ -117,10 +133,8 @@ class Critic(OptimizedModel):
         """[B, T] float32 CPU values of the packed samples (`make_train_batch` layout), 0 off the response."""
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        start = 0
-        for mb in split(batch, self._train_cfg.micro_batch_size):
-            out[start:start + mb.size, :mb.tokens.shape[1]] = self._forward(mb)
-            start += mb.size
+        for rows, mb in self._micro_batches(batch):
+            out[rows, :mb.tokens.shape[1]] = self._forward(mb)
         return torch.where(batch.loss_mask, out, torch.zeros((), device=self.device)).cpu()
 
     def train(self, samples: list[Sample], values: Tensor, returns: Tensor, rollout_id: int) -> dict[str, float]:
@@ -132,13 +146,17 @@ class Critic(OptimizedModel):
             raise ValueError(f"values {tuple(values.shape)} / returns {tuple(returns.shape)} do not match the packed "
                              f"samples {tuple(batch.tokens.shape)}")
         batch = replace(batch, values=values.float(), returns=returns.float()).to(self.device)
+        self._computed = [0, 0]
         size = self._train_cfg.global_batch(batch.size)
         steps = [self._step(gb) for gb in split(batch, size)]
         metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         mask = batch.loss_mask
         metrics.update({"critic/values_mean": float(masked_mean(batch.values, mask)),
                         "critic/returns_mean": float(masked_mean(batch.returns, mask)),
-                        "critic/num_steps": float(len(steps))})
+                        "critic/num_steps": float(len(steps)),
+                        "critic/tokens_computed_per_real": self._computed[0] / max(self._computed[1], 1)})
+        if self._memory_budget is not None:
+            metrics["critic/memory_token_budget"] = float(self._memory_budget)
         log.info("critic_train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
         return metrics
 
@@ -150,14 +168,17 @@ class Critic(OptimizedModel):
         return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
 
     def _accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
-        """The global batch's value-loss gradients, micro-batch by micro-batch; its loss terms."""
+        """The global batch's value-loss gradients, micro-batch by micro-batch (the policy's: --micro-batch-size
+        rows or token-budget groups); its loss terms and `micro_batches`, how many there were. Every
+        micro-batch term is divided by the global batch's tokens, so the gradient is the same for any split."""
         normalizer = max(batch.num_tokens, 1)
         sums: dict[str, float] = defaultdict(float)
-        for mb in split(batch, self._train_cfg.micro_batch_size):
+        for _, mb in self._micro_batches(batch):
             loss, terms = self._micro_loss(mb, normalizer)
             loss.backward()
             for k, v in terms.items():
                 sums[k] += v
+            sums["micro_batches"] += 1
         return dict(sums)
 
     def _micro_loss(self, mb: TrainBatch, normalizer: int) -> tuple[Tensor, dict[str, float]]:
@@ -171,7 +192,11 @@ class Critic(OptimizedModel):
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         with self._autocast():
-            return self._model(mb.tokens, mb.attention_mask)
+            return self._model(mb.tokens, mb.attention_mask, self._packed)
+
+    def _memory_plan_args(self) -> dict:
+        """The backbone's activations; no [T, V] logits (values read the last hidden state)."""
+        return dict(model=self._live().lm, logits=False, chunk_rows=0)
 
     # --- state -----------------------------------------------------------------------------------
     def save(self, path: str | Path, *, optimizer: bool = True) -> None:

@@ -29,8 +29,8 @@ METRICS = ("value_loss", "value_clip_frac", "grad_norm", "values_mean", "returns
 SHAPE = tuple(make_train_batch(ROLLOUT, PAD_ID).tokens.shape)
 
 
-def configs() -> dict:
-    return dict(train=TrainConfig(**TRAIN), algorithm=AlgorithmConfig(**ALGO), device="cpu")
+def configs(**train) -> dict:
+    return dict(train=TrainConfig(**{**TRAIN, **train}), algorithm=AlgorithmConfig(**ALGO), device="cpu")
 
 
 def returns(rollout_id: int) -> torch.Tensor:
@@ -46,14 +46,14 @@ def rollout(critic, rollout_id: int, whole) -> tuple[torch.Tensor, dict, dict]:
 
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, init_from: str | None,
-               script: list[tuple[str, object]]):
+               script: list[tuple[str, object]], train: dict):
     """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes what
     each train returned to out/rank_<r>.pt."""
     torch.set_num_threads(1)
     from miles.training.fsdp.critic_rank import FSDPCriticRank
     from miles.training.fsdp.sharding import full_tensor
 
-    c = FSDPCriticRank(model, rank=rank, world_size=world_size, init_from=init_from, **configs())
+    c = FSDPCriticRank(model, rank=rank, world_size=world_size, init_from=init_from, **configs(**train))
     c.setup("127.0.0.1", port)
     results = [rollout(c, arg, full_tensor) if action == "train" else getattr(c, action)(arg)
                for action, arg in script]
@@ -62,8 +62,10 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, init
 
 
 def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]],
-              init_from: str | None = None) -> list:
-    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), init_from, script), nprocs=world_size)
+              init_from: str | None = None, train: dict | None = None) -> list:
+    """`train`: TrainConfig fields over TRAIN's."""
+    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), init_from, script, train or {}),
+             nprocs=world_size)
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -103,6 +105,7 @@ def assert_same(got: list, want: list) -> None:
 
 def test_two_ranks_take_the_one_process_critic_steps_and_resume_its_checkpoint(one_rank, two_ranks):
     ranks, _ = two_ranks
+    assert all(m["critic/micro_batches"] == 3 for _, m, _ in one_rank[0])   # --micro-batch-size 1: a row each
     for got in ranks:   # every rank reports the same values and metrics and holds the same whole weights
         assert_same(got, one_rank[0][:2])       # rollout 1 after loading the one-process checkpoint
     assert ranks[0][0][2]["lm.model.embed_tokens.weight"].shape == (32, 32)   # gathered whole, not a shard
@@ -144,6 +147,38 @@ def test_an_untied_lm_head_is_frozen_and_the_two_rank_checkpoint_resumes_on_one(
     resumed = Critic(path, **configs())
     resumed.load(tmp_path / "ck")
     assert_same([rollout(resumed, 1, lambda t: t)], one[1:])
+
+
+# --use-dynamic-batch-size with a budget of 11 tokens; the rows' real tokens are [8, 3, 11] in the first
+# global batch and [3, 5, 5] in the second (SHAPE's 11 columns). Fixed micro-batches of 1 row take 3 a step.
+DYNAMIC = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=11)
+
+
+@pytest.mark.parametrize("packed,per_step", [
+    # packed, real tokens <= 11: {11}, {8, 3} and {5, 5}, {3}: 2 micro-batches a step
+    (True, 2.0),
+    # padded, rows x longest <= 11: {11}, {8}, {3} and {5, 5}, {3}: 3 and 2
+    (False, 2.5),
+])
+def test_a_critic_with_dynamic_batches_takes_the_fixed_micro_batch_steps(one_rank, model_path, packed, per_step):
+    c = Critic(model_path, **configs(**DYNAMIC, pack_sequences=packed))
+    assert c._packed is packed
+    got = [rollout(c, r, lambda t: t) for r in (0, 1)]
+    assert_same(got, one_rank[0][:2])         # values, loss terms, gradient norm, updated weights
+    for _, metrics, _ in got:
+        assert metrics["critic/micro_batches"] == per_step
+
+
+def test_two_critic_ranks_with_dynamic_batches_take_the_fixed_micro_batch_steps(one_rank, model_path, tmp_path):
+    # rank 0 runs rows {8, 3} and {3, 5}, rank 1 {11} and {5}: one packed micro-batch each, 2 a step in all
+    for got in run_ranks(2, model_path, tmp_path, [("train", 0), ("train", 1)], train=DYNAMIC):
+        assert_same(got, one_rank[0][:2])
+        assert [m["critic/micro_batches"] for _, m, _ in got] == [2.0, 2.0]
+
+
+def test_a_critic_with_dynamic_batches_off_cuda_needs_a_token_budget(model_path):
+    with pytest.raises(ValueError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA"):
+        Critic(model_path, **configs(use_dynamic_batch_size=True))
 
 
 @pytest.mark.extended

@@ -3,8 +3,9 @@
 
 Every rank receives the whole rollout, its old values and its returns, and packs the same [B, T]
 batch, so each computes the global batch's token count (the loss's normalizer) itself. A rank runs
-only its contiguous share of each global batch's rows (`rank_rows`), in micro-batches of
---micro-batch-size rows, padded to the same count on every rank (an empty micro-batch runs row 0 for
+only its contiguous share of each global batch's rows (`rank_rows`), in the policy's micro-batches
+(--micro-batch-size rows, or token-budget groups with --use-dynamic-batch-size: `RankMicroBatches`,
+the shell's plan), padded to the same count on every rank (an empty micro-batch runs row 0 for
 the collectives and contributes nothing); FSDP sums the gradients over the ranks, so the step is
 the one-process step. The values and the loss terms are summed over the ranks: every rank answers
 the same. The step goes through the shell (`OptimizedModel._optimizer_step`), which clips and steps
@@ -38,9 +39,9 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.training.fsdp.checkpoint import load_full, whole_optimizer_state
-from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, join_group, padded_count,
-                                          rank_rows, reshard_all, shard_model, sum_over_ranks)
-from miles.training.microbatch import take_rows
+from miles.training.fsdp.rank import RankMicroBatches
+from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, join_group, reshard_all,
+                                          shard_model, sum_over_ranks)
 from miles.training.shell import OPTIMIZER_FILE
 from miles.types import Sample
 from miles.weights.hf import load_causal_lm, model_weights, resolve_device
@@ -48,7 +49,7 @@ from miles.weights.hf import load_causal_lm, model_weights, resolve_device
 log = structlog.get_logger().bind(role="critic-rank")
 
 
-class FSDPCriticRank(Critic):
+class FSDPCriticRank(RankMicroBatches, Critic):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rank: int, world_size: int,
                  init_from: str | None = None, device: str = "auto", dtype: str = "auto"):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model."""
@@ -78,18 +79,9 @@ class FSDPCriticRank(Critic):
     def _forward(self, mb: TrainBatch) -> Tensor:
         """Inside the FSDP root, so the root unit's parameters (embeddings, norm, head) are gathered."""
         with self._autocast():
-            return self._root(lambda model: model(mb.tokens, mb.attention_mask))
+            return self._root(lambda model: model(mb.tokens, mb.attention_mask, self._packed))
 
     # --- data parallel ---------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch):
-        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
-        empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
-        mine, size = rank_rows(batch.size, self.rank, self.world_size), self._train_cfg.micro_batch_size
-        groups = [mine[i:i + size] for i in range(0, len(mine), size)]
-        groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
-        for rows in groups:
-            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), take_rows(batch, rows or [0])
-
     @torch.no_grad()
     def values(self, samples: list[Sample]) -> Tensor:
         """The one-process critic's values: each rank computes its rows, the rows summed over the ranks."""
@@ -118,6 +110,7 @@ class FSDPCriticRank(Critic):
             (loss if real else loss * 0.0).backward()
             for k, v in terms.items():
                 sums[k] += v if real else 0.0
+            sums["micro_batches"] += float(real)
         return sum_over_ranks(dict(sums), self.device)
 
     # --- checkpoint ----------------------------------------------------------------------------------
