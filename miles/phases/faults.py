@@ -10,6 +10,7 @@ by the phase would overwrite the corruption). Kinds:
     kill_trainer    SIGKILL the trainer's worker process (unrecoverable: the run fails)
     kill_trainer_rank  SIGKILL the last rank's process of a trainer on several ranks (the others may
                     wait for it in a collective: the run fails, and the ranks are killed at teardown)
+    kill_critic_rank  the same for PPO's critic on several ranks (its ranks: `critic-rank-<r>`)
     sigint/sigterm  the driver sends itself the signal (the CLI drains, then exits 130/143)
     teardown_raise  register a teardown that raises
     teardown_hang   register a teardown that hangs past a 0.2 s timeout, with no force
@@ -43,7 +44,7 @@ from miles.runtime.machine import STATES
 from miles.runtime.procs import pid_running
 from miles.runtime.threads import in_daemon_thread
 
-FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "kill_trainer_rank", "sigint", "sigterm", "teardown_raise", "teardown_hang",
+FAULT_KINDS = ("raise", "kill_engine", "kill_trainer", "kill_trainer_rank", "kill_critic_rank", "sigint", "sigterm", "teardown_raise", "teardown_hang",
                "hang", "hang_thread", "hang_ray", "hang_trainer", "hang_blocking", "corrupt_weights", "hang_engine")
 AFTER_PHASE = ("corrupt_weights",)     # kinds that fire when the phase ends (in init, every kind does)
 TEARDOWN_HANG_TIMEOUT_S = 0.2          # the hang is the point, not its length: each one costs a run this much
@@ -108,8 +109,8 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
             return
         os.kill(actor.pid, signal.SIGKILL)
         await asyncio.sleep(0.5)       # let Ray notice before the phase uses the actor
-    elif f.kind == "kill_trainer_rank":
-        await _kill_last_rank(ctx, f)
+    elif f.kind in ("kill_trainer_rank", "kill_critic_rank"):
+        await _kill_last_rank(ctx, f, "trainer" if f.kind == "kill_trainer_rank" else "critic")
     elif f.kind == "hang_engine":
         engine = ctx.c.engines[0]
         if engine.pid is None or not pid_running(engine.pid):
@@ -139,23 +140,25 @@ async def _fire(ctx: Any, f: FaultSpec) -> None:
         await engine.handle.update_weights.remote(corrupted, await engine.handle.weight_version.remote())
 
 
-async def _kill_last_rank(ctx: Any, f: FaultSpec) -> None:
-    """SIGKILL the highest rank's process; the trace names every rank's pid (`trainer_rank_pids`)."""
+async def _kill_last_rank(ctx: Any, f: FaultSpec, role: str) -> None:
+    """SIGKILL the highest rank's process of the `role` ("trainer" or "critic"); the trace names every
+    rank's pid (`trainer_rank_pids` / `critic_rank_pids`)."""
     import ray
 
-    from miles.training.ranks import RANK_ACTOR_PREFIX
+    from miles.training.ranks import CRITIC_RANK_ACTOR_PREFIX, RANK_ACTOR_PREFIX
 
+    prefix = RANK_ACTOR_PREFIX if role == "trainer" else CRITIC_RANK_ACTOR_PREFIX
     namespace = ctx.c.cluster.namespace
     names = sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a.get("namespace") == namespace and a["name"].startswith(RANK_ACTOR_PREFIX)),
-                   key=lambda n: int(n.removeprefix(RANK_ACTOR_PREFIX)))
+                    if a.get("namespace") == namespace and a["name"].startswith(prefix)),
+                   key=lambda n: int(n.removeprefix(prefix)))
     if len(names) < 2:
-        ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason="the trainer does not run on several ranks")
+        ctx.tracer.emit("fault_skipped", state=f.state, kind=f.kind, reason=f"the {role} does not run on several ranks")
         return
     pids = {n: await ray.get_actor(n, namespace=namespace).__ray_call__.remote(_pid) for n in names}
-    ctx.tracer.emit("trainer_rank_pids", pids=pids)
+    ctx.tracer.emit(f"{role}_rank_pids", pids=pids)
     os.kill(pids[names[-1]], signal.SIGKILL)
-    await asyncio.sleep(0.5)       # let Ray notice before the phase uses the trainer
+    await asyncio.sleep(0.5)       # let Ray notice before the phase uses the ranks
 
 
 def _pid(_actor: Any) -> int:

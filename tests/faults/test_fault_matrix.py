@@ -298,3 +298,26 @@ def test_a_trainer_rank_killed_in_train_ends_the_run_and_leaves_no_rank(ray_clus
     disposed = {e.get("resource"): e for e in trace.of("disposed")}
     assert disposed["trainer"].get("outcome") == "ok"       # killed at once, not after a dispose timeout
     assert disposed["trainer"].get("duration_s") < 10
+
+
+@pytest.mark.extended      # 2 policy and 2 critic ranks starting: beyond CI's budget
+def test_a_critic_rank_killed_in_train_ends_the_run_and_leaves_no_rank(ray_cluster, tiny_task, tmp_path):
+    # PPO with the policy and the critic each on 2 CPU ranks (FSDP2 over gloo); critic rank 1 dies as
+    # the train phase starts, whose first call is the critic's values: the call fails at once, and
+    # teardown kills critic rank 0 and the policy's ranks
+    ppo = ["--actor-num-gpus-per-node", "2", "--advantage-estimator", "ppo", "--critic-lr", "1e-2"]
+    raised = run_in_process(tiny_task, tmp_path, ["train:kill_critic_rank"], extra=ppo)
+    assert "ActorDiedError" in f"{type(raised).__name__} {raised}"
+    trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="ActorDiedError", ckpt=tmp_path / "ckpt")
+    assert trace.of("trainer_rank_pids") == [] and trace.of("fault_skipped") == []
+    ranks, = trace.of("critic_rank_pids")
+    pids = ranks.get("pids")
+    assert sorted(pids) == ["critic-rank-0", "critic-rank-1"]
+    deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
+    while any(pid_running(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [n for n, p in pids.items() if pid_running(p)] == []
+    disposed = {e.get("resource"): e for e in trace.of("disposed")}
+    assert {"critic", "trainer"} <= disposed.keys()
+    assert disposed["critic"].get("outcome") == "ok"        # killed at once, not after a dispose timeout
+    assert disposed["critic"].get("duration_s") < 10
