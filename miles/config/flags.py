@@ -222,7 +222,8 @@ FLAGS: tuple[Flag, ...] = (
        ("exponential", "linear", "cosine", "minus_sqrt")),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
     _f("use-dynamic-batch-size", "train", "use_dynamic_batch_size", kind="true",
-       help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples"),
+       help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples (the "
+            "policy's and PPO's critic's)"),
     _f("max-tokens-per-gpu", "train", "max_tokens_per_gpu", int,
        "token budget of a micro-batch with --use-dynamic-batch-size: its real tokens, packed end to end into one "
        "row with per-sample attention (rows x longest row with --no-pack-sequences). Not given, on CUDA: "
