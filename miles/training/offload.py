@@ -16,6 +16,12 @@ is element-wise, so a chunk's update does not depend on the others), and a round
 machine without CUDA the same code runs with host "device" tensors: the copies still happen, which is
 what the CPU tests check.
 
+A load while offloaded (a resume: miles.phases.init offloads first) ends with the state in the host
+buffers whichever way it came: `load_state_dict` here fills them directly (the one-process file), and
+any `optimizer.load_state_dict` (torch's, which DCP's sharded and whole-file loads under FSDP call)
+is followed by a hook that copies what it put on the device into them, so the first rollout after a
+resume has the GPU memory.
+
 Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
 fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
 `nn.Parameter` objects (only `.data` moves), so the optimizer's references stay valid.
@@ -57,6 +63,9 @@ class HostOffload:
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
         self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
+        # every `optimizer.load_state_dict` (torch's, and DCP's `set_optimizer_state_dict` of the sharded
+        # and whole-file loads under FSDP) puts the state on the parameters' device: rehosted right after
+        self._load_hook = optimizer.register_load_state_dict_post_hook(self._rehost_loaded)
 
     # --- the optimizer state ----------------------------------------------------------------------
     @staticmethod
@@ -75,6 +84,17 @@ class HostOffload:
             host = self._buffer((id(param), name), shard)
             host.copy_(shard, non_blocking=shard.is_cuda)
             state[name] = around(value, host)
+
+    def _rehost_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a load while offloaded: the state the load put on the device into the host buffers, so
+        the rollout that follows has the GPU memory (`offload()` would return early: offloaded already).
+        What the load held on the device goes back to CUDA once the loader drops it (DCP's loads keep
+        it until they return): the next `offload()` empties the cache again."""
+        if not self.offloaded:
+            return                # not handed off: the next streamed step moves the state to the host
+        for param, state in optimizer.state.items():
+            self._to_host(param, state)
+        self._settle()
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
         host = self._host.get(key)
@@ -144,6 +164,7 @@ class HostOffload:
         trainer state in host memory now, off the GPU while the engines run (the state moves only the
         first time: afterwards it is there already). Idempotent."""
         if self.offloaded:
+            self._settle()        # what a load held on the device while offloaded (`_rehost_loaded`) back to CUDA
             return 0
         if self._model is not None:
             for p in self._model.parameters():
@@ -187,6 +208,7 @@ class HostOffload:
     def dispose(self) -> None:
         """Drop the host buffers that nothing holds any more (the optimizer's state stays with it: the
         optimizer is the trainer's, which drops both)."""
+        self._load_hook.remove()
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
 
