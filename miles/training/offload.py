@@ -6,15 +6,22 @@ buffers, and returns the freed blocks to CUDA (`empty_cache`), so that another p
 can allocate them. `onload()` brings the parameters back; the optimizer state stays on the host
 from the first offload on, and `step()` streams it through the device a chunk of parameters at a
 time (`chunk_bytes` of float32 parameters: their moments copied in, the optimizer's own update run
-on just those parameters, the moments copied back). The bytes crossing the bus per iteration are
+on just those parameters, the moments copied back; on CUDA the next chunk's copy in and the last
+one's copy out run on side streams beside the update). The bytes crossing the bus per iteration are
 the same as bringing the whole state back for the step and sending it out again, but the device
-never holds more than one chunk of it: an 8B model's 64 GB of moments need not fit beside its 32 GB
+never holds more than two chunks of it: an 8B model's 64 GB of moments need not fit beside its 32 GB
 of float32 weights, 32 GB of gradients and a colocated engine.
 
 Values are bit-for-bit the same: the update is the optimizer's own `step()` over each chunk (AdamW
 is element-wise, so a chunk's update does not depend on the others), and a round trip copies. On a
 machine without CUDA the same code runs with host "device" tensors: the copies still happen, which is
 what the CPU tests check.
+
+A load while offloaded (a resume: miles.phases.init offloads first) ends with the state in the host
+buffers whichever way it came: `load_state_dict` here fills them directly (the one-process file), and
+any `optimizer.load_state_dict` (torch's, which DCP's sharded and whole-file loads under FSDP call)
+is followed by a hook that copies what it put on the device into them, so the first rollout after a
+resume has the GPU memory.
 
 Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
 fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
@@ -57,6 +64,10 @@ class HostOffload:
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
         self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
+        # every `optimizer.load_state_dict` (torch's, and DCP's `set_optimizer_state_dict` of the sharded
+        # and whole-file loads under FSDP) puts the state on the parameters' device: rehosted right after
+        self._load_hook = optimizer.register_load_state_dict_post_hook(self._rehost_loaded)
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None   # (fetch, write-back): CUDA's step
 
     # --- the optimizer state ----------------------------------------------------------------------
     @staticmethod
@@ -76,6 +87,17 @@ class HostOffload:
             host.copy_(shard, non_blocking=shard.is_cuda)
             state[name] = around(value, host)
 
+    def _rehost_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a load while offloaded: the state the load put on the device into the host buffers, so
+        the rollout that follows has the GPU memory (`offload()` would return early: offloaded already).
+        What the load held on the device goes back to CUDA once the loader drops it (DCP's loads keep
+        it until they return): the next `offload()` empties the cache again."""
+        if not self.offloaded:
+            return                # not handed off: the next streamed step moves the state to the host
+        for param, state in optimizer.state.items():
+            self._to_host(param, state)
+        self._settle()
+
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
         host = self._host.get(key)
         if host is None or host.shape != like.shape or host.dtype != like.dtype:
@@ -84,19 +106,77 @@ class HostOffload:
 
     def step(self) -> None:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
-        parameters at a time; the state ends in the host buffers."""
+        parameters at a time; the state ends in the host buffers. On CUDA the copies overlap the
+        updates (`_step_overlapped`); elsewhere each chunk comes in, steps and goes back in turn."""
         opt = self._optimizer
         params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        for chunk in self._chunks(params):
-            for p in chunk:          # a first step finds no state: the optimizer makes it on the device
-                state = opt.state[p]
-                for name in self._moments(state):
-                    value = state[name]
-                    state[name] = around(value, local(value).to(local(p).device, non_blocking=True))
-            step_shards(opt, chunk)
-            for p in chunk:
-                self._to_host(p, opt.state[p])
+        chunks = list(self._chunks(params))
+        if chunks and local(chunks[0][0]).is_cuda:
+            self._step_overlapped(chunks)
+        else:
+            for chunk in chunks:
+                self._fetch(chunk)
+                step_shards(opt, chunk)
+                for p in chunk:
+                    self._to_host(p, opt.state[p])
         self._settle()
+
+    def _fetch(self, chunk: list[Tensor]) -> list[Tensor]:
+        """`chunk`'s optimizer state onto its parameters' device (a first step finds none: the optimizer
+        makes it there, in `step_shards`); the device tensors."""
+        fetched = []
+        for p in chunk:
+            state = self._optimizer.state[p]
+            for name in self._moments(state):
+                value = state[name]
+                shard = local(value).to(local(p).device, non_blocking=True)
+                state[name] = around(value, shard)
+                fetched.append(shard)
+        return fetched
+
+    def _step_overlapped(self, chunks: list[list[Tensor]]) -> None:
+        """The streamed step on CUDA with the copies beside the updates: chunk i+1's state comes in on a
+        fetch stream while chunk i steps on the current stream, and chunk i goes back to the pinned
+        buffers on a write-back stream while chunk i+1 steps (the host-to-device and device-to-host
+        copies use the two directions of the bus at once). The same updates in the same order: the
+        values are the serial loop's.
+
+        Memory: before fetching chunk i+1 the host waits until chunk i-1 is written back (its device
+        copies already dropped), so at most two chunks' state is on the device at once, the one
+        stepping or going back and the next coming in: 2 x 2 x chunk_bytes of AdamW moments (4 GiB
+        at the default), plus the update's temporaries for one chunk (up to chunk_bytes); the serial
+        loop held one chunk's state."""
+        opt = self._optimizer
+        device = local(chunks[0][0]).device
+        compute = torch.cuda.current_stream(device)
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        fetch, back = self._streams
+
+        def prefetch(chunk: list[Tensor]) -> torch.cuda.Event:
+            # the host buffers are not written in this step before their chunk is stepped, and the last
+            # step's writes were synchronized (`_settle`): the copies need not wait for anything
+            with torch.cuda.stream(fetch):
+                for t in self._fetch(chunk):    # allocated on the fetch stream: the allocator must not hand
+                    t.record_stream(compute)    # its blocks out again before the update that uses them is done
+                return fetch.record_event()
+
+        ready, written = prefetch(chunks[0]), None
+        for i, chunk in enumerate(chunks):
+            compute.wait_event(ready)
+            if i + 1 < len(chunks):
+                if written is not None:
+                    written.synchronize()       # chunk i-1 on the host, its device blocks free: two chunks at most
+                ready = prefetch(chunks[i + 1])
+            step_shards(opt, chunk)
+            back.wait_stream(compute)           # the update is done before it is copied out
+            with torch.cuda.stream(back):
+                for p in chunk:
+                    state = opt.state[p]
+                    for name in self._moments(state):
+                        local(state[name]).record_stream(back)
+                    self._to_host(p, state)     # non-blocking into the pinned buffers; the device copies dropped
+            written = back.record_event()       # behind the allocator's events for the dropped copies
 
     def load_state_dict(self, saved: dict) -> None:
         """An optimizer state dict (`optimizer.state_dict()`, loaded to the CPU) straight into the host
@@ -144,6 +224,7 @@ class HostOffload:
         trainer state in host memory now, off the GPU while the engines run (the state moves only the
         first time: afterwards it is there already). Idempotent."""
         if self.offloaded:
+            self._settle()        # what a load held on the device while offloaded (`_rehost_loaded`) back to CUDA
             return 0
         if self._model is not None:
             for p in self._model.parameters():
@@ -187,6 +268,8 @@ class HostOffload:
     def dispose(self) -> None:
         """Drop the host buffers that nothing holds any more (the optimizer's state stays with it: the
         optimizer is the trainer's, which drops both)."""
+        self._load_hook.remove()
+        self._streams = None
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
 

@@ -92,3 +92,37 @@ def test_sharded_state_goes_to_pinned_host_shards_and_streamed_steps_equal_the_o
         off.dispose()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_overlapped_streamed_steps_equal_adamw_and_hold_at_most_two_chunks_on_the_device():
+    """Eight chunks (a layer each), four steps, the first making the state: after every step the
+    weights and the moments equal torch's AdamW on a twin, bit for bit, and while `step` runs its
+    copies on the side streams the device never holds more than the documented bound."""
+    torch.manual_seed(0)
+    layer_bytes = (1024 * 1024 + 1024) * 4
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, twin))
+    off = HostOffload(opt, model, chunk_bytes=layer_bytes)
+    off.offload()
+    for seed in range(4):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(64, 1024, generator=gen, device="cuda")).square().mean().backward()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        off.step()
+        # two chunks' moments (2 chunks x 2 moments x layer_bytes) and one chunk's update temporaries
+        # (exp_avg_sq's square root: layer_bytes), of the 16 x layer_bytes the whole state would take
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= 5 * layer_bytes + (1 << 20), (seed, peak / layer_bytes)
+        assert off._streams is not None                    # the overlapped path ran
+        step(twin, twin_opt, seed)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q), seed
+            for name in ("exp_avg", "exp_avg_sq"):
+                held = opt.state[p][name]
+                assert held.device.type == "cpu" and held.is_pinned()
+                assert torch.equal(held, twin_opt.state[q][name].cpu()), (seed, name)
+    off.dispose()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from miles.training.offload import HostOffload
+from miles.training.shards import local
 
 torch.set_num_threads(1)
 
@@ -83,17 +84,31 @@ def test_a_first_step_streams_the_state_it_makes_and_chunks_split_by_bytes():
     assert set(off._host) == keys                          # the new state went into host buffers
 
 
-def test_a_state_loaded_onto_the_device_is_used_then_put_back_in_the_host_buffers():
+def on_the_host(opt, off) -> bool:
+    """Every moment of `opt` is (a DTensor around) its host buffer: nothing of the state elsewhere."""
+    held = {k: v.data_ptr() for k, v in off._host.items()}
+    return all(local(v).data_ptr() == held.get((id(p), k)) for p, s in opt.state.items() for k, v in s.items()
+               if k != "step")
+
+
+def test_a_state_loaded_while_offloaded_goes_to_the_host_buffers_and_one_loaded_while_not_is_streamed_there():
     model, opt = model_and_optimizer()
     off = HostOffload(opt, model)
     step(model, opt, 0)
     off.offload()
     saved = copy.deepcopy(opt.state_dict())
-    opt.load_state_dict(saved)                             # torch puts loaded state on the parameters' device
+    for p in opt.state:
+        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()    # a load leaves the buffers behind
+    assert not on_the_host(opt, off)
+    opt.load_state_dict(saved)                  # torch puts the loaded state on the parameters' device
+    assert on_the_host(opt, off)                # offloaded: rehosted at once
+    off.onload()
+    opt.load_state_dict(saved)                  # not handed off: left where torch put it ...
     loaded = state_tensors(opt)
-    streamed(model, opt, 1, off)
+    assert not on_the_host(opt, off)
+    streamed(model, opt, 1, off)                # ... and the next streamed step puts it back
     assert all(state_tensors(opt)[k] is not loaded[k] for k in loaded if k[1] != "step")
-    assert all(off._host[(id(p), "exp_avg")] is opt.state[p]["exp_avg"] for p in model.parameters())
+    assert on_the_host(opt, off)
 
 
 def test_buffers_are_reused_and_dispose_keeps_only_what_the_state_holds():
@@ -187,3 +202,63 @@ def test_sharded_state_moves_shard_by_shard_and_the_streamed_steps_equal_the_opt
     from tests.unit.test_fsdp_ranks import spawn_gloo_ranks
 
     assert spawn_gloo_ranks(_sharded_rank) == {0: "ok", 1: "ok"}
+
+
+def _sharded_resume_rank(folder: str, rank: int, world: int, port: int, out) -> None:
+    """One gloo rank: an FSDP2 model saved in the sharded checkpoint after a step, stepped on (the
+    straight run); a fresh one offloaded (as miles.phases.init does), then loaded from the sharded
+    checkpoint (FSDPRank's `load_sharded`) or from the one-process optimizer file (`load_full`, what
+    FSDPRank._load_whole calls): the state in the host buffers, the streamed step the straight one's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from miles.training.fsdp.checkpoint import load_full, load_sharded, save_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        def sharded():
+            model, _ = model_and_optimizer()
+            fully_shard(model[0])
+            fully_shard(model)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+        straight, straight_opt = sharded()
+        whole, whole_opt = model_and_optimizer()            # the one-process trainer on the same batch
+        step(straight, straight_opt, 0)
+        step(whole, whole_opt, 0)
+        save_sharded(straight, straight_opt, folder)
+        step(straight, straight_opt, 1)
+        for load in ("sharded", "whole"):
+            model, opt = sharded()
+            off = HostOffload(opt, model)
+            assert off.offload() == 0                       # a fresh optimizer: nothing to move
+            if load == "sharded":
+                load_sharded(model, opt, folder)
+            else:
+                load_full(model, whole.state_dict(), opt, copy.deepcopy(whole_opt.state_dict()))
+            assert len(opt.state) == 4 and on_the_host(opt, off), load
+            assert all(type(v).__name__ == "DTensor" for s in opt.state.values() for k, v in s.items() if k != "step")
+            assert off.onload() == 0
+            streamed(model, opt, 1, off)
+            for a, b in zip(model.parameters(), straight.parameters()):
+                assert torch.equal(a.full_tensor(), b.full_tensor()), load
+            assert on_the_host(opt, off)
+            off.dispose()
+        out.put((rank, "ok"))
+    except BaseException:                   # the parent reports it
+        import traceback
+        out.put((rank, traceback.format_exc()[-600:]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_resume_while_offloaded_puts_the_state_in_the_host_buffers(tmp_path):
+    """FSDP2 on 2 gloo ranks resumed with --offload-train: the load leaves no moment on the device
+    (the next offload would find the trainer offloaded already), and the streamed step after it is
+    the straight run's, bit for bit."""
+    import functools
+
+    from tests.unit.test_fsdp_ranks import spawn_gloo_ranks
+
+    assert spawn_gloo_ranks(functools.partial(_sharded_resume_rank, str(tmp_path / "ck"))) == {0: "ok", 1: "ok"}

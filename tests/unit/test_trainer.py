@@ -156,6 +156,45 @@ def test_an_offloaded_trainer_resumes_with_its_optimizer_state_in_the_host_buffe
     assert resumed.weights_checksum() == straight.weights_checksum()
 
 
+def test_an_offloaded_trainer_resumes_a_sharded_checkpoint_with_its_optimizer_state_in_the_host_buffers(
+        model_path, tmp_path):
+    """The same from a sharded checkpoint (the torch trainer's ranks wrote it; DCP loads it onto the
+    device): the loaded moments end in the host buffers before the first rollout, nothing of them
+    left on the device, and the streamed step is the straight run's, bit for bit."""
+    import json
+    import warnings
+
+    from miles.training.fsdp.checkpoint import rng_file, save_sharded
+    from miles.training.rng import rng_state
+    from miles.training.trainer import STATE_FILE
+
+    cfg = dict(global_batch_size=2, micro_batch_size=1, weight_decay=0.1)
+    straight = trainer(model_path, **cfg)
+    straight.train(SAMPLES, 0)
+    ck = tmp_path / "ck"                    # what FSDPRank.save writes, by one process
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save_sharded(straight._live(), straight._optimizer, ck)
+    (ck / STATE_FILE).write_text(json.dumps({"num_steps": straight.num_steps, "optimizer": True, "world_size": 1}))
+    rng_file(ck, 0).parent.mkdir()
+    torch.save(rng_state(), rng_file(ck, 0))
+    straight.train(SAMPLES, 1)
+
+    resumed = trainer(model_path, **cfg)
+    assert resumed.offload() == 0
+    resumed.load(ck)
+    host = {k: v.data_ptr() for k, v in resumed._host._host.items()}
+    state = resumed._optimizer.state
+    params = list(resumed._live().parameters())
+    assert len(state) == len(params) and resumed.num_steps == 2
+    for p in params:
+        for name, value in state[p].items():
+            assert name == "step" or value.data_ptr() == host[(id(p), name)], name
+    assert resumed.offload() == 0               # offloaded already: nothing left to move
+    resumed.train(SAMPLES, 1)
+    assert resumed.weights_checksum() == straight.weights_checksum()
+
+
 def test_load_names_missing_files(model_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="optimizer.pt"):
         trainer(model_path).load(tmp_path)
