@@ -20,6 +20,7 @@ Variants (--variants, in this order by default):
           CPU): fully_shard per decoder layer and a root, bf16 params / fp32 reduce on CUDA, the same
           chunked logprobs (inside the root's forward) and compiled layers as torch (what each of N
           ranks runs; a one-GPU run itself trains with the one-process trainer)
+  fsdp2, fsdp4  (not run by default) fsdp with 2 or 4 consecutive decoder layers per FSDP unit
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
   NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
@@ -154,10 +155,10 @@ def make(variant: str, model: str, args):
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
-    if base == "fsdp":
+    if base.startswith("fsdp") and base[4:] in ("", "2", "4"):
         from miles.training.fsdp.rank import FSDPRank
 
-        rank = FSDPRank(model, rank=0, world_size=1, **kw)
+        rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1), **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
     from miles.training.trainer import Trainer
@@ -166,7 +167,7 @@ def make(variant: str, model: str, args):
         return Trainer(model, **kw, hidden_forward=False)
     if base == "torch":
         return Trainer(model, **kw)
-    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, torch (each may end in -eager)")
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp2, fsdp4, torch (each may end in -eager)")
 
 
 def main() -> None:
@@ -207,8 +208,9 @@ def main() -> None:
     done = result["variants"]
     total = {k: v["total_s_median"] for k, v in done.items()}
     for base in ("torch", "plain"):
-        if {base, "fsdp"} <= done.keys():
-            result[f"fsdp_over_{base}"] = round(total["fsdp"] / total[base], 3)
+        for fsdp in ("fsdp", "fsdp2", "fsdp4"):
+            if {base, fsdp} <= done.keys():
+                result[f"{fsdp}_over_{base}"] = round(total[fsdp] / total[base], 3)
     if {"fsdp-eager", "torch-eager"} <= done.keys():
         result["fsdp_over_torch_eager"] = round(total["fsdp-eager"] / total["torch-eager"], 3)
     print(json.dumps(result, indent=2))

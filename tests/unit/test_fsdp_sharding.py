@@ -95,3 +95,36 @@ def test_a_rank_uses_the_process_group_it_finds_and_refuses_one_of_another_shape
             FSDPRank(str(path), rank=1, world_size=2, **kw).setup("127.0.0.1", 0)
     finally:
         dist.destroy_process_group()
+
+
+def test_layers_grouped_into_units_give_the_per_layer_gradients(tmp_path):
+    """`layers_per_unit` runs of consecutive decoder layers share one FSDP unit (one gather, one
+    reduce): fewer units, the same gradients as one unit per layer, a last short run included."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from miles.training.fsdp.sharding import shard_model
+    from miles.weights.hf import load_causal_lm
+    from tests.tiny_model import make_tiny_model
+    from tests.unit.test_fsdp_ranks import free_port
+
+    path = make_tiny_model(tmp_path / "tiny")          # 2 decoder layers
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        grads, units = [], []
+        for per_unit in (1, 2, 3):
+            model = load_causal_lm(path, device=torch.device("cpu"), dtype=torch.float32)
+            root = shard_model(model, compute_dtype=torch.float32, world_size=1, layers_per_unit=per_unit)
+            units.append(len({id(m._get_fsdp_state()) for m in root.modules() if isinstance(m, FSDPModule)}))
+            root(lambda lm: lm(input_ids=tokens).logits.logsumexp(-1).sum()).backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        with pytest.raises(ValueError, match="layers_per_unit must be >= 1"):
+            shard_model(load_causal_lm(path, device=torch.device("cpu"), dtype=torch.float32),
+                        compute_dtype=torch.float32, world_size=1, layers_per_unit=0)
+    finally:
+        dist.destroy_process_group()
+    assert units == [3, 2, 2], units          # the layers' units + the root's; a run longer than the layers: one
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-6, atol=1e-7, msg=name)

@@ -65,10 +65,11 @@ class RankMicroBatches:
 class FSDPRank(RankMicroBatches, Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
-                 hidden_forward: bool | None = None):
+                 hidden_forward: bool | None = None, layers_per_unit: int = 1):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model.
-        `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only)."""
-        self.rank, self.world_size = rank, world_size
+        `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only);
+        `layers_per_unit`: consecutive decoder layers per FSDP unit (`sharding.shard_model`)."""
+        self.rank, self.world_size, self.layers_per_unit = rank, world_size, layers_per_unit
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
                                             dtype=dtype, hidden_forward=hidden_forward))
         self._distributed = False
@@ -88,7 +89,8 @@ class FSDPRank(RankMicroBatches, Trainer):
         self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))
 
     def _shard(self, model: torch.nn.Module) -> Root:
-        root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size)
+        root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size,
+                           layers_per_unit=self.layers_per_unit)
         self._roots[id(model)] = root
         return root
 
@@ -103,7 +105,8 @@ class FSDPRank(RankMicroBatches, Trainer):
     def _start_optimizer(self, model: torch.nn.Module) -> None:
         self._root = self._shard(model)
         super()._start_optimizer(model)
-        log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=len(decoder_layers(model)) + 1)
+        log.info("rank_sharded", rank=self.rank, world_size=self.world_size,
+                 units=-(-len(decoder_layers(model)) // self.layers_per_unit) + 1)
 
     def _autocast(self):
         """None: FSDP's mixed-precision policy already casts each unit's parameters to the compute

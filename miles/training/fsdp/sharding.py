@@ -52,19 +52,26 @@ class Root(nn.Module):
         return fn(self.lm)
 
 
-def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int) -> Root:
-    """`fully_shard` each decoder layer, then a `Root` around the model, over the default process
-    group (the model's parameters become DTensors in place); returns the root. Units compute in
-    `compute_dtype` (the trainer's: bf16 on CUDA, float32 on the CPU) and reduce gradients in float32.
+def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int,
+                layers_per_unit: int = 1) -> Root:
+    """`fully_shard` each decoder layer (or each run of `layers_per_unit` consecutive layers, one unit
+    gathered and reduced together: fewer FSDP hooks and collectives, that many layers' full
+    parameters at once), then a `Root` around the model, over the default process group (the model's
+    parameters become DTensors in place); returns the root. Units compute in `compute_dtype` (the
+    trainer's: bf16 on CUDA, float32 on the CPU) and reduce gradients in float32.
     On one rank a layer keeps its gathered parameters from its forward to its backward: the
     "gather" is a copy (and the cast), resharding would only repeat it."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    if layers_per_unit < 1:
+        raise ValueError(f"layers_per_unit must be >= 1, got {layers_per_unit}")
     kwargs: dict = {}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=world_size > 1, **kwargs)
+    layers = list(decoder_layers(model))
+    for i in range(0, len(layers), layers_per_unit):
+        unit = layers[i:i + layers_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=world_size > 1, **kwargs)
     root = fully_shard(Root(model), **kwargs)    # FSDP keeps a root gathered from forward to backward
     for m in root.modules():
         if isinstance(m, FSDPModule):
