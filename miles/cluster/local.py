@@ -15,6 +15,8 @@
   APIs a run never calls) and `ray.init` waits for it to come up; `no_dashboard_process` skips it.
   Ray 2.60 has no `ray.init` switch for the autoscaler monitor or the raylet's two agents (the raylet
   requires both agent commands), so those start; the reaper (`miles/cluster/reaper.py`) ends them.
+- **Signals.** Ray's processes run in process groups of their own (`own_process_groups`), so a
+  signal to the driver's group stops the run in order instead of killing the cluster under it.
 - **Afterwards.** The reaper, a process in a session of its own, ends the cluster's stragglers when
   the driver closes its pipe or dies (`kill -9` included), moves Ray's logs into the run directory
   and deletes the session folder.
@@ -117,6 +119,37 @@ def no_dashboard_process() -> Iterator[None]:
         Node.start_api_server = saved
 
 
+@contextmanager
+def own_process_groups() -> Iterator[None]:
+    """While `ray.init` starts a head node: each Ray process it starts (gcs_server, raylet, and so the
+    workers the raylet forks) in a process group of its own, not the driver's. A signal to the driver's
+    group (`timeout`, Slurm's `scancel`, `kill -- -PGID`, a supervisor stopping a job) then reaches the
+    driver alone, whose stop tears the run down in order; in the driver's group it also killed the
+    cluster under it (the actors died unasked, and the placement group's and the cluster's teardowns
+    timed out: the run ended `failed` where it should end `stopped`). Ray's own guards stay: its
+    processes block SIGINT and die with the driver (`PR_SET_PDEATHSIG`), and the reaper ends stragglers.
+    A private hook of Ray's (`services.ConsolePopen`); a Ray without it starts them as before."""
+    try:
+        from ray._private import services
+    except ImportError:
+        services = None
+    saved = getattr(services, "ConsolePopen", None)
+    if saved is None or os.name != "posix":
+        yield
+        return
+
+    class OwnGroupPopen(saved):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)       # setpgid(0, 0) in the child, before its exec
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = saved
+
+
 class LocalCluster:
     """What a run that started its cluster owns beyond the connection: the session folder and the
     reaper that cleans it up. `close` is called after `ray.shutdown()`."""
@@ -150,7 +183,7 @@ def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_
     anything when it would run without authentication."""
     if problem := auth_problem(allow_no_auth):
         raise ConfigError(problem)
-    with loopback_node(node_ip), no_dashboard_process():
+    with loopback_node(node_ip), no_dashboard_process(), own_process_groups():
         ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
                  _system_config=SYSTEM_CONFIG, **common)
     node = ray._private.worker._global_node

@@ -261,6 +261,41 @@ def run_cli_with_signal(task, tmp_path, gcs, fault: str | list[str], extra=()):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def test_sigterm_to_the_drivers_process_group_stops_a_run_on_its_own_cluster_in_order(tiny_task, tmp_path):
+    # `timeout`, Slurm's scancel and `kill -- -PGID` signal the driver's whole process group. The run's
+    # own local cluster (no --ray-address) must not be in it: the driver's stop then disposes every
+    # actor and the cluster in order (before, the group's SIGTERM killed gcs_server and the raylet
+    # under the run, and the teardowns of the placement group and the cluster timed out: `failed`)
+    argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
+            *base_flags(tiny_task, tmp_path / "run", num_rollout=200, rollout_batch_size=2, n_samples_per_prompt=2,
+                        rollout_max_response_len=3, teardown_timeout=20)]
+    p = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trace_path = tmp_path / "run" / "trace.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and '"rollout_id": 1' not in (trace_path.read_text() if trace_path.exists() else ""):
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGTERM)          # the group, as `timeout` does
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    assert f"stopped (SIGTERM): {tmp_path / 'run'}" in err
+    trace = assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
+    assert [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"] == []
+    cluster, = trace.of("cluster_ready")
+    assert cluster.get("started") is True
+    session = Path(cluster.get("session_dir")).name
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and session in _cmdline(pid)]
+    assert left == [], f"processes of Ray session {session} still running: {left}"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_second_sigint_cuts_draining_short(ray_cluster, tiny_task, tmp_path):
     argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
             *matrix_flags(tiny_task, tmp_path, "rollout:sigint"), "--ray-address", ray_cluster,
