@@ -3,7 +3,7 @@
 # install the wheels, then run the steps named in the arguments, each bounded so that the call
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
 # megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
-# fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"), faults, scale:WORKLOAD
+# fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
 # (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
 # SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
 # files make go to $OUT.
@@ -28,6 +28,7 @@ for step in "$@"; do
         --out /tmp/scale-$w > $OUT/scale-$w.json 2> $OUT/scale-$w.log; echo "rc=$?"; tail -c 2500 $OUT/scale-$w.log; \
         tail -c 5000 $OUT/scale-$w.json; for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done; \
         [ -f /tmp/scale-$w/miles-run/trace.jsonl ] && gzip -c /tmp/scale-$w/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz ;;
+    tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
   esac
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
