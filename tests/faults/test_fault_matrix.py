@@ -323,16 +323,22 @@ def test_a_trainer_rank_killed_in_train_ends_the_run_and_leaves_no_rank(ray_clus
     raised = run_in_process(tiny_task, tmp_path, ["train:kill_trainer_rank"], extra=["--actor-num-gpus-per-node", "2"])
     assert "ActorDiedError" in f"{type(raised).__name__} {raised}"
     trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="ActorDiedError", ckpt=tmp_path / "ckpt")
-    ranks, = trace.of("trainer_rank_pids")
+    assert_ranks_gone(trace, "trainer")
+
+
+def assert_ranks_gone(trace, role: str) -> dict:
+    """`role`'s two rank processes (the trace's `<role>_rank_pids`) ended, and its resource disposed
+    at once (killed, not after a dispose timeout); returns the disposed events by resource."""
+    ranks, = trace.of(f"{role}_rank_pids")
     pids = ranks.get("pids")
-    assert sorted(pids) == ["trainer-rank-0", "trainer-rank-1"]
+    assert sorted(pids) == [f"{role}-rank-0", f"{role}-rank-1"]
     deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
     while any(pid_running(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [n for n, p in pids.items() if pid_running(p)] == []
     disposed = {e.get("resource"): e for e in trace.of("disposed")}
-    assert disposed["trainer"].get("outcome") == "ok"       # killed at once, not after a dispose timeout
-    assert disposed["trainer"].get("duration_s") < 10
+    assert disposed[role].get("outcome") == "ok" and disposed[role].get("duration_s") < 10
+    return disposed
 
 
 @pytest.mark.extended      # 2 policy and 2 critic ranks starting: beyond CI's budget
@@ -345,14 +351,4 @@ def test_a_critic_rank_killed_in_train_ends_the_run_and_leaves_no_rank(ray_clust
     assert "ActorDiedError" in f"{type(raised).__name__} {raised}"
     trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="ActorDiedError", ckpt=tmp_path / "ckpt")
     assert trace.of("trainer_rank_pids") == [] and trace.of("fault_skipped") == []
-    ranks, = trace.of("critic_rank_pids")
-    pids = ranks.get("pids")
-    assert sorted(pids) == ["critic-rank-0", "critic-rank-1"]
-    deadline = time.monotonic() + 10          # ray.kill is asynchronous: give the raylet a moment
-    while any(pid_running(p) for p in pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [n for n, p in pids.items() if pid_running(p)] == []
-    disposed = {e.get("resource"): e for e in trace.of("disposed")}
-    assert {"critic", "trainer"} <= disposed.keys()
-    assert disposed["critic"].get("outcome") == "ok"        # killed at once, not after a dispose timeout
-    assert disposed["critic"].get("duration_s") < 10
+    assert "trainer" in assert_ranks_gone(trace, "critic")
