@@ -1,13 +1,15 @@
 """`miles train` and `scripts/train.py`: parse flags, run, map the outcome to an exit code.
 
-Signals are the CLI's business (library code installs none): the first SIGINT or SIGTERM asks the
-run to stop (the current phase gets a share of --stop-timeout to finish, then `draining` saves the
+Signals are the CLI's business (library code installs none): the first SIGINT, SIGTERM or SIGHUP (the
+terminal or SSH connection that started it went away) asks the run to stop (the current phase gets a share of --stop-timeout to finish, then `draining` saves the
 last trained rollout when --save is set, then the teardown), and arms a hard deadline: the process
 exits --stop-timeout seconds after that first signal whatever it is doing (a phase blocking the
 event loop included). A second signal cancels the run, which cuts draining short. A phase cut by its
 deadline (--phase-timeout) arms the same hard deadline: from the cut to the process's exit is bounded
 as after a signal. Exit codes: 0 done, 1 failed, 2 bad config or input (a run dir or --save folder
-another run holds included), 130 SIGINT, 143 SIGTERM.
+another run holds included), 130 SIGINT, 143 SIGTERM, 129 SIGHUP. After SIGHUP a terminal on stdout or
+stderr is gone (writes to it fail): those descriptors go to /dev/null, and the trace and the run's logs
+say the rest.
 
 The run dir's and --save's locks (miles.runtime.runlock) are taken here, before torch and Ray load,
 so a second run into a busy folder is refused within a second.
@@ -32,7 +34,7 @@ from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 EXIT_MARGIN_S = 1.5     # past the runner's bound after a phase deadline, for the process's own exit
 
 
@@ -67,7 +69,7 @@ def exit_bounded(code: int) -> None:
 
 
 class SignalStop:
-    """The first SIGINT/SIGTERM sets the run's stop event and arms the hard deadline; a second cancels
+    """The first SIGINT/SIGTERM/SIGHUP sets the run's stop event and arms the hard deadline; a second cancels
     the run. The handlers are Python's (`signal.signal`), not the loop's, so they run even while a
     phase blocks the event loop (time.sleep, a blocking call), and the deadline is a thread."""
 
@@ -82,6 +84,8 @@ class SignalStop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._deadline: threading.Timer | None = None
+        # known now: after a hangup isatty() on the lost terminal fails (EIO) and says False
+        self._terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]
 
     def attach(self) -> asyncio.Event:
         """Called in the run's task: the event the run watches (set now if a signal came first)."""
@@ -92,6 +96,8 @@ class SignalStop:
 
     def _on_signal(self, sig: int, _frame: Any) -> None:
         self.received.append(sig)
+        if sig == signal.SIGHUP:
+            detach_terminal(self._terminal_fds)
         if len(self.received) == 1:
             print(f"\n{self.prog}: {signal.Signals(sig).name}: stopping: the phase, draining (a save with --save) "
                   f"and the teardown get {self.stop_timeout_s:g} s in all (--stop-timeout); send it again to cut "
@@ -142,6 +148,19 @@ class SignalStop:
                 signal.signal(sig, handler)
             if self._deadline is not None and not until_exit:
                 self._deadline.cancel()
+
+
+def detach_terminal(fds: Sequence[int]) -> None:
+    """`fds` (stdout and stderr where they were a terminal at the start) to /dev/null: after a hangup a
+    write to the terminal fails (EIO), and the stop's own messages, the progress line and Ray's
+    forwarded logs must not fail the teardown they report on. A redirected stdout or stderr (a file,
+    `nohup`) is not among them and stays."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, hard_exit_s: float | None = None,

@@ -245,13 +245,13 @@ def restore_sigchld() -> None:
 
 @contextmanager
 def keep_signal_handlers() -> Iterator[None]:
-    """Give the host (the CLI, an embedding program) back the SIGINT/SIGTERM handlers it had."""
+    """Give the host (the CLI, an embedding program) back the SIGINT/SIGTERM/SIGHUP handlers it had."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

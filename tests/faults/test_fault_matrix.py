@@ -289,6 +289,56 @@ def test_sigterm_to_the_drivers_process_group_stops_a_run_on_its_own_cluster_in_
     assert left == [], f"processes of Ray session {session} still running: {left}"
 
 
+def test_a_hangup_of_the_drivers_terminal_stops_the_run_and_saves_it(tiny_task, tmp_path):
+    # the SSH session or terminal that started `miles train` goes away: the kernel sends SIGHUP to the
+    # driver (its session's leader) and every write to the terminal fails. The run stops as on SIGTERM,
+    # its stop's save complete, exit 129, nothing left (before, SIGHUP's default ended the driver at once:
+    # no save, the trace cut short)
+    import fcntl
+    import pty
+    import select
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    argv = [sys.executable, str(ROOT / "scripts" / "train.py"),
+            *base_flags(tiny_task, tmp_path / "run", num_rollout=200, rollout_batch_size=2, n_samples_per_prompt=2,
+                        rollout_max_response_len=3, teardown_timeout=20, save=tmp_path / "ckpt", save_interval=1000)]
+    p = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                         stdin=slave, stdout=slave, stderr=slave,
+                         preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))   # the pty: its terminal
+    os.close(slave)
+    output, reading = [], threading.Event()
+    reading.set()
+
+    def drain() -> None:                      # a full pty would block the driver's writes
+        while reading.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    output.append(os.read(master, 65536))
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    trace_path = tmp_path / "run" / "trace.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and '"rollout_id": 1' not in (trace_path.read_text() if trace_path.exists() else ""):
+        assert p.poll() is None, b"".join(output).decode(errors="replace")[-2000:]
+        time.sleep(0.1)
+    reading.clear()
+    reader.join()
+    os.close(master)                          # the hangup
+    assert p.wait(timeout=120) == 129, b"".join(output).decode(errors="replace")[-2000:]
+    trace = assert_clean_end(tmp_path / "run", outcome="stopped", error_type=None, ckpt=tmp_path / "ckpt")
+    assert [e.get("resource") for e in trace.of("disposed") if e.get("outcome") != "ok"] == []
+    saved, = trace.of("stop_save")
+    assert saved.get("saved") is True and CheckpointStore(tmp_path / "ckpt").latest() is not None
+    session = Path(trace.of("cluster_ready")[0].get("session_dir")).name
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and session in _cmdline(pid)]
+    assert left == [], f"processes of Ray session {session} still running: {left}"
+
+
 def _cmdline(pid: str) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
