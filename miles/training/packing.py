@@ -213,6 +213,7 @@ def enable_packing(*models: nn.Module) -> str | None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
+    _varlen_once()      # looked up now: a compiled layer that saw the lookup would recompile once it is done
     for model in models:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTENTION_NAME)

@@ -185,6 +185,30 @@ def test_recompute_with_compiled_layers_on_cuda_trains_padded_rows_and_says_why(
     assert use_packing(eager, model, device=torch.device("cuda")) is True
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_layers_compile_in_the_first_rollout_only(packed):
+    # dynamo's guards do not depend on the backend: a counting one shows them on the CPU. Each rollout
+    # has other rows, lengths and packs; every variant the trainer needs (grad and no-grad passes, with
+    # and without a padding mask) compiles in the first rollout, and later rollouts reuse them (before:
+    # each new kind of shape change recompiled, past dynamo's recompile limit on the packed path)
+    from torch._dynamo.testing import CompileCounter
+
+    from miles.training.forward import compile_decoder_layers
+
+    torch._dynamo.reset()
+    trainer = make(MODELS[1], "token_mean", packed=packed, dynamic=packed)
+    counter = CompileCounter()
+    assert compile_decoder_layers(trainer.model, backend=counter) == trainer.model.config.num_hidden_layers
+    trainer.train(samples(n=10, seed=0), 0)
+    first = counter.frame_count
+    assert 1 <= first <= 4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for r in range(1, 5):
+            trainer.train(samples(n=10 - r, seed=r), r)
+    assert counter.frame_count == first
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("gqa,has_scale,causal", [(True, True, {"window_size": (-1, 0)}),
                                                    (False, False, {"is_causal": True})])
 def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):
