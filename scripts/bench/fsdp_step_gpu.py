@@ -32,6 +32,8 @@ Usage (GPU machine, from the checkout):
   --profile DIR: one more rollout per variant under torch.profiler; DIR/<variant>.txt gets its ops by
   self CUDA time and by CPU time (where the sharding's time goes)
   --device cpu: a tiny shape and batch on the CPU (a smoke run: float32, gloo)
+  --max-tokens-per-gpu N: token-budget micro-batches (packed) in every variant instead of
+  --micro-batch-size rows (the configuration the scale runs use)
 """
 
 from __future__ import annotations
@@ -150,8 +152,10 @@ def make(variant: str, model: str, args):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
     base, eager = variant.removesuffix("-eager"), variant.endswith("-eager")
+    budget = args.max_tokens_per_gpu
     train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples,
-                        compile_layers=False if eager or base == "plain" else None)
+                        compile_layers=False if eager or base == "plain" else None,
+                        use_dynamic_batch_size=budget is not None, max_tokens_per_gpu=budget)
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
@@ -175,6 +179,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     add_rollout_args(p)
     p.add_argument("--variants", default="torch,fsdp")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="micro-batches by token budget (--use-dynamic-batch-size, packed) in every variant, not by "
+                        "--micro-batch-size rows: fewer, larger micro-batches, so fewer FSDP hooks per step")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", type=Path, help="profile one more rollout per variant; tables into this folder")
     p.add_argument("--trace", action="store_true", help="with --profile: also each variant's Chrome trace")
@@ -187,7 +194,8 @@ def main() -> None:
         args.warmup, args.rollouts = 1, 1
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": shape,
               "samples": args.samples, "prompt_len": args.prompt_len, "response_len": args.response_len,
-              "micro_batch_size": args.micro_batch_size, "rollouts_timed": args.rollouts, "variants": {}}
+              "micro_batch_size": args.micro_batch_size, "max_tokens_per_gpu": args.max_tokens_per_gpu,
+              "rollouts_timed": args.rollouts, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", shape, args.device)
         trainers = {}

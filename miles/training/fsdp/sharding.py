@@ -67,7 +67,10 @@ def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int
         raise ValueError(f"layers_per_unit must be >= 1, got {layers_per_unit}")
     kwargs: dict = {}
     if compute_dtype != torch.float32:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # the inputs are not cast: the layers' come in the compute dtype already (the embedding's output,
+        # the rotary tables made in its dtype), the root's is a callable; casting walks them every call
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)
     layers = list(decoder_layers(model))
     for i in range(0, len(layers), layers_per_unit):
         unit = layers[i:i + layers_per_unit]
