@@ -17,12 +17,10 @@ Variants (--variants, in this order by default):
   torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
           compiled decoder layers, autocast to bf16)
   fsdp    one FSDP2 rank (miles.training.fsdp.rank.FSDPRank, NCCL world of 1 on CUDA, gloo on the
-          CPU): fully_shard per decoder layer and a root, float32 params under autocast on CUDA, the same
+          CPU): fully_shard per decoder layer and a root, bf16 params / fp32 reduce on CUDA, the same
           chunked logprobs (inside the root's forward) and compiled layers as torch (what each of N
           ranks runs; a one-GPU run itself trains with the one-process trainer)
   fsdp2, fsdp4  (not run by default) fsdp with 2 or 4 consecutive decoder layers per FSDP unit
-  fsdp-bf16  (not run by default) fsdp gathering bf16 parameters (FSDP's MixedPrecisionPolicy, no
-          autocast; `shard_model(gather_in_compute_dtype=True)`), the layout before Dec 4 2026
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
   NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
@@ -161,13 +159,10 @@ def make(variant: str, model: str, args):
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
-    bf16 = base.endswith("-bf16")
-    base = base.removesuffix("-bf16")
     if base.startswith("fsdp") and base[4:] in ("", "2", "4"):
         from miles.training.fsdp.rank import FSDPRank
 
-        rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1), gather_in_compute_dtype=bf16,
-                        **kw)
+        rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1), **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
     from miles.training.trainer import Trainer
@@ -176,8 +171,7 @@ def make(variant: str, model: str, args):
         return Trainer(model, **kw, hidden_forward=False)
     if base == "torch":
         return Trainer(model, **kw)
-    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp2, fsdp4 (these three may end in "
-                     "-bf16), torch (each may end in -eager)")
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp2, fsdp4, torch (each may end in -eager)")
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ the one-process step. The values and the loss terms are summed over the ranks: e
 the same. The step goes through the shell (`OptimizedModel._optimizer_step`), which clips and steps
 each parameter's local shard.
 
-The layout is `FSDPRank`'s: a unit per decoder layer of the backbone, float32 parameters gathered,
-computing under the one-process critic's autocast (bf16 on CUDA, float32 on the CPU).
+The layout is `FSDPRank`'s: a unit per decoder layer of the backbone, computing in the compute
+dtype through FSDP's mixed precision (bf16 on CUDA, float32 on the CPU) without autocast.
 
 Checkpoints are the one-process `Critic.save` folder, so either loads the other's and any number
 of ranks loads any other's: the weights are gathered whole one tensor at a time and the optimizer
@@ -26,6 +26,7 @@ A plain class; `miles.training.fsdp.critic_group.FSDPCritic` makes one Ray actor
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -70,6 +71,10 @@ class FSDPCriticRank(RankMicroBatches, Critic):
         self._root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size)
         super()._start_optimizer(model)
         log.info("rank_sharded", rank=self.rank, world_size=self.world_size, units=len(decoder_layers(model)) + 1)
+
+    def _autocast(self):
+        """As `FSDPRank._autocast`: none (FSDP's mixed precision casts each unit's parameters)."""
+        return contextlib.nullcontext()
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         """Inside the FSDP root, so the root unit's parameters (embeddings, norm, head) are gathered."""

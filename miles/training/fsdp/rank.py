@@ -15,8 +15,8 @@ pass runs data parallel too, and --ref-update-interval copies the policy's shard
 Every forward runs inside its model's FSDP root (`sharding.Root`), so the chunked hidden-state
 logprobs (CUDA's path: the LM head applied outside the model's own forward) read a gathered head and
 its gradient is reduce-scattered like the others. On CUDA the decoder layers are torch.compiled
-after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off), under its
-autocast (`sharding.shard_model`: the units gather float32 parameters).
+after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off), and there is
+no autocast: FSDP's mixed-precision policy casts each unit's parameters to bf16 once per gather.
 
 A plain class; `miles.training.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
 """
@@ -65,12 +65,11 @@ class RankMicroBatches:
 class FSDPRank(RankMicroBatches, Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
-                 hidden_forward: bool | None = None, layers_per_unit: int = 1, gather_in_compute_dtype: bool = False):
+                 hidden_forward: bool | None = None, layers_per_unit: int = 1):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model.
         `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only);
-        `layers_per_unit`, `gather_in_compute_dtype`: the FSDP layout (`sharding.shard_model`)."""
+        `layers_per_unit`: consecutive decoder layers per FSDP unit (`sharding.shard_model`)."""
         self.rank, self.world_size, self.layers_per_unit = rank, world_size, layers_per_unit
-        self.gather_in_compute_dtype = gather_in_compute_dtype
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
                                             dtype=dtype, hidden_forward=hidden_forward))
         self._distributed = False
@@ -91,7 +90,7 @@ class FSDPRank(RankMicroBatches, Trainer):
 
     def _shard(self, model: torch.nn.Module) -> Root:
         root = shard_model(model, compute_dtype=self.compute_dtype, world_size=self.world_size,
-                           layers_per_unit=self.layers_per_unit, gather_in_compute_dtype=self.gather_in_compute_dtype)
+                           layers_per_unit=self.layers_per_unit)
         self._roots[id(model)] = root
         return root
 
@@ -110,8 +109,9 @@ class FSDPRank(RankMicroBatches, Trainer):
                  units=-(-len(decoder_layers(model)) // self.layers_per_unit) + 1)
 
     def _autocast(self):
-        """The one-process trainer's autocast; none when FSDP gathers in the compute dtype already."""
-        return contextlib.nullcontext() if self.gather_in_compute_dtype else super()._autocast()
+        """None: FSDP's mixed-precision policy already casts each unit's parameters to the compute
+        dtype once per gather; autocast on top would only add its per-op dispatch."""
+        return contextlib.nullcontext()
 
     # --- data parallel ---------------------------------------------------------------------------
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,

@@ -7,14 +7,10 @@ that makes N ranks take the same optimizer step as one.
   reads, the LM head's weight too when the chunked logprobs read it outside the model's own forward,
   and their gradients are reduce-scattered after the backward. Each parameter becomes a DTensor holding 1/N of its rows on
   this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
-  reshard.
-- Mixed precision as on one rank: the units gather their float32 parameters and compute under the
-  trainer's autocast (bfloat16 on CUDA), so gradients come back and accumulate in float32 exactly as
-  in the one-process trainer, and are reduced in float32. The alternative, FSDP's own
-  `MixedPrecisionPolicy(param_dtype=bf16)` (`gather_in_compute_dtype=True`), halves the all-gathers'
-  bytes but gets bfloat16 gradients that FSDP upcasts and accumulates parameter by parameter in Python
-  after every micro-batch's backward: on one H200 that made a rank's step 1.22x the unsharded
-  trainer's (0.5B shape, `scripts/bench/fsdp_step_gpu.py`), the GPU waiting on the host.
+  reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
+  (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
+  the master weights, gradients are reduced in float32. On the CPU (or --dtype float32) everything
+  stays float32.
 - Gradients are *summed* over the ranks (divide factor 1): every rank's micro-batch loss is already
   divided by the whole global batch's normalizer, so the sum over ranks is the global batch's
   gradient, as on one rank.
@@ -57,13 +53,12 @@ class Root(nn.Module):
 
 
 def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int,
-                layers_per_unit: int = 1, gather_in_compute_dtype: bool = False) -> Root:
+                layers_per_unit: int = 1) -> Root:
     """`fully_shard` each decoder layer (or each run of `layers_per_unit` consecutive layers, one unit
     gathered and reduced together: fewer FSDP hooks and collectives, that many layers' full
     parameters at once), then a `Root` around the model, over the default process group (the model's
-    parameters become DTensors in place); returns the root. Units gather float32 parameters and the
-    caller computes under autocast; with `gather_in_compute_dtype` they gather in `compute_dtype`
-    (FSDP's mixed precision, no autocast needed) and reduce in float32.
+    parameters become DTensors in place); returns the root. Units compute in `compute_dtype` (the
+    trainer's: bf16 on CUDA, float32 on the CPU) and reduce gradients in float32.
     On one rank a layer keeps its gathered parameters from its forward to its backward: the
     "gather" is a copy (and the cast), resharding would only repeat it."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -71,7 +66,7 @@ def shard_model(model: nn.Module, *, compute_dtype: torch.dtype, world_size: int
     if layers_per_unit < 1:
         raise ValueError(f"layers_per_unit must be >= 1, got {layers_per_unit}")
     kwargs: dict = {}
-    if gather_in_compute_dtype and compute_dtype != torch.float32:
+    if compute_dtype != torch.float32:
         # the inputs are not cast: the layers' come in the compute dtype already (the embedding's output,
         # the rotary tables made in its dtype), the root's is a callable; casting walks them every call
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
