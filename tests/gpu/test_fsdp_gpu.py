@@ -137,3 +137,46 @@ def test_one_fsdp_rank_syncs_a_colocated_engine_over_cuda_ipc(model_path, tmp_pa
         if engine.is_alive():
             engine.kill()
     assert engine.exitcode == 0
+
+
+@pytest.mark.parametrize("dtype,rel,atol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.1, 1e-2)])
+def test_one_fsdp_critic_rank_trains_like_the_one_process_critic(model_path, dtype, rel, atol):
+    """PPO's critic on one NCCL rank against the one-process critic on CUDA (its CUDA paths: the
+    sharded backbone under autocast, the token-budget micro-batches packed, the shell's step on the
+    local shards): the same values, value loss, gradient norm and weights, two rollouts."""
+    from miles.training.critic import Critic
+    from miles.training.fsdp.critic_rank import FSDPCriticRank
+    from miles.training.fsdp.sharding import full_tensor
+    from miles.weights.hf import model_weights
+    from tests.unit.test_fsdp_critic import ALGO, METRICS, returns
+
+    cfg = dict(train=TrainConfig(lr=1e-2, micro_batch_size=2, global_batch_size=3, clip_grad=0.5,
+                                 use_dynamic_batch_size=True, max_tokens_per_gpu=16),
+               algorithm=AlgorithmConfig(**ALGO), device="cuda", dtype=dtype)
+    samples = ROLLOUT          # two global batches of 3: two optimizer steps a rollout
+
+    def rollouts(critic, whole):
+        out = []
+        for r in range(2):
+            values = critic.values(samples)
+            metrics = critic.train(samples, values, returns(r).to(values.device), r)
+            out.append((values, metrics, {n: whole(t.detach()).clone() for n, t in model_weights(critic._live()).items()}))
+        return out
+
+    plain = Critic(model_path, **cfg)
+    want = rollouts(plain, lambda t: t)
+    rank = FSDPCriticRank(model_path, rank=0, world_size=1, **cfg)
+    try:
+        rank.setup("127.0.0.1", free_port())
+        got = rollouts(rank, full_tensor)
+    finally:
+        rank.dispose()
+        plain.dispose()
+    for (values, metrics, weights), (want_values, want_metrics, want_weights) in zip(got, want, strict=True):
+        torch.testing.assert_close(values, want_values, rtol=rel, atol=atol)
+        assert metrics["critic/micro_batches"] == want_metrics["critic/micro_batches"] > 1
+        for k in METRICS:
+            assert metrics[f"critic/{k}"] == pytest.approx(want_metrics[f"critic/{k}"], rel=rel, abs=atol), k
+        for name, w in weights.items():
+            if not name.endswith("k_proj.bias"):
+                torch.testing.assert_close(w, want_weights[name], rtol=rel, atol=atol, msg=name)
