@@ -150,7 +150,10 @@ def test_one_fsdp_critic_rank_trains_like_the_one_process_critic(model_path, dty
     from miles.weights.hf import model_weights
     from tests.unit.test_fsdp_critic import ALGO, METRICS, returns
 
-    cfg = dict(train=TrainConfig(lr=1e-2, micro_batch_size=2, global_batch_size=3, clip_grad=0.5,
+    # lr 1e-3: Adam's first steps move every weight by about lr whatever its gradient's size, so a weight
+    # whose gradient is near 0 moves either way on bf16 rounding; at 1e-2 four steps of that exceed atol
+    # (the bf16 case failed so on the H200, its values and metrics within tolerance)
+    cfg = dict(train=TrainConfig(lr=1e-3, micro_batch_size=2, global_batch_size=3, clip_grad=0.5,
                                  use_dynamic_batch_size=True, max_tokens_per_gpu=16),
                algorithm=AlgorithmConfig(**ALGO), device="cuda", dtype=dtype)
     samples = ROLLOUT          # two global batches of 3: two optimizer steps a rollout
