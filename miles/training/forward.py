@@ -114,8 +114,9 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     (static first, dynamic on a change) each new kind of change recompiled every variant (grad and
     no-grad, padded and packed): 12-22 s in the second rollout of a 1.7B run on the GPU, and the CPU's
     packed path reached dynamo's recompile limit (8), past which the layers run eager. The model's own
-    sizes stay constants (its parameters' shapes fix them). Returns the layers compiled (0: the model has no `.layers` list to compile, and runs as
-    it is). `backend`: torch.compile's (tests on the CPU pass one that needs no C++ compiler)."""
+    sizes stay constants (its parameters' shapes fix them). Returns the layers compiled (0: the model
+    has no `.layers` list to compile, and runs as it is). `backend`: torch.compile's (tests on the CPU
+    pass one that needs no C++ compiler)."""
     layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
     if not isinstance(layers, nn.ModuleList):
         return 0
