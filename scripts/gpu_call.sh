@@ -36,13 +36,17 @@ wait_scale() {        # $1: the workload, $2: seconds at most; collects it once 
   while [ ! -f /tmp/scale-$w.rc ] && [ $SECONDS -lt $until ]; do sleep 5; done
   if [ -f /tmp/scale-$w.rc ]; then echo "rc=$(cat /tmp/scale-$w.rc)"; collect_scale $w; else echo "$w still running"; tail -c 1500 /tmp/scale-$w.log; fi
 }
+summary() {           # $1: a pytest -v log, $2: its exit status, $3: lines of its end to show
+  echo "rc=$2 passed=$(grep -c ' PASSED' $1)"; grep -E "::.* (FAILED|ERROR|XFAIL|XPASS|SKIPPED)" $1 | cut -c1-160 | tail -20
+  tail -${3:-15} $1
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     families) timeout 240 python3 -m pytest tests/gpu/test_model_families_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -25 ;;
     bench) timeout 225 python3 scripts/bench/grpo_step_gpu.py --miles-iters 21 --trl-steps 3 --side-timeout-s 140 --out /tmp/bench05 > $OUT/bench05.log 2>&1; tail -c 6000 $OUT/bench05.log ;;
-    gpuA) timeout ${GPUA_S:-575} python3 -m pytest tests/gpu -v -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py > $OUT/gpuA.log 2>&1; echo "rc=$? passed=$(grep -c ' PASSED' $OUT/gpuA.log)"; grep -E "::.* (FAILED|ERROR|XFAIL|SKIPPED)" $OUT/gpuA.log | cut -c1-160 | tail -20; tail -30 $OUT/gpuA.log ;;
+    gpuA) timeout ${GPUA_S:-575} python3 -m pytest tests/gpu -v -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py > $OUT/gpuA.log 2>&1; summary $OUT/gpuA.log $? 30 ;;
     gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
     fsdpbench|fsdpbench:*) n=${step#fsdpbench}; n=${n#:}; av=FSDP_ARGS${n:+_$n}   # fsdpbench:tok reads FSDP_ARGS_tok
         timeout ${FSDP_S:-150} python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp${n:+-$n}.json ${!av:-} > /tmp/fsdp$n.log 2>&1; tail -c 3000 /tmp/fsdp$n.log ;;
@@ -57,11 +61,10 @@ for step in "$@"; do
     waitscale:*) wait_scale ${step#waitscale:} ${WAIT_S:-400} ;;
     gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray)
         for lane in "$LANE1" "$LANE2" "$LANE3"; do i=$((i + 1))
-          (timeout $s python3 -m pytest $lane -v -p no:cacheprovider --durations=10 > $OUT/lane$i.log 2>&1; echo "lane$i rc=$?") &
+          (timeout $s python3 -m pytest $lane -v -p no:cacheprovider --durations=10 > $OUT/lane$i.log 2>&1; echo $? > /tmp/lane$i.rc) &
         done; wait
-        for i in 1 2 3; do echo "--- lane$i passed=$(grep -c ' PASSED' $OUT/lane$i.log)"; grep -E "::.* (FAILED|ERROR|XFAIL|XPASS|SKIPPED)" $OUT/lane$i.log | cut -c1-160 | tail -12; tail -3 $OUT/lane$i.log; done ;;
-    gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; echo "rc=$? passed=$(grep -c ' PASSED' $OUT/serial.log)"
-        grep -E "::.* (FAILED|ERROR|XFAIL|XPASS|SKIPPED)" $OUT/serial.log | cut -c1-160 | tail -12; tail -15 $OUT/serial.log ;;
+        for i in 1 2 3; do echo "--- lane$i"; summary $OUT/lane$i.log "$(cat /tmp/lane$i.rc)" 3; done ;;
+    gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
     tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
   esac

@@ -83,7 +83,7 @@ def verdicts(name: str, a: argparse.Namespace, miles: dict, trl: dict, shape: di
            "rollout_bound_s": round(bound, 3), "bandwidth_bound_fraction": round(bound / rollout, 4),
            "ideal_iteration_s": round(bound + train_ideal, 3),
            "iteration_over_ideal": round(miles["steady_iteration_s"] / (bound + train_ideal), 3),
-           # the median above counts iteration 2, which recompiles the layers (dynamic shapes, once a run)
+           # the last iteration alone, beside the median of every one after the first
            "last_iteration_over_ideal": round(miles["iteration_s"][-1] / (bound + train_ideal), 3),
            "train_mfu": miles.get("steady_train_mfu"), "weight_sync_s": miles.get("weight_sync_s"),
            "gpu_mem_peak_mib": miles.get("gpu_mem_peak_mib"),

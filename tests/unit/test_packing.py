@@ -196,17 +196,19 @@ def test_compiled_layers_compile_in_the_first_rollout_only(packed):
     from miles.training.forward import compile_decoder_layers
 
     torch._dynamo.reset()
-    trainer = make(MODELS[1], "token_mean", packed=packed, dynamic=packed)
-    counter = CompileCounter()
-    assert compile_decoder_layers(trainer.model, backend=counter) == trainer.model.config.num_hidden_layers
-    trainer.train(samples(n=10, seed=0), 0)
-    first = counter.frame_count
-    assert 1 <= first <= 4
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for r in range(1, 5):
-            trainer.train(samples(n=10 - r, seed=r), r)
-    assert counter.frame_count == first
-    torch._dynamo.reset()
+    try:
+        trainer = make(MODELS[1], "token_mean", packed=packed, dynamic=packed)
+        counter = CompileCounter()
+        assert compile_decoder_layers(trainer.model, backend=counter) == trainer.model.config.num_hidden_layers
+        trainer.train(samples(n=10, seed=0), 0)
+        first = counter.frame_count
+        assert 1 <= first <= 4
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for r in range(1, 5):
+                trainer.train(samples(n=10 - r, seed=r), r)
+        assert counter.frame_count == first
+    finally:
+        torch._dynamo.reset()        # the compiled code goes, whatever the outcome: later tests start clean
 
 
 @pytest.mark.parametrize("gqa,has_scale,causal", [(True, True, {"window_size": (-1, 0)}),
