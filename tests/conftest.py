@@ -74,7 +74,8 @@ def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:
              "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 4,
              "num-rollout": 3, "lr": 1e-3, "seed": 1, "run-dir": str(run_dir), "trace-console": "off",
              # the values these tests were written with, before the defaults became miles'
-             "rollout-shuffle": True, "loss-agg-mode": "token_mean", "kl-loss-type": "k3", "eval-temperature": 0.0}
+             "rollout-shuffle": True, "loss-agg-mode": "token_mean", "kl-loss-type": "k3", "eval-temperature": 0.0,
+             "rollout-num-engines": 1}
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
     argv: list[str] = []
     for k, v in flags.items():

@@ -1,4 +1,5 @@
-"""The layout a run takes when the user named none: on a cluster of one GPU, colocate.
+"""The layout a run takes when the user named none: on a cluster of one GPU, colocate; on the CPU,
+two engines.
 
 The default layout (one trainer GPU, one engine on a GPU of its own) needs two GPUs. A run that
 starts its own cluster on a machine with one GPU, with every layout flag at its default, gets
@@ -6,10 +7,18 @@ starts its own cluster on a machine with one GPU, with every layout flag at its 
 as with the flag), and the trace's `placement` event and the start-up line say so. A layout the
 user named (any of the flags below, or a cluster they attached to) is theirs: if it does not fit,
 that stays an error before any actor starts.
+
+On the CPU an engine decodes on one thread (`miles/training/threads.py` says why), so with one engine
+every core but one idles through the rollout. A CPU run that does not give --rollout-num-engines (nor
+--rollout-num-gpus) on a machine of two or more cores gets two engines, each decoding a contiguous
+part of the batch with its own seed (the rollout phase of the demo-shaped run went from 0.13 s to
+0.08 s on two cores, `docs/performance.md`). Two, not one per core: that is what was measured, and
+every engine holds a copy of the weights. An explicit --rollout-num-engines, 1 included, is kept.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -22,11 +31,30 @@ AUTO_COLOCATE_REASON = ("the cluster this run started has one GPU and no layout 
                         f"({', '.join(LAYOUT_FLAGS)}): trainer and engine share it (--colocate)")
 
 
+CPU_ENGINES = 2
+AUTO_ENGINES_REASON = (f"a CPU run on {{cores}} cores without --rollout-num-engines: {CPU_ENGINES} engines, one "
+                       "decoding on each core (--rollout-num-engines 1 for one)")
+
+
 def names_no_layout(cfg: RunConfig) -> bool:
     """Every layout flag at its default (a flag given with its default value reads the same)."""
     c = cfg.cluster
     return (not c.colocate and c.actor_num_nodes == 1 and c.actor_num_gpus_per_node == 1
-            and c.rollout_num_gpus is None and c.rollout_num_gpus_per_engine == 1 and cfg.rollout.num_engines == 1)
+            and c.rollout_num_gpus is None and c.rollout_num_gpus_per_engine == 1 and cfg.rollout.num_engines in (None, 1))
+
+
+def auto_num_engines(cfg: RunConfig, *, use_gpus: bool, cores: int) -> int | None:
+    """The engine count the rule above picks for a run that gave none, else None (the run's own:
+    --rollout-num-engines, or --rollout-num-gpus / GPUs per engine, or one)."""
+    if (use_gpus or cfg.rollout.num_engines is not None or cfg.cluster.rollout_num_gpus is not None
+            or cfg.rollout.engine == "sglang" or cores < CPU_ENGINES):
+        return None
+    return CPU_ENGINES
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (the local cluster's engines share them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def auto_colocate(cfg: RunConfig, *, use_gpus: bool, cluster_gpus: float, started: bool,

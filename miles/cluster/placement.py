@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
+from miles.cluster.auto_layout import auto_num_engines
 from miles.config import ConfigError
 from miles.config.checks import check
 
@@ -110,11 +111,13 @@ class PlacementPlan:
 CPU_ACTOR = Placement(bundle=None, num_gpus=0)
 
 
-def placement_request(cfg: "RunConfig", *, use_gpus: bool) -> PlacementRequest:
-    """The request a run's config makes (the debug halves drop the trainer or the engines)."""
+def placement_request(cfg: "RunConfig", *, use_gpus: bool, cores: int = 1) -> PlacementRequest:
+    """The request a run's config makes (the debug halves drop the trainer or the engines); a run
+    that gave no engine count gets `auto_num_engines`' for a machine of `cores` cores, else one."""
     c = cfg.cluster
+    engines = cfg.rollout.num_engines or auto_num_engines(cfg, use_gpus=use_gpus, cores=cores) or 1
     return PlacementRequest(
-        use_gpus=use_gpus, colocate=c.colocate, num_engines=cfg.rollout.num_engines,
+        use_gpus=use_gpus, colocate=c.colocate, num_engines=engines,
         rollout_num_gpus=c.rollout_num_gpus, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine,
         actor_num_nodes=c.actor_num_nodes, actor_num_gpus_per_node=c.actor_num_gpus_per_node,
         num_gpus_per_node=c.num_gpus_per_node, has_trainer=not cfg.debug_rollout_only,

@@ -93,7 +93,7 @@ class RolloutConfig:
     temperature: float = 1.0            # --rollout-temperature
     top_p: float = 1.0                  # --rollout-top-p
     top_k: int = -1                     # --rollout-top-k
-    num_engines: int = 1                # --rollout-num-engines
+    num_engines: int | None = None      # --rollout-num-engines (None: the placement picks, cluster/auto_layout.py)
     engine: str = "embedded"            # --rollout-engine: one of ENGINE_NAMES
     rm_type: str = "math"               # --rm-type
     custom_rm_path: str | None = None   # --custom-rm-path module:function

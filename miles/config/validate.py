@@ -453,7 +453,7 @@ def _placement(cfg: RunConfig, problems: list[str]) -> None:
     if c.rollout_num_gpus_per_engine > 1 and c.colocate:
         problems.append(f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine} with --colocate: a colocated "
                         "engine shares one trainer GPU; use 1 (or drop --colocate for tensor-parallel SGLang servers)")
-    if c.rollout_num_gpus is not None and cfg.rollout.num_engines != 1 \
+    if c.rollout_num_gpus is not None and cfg.rollout.num_engines is not None \
             and c.rollout_num_gpus != cfg.rollout.num_engines * c.rollout_num_gpus_per_engine:
         problems.append(f"--rollout-num-gpus {c.rollout_num_gpus} and --rollout-num-engines {cfg.rollout.num_engines} "
                         f"disagree (x --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}); give one of them")

@@ -28,7 +28,8 @@ from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR,
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
-from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
+from miles.cluster.auto_layout import (AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines,
+                                       machine_cores)
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
                                      check_cluster, cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
@@ -254,12 +255,14 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
     without GPUs in the cluster) asks for no GPU, as before."""
     cfg = ctx.cfg
     use_gpus = cfg.model.uses_gpus(gpus)
-    plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+    cores = machine_cores()
+    plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
+    auto_engines = auto_num_engines(cfg, use_gpus=use_gpus, cores=cores) is not None
     auto = auto_colocate(cfg, use_gpus=use_gpus, cluster_gpus=gpus, started=ctx.c.cluster.started,
                          needed_gpus=plan.gpus, machine=ctx.tracer.machine)
     if auto is not None:
         ctx.cfg = cfg = auto
-        plan = plan_placement(placement_request(cfg, use_gpus=use_gpus))
+        plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
     check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems = import_object(check)(cfg, len(plan.trainers))
@@ -275,6 +278,7 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         add(place.group)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
                     colocate=cfg.cluster.colocate, auto_colocate=AUTO_COLOCATE_REASON if auto else None,
+                    auto_engines=AUTO_ENGINES_REASON.format(cores=cores) if auto_engines and plan.engines else None,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
 

@@ -112,7 +112,8 @@ class ProgressModel:
         return [("warning: " + line) if ev.get("fast_path_refused") else line]
 
     def _on_placement(self, ev: dict[str, Any]) -> list[str]:
-        return [f"colocating: {ev['auto_colocate']}"] if ev.get("auto_colocate") else []
+        return ([f"colocating: {ev['auto_colocate']}"] if ev.get("auto_colocate") else []) + \
+            ([f"engines: {ev['auto_engines']}"] if ev.get("auto_engines") else [])
 
     def _on_start_rollout_set(self, ev: dict[str, Any]) -> list[str]:
         self.start_rollout = int(ev.get("next_rollout", 0))

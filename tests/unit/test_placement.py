@@ -130,3 +130,33 @@ def test_one_gpu_and_no_layout_flags_colocate_and_a_named_layout_stays_as_given(
     assert auto_colocate(plain, use_gpus=False, cluster_gpus=1, started=True, needed_gpus=0, machine="sync") is None
     line = ProgressModel().update({"event": "placement", "auto_colocate": AUTO_COLOCATE_REASON})
     assert line == [f"colocating: {AUTO_COLOCATE_REASON}"] and "--colocate" in line[0]
+
+
+def test_a_cpu_run_without_an_engine_count_gets_two_engines_and_a_named_count_is_kept():
+    from pathlib import Path
+
+    from miles.cluster.auto_layout import AUTO_ENGINES_REASON, auto_num_engines
+    from miles.cluster.placement import placement_request
+    from miles.config.flags import parse_flags
+    from miles.tracking.progress import ProgressModel
+
+    def cfg_of(*flags):
+        example = Path(__file__).resolve().parents[2] / "examples/arithmetic/grpo.yaml"
+        return parse_flags(["--config", str(example), *flags])[0]
+
+    def engines(cfg, *, use_gpus=False, cores=2):
+        return plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores)).num_engines
+
+    plain = cfg_of()
+    assert plain.rollout.num_engines is None
+    assert engines(plain) == 2 and engines(plain, cores=8) == 2
+    assert engines(plain, cores=1) == 1                    # one core: nothing to decode on beside it
+    assert engines(plain, use_gpus=True) == 1              # a GPU engine is not bound to one thread
+    assert engines(cfg_of("--rollout-num-engines", "1")) == 1          # named: kept, 1 included
+    assert engines(cfg_of("--rollout-num-engines", "3")) == 3
+    assert engines(cfg_of("--rollout-num-gpus", "1"), use_gpus=True) == 1
+    assert auto_num_engines(cfg_of("--rollout-num-engines", "1"), use_gpus=False, cores=2) is None
+    assert auto_num_engines(cfg_of("--rollout-engine", "sglang"), use_gpus=False, cores=2) is None
+    reason = AUTO_ENGINES_REASON.format(cores=2)
+    line = ProgressModel().update({"event": "placement", "auto_engines": reason})
+    assert line == [f"engines: {reason}"] and "--rollout-num-engines 1" in line[0]
