@@ -40,9 +40,14 @@ def test_the_host_example_stops_one_run_and_finishes_the_other(tiny_task, tmp_pa
     for trace in (stopped, finished):
         registered = [e.get("position") for e in trace.of("registered")]
         assert [e.get("position") for e in trace.of("disposed")] == sorted(registered, reverse=True)
-    # the finished run's results equal a solo run's with the same config (seed 2)
+    # the finished run's results equal a solo run's with the same config (the example's, seed 2)
+    sys.path.insert(0, str(ROOT / "examples/embed"))
+    try:
+        from host import config
+    finally:
+        sys.path.remove(str(ROOT / "examples/embed"))
     solo_dir = tmp_path / "solo"
-    cfg = miles.config_from_flags(base_flags(tiny_task, solo_dir, num_rollout=3, seed=2))
+    cfg = config(tiny_task["model"], tiny_task["train"], solo_dir, seed=2, num_rollout=3)
     result = miles.run_sync(cfg)
     assert result.outcome == "ok"
     assert train_rows(solo_dir) == train_rows(out / "finished")
