@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from miles.checkpoint.store import CheckpointStore
 from miles.config.flags import parse_flags
 from miles.api.launch import train
+from miles.cluster.auto_layout import machine_cores
 from miles.runtime import read_trace, with_disposer
 from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
@@ -63,12 +64,17 @@ def test_three_rollouts_end_to_end(ray_cluster, tiny_task, tmp_path):
 
 
 def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
-    full = run(base_flags(tiny_task, tmp_path / "full", num_rollout=4, save=tmp_path / "ck_full", save_interval=2))
+    # with the default engine count: two engines on a CPU of two or more cores, each its own part of the
+    # batch and its own seed, so the runs below are reproducible with two engines as with one
+    flags = dict(num_rollout=4, save_interval=2, rollout_num_engines=None)
+    full = run(base_flags(tiny_task, tmp_path / "full", save=tmp_path / "ck_full", **flags))
+    placement = read_trace(full.run_dir).of("placement")[0]
+    two = machine_cores() >= 2
+    assert len(placement.get("engines")) == (2 if two else 1)
+    assert ("--rollout-num-engines 1" in placement.get("auto_engines")) if two else placement.get("auto_engines") is None
     # the same run, stopped after 2 rollouts (it saves on the way out), then resumed from its checkpoint
-    run(base_flags(tiny_task, tmp_path / "first", num_rollout=4, save=tmp_path / "ck", save_interval=2,
-                   debug_exit_after_rollout=2))
-    resumed = run(base_flags(tiny_task, tmp_path / "second", num_rollout=4, save=tmp_path / "ck", save_interval=2,
-                             load=tmp_path / "ck"))
+    run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", debug_exit_after_rollout=2, **flags))
+    resumed = run(base_flags(tiny_task, tmp_path / "second", save=tmp_path / "ck", load=tmp_path / "ck", **flags))
     assert read_trace(resumed.run_dir).of("resumed")[0].rollout_id == 1
     full_rows = {r["step"]: comparable(r) for r in full.metrics if r.get("kind") == "train"}
     resumed_rows = {r["step"]: comparable(r) for r in resumed.metrics if r.get("kind") == "train"}
