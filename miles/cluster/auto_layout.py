@@ -18,7 +18,6 @@ every engine holds a copy of the weights. An explicit --rollout-num-engines, 1 i
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -50,11 +49,6 @@ def auto_num_engines(cfg: RunConfig, *, use_gpus: bool, cores: int) -> int | Non
             or cfg.rollout.engine == "sglang" or cores < CPU_ENGINES):
         return None
     return CPU_ENGINES
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (the local cluster's engines share them)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def auto_colocate(cfg: RunConfig, *, use_gpus: bool, cluster_gpus: float, started: bool,

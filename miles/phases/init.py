@@ -28,8 +28,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR,
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
 from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
-from miles.cluster.auto_layout import (AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines,
-                                       machine_cores)
+from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
                                      check_cluster, cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
@@ -56,6 +55,7 @@ from miles.rollout.rewards import REMOTE_RM, load_reward_fn
 from miles.rollout.scoring import Rewards
 from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
+from miles.runtime.procs import usable_cores
 from miles.tracking.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS
 from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
@@ -255,7 +255,7 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
     without GPUs in the cluster) asks for no GPU, as before."""
     cfg = ctx.cfg
     use_gpus = cfg.model.uses_gpus(gpus)
-    cores = machine_cores()
+    cores = usable_cores()
     plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
     auto_engines = auto_num_engines(cfg, use_gpus=use_gpus, cores=cores) is not None
     auto = auto_colocate(cfg, use_gpus=use_gpus, cluster_gpus=gpus, started=ctx.c.cluster.started,

@@ -22,6 +22,11 @@ import psutil
 STRAY_POLL_S = 0.02       # how often a teardown looks whether the group's strays have exited
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class OwnedProcess:
     def __init__(self, argv: Sequence[str], *, name: str, term_timeout_s: float = 10.0, **popen: Any):
         self.resource_name = name

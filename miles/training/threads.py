@@ -15,10 +15,11 @@ threads every stray wake-up of the run's other processes stalls one of them at e
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
+
+from miles.runtime.procs import usable_cores
 
 
 def in_ray_actor() -> bool:
@@ -46,8 +47,7 @@ def pick_cpu_threads(*, on_cpu: bool, in_actor: bool, cores: int, current: int) 
 def cpu_threads(device: torch.device, share: int = 1) -> int:
     """Apply `pick_cpu_threads` for a trainer on `device`, one of `share` trainer processes on this
     machine's cores (CPU ranks: each takes its part, not all); returns the threads torch uses now."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores = max(1, cores // max(1, share))
+    cores = max(1, usable_cores() // max(1, share))
     n = pick_cpu_threads(on_cpu=device.type == "cpu", in_actor=in_ray_actor(), cores=cores,
                          current=torch.get_num_threads())
     if n is not None:

@@ -12,6 +12,7 @@ import pytest
 
 import miles
 from miles.runtime import read_trace
+from miles.user_code import import_user_function
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
@@ -41,11 +42,7 @@ def test_the_host_example_stops_one_run_and_finishes_the_other(tiny_task, tmp_pa
         registered = [e.get("position") for e in trace.of("registered")]
         assert [e.get("position") for e in trace.of("disposed")] == sorted(registered, reverse=True)
     # the finished run's results equal a solo run's with the same config (the example's, seed 2)
-    sys.path.insert(0, str(ROOT / "examples/embed"))
-    try:
-        from host import config
-    finally:
-        sys.path.remove(str(ROOT / "examples/embed"))
+    config = import_user_function(f"{ROOT / 'examples/embed/host.py'}:config", "examples/embed/host.py")
     solo_dir = tmp_path / "solo"
     cfg = config(tiny_task["model"], tiny_task["train"], solo_dir, seed=2, num_rollout=3)
     result = miles.run_sync(cfg)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from miles.checkpoint.store import CheckpointStore
 from miles.config.flags import parse_flags
 from miles.api.launch import train
-from miles.cluster.auto_layout import machine_cores
+from miles.runtime.procs import usable_cores
 from miles.runtime import read_trace, with_disposer
 from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
@@ -69,7 +69,7 @@ def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     flags = dict(num_rollout=4, save_interval=2, rollout_num_engines=None)
     full = run(base_flags(tiny_task, tmp_path / "full", save=tmp_path / "ck_full", **flags))
     placement = read_trace(full.run_dir).of("placement")[0]
-    two = machine_cores() >= 2
+    two = usable_cores() >= 2
     assert len(placement.get("engines")) == (2 if two else 1)
     assert ("--rollout-num-engines 1" in placement.get("auto_engines")) if two else placement.get("auto_engines") is None
     # the same run, stopped after 2 rollouts (it saves on the way out), then resumed from its checkpoint
