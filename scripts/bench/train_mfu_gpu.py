@@ -1,0 +1,195 @@
+"""Benchmark (GPU machine, not a test): the torch trainer's step alone at a scale workload's shape, by variant.
+
+`grpo_scale_gpu.py` measures a whole colocated iteration (minutes a rollout at 4B x 4k answers);
+this bench times only the train phase, on random tokens of the same shape, so that the trainer's
+levers (activation recompute, the token budget, packing, --offload-train) can be compared in one
+call. Each variant is one `Trainer` built from the workload's random bf16 model, trained on
+--samples samples of --prompt-len + --response-len tokens (one optimizer step per rollout, as the
+scale workloads do): --warmup rollouts (the first compiles), then --rollouts timed ones; the
+variants run one after another (a 4B trainer holds 60+ GB), each disposed before the next.
+
+A colocated engine keeps its bf16 weights on the GPU while the trainer trains (the fast engine);
+the bench holds as many bytes (2 B/param, plus --reserve-extra-gib for its CUDA context) so that the
+memory plan sees what it sees in the colocated run.
+
+Variants (--variants, comma-separated NAME:key=value;key=value): budget (tokens per micro-batch;
+"plan": none given, the memory plan's), recompute (0/1), pack (0/1), offload (0/1: the optimizer
+state to host memory after the warm-up, streamed by each step, as --offload-train does).
+
+Printed JSON per variant: step_s (median of the timed rollouts), mfu (6 x params x tokens / step_s /
+989 TFLOP/s, the scale bench's formula), micro_batches, memory_token_budget, the trainer's torch
+peak. --profile DIR: one more rollout of each variant under torch.profiler, its kernels by CUDA time
+into DIR/<variant>.txt.
+
+Usage (GPU machine, from the checkout, after installing the .whl wheels):
+  PYTHONPATH=$PWD python3 scripts/bench/train_mfu_gpu.py --size 4b --response-len 4096 --out r.json
+A CPU smoke run of the script only: --device cpu (a tiny shape, a few tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import grpo_scale_gpu  # noqa: E402,F401  (adds the Qwen3-4B and 8B shapes to grpo_step_gpu.SHAPES)
+import grpo_step_gpu as step  # noqa: E402
+from train_megatron_gpu import log, rollout  # noqa: E402
+
+DEFAULT_VARIANTS = ("recompute:recompute=1;budget=32768,plan:budget=plan,"
+                    "packed:offload=1;budget=12800,padded:offload=1;budget=12800;pack=0")
+KEYS = {"budget", "recompute", "pack", "offload"}
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    """NAME:key=value;key=value,... -> {NAME: {budget, recompute, pack, offload}} (see the docstring)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, spec = item.partition(":")
+        v = {"budget": "plan", "recompute": 0, "pack": 1, "offload": 0}
+        for kv in filter(None, spec.split(";")):
+            key, _, value = kv.partition("=")
+            if key not in KEYS:
+                raise SystemExit(f"--variants: {item!r} has an unknown key {key!r}; use {sorted(KEYS)}")
+            v[key] = value if key == "budget" and value == "plan" else int(value)
+        out[name] = v
+    return out
+
+
+def make_trainer(model: str, v: dict, args):
+    from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+    from miles.training.trainer import Trainer
+
+    budget = None if v["budget"] == "plan" else v["budget"]
+    train = TrainConfig(lr=1e-6, micro_batch_size=args.samples, global_batch_size=args.samples,
+                        use_dynamic_batch_size=budget is not None, max_tokens_per_gpu=budget,
+                        pack_sequences=bool(v["pack"]), recompute_activations=bool(v["recompute"]))
+    return Trainer(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
+                   rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
+                                         max_response_len=args.response_len), device=args.device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_rollout(trainer, v: dict, args, vocab: int, r: int) -> tuple[float, dict]:
+    samples = rollout(r, args.samples, args.prompt_len, args.response_len, vocab)
+    if v["offload"] and r > 0:
+        trainer.onload()
+    sync(args.device)
+    t0 = time.perf_counter()
+    metrics = trainer.train(samples, r)
+    sync(args.device)
+    took = time.perf_counter() - t0
+    if v["offload"]:
+        trainer.offload()
+    return took, metrics
+
+
+def profile_rollout(trainer, v: dict, args, vocab: int, r: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        one_rollout(trainer, v, args, vocab, r)
+    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+
+
+def run_variant(name: str, v: dict, model: str, args, params: int, vocab: int) -> dict:
+    log(f"{name}: {v}")
+    trainer = make_trainer(model, v, args)
+    times, metrics, calls = [], {}, []
+    micro_loss = trainer._micro_loss
+    trainer._micro_loss = lambda *a, **k: calls.append(1) or micro_loss(*a, **k)   # micro-batches counted
+    try:
+        for r in range(args.warmup + args.rollouts):
+            took, metrics = one_rollout(trainer, v, args, vocab, r)
+            log(f"{name}: rollout {r} {took:.2f} s, loss {metrics['loss']:.5f}")
+            if r >= args.warmup:
+                times.append(took)
+            micro_batches, calls[:] = len(calls), []
+        if args.profile:
+            profile_rollout(trainer, v, args, vocab, args.warmup + args.rollouts, args.profile / f"{name}.txt")
+    finally:
+        trainer.dispose()
+        del trainer
+        gc.collect()
+        torch._dynamo.reset()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    tokens = args.samples * (args.prompt_len + args.response_len)
+    med = statistics.median(times)
+    return {**v, "step_s": round(med, 3), "step_s_all": [round(t, 3) for t in times],
+            "mfu": round(6 * params * tokens / (med * step.PEAK_TFLOPS * 1e12), 4) if args.device == "cuda" else None,
+            "tokens_per_s": round(tokens / med), "micro_batches": micro_batches,
+            "memory_token_budget": metrics.get("memory_token_budget"),
+            "tokens_computed_per_real": round(metrics.get("tokens_computed_per_real", 0.0), 4),
+            "trainer_peak_gib": round(metrics["gpu_mem_peak_gib"], 2) if "gpu_mem_peak_gib" in metrics else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--family", default="qwen3")
+    p.add_argument("--size", default="4b")
+    p.add_argument("--samples", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--response-len", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rollouts", type=int, default=2)
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--reserve-extra-gib", type=float, default=2.0,
+                   help="held besides the engine's bf16 weights (its CUDA context and buffers)")
+    p.add_argument("--profile", type=Path)
+    p.add_argument("--out")
+    args = p.parse_args()
+    variants = parse_variants(args.variants)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA here; pass --device cpu for the smoke run")
+    if args.device == "cpu":
+        args.family, args.size, args.samples, args.prompt_len, args.response_len = "qwen2", "0.5b", 8, 8, 16
+        step.SHAPES[("qwen2", "0.5b")] = dict(step.SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=128)
+    shape = step.SHAPES[(args.family, args.size)]
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "workload": f"{args.family}-{args.size}", "samples": args.samples, "prompt_len": args.prompt_len,
+              "response_len": args.response_len, "rollouts_timed": args.rollouts, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        params = step.build_model(folder, args.family, args.size)
+        result["params"] = params
+        engine = None
+        if args.device == "cuda":    # what a colocated fast engine keeps on the GPU while the trainer trains
+            engine = torch.empty(int(2 * params + args.reserve_extra_gib * 2 ** 30), dtype=torch.uint8, device="cuda")
+        for name, v in variants.items():
+            try:
+                result["variants"][name] = run_variant(name, v, str(folder), args, params, shape["vocab_size"])
+            except torch.OutOfMemoryError as exc:
+                result["variants"][name] = {**v, "error": f"out of memory: {str(exc)[:300]}"}
+                gc.collect()
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            log(f"{name}: {result['variants'][name]}")
+        del engine
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
