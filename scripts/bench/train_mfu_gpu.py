@@ -43,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import grpo_scale_gpu  # noqa: E402,F401  (adds the Qwen3-4B and 8B shapes to grpo_step_gpu.SHAPES)
-import grpo_step_gpu as step  # noqa: E402
+import grpo_step_gpu as step  # noqa: E402  (the shapes, the model builder, the peak)
 from train_megatron_gpu import log, rollout  # noqa: E402
 
 DEFAULT_VARIANTS = ("recompute:recompute=1;budget=32768,plan:budget=plan,"
@@ -145,8 +144,8 @@ def run_variant(name: str, v: dict, model: str, args, params: int, vocab: int) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--family", default="qwen3")
-    p.add_argument("--size", default="4b")
+    p.add_argument("--family", default="qwen3", choices=sorted({f for f, _ in step.SHAPES}))
+    p.add_argument("--size", default="4b", choices=sorted({z for _, z in step.SHAPES}))
     p.add_argument("--samples", type=int, default=24)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--response-len", type=int, default=4096)
@@ -161,10 +160,13 @@ def main() -> None:
     variants = parse_variants(args.variants)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA here; pass --device cpu for the smoke run")
-    if args.device == "cpu":
-        args.family, args.size, args.samples, args.prompt_len, args.response_len = "qwen2", "0.5b", 8, 8, 16
-        step.SHAPES[("qwen2", "0.5b")] = dict(step.SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, intermediate_size=128)
+    if args.device == "cpu":      # the smoke run: a tiny Qwen2 (the 0.5B shape's vocabulary), a few tokens
+        step.SHAPES[("qwen2", "smoke")] = dict(step.SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=128)
+        args.family, args.size, args.samples, args.prompt_len, args.response_len = "qwen2", "smoke", 8, 8, 16
+    if (args.family, args.size) not in step.SHAPES:
+        raise SystemExit(f"--family {args.family} --size {args.size}: no such shape; "
+                         f"use one of {sorted(f'{f} {z}' for f, z in step.SHAPES)}")
     shape = step.SHAPES[(args.family, args.size)]
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "workload": f"{args.family}-{args.size}", "samples": args.samples, "prompt_len": args.prompt_len,
