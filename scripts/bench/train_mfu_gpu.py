@@ -17,9 +17,10 @@ Variants (--variants, comma-separated NAME:key=value;key=value): budget (tokens 
 state to host memory after the warm-up, streamed by each step, as --offload-train does).
 
 Printed JSON per variant: step_s (median of the timed rollouts), mfu (6 x params x tokens / step_s /
-989 TFLOP/s, the scale bench's formula), micro_batches, memory_token_budget, the trainer's torch
-peak. --profile DIR: one more rollout of each variant under torch.profiler, its kernels by CUDA time
-into DIR/<variant>.txt.
+989 TFLOP/s, the scale bench's formula), micro_batches, memory_token_budget, the torch
+peak of the process (the engine's stand-in in it). --profile DIR: one more rollout of each variant under
+torch.profiler, its ops by CUDA time into DIR/<variant>.txt, and in the JSON its wall time and its
+kernels' seconds by kind (matmul, attention, copy, compiled, other) with `busy_s`, the time any ran.
 
 Usage (GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/train_mfu_gpu.py --size 4b --response-len 4096 --out r.json
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -98,15 +100,49 @@ def one_rollout(trainer, v: dict, args, vocab: int, r: int) -> tuple[float, dict
     return took, metrics
 
 
-def profile_rollout(trainer, v: dict, args, vocab: int, r: int, path: Path) -> None:
+# kernel name -> what it does (the first pattern that matches; the names CUDA 13's cuBLAS, cuDNN's SDPA,
+# inductor and the copy engines gave on the H200)
+KERNEL_KINDS = (("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
+                ("attention", re.compile(r"attention|flash|fmha|sdpa", re.I)),
+                ("copy", re.compile(r"memcpy", re.I)),
+                ("compiled", re.compile(r"^triton_")),
+                ("other", re.compile(r"")))
+
+
+def kernel_kind(name: str) -> str:
+    return next(kind for kind, pattern in KERNEL_KINDS if pattern.search(name))
+
+
+def kernel_breakdown(events) -> dict[str, float]:
+    """Seconds of GPU kernels by kind (`kernel_kind`), and `busy_s`: the time at least one ran (copies
+    on their own streams overlap the rest, so the kinds can add up to more than it). Empty on the CPU."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    out = {kind: 0.0 for kind, _ in KERNEL_KINDS}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    for e in kernels:
+        out[kernel_kind(e.name)] += e.time_range.elapsed_us() / 1e6
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:           # the union of the kernels' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {k: round(v, 3) for k, v in {**out, "busy_s": busy / 1e6}.items()} if kernels else {}
+
+
+def profile_rollout(trainer, v: dict, args, vocab: int, r: int, path: Path) -> dict[str, float]:
+    """One more rollout under torch.profiler: its op table into `path`; returns its wall time and its
+    kernels' time by kind."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        one_rollout(trainer, v, args, vocab, r)
+        took, _ = one_rollout(trainer, v, args, vocab, r)
     key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+    return {"wall_s": round(took, 3), **kernel_breakdown(prof.events())}
 
 
 def run_variant(name: str, v: dict, model: str, args, params: int, vocab: int) -> dict:
@@ -122,8 +158,9 @@ def run_variant(name: str, v: dict, model: str, args, params: int, vocab: int) -
             if r >= args.warmup:
                 times.append(took)
             micro_batches, calls[:] = len(calls), []
+        profiled = None
         if args.profile:
-            profile_rollout(trainer, v, args, vocab, args.warmup + args.rollouts, args.profile / f"{name}.txt")
+            profiled = profile_rollout(trainer, v, args, vocab, args.warmup + args.rollouts, args.profile / f"{name}.txt")
     finally:
         trainer.dispose()
         del trainer
@@ -138,7 +175,8 @@ def run_variant(name: str, v: dict, model: str, args, params: int, vocab: int) -
             "tokens_per_s": round(tokens / med), "micro_batches": micro_batches,
             "memory_token_budget": metrics.get("memory_token_budget"),
             "tokens_computed_per_real": round(metrics.get("tokens_computed_per_real", 0.0), 4),
-            "trainer_peak_gib": round(metrics["gpu_mem_peak_gib"], 2) if "gpu_mem_peak_gib" in metrics else None}
+            "torch_peak_gib": round(metrics["gpu_mem_peak_gib"], 2) if "gpu_mem_peak_gib" in metrics else None,
+            "profiled_rollout": profiled}
 
 
 def main() -> None:
