@@ -31,8 +31,8 @@ AUTO_COLOCATE_REASON = ("the cluster this run started has one GPU and no layout 
 
 
 CPU_ENGINES = 2
-AUTO_ENGINES_REASON = (f"a CPU run on {{cores}} cores without --rollout-num-engines: {CPU_ENGINES} engines, one "
-                       "decoding on each core (--rollout-num-engines 1 for one)")
+AUTO_ENGINES_REASON = (f"a CPU run on {{cores}} cores without --rollout-num-engines: {CPU_ENGINES} engines, each "
+                       "decoding on a core of its own (--rollout-num-engines 1 for one)")
 
 
 def names_no_layout(cfg: RunConfig) -> bool:

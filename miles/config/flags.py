@@ -94,7 +94,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-top-p", "rollout", "top_p", float, "nucleus sampling threshold"),
     _f("rollout-top-k", "rollout", "top_k", int, "top-k sampling (-1: off)"),
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts (default: 2 on a "
-       "CPU run with two or more cores and no --rollout-num-gpus, one decoding on each core; else 1)"),
+       "CPU run with two or more cores and no --rollout-num-gpus, each decoding on a core of its own; else 1)"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", ENGINE_NAMES),
     _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...}; miles' "
        "other types get a line saying what to use)"),

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import grpo_step_gpu as step  # noqa: E402  (the shapes, the model builder, the peak)
+from fsdp_step_gpu import sync  # noqa: E402
 from train_megatron_gpu import log, rollout  # noqa: E402
 
 DEFAULT_VARIANTS = ("recompute:recompute=1;budget=32768,plan:budget=plan,"
@@ -79,11 +80,6 @@ def make_trainer(model: str, v: dict, args):
     return Trainer(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
                    rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                          max_response_len=args.response_len), device=args.device)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def one_rollout(trainer, v: dict, args, vocab: int, r: int) -> tuple[float, dict]:
@@ -219,11 +215,8 @@ def main() -> None:
         for name, v in variants.items():
             try:
                 result["variants"][name] = run_variant(name, v, str(folder), args, params, shape["vocab_size"])
-            except torch.OutOfMemoryError as exc:
+            except torch.OutOfMemoryError as exc:   # run_variant freed the variant's memory on the way out
                 result["variants"][name] = {**v, "error": f"out of memory: {str(exc)[:300]}"}
-                gc.collect()
-                torch._dynamo.reset()
-                torch.cuda.empty_cache()
             log(f"{name}: {result['variants'][name]}")
         del engine
     print(json.dumps(result, indent=2))
