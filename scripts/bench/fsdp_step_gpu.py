@@ -1,6 +1,7 @@
 """Benchmark: the torch trainer's step on one rank under FSDP2 against the unsharded trainer, one GPU.
 
-Builds a random Qwen2.5-0.5B-shaped model (as scripts/bench/train_megatron_gpu.py does) and trains
+Builds a random Qwen2.5-0.5B-shaped model (as scripts/bench/train_megatron_gpu.py does; --size picks
+a scale workload's shape instead, e.g. --size 1.7b: Qwen3-1.7B as grpo_step_gpu.py builds it) and trains
 each variant on the same GRPO rollouts of random tokens (--samples samples of --prompt-len prompt and
 --response-len response tokens, one optimizer step per rollout, micro-batches of --micro-batch-size).
 All variants live in the process at once (the FSDP ranks share one process group of 1): each
@@ -12,6 +13,7 @@ version); medians over the timed rollouts, each timed in its two calls:
   step_s      train: forward + backward + optimizer step
   optimizer_s of step_s: gradient clipping + the optimizer's update
   tokens_per_s; peak_mem_gib_all_variants (torch.cuda.max_memory_allocated, every variant alive)
+  mfu         with --size: 6 * params * tokens / (step_s * 989 TFLOP/s), as grpo_scale_gpu.py counts it
 
 Variants (--variants, in this order by default):
   torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
@@ -21,6 +23,8 @@ Variants (--variants, in this order by default):
           chunked logprobs (inside the root's forward) and compiled layers as torch (what each of N
           ranks runs; a one-GPU run itself trains with the one-process trainer)
   fsdp2, fsdp4  (not run by default) fsdp with 2 or 4 consecutive decoder layers per FSDP unit
+  NAME-sync  (not run by default) an fsdp variant that reduce-scatters every micro-batch's gradients and
+          accumulates them sharded (`FSDPRank(sync_every_micro_batch=True)`) instead of whole in float32
   plain   (not run by default) the unsharded trainer on the slower path: full logits, eager layers
   NAME-eager  (not run by default) torch or fsdp with eager decoder layers (--no-trainer-compile)
 
@@ -34,6 +38,9 @@ Usage (GPU machine, from the checkout):
   --device cpu: a tiny shape and batch on the CPU (a smoke run: float32, gloo)
   --max-tokens-per-gpu N: token-budget micro-batches (packed) in every variant instead of
   --micro-batch-size rows (the configuration the scale runs use)
+  --family F --size Z: a shape of grpo_step_gpu.SHAPES (qwen3 1.7b, 4b, ...) instead of the 0.5B one;
+  the 1.7B scale workload's train step: --size 1.7b --samples 64 --prompt-len 128 --response-len 1024
+  --max-tokens-per-gpu 16384 (the step there is bound by the GPU, not by the host's launches)
 """
 
 from __future__ import annotations
@@ -152,6 +159,7 @@ def make(variant: str, model: str, args):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 
     base, eager = variant.removesuffix("-eager"), variant.endswith("-eager")
+    base, sync_each = base.removesuffix("-sync"), base.endswith("-sync")
     budget = args.max_tokens_per_gpu
     train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples,
                         compile_layers=False if eager or base == "plain" else None,
@@ -162,16 +170,20 @@ def make(variant: str, model: str, args):
     if base.startswith("fsdp") and base[4:] in ("", "2", "4"):
         from miles.training.fsdp.rank import FSDPRank
 
-        rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1), **kw)
+        rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1),
+                        sync_every_micro_batch=sync_each, **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
     from miles.training.trainer import Trainer
 
+    if sync_each:
+        raise SystemExit(f"--variants: {variant!r}: only an fsdp variant can end in -sync")
     if base == "plain":
         return Trainer(model, **kw, hidden_forward=False)
     if base == "torch":
         return Trainer(model, **kw)
-    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp2, fsdp4, torch (each may end in -eager)")
+    raise SystemExit(f"--variants: unknown variant {variant!r}; use plain, fsdp, fsdp2, fsdp4 (each may end in -sync), "
+                     "torch (each may end in -eager)")
 
 
 def main() -> None:
@@ -182,6 +194,9 @@ def main() -> None:
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="micro-batches by token budget (--use-dynamic-batch-size, packed) in every variant, not by "
                         "--micro-batch-size rows: fewer, larger micro-batches, so fewer FSDP hooks per step")
+    p.add_argument("--family", default=None, help="with --size: a grpo_step_gpu.py shape (default qwen3)")
+    p.add_argument("--size", default=None, help="a grpo_step_gpu.py shape's size (1.7b, 4b, ...); default: the 0.5B "
+                                                "shape of train_megatron_gpu.py")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--profile", type=Path, help="profile one more rollout per variant; tables into this folder")
     p.add_argument("--trace", action="store_true", help="with --profile: also each variant's Chrome trace")
@@ -192,12 +207,29 @@ def main() -> None:
     if args.device == "cpu":
         args.samples, args.prompt_len, args.response_len, args.micro_batch_size = 16, 8, 16, 4
         args.warmup, args.rollouts = 1, 1
+    scale_shape = None
+    if args.size is not None or args.family is not None:
+        import grpo_step_gpu as step     # the scale workloads' shapes and model builder
+
+        key = (args.family or "qwen3", args.size or "")
+        if key not in step.SHAPES:
+            raise SystemExit(f"--family {key[0]} --size {key[1]}: no such shape; use one of "
+                             f"{sorted(f'{f} {z}' for f, z in step.SHAPES)}")
+        if args.device == "cpu":
+            raise SystemExit("--size is a GPU shape; the CPU smoke run takes the tiny one (leave --size out)")
+        shape, scale_shape = step.SHAPES[key], (key, step.build_model)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": shape,
+              "workload": "-".join(scale_shape[0]) if scale_shape else ("qwen2-0.5b" if args.device == "cuda" else "smoke"),
               "samples": args.samples, "prompt_len": args.prompt_len, "response_len": args.response_len,
               "micro_batch_size": args.micro_batch_size, "max_tokens_per_gpu": args.max_tokens_per_gpu,
               "rollouts_timed": args.rollouts, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model", shape, args.device)
+        if scale_shape:
+            (family, size), build = scale_shape
+            result["params"] = build(Path(tmp) / "model", family, size)
+            model = str(Path(tmp) / "model")
+        else:
+            model = build_model(Path(tmp) / "model", shape, args.device)
         trainers = {}
         for variant in args.variants.split(","):
             log(f"{variant}: building")
@@ -214,9 +246,14 @@ def main() -> None:
         del trainers
         gc.collect()
     done = result["variants"]
+    if result.get("params"):     # the scale bench's formula: 6 * params * tokens a step at the bf16 peak
+        import grpo_step_gpu as step
+
+        for v in done.values():
+            v["mfu"] = round(6 * result["params"] * v["tokens_per_rollout"] / (v["step_s"] * step.PEAK_TFLOPS * 1e12), 4)
     total = {k: v["total_s_median"] for k, v in done.items()}
     for base in ("torch", "plain"):
-        for fsdp in ("fsdp", "fsdp2", "fsdp4"):
+        for fsdp in ("fsdp", "fsdp2", "fsdp4", "fsdp-sync"):
             if {base, fsdp} <= done.keys():
                 result[f"{fsdp}_over_{base}"] = round(total[fsdp] / total[base], 3)
     if {"fsdp-eager", "torch-eager"} <= done.keys():

@@ -63,14 +63,14 @@ def spawn_gloo_ranks(target, world_size: int = 2) -> dict[int, str]:
 
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, script: list[tuple[str, object]],
-               hidden: bool):
+               hidden: bool, options: dict):
     """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes the
     metrics and the whole weights after each train to out/rank_<r>.pt. `hidden`: the chunked
-    hidden-state logprobs (CUDA's path) in place of the logits."""
+    hidden-state logprobs (CUDA's path) in place of the logits; `options`: more `FSDPRank` arguments."""
     torch.set_num_threads(1)
     from miles.training.fsdp.rank import FSDPRank
 
-    t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=hidden, **configs(**RANKS_TRAIN))
+    t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=hidden, **configs(**RANKS_TRAIN), **options)
     t.setup("127.0.0.1", port)
     assert t._logits_path is not hidden
     results = []
@@ -100,8 +100,9 @@ def take_buckets(t, bucket_bytes: int) -> list[dict[str, torch.Tensor] | None]:
     return out
 
 
-def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]], hidden: bool = False) -> list:
-    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script, hidden), nprocs=world_size)
+def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]], hidden: bool = False,
+              **options) -> list:
+    mp.spawn(_rank_main, args=(world_size, free_port(), model, str(out), script, hidden, options), nprocs=world_size)
     return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -179,6 +180,13 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_one(one_rank, two_ranks, mod
     t.load(ck)
     assert t.num_steps == 4
     assert_same([(t.train(ROLLOUT, 2), t.weights())], one_rank[0][2:])
+
+
+def test_two_ranks_reducing_every_micro_batch_take_the_one_rank_steps(one_rank, model_path, tmp_path):
+    """`sync_every_micro_batch`: each micro-batch's gradients reduce-scattered and summed into the
+    shards (the units resharded after each backward) give the step of the whole-gradient accumulation."""
+    for got in run_ranks(2, model_path, tmp_path, [("train", 0), ("train", 1)], sync_every_micro_batch=True):
+        assert_same(got, one_rank[0][:2])
 
 
 @pytest.mark.extended

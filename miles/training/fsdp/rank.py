@@ -65,11 +65,15 @@ class RankMicroBatches:
 class FSDPRank(RankMicroBatches, Trainer):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
-                 hidden_forward: bool | None = None, layers_per_unit: int = 1):
+                 hidden_forward: bool | None = None, layers_per_unit: int = 1, sync_every_micro_batch: bool = False):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model.
         `hidden_forward` as the one-process trainer's (None: the chunked path on CUDA only);
-        `layers_per_unit`: consecutive decoder layers per FSDP unit (`sharding.shard_model`)."""
+        `layers_per_unit`: consecutive decoder layers per FSDP unit (`sharding.shard_model`);
+        `sync_every_micro_batch`: reduce-scatter each micro-batch's gradients and accumulate them
+        sharded (on N ranks the units also reshard after each backward: the least memory, the most
+        communication), instead of accumulating whole float32 gradients until the step's last."""
         self.rank, self.world_size, self.layers_per_unit = rank, world_size, layers_per_unit
+        self.sync_every_micro_batch = sync_every_micro_batch
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
                                             dtype=dtype, hidden_forward=hidden_forward))
         self._distributed = False
@@ -124,8 +128,8 @@ class FSDPRank(RankMicroBatches, Trainer):
             # gradients accumulate unsharded until the last micro-batch, which reduce-scatters them
             # once (not once per micro-batch); the units stay gathered between the micro-batches
             last = i == len(pairs) - 1
-            self._root.set_requires_gradient_sync(last)
-            self._root.set_reshard_after_backward(last)
+            self._root.set_requires_gradient_sync(last or self.sync_every_micro_batch)
+            self._root.set_reshard_after_backward(last or (self.sync_every_micro_batch and self.world_size > 1))
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             real = rows.numel() > 0
             (loss if real else loss * 0.0).backward()
