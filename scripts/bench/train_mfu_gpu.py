@@ -14,7 +14,10 @@ memory plan sees what it sees in the colocated run.
 
 Variants (--variants, comma-separated NAME:key=value;key=value): budget (tokens per micro-batch;
 "plan": none given, the memory plan's), recompute (0/1), pack (0/1), offload (0/1: the optimizer
-state to host memory after the warm-up, streamed by each step, as --offload-train does).
+state to host memory after the warm-up, streamed by each step, as --offload-train does), fsdp (0/1: the
+trainer as one FSDP2 rank, `miles.training.fsdp.rank.FSDPRank` in a world of one: bf16 parameters
+gathered once a step and kept across its micro-batches, no autocast, whole float32 gradients
+accumulated by FSDP; what each of N ranks runs).
 
 Printed JSON per variant: step_s (median of the timed rollouts), mfu (6 x params x tokens / step_s /
 989 TFLOP/s, the scale bench's formula), micro_batches, memory_token_budget, the torch
@@ -47,19 +50,19 @@ import torch  # noqa: E402
 
 import grpo_step_gpu as step  # noqa: E402  (the shapes, the model builder, the peak)
 from fsdp_step_gpu import sync  # noqa: E402
-from train_megatron_gpu import log, rollout  # noqa: E402
+from train_megatron_gpu import free_port, log, rollout  # noqa: E402
 
 DEFAULT_VARIANTS = ("recompute:recompute=1;budget=32768,plan:budget=plan,"
                     "packed:offload=1;budget=12800,padded:offload=1;budget=12800;pack=0")
-KEYS = {"budget", "recompute", "pack", "offload"}
+KEYS = {"budget", "recompute", "pack", "offload", "fsdp"}
 
 
 def parse_variants(text: str) -> dict[str, dict]:
-    """NAME:key=value;key=value,... -> {NAME: {budget, recompute, pack, offload}} (see the docstring)."""
+    """NAME:key=value;key=value,... -> {NAME: {budget, recompute, pack, offload, fsdp}} (see the docstring)."""
     out = {}
     for item in filter(None, text.split(",")):
         name, _, spec = item.partition(":")
-        v = {"budget": "plan", "recompute": 0, "pack": 1, "offload": 0}
+        v = {"budget": "plan", "recompute": 0, "pack": 1, "offload": 0, "fsdp": 0}
         for kv in filter(None, spec.split(";")):
             key, _, value = kv.partition("=")
             if key not in KEYS:
@@ -77,9 +80,16 @@ def make_trainer(model: str, v: dict, args):
     train = TrainConfig(lr=1e-6, micro_batch_size=args.samples, global_batch_size=args.samples,
                         use_dynamic_batch_size=budget is not None, max_tokens_per_gpu=budget,
                         pack_sequences=bool(v["pack"]), recompute_activations=bool(v["recompute"]))
-    return Trainer(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
-                   rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
-                                         max_response_len=args.response_len), device=args.device)
+    kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
+              rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
+                                    max_response_len=args.response_len), device=args.device)
+    if v["fsdp"]:
+        from miles.training.fsdp.rank import FSDPRank
+
+        rank = FSDPRank(model, rank=0, world_size=1, **kw)
+        rank.setup("127.0.0.1", free_port())      # its world of one; dispose() destroys it
+        return rank
+    return Trainer(model, **kw)
 
 
 def one_rollout(trainer, v: dict, args, vocab: int, r: int) -> tuple[float, dict]:
