@@ -26,7 +26,6 @@ A plain class; the composition root makes it a Ray actor.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.packing import Pack, use_packing
 from miles.training.shell import OptimizedModel
+from miles.training.terms import TermSums
 from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
@@ -172,23 +172,21 @@ class Critic(OptimizedModel):
         rows or token-budget groups); its loss terms and `micro_batches`, how many there were. Every
         micro-batch term is divided by the global batch's tokens, so the gradient is the same for any split."""
         normalizer = max(batch.num_tokens, 1)
-        sums: dict[str, float] = defaultdict(float)
+        sums = TermSums()
         for _, mb in self._micro_batches(batch):
             loss, terms = self._micro_loss(mb, normalizer)
             loss.backward()
-            for k, v in terms.items():
-                sums[k] += v
-            sums["micro_batches"] += 1
-        return dict(sums)
+            sums.add({**terms, "micro_batches": 1.0})
+        return sums.floats()
 
-    def _micro_loss(self, mb: TrainBatch, normalizer: int) -> tuple[Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: TrainBatch, normalizer: int) -> tuple[Tensor, dict[str, Tensor]]:
         """A micro-batch's share of the global batch's value loss (divided by the global batch's
-        `normalizer` tokens), and its share of the terms reported."""
+        `normalizer` tokens), and its share of the terms reported (on the device: `TermSums`)."""
         v = self._forward(mb)
         loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, value_clip=self._value_clip,
                              reduce=token_mean, normalizer=normalizer)
-        return loss, {"value_loss": loss.item(),
-                      "value_clip_frac": float(m["value_clip_frac"]) * mb.num_tokens / normalizer}
+        return loss, {"value_loss": loss.detach(),
+                      "value_clip_frac": m["value_clip_frac"] * (mb.num_tokens / normalizer)}
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         with self._autocast():

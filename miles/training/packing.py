@@ -11,11 +11,13 @@ Attention inside a pack is `packed_attention`, registered with transformers as t
 "miles_packed" (`enable_packing`): a model with it builds no attention mask at all (transformers
 makes none for an implementation without a mask function), and each layer gets the pack's sample
 boundaries (`cu_seq_lens_q`, `max_length_q`) through the forward's keyword arguments. On CUDA, in
-half precision, the boundaries go to torch's variable-length flash attention
+half precision, a pack whose samples differ in length goes to torch's variable-length flash attention
 (`torch.nn.attention.varlen.varlen_attn`) when this torch has it: O(sum of l_i^2) work, no mask.
-Elsewhere (CPU, float32, an older torch) the pack's samples are laid out as right-padded rows for one
-causal SDPA call and packed back (`_padded_attention`): the attention of a padded micro-batch, exact,
-no [L, L] mask either, while everything else in the layers runs on real tokens only. Called without boundaries (a padded
+Otherwise (samples of about one length: `attention_path`; CPU, float32, an older torch) the pack's
+samples are laid out as right-padded rows for one causal SDPA call and packed back
+(`_padded_attention`): the attention of a padded micro-batch, exact, no [L, L] mask either, while
+everything else in the layers runs on real tokens only; on CUDA that call runs cuDNN's flash kernels,
+faster than the variable-length kernel while the rows add little padding. Called without boundaries (a padded
 forward of the same model) it is plain causal SDPA, which is exact on right-padded rows.
 
 Why not transformers' own packed format (restarting `position_ids`, no mask): with SDPA it builds a
@@ -144,9 +146,30 @@ def _padded_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
         return padded.index_put((sample, offset), x[0].transpose(0, 1)).transpose(1, 2)
 
     n_rep = query.shape[1] // key.shape[1]
-    k, v = (_repeat_kv(rows(x), n_rep) for x in (key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(rows(query), k, v, is_causal=True, scale=scaling)
+    if _SDPA_GQA:        # SDPA reads the shared K/V heads itself (cuDNN's kernels on Hopper take GQA)
+        k, v, options = rows(key), rows(value), {"enable_gqa": n_rep > 1}
+    else:
+        k, v, options = _repeat_kv(rows(key), n_rep), _repeat_kv(rows(value), n_rep), {}
+    out = torch.nn.functional.scaled_dot_product_attention(rows(query), k, v, is_causal=True, scale=scaling, **options)
     return out.transpose(1, 2)[sample, offset].transpose(0, 1)[None]
+
+
+# torch >= 2.5: scaled_dot_product_attention(enable_gqa=...)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+# A pack laid out as padded rows computes n x max_len positions for its `total` tokens. On CUDA, SDPA on
+# the rows runs cuDNN's flash kernels, which on the H200 took 1.02 s where the variable-length kernel
+# (torch's FlashAttention-2) took 1.73 s for the same 24 x 4,160-token samples of the Qwen3-4B shape
+# (scripts/bench/train_mfu_gpu.py's profile, Dec 4 2026): the rows are the faster path while the
+# padding they add stays below this share, the variable-length kernel beyond it.
+PADDED_ROWS_MAX_WASTE = 1.25
+
+
+def attention_path(num_samples: int, total: int, max_len: int, varlen_usable: bool) -> str:
+    """"varlen" or "rows": how `packed_attention` computes a pack of `num_samples` samples, `total`
+    tokens, the longest `max_len` (all known on the host: no device sync)."""
+    if varlen_usable and num_samples * max_len > PADDED_ROWS_MAX_WASTE * total:
+        return "varlen"
+    return "rows"
 
 
 def _varlen_attention(fn, causal: dict, gqa: bool, has_scale: bool, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
@@ -181,11 +204,13 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     varlen = _varlen_once()
     # a torch whose varlen_attn takes no scale still serves the default one, 1/sqrt(head_dim)
     default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
-    if varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
-            (varlen[3] or default_scale):
-        out = _varlen_attention(*varlen, query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    usable = varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
+        (varlen[3] or default_scale)
+    max_len = int(kwargs["max_length_q"])
+    if attention_path(cu_seqlens.shape[0] - 1, query.shape[2], max_len, usable) == "varlen":
+        out = _varlen_attention(*varlen, query, key, value, cu_seqlens, max_len, scaling)
     else:
-        out = _padded_attention(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+        out = _padded_attention(query, key, value, cu_seqlens, max_len, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

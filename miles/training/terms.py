@@ -180,6 +180,35 @@ def _tis_metrics(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, bounds: tup
             "tis_clip_frac": float(masked_mean(clipped.float(), mask))}
 
 
+def _detached(v):
+    return v.detach() if isinstance(v, Tensor) else float(v)
+
+
+class TermSums:
+    """A step's loss terms summed over its micro-batches where they were computed (0-dim tensors on the
+    trainer's device, or floats), read on the host once at the end (`floats`): a `.item()` per term
+    and micro-batch would make the host wait for each forward before launching its backward, leaving
+    the GPU idle at every micro-batch."""
+
+    def __init__(self):
+        self._sums: dict[str, Tensor | float] = {}
+
+    def add(self, terms: dict[str, Tensor | float], weight: float = 1.0) -> None:
+        """Adds `terms` times `weight` (0: the keys only, as zeros: a padding micro-batch)."""
+        for k, v in terms.items():
+            v = v.detach() if isinstance(v, Tensor) else v
+            v = 0.0 if weight == 0 else v if weight == 1 else v * weight
+            self._sums[k] = self._sums[k] + v if k in self._sums else v
+
+    def floats(self) -> dict[str, float]:
+        """The sums as floats: one device-to-host read for all the tensors."""
+        out = {k: float(v) for k, v in self._sums.items() if not isinstance(v, Tensor)}
+        tensors = {k: v for k, v in self._sums.items() if isinstance(v, Tensor)}
+        if tensors:
+            out.update(zip(tensors, torch.stack([v.double().reshape(()) for v in tensors.values()]).tolist()))
+        return {k: out[k] for k in self._sums}
+
+
 class PolicyObjective:
     """The policy's side of one rollout: `prepare` it from the backend's logprobs, then the loss of
     each micro-batch from the backend's logits (`micro_loss`) or logprobs (`loss`)."""
@@ -257,17 +286,17 @@ class PolicyObjective:
         return max(self.count(batch.loss_mask), 1), max(batch.num_tokens, 1)
 
     def micro_loss(self, logits: Tensor, mb: TrainBatch, normalizer: float,
-                   num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+                   num_tokens: int) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The loss of micro-batch `mb` from its logits [B, T, V]; see `loss`."""
         with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits, self.temperature)
         return self.loss(self.logprobs(logits, mb.tokens), entropy, mb, normalizer, num_tokens)
 
     def loss(self, logprobs: Tensor, entropy: Tensor, mb: TrainBatch, normalizer: float,
-             num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+             num_tokens: int) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The loss of micro-batch `mb` (a share of the global batch's, by `normalizer`) from its
         logprobs [B, T] and token entropies [B, T] (with gradients only when `entropy_has_grad`); its
-        terms as floats, clip_frac weighted by the micro-batch's share of `num_tokens`. Without
+        terms (detached 0-dim tensors, or floats: sum them with `TermSums`), clip_frac weighted by the micro-batch's share of `num_tokens`. Without
         old_logprobs (the skipped pass) the old policy is this step's own logprobs, detached."""
         if mb.old_logprobs is None and not self.is_sft:
             mb = replace(mb, old_logprobs=logprobs.detach())
@@ -277,7 +306,8 @@ class PolicyObjective:
             ent = self.reduce(entropy, mb.loss_mask, normalizer=normalizer)
         loss = pg + self._kl_coef * kl - self._entropy_coef * ent
         share = mb.num_tokens / num_tokens  # pg_metrics are means over this micro-batch's tokens
-        terms = {"loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "entropy": ent.item(),
-                 "clip_frac": float(pg_metrics.get("clip_frac", 0.0)) * share,
-                 **{k: float(v) * share for k, v in pg_metrics.items() if k.startswith("custom/")}}
+        # device tensors (or floats), read once a step by `TermSums.floats`
+        terms = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl": kl.detach(), "entropy": ent.detach(),
+                 "clip_frac": _detached(pg_metrics.get("clip_frac", 0.0)) * share,
+                 **{k: _detached(v) * share for k, v in pg_metrics.items() if k.startswith("custom/")}}
         return loss, terms

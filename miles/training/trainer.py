@@ -46,7 +46,6 @@ import copy
 import dataclasses
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import structlog
@@ -61,7 +60,7 @@ from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, 
 from miles.training.packing import use_packing
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
-from miles.training.terms import PolicyObjective
+from miles.training.terms import PolicyObjective, TermSums
 from miles.training.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
@@ -229,18 +228,17 @@ class Trainer(OptimizedModel):
         pg_loss, kl, entropy) reduced the same way, and clip_frac over the global batch's tokens.
         `record` [B, T], when given, receives the logprobs the micro-batches computed (detached)."""
         normalizer, num_tokens = self._objective.normalizers(batch)
-        sums: dict[str, float] = defaultdict(float)
+        sums = TermSums()      # on the device: the host never waits for a micro-batch's forward
         for rows, mb in self._micro_batches(batch, micro_batch_size):
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             loss.backward()
             if record is not None:
                 record[rows, :logprobs.shape[1]] = logprobs.detach()
-            for k, v in terms.items():
-                sums[k] += v
-        return dict(sums)
+            sums.add(terms)
+        return sums.floats()
 
     def _micro_loss(self, mb: TrainBatch, normalizer: float,
-                    num_tokens: int) -> tuple[Tensor, dict[str, float], Tensor]:
+                    num_tokens: int) -> tuple[Tensor, dict[str, Tensor | float], Tensor]:
         logprobs, token_entropy = self._forward(self._model, mb, True, self._objective.entropy_has_grad)
         loss, terms = self._objective.loss(logprobs, token_entropy, mb, normalizer, num_tokens)
         return loss, terms, logprobs

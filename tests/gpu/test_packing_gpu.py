@@ -12,7 +12,7 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.packing import _varlen_once, packed_attention
+from miles.training.packing import _varlen_once, attention_path, packed_attention
 from miles.training.trainer import Trainer
 from tests.unit.test_packing import per_sample_attention
 from tests.unit.test_trainer import sample
@@ -26,10 +26,13 @@ def test_this_torch_has_varlen_attention():
     assert _varlen_once() is not None, f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
 
 
+@pytest.mark.parametrize("lengths,path", [([37, 1, 300, 64, 5], "varlen"), ([300, 290, 300, 271], "rows")])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (14, 2, 64)])
-def test_varlen_pack_equals_each_samples_own_attention(heads, kv_heads, head_dim):
+def test_a_pack_equals_each_samples_own_attention(heads, kv_heads, head_dim, lengths, path):
+    """Both CUDA paths of a pack (`attention_path`): the variable-length kernel for ragged samples, the
+    padded rows through SDPA (cuDNN, GQA) for samples of about one length."""
+    assert attention_path(len(lengths), sum(lengths), max(lengths), True) == path
     torch.manual_seed(0)
-    lengths = [37, 1, 300, 64, 5]
     total = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(1, heads, total, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -238,3 +238,17 @@ def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):
     torch.testing.assert_close(out, per_sample_attention(q, k, v, cu, scale))
     assert seen["shapes"] == ((13, 4, 8), (13, 2 if gqa else 4, 8)) and seen["max"] == (7, 7)
     assert ("scale" in seen) == has_scale and all(seen[key] == value for key, value in causal.items())
+
+
+def test_a_pack_of_even_samples_takes_the_padded_rows_and_a_ragged_one_the_varlen_kernel():
+    """`attention_path`: rows (SDPA: cuDNN's kernels on CUDA) while the rows add at most a quarter of
+    padding, the variable-length kernel beyond it, and rows whenever that kernel cannot run."""
+    from miles.training.packing import PADDED_ROWS_MAX_WASTE, attention_path
+
+    assert PADDED_ROWS_MAX_WASTE == 1.25
+    assert attention_path(4, 4 * 4160, 4160, True) == "rows"                    # 24 x 4k answers, one a pack
+    assert attention_path(4, 1000, 250, True) == "rows"
+    assert attention_path(4, 800, 250, True) == "rows"                          # 1000 positions: exactly 1.25
+    assert attention_path(4, 799, 250, True) == "varlen"
+    assert attention_path(5, 407, 300, True) == "varlen"                        # 37, 1, 300, 64, 5
+    assert attention_path(5, 407, 300, False) == "rows"                         # CPU, float32, older torch

@@ -10,7 +10,7 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import make_train_batch
-from miles.training.terms import PolicyObjective
+from miles.training.terms import PolicyObjective, TermSums
 from tests.unit.test_trainer import SAMPLES
 
 
@@ -39,7 +39,9 @@ def test_the_skipped_pass_gives_the_same_loss_and_gradient_as_the_pass():
         normalizer, num_tokens = obj.normalizers(batch)
         loss, terms = obj.loss(lp, entropy, batch, normalizer, num_tokens)
         loss.backward()
-        results.append((terms, lp.grad.clone()))
+        sums = TermSums()
+        sums.add(terms)
+        results.append((sums.floats(), lp.grad.clone()))
     assert results[0][0] == pytest.approx(results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1])
 
@@ -53,3 +55,14 @@ def test_the_pass_cannot_be_skipped_when_more_than_the_ratio_reads_it(algorithm)
         return
     with pytest.raises(ValueError, match="old-logprob pass can be skipped only"):
         obj.prepare(make_train_batch(SAMPLES, 0), None, None, None)
+
+
+def test_term_sums_add_tensors_and_floats_and_read_them_once():
+    sums = TermSums()
+    x = torch.tensor(2.0, requires_grad=True)
+    sums.add({"loss": x * 3, "clip_frac": 0.25})
+    sums.add({"loss": torch.tensor(0.5), "clip_frac": torch.tensor(0.25)}, weight=2.0)
+    sums.add({"loss": torch.tensor(float("nan")), "clip_frac": 7.0, "micro_batches": 1.0}, weight=0.0)   # padding
+    assert sums.floats() == {"loss": 7.0, "clip_frac": 0.75, "micro_batches": 0.0}
+    assert all(type(v) is float for v in sums.floats().values())
+    assert TermSums().floats() == {}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import structlog
@@ -43,6 +42,7 @@ from miles.training.fsdp.rank import RankMicroBatches
 from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, join_group, reshard_all,
                                           shard_model, sum_over_ranks)
 from miles.training.shell import OPTIMIZER_FILE
+from miles.training.terms import TermSums
 from miles.types import Sample
 from miles.weights.hf import load_causal_lm, model_weights, resolve_device
 
@@ -98,7 +98,7 @@ class FSDPCriticRank(RankMicroBatches, Critic):
     def _accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
         """The one-process critic's, over this rank's rows; the terms summed over the ranks."""
         normalizer = max(batch.num_tokens, 1)
-        sums: dict[str, float] = defaultdict(float)
+        sums = TermSums()
         pairs = list(self._micro_batches(batch))        # as many on every rank
         for i, (rows, mb) in enumerate(pairs):
             # gradients accumulate unsharded until the last micro-batch, which reduce-scatters them once
@@ -108,10 +108,9 @@ class FSDPCriticRank(RankMicroBatches, Critic):
             loss, terms = self._micro_loss(mb, normalizer)
             real = rows.numel() > 0
             (loss if real else loss * 0.0).backward()
-            for k, v in terms.items():
-                sums[k] += v if real else 0.0
-            sums["micro_batches"] += float(real)
-        return sum_over_ranks(dict(sums), self.device)
+            sums.add(terms, 1.0 if real else 0.0)
+            sums.add({"micro_batches": float(real)})
+        return sum_over_ranks(sums.floats(), self.device)
 
     # --- checkpoint ----------------------------------------------------------------------------------
     def save(self, path: str | Path, optimizer: bool = True) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import structlog
@@ -41,6 +40,7 @@ from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, de
 from miles.training.microbatch import take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
+from miles.training.terms import TermSums
 from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
 from miles.weights.hf import model_weights, resolve_device
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
@@ -122,7 +122,7 @@ class FSDPRank(RankMicroBatches, Trainer):
                              record: Tensor | None = None) -> dict[str, float]:
         """The one-rank trainer's, over this rank's rows; terms and `record` summed over the ranks."""
         normalizer, num_tokens = self._objective.normalizers(batch)
-        sums: dict[str, float] = defaultdict(float)
+        sums = TermSums()
         pairs = list(self._micro_batches(batch, micro_batch_size))     # as many on every rank
         for i, (rows, mb) in enumerate(pairs):
             # gradients accumulate unsharded until the last micro-batch, which reduce-scatters them
@@ -135,11 +135,10 @@ class FSDPRank(RankMicroBatches, Trainer):
             (loss if real else loss * 0.0).backward()
             if record is not None and real:
                 record[rows, :logprobs.shape[1]] = logprobs.detach()
-            for k, v in terms.items():
-                sums[k] += v if real else 0.0
+            sums.add(terms, 1.0 if real else 0.0)
         if record is not None:
             all_reduce_sum(record)
-        return sum_over_ranks(dict(sums), self.device)
+        return sum_over_ranks(sums.floats(), self.device)
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:

@@ -28,7 +28,6 @@ import gc
 import json
 import math
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from miles.training.megatron.conversion import (TE_RENAMES, hf_to_mcore, is_tp_s
 from miles.training.megatron.model import RankModel
 from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule
-from miles.training.terms import PolicyObjective
+from miles.training.terms import PolicyObjective, TermSums
 from miles.types import Sample
 from miles.weights.hf import load_tokenizer, resolve_dtype
 
@@ -227,7 +226,7 @@ class MegatronWorker:
         model.module.zero_grad_buffer()
         model.optimizer.zero_grad()
         normalizer, num_tokens = self._objective.normalizers(batch)       # the global batch's, on every rank
-        sums: dict[str, float] = defaultdict(float)
+        sums = TermSums()
 
         def loss_fn(mb: TrainBatch, logits: Tensor) -> Tensor:
             logits = logits[..., :self.spec.vocab_size]
@@ -236,8 +235,7 @@ class MegatronWorker:
             else:     # every CP rank: the whole rows' loss, from its positions' logits and the others'
                 lp, entropy = token_terms(self._split, self._objective, logits, mb.tokens, with_entropy=True)
                 loss, terms = self._objective.loss(lp, entropy, mb, normalizer, num_tokens)
-            for k, v in terms.items():
-                sums[k] += v
+            sums.add(terms)
             return loss
         _, local = self._local_rows(batch)
         micro = steps.micro_batches(local, self.layout, self._train_cfg.micro_batch_size, self.pad_id)
@@ -246,7 +244,7 @@ class MegatronWorker:
         from megatron.core.distributed import finalize_model_grads
         finalize_model_grads([model.module])          # sums over DP x CP; tied embeddings across stages
         grad_norm, lr = self._optimizer_step(model.optimizer)
-        terms = steps.sum_over_owners(sums, LOSS_KEYS, self.owner, self.device)
+        terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS, self.owner, self.device)
         return {**terms, "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - start}
 
     def _optimizer_step(self, optimizer) -> tuple[float, float]:
