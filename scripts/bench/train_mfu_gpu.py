@@ -107,9 +107,10 @@ def one_rollout(trainer, v: dict, args, vocab: int, r: int) -> tuple[float, dict
 
 
 # kernel name -> what it does (the first pattern that matches; the names CUDA 13's cuBLAS, cuDNN's SDPA,
-# inductor and the copy engines gave on the H200)
-KERNEL_KINDS = (("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
-                ("attention", re.compile(r"attention|flash|fmha|sdpa", re.I)),
+# torch's FlashAttention-2, inductor and the copy engines gave on the H200). Attention first: FA2's
+# kernel names carry cutlass template arguments
+KERNEL_KINDS = (("attention", re.compile(r"attention|flash|fmha|sdpa", re.I)),
+                ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
                 ("copy", re.compile(r"memcpy", re.I)),
                 ("compiled", re.compile(r"^triton_")),
                 ("other", re.compile(r"")))
