@@ -127,6 +127,10 @@ def _varlen_once():
     return _VARLEN[0]
 
 
+# torch >= 2.5: scaled_dot_product_attention(enable_gqa=...)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def _repeat_kv(x: Tensor, n_rep: int, head_dim: int = 1) -> Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim)
 
@@ -153,9 +157,6 @@ def _padded_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
     out = torch.nn.functional.scaled_dot_product_attention(rows(query), k, v, is_causal=True, scale=scaling, **options)
     return out.transpose(1, 2)[sample, offset].transpose(0, 1)[None]
 
-
-# torch >= 2.5: scaled_dot_product_attention(enable_gqa=...)
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 # A pack laid out as padded rows computes n x max_len positions for its `total` tokens. On CUDA, SDPA on
 # the rows runs cuDNN's flash kernels, which on the H200 took 1.02 s where the variable-length kernel
 # (torch's FlashAttention-2) took 1.73 s for the same 24 x 4,160-token samples of the Qwen3-4B shape

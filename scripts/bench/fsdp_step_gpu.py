@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 # the shapes, the model and the rollouts of the megatron bench beside this file: the same inputs
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grpo_step_gpu as step  # noqa: E402  (the scale workloads' shapes, model builder and peak)
 from train_megatron_gpu import (SHAPE_05B, SHAPE_SMOKE, add_rollout_args, build_model, free_port,  # noqa: E402
                                 log, rollout)
 
@@ -207,26 +208,23 @@ def main() -> None:
     if args.device == "cpu":
         args.samples, args.prompt_len, args.response_len, args.micro_batch_size = 16, 8, 16, 4
         args.warmup, args.rollouts = 1, 1
-    scale_shape = None
+    key = None       # a scale workload's (family, size), else the 0.5B shape
     if args.size is not None or args.family is not None:
-        import grpo_step_gpu as step     # the scale workloads' shapes and model builder
-
         key = (args.family or "qwen3", args.size or "")
         if key not in step.SHAPES:
             raise SystemExit(f"--family {key[0]} --size {key[1]}: no such shape; use one of "
                              f"{sorted(f'{f} {z}' for f, z in step.SHAPES)}")
         if args.device == "cpu":
             raise SystemExit("--size is a GPU shape; the CPU smoke run takes the tiny one (leave --size out)")
-        shape, scale_shape = step.SHAPES[key], (key, step.build_model)
+        shape = step.SHAPES[key]
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": shape,
-              "workload": "-".join(scale_shape[0]) if scale_shape else ("qwen2-0.5b" if args.device == "cuda" else "smoke"),
+              "workload": "-".join(key) if key else ("qwen2-0.5b" if args.device == "cuda" else "smoke"),
               "samples": args.samples, "prompt_len": args.prompt_len, "response_len": args.response_len,
               "micro_batch_size": args.micro_batch_size, "max_tokens_per_gpu": args.max_tokens_per_gpu,
               "rollouts_timed": args.rollouts, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        if scale_shape:
-            (family, size), build = scale_shape
-            result["params"] = build(Path(tmp) / "model", family, size)
+        if key:
+            result["params"] = step.build_model(Path(tmp) / "model", *key)
             model = str(Path(tmp) / "model")
         else:
             model = build_model(Path(tmp) / "model", shape, args.device)
@@ -247,8 +245,6 @@ def main() -> None:
         gc.collect()
     done = result["variants"]
     if result.get("params"):     # the scale bench's formula: 6 * params * tokens a step at the bf16 peak
-        import grpo_step_gpu as step
-
         for v in done.values():
             v["mfu"] = round(6 * result["params"] * v["tokens_per_rollout"] / (v["step_s"] * step.PEAK_TFLOPS * 1e12), 4)
     total = {k: v["total_s_median"] for k, v in done.items()}
