@@ -21,7 +21,12 @@ config at the start of each train call, after a colocated engine has released it
   --recompute-activations a layer keeps only its float32 input (8 h, rounded up), and one layer's
   activations exist at a time during its recompute. The coefficients are an upper bound of the
   bytes autograd saved in eager Qwen3 layers (measured on the CPU by `saved_tensors_hooks`;
-  tests/unit/test_memory_plan.py checks the bound); compiled layers keep less.
+  tests/unit/test_memory_plan.py checks the bound). Compiled layers (the CUDA trainer's default)
+  keep less: Inductor's partitioner recomputes the cheap elementwise work (SiLU, the norms' float32
+  passes, rotary) in the backward instead of saving its outputs, so a compiled layer is planned at
+  COMPILED_LAYER_SHARE of the eager bound: the largest share measured on the GPU over Qwen3's 0.6B-8B
+  layer shapes (tests/gpu/test_memory_plan_gpu.py: the slope of the step's peak memory in the tokens),
+  rounded up.
 - HEADROOM = 0.8: a margin for the allocator's fragmentation, kernel workspaces and the backward's
   transient gradient buffers, which the saved-tensor count does not see. A policy, not a measurement:
   the trainer reports `gpu_mem_peak_gib` per train call to check it against.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import math
 
 HEADROOM = 0.8
+COMPILED_LAYER_SHARE = 0.75
 LOGPROB_CHUNK_BYTES_PER_VOCAB = 16
 
 
@@ -56,10 +62,14 @@ def _dims(cfg) -> tuple[int, int, int, int, int, int]:
     return h, inter, heads * head_dim, kv_heads * head_dim, cfg.num_hidden_layers, cfg.vocab_size
 
 
-def activation_bytes_per_token(cfg, *, compute_bytes: int, recompute: bool, logits: bool) -> int:
-    """Bytes autograd keeps per token of a micro-batch (see the module docstring)."""
+def activation_bytes_per_token(cfg, *, compute_bytes: int, recompute: bool, logits: bool,
+                               compiled: bool = False) -> int:
+    """Bytes autograd keeps per token of a micro-batch (see the module docstring); `compiled`: the
+    decoder layers run torch.compiled."""
     h, inter, q_dim, kv_dim, layers, vocab = _dims(cfg)
     layer = 32 * h + 4 * compute_bytes * inter + 5 * compute_bytes * (q_dim + kv_dim) + 512
+    if compiled:
+        layer = math.ceil(COMPILED_LAYER_SHARE * layer)
     head = 8 * h + (12 * vocab if logits else 0)
     return (layers * 8 * h + layer if recompute else layers * layer) + head
 
@@ -85,10 +95,10 @@ def plan_token_budget(free_bytes: int, reserve: int, bytes_per_token: int, *, mi
 
 
 def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute: bool, logits: bool,
-                      chunk_rows: int, min_tokens: int, streamed: bool = False) -> int:
+                      chunk_rows: int, min_tokens: int, streamed: bool = False, compiled: bool = False) -> int:
     """`plan_token_budget` for `model` on the CUDA `device` now (see the module docstring). `streamed`:
     the optimizer state lives on the host and each step streams it (--offload-train), so the step
-    never allocates it here beside the activations."""
+    never allocates it here beside the activations; `compiled`: its decoder layers run compiled."""
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)
@@ -100,7 +110,7 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
                             optimizer_allocated=streamed or (bool(state) and all(v.is_cuda for v in state)),
                             compute_bytes=compute_bytes, chunk_rows=chunk_rows, vocab=model.config.vocab_size)
     per_token = activation_bytes_per_token(model.config, compute_bytes=compute_bytes, recompute=recompute,
-                                           logits=logits)
+                                           logits=logits, compiled=compiled)
     try:
         return plan_token_budget(free, reserve, per_token, min_tokens=min_tokens)
     except ValueError as exc:
