@@ -178,21 +178,26 @@ def linear_logprobs_entropy(hidden: Tensor, weight: Tensor, target: Tensor, temp
 
 
 def masked_logprobs_entropy(hidden: Tensor, weight: Tensor, tokens: Tensor, loss_mask: Tensor,
-                            temperature: float = 1.0, **options) -> tuple[Tensor, Tensor]:
+                            temperature: float = 1.0, *, trained: Tensor | None = None,
+                            **options) -> tuple[Tensor, Tensor]:
     """[B, T] logprobs and entropies in the project's token alignment (see `miles.algorithms.entropy`),
     computed only where `loss_mask` is True (0.0 elsewhere).
 
     hidden [B, T, H] are the model's last hidden states (position t - 1 predicts tokens[:, t]);
-    tokens [B, T] int64; loss_mask [B, T] bool, False at position 0.
+    tokens [B, T] int64; loss_mask [B, T] bool, False at position 0. `trained` [n] int64, when the
+    caller knows it: the flat positions (in [B * T], row-major) where `loss_mask` is True. Without it
+    they are read from `loss_mask`, which makes the host wait for the device.
     """
     if hidden.shape[:2] != tokens.shape or tokens.shape != loss_mask.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)} and loss_mask "
                          f"{tuple(loss_mask.shape)} must share [B, T]")
-    if loss_mask[:, :1].any():
-        raise ValueError("loss_mask is True at position 0, which no hidden state predicts")
-    predicts = loss_mask[:, 1:]                      # hidden[:, t] predicts tokens[:, t + 1]
-    lp, ent = linear_logprobs_entropy(hidden[:, :-1][predicts], weight, tokens[:, 1:][predicts], temperature,
-                                      **options)
-    out_lp = lp.new_zeros(tokens.shape)
-    out_ent = ent.new_zeros(tokens.shape)
-    return out_lp.masked_scatter(loss_mask, lp), out_ent.masked_scatter(loss_mask, ent)
+    if trained is None:
+        if loss_mask[:, :1].any():
+            raise ValueError("loss_mask is True at position 0, which no hidden state predicts")
+        trained = loss_mask.reshape(-1).nonzero().squeeze(1)
+    predicts = trained - 1           # position t - 1 of the same row: no trained token sits at t = 0
+    lp, ent = linear_logprobs_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, predicts), weight,
+                                      tokens.reshape(-1).index_select(0, trained), temperature, **options)
+    size = tokens.numel()
+    return (lp.new_zeros(size).index_copy(0, trained, lp).view(tokens.shape),
+            ent.new_zeros(size).index_copy(0, trained, ent).view(tokens.shape))

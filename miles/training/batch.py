@@ -17,7 +17,22 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from miles.training.packing import Pack
 from miles.types import Sample
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """What the step needs to know of a micro-batch, worked out on the host before the step's first
+    forward (`miles.training.microbatch.micro_batches`): read from the device inside the loop, each
+    of these would make the host wait for the GPU to finish the work queued so far, leaving it idle
+    until the next launch."""
+
+    num_tokens: int      # trained tokens (True in the loss mask)
+    real_tokens: int     # prompt and response tokens (the attention mask's)
+    pack: Pack | None    # where its real tokens go when the forward packs them (`miles.training.packing`)
+    trained: Tensor      # [n] int64 on the device: the flat positions of the trained tokens in the
+                         # forward's layout ([b * W] padded rows, [L] a pack), row-major
 
 
 @dataclass
@@ -34,6 +49,9 @@ class TrainBatch:
     is_weights: Tensor | None = None    # [B, T] float32, truncated importance-sampling weights (--use-tis)
     values: Tensor | None = None        # [B, T] float32, the critic's values before its step (PPO)
     returns: Tensor | None = None       # [B, T] float32, the critic's GAE targets (PPO)
+    # a micro-batch's layout, known on the host (`HostLayout`); None on a global batch, and dropped by
+    # every change of rows, columns or device
+    layout: HostLayout | None = None
 
     @property
     def size(self) -> int:
@@ -41,12 +59,19 @@ class TrainBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Trained tokens (the loss's tokens)."""
-        return int(self.loss_mask.sum())
+        """Trained tokens (the loss's tokens); known on the host when the layout is."""
+        return self.layout.num_tokens if self.layout is not None else int(self.loss_mask.sum())
+
+    def pack(self) -> Pack:
+        """Where this micro-batch's real tokens go when its forward packs them: its layout's pack, else
+        worked out from the attention mask (one host read)."""
+        if self.layout is not None and self.layout.pack is not None:
+            return self.layout.pack
+        return Pack.of(self.attention_mask)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), Tensor)})
+        return replace(self, layout=None, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                             if isinstance(getattr(self, f.name), Tensor)})
 
 
 def _check_sample(i: int, s: Sample) -> None:
@@ -103,6 +128,6 @@ def split(batch: TrainBatch, size: int) -> list[TrainBatch]:
     for start in range(0, batch.size, size):
         rows = slice(start, start + size)
         width = int(batch.attention_mask[rows].sum(dim=1).max())  # right padding: real tokens come first
-        pieces.append(replace(batch, **{f.name: getattr(batch, f.name)[rows, :width] for f in fields(batch)
+        pieces.append(replace(batch, layout=None, **{f.name: getattr(batch, f.name)[rows, :width] for f in fields(batch)
                                         if isinstance(getattr(batch, f.name), Tensor)}))
     return pieces

@@ -70,12 +70,11 @@ class ValueModel(nn.Module):
         """The backbone's decoder (as on an HF causal LM): FSDP shards its layers one unit each."""
         return self.lm.get_decoder()
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, packed: bool = False) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, pack: Pack | None = None) -> Tensor:
         """[B, T] values, aligned to tokens: out[:, t] from the hidden state at t - 1, out[:, 0] = 0.
-        `packed`: the right-padded rows' real tokens run as one row (`miles.training.packing`; the
+        `pack` (the rows' `Pack`): their real tokens run as one row (`miles.training.packing`; the
         backbone's attention switched by `enable_packing`), the values come back in the rows' layout."""
-        if packed:
-            pack = Pack.of(attention_mask)
+        if pack is not None:
             hidden = self.lm.base_model(input_ids=pack.pack(input_ids), use_cache=False,
                                         **pack.model_kwargs()).last_hidden_state
             v = pack.unpack(self.value_head(hidden).squeeze(-1).float())
@@ -190,7 +189,7 @@ class Critic(OptimizedModel):
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         with self._autocast():
-            return self._model(mb.tokens, mb.attention_mask, self._packed)
+            return self._model(mb.tokens, mb.attention_mask, mb.pack() if self._packed else None)
 
     def _memory_plan_args(self) -> dict:
         """The backbone's activations; no [T, V] logits (values read the last hidden state)."""

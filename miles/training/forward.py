@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from miles.algorithms import entropy_from_logits, logprobs_from_logits, masked_logprobs_entropy
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.batch import TrainBatch
-from miles.training.packing import Pack
 
 # (model, micro-batch, want entropy, entropy gets gradients) -> (logprobs, entropy or None)
 Forward = Callable[[nn.Module, TrainBatch, bool, bool], tuple[Tensor, Tensor | None]]
@@ -34,7 +33,7 @@ Forward = Callable[[nn.Module, TrainBatch, bool, bool], tuple[Tensor, Tensor | N
 def logits_forward(temperature: float, autocast: Callable[[], AbstractContextManager], model: nn.Module,
                    mb: TrainBatch, entropy: bool, entropy_grad: bool, packed: bool = False) -> tuple[Tensor, Tensor | None]:
     if packed:
-        pack = Pack.of(mb.attention_mask)
+        pack = mb.pack()
         tokens = pack.pack(mb.tokens)
         with autocast():
             logits = model(input_ids=tokens, use_cache=False, **pack.model_kwargs()).logits
@@ -58,19 +57,22 @@ def hidden_forward(temperature: float, autocast: Callable[[], AbstractContextMan
                    chunk_rows: int, model: nn.Module, mb: TrainBatch, entropy: bool,
                    entropy_grad: bool, packed: bool = False) -> tuple[Tensor, Tensor | None]:
     weight = model.get_output_embeddings().weight
+    # the trained tokens' positions in the forward's layout: known on the host when the micro-batch
+    # carries its layout, so nothing after the decoder's launch waits for it to finish
+    trained = None if mb.layout is None else mb.layout.trained
     if packed:      # the loss mask is False on every sample's first (prompt) token: no cross-sample reads
-        pack = Pack.of(mb.attention_mask)
+        pack = mb.pack()
         tokens = pack.pack(mb.tokens)
         with autocast():
             hidden = model.get_decoder()(input_ids=tokens, use_cache=False, **pack.model_kwargs()).last_hidden_state
         logprobs, ent = (pack.unpack(x) for x in masked_logprobs_entropy(
-            hidden, weight, tokens, pack.pack(mb.loss_mask), temperature, matmul_dtype=matmul_dtype,
+            hidden, weight, tokens, pack.pack(mb.loss_mask), temperature, trained=trained, matmul_dtype=matmul_dtype,
             chunk_rows=chunk_rows))
     else:
         with autocast():
             # right padding + causal attention: the mask would change only the padding's own outputs
             hidden = model.get_decoder()(input_ids=mb.tokens, use_cache=False).last_hidden_state
-        logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature,
+        logprobs, ent = masked_logprobs_entropy(hidden, weight, mb.tokens, mb.loss_mask, temperature, trained=trained,
                                                 matmul_dtype=matmul_dtype, chunk_rows=chunk_rows)
     if not entropy:
         return logprobs, None

@@ -17,14 +17,15 @@ causal attention (a real token never looks at the padding after it), so that for
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
-from miles.training.batch import TrainBatch
-from miles.training.packing import pack_groups
+from miles.training.batch import HostLayout, TrainBatch
+from miles.training.packing import Pack, pack_groups, to_device
 
 
 def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -50,24 +51,62 @@ def fixed_size_groups(num_rows: int, size: int) -> list[list[int]]:
     return [list(range(s, min(s + size, num_rows))) for s in range(0, num_rows, size)]
 
 
-def take_rows(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
-    """The rows `rows` of `batch`, in that order, without the columns that are padding in all of them."""
-    index = torch.as_tensor(list(rows), dtype=torch.long, device=batch.tokens.device)
-    width = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())  # right padding: real tokens first
-    return replace(batch, **{f.name: getattr(batch, f.name).index_select(0, index)[:, :width] for f in fields(batch)
-                             if isinstance(getattr(batch, f.name), Tensor)})
+@dataclass(frozen=True)
+class HostRows:
+    """A global batch's row lengths and loss mask on the host: read from the device once, before
+    the step's first forward, so the micro-batches' layouts need no read inside the loop."""
+
+    lengths: list[int]       # real tokens of each row
+    loss_mask: Tensor        # [B, T] bool, on the CPU
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> HostRows:
+        return cls(batch.attention_mask.sum(dim=1).tolist(), batch.loss_mask.cpu())
 
 
-def plan_micro_batches(attention_mask: Tensor, *, micro_batch_size: int, max_tokens_per_gpu: int | None = None,
+def host_layout(loss_mask: Tensor, lengths: list[int], width: int, packed: bool, device: torch.device) -> HostLayout:
+    """The `HostLayout` of right-padded rows of `width` with these real `lengths` and host `loss_mask`
+    [b, width]; `packed`: positions in the rows' pack (row after row), else in [b * width]."""
+    if bool(loss_mask[:, :1].any()):
+        raise ValueError("loss_mask is True at position 0, which no hidden state predicts")
+    rows, cols = loss_mask.nonzero(as_tuple=True)
+    if packed:
+        pack = Pack.of_lengths(lengths, width, device)
+        starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], dtype=torch.long)
+        trained = starts[rows] + cols
+    else:
+        pack, trained = None, rows * width + cols
+    return HostLayout(num_tokens=len(trained), real_tokens=sum(lengths), pack=pack, trained=to_device(trained, device))
+
+
+def take_rows(batch: TrainBatch, rows: Sequence[int], *, host: HostRows | None = None,
+              packed: bool = False) -> TrainBatch:
+    """The rows `rows` of `batch`, in that order, without the columns that are padding in all of them.
+    With `host` (`HostRows.of(batch)`) nothing waits for the device: the width comes from the host's
+    lengths, the row index is copied behind the queued work, and the micro-batch carries its
+    `HostLayout` (with its pack when `packed`)."""
+    device, layout = batch.tokens.device, None
+    if host is None:
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+        width = int(batch.attention_mask.index_select(0, index).sum(dim=1).max())  # right padding: real tokens first
+    else:
+        index = to_device(torch.tensor(list(rows), dtype=torch.long), device)
+        lengths = [host.lengths[r] for r in rows]
+        width = max(lengths)
+        layout = host_layout(host.loss_mask[list(rows), :width], lengths, width, packed, device)
+    return replace(batch, layout=layout, **{f.name: getattr(batch, f.name).index_select(0, index)[:, :width]
+                                            for f in fields(batch) if isinstance(getattr(batch, f.name), Tensor)})
+
+
+def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens_per_gpu: int | None = None,
                        packed: bool = False, memory_tokens: int | None = None) -> list[list[int]]:
-    """Row groups of a right-padded batch: by token budget when `max_tokens_per_gpu` is set (real
-    tokens when `packed`, rows x longest otherwise), else by `micro_batch_size` rows, each group
-    then split further where its padded size exceeds `memory_tokens` (the memory-planned cap when
-    no budget was given; None: no cap)."""
-    lengths = attention_mask.sum(dim=1).tolist()
+    """Row groups of a right-padded batch whose rows hold `lengths` real tokens: by token budget when
+    `max_tokens_per_gpu` is set (real tokens when `packed`, rows x longest otherwise), else by
+    `micro_batch_size` rows, each group then split further where its padded size exceeds
+    `memory_tokens` (the memory-planned cap when no budget was given; None: no cap)."""
     if max_tokens_per_gpu is not None:
         return (pack_groups if packed else token_budget_groups)(lengths, max_tokens_per_gpu)
-    groups = fixed_size_groups(attention_mask.shape[0], micro_batch_size)
+    groups = fixed_size_groups(len(lengths), micro_batch_size)
     if memory_tokens is None:
         return groups
     return [[rows[i] for i in sub] for rows in groups

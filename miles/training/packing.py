@@ -61,38 +61,57 @@ def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA it is copied from pinned
+    memory behind the work already queued (a copy from pageable memory synchronizes the stream)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Pack:
-    """Where a right-padded micro-batch's real tokens go in its [1, L] pack (row after row)."""
+    """Where a right-padded micro-batch's real tokens go in its [1, L] pack (row after row). Made on
+    the host from the rows' lengths (`of_lengths`): packing and unpacking are index copies, and
+    nothing of it makes the host wait for the device."""
 
-    real: Tensor           # [b, W] bool, the padded layout's real tokens (attention_mask)
-    position_ids: Tensor   # [1, L] int64, 0.. within each sample
-    cu_seqlens: Tensor     # [b + 1] int32, sample boundaries in the pack
-    max_len: int           # the longest sample
+    shape: tuple[int, int]  # (b, W): the padded layout
+    index: Tensor           # [L] int64, the flat position in [b * W] of each packed token
+    position_ids: Tensor    # [1, L] int64, 0.. within each sample
+    cu_seqlens: Tensor      # [b + 1] int32, sample boundaries in the pack
+    max_len: int            # the longest sample
+    num_tokens: int         # L
+
+    @classmethod
+    def of_lengths(cls, lengths: Sequence[int], width: int, device: torch.device | str = "cpu") -> Pack:
+        """The pack of right-padded rows of `width` whose real tokens are `lengths` (host ints)."""
+        if not lengths or min(lengths) < 1:
+            raise ValueError("a packed micro-batch has a row without tokens")
+        if max(lengths) > width:
+            raise ValueError(f"a row of {max(lengths)} tokens does not fit the width {width}")
+        device = torch.device(device)
+        n = torch.tensor(lengths, dtype=torch.long)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        cu[1:] = n.cumsum(0)
+        total = int(cu[-1])
+        positions = torch.arange(total) - torch.repeat_interleave(cu[:-1], n, output_size=total)
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), n, output_size=total)
+        return cls(shape=(len(lengths), width), index=to_device(rows * width + positions, device),
+                   position_ids=to_device(positions[None], device), cu_seqlens=to_device(cu.int(), device),
+                   max_len=max(lengths), num_tokens=total)
 
     @classmethod
     def of(cls, attention_mask: Tensor) -> Pack:
-        real = attention_mask.bool()
-        lengths = real.sum(dim=1)
-        if not bool((lengths > 0).all()):
-            raise ValueError("a packed micro-batch has a row without tokens")
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=real.device)
-        cu[1:] = lengths.cumsum(0)
-        starts = torch.repeat_interleave(cu[:-1].long(), lengths)
-        positions = torch.arange(int(cu[-1]), device=real.device) - starts
-        return cls(real=real, position_ids=positions[None], cu_seqlens=cu, max_len=int(lengths.max()))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.position_ids.shape[1])
+        """The pack of right-padded rows read from their attention mask (one host read of the lengths)."""
+        return cls.of_lengths(attention_mask.sum(dim=1).tolist(), attention_mask.shape[1], attention_mask.device)
 
     def pack(self, x: Tensor) -> Tensor:
         """[b, W, ...] -> [1, L, ...]: the real tokens, row after row."""
-        return x[self.real][None]
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.index)[None]
 
     def unpack(self, x: Tensor) -> Tensor:
         """[1, L] -> [b, W], zeros on the padding; differentiable in `x`."""
-        return x.new_zeros(self.real.shape).masked_scatter(self.real, x.reshape(-1))
+        return x.new_zeros(self.shape[0] * self.shape[1]).index_copy(0, self.index, x.reshape(-1)).view(self.shape)
 
     def model_kwargs(self) -> dict:
         """What a forward of the packed row passes to the model: the restarting positions and the
@@ -275,7 +294,3 @@ def use_packing(train, *models: nn.Module | None, device: torch.device | None = 
         return False
     return True
 
-
-def computed_tokens(attention_mask: Tensor, packed: bool) -> int:
-    """Positions a micro-batch's forward computes: its real tokens packed, rows x width padded."""
-    return int(attention_mask.sum()) if packed else attention_mask.shape[0] * attention_mask.shape[1]

@@ -20,13 +20,13 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from miles.config import TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.memory_plan import cuda_token_budget
-from miles.training.microbatch import plan_micro_batches, take_rows
-from miles.training.packing import computed_tokens
+from miles.training.microbatch import HostRows, padded_tokens, plan_micro_batches, take_rows
+from miles.training.packing import to_device
 from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
 from miles.training.shards import clip_grad_norm, step_shards
@@ -97,31 +97,35 @@ class OptimizedModel:
         return grad_norm
 
     # --- micro-batches -----------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None) -> list[tuple[Tensor, TrainBatch]]:
         """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows
-        (or `micro_batch_size`), or token-budget groups with --use-dynamic-batch-size."""
-        for rows in self._plan_groups(batch, list(range(batch.size)), micro_batch_size):
-            yield torch.as_tensor(rows, device=batch.tokens.device), self._take(batch, rows)
+        (or `micro_batch_size`), or token-budget groups with --use-dynamic-batch-size. All are made
+        before the first forward, each with its `HostLayout`: the loop over them reads nothing back."""
+        host = HostRows.of(batch)
+        return [self._take(batch, rows, host) for rows in self._plan_groups(batch, list(range(batch.size)),
+                                                                           micro_batch_size, host)]
 
-    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None = None) -> list[list[int]]:
+    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None,
+                     host: HostRows) -> list[list[int]]:
         """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
         real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
         t = self._train_cfg
         if not rows:
             return []
-        planned = self._plan_memory(batch) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
-        groups = plan_micro_batches(batch.attention_mask[rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
+        planned = self._plan_memory(host) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
+        groups = plan_micro_batches([host.lengths[r] for r in rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
                                     max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
                                     else None, packed=self._packed,
                                     memory_tokens=None if t.use_dynamic_batch_size else planned)
         return [[rows[i] for i in g] for g in groups]
 
-    def _take(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
-        """The micro-batch of `rows`, counted in tokens_computed_per_real."""
-        mb = take_rows(batch, rows)
-        self._computed[0] += computed_tokens(mb.attention_mask, self._packed)
-        self._computed[1] += int(mb.attention_mask.sum())
-        return mb
+    def _take(self, batch: TrainBatch, rows: list[int], host: HostRows) -> tuple[Tensor, TrainBatch]:
+        """(`rows` on the device, their micro-batch), counted in tokens_computed_per_real."""
+        mb = take_rows(batch, rows, host=host, packed=self._packed)
+        real = mb.layout.real_tokens
+        self._computed[0] += real if self._packed else padded_tokens(mb)
+        self._computed[1] += real
+        return to_device(torch.tensor(rows, dtype=torch.long), self.device), mb
 
     def _memory_plan_args(self) -> dict:
         """What `cuda_token_budget` sizes a step by: the model whose config gives the activations
@@ -129,11 +133,11 @@ class OptimizedModel:
         (`chunk_rows`; 0: none). The subclass's forward decides."""
         raise NotImplementedError
 
-    def _plan_memory(self, batch: TrainBatch) -> int:
+    def _plan_memory(self, host: HostRows) -> int:
         """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
         self._memory_budget = cuda_token_budget(
             optimizer=self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
-            recompute=self._train_cfg.recompute_activations, min_tokens=int(batch.attention_mask.sum(dim=1).max()),
+            recompute=self._train_cfg.recompute_activations, min_tokens=max(host.lengths),
             streamed=self._host is not None, **self._memory_plan_args())
         return self._memory_budget
 

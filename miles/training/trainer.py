@@ -123,6 +123,7 @@ class Trainer(OptimizedModel):
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
         compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
+        self._compiled_layers = compiled > 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
@@ -218,7 +219,7 @@ class Trainer(OptimizedModel):
                 "step_time_s": time.perf_counter() - start}
 
     def _memory_plan_args(self) -> dict:
-        return dict(model=self._model, logits=self._logits_path,
+        return dict(model=self._model, logits=self._logits_path, compiled=self._compiled_layers,
                     chunk_rows=self._train_cfg.log_probs_chunk_size or DEFAULT_CHUNK_ROWS)
 
     def accumulate_gradients(self, batch: TrainBatch, micro_batch_size: int | None = None, *,

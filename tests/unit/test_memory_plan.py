@@ -83,15 +83,12 @@ def test_the_budget_is_the_stated_rule():
 
 def test_the_cap_splits_fixed_micro_batches_by_padded_size_without_merging():
     lengths = [30, 5, 5, 5, 20, 20, 3, 40]
-    mask = torch.zeros(len(lengths), 40, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    groups = plan_micro_batches(mask, micro_batch_size=4, memory_tokens=60)
+    groups = plan_micro_batches(lengths, micro_batch_size=4, memory_tokens=60)
     fixed = [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert sorted(i for g in groups for i in g) == list(range(8))
     assert all(any(set(g) <= set(f) for f in fixed) for g in groups)     # pieces of the fixed micro-batches
     assert all(len(g) * max(lengths[i] for i in g) <= 60 or len(g) == 1 for g in groups)
-    assert plan_micro_batches(mask, micro_batch_size=4) == fixed          # no cap: as before
+    assert plan_micro_batches(lengths, micro_batch_size=4) == fixed          # no cap: as before
 
 
 def test_dynamic_batches_without_a_budget_are_refused_on_the_cpu_only(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.training.batch import make_train_batch
-from miles.training.microbatch import (fixed_size_groups, padded_tokens, plan_micro_batches, take_rows,
+from miles.training.microbatch import (HostRows, fixed_size_groups, padded_tokens, plan_micro_batches, take_rows,
                                        token_budget_groups)
 from miles.types import Prompt, Sample
 
@@ -59,10 +59,38 @@ def test_take_rows_selects_and_trims():
     assert padded_tokens(mb) == 8
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_micro_batch_taken_from_the_host_copy_is_the_same_and_carries_its_layout(packed):
+    # what the step's loop reads instead of the device: the trained tokens, the real tokens, the pack
+    # and the trained positions in the forward's layout (a pack's, or the padded rows' flattened)
+    rng = random.Random(4)
+    data = [sample(i, rng.randint(1, 6), rng.randint(1, 9)) for i in range(7)]
+    data[2] = sample(2, 3, 9)
+    data[2].loss_mask = [True, False, False, True, True, False, True, True, True]    # multi-turn: tool tokens untrained
+    batch = make_train_batch(data, pad_id=0)
+    rows = [5, 2, 0, 6]
+    plain, known = take_rows(batch, rows), take_rows(batch, rows, host=HostRows.of(batch), packed=packed)
+    for name in ("tokens", "loss_mask", "advantages", "attention_mask", "rollout_logprobs"):
+        assert torch.equal(getattr(known, name), getattr(plain, name)), name
+    assert plain.layout is None and known.layout is not None
+    assert known.num_tokens == int(plain.loss_mask.sum()) == plain.num_tokens
+    assert known.layout.real_tokens == int(plain.attention_mask.sum())
+    if packed:
+        assert known.pack() is known.layout.pack
+        layout_mask = known.pack().pack(plain.loss_mask)[0]
+    else:
+        assert known.layout.pack is None
+        layout_mask = plain.loss_mask.reshape(-1)
+    assert known.layout.trained.tolist() == layout_mask.nonzero().squeeze(1).tolist()
+    # a change of device drops the layout (its tensors would be on the old one)
+    assert known.to("cpu").layout is None
+
+
 def test_plan_uses_the_budget_only_when_set():
     batch = make_train_batch([sample(i, 2, n) for i, n in enumerate([1, 10, 2, 9])], pad_id=0)
-    assert plan_micro_batches(batch.attention_mask, micro_batch_size=3) == [[0, 1, 2], [3]]
-    groups = plan_micro_batches(batch.attention_mask, micro_batch_size=3, max_tokens_per_gpu=24)
+    assert plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=3) == [[0, 1, 2], [3]]
+    groups = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=3,
+                                max_tokens_per_gpu=24)
     assert groups == [[1, 3], [2, 0]]                                           # lengths 12, 11 | 4, 3
     assert all(padded_tokens(take_rows(batch, g)) <= 24 for g in groups)
     assert sum(take_rows(batch, g).num_tokens for g in groups) == batch.num_tokens

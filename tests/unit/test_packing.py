@@ -10,7 +10,7 @@ import torch
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
 from miles.training.microbatch import plan_micro_batches, take_rows
-from miles.training.packing import Pack, computed_tokens, enable_packing, pack_groups, packed_attention
+from miles.training.packing import Pack, enable_packing, pack_groups, packed_attention
 from miles.training.trainer import Trainer
 from tests.unit.test_trainer import sample
 
@@ -62,7 +62,7 @@ def test_pack_positions_restart_and_unpack_restores_the_padded_layout():
     batch = make_train_batch(samples(4), pad_id=0)
     pack = Pack.of(batch.attention_mask)
     lengths = batch.attention_mask.sum(1)
-    assert pack.num_tokens == int(lengths.sum()) == computed_tokens(batch.attention_mask, packed=True)
+    assert pack.num_tokens == int(lengths.sum()) == pack.position_ids.shape[1] == pack.index.shape[0]
     assert pack.cu_seqlens.tolist() == [0, *lengths.cumsum(0).tolist()]
     starts = pack.cu_seqlens[:-1].long()
     assert (pack.position_ids[0, starts] == 0).all() and pack.max_len == int(lengths.max())
@@ -113,7 +113,7 @@ def test_a_packed_micro_batch_gives_the_padded_logprobs_loss_and_gradients(path)
     assert packed._packed and not padded._packed
     a, b = step(padded, data), step(packed, data)
     mask = a[0].loss_mask
-    plan = plan_micro_batches(a[0].attention_mask, micro_batch_size=3, max_tokens_per_gpu=24, packed=True)
+    plan = plan_micro_batches(a[0].attention_mask.sum(1).tolist(), micro_batch_size=3, max_tokens_per_gpu=24, packed=True)
     assert any(len(g) > 1 for g in plan)                        # packs do hold several samples
     for name in ("old_logprobs", "ref_logprobs"):              # the no-grad passes
         torch.testing.assert_close(getattr(b[0], name)[mask], getattr(a[0], name)[mask], atol=1e-5, rtol=1e-5)

@@ -79,7 +79,7 @@ class FSDPCriticRank(RankMicroBatches, Critic):
     def _forward(self, mb: TrainBatch) -> Tensor:
         """Inside the FSDP root, so the root unit's parameters (embeddings, norm, head) are gathered."""
         with self._autocast():
-            return self._root(lambda model: model(mb.tokens, mb.attention_mask, self._packed))
+            return self._root(lambda model: model(mb.tokens, mb.attention_mask, mb.pack() if self._packed else None))
 
     # --- data parallel ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -37,7 +37,7 @@ from miles.training.fsdp.buckets import GatheredWeights
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
 from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, join_group,
                                           padded_count, rank_rows, reshard_all, shard_model, sum_over_ranks)
-from miles.training.microbatch import take_rows
+from miles.training.microbatch import HostRows, take_rows
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.terms import TermSums
@@ -52,14 +52,16 @@ class RankMicroBatches:
     """The micro-batches of one data-parallel rank, for the policy's rank and the critic's (both
     `OptimizedModel`s, whose `_plan_groups` and `_take` plan them; `rank`, `world_size` set)."""
 
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None):
-        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most; an
-        empty index marks a padding micro-batch (row 0, run for the collectives, contributing nothing)."""
-        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size)
-        groups += [[]] * (padded_count(len(groups), self.device) - len(groups))
-        for rows in groups:
-            mb = self._take(batch, rows) if rows else take_rows(batch, [0])
-            yield torch.as_tensor(rows, dtype=torch.long, device=batch.tokens.device), mb
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None) -> list[tuple[Tensor, TrainBatch]]:
+        """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most, all made
+        before the first forward; an empty index marks a padding micro-batch (row 0, run for the
+        collectives, contributing nothing)."""
+        host = HostRows.of(batch)
+        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size, host)
+        pairs = [self._take(batch, rows, host) for rows in groups]
+        padding = take_rows(batch, [0], host=host, packed=self._packed)
+        empty = torch.zeros(0, dtype=torch.long, device=batch.tokens.device)
+        return pairs + [(empty, padding)] * (padded_count(len(groups), self.device) - len(groups))
 
 
 class FSDPRank(RankMicroBatches, Trainer):
