@@ -62,9 +62,11 @@ def count_sequences(mask: Tensor) -> int:
     return int(mask.bool().any(dim=-1).sum())
 
 
-def _denominator(local: Tensor | int, normalizer: float | None) -> float | Tensor:
+def _denominator(count: Callable[[Tensor], int], mask: Tensor, normalizer: float | None) -> float:
+    """`normalizer`, else `count(mask)` (at least 1): counted only without a normalizer, since the count
+    is a read from the device (the trainer always passes the global batch's)."""
     if normalizer is None:
-        return max(int(local), 1)
+        return max(count(mask), 1)
     if normalizer <= 0:
         raise ValueError(f"normalizer must be > 0 (the global batch's count), got {normalizer}")
     return normalizer
@@ -72,13 +74,13 @@ def _denominator(local: Tensor | int, normalizer: float | None) -> float | Tenso
 
 def token_mean(loss: Tensor, mask: Tensor, *, normalizer: float | None = None) -> Tensor:
     """Sum of `loss` over response tokens / number of response tokens (or `normalizer`)."""
-    return masked_sum(loss, mask) / _denominator(count_tokens(mask), normalizer)
+    return masked_sum(loss, mask) / _denominator(count_tokens, mask, normalizer)
 
 
 def seq_mean_token_mean(loss: Tensor, mask: Tensor, *, normalizer: float | None = None) -> Tensor:
     """Per-sequence token mean, summed over sequences / number of non-empty sequences (or `normalizer`)."""
     per_seq = masked_mean(loss, mask, dim=-1)  # [B]; empty rows give 0
-    return per_seq.sum() / _denominator(count_sequences(mask), normalizer)
+    return per_seq.sum() / _denominator(count_sequences, mask, normalizer)
 
 
 def seq_mean_token_sum_norm(
@@ -89,7 +91,7 @@ def seq_mean_token_sum_norm(
     if max_len <= 0:
         raise ValueError(f"max_len must be > 0 (use the max response length), got {max_len}")
     per_seq = masked_sum(loss, mask, dim=-1) / max_len
-    return per_seq.sum() / _denominator(count_sequences(mask), normalizer)
+    return per_seq.sum() / _denominator(count_sequences, mask, normalizer)
 
 
 LOSS_REDUCTIONS: dict[str, Callable[..., Tensor]] = {

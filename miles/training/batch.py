@@ -62,10 +62,11 @@ class TrainBatch:
         """Trained tokens (the loss's tokens); known on the host when the layout is."""
         return self.layout.num_tokens if self.layout is not None else int(self.loss_mask.sum())
 
-    def pack(self) -> Pack:
-        """Where this micro-batch's real tokens go when its forward packs them: its layout's pack, else
-        worked out from the attention mask (one host read)."""
-        if self.layout is not None and self.layout.pack is not None:
+    def pack(self) -> Pack | None:
+        """Where this micro-batch's real tokens go when a packing trainer's forward packs them: its
+        layout's pack (None: the rows run as they are, their padding negligible), else worked out from
+        the attention mask (one host read)."""
+        if self.layout is not None:
             return self.layout.pack
         return Pack.of(self.attention_mask)
 

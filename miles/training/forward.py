@@ -11,7 +11,8 @@
 Both return (logprobs [B, T] float32, entropy [B, T] float32 or None), aligned to tokens as in
 `miles.algorithms.entropy`; every consumer reads them under the loss mask only. `packed` (picked at
 start-up with --use-dynamic-batch-size, `miles.training.packing`): the micro-batch's real tokens run
-as one [1, L] row with per-sample attention, and the results come back in its [B, T] layout.
+as one [1, L] row with per-sample attention, and the results come back in its [B, T] layout; a
+micro-batch whose padding is negligible carries no pack (`packing.worth_packing`) and runs its rows.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ Forward = Callable[[nn.Module, TrainBatch, bool, bool], tuple[Tensor, Tensor | N
 
 def logits_forward(temperature: float, autocast: Callable[[], AbstractContextManager], model: nn.Module,
                    mb: TrainBatch, entropy: bool, entropy_grad: bool, packed: bool = False) -> tuple[Tensor, Tensor | None]:
-    if packed:
-        pack = mb.pack()
+    pack = mb.pack() if packed else None
+    if pack is not None:
         tokens = pack.pack(mb.tokens)
         with autocast():
             logits = model(input_ids=tokens, use_cache=False, **pack.model_kwargs()).logits
@@ -60,8 +61,8 @@ def hidden_forward(temperature: float, autocast: Callable[[], AbstractContextMan
     # the trained tokens' positions in the forward's layout: known on the host when the micro-batch
     # carries its layout, so nothing after the decoder's launch waits for it to finish
     trained = None if mb.layout is None else mb.layout.trained
-    if packed:      # the loss mask is False on every sample's first (prompt) token: no cross-sample reads
-        pack = mb.pack()
+    pack = mb.pack() if packed else None
+    if pack is not None:      # the loss mask is False on every sample's first (prompt) token: no cross-sample reads
         tokens = pack.pack(mb.tokens)
         with autocast():
             hidden = model.get_decoder()(input_ids=tokens, use_cache=False, **pack.model_kwargs()).last_hidden_state

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from miles.training.batch import HostLayout, TrainBatch
-from miles.training.packing import Pack, pack_groups, to_device
+from miles.training.packing import Pack, pack_groups, to_device, worth_packing
 
 
 def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -66,11 +66,12 @@ class HostRows:
 
 def host_layout(loss_mask: Tensor, lengths: list[int], width: int, packed: bool, device: torch.device) -> HostLayout:
     """The `HostLayout` of right-padded rows of `width` with these real `lengths` and host `loss_mask`
-    [b, width]; `packed`: positions in the rows' pack (row after row), else in [b * width]."""
+    [b, width]; `packed` (the trainer packs): the rows get a pack unless their padding is negligible
+    (`worth_packing`), and the trained positions are the pack's (row after row), else in [b * width]."""
     if bool(loss_mask[:, :1].any()):
         raise ValueError("loss_mask is True at position 0, which no hidden state predicts")
     rows, cols = loss_mask.nonzero(as_tuple=True)
-    if packed:
+    if packed and worth_packing(lengths, width):
         pack = Pack.of_lengths(lengths, width, device)
         starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], dtype=torch.long)
         trained = starts[rows] + cols
@@ -84,7 +85,7 @@ def take_rows(batch: TrainBatch, rows: Sequence[int], *, host: HostRows | None =
     """The rows `rows` of `batch`, in that order, without the columns that are padding in all of them.
     With `host` (`HostRows.of(batch)`) nothing waits for the device: the width comes from the host's
     lengths, the row index is copied behind the queued work, and the micro-batch carries its
-    `HostLayout` (with its pack when `packed`)."""
+    `HostLayout` (with its pack when `packed` and its padding is worth removing: `worth_packing`)."""
     device, layout = batch.tokens.device, None
     if host is None:
         index = torch.as_tensor(list(rows), dtype=torch.long, device=device)

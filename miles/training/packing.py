@@ -184,6 +184,19 @@ def _padded_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Ten
 PADDED_ROWS_MAX_WASTE = 1.25
 
 
+# A micro-batch whose right-padded rows add at most this share of positions to its real tokens runs as
+# those rows, not packed: there is no pack to make and unmake around every layer's attention, and the
+# rows' attention is SDPA's (cuDNN). Measured on the H200 at the Qwen3-4B shape, two samples of 4,160
+# tokens a micro-batch: packed (the padded-rows path) 6.01 s a step, the same rows unpacked 5.77 s
+# (scripts/bench/train_mfu_gpu.py, Dec 4 2026), a 4% difference; 3% of padding costs less than that.
+UNPACKED_MAX_WASTE = 1.03
+
+
+def worth_packing(lengths: Sequence[int], width: int) -> bool:
+    """Whether rows of these real `lengths`, right-padded to `width`, run packed (see UNPACKED_MAX_WASTE)."""
+    return len(lengths) * width > UNPACKED_MAX_WASTE * sum(lengths)
+
+
 def attention_path(num_samples: int, total: int, max_len: int, varlen_usable: bool) -> str:
     """"varlen" or "rows": how `packed_attention` computes a pack of `num_samples` samples, `total`
     tokens, the longest `max_len` (all known on the host: no device sync)."""
@@ -277,15 +290,18 @@ RECOMPUTE_ON_CUDA = ("--recompute-activations with compiled layers on CUDA: pack
 
 
 def use_packing(train, *models: nn.Module | None, device: torch.device | None = None) -> bool:
-    """Whether the trainer packs (--use-dynamic-batch-size without --no-pack-sequences); when it does,
-    `models` (the policy, a reference) are switched to packed attention. A model packing cannot
-    serve, or a combination not verified on the GPU, keeps padded micro-batches, with a warning
-    that says why."""
+    """Whether the trainer packs (--use-dynamic-batch-size without --no-pack-sequences). `models` (the
+    policy, a reference) are switched to `packed_attention` whenever they can take it, packing or not:
+    without a pack it is SDPA's causal attention, exact on right-padded rows, and transformers builds
+    no mask for it, where for SDPA it would first read the position ids back from the device to look
+    for packed sequences (a host wait at every forward). A model packing cannot serve, or a
+    combination not verified on the GPU, keeps padded micro-batches, with a warning that says why."""
+    problem = enable_packing(*(m for m in models if m is not None))
     if not (train.use_dynamic_batch_size and train.pack_sequences):
         return False
     cuda_recompute = (train.recompute_activations and device is not None and device.type == "cuda"
                       and train.compile_layers is not False)
-    problem = RECOMPUTE_ON_CUDA if cuda_recompute else enable_packing(*(m for m in models if m is not None))
+    problem = RECOMPUTE_ON_CUDA if cuda_recompute else problem
     if problem is not None:
         import structlog
 
@@ -293,4 +309,3 @@ def use_packing(train, *models: nn.Module | None, device: torch.device | None = 
                                        hint="token-budget micro-batches stay right-padded rows (rows x longest)")
         return False
     return True
-

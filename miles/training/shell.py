@@ -123,7 +123,7 @@ class OptimizedModel:
         """(`rows` on the device, their micro-batch), counted in tokens_computed_per_real."""
         mb = take_rows(batch, rows, host=host, packed=self._packed)
         real = mb.layout.real_tokens
-        self._computed[0] += real if self._packed else padded_tokens(mb)
+        self._computed[0] += real if mb.layout.pack is not None else padded_tokens(mb)
         self._computed[1] += real
         return to_device(torch.tensor(rows, dtype=torch.long), self.device), mb
 

@@ -165,6 +165,9 @@ class Trainer(OptimizedModel):
         if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it
             metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             metrics["gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2 ** 30
+            # times the caching allocator found no free block, freed all it caches and synchronized to
+            # retry (a step near the GPU's capacity): each is a stall; counted since the process began
+            metrics["gpu_alloc_retries"] = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
             self._refresh_reference()
             metrics["ref_updated"] = 1.0
@@ -229,14 +232,21 @@ class Trainer(OptimizedModel):
         pg_loss, kl, entropy) reduced the same way, and clip_frac over the global batch's tokens.
         `record` [B, T], when given, receives the logprobs the micro-batches computed (detached)."""
         normalizer, num_tokens = self._objective.normalizers(batch)
-        sums = TermSums()      # on the device: the host never waits for a micro-batch's forward
-        for rows, mb in self._micro_batches(batch, micro_batch_size):
+        return self._accumulate(self._micro_batches(batch, micro_batch_size), normalizer, num_tokens, record).floats()
+
+    def _accumulate(self, pairs: list[tuple[Tensor, TrainBatch]], normalizer: float, num_tokens: int,
+                    record: Tensor | None) -> TermSums:
+        """The micro-batch loop: forward, loss, backward each of `pairs` (made beforehand by
+        `_micro_batches`). It reads nothing from the device (tests/unit/test_step_syncs.py): the terms
+        stay there until the step's end, so the host queues micro-batch after micro-batch."""
+        sums = TermSums()
+        for rows, mb in pairs:
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             loss.backward()
             if record is not None:
                 record[rows, :logprobs.shape[1]] = logprobs.detach()
             sums.add(terms)
-        return sums.floats()
+        return sums
 
     def _micro_loss(self, mb: TrainBatch, normalizer: float,
                     num_tokens: int) -> tuple[Tensor, dict[str, Tensor | float], Tensor]:

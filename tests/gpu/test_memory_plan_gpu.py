@@ -1,8 +1,11 @@
 """The memory plan's per-token bytes against what a CUDA step takes: the slope of the step's peak
 allocated memory in its tokens (two micro-batch sizes, the same model: the weights, gradients and the
 chunked logprobs' temporaries cancel), for compiled and eager decoder layers of Qwen3's 0.6B-8B layer
-shapes (two layers each, a small vocabulary), on the trainer's CUDA path (bf16 autocast, chunked
-logprobs from the hidden states). Skipped without a GPU; no Ray."""
+shapes (a small vocabulary), on the trainer's CUDA path (bf16 autocast, chunked logprobs from the
+hidden states). Models of 2 and 4 layers separate what each layer keeps (the difference of their
+slopes) from what does not grow with the depth (the backward's transient buffers, the head): the
+first is checked against the plan's per-layer bytes, the sum at a real depth (36 layers) against the
+plan's budget with its headroom. Skipped without a GPU; no Ray."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.batch import TrainBatch
 from miles.training.forward import compile_decoder_layers, hidden_forward
-from miles.training.memory_plan import activation_bytes_per_token
+from miles.training.memory_plan import HEADROOM, activation_bytes_per_token
 from miles.training.microbatch import HostRows, take_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -48,17 +51,14 @@ def peak_step_bytes(model, forward, mb) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_the_planned_bytes_per_token_bound_the_step_on_the_gpu(shape, compiled):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def slope(cfg, compiled: bool) -> float:
+    """Bytes per token of a step's peak, for the model of `cfg` (built here, random, float32 weights)."""
+    from transformers import Qwen3ForCausalLM
 
-    h, inter, heads, kv, head_dim = SHAPES[shape]
-    cfg = Qwen3Config(hidden_size=h, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
-                      head_dim=head_dim, num_hidden_layers=2, vocab_size=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to("cuda")
     if compiled:
+        torch._dynamo.reset()   # each shape compiles afresh (one layer class: dynamo's recompile limit is 8)
         compile_decoder_layers(model)
 
     def autocast():
@@ -68,9 +68,37 @@ def test_the_planned_bytes_per_token_bound_the_step_on_the_gpu(shape, compiled):
     small, large = one_row(4096, cfg.vocab_size), one_row(8192, cfg.vocab_size)
     for mb in (small, large, small):         # compiles (dynamic shapes), and every gradient exists
         peak_step_bytes(model, forward, mb)
-    slope = (peak_step_bytes(model, forward, large) - peak_step_bytes(model, forward, small)) / (8192 - 4096)
-    planned = activation_bytes_per_token(cfg, compute_bytes=2, recompute=False, logits=False, compiled=compiled)
-    eager = activation_bytes_per_token(cfg, compute_bytes=2, recompute=False, logits=False)
-    print(json.dumps({"shape": shape, "compiled": compiled, "measured_per_token": slope, "planned": planned,
-                      "eager_bound": eager, "measured_over_eager_bound": round(slope / eager, 3)}))
-    assert slope <= planned, f"{shape} compiled={compiled}: {slope:.0f} B/token measured, {planned} planned"
+    out = (peak_step_bytes(model, forward, large) - peak_step_bytes(model, forward, small)) / (8192 - 4096)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_planned_bytes_per_token_bound_the_step_on_the_gpu(shape, compiled):
+    from transformers import Qwen3Config
+
+    h, inter, heads, kv, head_dim = SHAPES[shape]
+
+    def config(layers: int):
+        return Qwen3Config(hidden_size=h, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                           head_dim=head_dim, num_hidden_layers=layers, vocab_size=4096, tie_word_embeddings=False)
+
+    two, four = slope(config(2), compiled), slope(config(4), compiled)
+    per_layer, rest = (four - two) / 2, two - (four - two)
+    plan = {n: activation_bytes_per_token(config(n), compute_bytes=2, recompute=False, logits=False, compiled=compiled)
+            for n in (1, 2, 36)}
+    planned_layer = plan[2] - plan[1]
+    eager_layer = (activation_bytes_per_token(config(2), compute_bytes=2, recompute=False, logits=False)
+                   - activation_bytes_per_token(config(1), compute_bytes=2, recompute=False, logits=False))
+    at_depth = 36 * per_layer + rest
+    print("MEMORY_PLAN " + json.dumps({
+        "shape": shape, "compiled": compiled, "per_layer_measured": round(per_layer), "per_layer_planned": planned_layer,
+        "per_layer_over_eager_bound": round(per_layer / eager_layer, 3), "rest_measured": round(rest),
+        "at_36_layers_measured": round(at_depth), "at_36_layers_planned": plan[36],
+        "at_36_layers_over_planned": round(at_depth / plan[36], 3)}))
+    assert per_layer <= planned_layer, f"{shape} compiled={compiled}: a layer keeps {per_layer:.0f} B/token, " \
+                                       f"{planned_layer} planned"
+    assert at_depth <= plan[36] / HEADROOM, f"{shape} compiled={compiled}: {at_depth:.0f} B/token at 36 layers, " \
+                                            f"{plan[36]} planned with the headroom {HEADROOM}"

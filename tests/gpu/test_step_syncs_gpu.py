@@ -11,7 +11,6 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.terms import TermSums
 from miles.training.trainer import Trainer
 from tests.gpu.test_packing_gpu import QWEN3, samples
 
@@ -19,20 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def run_loop(t: Trainer, batch, record):
-    """`Trainer.accumulate_gradients`' loop over micro-batches made beforehand, as it runs it."""
+    """`Trainer.accumulate_gradients` with its loop under sync debug mode "error"."""
     normalizer, num_tokens = t._objective.normalizers(batch)
     pairs = t._micro_batches(batch)
-    sums = TermSums()
-    with torch.cuda.device("cuda"):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for rows, mb in pairs:
-                loss, terms, logprobs = t._micro_loss(mb, normalizer, num_tokens)
-                loss.backward()
-                record[rows, :logprobs.shape[1]] = logprobs.detach()
-                sums.add(terms)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sums = t._accumulate(pairs, normalizer, num_tokens, record)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     return len(pairs), sums.floats()
 
 

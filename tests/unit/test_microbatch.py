@@ -69,6 +69,7 @@ def test_a_micro_batch_taken_from_the_host_copy_is_the_same_and_carries_its_layo
     data[2].loss_mask = [True, False, False, True, True, False, True, True, True]    # multi-turn: tool tokens untrained
     batch = make_train_batch(data, pad_id=0)
     rows = [5, 2, 0, 6]
+    assert len({len(data[r].tokens) for r in rows}) > 1          # padding worth packing away
     plain, known = take_rows(batch, rows), take_rows(batch, rows, host=HostRows.of(batch), packed=packed)
     for name in ("tokens", "loss_mask", "advantages", "attention_mask", "rollout_logprobs"):
         assert torch.equal(getattr(known, name), getattr(plain, name)), name
@@ -110,3 +111,12 @@ def test_right_padded_rows_need_no_attention_mask_under_causal_attention(tmp_pat
     real = batch.attention_mask.bool()
     torch.testing.assert_close(unmasked[real], masked[real], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unmasked[~real], masked[~real], atol=1e-3)       # padding differs: not a no-op
+
+
+def test_rows_of_one_length_carry_no_pack_even_when_the_trainer_packs():
+    # nothing to remove: the rows run as they are (no pack made and unmade around each attention)
+    batch = make_train_batch([sample(0, 3, 9), sample(1, 5, 7), sample(2, 2, 10), sample(3, 1, 5)], pad_id=0)
+    host = HostRows.of(batch)
+    even, ragged = take_rows(batch, [0, 1, 2], host=host, packed=True), take_rows(batch, [0, 3], host=host, packed=True)
+    assert even.pack() is None and even.layout.trained.tolist() == even.loss_mask.reshape(-1).nonzero()[:, 0].tolist()
+    assert ragged.pack() is not None and ragged.pack().num_tokens == 12 + 6
