@@ -227,7 +227,8 @@ FLAGS: tuple[Flag, ...] = (
             "policy's and PPO's critic's)"),
     _f("max-tokens-per-gpu", "train", "max_tokens_per_gpu", int,
        "token budget of a micro-batch with --use-dynamic-batch-size: its real tokens, packed end to end into one "
-       "row with per-sample attention (rows x longest row with --no-pack-sequences). Not given, on CUDA: "
+       "row with per-sample attention (rows x longest row with --no-pack-sequences; rows whose padding adds at "
+       "most 3% run unpacked). Not given, on CUDA: "
        "micro-batches are capped at floor(0.8 x (free memory - gradients, optimizer state, weight copies, logprob "
        "chunks) / activation bytes per token) padded tokens (miles/training/memory_plan.py states the rule)"),
     _f("no-pack-sequences", "train", "pack_sequences", kind="false",
