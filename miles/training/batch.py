@@ -24,9 +24,9 @@ from miles.types import Sample
 @dataclass(frozen=True)
 class HostLayout:
     """What the step needs to know of a micro-batch, worked out on the host before the step's first
-    forward (`miles.training.microbatch.micro_batches`): read from the device inside the loop, each
-    of these would make the host wait for the GPU to finish the work queued so far, leaving it idle
-    until the next launch."""
+    forward (`miles.training.microbatch.take_rows` with the batch's `HostRows`): read from the device
+    inside the loop, each of these would make the host wait for the GPU to finish the work queued so
+    far, leaving it idle until the next launch."""
 
     num_tokens: int      # trained tokens (True in the loss mask)
     real_tokens: int     # prompt and response tokens (the attention mask's)

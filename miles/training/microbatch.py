@@ -10,7 +10,8 @@ accumulated gradient is the same for any partition of the rows.
 
 Packed (the default with a token budget; `miles.training.packing`): the budget bounds a micro-batch's
 *real* tokens (`pack_groups`), since its forward runs them end to end in one row with per-sample
-attention and computes no padding. `--no-pack-sequences` (or a model packing does not support)
+attention and computes no padding (rows of about one length, under 3% of padding, run as they are:
+`packing.worth_packing`). `--no-pack-sequences` (or a model packing does not support)
 keeps the padded plan above, whose cost is rows x longest; right-padded rows need no mask under
 causal attention (a real token never looks at the padding after it), so that forward is exact too.
 """

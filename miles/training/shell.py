@@ -102,11 +102,10 @@ class OptimizedModel:
         (or `micro_batch_size`), or token-budget groups with --use-dynamic-batch-size. All are made
         before the first forward, each with its `HostLayout`: the loop over them reads nothing back."""
         host = HostRows.of(batch)
-        return [self._take(batch, rows, host) for rows in self._plan_groups(batch, list(range(batch.size)),
-                                                                           micro_batch_size, host)]
+        return [self._take(batch, rows, host) for rows in self._plan_groups(list(range(batch.size)), micro_batch_size,
+                                                                           host)]
 
-    def _plan_groups(self, batch: TrainBatch, rows: list[int], micro_batch_size: int | None,
-                     host: HostRows) -> list[list[int]]:
+    def _plan_groups(self, rows: list[int], micro_batch_size: int | None, host: HostRows) -> list[list[int]]:
         """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
         real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
         t = self._train_cfg

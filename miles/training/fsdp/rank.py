@@ -57,7 +57,7 @@ class RankMicroBatches:
         before the first forward; an empty index marks a padding micro-batch (row 0, run for the
         collectives, contributing nothing)."""
         host = HostRows.of(batch)
-        groups = self._plan_groups(batch, rank_rows(batch.size, self.rank, self.world_size), micro_batch_size, host)
+        groups = self._plan_groups(rank_rows(batch.size, self.rank, self.world_size), micro_batch_size, host)
         pairs = [self._take(batch, rows, host) for rows in groups]
         padding = take_rows(batch, [0], host=host, packed=self._packed)
         empty = torch.zeros(0, dtype=torch.long, device=batch.tokens.device)
