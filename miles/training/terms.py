@@ -196,8 +196,7 @@ class TermSums:
     def add(self, terms: dict[str, Tensor | float], weight: float = 1.0) -> None:
         """Adds `terms` times `weight` (0: the keys only, as zeros: a padding micro-batch)."""
         for k, v in terms.items():
-            v = v.detach() if isinstance(v, Tensor) else v
-            v = 0.0 if weight == 0 else v if weight == 1 else v * weight
+            v = 0.0 if weight == 0 else _detached(v) if weight == 1 else _detached(v) * weight
             self._sums[k] = self._sums[k] + v if k in self._sums else v
 
     def floats(self) -> dict[str, float]:
@@ -296,8 +295,9 @@ class PolicyObjective:
              num_tokens: int) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The loss of micro-batch `mb` (a share of the global batch's, by `normalizer`) from its
         logprobs [B, T] and token entropies [B, T] (with gradients only when `entropy_has_grad`); its
-        terms (detached 0-dim tensors, or floats: sum them with `TermSums`), clip_frac weighted by the micro-batch's share of `num_tokens`. Without
-        old_logprobs (the skipped pass) the old policy is this step's own logprobs, detached."""
+        terms (detached 0-dim tensors, or floats: sum them with `TermSums`), clip_frac weighted by the
+        micro-batch's share of `num_tokens`. Without old_logprobs (the skipped pass) the old policy is
+        this step's own logprobs, detached."""
         if mb.old_logprobs is None and not self.is_sft:
             mb = replace(mb, old_logprobs=logprobs.detach())
         pg, pg_metrics = self._policy_term(logprobs, mb, normalizer)
