@@ -240,6 +240,11 @@ FLAGS: tuple[Flag, ...] = (
             "~1.5x faster on an H200 after a one-time compile in the first rollout; docs/performance.md)"),
     _f("no-trainer-compile", "train", "compile_layers", kind="false",
        help="torch trainer on CUDA: run the decoder layers eagerly (no compile warm-up, slower steps)"),
+    _f("trainer-weight-shadows", "train", "weight_shadows", kind="true",
+       help="torch trainer with a compute dtype below float32 (bf16 on CUDA): cast the decoder's Linear weights "
+            "once per optimizer step instead of once per micro-batch, and add their gradients into the float32 "
+            "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Off by "
+            "default until measured on the GPU"),
     # train: the megatron backend's parallelism (--train-backend megatron)
     _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
        "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),

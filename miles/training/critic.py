@@ -132,8 +132,10 @@ class Critic(OptimizedModel):
         """[B, T] float32 CPU values of the packed samples (`make_train_batch` layout), 0 off the response."""
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        for rows, mb in self._micro_batches(batch):
-            out[rows, :mb.tokens.shape[1]] = self._forward(mb)
+        pairs = self._micro_batches(batch)       # planned before the shadows take their memory
+        with self._shadowed(self._model, grads=False):
+            for rows, mb in pairs:
+                out[rows, :mb.tokens.shape[1]] = self._forward(mb)
         return torch.where(batch.loss_mask, out, torch.zeros((), device=self.device)).cpu()
 
     def train(self, samples: list[Sample], values: Tensor, returns: Tensor, rollout_id: int) -> dict[str, float]:
@@ -172,10 +174,12 @@ class Critic(OptimizedModel):
         micro-batch term is divided by the global batch's tokens, so the gradient is the same for any split."""
         normalizer = max(batch.num_tokens, 1)
         sums = TermSums()
-        for _, mb in self._micro_batches(batch):
-            loss, terms = self._micro_loss(mb, normalizer)
-            loss.backward()
-            sums.add({**terms, "micro_batches": 1.0})
+        pairs = self._micro_batches(batch)       # planned before the shadows take their memory
+        with self._shadowed(self._model, grads=True):
+            for _, mb in pairs:
+                loss, terms = self._micro_loss(mb, normalizer)
+                loss.backward()
+                sums.add({**terms, "micro_batches": 1.0})
         return sums.floats()
 
     def _micro_loss(self, mb: TrainBatch, normalizer: int) -> tuple[Tensor, dict[str, Tensor]]:

@@ -14,6 +14,7 @@ what else it saves are the subclass's.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -29,6 +30,7 @@ from miles.training.microbatch import HostRows, padded_tokens, plan_micro_batche
 from miles.training.packing import to_device
 from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
+from miles.training.shadows import weight_shadows
 from miles.training.shards import clip_grad_norm, step_shards
 from miles.training.schedule import lr_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
@@ -76,6 +78,13 @@ class OptimizedModel:
     def _autocast(self):
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
                               enabled=self.compute_dtype != torch.float32)
+
+    def _shadowed(self, model: nn.Module, *, grads: bool):
+        """The context of a micro-batch loop over `model`: with --trainer-weight-shadows its decoder's
+        Linear weights in the compute dtype, cast once for the loop (`miles.training.shadows`)."""
+        if not self._train_cfg.weight_shadows:
+            return contextlib.nullcontext()
+        return weight_shadows(model, self.compute_dtype, grads=grads)
 
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradients and step; returns the gradient norm before clipping."""

@@ -240,12 +240,13 @@ class Trainer(OptimizedModel):
         `_micro_batches`). It reads nothing from the device (tests/unit/test_step_syncs.py): the terms
         stay there until the step's end, so the host queues micro-batch after micro-batch."""
         sums = TermSums()
-        for rows, mb in pairs:
-            loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
-            loss.backward()
-            if record is not None:
-                record[rows, :logprobs.shape[1]] = logprobs.detach()
-            sums.add(terms)
+        with self._shadowed(self._model, grads=True):
+            for rows, mb in pairs:
+                loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
+                loss.backward()
+                if record is not None:
+                    record[rows, :logprobs.shape[1]] = logprobs.detach()
+                sums.add(terms)
         return sums
 
     def _micro_loss(self, mb: TrainBatch, normalizer: float,
@@ -258,8 +259,10 @@ class Trainer(OptimizedModel):
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        for rows, mb in self._micro_batches(batch):
-            out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]
+        pairs = self._micro_batches(batch)       # planned before the shadows take their memory
+        with self._shadowed(model, grads=False):
+            for rows, mb in pairs:
+                out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]
         return out
 
     # --- weights and state ---------------------------------------------------------------------

@@ -47,14 +47,15 @@ def samples(n=24, seed=0):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
-def test_the_micro_batch_loop_reads_nothing_from_the_device(packed, mode):
+@pytest.mark.parametrize("shadows", [False, True], ids=["autocast", "shadows"])
+def test_the_micro_batch_loop_reads_nothing_from_the_device(packed, mode, shadows):
     train = TrainConfig(lr=1e-3, micro_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=512,
-                        pack_sequences=packed)
+                        pack_sequences=packed, weight_shadows=shadows)
     algorithm = AlgorithmConfig(loss_agg_mode=mode, kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.01,
                                 entropy_coef=0.001)
     # the chunked path from the hidden states: the CUDA trainer's forward
     t = Trainer(QWEN3, train=train, algorithm=algorithm, rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=3),
-                device="cpu", hidden_forward=True)
+                device="cpu", dtype="bfloat16" if shadows else "float32", hidden_forward=True)
     assert t._packed is packed
     batch = t.prepare(make_train_batch(samples(), t.pad_id))
     normalizer, num_tokens = t._objective.normalizers(batch)
