@@ -23,8 +23,10 @@ export PYTHONPATH=/tmp/site:$PWD
 LANE1="tests/gpu/test_megatron_gpu.py"
 LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py"
 LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
-       tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py"
-SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py"   # read the GPU's free or used memory: alone
+       tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py
+       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py"
+# read the GPU's free or used memory, or fill it (the memory plan's 4B and 8B layer shapes): alone
+SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/test_memory_plan_gpu.py"
 collect_scale() {     # $1: the workload; its JSON, log, the run's logs and trace into $OUT
   local w=$1
   tail -c 2500 /tmp/scale-$w.log; cp /tmp/scale-$w.json /tmp/scale-$w.log $OUT/ 2>/dev/null; tail -c 5000 /tmp/scale-$w.json
