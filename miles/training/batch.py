@@ -13,7 +13,9 @@ sits on its last trained token.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from itertools import chain, repeat
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -94,30 +96,46 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
         raise ValueError("make_train_batch needs at least one sample")
     for i, s in enumerate(samples):
         _check_sample(i, s)
-    width = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-    # rows built as Python lists and made tensors once per field: a tensor per sample and field
-    # cost more than the train step's own work on the CPU demo's tiny model
-    tokens, loss_mask, advantages, token_rewards, rollout_logprobs, attention_mask = ([] for _ in range(6))
-    for s in samples:
-        p, r = len(s.prompt.prompt_ids), len(s.response_ids)
-        pad, mask = width - p - r, s.mask()
-        tokens.append([*s.tokens, *[pad_id] * pad])
-        loss_mask.append([False] * p + list(mask) + [False] * pad)
-        advantages.append([0.0] * p + [s.advantage if m else 0.0 for m in mask] + [0.0] * pad)
-        rewards = [0.0] * width
-        trained = [j for j, m in enumerate(mask) if m]
-        if trained:
-            rewards[p + trained[-1]] = s.reward
-        token_rewards.append(rewards)
-        rollout_logprobs.append([0.0] * p + [lp if m else 0.0 for lp, m in zip(s.rollout_logprobs, mask)] + [0.0] * pad)
-        attention_mask.append([1] * (p + r) + [0] * pad)
-    tokens, attention_mask = torch.tensor(tokens, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long)
-    loss_mask = torch.tensor(loss_mask, dtype=torch.bool)
-    advantages, token_rewards, rollout_logprobs = (torch.tensor(x, dtype=torch.float32)
-                                                   for x in (advantages, token_rewards, rollout_logprobs))
-    return TrainBatch(tokens=tokens, loss_mask=loss_mask, advantages=advantages, token_rewards=token_rewards,
-                      rollout_logprobs=rollout_logprobs, attention_mask=attention_mask,
+    # each field is read from the samples' lists once, end to end, into one flat array and put in place
+    # by a mask of the positions it fills (row-major, the samples' order): per token, Python only
+    # iterates; a list per row and field cost 0.5 s for 256 samples of 4k tokens
+    n = len(samples)
+    prompt_len = np.fromiter((len(s.prompt.prompt_ids) for s in samples), np.int64, n)
+    response_len = np.fromiter((len(s.response_ids) for s in samples), np.int64, n)
+    length = prompt_len + response_len
+    width = int(length.max())
+    column = np.arange(width)
+    real = column < length[:, None]                                    # prompt + response
+    response = real & (column >= prompt_len[:, None])
+
+    def flat(values, dtype, count):
+        return np.fromiter(chain.from_iterable(values), dtype, int(count))
+
+    tokens = np.full((n, width), pad_id, np.int64)
+    tokens[real] = flat((chain(s.prompt.prompt_ids, s.response_ids) for s in samples), np.int64, length.sum())
+    loss_mask = np.zeros((n, width), bool)
+    loss_mask[response] = flat((_trained(s) for s in samples), bool, response_len.sum())
+    rollout_logprobs = np.zeros((n, width), np.float32)
+    rollout_logprobs[response] = flat((s.rollout_logprobs for s in samples), np.float32, response_len.sum())
+    rollout_logprobs[~loss_mask] = 0.0
+    advantage = np.fromiter((s.advantage for s in samples), np.float32, n)
+    advantages = np.where(loss_mask, advantage[:, None], np.float32(0.0))
+    token_rewards = np.zeros((n, width), np.float32)                   # the reward on the last trained token
+    rows = np.flatnonzero(loss_mask.any(axis=1))
+    last = width - 1 - loss_mask[rows, ::-1].argmax(axis=1)
+    token_rewards[rows, last] = np.fromiter((samples[i].reward for i in rows), np.float32, len(rows))
+    return TrainBatch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(loss_mask),
+                      advantages=torch.from_numpy(advantages), token_rewards=torch.from_numpy(token_rewards),
+                      rollout_logprobs=torch.from_numpy(rollout_logprobs),
+                      attention_mask=torch.from_numpy(real.astype(np.int64)),
                       weight_version=min(s.weight_version for s in samples))
+
+
+def _trained(s: Sample):
+    """The sample's loss mask over its response, without a list when it is all 1 or all 0."""
+    if not s.trainable:
+        return repeat(False, len(s.response_ids))
+    return repeat(True, len(s.response_ids)) if s.loss_mask is None else s.loss_mask
 
 
 def split(batch: TrainBatch, size: int) -> list[TrainBatch]:
