@@ -244,7 +244,8 @@ FLAGS: tuple[Flag, ...] = (
        help="torch trainer with a compute dtype below float32 (bf16 on CUDA): cast the decoder's Linear weights "
             "once per optimizer step instead of once per micro-batch, and add their gradients into the float32 "
             "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Off by "
-            "default until measured on the GPU"),
+            "default until measured on the GPU; FSDP ranks (several trainer GPUs) gather bf16 weights once a step "
+            "already and ignore it"),
     # train: the megatron backend's parallelism (--train-backend megatron)
     _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
        "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),
