@@ -244,9 +244,8 @@ def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):
 def test_a_pack_of_even_samples_takes_the_padded_rows_and_a_ragged_one_the_varlen_kernel():
     """`attention_path`: rows (SDPA: cuDNN's kernels on CUDA) while the rows add at most a quarter of
     padding, the variable-length kernel beyond it, and rows whenever that kernel cannot run."""
-    from miles.training.packing import PADDED_ROWS_MAX_WASTE, attention_path
+    from miles.training.packing import attention_path
 
-    assert PADDED_ROWS_MAX_WASTE == 1.25
     assert attention_path(4, 4 * 4160, 4160, True) == "rows"                    # 24 x 4k answers, one a pack
     assert attention_path(4, 1000, 250, True) == "rows"
     assert attention_path(4, 800, 250, True) == "rows"                          # 1000 positions: exactly 1.25
