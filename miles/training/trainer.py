@@ -130,6 +130,7 @@ class Trainer(OptimizedModel):
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
+                 weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
                  may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
