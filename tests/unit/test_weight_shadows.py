@@ -46,6 +46,7 @@ def masters(model: nn.Module) -> dict[str, torch.Tensor]:
                                    {"recompute_activations": True}], ids=["rows", "packed", "recompute"])
 def test_a_shadowed_policy_trains_bit_for_bit_like_autocast(train):
     plain, shadowed = policy(False, **train), policy(True, **train)
+    assert shadowed._packed is bool(train.get("use_dynamic_batch_size"))
     seen = []      # the weight dtype a shadowed Linear computes with, at each call
     shadowable(shadowed.model)[0].register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
     for rollout in range(3):        # two optimizer steps a rollout; a KL reference's no-grad pass
