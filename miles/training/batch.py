@@ -13,7 +13,7 @@ sits on its last trained token.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from itertools import chain, repeat
+from itertools import chain
 
 import numpy as np
 import torch
@@ -114,7 +114,7 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
     tokens = np.full((n, width), pad_id, np.int64)
     tokens[real] = flat((chain(s.prompt.prompt_ids, s.response_ids) for s in samples), np.int64, length.sum())
     loss_mask = np.zeros((n, width), bool)
-    loss_mask[response] = flat((_trained(s) for s in samples), bool, response_len.sum())
+    loss_mask[response] = flat((s.mask() for s in samples), bool, response_len.sum())
     rollout_logprobs = np.zeros((n, width), np.float32)
     rollout_logprobs[response] = flat((s.rollout_logprobs for s in samples), np.float32, response_len.sum())
     rollout_logprobs[~loss_mask] = 0.0
@@ -129,13 +129,6 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
                       rollout_logprobs=torch.from_numpy(rollout_logprobs),
                       attention_mask=torch.from_numpy(real.astype(np.int64)),
                       weight_version=min(s.weight_version for s in samples))
-
-
-def _trained(s: Sample):
-    """The sample's loss mask over its response, without a list when it is all 1 or all 0."""
-    if not s.trainable:
-        return repeat(False, len(s.response_ids))
-    return repeat(True, len(s.response_ids)) if s.loss_mask is None else s.loss_mask
 
 
 def split(batch: TrainBatch, size: int) -> list[TrainBatch]:

@@ -11,8 +11,9 @@ config at the start of each train call, after a colocated engine has released it
   (4 B/param) and AdamW's two moments (8 B/param) when they do not exist yet on the device (the
   first step; never with --offload-train, whose step streams them a chunk at a time once the
   activations are gone), autocast's half-precision weight copies (2 B/param under a
-  bf16/fp16 compute dtype; with --trainer-weight-shadows the shadows, made after the plan), and the chunked logprob pass's temporaries (chunk rows x vocab x 16 B:
-  the chunk's logits and three float32 passes over them).
+  bf16/fp16 compute dtype; with --trainer-weight-shadows the shadows, made after the plan), and the
+  chunked logprob pass's temporaries (chunk rows x vocab x 16 B: the chunk's logits and three
+  float32 passes over them).
 - bytes_per_token (`activation_bytes_per_token`): what autograd keeps per token for the backward.
   Per decoder layer 32 h + 4 e I + 5 e (q_dim + kv_dim) + 512 bytes (h hidden size, I the MLP's
   intermediate size, q_dim = heads x head_dim, kv_dim = KV heads x head_dim, e the compute dtype's

@@ -59,7 +59,6 @@ def weight_shadows(model: nn.Module, dtype: torch.dtype, *, grads: bool = True) 
     if grads:
         modules = [m for m in modules if m.weight.requires_grad]
     masters = [m.weight for m in modules]
-    shadows: list[nn.Parameter] = []
     try:
         copies = [torch.empty_like(w, dtype=dtype) for w in masters]
         if copies:
@@ -69,9 +68,7 @@ def weight_shadows(model: nn.Module, dtype: torch.dtype, *, grads: bool = True) 
             if grads:
                 shadow.register_post_accumulate_grad_hook(_fold_into(master))
             module._parameters["weight"] = shadow
-            shadows.append(shadow)
-        del copies
-        yield len(shadows)
+        yield len(modules)
     finally:
         for module, master in zip(modules, masters):
             module._parameters["weight"] = master

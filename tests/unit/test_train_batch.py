@@ -1,36 +1,29 @@
-"""`make_train_batch` against the layout spelled out row by row (the module docstring's rules), on
+"""`make_train_batch` against the layout built row by row (the module docstring's rules), on
 samples of every kind: empty and long responses, multi-turn loss masks, aborted samples (nothing
 trained), NaN logprobs off the mask, ints and bools as mask values."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+from pathlib import Path
 
 import torch
 
 from miles.training.batch import make_train_batch
 from miles.types import Prompt, Sample
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def by_rows(samples: list[Sample], pad_id: int) -> dict[str, list[list]]:
-    width = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-    out = {k: [] for k in ("tokens", "loss_mask", "advantages", "token_rewards", "rollout_logprobs", "attention_mask")}
-    for s in samples:
-        p, r = len(s.prompt.prompt_ids), len(s.response_ids)
-        pad = width - p - r
-        mask = [bool(m) for m in s.mask()]
-        out["tokens"].append(list(s.prompt.prompt_ids) + list(s.response_ids) + [pad_id] * pad)
-        out["loss_mask"].append([False] * p + mask + [False] * pad)
-        out["advantages"].append([0.0] * p + [s.advantage if m else 0.0 for m in mask] + [0.0] * pad)
-        rewards = [0.0] * width
-        if any(mask):
-            rewards[p + max(j for j, m in enumerate(mask) if m)] = s.reward
-        out["token_rewards"].append(rewards)
-        out["rollout_logprobs"].append([0.0] * p + [lp if m else 0.0 for lp, m in zip(s.rollout_logprobs, mask)]
-                                       + [0.0] * pad)
-        out["attention_mask"].append([1] * (p + r) + [0] * pad)
-    return out
+
+def row_by_row():
+    """The row-by-row build (`scripts/bench/train_batch_cpu.py`'s peer: a Python list per row and field,
+    the layout as the module docstring states it)."""
+    spec = importlib.util.spec_from_file_location("train_batch_cpu", ROOT / "scripts" / "bench" / "train_batch_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.rows
 
 
 def samples(seed: int, n: int = 40) -> list[Sample]:
@@ -52,16 +45,16 @@ def samples(seed: int, n: int = 40) -> list[Sample]:
 
 
 def test_the_batch_is_the_row_by_row_layout():
+    rows = row_by_row()
     for seed in range(5):
         batch_samples = samples(seed)
-        batch, want = make_train_batch(batch_samples, pad_id=2), by_rows(batch_samples, pad_id=2)
-        for name, rows in want.items():
-            got = getattr(batch, name)
-            expected = torch.tensor(rows, dtype=got.dtype)
+        batch, want = make_train_batch(batch_samples, pad_id=2), rows(batch_samples, pad_id=2)
+        for name in ("tokens", "loss_mask", "advantages", "token_rewards", "rollout_logprobs", "attention_mask"):
+            got, expected = getattr(batch, name), getattr(want, name)
             assert got.dtype == {"tokens": torch.long, "attention_mask": torch.long,
-                                 "loss_mask": torch.bool}.get(name, torch.float32)
+                                 "loss_mask": torch.bool}.get(name, torch.float32) == expected.dtype
             assert torch.equal(got, expected), name
-        assert batch.weight_version == 3
+        assert batch.weight_version == want.weight_version == 3
         assert not batch.rollout_logprobs.isnan().any()
         aborted = [i for i, s in enumerate(batch_samples) if s.status == "aborted"]
         assert aborted and not batch.loss_mask[aborted].any() and not batch.token_rewards[aborted].any()
