@@ -118,6 +118,25 @@ def test_continuous_batching_equals_one_by_one_and_eager(model_path, fp32):
     assert_fast_path(small)
 
 
+def test_stop_strings_caps_and_context_len_equal_the_embedded_engine(model_path, fp32):
+    """The host-side stop strings (snapshots of each slot's newest tokens, slots freed mid-call), each
+    request's own cap and --rollout-max-context-len with graphs and compiled pieces on: the float32
+    greedy outputs are the embedded engine's on the same GPU."""
+    from tests.unit.test_fast_engine import _stop_string_in
+
+    small = FastEngine(model_path, device="cuda", dtype="float32", max_batch_size=3)
+    embedded = EmbeddedEngine(model_path, device="cuda", dtype="float32")
+    plain = small.generate(MANY, SamplingParams(temperature=0.0, max_new_tokens=96))
+    params = SamplingParams(temperature=0.0, max_new_tokens=96, stop=(_stop_string_in(plain, small.tokenizer),),
+                            max_context_len=90)
+    caps = [96 - 7 * (i % 5) for i in range(len(MANY))]
+    got, want = small.generate(MANY, params, caps), embedded.generate(MANY, params, caps)
+    assert [(g.response_ids, g.finish_reason) for g in got] == [(w.response_ids, w.finish_reason) for w in want]
+    assert any(g.finish_reason == "stop" and len(g.response_ids) < len(p.response_ids) for g, p in zip(got, plain))
+    assert all(len(prompt) + len(g.response_ids) <= 90 for prompt, g in zip(MANY, got))
+    assert_fast_path(small)
+
+
 def test_chunked_prefill_equals_the_unchunked_engine(model_path, fp32, bf16):
     # prompts of up to 100 tokens in pieces of 16 (one piece per decode step of the running ones), more
     # requests than slots. The fixtures compiled this model's pieces for both dtypes, the one-row piece

@@ -40,8 +40,7 @@ def launch(folder: Path, *extra: str, timeout: float = 600) -> subprocess.Comple
                           text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory, tiny_task):
+def script_folder(tmp_path_factory, tiny_task) -> Path:
     root = tmp_path_factory.mktemp("miles_launch")
     for f in SCRIPTS.iterdir():
         shutil.copy(f, root / f.name)
@@ -49,6 +48,11 @@ def folder(tmp_path_factory, tiny_task):
     shutil.copy(tiny_task["train"], root / "train.jsonl")
     shutil.copy(tiny_task["eval"], root / "eval.jsonl")
     return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tiny_task):
+    return script_folder(tmp_path_factory, tiny_task)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +114,19 @@ def test_rollout_and_training_flags(folder, first_run):
 
 
 def test_sampling_and_template_flags(folder, first_run):
+    sampling_checks(folder)
+
+
+def test_the_fast_engine_serves_the_same_sampling_flags(tmp_path_factory, tiny_task):
+    # --rollout-stop and --rollout-max-context-len on FastEngine (the engine CUDA runs pick; eager here)
+    fast = script_folder(tmp_path_factory, tiny_task)
+    done = launch(fast, "--rollout-engine", "fast", "--num-rollout", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "engine: FastEngine" in done.stderr
+    sampling_checks(fast)
+
+
+def sampling_checks(folder: Path) -> None:
     saved = load_rollout_data(folder / "dump" / "rollout_1.pt")              # --save-debug-rollout-data
     assert len(saved.samples) == 16
     for s in saved.samples:

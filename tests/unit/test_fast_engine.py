@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
+from miles.rollout.engines.fast import engine as fast_engine
 from miles.rollout.engines.fast import model as fast_model
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _truncate
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
@@ -478,9 +479,90 @@ def test_buckets_cover_every_size_with_little_waste():
     assert math.isclose(max(s2 / s1 for s1, s2 in zip(span_buckets(4096), span_buckets(4096)[1:])), 1.5)
 
 
-def test_stop_strings_and_context_caps_are_refused_not_ignored(engine):
-    with pytest.raises(ValueError, match="does not support stop strings"):
-        engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, stop=("==",)))
-    with pytest.raises(ValueError, match="does not cap responses by --rollout-max-context-len 5"):
-        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, max_context_len=5))
-    assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, max_context_len=5))) == 1
+def _stop_string_in(gens: list, tokenizer) -> str:
+    """Two characters from the middle of the longest greedy answer (a stop string these outputs reach;
+    none of the special tokens' text, which the engines' rule reads too)."""
+    text = tokenizer.decode(max(gens, key=lambda g: len(g.response_ids)).response_ids, skip_special_tokens=True)
+    return text[len(text) // 3:len(text) // 3 + 2]
+
+
+def _ends_at_the_first_stop(g, prompt_free_text, stops) -> bool:
+    """The response's text holds a stop string, and no shorter prefix of it does (the engines' rule)."""
+    texts = [prompt_free_text(g.response_ids[:k]) for k in range(len(g.response_ids) + 1)]
+    return any(s in texts[-1] for s in stops) and not any(s in t for t in texts[:-1] for s in stops)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_stop_strings_end_each_response_as_the_embedded_engine_does(model_path, window, monkeypatch):
+    # 11 prompts through 3 slots: a stop found while its sequence runs frees the slot for a queued prompt,
+    # one found when the call ends (a sequence that reached its cap first) cuts the output only. With a
+    # window of 2 tokens a snapshot misses most new tokens, which are then read from the device
+    if window is not None:
+        monkeypatch.setattr(fast_engine, "STOP_WINDOW", window)
+    fast, embedded = FastEngine(model_path, device="cpu", max_batch_size=3), EmbeddedEngine(model_path, device="cpu")
+    plain = fast.generate(MANY, SamplingParams(temperature=0.0, max_new_tokens=96))
+    stops = (_stop_string_in(plain, fast.tokenizer), "zz")
+    params = SamplingParams(temperature=0.0, max_new_tokens=96, stop=stops)
+    got, want = fast.generate(MANY, params), embedded.generate(MANY, params)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in want]
+    for g, w, p in zip(got, want, plain):
+        assert g.response_ids == p.response_ids[:len(g.response_ids)]
+        assert max((abs(x - y) for x, y in zip(g.logprobs, w.logprobs)), default=0.0) < 1e-4
+    cut = [g for g, p in zip(got, plain) if len(g.response_ids) < len(p.response_ids)]
+    assert len(cut) >= 2 and all(g.finish_reason == "stop" for g in cut)
+    def text(ids):
+        return fast.tokenizer.decode(ids, skip_special_tokens=False)
+    assert all(_ends_at_the_first_stop(g, text, stops) for g in cut)
+
+
+def test_a_stop_string_frees_its_slot_while_the_call_runs(model_path):
+    # every answer stops at its first token; 11 prompts through 3 slots: each slot is seen free at the
+    # next snapshot and takes a queued prompt, so the call ends after a few steps a wave (not 4 x 63)
+    fast = FastEngine(model_path, device="cpu", max_batch_size=3)
+    never = SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=())
+    plain = fast.generate(MANY, never)
+    assert fast.last_stats["decode_steps"] >= 3 * 63
+    early = tuple(sorted({fast.tokenizer.decode(g.response_ids[:1]) for g in plain}))   # each one's first token
+    gens = fast.generate(MANY, replace(never, stop=early))
+    assert [g.response_ids for g in gens] == [p.response_ids[:1] for p in plain]
+    assert {g.finish_reason for g in gens} == {"stop"}
+    assert fast.last_stats["decode_steps"] < 64
+
+
+def test_sampled_responses_with_stop_strings_are_reproducible_and_end_at_the_first(model_path):
+    fast = FastEngine(model_path, device="cpu", max_batch_size=3)
+    plain = fast.generate(MANY, SamplingParams(temperature=0.0, max_new_tokens=64))
+    stops = (_stop_string_in(plain, fast.tokenizer), "7")
+    params = SamplingParams(temperature=1.0, max_new_tokens=64, stop=stops, seed=11)
+    gens = fast.generate(MANY * 2, params)
+    assert gens == fast.generate(MANY * 2, params)
+    def text(ids):
+        return fast.tokenizer.decode(ids, skip_special_tokens=False)
+    stopped = [g for g in gens if g.finish_reason == "stop" and g.response_ids[-1] != EOS_ID]
+    assert len(stopped) >= 3
+    assert all(_ends_at_the_first_stop(g, text, stops) for g in stopped)
+    assert not any(s in text(g.response_ids) for g in gens if g not in stopped for s in stops)
+
+
+def test_max_context_len_caps_each_response_by_its_prompt_as_the_embedded_engine(model_path):
+    fast, embedded = FastEngine(model_path, device="cpu", max_batch_size=3), EmbeddedEngine(model_path, device="cpu")
+    never = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=())
+    plain = fast.generate(MANY, never)
+    capped = replace(never, max_context_len=14)
+    got, want = fast.generate(MANY, capped), embedded.generate(MANY, capped)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    for prompt, g, p in zip(MANY, got, plain):
+        assert g.response_ids == p.response_ids[:len(g.response_ids)]
+        if g.finish_reason == "length":
+            assert len(prompt) + len(g.response_ids) == min(14, len(prompt) + 20)
+    assert len({len(g.response_ids) for g in got if g.finish_reason == "length"}) > 3   # caps that differ
+    with pytest.raises(ValueError, match="leaves no room for a response under max_context_len 5"):
+        fast.generate([[5, 6, 7, 8, 9]], replace(never, max_context_len=5))
+
+
+def test_requests_with_different_caps_share_the_decode_batch(model_path):
+    fast = FastEngine(model_path, device="cpu", max_batch_size=4)
+    never = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
+    fast.generate(PROMPTS, never, [3, 16, 5, 3])
+    assert fast.last_stats["prefills"] == 1 and fast.last_stats["decode_steps"] == 15   # one batch, not one per cap

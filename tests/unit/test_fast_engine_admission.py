@@ -55,3 +55,7 @@ def test_the_run_sizes_slots_from_its_prompt_and_response_limits(tmp_path):
     assert options(parse_flags(base + ["--max-prompt-len", "100"])[0])["context_len"] == 400
     assert options(parse_flags(base + ["--max-prompt-len", "100", "--eval-max-response-len", "500"])[0])[
         "context_len"] == 600
+    # --rollout-max-context-len caps every request (the engine cuts each response by it): the smaller bound
+    capped = ["--rollout-max-context-len", "350"]
+    assert options(parse_flags(base + capped)[0])["context_len"] == 350
+    assert options(parse_flags(base + capped + ["--max-prompt-len", "20"])[0])["context_len"] == 320

@@ -327,9 +327,24 @@ class _StopStrings:
         self._tokenizer, self._stops = tokenizer, tuple(stops)
         self._window = max(len(s) for s in stops) + 1
 
-    def hit(self, ids: list[int]) -> bool:
-        tail = self._tokenizer.decode(ids[-self._window:], skip_special_tokens=False)
+    def hit(self, ids: list[int], end: int | None = None) -> bool:
+        """Whether the tail of `ids[:end]` holds a stop string."""
+        end = len(ids) if end is None else end
+        tail = self._tokenizer.decode(ids[max(0, end - self._window):end], skip_special_tokens=False)
         return any(s in tail for s in self._stops)
+
+    def first_hit(self, ids: list[int], start: int, end: int) -> int | None:
+        """The first k in [start, end) at which `hit(ids, k + 1)`, or None; for checking many new
+        tokens at once (the fast engine's): one decode of them and the tail before them rules out
+        most batches, and only a batch whose text holds a stop string is checked token by token.
+        (A tail's decoded text is the end of any longer run's: byte-level BPE decodes bytes, which
+        resynchronize at the first whole character; so a batch without the string has no hit.)"""
+        if start >= end:
+            return None
+        text = self._tokenizer.decode(ids[max(0, start - self._window + 1):end], skip_special_tokens=False)
+        if not any(s in text for s in self._stops):
+            return None
+        return next((k for k in range(start, end) if self.hit(ids, k + 1)), None)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -201,21 +201,31 @@ class DecodeGraphs:
 
 
 class Snapshot:
-    """A copy of the device's `active` flags taken without waiting: read it a few steps later."""
+    """A copy of the device's `active` flags taken without waiting: read it a few steps later. A
+    call with stop strings has each slot's newest tokens copied with them (`extra`)."""
 
     def __init__(self, slots: int, device: torch.device):
         cuda = device.type == "cuda"
         self._host = torch.zeros(slots, dtype=torch.bool, pin_memory=cuda)
+        self._extra: Tensor | None = None      # host buffer of the last `extra`, made at its first use
+        self._has_extra = False
         self._event = torch.cuda.Event() if cuda else None
         self.step = -1
 
-    def take(self, active: Tensor, step: int) -> None:
-        self._host.copy_(active, non_blocking=self._event is not None)
+    def take(self, active: Tensor, step: int, extra: Tensor | None = None) -> None:
+        blocking = self._event is None
+        self._host.copy_(active, non_blocking=not blocking)
+        self._has_extra = extra is not None
+        if extra is not None:
+            if self._extra is None or self._extra.shape != extra.shape or self._extra.dtype != extra.dtype:
+                self._extra = torch.empty(extra.shape, dtype=extra.dtype, pin_memory=not blocking)
+            self._extra.copy_(extra, non_blocking=not blocking)
         if self._event is not None:
             self._event.record()
         self.step = step
 
-    def read(self) -> list[bool]:
+    def read(self) -> tuple[list[bool], Tensor | None]:
+        """(the active flags, the `extra` taken with them or None)."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host.tolist(), (self._extra if self._has_extra else None)

@@ -3,11 +3,18 @@ batching, device-side sampling and CUDA-graph decode steps. Same interface as `E
 
 One `generate` call queues all its requests. A request takes a free cache slot (lowest first): a
 batched prefill writes its prompt's K/V and samples its first token; then every decode step feeds
-one token per busy slot. Stop tokens and max_new_tokens are decided on the device (`advance`); the
-host learns which slots finished from a copy of the `active` flags taken every `CHECK_EVERY`
-steps and read `SNAPSHOT_LAG` steps later (the GPU is never left idle waiting for the host), and
-knows without asking when a slot reaches max_new_tokens. Freed slots are refilled at once from the
-queue; when the queue is empty, busy slots are moved down so the decode batch shrinks.
+one token per busy slot. Stop tokens and each request's max_new_tokens (its own cap, bounded by
+max_context_len minus its prompt) are decided on the device (`advance`); the host learns which
+slots finished from a copy of the `active` flags taken every `CHECK_EVERY` steps and read
+`SNAPSHOT_LAG` steps later (the GPU is never left idle waiting for the host), and knows without
+asking when a slot reaches its cap. Freed slots are refilled at once from the queue; when the
+queue is empty, busy slots are moved down so the decode batch shrinks.
+
+Stop strings are text, so the host checks them (`_StopWatch`): each snapshot brings every slot's
+newest `STOP_WINDOW` tokens too, a request whose decoded tail holds a stop string is cut after the
+token that completed it (the embedded engine's rule) and its slot is freed, and what no snapshot
+saw is checked when the call ends. A stopped sequence runs on for the steps until its snapshot is
+read (at most CHECK_EVERY + SNAPSHOT_LAG tokens, discarded).
 
 Chunked prefill: a prompt longer than `chunked_prefill_size` takes its slot but is not prefilled
 with the others. Each turn of the loop prefills one piece of it (`_piece`: one row, at most that
@@ -34,14 +41,14 @@ import gc
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from typing import NamedTuple
 
 import structlog
 import torch
 from torch import Tensor
 
 from miles.rollout.engines.fast import attention as fast_attention
-from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _eos_ids
+from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, plan_slots, span_buckets)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
@@ -55,11 +62,13 @@ from miles.weights.hf import copy_checked, load_causal_lm, load_tokenizer, resol
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
-_CAP_SEED_STEP = 7919     # apart the seeds of the groups of one call with different per-prompt caps
 _CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine releases (graphs go with the cache)
 
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
 SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
+# newest tokens per slot copied with each snapshot when a call has stop strings: more than a slot makes
+# between two snapshots (CHECK_EVERY decode steps and a prefill's first token)
+STOP_WINDOW = 2 * CHECK_EVERY
 PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
@@ -313,30 +322,24 @@ class FastEngine(TokenizerAccessors):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """One Generation per prompt, in order; all prompts are queued and served by continuous batching.
-        `max_new_tokens` (one per prompt) caps each prompt's response; else `params.max_new_tokens`.
-        A batch keeps one cap, so prompts with different caps are served cap by cap (each group seeded
-        apart from the others when `params.seed` is set).
+        `max_new_tokens` (one per prompt) caps each prompt's response; else `params.max_new_tokens`;
+        `params.max_context_len` caps prompt + response (as the embedded engine). Requests with
+        different caps share the decode batch (a multi-turn rollout's turns each have their own).
+        `params.stop` strings end a response at the token that completes one (see the module).
 
         Randomness: the engine's generator (seeded at construction, advancing call after call), or
         a fresh one seeded with `params.seed` for this call only.
         """
-        caps = sorted(set(max_new_tokens)) if max_new_tokens is not None else [params.max_new_tokens]
-        if len(caps) == 1:
-            return self._generate(prompts, replace(params, max_new_tokens=int(caps[0])))
-        out: list[Generation | None] = [None] * len(prompts)
-        for k, cap in enumerate(caps):
-            rows = [i for i, c in enumerate(max_new_tokens) if c == cap]
-            seed = None if params.seed is None else (params.seed + k * _CAP_SEED_STEP) % 2**31
-            done = self._generate([prompts[i] for i in rows], replace(params, max_new_tokens=int(cap), seed=seed))
-            for i, g in zip(rows, done):
-                out[i] = g
-        return out
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._live_weights()
         if self._cache is None:
             raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
-        self._check(prompts, params)
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
+        self._check(prompts, params, caps)
+        if not prompts:
+            return []
+        return self._generate(prompts, params, [_budget(params, len(p), c) for p, c in zip(prompts, caps)])
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> list[Generation]:
         gen = self._generator if params.seed is None else \
             torch.Generator(device=self.device).manual_seed(params.seed)
         version = self._version
@@ -344,45 +347,42 @@ class FastEngine(TokenizerAccessors):
         with torch.inference_mode():  # every tensor a step sees is an inference tensor: one set of compiled guards
             sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
             is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
-            out = CallOutputs(len(prompts), params.max_new_tokens, self.device)
-            call = _Call(prompts, params.max_new_tokens, sampler, is_stop, out)
+            out = CallOutputs(len(prompts), max(caps), self.device)
+            watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
+            call = _Call(prompts, caps, sampler, is_stop, out, watch)
             steps = self._run(call)
             tokens, logprobs, lengths, reasons = out.to_host()
+        if watch is not None:
+            watch.finish(tokens, lengths, reasons)
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0)
         return [Generation(t[:n], lp[:n], "stop" if r == STOP else "length", version)
                 for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
 
-    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
-        EmbeddedEngine._check(self, prompts, params)
-        # not implemented here yet (the embedded engine has them): refuse rather than ignore them
-        if params.stop:
-            raise ValueError("bad generate request: the fast engine does not support stop strings "
-                             "(--rollout-stop) yet; use stop token ids (--rollout-stop-token-ids)")
-        cut = [i for i, p in enumerate(prompts) if params.max_context_len is not None
-               and len(p) + params.max_new_tokens > params.max_context_len]
-        if cut:
-            raise ValueError(f"bad generate request: the fast engine does not cap responses by "
-                             f"--rollout-max-context-len {params.max_context_len} yet (prompts {cut[:5]} would "
-                             f"exceed it with max_new_tokens {params.max_new_tokens})")
-        for i, p in enumerate(prompts):
-            if len(p) + params.max_new_tokens > self.max_len:
+        EmbeddedEngine._check(self, prompts, params, caps)
+        for i, (p, cap) in enumerate(zip(prompts, caps)):
+            budget = _budget(params, len(p), cap)
+            if len(p) + budget > self.max_len:
                 raise ValueError(
                     f"bad generate request: prompt {i} ({len(p)} tokens) + max_new_tokens "
-                    f"{params.max_new_tokens} exceeds the KV cache's {self.max_len} positions per slot; "
-                    f"shorten the prompt (--max-prompt-len) or the response length, or raise "
-                    f"--rollout-max-context-len / --rollout-mem-fraction")
+                    f"{budget} exceeds the KV cache's {self.max_len} positions per slot; "
+                    f"shorten the prompt (--max-prompt-len) or the response (--rollout-max-response-len, "
+                    f"or cap both with --rollout-max-context-len), or raise --rollout-mem-fraction")
 
     def _run(self, call: _Call) -> int:
         """The continuous-batching loop; returns the number of decode steps."""
-        table = _Slots(self.max_batch_size, call.max_new)
+        table = _Slots(self.max_batch_size)
         self._state.reset(spare=len(call.prompts))
         queue, step, pending = deque(range(len(call.prompts))), 0, False
         while True:
             checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
             if pending and checkpoint:
-                table.finish(self._snapshot.read(), self._snapshot.step)
+                active, newest = self._snapshot.read()
+                if call.watch is not None:
+                    self._stop_strings(table, call, newest)
+                table.finish(active, self._snapshot.step)
                 pending = False
             table.expire(step)
             if queue and table.busy() < table.n and (checkpoint or not table.running):
@@ -398,7 +398,8 @@ class FastEngine(TokenizerAccessors):
             if checkpoint and not queue and not table.filling:
                 self._compact(table, step)
             if not pending and step % CHECK_EVERY == 0:
-                self._snapshot.take(self._state.active, step)
+                newest = None if call.watch is None else call.watch.newest(self._state, call.out)
+                self._snapshot.take(self._state.active, step, newest)
                 pending = True
             self._decode(table, step, call)
             step += 1
@@ -409,7 +410,7 @@ class FastEngine(TokenizerAccessors):
         tokens, logprobs = call.sampler(self._logits[:b])
         st = self._state
         still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.is_stop,
-                           call.max_new)
+                           call.cap_table)
         st.pos[:b] += still
         st.active[:b] = still
         st.ngen[:b] = n
@@ -437,7 +438,7 @@ class FastEngine(TokenizerAccessors):
                 self._prefill(chunk, call)
                 chunk = []
             chunk.append((req, slot))
-            table.start(slot, len(call.prompts[req]), step)
+            table.start(slot, len(call.prompts[req]), step, req, call.caps[req])
         if chunk:
             self._prefill(chunk, call)
 
@@ -472,7 +473,7 @@ class FastEngine(TokenizerAccessors):
         table.filling.popleft()
         # the sampler sees two rows, the second (the scratch slot's) a copy: its kernels keep no size-1 dim
         self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call)
-        table.start(slot, len(prompt), step)
+        table.start(slot, len(prompt), step, req, call.caps[req])
 
     def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call) -> None:
         """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot."""
@@ -480,7 +481,7 @@ class FastEngine(TokenizerAccessors):
         st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
         tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
-                           call.is_stop, call.max_new)
+                           call.is_stop, call.cap_table)
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
     def _prefill_inputs(self, rows: list[tuple[list[int], int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -493,6 +494,17 @@ class FastEngine(TokenizerAccessors):
         ids, meta = _to_device(ids, self.device), _to_device(meta, self.device)
         lens, reqs, slots = meta.unbind(1)
         return ids, lens, reqs, slots
+
+    def _stop_strings(self, table: _Slots, call: _Call, newest: Tensor) -> None:
+        """Check the snapshot's newest tokens for stop strings; free the slots of the requests cut."""
+        def fetch(req: int, start: int, end: int) -> list[int]:   # tokens no snapshot brought (a sync)
+            return call.out.tokens[req, start:end].tolist()
+
+        for req in call.watch.check(newest, len(call.prompts), fetch):
+            slot = table.slot_of(req)
+            if slot is not None:            # still running: stop it on the device, its slot is free now
+                self._state.active[slot] = False
+                table.drop(slot)
 
     def _compact(self, table: _Slots, step: int) -> None:
         """Move busy slots into free lower ones when that lets the decode batch bucket shrink."""
@@ -528,11 +540,64 @@ def _compiled(fn, arch: Arch, dtype: torch.dtype):
 class _Call:
     """What one generate call's steps share."""
 
-    def __init__(self, prompts: list[list[int]], max_new: int, sampler: Sampler, is_stop: Tensor,
-                 out: CallOutputs):
-        self.prompts, self.max_new, self.sampler, self.is_stop, self.out = prompts, max_new, sampler, is_stop, out
+    def __init__(self, prompts: list[list[int]], caps: list[int], sampler: Sampler, is_stop: Tensor,
+                 out: CallOutputs, watch: _StopWatch | None = None):
+        self.prompts, self.caps, self.sampler, self.is_stop, self.out = prompts, caps, sampler, is_stop, out
+        self.watch = watch
+        # each request's max_new_tokens on the device, and the spare row's (never reached: idle slots)
+        self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)
         self.pieces = 0     # prefill forwards of pieces of long prompts
+
+
+class _StopWatch:
+    """Stop strings of one call, checked on the host. `newest` (on the device, at each snapshot) gathers
+    each slot's request, token count and newest STOP_WINDOW tokens; `check` (when the snapshot is read)
+    adds the tokens not seen yet to each request's host copy and finds the requests whose text reached a
+    stop string; `finish` checks what no snapshot saw and cuts the outputs."""
+
+    def __init__(self, stops: _StopStrings, requests: int):
+        self.stops = stops
+        self.seen: list[list[int]] = [[] for _ in range(requests)]   # each request's tokens checked so far
+        self.cut: dict[int, int] = {}                                # request -> its length, cut at a stop string
+        self._columns: Tensor | None = None
+
+    def newest(self, state: _SlotState, out: CallOutputs) -> Tensor:
+        """[slots, 2 + STOP_WINDOW] on the device: request, tokens generated, then the newest tokens (the
+        first ones repeated while a request has fewer)."""
+        if self._columns is None:
+            self._columns = torch.arange(STOP_WINDOW, device=state.ngen.device) - STOP_WINDOW
+        cols = (state.ngen[:, None] + self._columns).clamp(min=0)
+        return torch.cat([state.req[:, None], state.ngen[:, None], out.tokens[state.req[:, None], cols]], dim=1)
+
+    def check(self, newest: Tensor, spare: int, fetch) -> list[int]:
+        """The requests cut by this snapshot's tokens. `fetch(req, start, end)` reads tokens from the
+        device that fell out of the window (not expected: the window outlasts a check's steps)."""
+        cut = []
+        for req, n, *window in newest.tolist():
+            if req == spare or req in self.cut or n <= len(self.seen[req]):
+                continue
+            seen, start = self.seen[req], len(self.seen[req])
+            if start < n - STOP_WINDOW:
+                seen.extend(fetch(req, start, n))
+            else:
+                seen.extend(window[STOP_WINDOW - n + start:])
+            k = self.stops.first_hit(seen, start, n)
+            if k is not None:
+                self.cut[req] = k + 1
+                cut.append(req)
+        return cut
+
+    def finish(self, tokens: list[list[int]], lengths: list[int], reasons: list[int]) -> None:
+        """Check each request's tokens no snapshot saw, and cut every request that hit a stop string
+        (in place: its length, and STOP as its reason)."""
+        for req, (ids, n) in enumerate(zip(tokens, lengths)):
+            if req not in self.cut:
+                k = self.stops.first_hit(ids, len(self.seen[req]), n)
+                if k is not None:
+                    self.cut[req] = k + 1
+        for req, n in self.cut.items():
+            lengths[req], reasons[req] = n, STOP
 
 
 class _SlotState:
@@ -559,14 +624,21 @@ class _SlotState:
         self.active[src] = False
 
 
+class _Seq(NamedTuple):
+    prompt_len: int
+    start: int      # the step it started at (its prefill's)
+    req: int
+    cap: int        # its max_new_tokens
+
+
 class _Slots:
     """The host's view of the slots: which request's sequence is where, and bounds on its length
     (exact while it runs; it may have stopped on the device already)."""
 
-    def __init__(self, n: int, max_new: int):
-        self.n, self.max_new = n, max_new
-        self.running: dict[int, tuple[int, int]] = {}   # slot -> (prompt length, step it started at)
-        self.filling: deque[list[int]] = deque()         # [request, slot, tokens prefilled] of long prompts
+    def __init__(self, n: int):
+        self.n = n
+        self.running: dict[int, _Seq] = {}           # slot -> the sequence in it
+        self.filling: deque[list[int]] = deque()     # [request, slot, tokens prefilled] of long prompts
 
     def free(self) -> list[int]:
         taken = set(self.running) | {slot for _, slot, _ in self.filling}
@@ -579,26 +651,32 @@ class _Slots:
         """`slot` is taken by a long prompt, prefilled piece by piece before it runs."""
         self.filling.append([req, slot, 0])
 
-    def start(self, slot: int, prompt_len: int, step: int) -> None:
-        self.running[slot] = (prompt_len, step)
+    def start(self, slot: int, prompt_len: int, step: int, req: int, cap: int) -> None:
+        self.running[slot] = _Seq(prompt_len, step, req, cap)
 
     def expire(self, step: int) -> None:
-        """Drop sequences that reached max_new_tokens: the first token comes from the prefill, so
-        the last decode step of one started at `start` is start + max_new - 2."""
-        for s in [s for s, (_, start) in self.running.items() if start + self.max_new - 2 < step]:
+        """Drop sequences that reached their cap: the first token comes from the prefill, so the last
+        decode step of one started at `start` is start + cap - 2."""
+        for s in [s for s, q in self.running.items() if q.start + q.cap - 2 < step]:
             del self.running[s]
 
     def finish(self, active: list[bool], snapshot_step: int) -> None:
         """Drop sequences the device had stopped at `snapshot_step` (not those started since)."""
-        for s in [s for s, (_, start) in self.running.items() if start <= snapshot_step and not active[s]]:
+        for s in [s for s, q in self.running.items() if q.start <= snapshot_step and not active[s]]:
             del self.running[s]
+
+    def slot_of(self, req: int) -> int | None:
+        return next((s for s, q in self.running.items() if q.req == req), None)
+
+    def drop(self, slot: int) -> None:
+        del self.running[slot]
 
     def top(self) -> int:
         return max(self.running) + 1
 
     def span(self, step: int) -> int:
         """Cache positions the next decode step attends over, at most (the longest busy sequence)."""
-        return max(min(p + step - start, p + self.max_new - 2) + 1 for p, start in self.running.values())
+        return max(min(q.prompt_len + step - q.start, q.prompt_len + q.cap - 2) + 1 for q in self.running.values())
 
     def move(self, src: list[int], dst: list[int]) -> None:
         for s, d in zip(src, dst):

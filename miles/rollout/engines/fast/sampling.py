@@ -9,8 +9,8 @@ sampled token, of the untruncated distribution, as the trainer recomputes it. Gr
 the argmax and reports logprobs at T = 1.
 
 `advance` records one sampled token per slot and decides on the device whether each slot stops
-(a stop token, or max_new_tokens reached): the host learns which slots finished only when it
-reads the `active` flags, every few steps.
+(a stop token, or its request's own max_new_tokens reached): the host learns which slots finished
+only when it reads the `active` flags, every few steps.
 """
 
 from __future__ import annotations
@@ -84,12 +84,13 @@ def stop_table(stop_ids: set[int], vocab: int, device: torch.device) -> Tensor:
 
 
 def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen: Tensor,
-            out: CallOutputs, is_stop: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+            out: CallOutputs, is_stop: Tensor, caps: Tensor) -> tuple[Tensor, Tensor]:
     """Record each active slot's sampled token; -> (still active [b] bool, tokens generated [b]).
 
     All inputs are per slot [b]: `req` the request a slot serves, `ngen` the tokens it has
-    generated so far; `is_stop` is `stop_table`'s [V]. Inactive slots write only to the outputs'
-    spare row, so their (garbage) samples never reach a request.
+    generated so far; `is_stop` is `stop_table`'s [V], `caps` each request's max_new_tokens
+    [requests + 1] (the last: the spare row's). Inactive slots write only to the outputs' spare
+    row, so their (garbage) samples never reach a request.
     """
     spare = out.lengths.shape[0] - 1
     row = torch.where(active, req, spare)
@@ -99,7 +100,7 @@ def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen:
     n = ngen + active.long()
     out.lengths[row] = n
     stopped = active & is_stop[tokens]
-    done = stopped | (active & (n >= max_new_tokens))
+    done = stopped | (active & (n >= caps[req]))
     out.reason[torch.where(done, req, spare)] = torch.where(stopped, STOP, LENGTH)
     return active & ~done, n
 

@@ -13,17 +13,21 @@ if TYPE_CHECKING:
 
 def options(cfg: RunConfig) -> dict[str, Any]:
     """The embedded engine's, plus the KV cache's share of the GPU, the --disable-* switches, the
-    prefill piece (--rollout-chunked-prefill-size, when given), and,
-    with --max-prompt-len, the positions every request may need (`context_len`: the longest prompt
-    + the longest response the rollout or an eval asks for), which sizes the slots to the K/V."""
+    prefill piece (--rollout-chunked-prefill-size, when given), and the positions every request may
+    need (`context_len`), which sizes the slots to the K/V: --rollout-max-context-len (the engine caps
+    each response by it), or with --max-prompt-len the longest prompt + the longest response the
+    rollout or an eval asks for, whichever is smaller."""
     r = cfg.rollout
     out = {**embedded_options(cfg), "mem_fraction": r.mem_fraction, "cuda_graph": r.cuda_graph,
            "torch_compile": r.torch_compile, "attention_kernel": r.attention_kernel}
     if r.chunked_prefill_size is not None:
         out["chunked_prefill_size"] = r.chunked_prefill_size
-    if cfg.data.max_prompt_len is not None and r.max_context_len is None:
+    needs = [] if r.max_context_len is None else [r.max_context_len]
+    if cfg.data.max_prompt_len is not None:
         responses = [r.max_response_len, cfg.eval.max_response_len, *(d.max_response_len for d in cfg.eval.datasets)]
-        out["context_len"] = cfg.data.max_prompt_len + max(n for n in responses if n is not None)
+        needs.append(cfg.data.max_prompt_len + max(n for n in responses if n is not None))
+    if needs:
+        out["context_len"] = min(needs)
     return out
 
 
