@@ -3,7 +3,8 @@
 # install the wheels, then run the steps named in the arguments, each bounded so that the call
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
 # megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
-# mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
+# mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), enginecaps (engine_caps.py at
+# the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
 # (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
 # SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
 # files make go to $OUT. gpuP (tests/gpu in three parallel lanes, GPUP_S bounds each) and gpuS (the files that read the
@@ -71,6 +72,8 @@ for step in "$@"; do
     gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
     tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
+    enginecaps) timeout ${CAPS_S:-150} python3 scripts/bench/engine_caps.py --prompts 256 --max-cap 512 --distinct 64 \
+        --out $OUT/engine_caps.json > /tmp/caps.log 2>&1; echo "rc=$?"; tail -c 2500 /tmp/caps.log ;;
   esac
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
