@@ -137,6 +137,16 @@ def test_stop_strings_caps_and_context_len_equal_the_embedded_engine(model_path,
     assert_fast_path(small)
 
 
+def test_health_and_abort_beside_a_running_call_on_the_gpu(tmp_path, monkeypatch):
+    """health() and abort() from another thread while a call replays graphs (the unit test's checks)."""
+    from tests.unit.test_engine_health import test_health_reports_progress_of_a_running_call_and_abort_stops_it
+
+    engine = FastEngine(make_tiny_model(tmp_path / "m"), device="cuda", dtype="float32", max_batch_size=4)
+    assert engine.health() == {"busy": False, "since_progress_s": 0.0}     # idle: a one-token generate
+    test_health_reports_progress_of_a_running_call_and_abort_stops_it(engine, monkeypatch)
+    assert_fast_path(engine)
+
+
 def test_chunked_prefill_equals_the_unchunked_engine(model_path, fp32, bf16):
     # prompts of up to 100 tokens in pieces of 16 (one piece per decode step of the running ones), more
     # requests than slots. The fixtures compiled this model's pieces for both dtypes, the one-row piece

@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 HOW = {
     # the probe every 0.5 s finds engine-0 silent for 2 s; calls themselves would wait 10 minutes
     "probe": dict(rollout_health_check_interval=0.5, rollout_health_check_timeout=2, engine_generate_timeout=600),
+    # the same with FastEngine (eager on the CPU), whose actor answers the probe on its second thread
+    "probe_fast": dict(rollout_health_check_interval=0.5, rollout_health_check_timeout=2, engine_generate_timeout=600,
+                       rollout_engine="fast"),
     # no probe; the rollout's generate call gives up after 3 s
     "generate_timeout": dict(rollout_health_check_interval=0, engine_generate_timeout=3),
 }
@@ -54,7 +57,7 @@ def test_a_hung_engine_is_found_killed_and_restarted(ray_cluster, tiny_task, tmp
     assert report.ok, [v.message for v in report.violations]
     assert [r["step"] for r in result.metrics if r.get("kind") != "eval"][-1] == 2     # all 3 rollouts trained
     fault = trace.of("fault_injected")[0]
-    if how == "probe":
+    if how.startswith("probe"):
         [unhealthy] = trace.of("engine_unhealthy")
         assert unhealthy.get("engine") == 0 and "no answer to a health probe" in unhealthy.get("reason")
         [killed] = trace.of("engine_killed")

@@ -15,6 +15,7 @@ import ray
 from miles.config import RolloutConfig, TraceConfig
 from miles.phases.health import HealthMonitor
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
+from miles.rollout.engines.fast.engine import FastEngine
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsHealth
 from miles.runtime.machine import import_object
@@ -22,21 +23,22 @@ from miles.types import SamplingParams
 from tests.tiny_model import make_tiny_model
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return EmbeddedEngine(make_tiny_model(tmp_path_factory.mktemp("m")), device="cpu", dtype="float32", seed=0)
+@pytest.fixture(scope="module", params=[EmbeddedEngine, FastEngine], ids=["embedded", "fast"])
+def engine(request, tmp_path_factory):
+    return request.param(make_tiny_model(tmp_path_factory.mktemp("m")), device="cpu", dtype="float32", seed=0)
 
 
 def slow_steps(engine, monkeypatch, delay: float, stall: threading.Event | None = None):
-    forward = engine._forward
+    name = "_decode" if isinstance(engine, FastEngine) else "_forward"      # each engine's decode step
+    step = getattr(engine, name)
 
     def slowed(*args, **kw):
         if stall is not None:
             stall.wait()            # a decode loop that stopped making progress
         time.sleep(delay)
-        return forward(*args, **kw)
+        return step(*args, **kw)
 
-    monkeypatch.setattr(engine, "_forward", slowed)
+    monkeypatch.setattr(engine, name, slowed)
 
 
 def in_thread(fn, *args):
@@ -158,7 +160,7 @@ def test_a_probe_that_raises_counts_as_hung_and_the_monitor_goes_on():
 
 def test_only_engines_whose_spec_declares_health_are_probed_and_they_answer_beside_a_running_call():
     declared = {name for name, spec in ENGINES.items() if spec.supports(SupportsHealth)}
-    assert declared == {"embedded", "sglang"}         # FastEngine runs one call at a time: not probed
+    assert declared == {"embedded", "fast", "sglang"}
     for name in declared:       # two actor threads (the engine guards its model), or an async actor's coroutine
         spec = ENGINES[name]
         health = import_object(spec.engine).health

@@ -15,9 +15,9 @@ returns the CUDA cache (the KV cache of the last call, freed but still cached by
 trainer can take the GPU; `resume_memory` brings the weights back. Outputs do not change across a
 release/resume (the same tensors' values, copied).
 
-Health (see `miles.rollout.protocol`): the actor runs on two threads; a lock keeps one model call at
-a time, every decode step stamps a heartbeat, `health()` reads it without the lock (or, idle, runs a
-one-token generate), and `abort()` makes the running calls stop at their next step.
+Health and abort (`miles.rollout.engines.guard`): the actor runs on two threads; a lock keeps one
+model call at a time, every decode step stamps a heartbeat, `health()` reads it without the lock
+(or, idle, runs a one-token generate), and `abort()` makes the running calls stop at their next step.
 
 A plain class; the composition root makes it a Ray actor.
 """
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import gc
 import inspect
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -37,6 +35,7 @@ import torch
 from torch import Tensor
 
 from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
+from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
@@ -53,7 +52,7 @@ class EngineDisposedError(RuntimeError):
     pass
 
 
-class EmbeddedEngine(TokenizerAccessors):
+class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
         if max_batch_size < 1:
@@ -72,9 +71,7 @@ class EmbeddedEngine(TokenizerAccessors):
         # transformers 5 renamed the cache argument; pick the name once
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._lock = threading.Lock()        # one model call at a time (health and abort run beside it)
-        self._heartbeat = time.monotonic()   # the last decode step (or the start of the running call)
-        self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
+        self._init_guard()
         self._weights_on_host = False        # release_memory moved them off the GPU
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
 
@@ -136,14 +133,6 @@ class EmbeddedEngine(TokenizerAccessors):
         with self._holding():
             return self._generate_locked(prompts, params, caps, epoch)
 
-    @contextmanager
-    def _holding(self) -> Iterator[None]:
-        """The model lock, with the heartbeat stamped when it is taken: a probe measures a holder's
-        progress from there (then from each decode step)."""
-        with self._lock:
-            self._heartbeat = time.monotonic()
-            yield
-
     def _generate_locked(self, prompts: list[list[int]], params: SamplingParams, caps: list[int],
                          epoch: int) -> list[Generation]:
         model = self._live_model()
@@ -162,26 +151,13 @@ class EmbeddedEngine(TokenizerAccessors):
             out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch)
         return out
 
-    # --- health --------------------------------------------------------------------------------
-    def health(self) -> dict:
-        """{"busy", "since_progress_s"}: while a call holds the model, the seconds since its last decode
-        step (or its start); idle, a one-token generate first proves the model still answers."""
-        if not self._lock.acquire(blocking=False):
-            return {"busy": True, "since_progress_s": time.monotonic() - self._heartbeat}
-        try:
-            self._heartbeat = time.monotonic()
-            if self._weights_on_host:     # released for a colocated trainer: nothing to run, nothing hung
-                return {"busy": False, "since_progress_s": 0.0}
-            self._generate_locked([[self.eos_token_id]], SamplingParams(temperature=0.0, max_new_tokens=1), [1],
-                                  self._abort_epoch)
-        finally:
-            self._lock.release()
-        return {"busy": False, "since_progress_s": 0.0}
+    # --- health (EngineGuard's health() and abort()) ---------------------------------------------
+    def _probe_ready(self) -> bool:
+        return not self._weights_on_host     # released for a colocated trainer: nothing to run, nothing hung
 
-    def abort(self) -> None:
-        """The generate calls that started before this return at their next step, the rows still
-        generating finishing with "abort"."""
-        self._abort_epoch += 1
+    def _probe(self) -> None:
+        self._generate_locked([[self.eos_token_id]], SamplingParams(temperature=0.0, max_new_tokens=1), [1],
+                              self._abort_epoch)
 
     @torch.inference_mode()
     def _generate_batch(self, model, prompts: list[list[int]], budgets: list[int], sampler: Sampler,

@@ -27,6 +27,11 @@ stall the others.
 Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
 for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
 
+Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on two
+threads, a lock keeps one model call at a time, each turn of the loop stamps a heartbeat that
+`health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
+requests end with "abort" and what they generated).
+
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
 and on CPU everything runs eagerly in float32 (that is what CI tests).
@@ -48,12 +53,13 @@ import torch
 from torch import Tensor
 
 from miles.rollout.engines.fast import attention as fast_attention
+from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, plan_slots, span_buckets)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
-from miles.rollout.engines.fast.sampling import (STOP, CallOutputs, Sampler, advance, greedy, make_sampler, race,
-                                         stop_table)
+from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, greedy, make_sampler,
+                                                 race, stop_table)
 from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
@@ -63,6 +69,7 @@ from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine", engine="fast")
 _CACHE_TAGS = {"kv_cache", "cuda_graph"}     # the MEMORY_TAGS this engine releases (graphs go with the cache)
+_FINISH = {STOP: "stop", LENGTH: "length"}   # a request without either when the call returns was aborted
 
 CHECK_EVERY = 8          # steps between copies of the device's `active` flags to the host
 SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the GPU stays busy meanwhile)
@@ -73,7 +80,7 @@ PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its 
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 
-class FastEngine(TokenizerAccessors):
+class FastEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
@@ -90,6 +97,7 @@ class FastEngine(TokenizerAccessors):
         of the other sequences (SGLang's --chunked-prefill-size)."""
         from transformers import AutoConfig
 
+        self._init_guard()
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if chunked_prefill_size < 1:
@@ -228,6 +236,10 @@ class FastEngine(TokenizerAccessors):
         (the weights stay whatever `tags` says: updates copy into them in place, which keeps the
         captured graphs valid), e.g. while a colocated trainer trains. Idempotent; `resume_memory`
         brings them back."""
+        with self._holding():
+            self._release(tags)
+
+    def _release(self, tags: Sequence[str]) -> None:
         if self._cache is None or not _CACHE_TAGS & set(tags):
             return
         cuda = self.device.type == "cuda"
@@ -247,6 +259,10 @@ class FastEngine(TokenizerAccessors):
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Allocate what `release_memory` freed (same sizes as at construction) when `tags` names the
         KV cache or the graphs ("weights" alone: nothing to do, they stayed). Idempotent."""
+        with self._holding():
+            self._resume(tags)
+
+    def _resume(self, tags: Sequence[str]) -> None:
         self._live_weights()
         if self._cache is not None or not _CACHE_TAGS & set(tags):
             return
@@ -278,27 +294,29 @@ class FastEngine(TokenizerAccessors):
         """Copy the trainer's `model_weights` dict (HF names, any device/dtype) into the engine's own
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
-        with torch.inference_mode():      # the engine's tensors may be inference tensors
+        with self._holding(), torch.inference_mode():      # the engine's tensors may be inference tensors
             copy_checked(self._live_weights().named, state_dict)
-        self._version = int(version)
+            self._version = int(version)
         log.info("weights_updated", version=self._version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport), copied in place into
         the engine's tensors (graphs stay valid); returns the version once its last bucket is in."""
-        if self._receiver is None:
-            self._receiver = WeightReceiver(self._live_weights().named)
-        with torch.inference_mode():
+        with self._holding(), torch.inference_mode():   # not under a generate (health and abort run beside it)
+            if self._receiver is None:
+                self._receiver = WeightReceiver(self._live_weights().named)
             version = self._receiver.load(bucket)
+            if version is not None:
+                self._version = version
         if version is not None:
-            self._version = version
             log.info("weights_updated", version=version, buckets=bucket.count)
         return version
 
     def weights_checksum(self) -> str:
         """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
         as `EmbeddedEngine.weights_checksum()` for the same weights."""
-        return state_dict_checksum(self._live_weights().named)
+        with self._holding():
+            return state_dict_checksum(self._live_weights().named)
 
     def weights_dtype(self) -> torch.dtype:
         return self.dtype
@@ -310,10 +328,12 @@ class FastEngine(TokenizerAccessors):
 
     def dispose(self) -> None:
         """Free the weights, the KV cache, the graphs and the tokenizer. Idempotent. The actor is the run's."""
-        if self._weights is None:
-            return
-        self.release_memory()
-        self._weights = self._forward = self._tokenizer = None
+        self.abort()                    # a running call stops at its next step instead of holding the lock
+        with self._holding():
+            if self._weights is None:
+                return
+            self._release(MEMORY_TAGS)
+            self._weights = self._forward = self._tokenizer = None
         if self.device.type == "cuda":      # see miles.rollout.engines.embedded.engine.EmbeddedEngine.dispose
             gc.collect()
             torch.cuda.empty_cache()
@@ -329,17 +349,29 @@ class FastEngine(TokenizerAccessors):
 
         Randomness: the engine's generator (seeded at construction, advancing call after call), or
         a fresh one seeded with `params.seed` for this call only.
-        """
-        self._live_weights()
-        if self._cache is None:
-            raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
-        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
-        self._check(prompts, params, caps)
-        if not prompts:
-            return []
-        return self._generate(prompts, params, [_budget(params, len(p), c) for p, c in zip(prompts, caps)])
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> list[Generation]:
+        `abort()` (on the actor's other thread) makes a running call return at its next step: the
+        requests not finished end with "abort" and what they generated so far.
+        """
+        epoch = self._abort_epoch
+        caps = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(c) for c in max_new_tokens]
+        with self._holding():
+            self._live_weights()
+            if self._cache is None:
+                raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
+            self._check(prompts, params, caps)
+            if not prompts:
+                return []
+            return self._generate(prompts, params, [_budget(params, len(p), c) for p, c in zip(prompts, caps)], epoch)
+
+    def _probe_ready(self) -> bool:
+        return self._weights is not None and self._cache is not None   # released for a trainer: nothing to run
+
+    def _probe(self) -> None:
+        self._generate([[self.eos_token_id]], SamplingParams(temperature=0.0, max_new_tokens=1), [1], self._abort_epoch)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, caps: list[int],
+                  epoch: int) -> list[Generation]:
         gen = self._generator if params.seed is None else \
             torch.Generator(device=self.device).manual_seed(params.seed)
         version = self._version
@@ -350,13 +382,13 @@ class FastEngine(TokenizerAccessors):
             out = CallOutputs(len(prompts), max(caps), self.device)
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
             call = _Call(prompts, caps, sampler, is_stop, out, watch)
-            steps = self._run(call)
+            steps = self._run(call, epoch)
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
             watch.finish(tokens, lengths, reasons)
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0)
-        return [Generation(t[:n], lp[:n], "stop" if r == STOP else "length", version)
+        return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version)
                 for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
 
     def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
@@ -371,12 +403,16 @@ class FastEngine(TokenizerAccessors):
                     f"shorten the prompt (--max-prompt-len) or the response (--rollout-max-response-len, "
                     f"or cap both with --rollout-max-context-len), or raise --rollout-mem-fraction")
 
-    def _run(self, call: _Call) -> int:
-        """The continuous-batching loop; returns the number of decode steps."""
+    def _run(self, call: _Call, epoch: int) -> int:
+        """The continuous-batching loop; returns the number of decode steps. It returns early when
+        `abort()` changed the epoch the call started under (the unfinished requests keep reason 0)."""
         table = _Slots(self.max_batch_size)
         self._state.reset(spare=len(call.prompts))
         queue, step, pending = deque(range(len(call.prompts))), 0, False
         while True:
+            self._heartbeat = time.monotonic()
+            if self._abort_epoch != epoch:
+                return step
             checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
             if pending and checkpoint:
                 active, newest = self._snapshot.read()

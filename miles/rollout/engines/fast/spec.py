@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.engines.embedded.spec import options as embedded_options
-from miles.rollout.protocol import EngineSpec, SupportsMemoryRelease, SupportsWeightBuckets
+from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
+                                    SupportsWeightBuckets)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -54,7 +55,7 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
                         "use --rollout-engine embedded (transformers)")
 
 
-# one thread: the engine is not guarded for calls beside a running generate, so it declares no health
-# (hung calls are found by --engine-generate-timeout) and no abort (it would wait for the call)
+# two threads: health and abort are answered while a generate call runs (the engine guards its model)
 SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
-                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease), actor_threads=1, refuses=refusal)
+                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease, SupportsHealth, SupportsAbort),
+                  actor_threads=2, refuses=refusal)
