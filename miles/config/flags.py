@@ -14,7 +14,7 @@ import functools
 import re
 import json
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -204,6 +204,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("weight-decay", "train", "weight_decay", float, "AdamW weight decay"),
     _f("adam-beta1", "train", "adam_beta1", float, "AdamW beta1"),
     _f("adam-beta2", "train", "adam_beta2", float, "AdamW beta2"),
+    _f("adam-eps", "train", "adam_eps", float, "AdamW epsilon (added to the second moment's square root)"),
     _f("clip-grad", "train", "clip_grad", float, "max gradient norm (0: off)"),
     _f("global-batch-size", "train", "global_batch_size", int, "samples per optimizer step (default: the whole rollout)"),
     _f("micro-batch-size", "train", "micro_batch_size", int, "samples per forward/backward"),
@@ -214,9 +215,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("lr-decay-style", "train", "lr_decay_style", str, "learning-rate schedule after warmup (Megatron-LM's)",
        ("constant", "linear", "cosine", "inverse-square-root", "WSD")),
     _f("lr-warmup-iters", "train", "lr_warmup_iters", int, "optimizer steps of linear learning-rate warmup"),
+    _f("lr-warmup-fraction", "train", "lr_warmup_fraction", float,
+       "warmup as a share of --lr-decay-iters (Megatron-LM's): sets --lr-warmup-iters to int(F x decay iters)"),
     _f("lr-warmup-init", "train", "lr_warmup_init", float, "the learning rate warmup starts from"),
     _f("lr-decay-iters", "train", "lr_decay_iters", int,
-       "optimizer step where the decay reaches --min-lr (linear, cosine, WSD; inverse-square-root: optional)"),
+       "optimizer step where the decay reaches --min-lr (linear, cosine, WSD; inverse-square-root: optional); "
+       "default with --num-rollout: the run's optimizer steps (--num-rollout x steps a rollout), as Megatron-LM's "
+       "--train-iters"),
     _f("lr-wsd-decay-iters", "train", "lr_wsd_decay_iters", int,
        "WSD: optimizer steps of the decay phase, which ends at --lr-decay-iters (the rate is --lr before it)"),
     _f("lr-wsd-decay-style", "train", "lr_wsd_decay_style", str, "WSD: the decay phase's shape",
@@ -674,9 +679,39 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     if problems:
         raise ConfigError(problems)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
-    cfg = RunConfig(**built, **sections["run"])
-    validate(cfg)
+    cfg = _schedule_defaults(RunConfig(**built, **sections["run"]), set(values), problems)
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    if problems:
+        raise ConfigError(problems)
     return cfg
+
+
+def _schedule_defaults(cfg: RunConfig, given: set[str], problems: list[str]) -> RunConfig:
+    """Megatron-LM's derived schedule lengths: --lr-decay-iters, when a schedule needs it and it is not
+    given, is the run's optimizer steps (--train-iters there; here --num-rollout x the steps of a
+    rollout); --lr-warmup-fraction F sets --lr-warmup-iters to int(F x --lr-decay-iters)."""
+    t = cfg.train
+    decay = t.lr_decay_iters
+    if decay is None and cfg.num_rollout and (t.lr_decay_style in ("linear", "cosine", "WSD")
+                                             or t.lr_warmup_fraction is not None):
+        samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+        decay = cfg.num_rollout * -(-samples // max(t.global_batch(samples), 1))
+    warmup = t.lr_warmup_iters
+    fraction = t.lr_warmup_fraction
+    if fraction is not None:
+        if "lr_warmup_iters" in given:
+            problems.append(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {t.lr_warmup_iters}: give one of them")
+        elif not 0.0 <= fraction <= 1.0:
+            problems.append(f"--lr-warmup-fraction {fraction}: must be in [0, 1] (a share of --lr-decay-iters)")
+        elif decay is None:
+            problems.append(f"--lr-warmup-fraction {fraction} needs --lr-decay-iters N, or --num-rollout (which sets "
+                            "it to the run's optimizer steps)")
+        else:
+            warmup = int(fraction * decay)
+    return replace(cfg, train=replace(t, lr_decay_iters=decay, lr_warmup_iters=warmup))
 
 
 def _json_object(name: str, value: Any, problems: list[str]) -> dict[str, Any] | None:

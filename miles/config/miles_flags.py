@@ -216,8 +216,6 @@ MEGATRON_REFUSED: dict[str, str] = {
     **{name: f"Megatron parallelism; {_MEGATRON_ONLY}" for name in (
         "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers")},
     "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
-    "adam-eps": f"AdamW epsilon; {NOT_YET}: AdamW uses 1e-8",
-    "lr-warmup-fraction": f"warmup as a share of --lr-decay-iters; {NOT_YET}: give --lr-warmup-iters N",
     "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host memory "
                              "between steps",
     "overlap-cpu-optimizer-d2h-h2d": f"overlapped optimizer offload copies; {NOT_YET}",

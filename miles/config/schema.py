@@ -205,6 +205,7 @@ class TrainConfig:
     weight_decay: float = 0.0           # --weight-decay
     adam_beta1: float = 0.9             # --adam-beta1
     adam_beta2: float = 0.999           # --adam-beta2
+    adam_eps: float = 1e-8              # --adam-eps
     clip_grad: float = 1.0              # --clip-grad (max grad norm; 0 disables)
     global_batch_size: int | None = None  # --global-batch-size: samples per optimizer step (None: whole rollout)
     micro_batch_size: int = 1           # --micro-batch-size: samples per forward/backward
@@ -213,6 +214,7 @@ class TrainConfig:
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
     lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine | inverse-square-root | WSD
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
+    lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: warmup as a share of --lr-decay-iters (sets the iters)
     lr_warmup_init: float = 0.0         # --lr-warmup-init: the rate warmup starts from
     lr_wsd_decay_iters: int | None = None  # --lr-wsd-decay-iters: WSD's decay phase, the last steps before --lr-decay-iters
     lr_wsd_decay_style: str = "exponential"  # --lr-wsd-decay-style exponential | linear | cosine | minus_sqrt

@@ -68,7 +68,7 @@ class OptimizedModel:
         t = self._train_cfg
         self._model = model
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                            betas=(t.adam_beta1, t.adam_beta2))
+                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
     @property
     def num_steps(self) -> int:

@@ -197,6 +197,35 @@ def test_wsd_is_flat_then_decays_over_its_last_steps():
     assert lr_at(101, lr=1.0, min_lr=0.01, warmup_iters=4, decay_iters=100, style="inverse-square-root") == 0.01
 
 
+def test_decay_iters_default_to_the_runs_steps_and_a_warmup_fraction_sets_the_warmup(tmp_path):
+    # miles' SFT script: "--lr-decay-style cosine --min-lr 1e-6 --lr-warmup-fraction 0.1", no --lr-decay-iters
+    common = base(tmp_path) + ["--num-rollout", "10", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                               "--lr", "1e-5", "--min-lr", "1e-6", "--lr-decay-style", "cosine"]
+    run = common + ["--global-batch-size", "4"]
+    cfg, _ = parse_flags(run + ["--lr-warmup-fraction", "0.1"])
+    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (20, 2)      # 10 rollouts x 8 / 4 samples a step
+    cfg, _ = parse_flags(common + ["--num-steps-per-rollout", "4", "--lr-warmup-fraction", "0.25"])
+    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (40, 10)
+    cfg, _ = parse_flags(common + ["--lr-warmup-fraction", "0.15"])                # one step a rollout
+    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (10, 1)
+    cfg, _ = parse_flags(run + ["--lr-decay-iters", "50", "--lr-warmup-fraction", "0.1"])
+    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (50, 5)
+    cfg, _ = parse_flags(base(tmp_path))                                          # constant: nothing derived
+    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (None, 0)
+    for extra, problem in (
+            (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"],
+             "--lr-warmup-fraction 0.1 and --lr-warmup-iters 3: give one of them"),
+            (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction 1.5: must be in [0, 1]")):
+        with pytest.raises(ConfigError) as info:
+            parse_flags(run + extra)
+        assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+    pairs = list(zip(run[::2], run[1::2]))
+    by_epoch = [a for flag, value in pairs if flag != "--num-rollout" for a in (flag, value)] + ["--num-epoch", "2"]
+    with pytest.raises(ConfigError) as info:
+        parse_flags(by_epoch + ["--lr-warmup-fraction", "0.1"])
+    assert any("--lr-warmup-fraction 0.1 needs --lr-decay-iters N, or --num-rollout" in p for p in info.value.problems)
+
+
 def test_wsd_flags_parse_and_are_checked(tmp_path):
     argv = base(tmp_path) + ["--lr-decay-style", "WSD", "--lr-decay-iters", "100", "--lr-warmup-iters", "10"]
     with pytest.raises(ConfigError) as info:

@@ -108,6 +108,17 @@ def test_global_batch_size_sets_the_number_of_steps(model_path):
     assert t.num_steps == 2
 
 
+def test_adam_eps_reaches_the_optimizer(model_path):
+    # AdamW's first step moves each weight by about lr * g / (|g| + eps): a large eps makes it small
+    moved = {}
+    for eps in (1e-8, 10.0):
+        t = trainer(model_path, adam_eps=eps)
+        before = [p.detach().clone() for p in t.model.parameters()]
+        t.train(SAMPLES, rollout_id=0)
+        moved[eps] = sum(float((p.detach() - b).abs().sum()) for p, b in zip(t.model.parameters(), before))
+    assert 0 < moved[10.0] < moved[1e-8] / 10
+
+
 def test_sft_loss_decreases(model_path):
     t = trainer(model_path, loss_type="sft_loss", lr=3e-2)
     losses = [t.train(SAMPLES, rollout_id=r)["loss"] for r in range(5)]

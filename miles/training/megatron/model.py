@@ -98,6 +98,6 @@ def wrap(model: torch.nn.Module, config, *, train: TrainConfig | None, distribut
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), module)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=train.lr, weight_decay=train.weight_decay, adam_beta1=train.adam_beta1,
-        adam_beta2=train.adam_beta2, clip_grad=train.clip_grad, bf16=config.bf16,
+        adam_beta2=train.adam_beta2, adam_eps=train.adam_eps, clip_grad=train.clip_grad, bf16=config.bf16,
         params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer), [ddp])
     return ddp, optimizer
