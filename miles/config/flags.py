@@ -384,6 +384,13 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "folder: PATH/train_{rollout_id}.pt)"),
     _f("save-hf", "checkpoint", "save_hf_path", str,
        "also export the model in HF format to PATH at each save ({rollout_id} in PATH is filled in)"),
+    _f("no-load-optim", "checkpoint", "load_optimizer", kind="false",
+       help="resume without the checkpoint's optimizer state: a fresh AdamW (the step count and schedule continue)"),
+    _f("no-load-rng", "checkpoint", "load_rng", kind="false",
+       help="resume without the checkpoint's RNG states (this run's seeds go on)"),
+    _f("finetune", "checkpoint", "finetune", kind="true",
+       help="take only the weights of --load's checkpoint: a fresh optimizer and RNG, step 0, from rollout 0 and "
+            "the start of the data (Megatron-LM's --finetune)"),
     _f("no-save-optim", "checkpoint", "save_optimizer", kind="false",
        help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
     _f("keep-last-checkpoints", "checkpoint", "keep_last", int,

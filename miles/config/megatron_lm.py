@@ -45,7 +45,7 @@ IMPLEMENTED = parse("""
     lr= min-lr= lr-decay-style= lr-decay-iters= lr-warmup-iters= lr-warmup-fraction= lr-warmup-init= lr-wsd-decay-style= lr-wsd-decay-iters=
     weight-decay= clip-grad= adam-beta1= adam-beta2= adam-eps= seed= micro-batch-size= global-batch-size= recompute-activations
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
-    save= save-interval= save-retain-interval= no-save-optim load= eval-interval= tensorboard-dir= wandb-project=
+    save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= eval-interval= tensorboard-dir= wandb-project=
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -65,8 +65,7 @@ SCRIPTS = parse("""
 # in miles.config.miles_flags.MEGATRON_REFUSED (one line each)
 SCRIPTS_REFUSED = parse("""
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers= fp16
-    optimizer-cpu-offload overlap-cpu-optimizer-d2h-h2d use-precision-aware-optimizer no-load-optim no-load-rng finetune
-    async-save
+    optimizer-cpu-offload overlap-cpu-optimizer-d2h-h2d use-precision-aware-optimizer async-save
 """)
 
 

@@ -208,8 +208,9 @@ REFUSED: dict[str, str] = {
 # flags (checked against --hf-checkpoint's config.json), the kernel switches (accepted) and the model
 # families this build does not train are in miles.config.megatron_flags; those this build
 # implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
-# --adam-beta1, --adam-beta2, --clip-grad, --seed, --micro-batch-size, --global-batch-size, --load,
-# --save, --save-interval, --ref-load, --no-save-optim, --recompute-activations, and for --train-backend megatron
+# --adam-beta1, --adam-beta2, --adam-eps, --lr-warmup-fraction, --clip-grad, --seed, --micro-batch-size,
+# --global-batch-size, --load, --save, --save-interval, --ref-load, --no-save-optim, --no-load-optim, --no-load-rng,
+# --finetune, --recompute-activations, and for --train-backend megatron
 # --tensor/--pipeline/--context-parallel-size, --sequence-parallel) are in FLAGS; the others are here.
 MEGATRON_REFUSED: dict[str, str] = {
     # --tensor/--pipeline/--context-parallel-size and --sequence-parallel are FLAGS (--train-backend megatron)
@@ -220,10 +221,6 @@ MEGATRON_REFUSED: dict[str, str] = {
                              "between steps",
     "overlap-cpu-optimizer-d2h-h2d": f"overlapped optimizer offload copies; {NOT_YET}",
     "use-precision-aware-optimizer": f"Megatron's precision-aware optimizer; {NOT_YET}",
-    "no-load-optim": "skips loading the optimizer state; here a checkpoint saved with --no-save-optim "
-                     "resumes with a fresh optimizer by itself: drop it",
-    "no-load-rng": f"skips loading RNG states; {NOT_YET}: a resume restores them",
-    "finetune": f"loads weights only, resetting the iteration; {NOT_YET}: start from --hf-checkpoint without --load",
 }
 
 # families: any flag starting with the prefix

@@ -263,6 +263,15 @@ class CheckpointConfig:
     critic_save: str | None = None      # --critic-save: critic checkpoint root (None: inside --save's checkpoints)
     save_hf_path: str | None = None     # --save-hf: also export HF weights here at each save ({rollout_id} template)
     save_optimizer: bool = True         # --no-save-optim: checkpoints without optimizer state
+    load_optimizer: bool = True         # --no-load-optim: a resume starts a fresh optimizer
+    load_rng: bool = True               # --no-load-rng: a resume keeps this run's RNG states
+    finetune: bool = False              # --finetune: --load's weights only, from rollout 0 and the data's start
+
+    def load_parts(self) -> dict[str, bool]:
+        """What a resume reads of the trainer's (and critic's) folder besides the weights (`Trainer.load`)."""
+        if self.finetune:
+            return {"optimizer": False, "rng": False, "step": False}
+        return {"optimizer": self.load_optimizer, "rng": self.load_rng, "step": True}
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
     retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
     allow_fresh_start: bool = False     # --allow-fresh-start: train from --hf-checkpoint when --load has nothing loadable

@@ -43,8 +43,8 @@ class Folders(Protocol):
     async def save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         """`actor.<method>(path, **kwargs)` writes a folder; it ends up at `folder` on the driver."""
 
-    async def load(self, actor: ActorResource, method: str, folder: Path) -> None:
-        """`actor.<method>(path)` reads the folder that is at `folder` on the driver."""
+    async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
+        """`actor.<method>(path, **kwargs)` reads the folder that is at `folder` on the driver."""
 
     async def verify(self, actor: ActorResource, root: Path, files: dict[str, Any]) -> list[str]:
         """What is wrong with `files` (manifest entries under `root`) where `actor` would read them."""
@@ -63,8 +63,8 @@ class SharedFolders:
                                "nothing there: they do not share a filesystem; pass --no-shared-fs (checkpoints "
                                "then travel through Ray)")
 
-    async def load(self, actor: ActorResource, method: str, folder: Path) -> None:
-        await getattr(actor.handle, method).remote(str(folder.absolute()))
+    async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
+        await getattr(actor.handle, method).remote(str(folder.absolute()), **kwargs)
 
     async def verify(self, actor: ActorResource, root: Path, files: dict[str, Any]) -> list[str]:
         return await actor.handle.__ray_call__.remote(_plain, verify_files, str(root.absolute()), files)
@@ -91,7 +91,7 @@ class CopiedFolders:
         finally:
             await _remove_scratch(actor, scratch)
 
-    async def load(self, actor: ActorResource, method: str, folder: Path) -> None:
+    async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         sent = transfer.listing(folder)
         scratch = await _in(actor, transfer.make_scratch)
         try:
@@ -102,7 +102,7 @@ class CopiedFolders:
                     await _in(actor, transfer.write_chunk, part, name, offset, data)
             if problems := transfer.mismatches(sent, await _in(actor, transfer.listing, part)):
                 raise OSError(f"{folder} did not arrive intact at {actor.resource_name}: {'; '.join(problems[:5])}")
-            await getattr(actor.handle, method).remote(part)
+            await getattr(actor.handle, method).remote(part, **kwargs)
         finally:
             await _remove_scratch(actor, scratch)
 

@@ -403,11 +403,12 @@ async def _resume(ctx: TrainingContext) -> None:
                             message=skipped_line(c, problems, list(folder.candidates[i + 1:])))
             continue
         await _load_checkpoint(ctx, c.path)
-        ctx.start_rollout = ctx.next_rollout = c.rollout_id + 1
+        finetune = ctx.cfg.checkpoint.finetune      # the weights alone: the run starts over from them
+        ctx.start_rollout = ctx.next_rollout = 0 if finetune else c.rollout_id + 1
         ctx.resumed = True
         ctx.weight_version = 0              # the engines hold the disk weights until the first sync
         ctx.tracer.emit("resumed", rollout_id=c.rollout_id, path=str(c.path), next_rollout=ctx.next_rollout,
-                        verified=verified)
+                        verified=verified, **_fresh_parts(ctx.cfg.checkpoint.load_parts()))
         return
     if not (folder.starts_fresh or allow):
         raise refuse_fresh_start(folder, found)
@@ -417,15 +418,26 @@ async def _resume(ctx: TrainingContext) -> None:
 
 
 async def _load_checkpoint(ctx: TrainingContext, path: Path) -> None:
+    """The trainer's (and critic's) folder, the parts --no-load-optim / --no-load-rng / --finetune leave
+    (`CheckpointConfig.load_parts`), and the data position unless --finetune."""
+    parts = ctx.cfg.checkpoint.load_parts()
     if trainer_offloads(ctx):
         # offloaded first (a fresh optimizer: nothing moves), so the load puts the optimizer state
         # straight into host memory instead of whole on a GPU the colocated engines already share
         await ctx.c.trainer.handle.offload.remote()
-    await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR)
-    await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
+    await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR, **parts)
+    if not ctx.cfg.checkpoint.finetune:
+        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
     # a critic kept under --critic-save comes back through --critic-load instead
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-        await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR)
+        await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR, **parts)
+
+
+def _fresh_parts(parts: dict[str, bool]) -> dict:
+    """The `resumed` event's `fresh`: what the resume did not take from the checkpoint (none: no field)."""
+    names = {"optimizer": "optimizer", "rng": "rng", "step": "step_count_and_data_position"}
+    fresh = [names[k] for k, taken in parts.items() if not taken]
+    return {"fresh": fresh} if fresh else {}
 
 
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:

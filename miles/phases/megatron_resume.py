@@ -24,9 +24,10 @@ FRESH_NOTE = ("weights only: Megatron-LM's optimizer state is not read, so Adam'
 
 async def resume_from_megatron(ctx: TrainingContext, checkpoint: MegatronCheckpoint) -> None:
     """The trainer's weights from `checkpoint`; the next rollout is the one after its iteration (0 for
-    a converter's release folder)."""
+    a converter's release folder, or with --finetune)."""
     await ctx.c.folders.load(ctx.c.trainer, "load", checkpoint.dist_dir)
-    next_rollout = 0 if checkpoint.iteration is None else checkpoint.iteration + 1
+    finetune = ctx.cfg.checkpoint.finetune or checkpoint.iteration is None    # --finetune: from rollout 0
+    next_rollout = 0 if finetune else checkpoint.iteration + 1
     ctx.start_rollout = ctx.next_rollout = next_rollout
     ctx.resumed = True
     ctx.weight_version = 0              # the engines hold --hf-checkpoint's weights until the first sync

@@ -220,17 +220,18 @@ class Critic(OptimizedModel):
         save_file(head, str(path / HEAD_FILE))
         self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state)
 
-    def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote: backbone, head, optimizer state, step count."""
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
+        """Restore what `save` wrote: backbone, head, optimizer state, step count (the parts as in
+        `Trainer.load`; the critic keeps no RNG state of its own)."""
         path = Path(path)
         if not (path / HEAD_FILE).is_file():
             raise FileNotFoundError(f"critic checkpoint {path} lacks {HEAD_FILE}; pass a folder written by Critic.save")
         saved = load_causal_lm(str(path), device=self.device, dtype=torch.float32)   # sharded or not
         load_weights(self._live().lm, model_weights(saved))
-        self._load_state(path)
+        self._load_state(path, optimizer=optimizer, step=step)
 
-    def _load_state(self, path: Path) -> None:
+    def _load_state(self, path: Path, *, optimizer: bool = True, step: bool = True) -> None:
         from safetensors.torch import load_file
 
         load_weights(self._live().value_head, load_file(str(path / HEAD_FILE)))
-        self._load_optimizer(path)
+        self._load_optimizer(path, optimizer=optimizer, step=step)

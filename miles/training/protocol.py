@@ -165,8 +165,10 @@ class TrainerBackend(Protocol):
         into the folder `path`."""
         ...
 
-    def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote."""
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
+        """Restore what `save` wrote; without `optimizer` a fresh optimizer (--no-load-optim), without `rng`
+        this process's RNG states (--no-load-rng), without `step` the step count 0 and no refreshed
+        reference (--finetune, with neither of the others: the weights alone)."""
         ...
 
     def export_hf(self, path: str | Path) -> None:
@@ -192,6 +194,6 @@ class CriticBackend(Protocol):
 
     def save(self, path: str | Path, *, optimizer: bool = True) -> None: ...
 
-    def load(self, path: str | Path) -> None: ...
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None: ...
 
     def dispose(self) -> None: ...

@@ -87,12 +87,12 @@ class RankGroup:
             self.dispose()
             raise
 
-    def all(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every rank, results in rank order; the first rank to fail raises here
-        without waiting for the rest."""
+    def all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method(*args, **kwargs)` on every rank, results in rank order; the first rank to fail raises
+        here without waiting for the rest."""
         import ray
 
-        refs = [getattr(rank, method).remote(*args) for rank in self.live()]
+        refs = [getattr(rank, method).remote(*args, **kwargs) for rank in self.live()]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)

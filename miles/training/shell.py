@@ -161,17 +161,17 @@ class OptimizedModel:
         state = path / self.state_file
         return not state.is_file() or json.loads(state.read_text()).get("optimizer", True)
 
-    def _load_optimizer(self, path: Path) -> None:
-        """Optimizer state and step count, each when `path` holds it. Offloaded (the run offloads
-        before it resumes: miles.phases.init), the state goes to the host buffers, never whole on the
-        device."""
-        if (path / OPTIMIZER_FILE).is_file():
+    def _load_optimizer(self, path: Path, *, optimizer: bool = True, step: bool = True) -> None:
+        """Optimizer state and step count, each when `path` holds it and it is asked for (--no-load-optim:
+        not the state, a fresh optimizer; --finetune: neither). Offloaded (the run offloads before it
+        resumes: miles.phases.init), the state goes to the host buffers, never whole on the device."""
+        if optimizer and (path / OPTIMIZER_FILE).is_file():
             if self._host is not None and self._host.offloaded:
                 self._host.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
             else:
                 self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
                                                            weights_only=True))
-        if (path / self.state_file).is_file():
+        if step and (path / self.state_file).is_file():
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
     def offload(self) -> int:

@@ -309,13 +309,16 @@ class Trainer(OptimizedModel):
         if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
             save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
 
-    def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote, so the next step is the one the saved trainer would have taken."""
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
+        """Restore what `save` wrote, so the next step is the one the saved trainer would have taken; or
+        only some of it: without `optimizer` (--no-load-optim) the optimizer starts fresh, without `rng`
+        (--no-load-rng) the RNG states stay this process's, without `step` the step count stays 0 and a
+        refreshed reference (--ref-update-interval) is not read (--finetune: the weights alone)."""
         from safetensors.torch import load_file
 
         path = Path(path)
         if is_sharded_checkpoint(path):      # saved by the torch trainer on several ranks
-            self._load_sharded(path)
+            self._load_sharded(path, optimizer=optimizer, rng=rng, step=step)
             return
         # saved with --no-save-optim: no optimizer state, and a fresh optimizer
         needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
@@ -324,26 +327,29 @@ class Trainer(OptimizedModel):
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")
         load_weights(self._live(), load_file(str(path / MODEL_FILE)))
-        self._load_optimizer(path)
-        set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-        if self._ref_interval and (path / REF_FILE).is_file():
+        self._load_optimizer(path, optimizer=optimizer, step=step)
+        if rng:
+            set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+        if step and self._ref_interval and (path / REF_FILE).is_file():
             self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 
-    def _load_sharded(self, path: Path) -> None:
+    def _load_sharded(self, path: Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """A sharded checkpoint (`miles.training.fsdp.checkpoint`), resharded onto this trainer's ranks
-        (one, without a process group, or any number)."""
+        (one, without a process group, or any number); the parts as in `load`."""
         from safetensors.torch import load_file
 
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {STATE_FILE}; pass a folder written by "
                                     "the torch trainer's save")
         state = json.loads((path / STATE_FILE).read_text())
-        load_sharded(self._live(), self._optimizer if state.get("optimizer", True) else None, path)
-        self._num_steps = state["num_steps"]
+        load_sharded(self._live(), self._optimizer if optimizer and state.get("optimizer", True) else None, path)
+        if step:
+            self._num_steps = state["num_steps"]
         own = rng_file(path, self.rank)
-        set_rng_state(torch.load(own if own.is_file() else rng_file(path, 0), weights_only=True))
-        if self._ref_interval and (path / REF_FILE).is_file():
+        if rng:
+            set_rng_state(torch.load(own if own.is_file() else rng_file(path, 0), weights_only=True))
+        if step and self._ref_interval and (path / REF_FILE).is_file():
             self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 

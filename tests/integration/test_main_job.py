@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from miles.checkpoint.store import CheckpointStore
+from miles.weights.checksum import state_dict_checksum
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime.procs import usable_cores
@@ -84,6 +85,33 @@ def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     a = load_file(str(CheckpointStore(tmp_path / "ck_full").latest()[1] / "trainer" / "model.safetensors"))
     b = load_file(str(CheckpointStore(tmp_path / "ck").latest()[1] / "trainer" / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_finetune_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_cluster, tiny_task, tmp_path):
+    # a 2-rollout run with a 2-step warmup saves; --finetune starts over from its weights (rollout 0, step 0:
+    # the warmup again), --no-load-optim --no-load-rng continues at rollout 2 and step 2 with a fresh AdamW
+    flags = dict(num_rollout=2, lr_warmup_iters=2)
+    first = run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", save_interval=2, **flags))
+    saved = CheckpointStore(tmp_path / "ck").latest()[1] / "trainer" / "model.safetensors"
+    lrs = [r["lr"] for r in first.metrics if r.get("kind") == "train"]
+    assert lrs[0] < lrs[1]                                      # warming up
+    tuned = run(base_flags(tiny_task, tmp_path / "ft", load=tmp_path / "ck", check_weight_update_equal=True, **flags)
+                + ["--finetune"])
+    trace = read_trace(tuned.run_dir)
+    resumed = trace.of("resumed")[0]
+    assert (resumed.rollout_id, resumed.get("next_rollout")) == (1, 0)
+    assert resumed.get("fresh") == ["optimizer", "rng", "step_count_and_data_position"]
+    rows = [r for r in tuned.metrics if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == [0, 1] and [r["lr"] for r in rows] == pytest.approx(lrs)
+    # the engines' first weights are the checkpoint's (the trainer's after the load), not --hf-checkpoint's
+    assert trace.of("weights_synced")[0].get("checksum") == state_dict_checksum(load_file(str(saved)))
+    fresh = run(base_flags(tiny_task, tmp_path / "fresh", load=tmp_path / "ck", **{**flags, "num_rollout": 3})
+                + ["--no-load-optim", "--no-load-rng"])
+    resumed = read_trace(fresh.run_dir).of("resumed")[0]
+    assert resumed.get("next_rollout") == 2 and resumed.get("fresh") == ["optimizer", "rng"]
+    assert [r["step"] for r in fresh.metrics if r.get("kind") == "train"] == [2]
+    assert load_file(str(saved)).keys()        # the checkpoint both read is still whole
+    assert miles_actors() == []
 
 
 def test_custom_async_reward_by_file_path(ray_cluster, tiny_task, tmp_path):

@@ -92,11 +92,12 @@ def count_recomputed_backwards() -> list[int]:
     return calls
 
 
-def train_rollouts(worker, rollouts, save_to=None, save_after=None, load_from=None):
-    """Train `rollouts` (ids), loading a checkpoint first or saving one after rollout `save_after`;
-    returns the metrics, this rank's stage weights and how many recomputed-layer backwards ran."""
+def train_rollouts(worker, rollouts, save_to=None, save_after=None, load_from=None, load_parts=None):
+    """Train `rollouts` (ids), loading a checkpoint first (the parts `load_parts` says) or saving one after
+    rollout `save_after`; returns the metrics, this rank's stage weights and how many recomputed-layer
+    backwards ran."""
     if load_from:
-        worker.load(Path(load_from) / "trainer")
+        worker.load(Path(load_from) / "trainer", **(load_parts or {}))
     recomputed = count_recomputed_backwards()
     metrics = []
     for r in rollouts:
@@ -289,3 +290,14 @@ def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path, tp, cp
     # the resumed trainer takes the steps the uninterrupted one took: same losses, same weights
     assert_same_training(resumed[0]["metrics"], straight[0]["metrics"][1:], hf_weights(resumed, models["qwen2"]),
                          hf_weights(straight, models["qwen2"]), tol=1e-6, weight_tol=1e-6, tp=tp)
+    if tp == 2:
+        # --no-load-optim, one optimizer step: the same weights in as a full resume (its loss, read before
+        # the step; its learning rate: the step count kept), a fresh Adam's step after them
+        one = (replace(cfg[0], global_batch_size=None, num_steps_per_rollout=1), *cfg[1:])
+        fresh = run_ranks(2, models["qwen2"], one, tmp_path / "c", rollouts=[1], load_from=str(final),
+                          load_parts=dict(optimizer=False))
+        full = run_ranks(2, models["qwen2"], one, tmp_path / "d", rollouts=[1], load_from=str(final))
+        assert fresh[0]["metrics"][0]["loss"] == pytest.approx(full[0]["metrics"][0]["loss"], abs=1e-6)
+        assert fresh[0]["metrics"][0]["lr"] == full[0]["metrics"][0]["lr"]
+        moved, want = hf_weights(fresh, models["qwen2"]), hf_weights(full, models["qwen2"])
+        assert any(not torch.allclose(moved[k], want[k], atol=1e-6) for k in want)

@@ -1,4 +1,5 @@
-"""The trainer's share of miles' flags: --num-steps-per-rollout, --no-save-optim, --use-unbiased-kl,
+"""The trainer's share of miles' flags: --num-steps-per-rollout, --no-save-optim, --no-load-optim,
+--no-load-rng, --finetune (the parts a resume takes), --use-unbiased-kl,
 --custom-loss-function-path, --custom-tis-function-path, --save-debug-train-data, and the reference
 check --ci-test reads."""
 
@@ -32,6 +33,24 @@ def test_no_save_optim_leaves_the_optimizer_out_and_a_resume_starts_a_fresh_one(
     assert resumed.weights_checksum() == t.weights_checksum() and resumed.num_steps == 1
     assert resumed._optimizer.state_dict()["state"] == {}          # no Adam moments: a fresh optimizer
     assert t._optimizer.state_dict()["state"] != {}
+
+
+@pytest.mark.parametrize("parts", [dict(optimizer=False), dict(rng=False), dict(optimizer=False, rng=False, step=False)],
+                         ids=["no-load-optim", "no-load-rng", "finetune"])
+def test_a_resume_takes_the_parts_it_is_asked_for(model_path, tmp_path, parts):
+    from miles.training.rng import rng_state
+
+    t = trainer(model_path)
+    t.train(SAMPLES, 0)
+    t.save(tmp_path / "ckpt")
+    saved_rng = torch.load(tmp_path / "ckpt" / "rng.pt", weights_only=True)["torch"]
+    resumed = trainer(model_path)
+    torch.manual_seed(1234)                                         # this process's RNG, not the checkpoint's
+    resumed.load(tmp_path / "ckpt", **parts)
+    assert resumed.weights_checksum() == t.weights_checksum()      # the weights always
+    assert (resumed._optimizer.state_dict()["state"] != {}) == parts.get("optimizer", True)
+    assert resumed.num_steps == (1 if parts.get("step", True) else 0)
+    assert torch.equal(rng_state()["torch"], saved_rng) == parts.get("rng", True)
 
 
 def test_unbiased_kl_weights_each_token_by_the_importance_ratio():

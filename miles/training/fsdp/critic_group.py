@@ -54,8 +54,9 @@ class FSDPCritic:
         """The one-process critic's folder at `path`, written by rank 0; the run's store commits it."""
         self._group.all("save", str(path), optimizer)
 
-    def load(self, path: str | Path) -> None:
-        self._group.all("load", str(path))
+    def load(self, path: str | Path, **parts: bool) -> None:
+        """Every rank's `load(path, **parts)` (the parts as in `Trainer.load`)."""
+        self._group.all("load", str(path), **parts)
 
     def dispose(self) -> None:
         """Every rank frees its model, optimizer and process group, then is killed. Idempotent. This

@@ -132,14 +132,15 @@ class FSDPCriticRank(RankMicroBatches, Critic):
             self._write_folder(path, weights, state)
         dist.barrier()          # the caller commits the folder once rank 0 has written it
 
-    def load(self, path: str | Path) -> None:
-        """What `save` (or the one-process `Critic.save`, on any number of ranks) wrote."""
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
+        """What `save` (or the one-process `Critic.save`, on any number of ranks) wrote; the parts as in
+        `Critic.load`."""
         path = Path(path)
         if not (path / HEAD_FILE).is_file():
             raise FileNotFoundError(f"critic checkpoint {path} lacks {HEAD_FILE}; pass a folder written by Critic.save")
-        self._load_state(path)
+        self._load_state(path, optimizer=optimizer, step=step)
 
-    def _load_state(self, path: Path) -> None:
+    def _load_state(self, path: Path, *, optimizer: bool = True, step: bool = True) -> None:
         """Backbone, head, optimizer state and step count from the whole files, each rank keeping its
         shards. At start-up (--critic-load of a critic folder) the backbone was built from the same
         files: it is read once more here, for one load routine."""
@@ -149,9 +150,9 @@ class FSDPCriticRank(RankMicroBatches, Critic):
         weights = {**{f"lm.{n}": t for n, t in backbone.items()},
                    **{f"value_head.{n}": t for n, t in load_file(str(path / HEAD_FILE)).items()}}
         state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) \
-            if (path / OPTIMIZER_FILE).is_file() else None
+            if optimizer and (path / OPTIMIZER_FILE).is_file() else None
         load_full(self._live(), weights, self._optimizer, state)
-        if (path / self.state_file).is_file():
+        if step and (path / self.state_file).is_file():
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
     def dispose(self) -> None:

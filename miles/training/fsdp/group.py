@@ -91,8 +91,9 @@ class FSDPTrainer:
         """Every rank's shards into the folder `path`; the run's store commits it."""
         self._group.all("save", str(path), optimizer)
 
-    def load(self, path: str | Path) -> None:
-        self._group.all("load", str(path))
+    def load(self, path: str | Path, **parts: bool) -> None:
+        """Every rank's `load(path, **parts)` (the parts as in `Trainer.load`)."""
+        self._group.all("load", str(path), **parts)
 
     def offload(self) -> int:
         """Every rank's optimizer state shards to its host memory, the gradients dropped (--offload-train);

@@ -227,16 +227,16 @@ class FSDPRank(RankMicroBatches, Trainer):
                 save_file(ref, str(path / REF_FILE))
         dist.barrier()          # the caller commits the folder once every rank has written
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """What `save` wrote, on any number of ranks (`Trainer._load_sharded`), or what the one-process
-        trainer saved (its whole weights and optimizer state, sharded here)."""
+        trainer saved (its whole weights and optimizer state, sharded here); the parts as in `Trainer.load`."""
         path = Path(path)
         if is_sharded_checkpoint(path):
-            self._load_sharded(path)
+            self._load_sharded(path, optimizer=optimizer, rng=rng, step=step)
         else:
-            self._load_whole(path)
+            self._load_whole(path, optimizer=optimizer, rng=rng, step=step)
 
-    def _load_whole(self, path: Path) -> None:
+    def _load_whole(self, path: Path, *, optimizer: bool, rng: bool, step: bool) -> None:
         from safetensors.torch import load_file
 
         from miles.training.trainer import MODEL_FILE, RNG_FILE
@@ -247,11 +247,14 @@ class FSDPRank(RankMicroBatches, Trainer):
         if missing:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; pass a folder written "
                                     "by the torch trainer's save (on one rank or several)")
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if with_optimizer else None
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) \
+            if with_optimizer and optimizer else None
         load_full(self._live(), load_file(str(path / MODEL_FILE)), self._optimizer, optimizer_state)
-        self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
-        set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-        if self._ref_interval and (path / REF_FILE).is_file():
+        if step:
+            self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
+        if rng:
+            set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
+        if step and self._ref_interval and (path / REF_FILE).is_file():
             self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 

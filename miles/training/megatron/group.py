@@ -55,8 +55,8 @@ class MegatronTrainer:
         log.info("trainer_ready", model=model_path, ranks=layout.world_size, tp=layout.tp, pp=layout.pp,
                  cp=layout.cp, dp=layout.dp, gpus=on_gpu)
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self._group.all(method, *args)
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._group.all(method, *args, **kwargs)
 
     # --- the trainer seam ------------------------------------------------------------------------
     def prepare_rollout(self, samples: list[Sample], rollout_id: int, values: Tensor | None = None) -> None:
@@ -92,8 +92,9 @@ class MegatronTrainer:
             raise ValueError("--no-save-optim: the megatron backend's checkpoint always holds its optimizer state")
         self._all("save", str(path))
 
-    def load(self, path: str | Path) -> None:
-        self._all("load", str(path))
+    def load(self, path: str | Path, **parts: bool) -> None:
+        """Every rank's `load(path, **parts)` (the parts as in `Trainer.load`)."""
+        self._all("load", str(path), **parts)
 
     def export_hf(self, path: str | Path) -> None:
         """An HF folder (config, safetensors, tokenizer) that AutoModelForCausalLM loads."""

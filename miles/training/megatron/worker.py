@@ -321,10 +321,10 @@ class MegatronWorker:
         torch.save(self._rng_state(), path / RNG_DIR / f"rank_{self.rank:05d}.pt")
         dist.barrier()
 
-    def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote (same TP and PP; DP may differ), so the next step is the saved trainer's;
-        or the weights of a Megatron-LM torch_dist checkpoint (miles' saves and converter), whatever its
-        layout, with a fresh optimizer."""
+    def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
+        """Restore what `save` wrote (same TP and PP; DP may differ), so the next step is the saved trainer's,
+        or only some of it (the parts as in `Trainer.load`); or the weights of a Megatron-LM torch_dist
+        checkpoint (miles' saves and converter), whatever its layout, with a fresh optimizer."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)
@@ -342,19 +342,24 @@ class MegatronWorker:
         if (state["tp"], state["pp"]) != (self.layout.tp, self.layout.pp):
             raise ConfigError(f"checkpoint {path} was saved with TP {state['tp']} x PP {state['pp']}; resume with "
                               f"--tensor-model-parallel-size {state['tp']} --pipeline-model-parallel-size {state['pp']}")
-        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path / DIST_DIR))
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True, optimizer=optimizer, reference=step),
+                                         str(path / DIST_DIR))
         model = self._live()
         _load_strict(model.gpt, loaded["model"], self.rank)
-        with torch.no_grad():        # fp32 main weights can be views of the parameters
-            model.optimizer.load_state_dict(loaded["optimizer"])
-        _set_adam_steps(model.optimizer, state["num_steps"])
+        if optimizer:
+            with torch.no_grad():        # fp32 main weights can be views of the parameters
+                model.optimizer.load_state_dict(loaded["optimizer"])
+            _set_adam_steps(model.optimizer, state["num_steps"])
+        else:
+            model.optimizer.reload_model_params()     # main weights := the loaded ones; Adam's state fresh
         if "reference" in loaded:
             _load_strict(self._ref.gpt, {k.removeprefix("reference."): v for k, v in loaded["reference"].items()},
                          self.rank)
-        rng = path / RNG_DIR / f"rank_{self.rank:05d}.pt"
-        if rng.is_file():             # a different DP size has other ranks: they keep their seeds
-            self._set_rng_state(torch.load(rng, weights_only=False))
-        self._num_steps = state["num_steps"]
+        rng_path = path / RNG_DIR / f"rank_{self.rank:05d}.pt"
+        if rng and rng_path.is_file():      # a different DP size has other ranks: they keep their seeds
+            self._set_rng_state(torch.load(rng_path, weights_only=False))
+        if step:
+            self._num_steps = state["num_steps"]
         self._prepared = None
 
     def _load_dist_weights(self, gpt: torch.nn.Module, dist_dir: Path) -> None:
@@ -383,14 +388,15 @@ class MegatronWorker:
         log.info("megatron_checkpoint_loaded", rank=self.rank, path=str(dist_dir), tensors=len(loaded["model"]),
                  optimizer="fresh", optimizer_state_in_checkpoint=any(k.startswith("optimizer.") for k in saved))
 
-    def _sharded_state(self, *, loading: bool) -> dict:
+    def _sharded_state(self, *, loading: bool, optimizer: bool = True, reference: bool = True) -> dict:
         model = self._live()
-        if loading:
+        if loading and optimizer:
             _create_adam_state(model.optimizer)
         state = {"model": model.gpt.sharded_state_dict()}
-        state["optimizer"] = model.optimizer.sharded_state_dict(state["model"], is_loading=loading,
-                                                                metadata=OPTIMIZER_METADATA)
-        if self._ref is not None and self._ref_interval:   # a refreshed reference is no longer the initial policy
+        if optimizer:
+            state["optimizer"] = model.optimizer.sharded_state_dict(state["model"], is_loading=loading,
+                                                                    metadata=OPTIMIZER_METADATA)
+        if reference and self._ref is not None and self._ref_interval:   # a refreshed reference is no longer the initial policy
             state["reference"] = self._ref.gpt.sharded_state_dict(prefix="reference.")
         return state
 
