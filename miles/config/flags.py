@@ -276,6 +276,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("n-samples-per-eval-prompt", "eval", "n_samples_per_prompt", int, "responses per eval prompt (pass@k uses them)"),
     _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy; default: --rollout-temperature)"),
     _f("eval-max-response-len", "eval", "max_response_len", int, "max new tokens in eval (default: the rollout's)"),
+    _f("eval-max-prompt-len", "eval", "max_prompt_len", int,
+       "drop eval prompts longer than this many tokens (default: --max-prompt-len)"),
+    _f("eval-max-context-len", "eval", "max_context_len", int,
+       "eval prompt + response tokens at most (default: --rollout-max-context-len)"),
     # cluster
     _f("ray-address", "cluster", "ray_address", str, "attach to this Ray cluster (default: start a local one)"),
     _f("ray-num-cpus", "cluster", "num_cpus", int, "CPUs of the local Ray cluster"),

@@ -183,8 +183,6 @@ REFUSED: dict[str, str] = {
                       f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},
     "eval-tool-key": f"the eval datasets' tools; {_AGENTIC}",
     "eval-min-new-tokens": f"a minimum eval response length; {NOT_YET}",
-    "eval-max-prompt-len": f"drops long eval prompts; {NOT_YET}: --max-prompt-len applies to every dataset",
-    "eval-max-context-len": f"the eval's prompt + response cap; {NOT_YET}: --rollout-max-context-len applies to evals",
     "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
                            "built-in one",
     # -- the FSDP backend's and the launch scripts' run flags ----------------------------------------
@@ -280,7 +278,7 @@ offload offload-train offload-rollout offload-rollout-level offload-train-target
 train-memory-margin-bytes stream-optimizer-state-to-disk rematerialize-param-from-master-weight
 load save save-interval async-save no-save-optim start-rollout-id save-hf save-trigger-sentinel
 eval-prompt-data eval-config eval-interval skip-eval-before-train eval-temperature eval-max-response-len
-n-samples-per-eval-prompt eval-sglang-mem-fraction-static log-passrate
+eval-max-prompt-len eval-max-context-len n-samples-per-eval-prompt eval-sglang-mem-fraction-static log-passrate
 ci-metric-checker-key ci-metric-checker-threshold
 use-fault-tolerance ft-components rollout-health-check-interval rollout-health-check-timeout
 rollout-health-check-first-wait ci-ft-test-actions

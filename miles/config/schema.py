@@ -310,6 +310,8 @@ class EvalConfig:
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
     temperature: float | None = None    # --eval-temperature (0: greedy; None: --rollout-temperature, as miles)
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
+    max_prompt_len: int | None = None   # --eval-max-prompt-len: drop longer eval prompts (None: --max-prompt-len)
+    max_context_len: int | None = None  # --eval-max-context-len: eval prompt + response cap (None: the rollout's)
     datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
     log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)
 

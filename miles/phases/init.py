@@ -364,10 +364,13 @@ async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list
 
 
 def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:
-    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's."""
+    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's, long ones dropped by
+    --eval-max-prompt-len (else --max-prompt-len)."""
     keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
+    if cfg.eval.max_prompt_len is not None:            # --eval-max-prompt-len: the evals' own limit
+        keys["max_prompt_len"] = cfg.eval.max_prompt_len
     prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer, tools=tools)
-    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})")
+    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})", evaluation=True)
     return prompts
 
 

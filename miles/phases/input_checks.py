@@ -182,14 +182,19 @@ def first_row_keys(path: str) -> list[str] | None:
     return None
 
 
-def check_context_len(cfg: RunConfig, prompts: list[Any], source: str) -> None:
-    """--rollout-max-context-len leaves room for at least one response token after every prompt."""
-    limit = cfg.rollout.max_context_len
+def check_context_len(cfg: RunConfig, prompts: list[Any], source: str, *, evaluation: bool = False) -> None:
+    """--rollout-max-context-len (for an eval dataset: --eval-max-context-len, else that) leaves room for at
+    least one response token after every prompt."""
+    flag, limit, drop = "--rollout-max-context-len", cfg.rollout.max_context_len, "--max-prompt-len"
+    if evaluation:
+        drop = "--eval-max-prompt-len"
+        if cfg.eval.max_context_len is not None:
+            flag, limit = "--eval-max-context-len", cfg.eval.max_context_len
     if limit is None:
         return
     long = [p for p in prompts if len(p.prompt_ids) >= limit]
     if long:
         rows = ", ".join(str(p.index + 1) for p in long[:5]) + (", ..." if len(long) > 5 else "")
         raise ConfigError(f"{source}: {len(long)} of {len(prompts)} prompts (rows {rows}) have "
-                          f"--rollout-max-context-len {limit} tokens or more, leaving no room for a response; raise "
-                          f"it or drop them with --max-prompt-len {limit - 1}")
+                          f"{flag} {limit} tokens or more, leaving no room for a response; raise "
+                          f"it or drop them with {drop} {limit - 1}")

@@ -259,7 +259,8 @@ class RolloutExecutor:
             max_new_tokens=d.max_response_len or e.max_response_len or c.max_response_len,
             stop=c.stop if d.stop is None else d.stop,
             stop_token_ids=c.stop_token_ids if d.stop_token_ids is None else d.stop_token_ids,
-            max_context_len=c.max_context_len, seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
+            max_context_len=c.max_context_len if e.max_context_len is None else e.max_context_len,
+            seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
 
     async def _sample(self, prompts: list[Prompt], n: int, params: SamplingParams, *, evaluation: bool = False,
                       reward_fn: Callable[..., Any] | None = None) -> list[Sample]:

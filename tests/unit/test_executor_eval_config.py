@@ -73,3 +73,12 @@ def test_eval_config_datasets_have_their_own_n_sampling_and_reward():
     assert [out[f"eval/a/pass@{k}"] for k in (1, 2, 3, 4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     # b: one sample, "1" vs label "2" under its own reward (math): wrong
     assert out["eval/b/pass@1"] == 0.0 and "eval/b/pass@2" not in out
+
+
+def test_evals_cap_their_context_by_eval_max_context_len_else_the_rollouts():
+    sets = {"a": PROMPTS[:2]}
+    for eval_cfg, want in ((EvalConfig(prompt_data=(("a", "a.jsonl"),)), 32),
+                           (EvalConfig(prompt_data=(("a", "a.jsonl"),), max_context_len=48), 48)):
+        engine = Recording([[1]])
+        asyncio.run(executor(engine, eval_cfg, sets, max_context_len=32).evaluate(0))
+        assert engine.params[0].max_context_len == want

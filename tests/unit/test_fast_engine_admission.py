@@ -59,3 +59,8 @@ def test_the_run_sizes_slots_from_its_prompt_and_response_limits(tmp_path):
     capped = ["--rollout-max-context-len", "350"]
     assert options(parse_flags(base + capped)[0])["context_len"] == 350
     assert options(parse_flags(base + capped + ["--max-prompt-len", "20"])[0])["context_len"] == 320
+    # the evals' own limits: the slots hold the larger need, a rollout's or an eval's
+    evals = ["--max-prompt-len", "20", "--eval-max-prompt-len", "50"]
+    assert options(parse_flags(base + evals)[0])["context_len"] == 350
+    assert options(parse_flags(base + evals + capped + ["--eval-max-context-len", "340"])[0])["context_len"] == 340
+    assert options(parse_flags(base + evals + ["--eval-max-context-len", "100"])[0])["context_len"] == 320

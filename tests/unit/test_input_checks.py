@@ -161,3 +161,21 @@ def test_a_custom_reward_that_takes_a_label_without_a_label_key_is_a_warning(tmp
     assert len(label_warnings(cfg, import_reward_fn("r.py:blind"), ["input", "label"])) == 1
     with_key, _ = parse_flags(base(tmp_path) + ["--label-key", "label"])
     assert label_warnings(with_key, import_reward_fn("r.py:score"), ["input", "label"]) == []
+
+
+def test_eval_prompts_have_their_own_length_limit_and_context_cap(model, tmp_path):
+    from miles.config import EvalDataset
+    from miles.phases.init import _eval_prompts
+    from miles.weights.hf import load_tokenizer
+
+    tok = load_tokenizer(model)
+    (tmp_path / "e.jsonl").write_text("".join(f'{{"input": "{"1" * n}+1="}}\n' for n in (2, 8, 14)))   # 5, 11, 17 tokens
+    d = EvalDataset(name="e", path=str(tmp_path / "e.jsonl"))
+    argv = base(tmp_path) + ["--hf-checkpoint", model, "--max-prompt-len", "6"]
+    assert [len(p.prompt_ids) for p in _eval_prompts(parse_flags(argv)[0], d, tok, None)] == [5]
+    cfg, _ = parse_flags(argv + ["--eval-max-prompt-len", "12"])                   # the evals' own limit
+    assert [len(p.prompt_ids) for p in _eval_prompts(cfg, d, tok, None)] == [5, 11]
+    with pytest.raises(ConfigError, match=r"eval dataset e .*: 1 of 2 prompts \(rows 2\) have --eval-max-context-len 11 "
+                                          r"tokens or more.*drop them with --eval-max-prompt-len 10"):
+        _eval_prompts(parse_flags(argv + ["--eval-max-prompt-len", "12", "--eval-max-context-len", "11"])[0], d, tok,
+                      None)

@@ -15,21 +15,36 @@ if TYPE_CHECKING:
 def options(cfg: RunConfig) -> dict[str, Any]:
     """The embedded engine's, plus the KV cache's share of the GPU, the --disable-* switches, the
     prefill piece (--rollout-chunked-prefill-size, when given), and the positions every request may
-    need (`context_len`), which sizes the slots to the K/V: --rollout-max-context-len (the engine caps
-    each response by it), or with --max-prompt-len the longest prompt + the longest response the
-    rollout or an eval asks for, whichever is smaller."""
+    need (`context_len`, `_context_len`), which sizes the slots to the K/V: for rollouts and for evals,
+    their context cap (--rollout-max-context-len, --eval-max-context-len: the engine caps each response
+    by it) or their prompt limit + their longest response, whichever is smaller."""
     r = cfg.rollout
     out = {**embedded_options(cfg), "mem_fraction": r.mem_fraction, "cuda_graph": r.cuda_graph,
            "torch_compile": r.torch_compile, "attention_kernel": r.attention_kernel}
     if r.chunked_prefill_size is not None:
         out["chunked_prefill_size"] = r.chunked_prefill_size
-    needs = [] if r.max_context_len is None else [r.max_context_len]
-    if cfg.data.max_prompt_len is not None:
-        responses = [r.max_response_len, cfg.eval.max_response_len, *(d.max_response_len for d in cfg.eval.datasets)]
-        needs.append(cfg.data.max_prompt_len + max(n for n in responses if n is not None))
-    if needs:
-        out["context_len"] = min(needs)
+    context_len = _context_len(cfg)
+    if context_len is not None:
+        out["context_len"] = context_len
     return out
+
+
+def _context_len(cfg: RunConfig) -> int | None:
+    """The positions any request may need: the larger of a rollout request's and an eval request's, each
+    the smaller of its context cap and its prompt limit + its longest response (None: one is unbounded)."""
+    r, e = cfg.rollout, cfg.eval
+
+    def bound(context: int | None, prompt: int | None, responses: list[int | None]) -> int | None:
+        bounds = [] if context is None else [context]
+        if prompt is not None:
+            bounds.append(prompt + max(n for n in responses if n is not None))
+        return min(bounds) if bounds else None
+
+    rollout = bound(r.max_context_len, cfg.data.max_prompt_len, [r.max_response_len])
+    evals = bound(r.max_context_len if e.max_context_len is None else e.max_context_len,
+                  cfg.data.max_prompt_len if e.max_prompt_len is None else e.max_prompt_len,
+                  [e.max_response_len or r.max_response_len, *(d.max_response_len for d in e.datasets)])
+    return None if rollout is None or evals is None else max(rollout, evals)
 
 
 def refusal(hf_checkpoint: str) -> str | None:
