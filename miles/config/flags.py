@@ -171,6 +171,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("advantage-estimator", "algorithm", "advantage_estimator", str, "advantage estimator", ADVANTAGE_ESTIMATOR_NAMES),
     _f("disable-grpo-std-normalization", "algorithm", "disable_grpo_std_normalization", kind="true",
        help="GRPO: center rewards per group without dividing by their std (Dr. GRPO)"),
+    _f("disable-rewards-normalization", "algorithm", "disable_rewards_normalization", kind="true",
+       help="grpo, gspo, reinforce_plus_plus_baseline: no per-group normalization at all, the raw rewards are "
+            "the advantages (++-baseline still whitens them over the batch); the other estimators: no effect"),
     _f("loss-type", "algorithm", "loss_type", str, "training loss (custom_loss: --custom-loss-function-path)",
        LOSS_TYPES),
     _f("eps-clip", "algorithm", "eps_clip", float, "PPO clip range (low side, and high unless --eps-clip-high)"),

@@ -89,8 +89,6 @@ REFUSED: dict[str, str] = {
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
     "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
     "custom-reward-post-process-path": f"replaces reward normalization; {NOT_YET}",
-    "disable-rewards-normalization": f"turns off the per-group reward normalization; {NOT_YET}: "
-                                     "--disable-grpo-std-normalization only skips the division by the std",
     "tool-key": f"the tools of each row; {_AGENTIC}",
     "multimodal-keys": f"images and other media of each row; {NOT_YET}: prompts are text",
     "data-source-path": f"replaces the prompt data source; {NOT_YET}: --prompt-data is a .jsonl or .parquet file",

@@ -166,6 +166,7 @@ class GenerateConfig:
 class AlgorithmConfig:
     advantage_estimator: AdvantageEstimator = "grpo"  # --advantage-estimator
     disable_grpo_std_normalization: bool = False  # --disable-grpo-std-normalization
+    disable_rewards_normalization: bool = False   # --disable-rewards-normalization: GRPO/GSPO/++-baseline on raw rewards
     loss_type: LossType = "policy_loss"  # --loss-type policy_loss | sft_loss
     eps_clip: float = 0.2               # --eps-clip
     eps_clip_high: float | None = None  # --eps-clip-high (DAPO clip-higher); None: same as eps_clip

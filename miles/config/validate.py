@@ -92,7 +92,8 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
     elif t.micro_batch_size >= 1 and gbs % t.micro_batch_size:      # < 1: _positive_ints says so
         problems.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {t.micro_batch_size}")
     if cfg.algorithm.advantage_estimator in ("grpo", "gspo") and cfg.rollout.n_samples_per_prompt < 2 \
-            and not cfg.algorithm.disable_grpo_std_normalization and cfg.algorithm.loss_type == "policy_loss":
+            and not cfg.algorithm.disable_grpo_std_normalization and not cfg.algorithm.disable_rewards_normalization \
+            and cfg.algorithm.loss_type == "policy_loss":
         problems.append("--n-samples-per-prompt 1 gives GRPO groups of one, which learn nothing (1 is miles' "
                         "default): pass --n-samples-per-prompt N with N >= 2")
 

@@ -356,6 +356,14 @@ def _zero_advantages(rewards: torch.Tensor, n: int, valid: torch.Tensor) -> torc
     return torch.zeros_like(rewards)
 
 
+GROUP_NORMALIZED = ("grpo", "gspo", "reinforce_plus_plus_baseline")   # what --disable-rewards-normalization turns off
+
+
+def _raw_rewards(rewards: torch.Tensor, n: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The rewards themselves as advantages (0 where `mask` says the sample does not train)."""
+    return rewards.clone() if mask is None else torch.where(mask.bool(), rewards, torch.zeros_like(rewards))
+
+
 def _estimator(algorithm: AlgorithmConfig) -> Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]:
     """(rewards [N], group size, valid [N] bool: the trainable samples) -> advantages [N]."""
     name = algorithm.advantage_estimator
@@ -363,6 +371,8 @@ def _estimator(algorithm: AlgorithmConfig) -> Callable[[torch.Tensor, int, torch
         return _zero_advantages    # SFT has none; token-level ones are the trainer's (see the module docstring)
     options = {"std_norm": not algorithm.disable_grpo_std_normalization} if name in ("grpo", "gspo") else {}
     base = get_advantage_estimator(name, **options)
+    if algorithm.disable_rewards_normalization and name in GROUP_NORMALIZED:
+        base = _raw_rewards          # miles' --disable-rewards-normalization: no group baseline, no std
     if name == "reinforce_plus_plus_baseline":   # REINFORCE++-baseline whitens over the whole batch
         return lambda rewards, n, valid: normalize_advantages(base(rewards, n, mask=valid), valid)
     return lambda rewards, n, valid: base(rewards, n, mask=valid)

@@ -102,6 +102,24 @@ def test_token_level_estimators_leave_advantages_to_the_trainer(name):
     assert [s.reward for s in batch.samples] == [1.0, 1.0, 1.0, 0.0] and all(s.advantage == 0 for s in batch.samples)
 
 
+@pytest.mark.parametrize("name", ["grpo", "gspo", "reinforce_plus_plus_baseline", "rloo"])
+def test_disable_rewards_normalization_trains_on_the_raw_rewards(name):
+    # rewards [1, 1] and [1, 0]: normalized per group the all-right group's advantages are 0; raw, they are 1
+    def advantages(disable):
+        algorithm = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator=name,
+                                    disable_rewards_normalization=disable)
+        batch = asyncio.run(executor(ScriptedEngine(even_all_right_odd_mixed), algorithm=algorithm).generate(0))
+        return [s.advantage for s in batch.samples]
+    normalized, raw = advantages(False), advantages(True)
+    assert normalized[:2] == [0.0, 0.0]
+    if name in ("grpo", "gspo"):
+        assert raw == [1.0, 1.0, 1.0, 0.0]
+    elif name == "reinforce_plus_plus_baseline":      # the raw rewards, whitened over the batch
+        assert raw == pytest.approx([1 / 3 ** 0.5] * 3 + [-(3 ** 0.5)], rel=1e-5)
+    else:                                             # no group normalization to turn off
+        assert raw == normalized
+
+
 def test_filters_load_by_path_and_name_their_flag(tmp_path):
     assert load_filter(FILTER) is check_reward_nonzero_std
     with pytest.raises(Exception, match="--dynamic-sampling-filter-path"):
