@@ -230,6 +230,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("lr-wsd-decay-style", "train", "lr_wsd_decay_style", str, "WSD: the decay phase's shape",
        ("exponential", "linear", "cosine", "minus_sqrt")),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
+    _f("log-probs-max-tokens-per-gpu", "train", "log_probs_max_tokens_per_gpu", int,
+       "with --use-dynamic-batch-size: the token budget of the forwards without a backward (old and reference "
+       "logprobs, PPO's critic values), which keep no activations; default: --max-tokens-per-gpu's (or, on CUDA, "
+       "the memory plan's)"),
     _f("use-dynamic-batch-size", "train", "use_dynamic_batch_size", kind="true",
        help="micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size samples (the "
             "policy's and PPO's critic's)"),

@@ -121,8 +121,6 @@ REFUSED: dict[str, str] = {
     "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
     "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
     "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
-    "log-probs-max-tokens-per-gpu": f"token budget of the logprob forward; {NOT_YET}: --max-tokens-per-gpu "
-                                    "budgets both the logprob and the training forwards",
     "use-dynamic-global-batch-size": f"global batches by tokens; {NOT_YET}",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",

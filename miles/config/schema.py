@@ -223,6 +223,7 @@ class TrainConfig:
     min_lr: float = 0.0                 # --min-lr
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's tokens (real ones packed, else rows x longest)
+    log_probs_max_tokens_per_gpu: int | None = None  # --log-probs-max-tokens-per-gpu: the no-grad forwards' budget
     pack_sequences: bool = True         # --no-pack-sequences: token-budget micro-batches as padded rows, not one packed row
     recompute_activations: bool = False  # --recompute-activations: activation checkpointing of every layer
     log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: rows per chunk of the chunked logprobs

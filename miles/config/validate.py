@@ -442,6 +442,10 @@ def _gpu_memory(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--max-tokens-per-gpu {t.max_tokens_per_gpu} has no effect without --use-dynamic-batch-size")
     if t.max_tokens_per_gpu is not None and t.max_tokens_per_gpu < 1:
         problems.append(f"--max-tokens-per-gpu {t.max_tokens_per_gpu}: must be a positive integer")
+    lp = t.log_probs_max_tokens_per_gpu
+    if lp is not None and (lp < 1 or not t.use_dynamic_batch_size):
+        problems.append(f"--log-probs-max-tokens-per-gpu {lp}: a positive token budget of micro-batches by tokens; "
+                        "it needs --use-dynamic-batch-size")
     if cfg.update_weight_buffer_size < 1:
         problems.append(f"--update-weight-buffer-size {cfg.update_weight_buffer_size}: must be a positive number of bytes")
 
@@ -485,7 +489,9 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
     for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),
                         ("--save-retain-interval", c.retain_interval),
-                        ("--log-probs-chunk-size", cfg.train.log_probs_chunk_size)):
+                        ("--log-probs-chunk-size", cfg.train.log_probs_chunk_size),
+                        ("--eval-max-context-len", cfg.eval.max_context_len),
+                        ("--eval-max-prompt-len", cfg.eval.max_prompt_len)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value}: must be a positive integer")
     if c.retain_interval and c.save_interval and c.retain_interval % c.save_interval:

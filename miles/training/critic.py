@@ -132,7 +132,7 @@ class Critic(OptimizedModel):
         """[B, T] float32 CPU values of the packed samples (`make_train_batch` layout), 0 off the response."""
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        pairs = self._micro_batches(batch)       # planned before the shadows take their memory
+        pairs = self._micro_batches(batch, forward_only=True)    # planned before the shadows take their memory
         with self._shadowed(self._model, grads=False):
             for rows, mb in pairs:
                 out[rows, :mb.tokens.shape[1]] = self._forward(mb)

@@ -106,23 +106,28 @@ class OptimizedModel:
         return grad_norm
 
     # --- micro-batches -----------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None) -> list[tuple[Tensor, TrainBatch]]:
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
+                       forward_only: bool = False) -> list[tuple[Tensor, TrainBatch]]:
         """(row indices [b] on the device, micro-batch) pairs covering `batch`: --micro-batch-size rows
         (or `micro_batch_size`), or token-budget groups with --use-dynamic-batch-size. All are made
-        before the first forward, each with its `HostLayout`: the loop over them reads nothing back."""
+        before the first forward, each with its `HostLayout`: the loop over them reads nothing back.
+        `forward_only`: for a pass without a backward (--log-probs-max-tokens-per-gpu budgets it)."""
         host = HostRows.of(batch)
-        return [self._take(batch, rows, host) for rows in self._plan_groups(list(range(batch.size)), micro_batch_size,
-                                                                           host)]
+        groups = self._plan_groups(list(range(batch.size)), micro_batch_size, host, forward_only=forward_only)
+        return [self._take(batch, rows, host) for rows in groups]
 
-    def _plan_groups(self, rows: list[int], micro_batch_size: int | None, host: HostRows) -> list[list[int]]:
+    def _plan_groups(self, rows: list[int], micro_batch_size: int | None, host: HostRows, *,
+                     forward_only: bool = False) -> list[list[int]]:
         """`rows` of `batch` in micro-batches: --micro-batch-size rows or token-budget groups (packed
-        real tokens when packing), further split by the memory plan on CUDA without --max-tokens-per-gpu."""
+        real tokens when packing; a forward-only pass's by --log-probs-max-tokens-per-gpu when given),
+        further split by the memory plan on CUDA without a budget."""
         t = self._train_cfg
         if not rows:
             return []
-        planned = self._plan_memory(host) if self.device.type == "cuda" and t.max_tokens_per_gpu is None else None
+        budget = (t.log_probs_max_tokens_per_gpu if forward_only else None) or t.max_tokens_per_gpu
+        planned = self._plan_memory(host) if self.device.type == "cuda" and budget is None else None
         groups = plan_micro_batches([host.lengths[r] for r in rows], micro_batch_size=micro_batch_size or t.micro_batch_size,
-                                    max_tokens_per_gpu=(t.max_tokens_per_gpu or planned) if t.use_dynamic_batch_size
+                                    max_tokens_per_gpu=(budget or planned) if t.use_dynamic_batch_size
                                     else None, packed=self._packed,
                                     memory_tokens=None if t.use_dynamic_batch_size else planned)
         return [[rows[i] for i in g] for g in groups]

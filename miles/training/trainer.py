@@ -262,7 +262,7 @@ class Trainer(OptimizedModel):
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        pairs = self._micro_batches(batch)       # planned before the shadows take their memory
+        pairs = self._micro_batches(batch, forward_only=True)    # planned before the shadows take their memory
         with self._shadowed(model, grads=False):
             for rows, mb in pairs:
                 out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]

@@ -50,6 +50,9 @@ def test_the_flags_land_in_their_sections(tmp_path):
     (["--rollout-stop", ""], "stop strings must be non-empty"),
     (["--rollout-max-context-len", "0"], "--rollout-max-context-len 0: must be a positive integer"),
     (["--load", "nowhere"], "--load nowhere: no such directory (to start fresh and resume later"),
+    (["--log-probs-max-tokens-per-gpu", "4096"], "--log-probs-max-tokens-per-gpu 4096: a positive token budget of "
+                                                 "micro-batches by tokens; it needs --use-dynamic-batch-size"),
+    (["--eval-max-context-len", "0"], "--eval-max-context-len 0: must be a positive integer"),
 ])
 def test_what_each_flag_needs_is_a_problem_naming_the_fix(tmp_path, extra, expected):
     assert any(expected in p for p in problems_of(base(tmp_path) + extra)), expected

@@ -108,6 +108,18 @@ def test_global_batch_size_sets_the_number_of_steps(model_path):
     assert t.num_steps == 2
 
 
+def test_log_probs_max_tokens_per_gpu_budgets_the_forwards_without_a_backward(model_path):
+    # training micro-batches of at most 12 tokens, the no-grad logprob pass in one: the same logprobs
+    batch = make_train_batch(SAMPLES, 0)
+    small = trainer(model_path, use_dynamic_batch_size=True, max_tokens_per_gpu=12)
+    big = trainer(model_path, use_dynamic_batch_size=True, max_tokens_per_gpu=12, log_probs_max_tokens_per_gpu=1000)
+    assert len(small._micro_batches(batch)) == len(big._micro_batches(batch)) > 1          # training: alike
+    assert len(big._micro_batches(batch, forward_only=True)) == 1
+    assert len(small._micro_batches(batch, forward_only=True)) == len(small._micro_batches(batch))
+    a, b = small._logprobs(small.model, batch), big._logprobs(big.model, batch)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_adam_eps_reaches_the_optimizer(model_path):
     # AdamW's first step moves each weight by about lr * g / (|g| + eps): a large eps makes it small
     moved = {}

@@ -87,7 +87,7 @@ class FSDPCriticRank(RankMicroBatches, Critic):
         """The one-process critic's values: each rank computes its rows, the rows summed over the ranks."""
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        for rows, mb in self._micro_batches(batch):
+        for rows, mb in self._micro_batches(batch, forward_only=True):
             v = self._forward(mb)
             if rows.numel():
                 out[rows, :mb.tokens.shape[1]] = v

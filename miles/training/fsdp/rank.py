@@ -52,12 +52,14 @@ class RankMicroBatches:
     """The micro-batches of one data-parallel rank, for the policy's rank and the critic's (both
     `OptimizedModel`s, whose `_plan_groups` and `_take` plan them; `rank`, `world_size` set)."""
 
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None) -> list[tuple[Tensor, TrainBatch]]:
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
+                       forward_only: bool = False) -> list[tuple[Tensor, TrainBatch]]:
         """This rank's (row indices, micro-batch) pairs, as many as on the rank with the most, all made
         before the first forward; an empty index marks a padding micro-batch (row 0, run for the
-        collectives, contributing nothing)."""
+        collectives, contributing nothing). `forward_only` as the one-process trainer's."""
         host = HostRows.of(batch)
-        groups = self._plan_groups(rank_rows(batch.size, self.rank, self.world_size), micro_batch_size, host)
+        groups = self._plan_groups(rank_rows(batch.size, self.rank, self.world_size), micro_batch_size, host,
+                                   forward_only=forward_only)
         pairs = [self._take(batch, rows, host) for rows in groups]
         padding = take_rows(batch, [0], host=host, packed=self._packed)
         empty = torch.zeros(0, dtype=torch.long, device=batch.tokens.device)
