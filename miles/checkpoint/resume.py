@@ -19,7 +19,7 @@ answer with every folder unusable ("manifest missing").
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -117,13 +117,33 @@ def refuse_fresh_start(folder: LoadFolder, problems: dict[Path, list[str]] | Non
     return UnusableLoadFolder("\n".join(lines))
 
 
-def check_load_folder(root: str | None, *, allow_fresh_start: bool) -> LoadFolder | None:
+def pick_step(folder: LoadFolder, step: int | None) -> LoadFolder:
+    """`folder` with only the checkpoint of rollout `step` (--ckpt-step; None: all of them); raises
+    UnusableLoadFolder when it has none."""
+    if step is None:
+        return folder
+    chosen = tuple(c for c in folder.candidates if c.rollout_id == step)
+    if not chosen:
+        held = ", ".join(str(c.rollout_id) for c in sorted(folder.candidates, key=lambda c: c.rollout_id)) or "none"
+        raise UnusableLoadFolder(f"--ckpt-step {step}: --load {folder.root} has no checkpoint of rollout {step} "
+                                 f"(its checkpoints' rollouts: {held}); give one of them, or drop --ckpt-step for "
+                                 "the newest")
+    return replace(folder, candidates=chosen)
+
+
+def check_load_folder(root: str | None, *, allow_fresh_start: bool, step: int | None = None,
+                      exit_on_missing: bool = False) -> LoadFolder | None:
     """Before anything starts: the folder's kind; raises UnusableLoadFolder when it holds files but no
-    checkpoint, or only checkpoints the cheap check (manifest, sizes) already refuses."""
+    checkpoint, or only checkpoints the cheap check (manifest, sizes) already refuses, or not the one
+    --ckpt-step `step` names, or nothing at all with --exit-on-missing-checkpoint."""
     if not root:
         return None
     folder = classify_load_folder(root)
-    if allow_fresh_start or folder.starts_fresh:
+    if folder.starts_fresh and exit_on_missing:
+        raise UnusableLoadFolder(f"--load {folder.root}: {folder.reason}, and --exit-on-missing-checkpoint stops the "
+                                 "run instead of starting from --hf-checkpoint; check the path")
+    folder = pick_step(folder, step)
+    if (allow_fresh_start and step is None) or folder.starts_fresh:
         return folder
     if folder.kind == "no_checkpoint" or not any(c.usable for c in folder.candidates):
         raise refuse_fresh_start(folder)

@@ -402,6 +402,10 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("finetune", "checkpoint", "finetune", kind="true",
        help="take only the weights of --load's checkpoint: a fresh optimizer and RNG, step 0, from rollout 0 and "
             "the start of the data (Megatron-LM's --finetune)"),
+    _f("ckpt-step", "checkpoint", "ckpt_step", int,
+       "resume from --load's checkpoint of this rollout (iter_N) instead of the newest (Megatron-LM's)"),
+    _f("exit-on-missing-checkpoint", "checkpoint", "exit_on_missing", kind="true",
+       help="a --load folder that is missing or empty stops the run instead of starting from --hf-checkpoint"),
     _f("no-save-optim", "checkpoint", "save_optimizer", kind="false",
        help="checkpoints without optimizer state (resuming one starts a fresh optimizer)"),
     _f("keep-last-checkpoints", "checkpoint", "keep_last", int,

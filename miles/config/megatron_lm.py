@@ -42,10 +42,12 @@ def parse(spec: str) -> dict[str, str]:
 # -- fates kept elsewhere ---------------------------------------------------------------------------------
 # implemented (miles.config.flags.FLAGS), with Megatron's meaning
 IMPLEMENTED = parse("""
-    lr= min-lr= lr-decay-style= lr-decay-iters= lr-warmup-iters= lr-warmup-fraction= lr-warmup-init= lr-wsd-decay-style= lr-wsd-decay-iters=
-    weight-decay= clip-grad= adam-beta1= adam-beta2= adam-eps= seed= micro-batch-size= global-batch-size= recompute-activations
+    lr= min-lr= lr-decay-style= lr-decay-iters= lr-warmup-iters= lr-warmup-fraction= lr-warmup-init=
+    lr-wsd-decay-style= lr-wsd-decay-iters= weight-decay= clip-grad= adam-beta1= adam-beta2= adam-eps= seed=
+    micro-batch-size= global-batch-size= recompute-activations
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
-    save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= eval-interval= tensorboard-dir= wandb-project=
+    save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
+    exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project=
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -354,11 +356,8 @@ REFUSED: dict[str, str] = {
     "disable-bf16-reduced-precision-matmul": f"turns off reduced-precision bf16 matmul accumulation; {NOT_YET}",
     "exit-signal-handler": "saves and stops on SIGTERM; here SIGINT/SIGTERM stop the run within --stop-timeout, and "
                            "it resumes from the last --save-interval save: drop it",
-    "exit-on-missing-checkpoint": f"stops when --load holds no checkpoint; {NOT_YET}: an empty or missing --load "
-                                  "folder starts from --hf-checkpoint (check the path)",
     "pretrained-checkpoint=": "a checkpoint to finetune from; here the starting weights are --hf-checkpoint "
                               "(--load resumes a run)",
-    "ckpt-step=": f"loads one iteration of --load; {NOT_YET}: --load resumes the newest checkpoint",
     "use-checkpoint-args": f"takes the model's flags from the checkpoint; {_FROM_FLAGS}",
     "use-mp-args-from-checkpoint-args": f"takes the parallelism flags from the checkpoint; {_FROM_FLAGS}",
     "load-main-params-from-ckpt": f"loads fp32 main parameters from the checkpoint; {NOT_YET}",

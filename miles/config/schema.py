@@ -268,6 +268,8 @@ class CheckpointConfig:
     load_optimizer: bool = True         # --no-load-optim: a resume starts a fresh optimizer
     load_rng: bool = True               # --no-load-rng: a resume keeps this run's RNG states
     finetune: bool = False              # --finetune: --load's weights only, from rollout 0 and the data's start
+    ckpt_step: int | None = None        # --ckpt-step: --load's checkpoint of this rollout, not the newest
+    exit_on_missing: bool = False       # --exit-on-missing-checkpoint: an empty or missing --load stops the run
 
     def load_parts(self) -> dict[str, bool]:
         """What a resume reads of the trainer's (and critic's) folder besides the weights (`Trainer.load`)."""

@@ -145,6 +145,13 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
                         "place, pass that folder as --save too)")
     if cfg.eval.interval is not None and not cfg.eval.sets():
         problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH or --eval-config FILE")
+    for flag, given in (("--ckpt-step", c.ckpt_step is not None), ("--exit-on-missing-checkpoint", c.exit_on_missing),
+                        ("--finetune", c.finetune), ("--no-load-optim", not c.load_optimizer),
+                        ("--no-load-rng", not c.load_rng)):
+        if given and not c.load:
+            problems.append(f"{flag} has no effect without --load DIR (the checkpoints to resume from)")
+    if c.ckpt_step is not None and c.ckpt_step < 0:
+        problems.append(f"--ckpt-step {c.ckpt_step}: a rollout id, >= 0")
 
 
 def _same_path(a: str, b: str | None) -> bool:

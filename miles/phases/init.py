@@ -26,7 +26,8 @@ import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
-from miles.checkpoint.resume import check_load_folder, classify_load_folder, refuse_fresh_start, skipped_line
+from miles.checkpoint.resume import (check_load_folder, classify_load_folder, pick_step, refuse_fresh_start,
+                                     skipped_line)
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
@@ -331,7 +332,8 @@ async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
 async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
-    check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start)
+    check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start,
+                      step=cfg.checkpoint.ckpt_step, exit_on_missing=cfg.checkpoint.exit_on_missing)
     check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
@@ -388,11 +390,13 @@ async def _resume(ctx: TrainingContext) -> None:
     under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
     the load reads matching its sha256, checked where it is read. Each one passed over is traced and
     said (`checkpoint_skipped`: which, why, which is tried instead); with none left the run is refused
-    (miles.checkpoint.resume) unless the folder had nothing yet or --allow-fresh-start."""
-    root, allow = ctx.cfg.checkpoint.load, ctx.cfg.checkpoint.allow_fresh_start
+    (miles.checkpoint.resume) unless the folder had nothing yet or --allow-fresh-start. --ckpt-step N
+    takes rollout N's checkpoint only (no fallback, no fresh start)."""
+    step = ctx.cfg.checkpoint.ckpt_step
+    root, allow = ctx.cfg.checkpoint.load, ctx.cfg.checkpoint.allow_fresh_start and step is None
     if (megatron := megatron_checkpoint_info(root)) is not None:    # miles' saves / converter (megatron backend)
-        return await resume_from_megatron(ctx, megatron)
-    folder = classify_load_folder(root)
+        return await resume_from_megatron(ctx, megatron)     # --ckpt-step was checked against it at start-up
+    folder = pick_step(classify_load_folder(root), step)
     found: dict[Path, list[str]] = {}
     for i, c in enumerate(folder.candidates):
         problems = list(c.problems)

@@ -87,11 +87,13 @@ def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_finetune_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_cluster, tiny_task, tmp_path):
-    # a 2-rollout run with a 2-step warmup saves; --finetune starts over from its weights (rollout 0, step 0:
-    # the warmup again), --no-load-optim --no-load-rng continues at rollout 2 and step 2 with a fresh AdamW
+def test_finetune_ckpt_step_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_cluster, tiny_task,
+                                                                                      tmp_path):
+    # a 2-rollout run with a 2-step warmup saves after each rollout; --finetune starts over from the newest's
+    # weights (rollout 0, step 0: the warmup again); --ckpt-step 0 --no-load-optim --no-load-rng continues
+    # after the first checkpoint (rollout 1, step 1) with a fresh AdamW
     flags = dict(num_rollout=2, lr_warmup_iters=2)
-    first = run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", save_interval=2, **flags))
+    first = run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", save_interval=1, **flags))
     saved = CheckpointStore(tmp_path / "ck").latest()[1] / "trainer" / "model.safetensors"
     lrs = [r["lr"] for r in first.metrics if r.get("kind") == "train"]
     assert lrs[0] < lrs[1]                                      # warming up
@@ -106,10 +108,12 @@ def test_finetune_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_
     # the engines' first weights are the checkpoint's (the trainer's after the load), not --hf-checkpoint's
     assert trace.of("weights_synced")[0].get("checksum") == state_dict_checksum(load_file(str(saved)))
     fresh = run(base_flags(tiny_task, tmp_path / "fresh", load=tmp_path / "ck", **{**flags, "num_rollout": 3})
-                + ["--no-load-optim", "--no-load-rng"])
+                + ["--ckpt-step", "0", "--no-load-optim", "--no-load-rng"])
     resumed = read_trace(fresh.run_dir).of("resumed")[0]
-    assert resumed.get("next_rollout") == 2 and resumed.get("fresh") == ["optimizer", "rng"]
-    assert [r["step"] for r in fresh.metrics if r.get("kind") == "train"] == [2]
+    assert (resumed.rollout_id, resumed.get("next_rollout")) == (0, 1)
+    assert resumed.get("fresh") == ["optimizer", "rng"]
+    rows = [r for r in fresh.metrics if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["lr"] == pytest.approx(lrs[1])     # step count kept
     assert load_file(str(saved)).keys()        # the checkpoint both read is still whole
     assert miles_actors() == []
 

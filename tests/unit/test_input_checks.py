@@ -179,3 +179,28 @@ def test_eval_prompts_have_their_own_length_limit_and_context_cap(model, tmp_pat
                                           r"tokens or more.*drop them with --eval-max-prompt-len 10"):
         _eval_prompts(parse_flags(argv + ["--eval-max-prompt-len", "12", "--eval-max-context-len", "11"])[0], d, tok,
                       None)
+
+
+def test_ckpt_step_picks_one_checkpoint_and_exit_on_missing_checkpoint_refuses_an_empty_load(tmp_path):
+    from miles.checkpoint.resume import UnusableLoadFolder, check_load_folder
+    from miles.checkpoint.store import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "ck")
+    for rid in (1, 3):
+        part = store.begin(rid)
+        (part / "trainer").mkdir()
+        (part / "trainer" / "x").write_text("x")
+        store.commit(part, rid)
+    newest = check_load_folder(str(tmp_path / "ck"), allow_fresh_start=False)
+    assert [c.rollout_id for c in newest.candidates] == [3, 1]
+    picked = check_load_folder(str(tmp_path / "ck"), allow_fresh_start=False, step=1)
+    assert [c.rollout_id for c in picked.candidates] == [1]
+    with pytest.raises(UnusableLoadFolder, match=r"--ckpt-step 2: --load .* has no checkpoint of rollout 2 \(its "
+                                                 r"checkpoints' rollouts: 1, 3\)"):
+        check_load_folder(str(tmp_path / "ck"), allow_fresh_start=True, step=2)    # no fresh start for a step asked
+    (tmp_path / "empty").mkdir()
+    assert check_load_folder(str(tmp_path / "empty"), allow_fresh_start=False).starts_fresh
+    with pytest.raises(UnusableLoadFolder, match="--exit-on-missing-checkpoint stops the run"):
+        check_load_folder(str(tmp_path / "empty"), allow_fresh_start=False, exit_on_missing=True)
+    with pytest.raises(ConfigError, match="--ckpt-step has no effect without --load DIR"):
+        parse_flags(base(tmp_path) + ["--ckpt-step", "1"])
