@@ -190,14 +190,18 @@ async def two_turns(ctx, sample, params):
 '''
 
 
-def test_real_trajectories_line_up_with_the_trainers_recomputation(tool_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine_name", ["embedded", "fast"])
+def test_real_trajectories_line_up_with_the_trainers_recomputation(tool_model, tmp_path, monkeypatch, engine_name):
+    # FastEngine too (what CUDA runs get, whose turns each carry their own cap)
     from miles.rollout.engines.embedded.engine import EmbeddedEngine
+    from miles.rollout.engines.fast.engine import FastEngine
     from miles.training.batch import make_train_batch
     from miles.training.trainer import Trainer
 
     (tmp_path / "gen.py").write_text(GEN)
     monkeypatch.chdir(tmp_path)
-    engine = EmbeddedEngine(tool_model, device="cpu", dtype="float32", seed=0)
+    engine = (EmbeddedEngine if engine_name == "embedded" else FastEngine)(tool_model, device="cpu", dtype="float32",
+                                                                          seed=0)
     prompts = [Prompt(index=i, text=t, prompt_ids=tuple(ids(t)), label="0") for i, t in
                enumerate(["37*48=", "12*3=", "99*99="])]
     rollout = RolloutConfig(batch_size=3, n_samples_per_prompt=2, max_response_len=24, temperature=1.0,
