@@ -91,8 +91,10 @@ def tiny_config(family: str, *, tied: bool = True, **overrides):
     raise ValueError(f"unknown tiny family {family!r}: use qwen2, qwen3 or llama3")
 
 
-def make_tiny_family(path: str | Path, family: str, *, tied: bool = True, seed: int = 0, scale: float = 0.3) -> str:
-    """Write a random tiny model of `family` (fp32) and the char-level tokenizer to `path`.
+def make_tiny_family(path: str | Path, family: str, *, tied: bool = True, seed: int = 0, scale: float = 0.3,
+                     **overrides) -> str:
+    """Write a random tiny model of `family` (fp32) and the char-level tokenizer to `path` (`overrides`:
+    config fields, e.g. num_hidden_layers).
 
     Matrices are drawn N(0, scale) (peaked next-token distributions, as `make_tiny_model`); the
     norms' weights N(1, 0.1), so that a norm a forward forgot to apply changes the result."""
@@ -103,7 +105,7 @@ def make_tiny_family(path: str | Path, family: str, *, tied: bool = True, seed: 
     path.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(family, tied=tied))
+        model = AutoModelForCausalLM.from_config(tiny_config(family, tied=tied, **overrides))
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() > 1:

@@ -46,6 +46,7 @@ IMPLEMENTED = parse("""
     lr-wsd-decay-style= lr-wsd-decay-iters= weight-decay= clip-grad= adam-beta1= adam-beta2= adam-eps= seed=
     micro-batch-size= global-batch-size= recompute-activations
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
+    decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
     exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project=
 """)
@@ -66,7 +67,7 @@ SCRIPTS = parse("""
 """)
 # in miles.config.miles_flags.MEGATRON_REFUSED (one line each)
 SCRIPTS_REFUSED = parse("""
-    decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers= fp16
+    fp16
     optimizer-cpu-offload overlap-cpu-optimizer-d2h-h2d use-precision-aware-optimizer async-save
 """)
 
@@ -312,7 +313,8 @@ FAMILIES: dict[str, Group] = {
         num-distributed-optimizer-instances=
     """)),
     "virtual or uneven pipeline": Group(
-        f"virtual or uneven pipeline stages; {NOT_YET}: --pipeline-model-parallel-size splits the layers evenly",
+        f"virtual pipeline stages or a layout by layer; {NOT_YET}: --pipeline-model-parallel-size splits the layers "
+        "evenly, or --decoder-first/last-pipeline-num-layers give the first and last stages their own",
         parse("""
         pipeline-model-parallel-layout= num-layers-per-virtual-pipeline-stage= num-virtual-stages-per-pipeline-rank=
         microbatch-group-size-per-virtual-pipeline-stage= account-for-embedding-in-pipeline-split

@@ -31,8 +31,6 @@ _EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async ove
 _FT = f"{NOT_YET}: dead or hung engines are restarted by default (--engine-max-restarts, --rollout-health-check-*)"
 _AGENTIC = f"{NOT_YET}: multi-turn tool use is --generate-execute-tool-function-path (docs/agents.md)"
 _FSDP_RANKS = f"{NOT_YET}: the torch backend's ranks form one FSDP2 group, each a contiguous share of every batch's rows"
-_MEGATRON_ONLY = (f"{NOT_YET}: --train-backend megatron has TP, PP and sequence parallelism (docs/megatron.md), no "
-                  "experts or uneven pipeline stages")
 _WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store (CUDA IPC buckets with --colocate)"
 
 # flag (without dashes) -> "what it does in miles; what to use here"
@@ -207,9 +205,8 @@ REFUSED: dict[str, str] = {
 # --finetune, --recompute-activations, and for --train-backend megatron
 # --tensor/--pipeline/--context-parallel-size, --sequence-parallel) are in FLAGS; the others are here.
 MEGATRON_REFUSED: dict[str, str] = {
-    # --tensor/--pipeline/--context-parallel-size and --sequence-parallel are FLAGS (--train-backend megatron)
-    **{name: f"Megatron parallelism; {_MEGATRON_ONLY}" for name in (
-        "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers")},
+    # --tensor/--pipeline/--context-parallel-size, --sequence-parallel and --decoder-first/last-pipeline-num-layers
+    # are FLAGS (--train-backend megatron)
     "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
     "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host memory "
                              "between steps",

@@ -232,6 +232,8 @@ class TrainConfig:
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
     pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size
+    first_pipeline_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: an even split)
+    last_pipeline_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers
     context_parallel_size: int = 1         # --context-parallel-size
     sequence_parallel: bool = False        # --sequence-parallel
     num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)

@@ -126,7 +126,9 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
         ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
         ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
         ("--context-parallel-size", t.context_parallel_size, 1),
-        ("--sequence-parallel", t.sequence_parallel, False)) if v != default]
+        ("--sequence-parallel", t.sequence_parallel, False),
+        ("--decoder-first-pipeline-num-layers", t.first_pipeline_stage_layers, None),
+        ("--decoder-last-pipeline-num-layers", t.last_pipeline_stage_layers, None)) if v != default]
     if parallel and not spec.model_parallel:
         problems.append(f"{', '.join(parallel)}: --train-backend {t.backend} does not split models; drop them or use "
                         f"--train-backend {' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.model_parallel)}")

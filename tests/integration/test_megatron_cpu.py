@@ -274,6 +274,20 @@ def test_recompute_activations_recomputes_every_layer_and_trains_the_same(models
         assert plain[0]["recomputed"] == 0
 
 
+def test_uneven_pipeline_stages_train_like_the_torch_trainer(tmp_path):
+    # --decoder-first-pipeline-num-layers 1 on a 3-layer model: stage 0 holds layer 0, stage 1 layers 1-2
+    from tests.tiny_model import make_tiny_family
+
+    model = make_tiny_family(tmp_path / "m3", "qwen3", seed=1, scale=0.2, num_hidden_layers=3)
+    train, algorithm, rollout = configs(**ALGORITHMS["kl_entropy_tis"])
+    cfg = (replace(train, pipeline_model_parallel_size=2, first_pipeline_stage_layers=1), algorithm, rollout)
+    want, want_w = torch_trainer_run(model, cfg, [0, 1])
+    results = run_ranks(2, model, cfg, tmp_path / "run", rollouts=[0, 1])
+    held = [sorted({int(n.split(".")[2]) for n in r["stage"] if n.startswith("decoder.layers.")}) for r in results]
+    assert held == [[0], [1, 2]]                                # global layer indices of each stage
+    assert_same_training(results[0]["metrics"], want, hf_weights(results, model), want_w)
+
+
 @pytest.mark.parametrize("tp,cp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)], ids=["tp2", "cp2"])
 def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path, tp, cp):
     from miles.checkpoint.store import CheckpointStore

@@ -96,11 +96,12 @@ def test_context_parallel_is_accepted_and_counts_in_the_ranks(task, megatron_ins
 def test_parallel_flags_on_the_torch_backend(task):
     _, model, data = task
     argv = ["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2", "--num-rollout", "1", "--n-samples-per-prompt", "8",
-            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--decoder-first-pipeline-num-layers", "1"]
     with pytest.raises(ConfigError) as err:
         parse_flags(argv)
-    assert err.value.problems == ["--tensor-model-parallel-size 2, --sequence-parallel: --train-backend torch "
-                                  "does not split models; drop them or use --train-backend megatron"]
+    assert err.value.problems == ["--tensor-model-parallel-size 2, --sequence-parallel, --decoder-first-pipeline-num-"
+                                  "layers 1: --train-backend torch does not split models; drop them or use "
+                                  "--train-backend megatron"]
 
 
 def test_ppo_needs_a_critic_the_megatron_backend_lacks(task, megatron_installed):

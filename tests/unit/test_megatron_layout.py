@@ -45,6 +45,28 @@ def test_stages_split_layers_evenly_and_dp_rows_cover_the_batch():
     assert rows == [range(0, 3), range(3, 6), range(6, 8)]     # sizes differ by at most one, in order
 
 
+@pytest.mark.parametrize("pp,first,last", [(2, 1, None), (2, None, 3), (3, 1, 1), (4, 2, None), (3, None, None)])
+def test_uneven_stages_match_megatron_cores_layer_counts(pp, first, last):
+    layout = ParallelLayout(pp, pp=pp, first_stage_layers=first, last_stage_layers=last)
+    num_layers = 6 if (first, last) == (None, None) else 5 if pp < 4 else 8    # splits that come out whole
+    stages = [layout.stage_layers(s, num_layers) for s in range(pp)]
+    assert stages[0].start == 0 and all(a.stop == b.start for a, b in zip(stages, stages[1:]))
+    assert (first is None or len(stages[0]) == first) and (last is None or len(stages[-1]) == last)
+    if importlib.util.find_spec("megatron") is None:
+        return
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    assert stages[-1].stop == num_layers
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
+                               pipeline_model_parallel_size=pp, num_layers_in_first_pipeline_stage=first,
+                               num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+    for s, layers in enumerate(stages):
+        assert (get_num_layers_to_build(config, pp_rank=s), get_transformer_layer_offset(config, pp_rank=s)) \
+            == (len(layers), layers.start), s
+
+
 def test_sequence_padding_multiple():
     assert ParallelLayout(4, tp=4).seq_multiple == 1
     assert ParallelLayout(4, tp=4, sequence_parallel=True).seq_multiple == 4
@@ -69,6 +91,10 @@ def test_layout_problems_name_the_flags():
     assert "--sequence-parallel needs" in layout_problems(2, 1, 1, 1, True)[0]
     assert "does not divide the model's 5 layers" in layout_problems(2, 1, 2, 1, False, 5)[0]
     assert layout_problems(2, 0, 1, 1, False) == ["--tensor-model-parallel-size 0: must be >= 1"]
+    assert layout_problems(2, 1, 2, 1, False, 5, first=1) == []            # 1 + 4
+    assert layout_problems(3, 1, 3, 1, False, 5, first=1, last=2) == []    # 1 + 2 + 2
+    assert "must share the other 3 evenly" in layout_problems(3, 1, 3, 1, False, 5, first=2)[0]
+    assert "need --pipeline-model-parallel-size > 1" in layout_problems(1, 1, 1, 1, False, 4, first=1)[0]
 
 
 def test_batch_problems():

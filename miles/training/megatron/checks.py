@@ -34,7 +34,9 @@ def installed(module: str) -> bool:
 def requested_layout(train: TrainConfig, world_size: int | None = None) -> ParallelLayout:
     """The layout of `world_size` trainer ranks; without it, one model replica (data parallel 1)."""
     tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
-    return ParallelLayout(world_size or tp * pp * cp, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel)
+    return ParallelLayout(world_size or tp * pp * cp, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel,
+                          first_stage_layers=train.first_pipeline_stage_layers,
+                          last_stage_layers=train.last_pipeline_stage_layers)
 
 
 def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: ParallelLayout,
@@ -43,7 +45,7 @@ def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: Parall
     if not installed("megatron.core"):
         return [f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
     problems = layout_problems(layout.world_size, layout.tp, layout.pp, layout.cp, layout.sequence_parallel,
-                               hf_config.get("num_hidden_layers"))
+                               hf_config.get("num_hidden_layers"), layout.first_stage_layers, layout.last_stage_layers)
     if layout.sequence_parallel and not (installed("transformer_engine") or installed("apex")):
         problems.append("--sequence-parallel needs Transformer Engine's or Apex's norms (megatron's torch norms do "
                         "not split the sequence); install one or drop --sequence-parallel")

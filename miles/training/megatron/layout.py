@@ -36,6 +36,8 @@ class ParallelLayout:
     pp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None   # --decoder-first-pipeline-num-layers (None: an even share)
+    last_stage_layers: int | None = None    # --decoder-last-pipeline-num-layers
 
     @property
     def dp(self) -> int:
@@ -53,9 +55,27 @@ class ParallelLayout:
         return c.tp + self.tp * (c.cp + self.cp * (c.dp + self.dp * c.pp))
 
     def stage_layers(self, pp_rank: int, num_layers: int) -> range:
-        """The (global) layer indices pipeline stage `pp_rank` holds: an even split."""
-        per_stage = num_layers // self.pp
-        return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+        """The (global) layer indices pipeline stage `pp_rank` holds: the first and last stage's counts
+        when given (megatron-core's num_layers_in_first/last_pipeline_stage), the others an even split of
+        the rest."""
+        counts = self.stage_counts(num_layers)
+        start = sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
+
+    def stage_counts(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage (`layout_problems` says when they do not come out whole)."""
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if self.pp == 1:
+            return [num_layers]
+        middle = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        each = rest // middle if middle else 0
+        counts = [each] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     def dp_rows(self, dp_rank: int, rows: int) -> range:
         """Data-parallel rank `dp_rank`'s rows of a batch of `rows`: contiguous, sizes differing by at most one."""
@@ -82,7 +102,7 @@ class ParallelLayout:
 
 
 def layout_problems(world_size: int, tp: int, pp: int, cp: int, sequence_parallel: bool,
-                    num_layers: int | None = None) -> list[str]:
+                    num_layers: int | None = None, first: int | None = None, last: int | None = None) -> list[str]:
     """Why these sizes do not make a layout (empty: they do)."""
     sizes = (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
              ("--context-parallel-size", cp))
@@ -96,8 +116,25 @@ def layout_problems(world_size: int, tp: int, pp: int, cp: int, sequence_paralle
     if sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
                         "over the TP ranks); drop it or raise TP")
-    if num_layers is not None and num_layers % pp:
-        problems.append(f"--pipeline-model-parallel-size {pp} does not divide the model's {num_layers} layers")
+    if (first is not None or last is not None) and pp == 1:
+        problems.append("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        return problems
+    if any(n is not None and n < 1 for n in (first, last)):
+        problems.append(f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers {last}: "
+                        "a stage holds at least one layer")
+        return problems
+    if num_layers is not None:
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if first is None and last is None and num_layers % pp:
+            problems.append(f"--pipeline-model-parallel-size {pp} does not divide the model's {num_layers} layers "
+                            "(--decoder-first/last-pipeline-num-layers give the first and last stages their own)")
+        elif first is not None or last is not None:
+            if rest < middle or (middle and rest % middle) or (not middle and rest):
+                problems.append(f"the model's {num_layers} layers do not split into {pp} stages with "
+                                f"--decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers "
+                                f"{last}: the other {middle} stage(s) must share the other {rest} evenly, one or "
+                                "more each")
     return problems
 
 

@@ -47,6 +47,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
         pipeline_dtype=dtype, calculate_per_token_loss=True,
