@@ -272,12 +272,6 @@ class CheckpointConfig:
     finetune: bool = False              # --finetune: --load's weights only, from rollout 0 and the data's start
     ckpt_step: int | None = None        # --ckpt-step: --load's checkpoint of this rollout, not the newest
     exit_on_missing: bool = False       # --exit-on-missing-checkpoint: an empty or missing --load stops the run
-
-    def load_parts(self) -> dict[str, bool]:
-        """What a resume reads of the trainer's (and critic's) folder besides the weights (`Trainer.load`)."""
-        if self.finetune:
-            return {"optimizer": False, "rng": False, "step": False}
-        return {"optimizer": self.load_optimizer, "rng": self.load_rng, "step": True}
     keep_last: int | None = None        # --keep-last-checkpoints: prune all but the newest N checkpoints
     retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
     allow_fresh_start: bool = False     # --allow-fresh-start: train from --hf-checkpoint when --load has nothing loadable
@@ -287,6 +281,12 @@ class CheckpointConfig:
     def saves(self) -> bool:
         """Whether the run writes anything at a save: checkpoints, the critic's, or an HF export."""
         return bool(self.save or self.critic_save or self.save_hf_path)
+
+    def load_parts(self) -> dict[str, bool]:
+        """What a resume reads of the trainer's (and critic's) folder besides the weights (`Trainer.load`)."""
+        if self.finetune:
+            return {"optimizer": False, "rng": False, "step": False}
+        return {"optimizer": self.load_optimizer, "rng": self.load_rng, "step": True}
 
 
 @dataclass(frozen=True, kw_only=True)
