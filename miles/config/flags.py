@@ -705,39 +705,22 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     if problems:
         raise ConfigError(problems)
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items() if s != "run"}
-    cfg = _schedule_defaults(RunConfig(**built, **sections["run"]), set(values), problems)
-    try:
-        validate(cfg)
-    except ConfigError as exc:
-        raise ConfigError(problems + exc.problems) from None
-    if problems:
-        raise ConfigError(problems)
+    cfg = _schedule_defaults(RunConfig(**built, **sections["run"]))
+    validate(cfg)
     return cfg
 
 
-def _schedule_defaults(cfg: RunConfig, given: set[str], problems: list[str]) -> RunConfig:
-    """Megatron-LM's derived schedule lengths: --lr-decay-iters, when a schedule needs it and it is not
-    given, is the run's optimizer steps (--train-iters there; here --num-rollout x the steps of a
-    rollout); --lr-warmup-fraction F sets --lr-warmup-iters to int(F x --lr-decay-iters)."""
+def _schedule_defaults(cfg: RunConfig) -> RunConfig:
+    """Megatron-LM's default --lr-decay-iters: when a schedule needs it (a decay style, or
+    --lr-warmup-fraction, a share of it) and it is not given, the run's optimizer steps (--train-iters
+    there; here --num-rollout x the steps of a rollout)."""
     t = cfg.train
-    decay = t.lr_decay_iters
-    if decay is None and cfg.num_rollout and (t.lr_decay_style in ("linear", "cosine", "WSD")
-                                             or t.lr_warmup_fraction is not None):
-        samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-        decay = cfg.num_rollout * -(-samples // max(t.global_batch(samples), 1))
-    warmup = t.lr_warmup_iters
-    fraction = t.lr_warmup_fraction
-    if fraction is not None:
-        if "lr_warmup_iters" in given:
-            problems.append(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {t.lr_warmup_iters}: give one of them")
-        elif not 0.0 <= fraction <= 1.0:
-            problems.append(f"--lr-warmup-fraction {fraction}: must be in [0, 1] (a share of --lr-decay-iters)")
-        elif decay is None:
-            problems.append(f"--lr-warmup-fraction {fraction} needs --lr-decay-iters N, or --num-rollout (which sets "
-                            "it to the run's optimizer steps)")
-        else:
-            warmup = int(fraction * decay)
-    return replace(cfg, train=replace(t, lr_decay_iters=decay, lr_warmup_iters=warmup))
+    if t.lr_decay_iters is not None or not cfg.num_rollout or (t.lr_decay_style not in ("linear", "cosine", "WSD")
+                                                                 and t.lr_warmup_fraction is None):
+        return cfg
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    decay = cfg.num_rollout * -(-samples // max(t.global_batch(samples), 1))
+    return replace(cfg, train=replace(t, lr_decay_iters=decay))
 
 
 def _json_object(name: str, value: Any, problems: list[str]) -> dict[str, Any] | None:

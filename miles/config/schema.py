@@ -215,7 +215,7 @@ class TrainConfig:
     critic_lr: float | None = None      # --critic-lr: the critic's learning rate (None: --lr)
     lr_decay_style: str = "constant"    # --lr-decay-style constant | linear | cosine | inverse-square-root | WSD
     lr_warmup_iters: int = 0            # --lr-warmup-iters: optimizer steps of linear warmup
-    lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: warmup as a share of --lr-decay-iters (sets the iters)
+    lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: warmup as a share of --lr-decay-iters (warmup_steps)
     lr_warmup_init: float = 0.0         # --lr-warmup-init: the rate warmup starts from
     lr_wsd_decay_iters: int | None = None  # --lr-wsd-decay-iters: WSD's decay phase, the last steps before --lr-decay-iters
     lr_wsd_decay_style: str = "exponential"  # --lr-wsd-decay-style exponential | linear | cosine | minus_sqrt
@@ -238,6 +238,14 @@ class TrainConfig:
     sequence_parallel: bool = False        # --sequence-parallel
     num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warmup's optimizer steps: --lr-warmup-iters, or with --lr-warmup-fraction F (Megatron-LM's)
+        int(F x --lr-decay-iters)."""
+        if self.lr_warmup_fraction is None or self.lr_decay_iters is None:
+            return self.lr_warmup_iters
+        return int(self.lr_warmup_fraction * self.lr_decay_iters)
 
     def global_batch(self, rollout_samples: int) -> int:
         """Samples per optimizer step for a rollout of `rollout_samples` samples."""

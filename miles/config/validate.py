@@ -288,13 +288,22 @@ def _sampling(cfg: RunConfig, problems: list[str]) -> None:
 @check
 def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
     t = cfg.train
-    if t.lr_warmup_iters < 0 or not 0 <= t.min_lr <= t.lr:
-        problems.append(f"--lr-warmup-iters {t.lr_warmup_iters} / --min-lr {t.min_lr}: need warmup >= 0 and "
+    fraction = t.lr_warmup_fraction
+    if fraction is not None:
+        if t.lr_warmup_iters:
+            problems.append(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {t.lr_warmup_iters}: give one of them")
+        elif not 0.0 <= fraction <= 1.0:
+            problems.append(f"--lr-warmup-fraction {fraction}: must be in [0, 1] (a share of --lr-decay-iters)")
+        elif t.lr_decay_iters is None:
+            problems.append(f"--lr-warmup-fraction {fraction} needs --lr-decay-iters N, or --num-rollout (which sets "
+                            "it to the run's optimizer steps)")
+    warmup = t.warmup_steps
+    if warmup < 0 or not 0 <= t.min_lr <= t.lr:
+        problems.append(f"--lr-warmup-iters {warmup} / --min-lr {t.min_lr}: need warmup >= 0 and "
                         f"0 <= min-lr <= --lr {t.lr}")
-    if t.lr_decay_style in ("linear", "cosine", "WSD") and (t.lr_decay_iters is None
-                                                            or t.lr_decay_iters <= t.lr_warmup_iters):
+    if t.lr_decay_style in ("linear", "cosine", "WSD") and (t.lr_decay_iters is None or t.lr_decay_iters <= warmup):
         problems.append(f"--lr-decay-style {t.lr_decay_style} needs --lr-decay-iters N (optimizer steps) greater "
-                        f"than --lr-warmup-iters {t.lr_warmup_iters}; got {t.lr_decay_iters}")
+                        f"than --lr-warmup-iters {warmup}; got {t.lr_decay_iters}")
     if t.lr_decay_style == "WSD" and (t.lr_wsd_decay_iters is None or t.lr_wsd_decay_iters <= 0
                                       or t.lr_decay_iters is not None and t.lr_wsd_decay_iters > t.lr_decay_iters):
         problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-iters N: the decay phase's optimizer steps, "

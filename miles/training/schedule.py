@@ -71,8 +71,8 @@ def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
     if cfg.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
         raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}, "
                          f"got {cfg.lr_wsd_decay_style!r}")
-    schedule = partial(lr_at, lr=cfg.lr, min_lr=cfg.min_lr, warmup_iters=cfg.lr_warmup_iters,
+    schedule = partial(lr_at, lr=cfg.lr, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_steps,
                        decay_iters=cfg.lr_decay_iters, style=cfg.lr_decay_style, warmup_init=cfg.lr_warmup_init,
                        wsd_decay_iters=cfg.lr_wsd_decay_iters, wsd_style=cfg.lr_wsd_decay_style)
-    schedule(max(cfg.lr_warmup_iters, 0))   # a bad decay setting fails now, not at the warmup's end
+    schedule(max(cfg.warmup_steps, 0))      # a bad decay setting fails now, not at the warmup's end
     return schedule

@@ -203,15 +203,20 @@ def test_decay_iters_default_to_the_runs_steps_and_a_warmup_fraction_sets_the_wa
                                "--lr", "1e-5", "--min-lr", "1e-6", "--lr-decay-style", "cosine"]
     run = common + ["--global-batch-size", "4"]
     cfg, _ = parse_flags(run + ["--lr-warmup-fraction", "0.1"])
-    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (20, 2)      # 10 rollouts x 8 / 4 samples a step
+    assert (cfg.train.lr_decay_iters, cfg.train.warmup_steps) == (20, 2)      # 10 rollouts x 8 / 4 samples a step
     cfg, _ = parse_flags(common + ["--num-steps-per-rollout", "4", "--lr-warmup-fraction", "0.25"])
-    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (40, 10)
+    assert (cfg.train.lr_decay_iters, cfg.train.warmup_steps) == (40, 10)
     cfg, _ = parse_flags(common + ["--lr-warmup-fraction", "0.15"])                # one step a rollout
-    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (10, 1)
+    assert (cfg.train.lr_decay_iters, cfg.train.warmup_steps) == (10, 1)
     cfg, _ = parse_flags(run + ["--lr-decay-iters", "50", "--lr-warmup-fraction", "0.1"])
-    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (50, 5)
+    assert (cfg.train.lr_decay_iters, cfg.train.warmup_steps) == (50, 5)
     cfg, _ = parse_flags(base(tmp_path))                                          # constant: nothing derived
-    assert (cfg.train.lr_decay_iters, cfg.train.lr_warmup_iters) == (None, 0)
+    assert (cfg.train.lr_decay_iters, cfg.train.warmup_steps) == (None, 0)
+    # a config built in code (an embedding program) gets the same warmup: the schedule reads warmup_steps
+    from miles.config import TrainConfig
+    from miles.training.schedule import lr_schedule
+    lr = lr_schedule(TrainConfig(lr=1.0, lr_warmup_fraction=0.5, lr_decay_iters=4, lr_decay_style="linear"))
+    assert [lr(s) for s in range(4)] == pytest.approx([0.5, 1.0, 1.0, 0.5])
     for extra, problem in (
             (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"],
              "--lr-warmup-fraction 0.1 and --lr-warmup-iters 3: give one of them"),
