@@ -258,6 +258,14 @@ FLAGS: tuple[Flag, ...] = (
             "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Off by "
             "default until measured on the GPU; FSDP ranks (several trainer GPUs) gather bf16 weights once a step "
             "already and ignore it"),
+    _f("optimizer-cpu-offload", "train", "optimizer_cpu_offload", kind="true",
+       help="keep the optimizer state (AdamW's two float32 moments, 8 bytes a parameter) in pinned host memory "
+            "for the whole run: each step streams it through the trainer's device 1 GiB of parameters at a time, "
+            "the copies beside the updates, so the GPU never holds it whole (Megatron-LM's flag; here the update "
+            "runs on the GPU, not on the CPU; the same numbers as without it). --offload-train does the same from "
+            "the first rollout on and also frees the gradients while the engine rolls out"),
+    _f("offload-optimizer-states", "train", "optimizer_cpu_offload", kind="true",
+       help="miles' FSDP backend's name of --optimizer-cpu-offload: the same"),
     # train: the megatron backend's parallelism (--train-backend megatron)
     _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
        "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),

@@ -48,7 +48,7 @@ IMPLEMENTED = parse("""
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
-    exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project=
+    exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -67,8 +67,7 @@ SCRIPTS = parse("""
 """)
 # in miles.config.miles_flags.MEGATRON_REFUSED (one line each)
 SCRIPTS_REFUSED = parse("""
-    fp16
-    optimizer-cpu-offload overlap-cpu-optimizer-d2h-h2d use-precision-aware-optimizer async-save
+    fp16 async-save
 """)
 
 
@@ -142,6 +141,11 @@ ACCEPTED: dict[str, Group] = {
     "fp16 loss scaling": Group(
         "fp16 loss scaling; here training is bf16 or fp32 (--fp16 is refused), which needs none" + _NO_EFFECT,
         parse("loss-scale= initial-loss-scale= min-loss-scale= loss-scale-window= hysteresis=")),
+    "optimizer offload details": Group(
+        "how Megatron-LM's optimizer offload moves its copies, or its precision-aware optimizer keeps the state; "
+        "here --optimizer-cpu-offload overlaps its copies with the updates already, and the state is float32 (the "
+        "precision-aware optimizer's default dtypes: the same numbers)" + _NO_EFFECT,
+        parse("overlap-cpu-optimizer-d2h-h2d use-precision-aware-optimizer")),
     "scheduler on resume": Group(
         "takes the learning-rate schedule from the flags, not the checkpoint; here it always does (a resume "
         "continues it from the step count)" + _NO_EFFECT,
@@ -321,8 +325,8 @@ FAMILIES: dict[str, Group] = {
         account-for-loss-in-pipeline-split
     """)),
     "optimizer state": Group(
-        f"optimizer offload and low-precision optimizer state; {NOT_YET}: the state is fp32, --offload-train moves "
-        "it to host memory between steps", parse("""
+        f"partial optimizer offload and low-precision optimizer state; {NOT_YET}: the state is fp32, and "
+        "--optimizer-cpu-offload keeps all of it in host memory", parse("""
         optimizer-offload-fraction= use-torch-optimizer-for-cpu-offload main-grads-dtype= main-params-dtype=
         exp-avg-dtype= exp-avg-sq-dtype=
     """)),

@@ -182,10 +182,8 @@ REFUSED: dict[str, str] = {
     # -- the FSDP backend's and the launch scripts' run flags ----------------------------------------
     "attn-implementation": "the FSDP backend's HF attention kernel (flash_attention_2/3); here the model's own "
                            "(SDPA): drop it",
-    "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET}: --offload-train moves the "
-                        "optimizer state to host memory between steps",
-    "offload-optimizer-states": f"the optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host "
-                                "memory between steps",
+    "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET} for the parameters: "
+                        "--optimizer-cpu-offload keeps the optimizer state in host memory",
     "train-env-vars": "environment variables of the train actors (JSON); here actors inherit the driver's "
                       "environment: export them before miles train",
     "disable-compute-advantages-and-returns": "skips advantages for SFT; here --loss-type sft_loss needs none: "
@@ -202,16 +200,12 @@ REFUSED: dict[str, str] = {
 # implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
 # --adam-beta1, --adam-beta2, --adam-eps, --lr-warmup-fraction, --clip-grad, --seed, --micro-batch-size,
 # --global-batch-size, --load, --save, --save-interval, --ref-load, --no-save-optim, --no-load-optim, --no-load-rng,
-# --finetune, --recompute-activations, and for --train-backend megatron
+# --finetune, --recompute-activations, --optimizer-cpu-offload, and for --train-backend megatron
 # --tensor/--pipeline/--context-parallel-size, --sequence-parallel) are in FLAGS; the others are here.
 MEGATRON_REFUSED: dict[str, str] = {
     # --tensor/--pipeline/--context-parallel-size, --sequence-parallel and --decoder-first/last-pipeline-num-layers
     # are FLAGS (--train-backend megatron)
     "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
-    "optimizer-cpu-offload": f"optimizer state on the CPU; {NOT_YET}: --offload-train moves it to host memory "
-                             "between steps",
-    "overlap-cpu-optimizer-d2h-h2d": f"overlapped optimizer offload copies; {NOT_YET}",
-    "use-precision-aware-optimizer": f"Megatron's precision-aware optimizer; {NOT_YET}",
 }
 
 # families: any flag starting with the prefix

@@ -128,10 +128,11 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 # (validate with --device cuda, init again with the plan), before any actor takes memory: a plan that
 # cannot fit is refused then, naming the flags that make room, rather than running out of memory in
 # its first train call minutes later. The parts, per trainer GPU (P parameters, N trainer ranks):
-#   float32 weights 4P/N, gradients 4P/N, AdamW's moments 8P/N (none with --offload-train: the step
-#   streams them), autocast's half-precision weight copies 2P/N, the frozen KL reference 4P/N (float32,
-#   sharded like the policy on N ranks), PPO's critic 16P/N (weights, gradients, moments; on N ranks, one per
-#   trainer GPU, sharded like the policy), a colocated
+#   float32 weights 4P/N, gradients 4P/N, AdamW's moments 8P/N (none with --offload-train or
+#   --optimizer-cpu-offload: the step streams them), autocast's half-precision weight copies 2P/N, the
+#   frozen KL reference 4P/N (float32, sharded like the policy on N ranks), PPO's critic 16P/N (weights,
+#   gradients, moments: 8P/N with --optimizer-cpu-offload; on N ranks, one per trainer GPU, sharded like
+#   the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
 #   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
 #   one sample), and a CUDA context per process on the GPU.
@@ -150,7 +151,8 @@ def parameter_count(config) -> int:
 
 
 def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes: int, reference: bool,
-              critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int) -> dict[str, int]:
+              critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int,
+              critic_optimizer_on_gpu: bool = True) -> dict[str, int]:
     """Bytes a training step needs on each trainer GPU, by part (see the comment above)."""
     return {
         "weights": 4 * params // ranks,
@@ -158,7 +160,7 @@ def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes:
         "optimizer": 8 * params // ranks if optimizer_on_gpu else 0,
         "compute_copies": 2 * params // ranks if compute_bytes < 4 else 0,
         "reference": 4 * params // ranks if reference else 0,
-        "critic": 16 * params // ranks if critic else 0,
+        "critic": (16 if critic_optimizer_on_gpu else 8) * params // ranks if critic else 0,
         "engine_weights": engine_weight_bytes,
         "activations": math.ceil(activation_bytes / HEADROOM),
         "cuda_contexts": processes * CONTEXT_BYTES,
@@ -204,17 +206,23 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     longest = r.max_context_len or (prompt or 0) + r.max_response_len
     per_token = activation_bytes_per_token(hf_config, compute_bytes=compute_bytes, recompute=t.recompute_activations,
                                            logits=False)
-    streamed = c.offloads_train and not a.needs_critic
+    # --offload-train streams the policy's moments (not with PPO's critic, as in miles); --optimizer-cpu-offload
+    # every optimizer's, the critic's too
+    streamed = (c.offloads_train and not a.needs_critic) or t.optimizer_cpu_offload
     engine_keeps = c.colocate and r.engine == "fast"
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
                      reference=a.use_kl_loss or a.kl_coef > 0, critic=a.needs_critic,
+                     critic_optimizer_on_gpu=not t.optimizer_cpu_offload,
                      engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
                      processes=2 if c.colocate else 1)
     if sum(need.values()) <= total:
         return []
     gib = 2 ** 30
     room = [f for f, missing in (
-        ("--offload-train (AdamW's moments, 8 B/param, stay in host memory)", not streamed and not a.needs_critic),
+        ("--offload-train or --optimizer-cpu-offload (AdamW's moments, 8 B/param, stay in host memory)",
+         not streamed and not a.needs_critic),
+        ("--optimizer-cpu-offload (the policy's and the critic's AdamW moments, 8 B/param each, in host memory)",
+         a.needs_critic and not t.optimizer_cpu_offload),
         ("--recompute-activations", not t.recompute_activations),
         ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
         ("--rollout-engine sglang (it releases its weights while the trainer trains)", engine_keeps),

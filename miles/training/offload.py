@@ -52,7 +52,7 @@ class HostOffload:
     resource_name = "trainer_offload"
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, weights: bool = False,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, resident: bool = False):
         if weights and model is None:
             raise ValueError("offloading the weights needs the model")
         if weights and any(local(p) is not p for p in model.parameters()):
@@ -64,10 +64,18 @@ class HostOffload:
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
         self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
+        self._resident = resident       # the state lives on the host from the first step (--optimizer-cpu-offload)
         # every `optimizer.load_state_dict` (torch's, and DCP's `set_optimizer_state_dict` of the sharded
         # and whole-file loads under FSDP) puts the state on the parameters' device: rehosted right after
         self._load_hook = optimizer.register_load_state_dict_post_hook(self._rehost_loaded)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None   # (fetch, write-back): CUDA's step
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether the optimizer state belongs in the host buffers now: handed off (`offload`), or
+        resident there for the whole run (`resident`: --optimizer-cpu-offload). A load then fills the
+        buffers and never puts the whole state on the device."""
+        return self.offloaded or self._resident
 
     # --- the optimizer state ----------------------------------------------------------------------
     @staticmethod
@@ -92,7 +100,7 @@ class HostOffload:
         the rollout that follows has the GPU memory (`offload()` would return early: offloaded already).
         What the load held on the device goes back to CUDA once the loader drops it (DCP's loads keep
         it until they return): the next `offload()` empties the cache again."""
-        if not self.offloaded:
+        if not self.holds_state:
             return                # not handed off: the next streamed step moves the state to the host
         for param, state in optimizer.state.items():
             self._to_host(param, state)

@@ -59,7 +59,7 @@ class OptimizedModel:
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._num_steps = 0
-        self._host: HostOffload | None = None       # made at the first offload
+        self._host: HostOffload | None = None       # made at the first offload (at the start: --optimizer-cpu-offload)
         self._packed = False         # token-budget micro-batches run packed (the subclass decides: use_packing)
         self._computed = [0, 0]      # positions the forwards computed, real tokens among them (a train call)
         self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
@@ -69,6 +69,8 @@ class OptimizedModel:
         self._model = model
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        if t.optimizer_cpu_offload:     # the state is made chunk by chunk in the first streamed step, then lives on the host
+            self._host = HostOffload(self._optimizer, model, resident=True)
 
     @property
     def num_steps(self) -> int:
@@ -171,7 +173,7 @@ class OptimizedModel:
         not the state, a fresh optimizer; --finetune: neither). Offloaded (the run offloads before it
         resumes: miles.phases.init), the state goes to the host buffers, never whole on the device."""
         if optimizer and (path / OPTIMIZER_FILE).is_file():
-            if self._host is not None and self._host.offloaded:
+            if self._host is not None and self._host.holds_state:
                 self._host.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
             else:
                 self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,

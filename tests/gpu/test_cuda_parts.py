@@ -75,3 +75,34 @@ def test_compiled_layers_train_like_eager_ones(model_path, recompute):
     assert torch.nn.functional.cosine_similarity(*moved, dim=0) > 0.95
     compiled.dispose()
     eager.dispose()
+
+
+def test_optimizer_cpu_offload_trains_like_the_plain_trainer_with_its_state_in_pinned_host_memory(model_path):
+    """--optimizer-cpu-offload on CUDA: the moments live in pinned host memory from the first step (no
+    offload call), the GPU holds less than the plain trainer by about them, and the weights after
+    each rollout equal the plain trainer's bit for bit (the streamed update is AdamW's own)."""
+    engine = EmbeddedEngine(model_path)
+    prompts = [[5, 6, 14], [7], [9, 4, 4, 4], [11, 12]] * 8
+    samples = samples_from(prompts, engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)),
+                           [1.0, -1.0] * 16)
+    engine.dispose()
+    make = lambda **kw: Trainer(model_path, train=TrainConfig(lr=1e-3, micro_batch_size=8, compile_layers=False,  # noqa: E731
+                                                              **kw),
+                                algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"),
+                                rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=1))
+    held = {}
+    for name, kw in (("plain", {}), ("host", {"optimizer_cpu_offload": True})):
+        t = make(**kw)
+        for r in range(3):
+            t.train(samples, r)
+            held.setdefault(name, []).append(t.weights_checksum())
+        torch.cuda.synchronize()
+        moments = [v for s in t._optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert moments and all(v.is_cuda for v in moments) == (name == "plain")
+        if name == "host":
+            assert all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+        held[name + "_allocated"] = torch.cuda.memory_allocated()
+        moment_bytes = sum(v.numel() * v.element_size() for v in moments)
+        t.dispose()
+    assert held["host"] == held["plain"]
+    assert held["plain_allocated"] - held["host_allocated"] >= 0.99 * moment_bytes

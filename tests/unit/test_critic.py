@@ -100,3 +100,26 @@ def test_ppo_advantages_come_from_the_critic_values(model_path):
     assert m["num_steps"] == 1 and m["advantage_abs_mean"] > 0
     with pytest.raises(ValueError, match="critic's values"):
         t.train(SAMPLES, 1)                       # PPO without values: a clear error, not a silent zero baseline
+
+
+def test_optimizer_cpu_offload_trains_the_critic_as_without_it_with_its_state_on_the_host(model_path, tmp_path):
+    """--optimizer-cpu-offload reaches PPO's critic too (its TrainConfig is the policy's): the same values
+    after each step and after a resume, the moments in the host buffers throughout."""
+    plain, host = critic(model_path), critic(model_path, optimizer_cpu_offload=True)
+
+    def on_host(c):
+        buffers = {v.data_ptr() for v in c._host._host.values()}
+        moments = [v for s in c._optimizer.state.values() for k, v in s.items() if k != "step"]
+        return bool(moments) and all(v.data_ptr() in buffers for v in moments)
+
+    for r in range(2):
+        for c in (plain, host):
+            c.train(SAMPLES, c.values(SAMPLES), torch.ones(3, 5), rollout_id=r)
+        assert on_host(host) and torch.equal(host.values(SAMPLES), plain.values(SAMPLES))
+    host.save(tmp_path / "crit")
+    resumed = critic(model_path, optimizer_cpu_offload=True)
+    resumed.load(tmp_path / "crit")
+    assert on_host(resumed)
+    for c in (plain, resumed):
+        c.train(SAMPLES, c.values(SAMPLES), torch.ones(3, 5), rollout_id=2)
+    assert torch.equal(resumed.values(SAMPLES), plain.values(SAMPLES))

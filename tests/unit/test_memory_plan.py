@@ -153,7 +153,11 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
     # GPUs, 4.5 + 4 + 2 on 4 do
     ppo = gpu_run("--recompute-activations", "--advantage-estimator", "ppo")
     (critic,) = startup_problems(ppo, 1, gpu_bytes=H200)
-    assert "critic 122.1" in critic and "--offload-train" not in critic
+    assert "critic 122.1" in critic and "--offload-train" not in critic and "--optimizer-cpu-offload" in critic
+    # --optimizer-cpu-offload streams both optimizers' moments: 5 + 4 + 2 B/param fit on 2 GPUs
+    assert startup_problems(gpu_run("--recompute-activations", "--advantage-estimator", "ppo", "--optimizer-cpu-offload"),
+                            2, gpu_bytes=H200) == []
+    assert startup_problems(gpu_run("--recompute-activations", "--optimizer-cpu-offload"), 1, gpu_bytes=H200) == []
     assert "critic 61.0" in startup_problems(ppo, 2, gpu_bytes=H200)[0]
     assert startup_problems(ppo, 4, gpu_bytes=H200) == []
     # nothing to check: no GPUs known, a CPU run

@@ -86,6 +86,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         "--save-debug-train-data": "its ranks do not write their prepared batches yet",
         "--trainer-compile": "its layers are megatron-core's (Transformer Engine fuses them where installed)",
         "--trainer-weight-shadows": "its bf16 weights keep float32 main gradients already",
+        "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
     }
     used = [flag for flag, on in (
         ("--offload", c.offload), ("--offload-train", c.offload_train),
@@ -93,7 +94,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--use-dynamic-batch-size", t.use_dynamic_batch_size), ("--max-tokens-per-gpu", t.max_tokens_per_gpu is not None),
         ("--no-save-optim", not cfg.checkpoint.save_optimizer), ("--save-debug-train-data", bool(t.save_debug_train_data)),
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
-        ("--trainer-weight-shadows", t.weight_shadows),
+        ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]
