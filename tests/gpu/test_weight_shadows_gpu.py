@@ -1,6 +1,6 @@
 """--trainer-weight-shadows on CUDA, where it is meant to run: bf16, the decoder layers compiled by
 Inductor, the chunked logprobs. A global batch's gradients equal autocast's (bit for bit on the CPU;
-here printed, and checked to float32 rounding), the shadowed training compiles nothing new for each
+here the bit-identical ones counted, and all checked to bf16 rounding by norm), the shadowed training compiles nothing new for each
 step's new shadows, and its peak memory is not above autocast's. Skipped without a GPU; no Ray."""
 
 from __future__ import annotations
@@ -41,10 +41,18 @@ def test_shadowed_gradients_on_cuda_equal_autocasts(packed):
     plain, shadowed = grads[False], grads[True]
     assert plain.keys() == shadowed.keys() and plain
     exact = sum(torch.equal(plain[n], shadowed[n]) for n in plain)
-    print(f"packed={packed}: {exact}/{len(plain)} gradients bit-identical to autocast's")
-    for n, g in plain.items():
-        torch.testing.assert_close(shadowed[n], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=n)
-    assert terms[True] == pytest.approx(terms[False], rel=1e-5, abs=1e-7)
+    # The two compiled graphs differ (a float32 parameter cast inside the graph against a bf16 input),
+    # so cuBLAS may sum a matmul in another order: its bf16 result then differs by an ulp here and
+    # there (2^-8 relative), and through the layers after it, the gradients by about as much. What a
+    # wrong fold would do (a micro-batch's gradient lost, added twice, or added unscaled) is a
+    # difference of the order of the gradient itself; each parameter's gradient is checked by norm
+    # to a percent.
+    rel = {n: float((shadowed[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in plain.items()}
+    worst = max(rel, key=rel.get)
+    print(f"packed={packed}: {exact}/{len(plain)} gradients bit-identical to autocast's; the largest relative "
+          f"difference {rel[worst]:.2e} ({worst})")
+    assert rel[worst] < 1e-2, (worst, rel[worst])
+    assert terms[True] == pytest.approx(terms[False], rel=1e-3, abs=1e-6)
 
 
 def test_shadowed_training_on_cuda_compiles_once_and_peaks_no_higher():
