@@ -1,0 +1,45 @@
+"""--optimizer-cpu-offload on FSDP ranks (gloo, spawned processes): each rank's shards of AdamW's
+moments live in its host buffers from the first step on, and the steps, and the resume of the
+one-process checkpoint (DCP puts the loaded state on the device; it is moved to the buffers), give
+the one-process trainer's metrics and weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from miles.training.shards import local
+from tests.unit.test_fsdp_ranks import (RANKS_TRAIN, ROLLOUT, assert_same, configs, free_port,  # noqa: F401
+                                        model_path, one_rank)
+
+
+def _moments_on_host(t) -> bool:
+    buffers = {v.data_ptr() for v in t._host._host.values()}
+    moments = [local(v) for s in t._optimizer.state.values() for k, v in s.items() if k != "step"]
+    return bool(moments) and all(m.device.type == "cpu" and m.data_ptr() in buffers for m in moments)
+
+
+def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, ck: str):
+    torch.set_num_threads(1)
+    from miles.training.fsdp.rank import FSDPRank
+
+    t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=True,
+                 **configs(**RANKS_TRAIN, optimizer_cpu_offload=True))
+    t.setup("127.0.0.1", port)
+    results, held = [(t.train(ROLLOUT, 0), t.weights())], [_moments_on_host(t)]
+    t.load(ck)
+    held.append(_moments_on_host(t))
+    results.append((t.train(ROLLOUT, 1), t.weights()))
+    held.append(_moments_on_host(t))
+    torch.save((results, held), Path(out) / f"rank_{rank}.pt")
+    t.dispose()
+
+
+def test_fsdp_ranks_keep_their_moment_shards_on_the_host_and_take_the_one_rank_steps(model_path, one_rank, tmp_path):
+    mp.spawn(_rank_main, args=(2, free_port(), model_path, str(tmp_path), str(one_rank[1])), nprocs=2)
+    for r in range(2):
+        results, held = torch.load(tmp_path / f"rank_{r}.pt", weights_only=False)
+        assert held == [True, True, True], (r, held)     # after the first step, the load, the next step
+        assert_same(results, one_rank[0][:2])
