@@ -436,6 +436,10 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("eval-config", "eval", "datasets", kind="eval_config",
        help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
             "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),
+    _f("mfu-peak-tflops", "train", "mfu_peak_tflops", float,
+       "a trainer GPU's peak TFLOP/s for the `mfu` train metric (`tflops`: 6 x params x real tokens a second of "
+       "the optimizer steps; default peak: the dense bf16 one of an H100, H200 or A100 training in bf16, else no "
+       "`mfu`)"),
     _f("log-passrate", "eval", "log_passrate", kind="true",
        help="log pass@k for every k up to n, for rollouts and evals (unbiased estimator)"),
     _f("use-mlflow", "tracking", "use_mlflow", kind="true",

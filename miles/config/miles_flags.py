@@ -160,7 +160,6 @@ REFUSED: dict[str, str] = {
     "use-miles-dashboard": f"miles' web dashboard; {NOT_YET}: miles plot RUN_DIR and miles trace show RUN_DIR",
     "custom-rollout-log-function-path": f"custom rollout metrics; {NOT_YET}",
     "log-reward-category": f"logs rewards per category; {NOT_YET}",
-    "mfu-peak-tflops": f"the peak for MFU metrics; {NOT_YET}",
     "dump-details": "sets every dump flag; here use --save-debug-rollout-data and --save-debug-train-data",
     "dumper-enable": f"tensor dumps inside Megatron; {NOT_YET}: --save-debug-train-data dumps the train batches",
     "profile-target": f"torch profiler targets; {NOT_YET}",

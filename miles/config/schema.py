@@ -230,6 +230,7 @@ class TrainConfig:
     compile_layers: bool | None = None  # --trainer-compile / --no-trainer-compile (None: on for the torch trainer on CUDA)
     weight_shadows: bool = False        # --trainer-weight-shadows: Linear weights cast once a step, not once a micro-batch
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
+    mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
     pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size

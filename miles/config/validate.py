@@ -462,6 +462,8 @@ def _gpu_memory(cfg: RunConfig, problems: list[str]) -> None:
     if lp is not None and (lp < 1 or not t.use_dynamic_batch_size):
         problems.append(f"--log-probs-max-tokens-per-gpu {lp}: a positive token budget of micro-batches by tokens; "
                         "it needs --use-dynamic-batch-size")
+    if t.mfu_peak_tflops is not None and not t.mfu_peak_tflops > 0:
+        problems.append(f"--mfu-peak-tflops {t.mfu_peak_tflops}: must be a positive number of TFLOP/s")
     if cfg.update_weight_buffer_size < 1:
         problems.append(f"--update-weight-buffer-size {cfg.update_weight_buffer_size}: must be a positive number of bytes")
 

@@ -64,6 +64,7 @@ from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective, TermSums
 from miles.training.threads import cpu_threads
+from miles.training.throughput import peak_tflops, throughput_metrics
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -111,6 +112,8 @@ class Trainer(OptimizedModel):
         pad = self._tokenizer.pad_token_id
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
         self._ref = self._make_reference(algorithm)
+        self._num_params = sum(p.numel() for p in self._model.parameters())    # tied ones once; `tflops`
+        self._peak_tflops = peak_tflops(self.device, self.compute_dtype, train.mfu_peak_tflops)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
         self._packed = use_packing(train, self._model, self._ref, device=self.device)
@@ -148,7 +151,8 @@ class Trainer(OptimizedModel):
     # --- training ------------------------------------------------------------------------------
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Train on one rollout's samples (prepared by `prepare_rollout` for this rollout id, or here);
-        returns metrics averaged over its optimizer steps, with the rollout's mismatch metrics."""
+        returns metrics averaged over its optimizer steps, with the rollout's mismatch metrics and what
+        the steps achieved (`tflops`, `mfu`: miles.training.throughput)."""
         self._live()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -163,6 +167,8 @@ class Trainer(OptimizedModel):
         metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
+        metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
+                                          self._peak_tflops))
         if self._memory_budget is not None:
             metrics["memory_token_budget"] = float(self._memory_budget)
         if self.device.type == "cuda":   # peak of this rollout's training; what stays allocated after it

@@ -268,6 +268,24 @@ def test_the_optimizer_cpu_offload_flags(model_path, tmp_path, flag):
         parse_flags(base + ["--train-backend", "megatron", flag])
 
 
+def test_train_reports_the_model_flops_it_achieved_and_mfu_against_the_given_peak(model_path, tmp_path):
+    """`tflops`: 6 x parameters x real (unpadded) tokens over the optimizer steps' time; `mfu` only with a
+    peak (--mfu-peak-tflops; on the CPU there is no default peak)."""
+    t = trainer(model_path, global_batch_size=2, micro_batch_size=1)
+    m = t.train(SAMPLES, 0)
+    params = sum(p.numel() for p in t._live().parameters())
+    real = sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in SAMPLES)
+    assert m["tflops"] == pytest.approx(6 * params * real / (m["step_time_s"] * m["num_steps"]) / 1e12, rel=1e-6)
+    assert "mfu" not in m
+    m = trainer(model_path, mfu_peak_tflops=0.5).train(SAMPLES, 0)
+    assert m["mfu"] == pytest.approx(m["tflops"] / 0.5)
+    with pytest.raises(ConfigError, match="--mfu-peak-tflops 0.0: must be a positive"):
+        (tmp_path / "p.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
+        parse_flags(["--hf-checkpoint", str(model_path), "--prompt-data", str(tmp_path / "p.jsonl"),
+                     "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2",
+                     "--mfu-peak-tflops", "0"])
+
+
 def test_load_names_missing_files(model_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="optimizer.pt"):
         trainer(model_path).load(tmp_path)
