@@ -21,7 +21,7 @@ from miles.training.batch import make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.weights.hf import model_weights
 from tests.tiny_model import PAD_ID, make_tiny_family
-from tests.unit.test_fsdp_ranks import ROLLOUT, free_port, model_path  # noqa: F401 (the module-scoped fixture)
+from tests.unit.test_fsdp_ranks import ROLLOUT, end_rank_process, free_port, model_path  # noqa: F401 (the fixture)
 
 TRAIN = dict(lr=1e-2, micro_batch_size=1, global_batch_size=3, clip_grad=0.5)     # two optimizer steps a rollout
 ALGO = dict(loss_agg_mode="token_mean", kl_loss_type="k3", advantage_estimator="ppo", value_clip=0.2)
@@ -59,6 +59,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, init
                for action, arg in script]
     torch.save([r for r in results if r is not None], Path(out) / f"rank_{rank}.pt")
     c.dispose()
+    end_rank_process()
 
 
 def run_ranks(world_size: int, model: str, out: Path, script: list[tuple[str, object]],

@@ -10,7 +10,9 @@ from the policy after each rollout and carried by the checkpoints."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,13 +49,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_rank_process() -> None:
+    """End a spawned rank's process at once, without the interpreter's finalization, as the rank
+    group ends its ranks (`ray.kill` after `dispose`). `destroy_process_group` does not join the gloo
+    group's worker threads: DTensor's caches and FSDP's device meshes keep the group alive, so its
+    threads run until the process ends. A worker that has finished a collective (an FSDP all-gather)
+    releases its tensors after the caller's wait returns, and freeing one whose Python object only the
+    work still held takes the GIL; once the main thread is finalizing, Python ends that thread with
+    pthread_exit, whose unwinding through the work's noexcept destructor calls std::terminate:
+    SIGABRT, "terminate called without an active exception". Rare (the worker must be off the CPU
+    from its collective's end until the exit), seen on a loaded 2-core CI machine."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_rank(target, rank: int, world_size: int, port: int, out) -> None:
+    target(rank, world_size, port, out)
+    out.close()
+    out.join_thread()           # what the rank put is in the pipe before the process ends
+    end_rank_process()
+
+
 def spawn_gloo_ranks(target, world_size: int = 2) -> dict[int, str]:
     """`target(rank, world_size, port, queue)` in `world_size` spawned processes (each puts (rank,
-    "ok" or its traceback) on the queue); {rank: what it put}."""
+    "ok" or its traceback) on the queue; the process then ends at once, `end_rank_process`); {rank:
+    what it put}."""
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, out)) for r in range(world_size)]
+    procs = [ctx.Process(target=_run_rank, args=(target, r, world_size, port, out)) for r in range(world_size)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in procs)
@@ -85,6 +110,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
             getattr(t, action)(arg)
     torch.save(results, Path(out) / f"rank_{rank}.pt")
     t.dispose()
+    end_rank_process()
 
 
 def take_buckets(t, bucket_bytes: int) -> list[dict[str, torch.Tensor] | None]:

@@ -156,7 +156,12 @@ class FSDPCriticRank(RankMicroBatches, Critic):
             self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
 
     def dispose(self) -> None:
-        """The critic's model and optimizer state, then this rank's process group. Idempotent."""
+        """The critic's model and optimizer state, then this rank's process group. Idempotent.
+        `destroy_process_group` does not join the gloo group's worker threads (DTensor's caches and
+        FSDP's meshes keep the group alive): end the process without the interpreter's finalization
+        afterwards, as `RankGroup.dispose` does (`ray.kill`), since a worker still releasing a finished
+        collective's tensors then takes the GIL and aborts the process (SIGABRT; see `end_rank_process`
+        in tests/unit/test_fsdp_ranks.py)."""
         import torch.distributed as dist
 
         if self._model is not None:
