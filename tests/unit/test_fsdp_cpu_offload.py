@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.training.shards import local
-from tests.unit.test_fsdp_ranks import (RANKS_TRAIN, ROLLOUT, assert_same, configs, free_port,  # noqa: F401
-                                        model_path, one_rank)
+from tests.unit.test_fsdp_ranks import (RANKS_TRAIN, ROLLOUT, assert_same, configs, end_rank_process,  # noqa: F401
+                                        free_port, model_path, one_rank)
 
 
 def _moments_on_host(t) -> bool:
@@ -35,6 +35,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, ck: 
     held.append(_moments_on_host(t))
     torch.save((results, held), Path(out) / f"rank_{rank}.pt")
     t.dispose()
+    end_rank_process()
 
 
 def test_fsdp_ranks_keep_their_moment_shards_on_the_host_and_take_the_one_rank_steps(model_path, one_rank, tmp_path):
