@@ -64,6 +64,21 @@ def _plain(v: Any) -> Any:
     return v
 
 
+# what a metric's name holds when its value comes from the wall clock (durations, rates, the trainer's
+# achieved tflops and mfu): the numbers two runs of the same seed may differ in
+TIMED_MARKS = ("time", "_s", "tokens_per_s", "tflops", "mfu")
+
+
+def is_timed(key: str) -> bool:
+    """Whether metric `key` is measured by the clock, not computed from the data and the weights."""
+    return any(mark in key for mark in TIMED_MARKS)
+
+
+def untimed(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` without its timed metrics: what reruns of one seed (or a resumed run) must reproduce."""
+    return {k: v for k, v in row.items() if not is_timed(k)}
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a run dir's (or a file's) metrics.jsonl; a line cut off by a killed driver is skipped."""
     p = Path(path)

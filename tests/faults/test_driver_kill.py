@@ -22,11 +22,11 @@ from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
 from miles.runtime.procs import pid_running
+from miles.tracking.metrics import untimed
 from tests.conftest import base_flags
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-TIME_KEYS = ("time", "_s", "tokens_per_s")
 LINGER_BOUND_S = 10      # was ~62 s (Ray's agents) before the reaper
 
 
@@ -45,8 +45,7 @@ def flags(task, tmp_path, name, **kw):
 
 
 def train_rows(result):
-    return {r["step"]: {k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
-            for r in result.metrics if r.get("kind") == "train"}
+    return {r["step"]: untimed(r) for r in result.metrics if r.get("kind") == "train"}
 
 
 def test_kill_9_mid_rollout_then_resume_matches_uninterrupted(ray_cluster, tiny_task, tmp_path):

@@ -17,13 +17,11 @@ from tests.conftest import base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
-TIME_KEYS = ("time", "_s", "tokens_per_s")
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    from miles.tracking.metrics import read_metrics
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
-            for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    from miles.tracking.metrics import read_metrics, untimed
+    return [untimed(r) for r in read_metrics(run_dir) if r.get("kind") == "train"]
 
 
 @pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
