@@ -64,14 +64,14 @@ def _plain(v: Any) -> Any:
     return v
 
 
-# what a metric's name holds when its value comes from the wall clock (durations, rates, the trainer's
-# achieved tflops and mfu): the numbers two runs of the same seed may differ in
-TIMED_MARKS = ("time", "_s", "tokens_per_s", "tflops", "mfu")
+# the metrics the wall clock gives, the numbers two runs of the same seed may differ in: durations and
+# rates (their names end in "_s": step_time_s, gen_tokens_per_s) and the trainer's achieved throughput
+TIMED_NAMES = ("tflops", "mfu")
 
 
 def is_timed(key: str) -> bool:
     """Whether metric `key` is measured by the clock, not computed from the data and the weights."""
-    return any(mark in key for mark in TIMED_MARKS)
+    return key.endswith("_s") or key.rsplit("/", 1)[-1] in TIMED_NAMES
 
 
 def untimed(row: dict[str, Any]) -> dict[str, Any]:

@@ -134,7 +134,8 @@ class Trainer(OptimizedModel):
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
                  weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
-                 optimizer_state="host" if train.optimizer_cpu_offload else "device", may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
+                 optimizer_state="host" if train.optimizer_cpu_offload else "device",
+                 may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
 
     def _make_reference(self, algorithm: AlgorithmConfig):
         """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""

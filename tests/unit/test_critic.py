@@ -105,13 +105,9 @@ def test_ppo_advantages_come_from_the_critic_values(model_path):
 def test_optimizer_cpu_offload_trains_the_critic_as_without_it_with_its_state_on_the_host(model_path, tmp_path):
     """--optimizer-cpu-offload reaches PPO's critic too (its TrainConfig is the policy's): the same values
     after each step and after a resume, the moments in the host buffers throughout."""
+    from tests.unit.test_trainer import host_held as on_host
+
     plain, host = critic(model_path), critic(model_path, optimizer_cpu_offload=True)
-
-    def on_host(c):
-        buffers = {v.data_ptr() for v in c._host._host.values()}
-        moments = [v for s in c._optimizer.state.values() for k, v in s.items() if k != "step"]
-        return bool(moments) and all(v.data_ptr() in buffers for v in moments)
-
     for r in range(2):
         for c in (plain, host):
             c.train(SAMPLES, c.values(SAMPLES), torch.ones(3, 5), rollout_id=r)

@@ -10,15 +10,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from miles.training.shards import local
 from tests.unit.test_fsdp_ranks import (RANKS_TRAIN, ROLLOUT, assert_same, configs, end_rank_process,  # noqa: F401
                                         free_port, model_path, one_rank)
-
-
-def _moments_on_host(t) -> bool:
-    buffers = {v.data_ptr() for v in t._host._host.values()}
-    moments = [local(v) for s in t._optimizer.state.values() for k, v in s.items() if k != "step"]
-    return bool(moments) and all(m.device.type == "cpu" and m.data_ptr() in buffers for m in moments)
+from tests.unit.test_trainer import host_held
 
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, ck: str):
@@ -28,11 +22,11 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, ck: 
     t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=True,
                  **configs(**RANKS_TRAIN, optimizer_cpu_offload=True))
     t.setup("127.0.0.1", port)
-    results, held = [(t.train(ROLLOUT, 0), t.weights())], [_moments_on_host(t)]
+    results, held = [(t.train(ROLLOUT, 0), t.weights())], [host_held(t)]
     t.load(ck)
-    held.append(_moments_on_host(t))
+    held.append(host_held(t))
     results.append((t.train(ROLLOUT, 1), t.weights()))
-    held.append(_moments_on_host(t))
+    held.append(host_held(t))
     torch.save((results, held), Path(out) / f"rank_{rank}.pt")
     t.dispose()
     end_rank_process()

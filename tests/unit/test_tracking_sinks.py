@@ -10,7 +10,7 @@ import types
 import pytest
 
 from miles.config import ConfigError, TrackingConfig
-from miles.tracking.metrics import MetricsWriter, read_metrics
+from miles.tracking.metrics import MetricsWriter, read_metrics, untimed
 from miles.tracking.sinks import Tracker, WandbSink, open_sinks, scalars, tracking_problems
 
 
@@ -208,3 +208,9 @@ def test_mlflow_sink_logs_one_run_with_params_and_metrics_and_ends_it(tmp_path, 
     assert calls[4] == ("log_batch", "mlrun-1", [("train/reward_mean", 0.5, 2)], [])
     assert calls[5] == ("log_batch", "mlrun-1", [("eval/arith/pass_at_4", 0.75, 2)], [])   # MLflow keys have no @
     assert calls[-1] == ("terminated", "mlrun-1")
+
+
+def test_untimed_drops_the_clocks_numbers_only():
+    row = {"step_time_s": 1.2, "gen_tokens_per_s": 9.0, "tflops": 0.1, "critic/mfu": 0.2,
+           "num_steps": 2, "num_samples": 8, "reward_std": 0.5, "reward_timeouts": 0, "loss": 0.1}
+    assert untimed(row) == {"num_steps": 2, "num_samples": 8, "reward_std": 0.5, "reward_timeouts": 0, "loss": 0.1}

@@ -9,6 +9,7 @@ from miles.config.flags import parse_flags
 from miles.config.schema import ConfigError
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.training.batch import make_train_batch, split
+from miles.training.shards import local
 from miles.training.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
 from tests.tiny_model import make_tiny_model
@@ -220,12 +221,13 @@ def test_an_offloaded_trainer_resumes_a_sharded_checkpoint_with_its_optimizer_st
     assert resumed.weights_checksum() == straight.weights_checksum()
 
 
-def host_held(t: Trainer) -> bool:
-    """Every moment of `t`'s optimizer state is one of its HostOffload's host buffers (and there is state)."""
+def host_held(t) -> bool:
+    """Every moment of the optimizer state of `t` (a trainer, critic or FSDP rank) is, as the local
+    shard, its own host buffer of `t`'s HostOffload (and every parameter has state)."""
     host = {k: v.data_ptr() for k, v in t._host._host.items()}
     params = list(t._live().parameters())
     return len(t._optimizer.state) == len(params) and all(
-        value.data_ptr() == host[(id(p), name)] for p in params
+        local(value).data_ptr() == host[(id(p), name)] for p in params
         for name, value in t._optimizer.state[p].items() if name != "step")
 
 
@@ -279,8 +281,8 @@ def test_train_reports_the_model_flops_it_achieved_and_mfu_against_the_given_pea
     assert "mfu" not in m
     m = trainer(model_path, mfu_peak_tflops=0.5).train(SAMPLES, 0)
     assert m["mfu"] == pytest.approx(m["tflops"] / 0.5)
+    (tmp_path / "p.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
     with pytest.raises(ConfigError, match="--mfu-peak-tflops 0.0: must be a positive"):
-        (tmp_path / "p.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
         parse_flags(["--hf-checkpoint", str(model_path), "--prompt-data", str(tmp_path / "p.jsonl"),
                      "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "2",
                      "--mfu-peak-tflops", "0"])
