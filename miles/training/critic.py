@@ -200,17 +200,19 @@ class Critic(OptimizedModel):
         return dict(model=self._live().lm, logits=False, chunk_rows=0)
 
     # --- state -----------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+    def save(self, path: str | Path, *, optimizer: bool = True, background: bool = False) -> None:
         """Into the folder `path`: the backbone as an HF folder (save_pretrained, with the tokenizer), the
-        value head, the optimizer state (unless `optimizer` is False: --no-save-optim) and the step count."""
-        model = self._live()
-        self._write_folder(Path(path), state_dict_to_cpu(model_weights(model)),
-                           self._optimizer.state_dict() if optimizer else None)
+        value head, the optimizer state (unless `optimizer` is False: --no-save-optim) and the step count.
+        `background` (--async-save): a CPU snapshot now, the files on the writer thread (`wait_saved`)."""
+        weights = state_dict_to_cpu(model_weights(self._live()))
+        state = (self._optimizer_snapshot() if background else self._optimizer.state_dict()) if optimizer else None
+        self._write(background, self._write_folder, Path(path), weights, state, self._num_steps)
 
-    def _write_folder(self, path: Path, weights: dict[str, Tensor], optimizer_state: dict | None) -> None:
+    def _write_folder(self, path: Path, weights: dict[str, Tensor], optimizer_state: dict | None,
+                      num_steps: int | None = None) -> None:
         """`save`'s folder from whole CPU `weights` (the ValueModel's names, tied aliases once) and
         the optimizer state keyed by parameter index (None: not saved); also what the critic's rank 0
-        writes on many ranks, so either loads the other's."""
+        writes on many ranks, so either loads the other's. `num_steps`: the snapshot's (default: now)."""
         from safetensors.torch import save_file
 
         lm = {n.removeprefix("lm."): t for n, t in weights.items() if n.startswith("lm.")}
@@ -218,7 +220,7 @@ class Critic(OptimizedModel):
         self._live().lm.save_pretrained(str(path), state_dict=lm)
         self._tokenizer.save_pretrained(str(path))
         save_file(head, str(path / HEAD_FILE))
-        self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state)
+        self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state, num_steps=num_steps)
 
     def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """Restore what `save` wrote: backbone, head, optimizer state, step count (the parts as in

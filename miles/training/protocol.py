@@ -5,7 +5,8 @@ The composition root (`miles/phases/init.py:pick_backends`) picks the classes on
 makes them Ray actors; nothing else names a backend. A new backend (Megatron) is a module of its own
 implementing `TrainerBackend` (and `CriticBackend` if it trains PPO's critic), plus one
 `TRAIN_BACKENDS` entry; its heavy imports stay in its module, which loads only when a run picks it.
-Its optional abilities (`SupportsOffload`, `SupportsCachedMemoryRelease`, `SupportsWeightBuckets`)
+Its optional abilities (`SupportsOffload`, `SupportsCachedMemoryRelease`, `SupportsWeightBuckets`,
+`SupportsBackgroundSave`)
 are declared on its spec; the phases ask the spec, never the class. The checks every backend shares
 (a critic for PPO, model parallelism) and each backend's own (`check`) are registered with
 `miles.config.checks` here, so they run before Ray starts.
@@ -65,6 +66,17 @@ class SupportsWeightBuckets(Protocol):
     def release_weight_buckets(self, index: int | None = None) -> None: ...
 
 
+@runtime_checkable
+class SupportsBackgroundSave(Protocol):
+    """Saves from a CPU snapshot and writes the files while it trains on (--async-save): `save` and
+    `export_hf` take `background=True` and return once the snapshot is taken; `wait_saved` returns
+    when the files are written (raising a write's error). The spec's critic class does the same."""
+
+    def wait_saved(self) -> float:
+        """Seconds waited for the background writes."""
+        ...
+
+
 @dataclass(frozen=True)
 class TrainBackendSpec:
     trainer: str                    # "module:Class" of the policy trainer (a TrainerBackend)
@@ -94,7 +106,7 @@ TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(
         trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
         check="miles.training.memory_plan:startup_problems",
-        capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets),
+        capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets, SupportsBackgroundSave),
         # FSDP2 data parallel, the policy's ranks and PPO's critic's side by side on the trainer GPUs
         many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer",
                                     critic="miles.training.fsdp.critic_group:FSDPCritic",

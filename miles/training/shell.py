@@ -6,7 +6,8 @@ step (clip, refuse a non-finite norm before it reaches a weight, set the rate, s
 micro-batches of a global batch (--micro-batch-size rows, or with --use-dynamic-batch-size token-budget
 groups of at most --max-tokens-per-gpu tokens, packed into one row when the model packs; on CUDA without
 --max-tokens-per-gpu a budget planned from the free memory: `miles.training.microbatch`,
-`miles.training.memory_plan`), the optimizer state and step count on disk, the optimizer state's move to host memory while a colocated engine
+`miles.training.memory_plan`), the optimizer state and step count on disk (written on a thread of its own from a CPU snapshot with
+--async-save: `miles.checkpoint.background`), the optimizer state's move to host memory while a colocated engine
 needs the GPU (`offload`, --offload-train; from then on each step streams it through the GPU a chunk
 at a time: `miles.training.offload`), and the disposal. What a model computes (policy loss, value loss) and
 what else it saves are the subclass's.
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from miles.checkpoint.background import BackgroundWrites
 from miles.config import TrainConfig
 from miles.training.batch import TrainBatch
 from miles.training.memory_plan import cuda_token_budget
@@ -36,6 +38,12 @@ from miles.training.schedule import lr_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
 OPTIMIZER_FILE = "optimizer.pt"
+
+
+def _into_existing(write, path: Path, *args) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is gone: its save was aborted before the background write began")
+    write(path, *args)
 
 
 class OptimizedModel:
@@ -63,6 +71,7 @@ class OptimizedModel:
         self._packed = False         # token-budget micro-batches run packed (the subclass decides: use_packing)
         self._computed = [0, 0]      # positions the forwards computed, real tokens among them (a train call)
         self._memory_budget: int | None = None       # the last memory-planned token budget (CUDA, no --max-tokens-per-gpu)
+        self._writes = BackgroundWrites()            # --async-save: the checkpoint files still being written
 
     def _start_optimizer(self, model: nn.Module) -> None:
         t = self._train_cfg
@@ -156,13 +165,41 @@ class OptimizedModel:
             streamed=self._host is not None, **self._memory_plan_args())
         return self._memory_budget
 
-    def _save_optimizer(self, path: Path, *, optimizer: bool = True, state: dict | None = None) -> None:
+    def _save_optimizer(self, path: Path, *, optimizer: bool = True, state: dict | None = None,
+                        num_steps: int | None = None) -> None:
         """The step count, and the optimizer state unless `optimizer` is False (--no-save-optim: a
         resume from `path` starts a fresh optimizer; the state file says so). `state`: what to write in
-        place of `self._optimizer.state_dict()` (a sharded optimizer's state, gathered whole)."""
+        place of `self._optimizer.state_dict()` (a sharded optimizer's state gathered whole, or a
+        background save's snapshot); `num_steps`: the snapshot's step count (default: now)."""
         if optimizer:
             torch.save(self._optimizer.state_dict() if state is None else state, path / OPTIMIZER_FILE)
-        (path / self.state_file).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer}))
+        steps = self._num_steps if num_steps is None else num_steps
+        (path / self.state_file).write_text(json.dumps({"num_steps": steps, "optimizer": optimizer}))
+
+    def _optimizer_snapshot(self) -> dict:
+        """`self._optimizer.state_dict()` with every tensor copied to the CPU: what a background save
+        writes while later steps change the live state (on the device, or in host buffers)."""
+        saved = self._optimizer.state_dict()
+        return {"state": {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
+                              for k, v in st.items()} for i, st in saved["state"].items()},
+                "param_groups": [dict(g, params=list(g["params"])) for g in saved["param_groups"]]}
+
+    def _write(self, background: bool, write, path: Path, *args) -> None:
+        """`write(path, *args)` now, or queued on the background writer (--async-save: `args` must be
+        the snapshot's own copies); `wait_saved` waits for the queue. A background write's folder is
+        made now, while the driver's temporary folder around it surely exists; the write itself only
+        goes into it if it is still there (an aborted save's folder is never made again)."""
+        if not background:
+            write(path, *args)
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        self._writes.submit(_into_existing, write, path, *args)
+
+    def wait_saved(self) -> float:
+        """Block until every background save's files are written (`save(..., background=True)`);
+        seconds waited. Raises the first write's error. The driver calls it on a thread of the actor's
+        own (a Ray concurrency group), beside whatever the actor runs."""
+        return self._writes.wait()
 
     def _saved_with_optimizer(self, path: Path) -> bool:
         state = path / self.state_file
@@ -210,6 +247,7 @@ class OptimizedModel:
     def dispose(self) -> None:
         """Free the model and the optimizer state (and the CUDA cache). Idempotent. The actor itself
         is the run's."""
+        self._writes.close()
         self._release()
         if self._host is not None:
             self._host.dispose()

@@ -49,10 +49,11 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
@@ -75,6 +76,13 @@ log = structlog.get_logger().bind(role="trainer")
 # files written by save(); load() needs all of them (REF_FILE only with --ref-update-interval)
 MODEL_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "rng.pt", "trainer_state.json"   # and OPTIMIZER_FILE
 REF_FILE = "reference.safetensors"
+
+
+def _export_hf(path: Path, model: nn.Module, weights: dict[str, Tensor] | None, tokenizer: Any) -> None:
+    """`model`'s HF folder, its weights `weights` when given (a snapshot; tied aliases once, as
+    save_pretrained itself writes them), else the live ones."""
+    model.save_pretrained(str(path), **({} if weights is None else {"state_dict": dict(weights)}))
+    tokenizer.save_pretrained(str(path))
 
 
 def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int = 0) -> Path:
@@ -302,19 +310,27 @@ class Trainer(OptimizedModel):
         """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
         return state_dict_checksum(model_weights(self._live()), dtype=dtype)
 
-    def save(self, path: str | Path, *, optimizer: bool = True) -> None:
+    def save(self, path: str | Path, *, optimizer: bool = True, background: bool = False) -> None:
         """Write weights, optimizer state (unless `optimizer` is False: --no-save-optim), RNG states and
         the step count into the folder `path` (created if needed). Atomicity is the caller's: it hands
-        in a temp dir and renames it."""
+        in a temp dir and renames it. `background` (--async-save): take a CPU snapshot of all of it and
+        return; the files are written on the writer thread (`wait_saved` says when)."""
+        weights = self.weights()                 # CPU copies either way
+        state = self._optimizer_snapshot() if optimizer and background else None
+        ref = state_dict_to_cpu(model_weights(self._ref)) if self._ref_interval else None   # refreshed: keep it
+        self._write(background, self._write_checkpoint, Path(path), weights, optimizer, state, self._num_steps,
+                    rng_state(), ref)
+
+    def _write_checkpoint(self, path: Path, weights: dict[str, Tensor], optimizer: bool, state: dict | None,
+                          num_steps: int, rng: dict, ref: dict[str, Tensor] | None) -> None:
         from safetensors.torch import save_file
 
-        path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file(self.weights(), str(path / MODEL_FILE))
-        self._save_optimizer(path, optimizer=optimizer)
-        torch.save(rng_state(), path / RNG_FILE)
-        if self._ref_interval:      # a refreshed reference is no longer the initial policy: keep it
-            save_file(state_dict_to_cpu(model_weights(self._ref)), str(path / REF_FILE))
+        save_file(weights, str(path / MODEL_FILE))
+        self._save_optimizer(path, optimizer=optimizer, state=state, num_steps=num_steps)
+        torch.save(rng, path / RNG_FILE)
+        if ref is not None:
+            save_file(ref, str(path / REF_FILE))
 
     def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """Restore what `save` wrote, so the next step is the one the saved trainer would have taken; or
@@ -360,10 +376,12 @@ class Trainer(OptimizedModel):
             self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
 
-    def export_hf(self, path: str | Path) -> None:
-        """`save_pretrained` the model (float32) and the tokenizer: loadable by AutoModelForCausalLM."""
-        self._live().save_pretrained(str(path))
-        self._tokenizer.save_pretrained(str(path))
+    def export_hf(self, path: str | Path, *, background: bool = False) -> None:
+        """`save_pretrained` the model (float32) and the tokenizer: loadable by AutoModelForCausalLM.
+        `background` (--async-save): from a CPU snapshot of the weights, on the writer thread."""
+        model = self._live()
+        weights = self.weights() if background else None     # None: save_pretrained reads the live model
+        self._write(background, _export_hf, Path(path), model, weights, self._tokenizer)
 
     def _release(self) -> None:
         if self._sender is not None:
