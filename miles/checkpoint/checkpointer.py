@@ -81,23 +81,36 @@ async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callab
     """`await write(folder)` into a fresh temporary folder, then commit it as checkpoint `rollout_id`
     with the caller's manifest fields; any failure (or cancellation) aborts it and re-raises (a full
     disk as DiskFull, naming the folder and the space left)."""
-    try:
-        tmp = store.begin(rollout_id)
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise DiskFull(store.root, rollout_id, free_space(store.root)) from exc
-        raise
+    tmp = begin_checkpoint(store, rollout_id)
     try:
         await write(tmp)
         return store.commit(tmp, rollout_id, manifest)
     except BaseException as exc:
-        # torch.save says only "unexpected pos ..." when the disk is full: the space left then tells
-        free = free_space(store.root)
-        full = isinstance(exc, Exception) and (is_disk_full(exc) or (free is not None and free < NEARLY_FULL_BYTES))
-        store.abort(tmp)
-        if full:
+        raise abort_checkpoint(store, tmp, rollout_id, exc)
+
+
+def begin_checkpoint(store: CheckpointStore, rollout_id: int) -> Path:
+    """`store.begin(rollout_id)`: a fresh temporary folder; no room for it raises DiskFull."""
+    try:
+        return store.begin(rollout_id)
+    except OSError as exc:
+        if is_disk_full(exc):
             raise DiskFull(store.root, rollout_id, free_space(store.root)) from exc
         raise
+
+
+def abort_checkpoint(store: CheckpointStore, tmp: Path, rollout_id: int, exc: BaseException) -> BaseException:
+    """Remove the save in `tmp` that failed with `exc`; what to raise: `exc`, or DiskFull (caused by it)
+    when the disk is why."""
+    # torch.save says only "unexpected pos ..." when the disk is full: the space left then tells
+    free = free_space(store.root)
+    full = isinstance(exc, Exception) and (is_disk_full(exc) or (free is not None and free < NEARLY_FULL_BYTES))
+    store.abort(tmp)
+    if not full:
+        return exc
+    error = DiskFull(store.root, rollout_id, free_space(store.root))
+    error.__cause__ = exc
+    return error
 
 
 _ENOSPC_TEXT = re.compile(r"No space left on device|os error 28|\[Errno 28\]")

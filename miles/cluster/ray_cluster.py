@@ -74,13 +74,16 @@ class RayCluster:
         restore_sigchld()
 
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
-              concurrency: int | None = None, placement: dict[str, Any] | None = None,
-              needs: Mapping[str, str] | None = None, **kwargs: Any) -> "ActorResource":
+              concurrency: int | None = None, concurrency_groups: Mapping[str, int] | None = None,
+              placement: dict[str, Any] | None = None, needs: Mapping[str, str] | None = None,
+              **kwargs: Any) -> "ActorResource":
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
         `placement`: the GPUs it asks for and where (PlacementGroupResource.options; its `resources`, if
         any, already hold --ray-actor-resources). `needs`: flag → a path on the driver's disk the actor
-        reads (a model folder), which must exist at that path on the actor's node too."""
+        reads (a model folder), which must exist at that path on the actor's node too. `concurrency_groups`:
+        name -> threads, groups of its own a call can be sent to (`handle.m.options(concurrency_group=name)`)
+        to run beside the actor's other calls."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
                                        max_restarts=0, lifetime="non_detached")
         if self.actor_resources:
@@ -97,7 +100,8 @@ class RayCluster:
             from miles.tracking.logs import context_for_actor, logged_actor_class
             cls = logged_actor_class(cls, context_for_actor(name, run_id=self.run_id, log_dir=self.log_dir,
                                                             level=self.log_level))
-        handle = ray.remote(cls).options(**options).remote(*args, **kwargs)
+        remote = ray.remote(concurrency_groups=dict(concurrency_groups)) if concurrency_groups else ray.remote
+        handle = remote(cls).options(**options).remote(*args, **kwargs)
         return ActorResource(handle, name)
 
     def nodes(self) -> list[dict[str, Any]]:

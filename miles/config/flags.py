@@ -433,6 +433,11 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
             "instead of refusing (default: refuse, exit 2; an empty or missing --load folder starts fresh anyway)"),
     _f("save-retries", "checkpoint", "save_retries", int,
        "saves that may fail for a full disk (the partial one removed, the run goes on) before the run fails"),
+    _f("async-save", "checkpoint", "async_save", kind="true",
+       help="a save under --save takes a CPU snapshot of the trainer's (and critic's) state and returns; the files "
+            "are written while the run goes on, and the checkpoint is committed when they are all written (before "
+            "the next save, and at the run's end). Torch trainer on one GPU or the CPU; other trainers save "
+            "synchronously (a warning says so). --critic-save elsewhere and --save-hf PATH stay synchronous"),
     _f("eval-config", "eval", "datasets", kind="eval_config",
        help="eval datasets in miles' YAML: eval.defaults and eval.datasets (name, path, n_samples_per_eval_prompt, "
             "temperature, top_p, max_response_len, input_key, label_key, rm_type, ...)"),

@@ -48,7 +48,7 @@ IMPLEMENTED = parse("""
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
-    exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload
+    exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload async-save
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -67,7 +67,7 @@ SCRIPTS = parse("""
 """)
 # in miles.config.miles_flags.MEGATRON_REFUSED (one line each)
 SCRIPTS_REFUSED = parse("""
-    fp16 async-save
+    fp16
 """)
 
 

@@ -144,7 +144,6 @@ REFUSED: dict[str, str] = {
     "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
     "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
     # -- checkpoints and eval --------------------------------------------------------------------------
-    "async-save": f"saves in the background; {NOT_YET}: saves are synchronous and atomic",
     "eval-function-path": f"replaces the eval function; {NOT_YET}: evals score --eval-prompt-data or "
                           "--eval-config datasets",
     "eval-num-gpus": f"a dedicated eval fleet; {_EVAL_FLEET}",

@@ -286,6 +286,7 @@ class CheckpointConfig:
     retain_interval: int | None = None  # --save-retain-interval: keep every Nth rollout's checkpoint and the newest
     allow_fresh_start: bool = False     # --allow-fresh-start: train from --hf-checkpoint when --load has nothing loadable
     save_retries: int = 0               # --save-retries: saves that may fail on a full disk before the run fails
+    async_save: bool = False            # --async-save: a save snapshots the state; the files are written while training goes on
 
     @property
     def saves(self) -> bool:

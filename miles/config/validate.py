@@ -496,6 +496,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
         (c.keep_last is not None and not c.save, "--keep-last-checkpoints", "--save DIR"),
         (c.retain_interval is not None and not c.save, "--save-retain-interval", "--save DIR"),
         (c.save_retries > 0 and not c.save, "--save-retries", "--save DIR"),
+        (c.async_save and not c.save, "--async-save", "--save DIR"),
         (cfg.debug_train_only and not cfg.load_debug_rollout_data, "--debug-train-only",
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]

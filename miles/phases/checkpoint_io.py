@@ -14,6 +14,10 @@ else looks at the flag.
   the checkpoint store's temporary one, so the commit (the manifest with every file's sha256, then the
   rename) stays the store's and comes last: a save cut short anywhere leaves no checkpoint, as before.
 
+With --async-save, `start_save` has the actor take its snapshot (`method(path, background=True)`)
+and returns what finishes the part later: wait for the actor's writes (`wait_saved`, on the actor's
+`SAVE_GROUP` thread, beside its training), then check the folder (shared) or fetch it (copied).
+
 Verifying a checkpoint before loading it (--load's sha256 check) happens where its files are read:
 in the actor when shared, on the driver (which reads them to send them) when copied.
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Protocol
 
 import ray
 
@@ -36,12 +40,19 @@ from miles.checkpoint.store import verify_files
 if TYPE_CHECKING:
     from miles.cluster.ray_cluster import ActorResource
 
+SAVE_GROUP = "checkpoint_writes"     # the Ray concurrency group `wait_saved` runs in (--async-save)
+Finish = Callable[[], Awaitable[None]]
+
 
 class Folders(Protocol):
     shared: bool
 
     async def save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         """`actor.<method>(path, **kwargs)` writes a folder; it ends up at `folder` on the driver."""
+
+    async def start_save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> Finish:
+        """`actor.<method>(path, background=True, **kwargs)`: the snapshot taken, the files being written;
+        awaiting the returned function leaves them at `folder` on the driver."""
 
     async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         """`actor.<method>(path, **kwargs)` reads the folder that is at `folder` on the driver."""
@@ -58,10 +69,15 @@ class SharedFolders:
     async def save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         # absolute: a relative --save means the driver's working directory, which the actor does not share
         await getattr(actor.handle, method).remote(str(folder.absolute()), **kwargs)
-        if not folder.is_dir() or not any(folder.iterdir()):
-            raise RuntimeError(f"{actor.resource_name} saved into {folder} on its node, but the driver finds "
-                               "nothing there: they do not share a filesystem; pass --no-shared-fs (checkpoints "
-                               "then travel through Ray)")
+        _arrived(actor, folder)
+
+    async def start_save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> Finish:
+        await getattr(actor.handle, method).remote(str(folder.absolute()), background=True, **kwargs)
+
+        async def finish() -> None:
+            await wait_saved(actor)
+            _arrived(actor, folder)
+        return finish
 
     async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         await getattr(actor.handle, method).remote(str(folder.absolute()), **kwargs)
@@ -83,13 +99,35 @@ class CopiedFolders:
         try:
             part = f"{scratch}/part"
             await getattr(actor.handle, method).remote(part, **kwargs)
-            for name, entry in (await _in(actor, transfer.listing, part)).items():
-                with transfer.FileReceiver(folder, name, entry) as receiver:
-                    for offset, size in transfer.chunks(entry["size"], self.chunk_bytes):
-                        receiver.write(await _in(actor, transfer.read_chunk, part, name, offset, size))
-                    receiver.check()
+            await self._fetch(actor, part, folder)
         finally:
             await _remove_scratch(actor, scratch)
+
+    async def start_save(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> Finish:
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = await _in(actor, transfer.make_scratch)
+        part = f"{scratch}/part"
+        try:
+            await getattr(actor.handle, method).remote(part, background=True, **kwargs)
+        except BaseException:
+            await _remove_scratch(actor, scratch)
+            raise
+
+        async def finish() -> None:
+            try:
+                await wait_saved(actor)
+                await self._fetch(actor, part, folder)
+            finally:
+                await _remove_scratch(actor, scratch)
+        return finish
+
+    async def _fetch(self, actor: ActorResource, part: str, folder: Path) -> None:
+        """The actor's folder `part` (on its node) into `folder`, every file checked on arrival."""
+        for name, entry in (await _in(actor, transfer.listing, part)).items():
+            with transfer.FileReceiver(folder, name, entry) as receiver:
+                for offset, size in transfer.chunks(entry["size"], self.chunk_bytes):
+                    receiver.write(await _in(actor, transfer.read_chunk, part, name, offset, size))
+                receiver.check()
 
     async def load(self, actor: ActorResource, method: str, folder: Path, **kwargs: Any) -> None:
         sent = transfer.listing(folder)
@@ -121,6 +159,19 @@ def pick_folders(shared_fs: bool | None, *, started: bool, node_ips: Iterable[st
     if not elsewhere:
         return SharedFolders(), f"every node of the cluster is at the driver's address {driver_ip}"
     return CopiedFolders(), f"nodes at {', '.join(elsewhere)} are not the driver's machine ({driver_ip})"
+
+
+async def wait_saved(actor: ActorResource) -> float:
+    """The actor's background writes finished (their error raised); on its `SAVE_GROUP` thread, so it
+    does not queue behind the actor's other calls."""
+    return await actor.handle.wait_saved.options(concurrency_group=SAVE_GROUP).remote()
+
+
+def _arrived(actor: ActorResource, folder: Path) -> None:
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise RuntimeError(f"{actor.resource_name} saved into {folder} on its node, but the driver finds "
+                           "nothing there: they do not share a filesystem; pass --no-shared-fs (checkpoints "
+                           "then travel through Ray)")
 
 
 async def _in(actor: ActorResource, fn: Callable[..., Any], *args: Any) -> Any:

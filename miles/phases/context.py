@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from miles.checkpoint.store import CheckpointStore
     from miles.cluster.placement import RunPlacement
     from miles.cluster.ray_cluster import ActorResource, RayCluster
+    from miles.phases.background_save import BackgroundSave
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
     from miles.rollout.protocol import Engine, EngineFleet, EngineSpec
@@ -79,6 +80,7 @@ class Components:
     store: CheckpointStore | None = None          # under --save
     critic: ActorResource | None = None           # PPO's critic actor (miles.training.protocol.CriticBackend)
     critic_store: CheckpointStore | None = None   # the critic's own (--critic-save elsewhere than --save)
+    background_save: BackgroundSave | None = None  # --async-save: the save still being written (at most one)
     folders: Folders = field(default_factory=SharedFolders)   # how actors' checkpoint folders reach the driver
     prefetch: Prefetcher | None = None            # async machine
     evals: EvalDispatcher | None = None           # async machine

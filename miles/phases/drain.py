@@ -3,7 +3,11 @@
 In the sync machine nothing is in flight between phases: a rollout batch not yet trained is
 dropped (its object-store reference released) and the metrics file is flushed. A machine with
 work in flight between phases (async: the rollout generating ahead, evals) lists how to settle
-each in `ctx.in_flight`; they are settled here, in order, before anything is torn down.
+each in `ctx.in_flight`; they are settled here, in order, before anything is torn down. Then a
+background save still being written (--async-save) is committed: within the stop's budget after a
+stop (past it, it is aborted and `checkpoint_failed` says so); after a failure too, when its files
+all arrive, since its snapshot was taken between two rollouts (if they do not, `checkpoint_failed`
+says why and the run's own failure stands).
 
 After a stop request (a preemption's SIGTERM, say) with --save set, the last trained rollout is saved
 when it is not already and the stop's budget allows (`ctx.deadline`, set by the runner from
@@ -17,7 +21,7 @@ import asyncio
 import time
 
 from miles.phases.context import TrainingContext
-from miles.phases.save import save
+from miles.phases.save import save_checkpoint, settle_background_save
 
 END_MARGIN_S = 1.0          # of draining's budget, kept for what follows the save (the metrics flush)
 CANCEL_GRACE_S = 1.0        # a save past its budget gets this long to abort its temporary folder
@@ -26,6 +30,7 @@ CANCEL_GRACE_S = 1.0        # a save past its budget gets this long to abort its
 async def drain(ctx: TrainingContext) -> str:
     for settle in ctx.in_flight:
         await settle(ctx)
+    await _settle_background_save(ctx)
     dropped = ctx.batch_ref is not None
     ctx.batch_ref = None
     if ctx.stop_requested.is_set() and ctx.failure is None:
@@ -34,6 +39,20 @@ async def drain(ctx: TrainingContext) -> str:
         ctx.c.metrics.flush()
     ctx.tracer.emit("drained", dropped_rollout=dropped, after_failure=ctx.failure is not None)
     return "finish"
+
+
+async def _settle_background_save(ctx: TrainingContext) -> None:
+    pending = ctx.c.background_save
+    if pending is None or not pending.pending:
+        return
+    rid = pending.rollout_id
+    budget = None if ctx.deadline is None else max(ctx.deadline - time.monotonic() - END_MARGIN_S, 0.0)
+    try:
+        await settle_background_save(ctx, budget)
+    except Exception as exc:
+        if ctx.failure is None and not isinstance(exc, TimeoutError):
+            raise
+        ctx.tracer.emit("checkpoint_failed", rollout_id=rid, background=True, error=f"{type(exc).__name__}: {exc}")
 
 
 async def save_on_stop(ctx: TrainingContext) -> None:
@@ -45,7 +64,7 @@ async def save_on_stop(ctx: TrainingContext) -> None:
         ctx.tracer.emit("stop_save", saved=False, rollout_id=rid, reason=reason)
         return
     t0 = time.monotonic()
-    task = asyncio.ensure_future(save(ctx))
+    task = asyncio.ensure_future(save_checkpoint(ctx, background=False))
     done, _ = await asyncio.wait({task}, timeout=budget)
     if not done:                          # the save aborts its temporary folder: the store stays sound
         task.cancel()

@@ -37,7 +37,8 @@ from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
-from miles.phases.checkpoint_io import pick_folders
+from miles.phases.background_save import BackgroundSave
+from miles.phases.checkpoint_io import SAVE_GROUP, pick_folders
 from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
@@ -58,7 +59,7 @@ from miles.rollout.tools import load_tool_kit, load_tool_specs
 from miles.runtime.machine import import_object
 from miles.runtime.procs import usable_cores
 from miles.tracking.sinks import Tracker, open_sinks
-from miles.training.protocol import TRAIN_BACKENDS
+from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave
 from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
 from miles.weights.hf import load_tokenizer
 
@@ -156,6 +157,7 @@ async def init(ctx: TrainingContext) -> str:
         removed = ctx.c.store.cleanup_partial()
         if removed:
             ctx.tracer.emit("partial_checkpoints_removed", paths=[str(p) for p in removed])
+    _async_save(ctx, add)
     critic_save = cfg.checkpoint.critic_save
     if ctx.c.critic is not None and critic_save and critic_save != cfg.checkpoint.save:
         ctx.c.critic_store = CheckpointStore(critic_save, keep_last=cfg.checkpoint.keep_last)
@@ -214,17 +216,43 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
     """The trainer, and PPO's critic; each registered as it is created."""
     cfg, place = ctx.cfg, ctx.c.placement
     path = driver_path(cfg.model.hf_checkpoint)                   # read by the actor, on its node
+    groups = _concurrency_groups(ctx)
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, path, name="trainer", needs={"--hf-checkpoint": path},
-                                        **_trainer_placement(ctx), **trainer_options(cfg))
+                                        concurrency_groups=groups, **_trainer_placement(ctx), **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         init_from = driver_path(cfg.checkpoint.critic_load) if cfg.checkpoint.critic_load else None
         needs = {"--hf-checkpoint": path, **({"--critic-load": init_from} if init_from else {})}
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, path, name="critic", **_critic_placement(ctx),
+            ctx.backends.critic, path, name="critic", concurrency_groups=groups, **_critic_placement(ctx),
             needs=needs, train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=init_from, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
+
+
+def _background_saves(ctx: TrainingContext) -> bool:
+    """--async-save with a trainer that can save in the background (`SupportsBackgroundSave`)."""
+    return ctx.cfg.checkpoint.async_save and ctx.backends.train_spec.supports(SupportsBackgroundSave)
+
+
+def _concurrency_groups(ctx: TrainingContext) -> dict[str, int] | None:
+    """The trainer's and the critic's: with background saves, a thread for `wait_saved` beside their calls."""
+    return {SAVE_GROUP: 1} if _background_saves(ctx) else None
+
+
+def _async_save(ctx: TrainingContext, add: Any) -> None:
+    """--async-save: the run's pending background save, registered after the trainer and the critic (so
+    the teardown settles it before they go); or a warning that this trainer saves synchronously."""
+    if not ctx.cfg.checkpoint.async_save or ctx.c.store is None or ctx.c.trainer is None:
+        return
+    if _background_saves(ctx):
+        ctx.c.background_save = BackgroundSave()
+        add(ctx.c.background_save)
+        return
+    ranks = ctx.cfg.cluster.trainer_ranks
+    ctx.tracer.emit("warning", code="async_save_sync", message=(
+        f"--async-save: the {ctx.cfg.train.backend} trainer on {ranks} rank{'s' * (ranks > 1)} cannot write a "
+        "checkpoint in the background; its saves are synchronous (the torch trainer on one GPU or the CPU can)"))
 
 
 def _trainer_placement(ctx: TrainingContext) -> dict[str, Any]:
