@@ -87,6 +87,33 @@ def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_async_save_writes_the_synchronous_checkpoints_while_the_run_goes_on(ray_cluster, tiny_task, tmp_path):
+    # the same run saving after every rollout, synchronously and with --async-save: the same checkpoints,
+    # file for file; each background save committed before the next one starts, the last one at draining
+    flags = dict(num_rollout=3, save_interval=1)
+    run(base_flags(tiny_task, tmp_path / "sync", save=tmp_path / "ck_sync", **flags))
+    result = run(base_flags(tiny_task, tmp_path / "bg", save=tmp_path / "ck_bg", async_save=True, **flags))
+    assert result.final_state == "shutdown"
+    trace = read_trace(result.run_dir)
+    snapshots, saved = trace.of("checkpoint_snapshot"), trace.of("checkpoint_saved")
+    assert [e.rollout_id for e in snapshots] == [e.rollout_id for e in saved] == [0, 1, 2]
+    assert all(e.get("background") for e in saved)
+    assert snapshots[0].seq < saved[0].seq < snapshots[1].seq < saved[1].seq < snapshots[2].seq < saved[2].seq
+    assert saved[2].seq < trace.of("drained")[0].seq
+    registered = [e.get("resource") for e in trace.of("registered")]
+    assert registered.index("background_save") > registered.index("trainer")      # settled before the trainer goes
+    sync, background = CheckpointStore(tmp_path / "ck_sync"), CheckpointStore(tmp_path / "ck_bg")
+    assert [rid for rid, _ in background.list()] == [rid for rid, _ in sync.list()] == [0, 1, 2]
+    for (_, a), (_, b) in zip(sync.list(), background.list()):
+        files_a, files_b = (json.loads((p / "manifest.json").read_text())["files"] for p in (a, b))
+        assert files_a.keys() == files_b.keys()
+        for name in files_a:
+            if name.endswith(".safetensors") or name.endswith(".json") and "trainer_state" in name:
+                assert files_a[name]["sha256"] == files_b[name]["sha256"], (a.name, name)
+        assert (a / "rollout.json").read_text() == (b / "rollout.json").read_text()
+    assert miles_actors() == []
+
+
 def test_finetune_ckpt_step_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_cluster, tiny_task,
                                                                                       tmp_path):
     # a 2-rollout run with a 2-step warmup saves after each rollout; --finetune starts over from the newest's
