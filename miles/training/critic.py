@@ -150,7 +150,7 @@ class Critic(OptimizedModel):
         self._computed = [0, 0]
         size = self._train_cfg.global_batch(batch.size)
         steps = [self._step(gb) for gb in split(batch, size)]
-        metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics = {f"critic/{k}": v for k, v in self._step_averages(steps).items()}
         mask = batch.loss_mask
         metrics.update({"critic/values_mean": float(masked_mean(batch.values, mask)),
                         "critic/returns_mean": float(masked_mean(batch.returns, mask)),
@@ -165,8 +165,7 @@ class Critic(OptimizedModel):
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_gradients(batch)
-        grad_norm = self._optimizer_step()
-        return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
+        return {**sums, **self._optimizer_step(), "step_time_s": time.perf_counter() - start}
 
     def _accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
         """The global batch's value-loss gradients, micro-batch by micro-batch (the policy's: --micro-batch-size
@@ -178,7 +177,7 @@ class Critic(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for _, mb in pairs:
                 loss, terms = self._micro_loss(mb, normalizer)
-                loss.backward()
+                self._backward(loss)
                 sums.add({**terms, "micro_batches": 1.0})
         return sums.floats()
 

@@ -165,7 +165,7 @@ class Trainer(OptimizedModel):
         if self._train_cfg.save_debug_train_data:
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
-        metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics = self._step_averages(steps)
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
@@ -227,8 +227,8 @@ class Trainer(OptimizedModel):
         metrics = self.accumulate_gradients(batch, record=seen)
         if seen is not None:
             metrics.update(self._objective.mismatch(seen, batch))
-        grad_norm = self._optimizer_step()
-        return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
+        stepped = self._optimizer_step()
+        return {**metrics, **stepped, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
     def _memory_plan_args(self) -> dict:
@@ -253,7 +253,7 @@ class Trainer(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for rows, mb in pairs:
                 loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
-                loss.backward()
+                self._backward(loss)
                 if record is not None:
                     record[rows, :logprobs.shape[1]] = logprobs.detach()
                 sums.add(terms)
@@ -351,6 +351,7 @@ class Trainer(OptimizedModel):
                                     "the torch trainer's save")
         state = json.loads((path / STATE_FILE).read_text())
         load_sharded(self._live(), self._optimizer if optimizer and state.get("optimizer", True) else None, path)
+        self._load_scaler_state(state, optimizer)
         if step:
             self._num_steps = state["num_steps"]
         own = rng_file(path, self.rank)
