@@ -158,7 +158,7 @@ ALIASES: dict[str, tuple[str, str]] = {
 }
 
 # -- refused by family: one line for all of a family's flags ----------------------------------------------
-_DENSE = "this build trains dense models with full attention in bf16/fp32 (docs/coming-from-miles.md): "
+_DENSE = "this build trains dense models with full attention in bf16, fp16 or fp32 (docs/coming-from-miles.md): "
 _DECODER = "this build trains decoder-only causal LMs from --hf-checkpoint"
 FAMILIES: dict[str, Group] = {
     "MoE": Group(f"mixture-of-experts layers; {_DENSE}train a dense model", parse("""

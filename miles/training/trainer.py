@@ -2,9 +2,11 @@
 
 Precision: the parameters (the master weights) and the optimizer state are always float32. The
 forward runs under autocast in the compute dtype: bfloat16 on CUDA ("auto"), float32 on CPU, or
-what `dtype` says. Gradients land in float32 on the parameters. With --trainer-weight-shadows the
-decoder's Linear weights are cast once per micro-batch loop instead of at every forward, and their
-gradients folded into the float32 ones by hooks: the same numbers (`miles.training.shadows`).
+what `dtype` says. Gradients land in float32 on the parameters. In float16 (--fp16) the backward
+is loss-scaled and an overflow step skipped (the shell's `miles.training.loss_scale`). With
+--trainer-weight-shadows the decoder's Linear weights are cast once per micro-batch loop instead of
+at every forward, and their gradients folded into the float32 ones by hooks: the same numbers
+(`miles.training.shadows`).
 
 One rollout is trained in two calls. `prepare_rollout(samples, rollout_id, values)` packs the samples
 (`make_train_batch`), computes the trainer's logprobs (current weights, no grad), the reference
