@@ -82,3 +82,11 @@ def test_the_megatron_backend_refuses_fp16_naming_the_fix(tmp_path):
     (line,) = unsupported_features(cfg)
     assert line.startswith("--fp16: not supported by --train-backend megatron") and "--dtype bfloat16" in line
     assert unsupported_features(parse_flags(base(tmp_path) + ["--dtype", "bfloat16"])[0]) == []
+
+
+def test_fp16_gives_sglang_float16(tmp_path):
+    from miles.rollout.engines.sglang.engine import server_dtype
+
+    cfg, _ = parse_flags(base(tmp_path) + ["--fp16"])
+    assert server_dtype(cfg.model.dtype, "cuda") == "float16"
+    assert server_dtype("auto", "cuda") == "bfloat16" and server_dtype("fp16", "cuda") == "float16"
