@@ -16,6 +16,10 @@ The hysteresis tracker is refilled only by a growth, not by every clean step (Me
 it counts the overflows since the last growth. With --loss-scale S the scale is fixed (Megatron-LM's
 `ConstantGradScaler`); an overflow step is skipped all the same.
 
+One departure from Megatron-LM, which skips every overflow step: an overflow with the dynamic scale
+already at --min-loss-scale (`at_floor`) cannot be the scale's fault (a nan in the forward, a bad
+sample), so the shell stops the step there as it does under bf16, instead of skipping steps forever.
+
 bf16 and fp32 need none of this: the trainer holds `NO_SCALING` there, whose steps are what they
 were (an overflow there is a bad step, refused by the shell's finite-gradient guard).
 """
@@ -46,6 +50,11 @@ class LossScaler:
     def __post_init__(self):
         if self.hysteresis_tracker is None:
             self.hysteresis_tracker = self.hysteresis
+
+    @property
+    def at_floor(self) -> bool:
+        """The dynamic scale is at --min-loss-scale: an overflow now is not one a smaller scale avoids."""
+        return self.dynamic and self.scale <= self.min_scale
 
     def update(self, overflow: bool) -> None:
         """The rule after one optimizer step, `overflow` when its gradients held an inf or a nan."""
@@ -88,6 +97,7 @@ class NoScaling:
     """bf16 and fp32: the loss as it is, and an overflow is not expected (the shell stops the step)."""
 
     skips_overflow = False
+    at_floor = False
     scale = 1.0
 
     def update(self, overflow: bool) -> None:

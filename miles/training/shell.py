@@ -104,10 +104,11 @@ class OptimizedModel:
         self._scaler.unscale([local(p.grad) for p in params])
         grad_norm = clip_grad_norm(params, self._max_grad_norm)
         overflow = not math.isfinite(grad_norm)     # the same on every rank: the norm is all-reduced
-        if overflow and not self._scaler.skips_overflow:
+        if overflow and (not self._scaler.skips_overflow or self._scaler.at_floor):
             # stepping would write NaN/inf into every weight; stop with the weights still good
-            raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
-                                     f"lower {self.lr_hint}, set --clip-grad, or look for bad samples")
+            floor = f" with the loss scale at --min-loss-scale {scale}" if self._scaler.at_floor else ""
+            raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}"
+                                     f"{floor}; lower {self.lr_hint}, set --clip-grad, or look for bad samples")
         self._scaler.update(overflow)
         if overflow:        # float16: the scale was too large; weights and moments stay, the schedule does not advance
             self._optimizer.zero_grad(set_to_none=True)

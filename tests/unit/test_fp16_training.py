@@ -80,6 +80,15 @@ def test_bf16_and_fp32_still_stop_on_a_non_finite_gradient(model_path):
         t.train(SAMPLES, rollout_id=0)
 
 
+def test_an_overflow_at_the_minimum_scale_stops_the_step(model_path):
+    # a nan weight makes every gradient nan whatever the scale: skipped until the scale is at its floor, then an error
+    t = trainer(model_path, "float16", initial_loss_scale=4.0, min_loss_scale=2.0, hysteresis=1,
+                num_steps_per_rollout=4)
+    t.model.get_input_embeddings().weight.data[7, 0] = math.nan
+    with pytest.raises(FloatingPointError, match="at optimizer step 0 with the loss scale at --min-loss-scale 2.0"):
+        t.train(SAMPLES, rollout_id=0)      # step 1 skipped at 4 (halved to 2), step 2 at the floor: stop
+
+
 def test_the_scaler_state_round_trips_through_a_checkpoint(model_path, tmp_path):
     t = trainer(model_path, "float16", initial_loss_scale=2.0 ** 17, loss_scale_window=1, hysteresis=3)
     t.train(SAMPLES, rollout_id=0)

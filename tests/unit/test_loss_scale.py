@@ -75,3 +75,11 @@ def test_unscale_divides_by_the_scale():
     assert g[0].tolist() == [3.0] * 3 and g[1].tolist() == [-1.0] * 2
     loss = torch.tensor(1.5)
     assert LossScaler(scale=4.0).scaled(loss).item() == 6.0 and NO_SCALING.scaled(loss) is loss
+
+
+def test_the_floor_is_where_the_dynamic_scale_can_fall_no_further():
+    s = LossScaler(scale=4.0, min_scale=2.0, hysteresis=1)
+    assert not s.at_floor
+    s.update(True)
+    assert s.scale == 2.0 and s.at_floor
+    assert not LossScaler(scale=1.0, dynamic=False).at_floor and not NO_SCALING.at_floor   # a fixed scale has none
