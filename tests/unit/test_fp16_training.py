@@ -178,3 +178,26 @@ def test_engines_hold_float16_and_take_the_trainers_weights_cast(model_path, eng
     batch = t.prepare(make_train_batch([sampled], t.pad_id))
     trained = batch.old_logprobs[batch.loss_mask]
     torch.testing.assert_close(trained, torch.tensor(gen.logprobs), rtol=0.0, atol=2e-2)
+
+
+def test_two_fsdp_ranks_skip_the_same_overflow_steps_then_step_together(model_path, tmp_path):
+    """2 spawned gloo ranks in float16 at Megatron-LM's start of 2^32: both of rollout 0's steps
+    overflow on both ranks (the decision is the all-reduced norm's), the first spends --hysteresis 2's
+    first overflow, the second halves the scale, and no weight moves. At 2^12 rollout 1's steps apply,
+    the ranks' weights stay equal, and the gradient norm is about the one-process float32 trainer's
+    (8.10 against 8.06 when written; the one-process trainer under float16 autocast: 7.91, bf16 7.77)."""
+    from tests.unit.test_fsdp_ranks import ROLLOUT, RANKS_TRAIN, configs, run_ranks
+
+    one = Trainer(model_path, **configs(**RANKS_TRAIN))
+    initial = weights(one)
+    expected = one.train(ROLLOUT, 1)["grad_norm"]
+    in_range = {"loss_scaler": {"scale": 2.0 ** 12, "growth_tracker": 0, "hysteresis_tracker": 2}}
+    ranks = run_ranks(2, model_path, tmp_path, [("train", 0), ("_load_scaler_state", in_range), ("train", 1)],
+                      dtype="float16")
+    for (skipped, after_skip), (stepped, after_step) in ranks:
+        assert (skipped["num_steps"], skipped["skipped_steps"], skipped["loss_scale"]) == (2, 2.0, 2.0 ** 31)
+        assert all(torch.equal(after_skip[n], w) for n, w in initial.items())
+        assert (stepped["skipped_steps"], stepped["loss_scale"]) == (0.0, 2.0 ** 12)
+        assert stepped["grad_norm"] == pytest.approx(expected, rel=2e-2)
+        assert not all(torch.equal(after_step[n], w) for n, w in initial.items())     # the step applied
+    assert all(torch.equal(ranks[0][1][1][n], ranks[1][1][1][n]) for n in initial)
