@@ -1,5 +1,6 @@
-"""--fp16 on the torch trainer and PPO's critic (CPU autocast in float16): the loss scale's steps, the
-skipped overflow steps, and the scaler's state in the checkpoint."""
+"""--fp16 on the torch trainer, PPO's critic and the FSDP2 ranks (CPU autocast in float16), and the
+engines in float16: the loss scale's steps, the skipped overflow steps, the scaler's state in the
+checkpoint, and the weights the engines hold."""
 
 from __future__ import annotations
 
