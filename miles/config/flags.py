@@ -23,7 +23,7 @@ import yaml
 from miles.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES
 
 from .eval_config import load_eval_config
-from .megatron_arch import megatron_problems, pop_megatron_values
+from .megatron_arch import megatron_problems, pop_megatron_values, precision_problems
 from .megatron_flags import ALIASES as MEGATRON_ALIASES, dest as megatron_dest, help_text as megatron_help, megatron_options
 from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
                           refused_in)
@@ -74,7 +74,11 @@ FLAGS: tuple[Flag, ...] = (
     # model
     _f("hf-checkpoint", "model", "hf_checkpoint", str, "HF-format folder with the model and its tokenizer"),
     _f("device", "model", "device", str, "where engines and trainers run", ("auto", "cpu", "cuda")),
-    _f("dtype", "model", "dtype", str, "parameter dtype (auto: fp32 on CPU, bf16 on GPU)", ("auto", "float32", "bfloat16")),
+    _f("dtype", "model", "dtype", str, "the compute dtype of trainers and engines (auto: fp32 on CPU, bf16 on GPU); "
+       "the trainers keep float32 master weights and AdamW state either way. float16 (--fp16) scales the loss "
+       "(--initial-loss-scale & co.; miles/training/loss_scale.py) and skips the steps whose gradients overflow; the "
+       "torch backend only, PPO's critic too. fp32, bf16, fp16 are taken for the long names",
+       ("auto", "float32", "bfloat16", "float16")),
     # data
     _f("prompt-data", "data", "prompt_data", str, "training prompts: a .jsonl or .parquet file"),
     _f("input-key", "data", "input_key", str, "the prompt's key in each row"),
@@ -266,6 +270,19 @@ FLAGS: tuple[Flag, ...] = (
             "the first rollout on and also frees the gradients while the engine rolls out"),
     _f("offload-optimizer-states", "train", "optimizer_cpu_offload", kind="true",
        help="miles' FSDP backend's name of --optimizer-cpu-offload: the same"),
+    # train: float16 loss scaling (--fp16; Megatron-LM's flags and defaults)
+    _f("loss-scale", "train", "loss_scale", float,
+       "--fp16: a fixed loss scale instead of the dynamic one; a step whose gradients overflow is still skipped "
+       "(Megatron-LM's; default: none, dynamic)"),
+    _f("initial-loss-scale", "train", "initial_loss_scale", float,
+       "--fp16: the dynamic loss scale's start (default 65536, torch's GradScaler's; Megatron-LM's 2^32 makes the "
+       "first ~18 steps overflow and be skipped while it falls to float16's range: in RL, a rollout's update each)"),
+    _f("min-loss-scale", "train", "min_loss_scale", float, "--fp16: the dynamic loss scale's floor"),
+    _f("loss-scale-window", "train", "loss_scale_window", int,
+       "--fp16: steps without an overflow after which the dynamic loss scale doubles"),
+    _f("hysteresis", "train", "hysteresis", int,
+       "--fp16: overflow steps (since the scale last grew) before the dynamic loss scale is halved; every overflow "
+       "step is skipped"),
     # train: the megatron backend's parallelism (--train-backend megatron)
     _f("tensor-model-parallel-size", "train", "tensor_model_parallel_size", int,
        "megatron: tensor-parallel ranks per model replica (must divide the attention and key/value heads)"),
@@ -577,6 +594,7 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
     values.update(miles_value_aliases(values))
     megatron = pop_megatron_values(values)      # checked against --hf-checkpoint's config.json below
     refused += megatron_problems(megatron, values.get("hf_checkpoint"))    # reported with the refused flags
+    refused += precision_problems(megatron, values.get("dtype"))
     if passthrough:     # the command line's SGLang flags override the file's, flag by flag
         values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     try:                      # the refused flags first, then everything else wrong with the command line

@@ -35,6 +35,19 @@ def pop_megatron_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def precision_problems(given: dict[str, Any], dtype: str | None) -> list[str]:
+    """--fp16 sets --dtype float16 (`SETS`): given with --bf16 or with another --dtype, the run would have
+    two precisions; one line naming both. `dtype`: the run's --dtype after `pop_megatron_values`."""
+    if not given.get("fp16"):
+        return []
+    if given.get("bf16"):
+        return ["--fp16 and --bf16 ask for two precisions: give one (--fp16 is --dtype float16; bf16 is "
+                "--dtype bfloat16, or auto on GPUs)"]
+    if dtype != "float16":
+        return [f"--fp16 (--dtype float16) and --dtype {dtype} ask for two precisions: drop one of them"]
+    return []
+
+
 def megatron_problems(given: dict[str, Any], hf_checkpoint: str | None) -> list[str]:
     """One line per Megatron flag whose value this run cannot honour."""
     problems = [f"--{name} {given[name]}: {flag.note}; here only {flag.required} (drop the flag)"

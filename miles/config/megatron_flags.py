@@ -130,8 +130,12 @@ REQUIRED: dict[str, MegatronFlag] = {
 # Megatron switches that set one of this build's values: flag -> (RunConfig flag dest, value)
 SETS: dict[str, tuple[str, object]] = {
     "calculate-per-token-loss": ("loss_agg_mode", "token_mean"),     # miles: mean over the global batch's tokens
+    "fp16": ("dtype", "float16"),   # with another --dtype or --bf16: a problem (megatron_arch.precision_problems)
 }
-SETS_NOTES = {"calculate-per-token-loss": "miles: the loss is the mean over the batch's tokens = --loss-agg-mode token_mean"}
+SETS_NOTES = {"calculate-per-token-loss": "miles: the loss is the mean over the batch's tokens = --loss-agg-mode token_mean",
+              "fp16": "Megatron-LM's fp16 training = --dtype float16: float16 compute, float32 master weights and "
+                      "AdamW state, dynamic loss scaling (--initial-loss-scale, --min-loss-scale, --loss-scale-window, "
+                      "--hysteresis; --loss-scale fixes it); the torch backend only (tested on the CPU)"}
 
 @dataclass(frozen=True)
 class Family:

@@ -49,6 +49,7 @@ IMPLEMENTED = parse("""
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
     exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload async-save
+    loss-scale= initial-loss-scale= min-loss-scale= loss-scale-window= hysteresis=
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -63,12 +64,10 @@ SCRIPTS = parse("""
     no-persist-layer-norm cross-entropy-loss-fusion use-mcore-models no-create-attention-mask-in-dataloader
     attention-softmax-in-fp32 transformer-impl= attention-backend= cp-comm-type* bf16 accumulate-allreduce-grads-in-fp32
     use-distributed-optimizer distributed-backend= distributed-timeout-minutes= ckpt-format= seq-length=
-    make-vocab-size-divisible-by= calculate-per-token-loss
+    make-vocab-size-divisible-by= calculate-per-token-loss fp16
 """)
-# in miles.config.miles_flags.MEGATRON_REFUSED (one line each)
-SCRIPTS_REFUSED = parse("""
-    fp16
-""")
+# in miles.config.miles_flags.MEGATRON_REFUSED (one line each): none since --fp16 and --async-save were built
+SCRIPTS_REFUSED: dict[str, str] = {}
 
 
 # -- accepted: no effect here ---------------------------------------------------------------------------
@@ -138,9 +137,6 @@ ACCEPTED: dict[str, Group] = {
         num-workers= num-dataset-builder-threads= no-mmap-bin-files data-cache-path= object-storage-cache-path=
         mid-level-dataset-surplus= reset-position-ids reset-attention-mask eod-mask-loss allow-ambiguous-pad-tokens
     """)),
-    "fp16 loss scaling": Group(
-        "fp16 loss scaling; here training is bf16 or fp32 (--fp16 is refused), which needs none" + _NO_EFFECT,
-        parse("loss-scale= initial-loss-scale= min-loss-scale= loss-scale-window= hysteresis=")),
     "optimizer offload details": Group(
         "how Megatron-LM's optimizer offload moves its copies, or its precision-aware optimizer keeps the state; "
         "here --optimizer-cpu-offload overlaps its copies with the updates already, and the state is float32 (the "
@@ -160,7 +156,7 @@ ALIASES: dict[str, tuple[str, str]] = {
 }
 
 # -- refused by family: one line for all of a family's flags ----------------------------------------------
-_DENSE = "this build trains dense models with full attention in bf16/fp32 (docs/coming-from-miles.md): "
+_DENSE = "this build trains dense models with full attention in bf16, fp16 or fp32 (docs/coming-from-miles.md): "
 _DECODER = "this build trains decoder-only causal LMs from --hf-checkpoint"
 FAMILIES: dict[str, Group] = {
     "MoE": Group(f"mixture-of-experts layers; {_DENSE}train a dense model", parse("""
@@ -358,7 +354,8 @@ REFUSED: dict[str, str] = {
     "use-checkpoint-opt-param-scheduler": "takes the learning-rate schedule from the checkpoint; here it always comes "
                                           "from the flags: give the run's --lr-* flags again",
     "grad-reduce-in-bf16": f"reduces gradients in bf16; {NOT_YET}: gradients are reduced in fp32",
-    "fp16-lm-cross-entropy": "the LM loss in fp16; here --dtype bfloat16 or float32 (--fp16 is refused)",
+    "fp16-lm-cross-entropy": "the LM loss in fp16; here the logprobs and the loss are float32 under every --dtype "
+                             "(--fp16 too): drop it",
     "disable-bf16-reduced-precision-matmul": f"turns off reduced-precision bf16 matmul accumulation; {NOT_YET}",
     "exit-signal-handler": "saves and stops on SIGTERM; here SIGINT/SIGTERM stop the run within --stop-timeout, and "
                            "it resumes from the last --save-interval save: drop it",

@@ -202,8 +202,7 @@ REFUSED: dict[str, str] = {
 # --tensor/--pipeline/--context-parallel-size, --sequence-parallel) are in FLAGS; the others are here.
 MEGATRON_REFUSED: dict[str, str] = {
     # --tensor/--pipeline/--context-parallel-size, --sequence-parallel and --decoder-first/last-pipeline-num-layers
-    # are FLAGS (--train-backend megatron)
-    "fp16": "Megatron's fp16 training; here --dtype bfloat16 or float32",
+    # are FLAGS (--train-backend megatron); --fp16 sets --dtype float16 (megatron_flags.SETS)
 }
 
 # families: any flag starting with the prefix
@@ -299,6 +298,7 @@ def rm_type_problem(rm_type: str, here: Iterable[str]) -> str:
 # miles' values with another name here: dest -> {miles' value: this build's}
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "train_backend": {"fsdp": "torch"},   # miles' FSDP backend trains the HF model, as --train-backend torch does
+    "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"},   # the short names torch users write
 }
 
 

@@ -50,6 +50,11 @@ class ConfigError(ValueError):
         super().__init__("\n".join(f"  - {p}" for p in self.problems) if len(self.problems) > 1 else self.problems[0])
 
 
+# --dtype's names (and their short forms) -> the dtype; miles.weights.hf.resolve_dtype maps these to torch's
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
 def uses_gpus(device: str, cluster_gpus: int) -> bool:
     """The one rule of where a run computes: --device cuda, or --device auto in a cluster with GPUs."""
     return cluster_gpus > 0 if device == "auto" else device.startswith("cuda")
@@ -59,7 +64,7 @@ def uses_gpus(device: str, cluster_gpus: int) -> bool:
 class ModelConfig:
     hf_checkpoint: str                  # --hf-checkpoint: HF-format folder (model + tokenizer)
     device: str = "auto"                # --device: auto | cpu | cuda
-    dtype: str = "auto"                 # --dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16
+    dtype: str = "auto"                 # --dtype: auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16 (--fp16)
 
     @property
     def on_gpus(self) -> bool | None:
@@ -69,6 +74,11 @@ class ModelConfig:
 
     def uses_gpus(self, cluster_gpus: int) -> bool:
         return uses_gpus(self.device, cluster_gpus)
+
+    @property
+    def float16(self) -> bool:
+        """--fp16 (--dtype float16): the trainers compute in float16 under loss scaling."""
+        return DTYPES.get(self.dtype) == "float16"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +241,13 @@ class TrainConfig:
     weight_shadows: bool = False        # --trainer-weight-shadows: Linear weights cast once a step, not once a micro-batch
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
     mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
+    # float16 loss scaling (--fp16; miles.training.loss_scale): Megatron-LM's flags and defaults, but the
+    # start is torch's GradScaler's 2^16: Megatron-LM's 2^32 skips the first ~18 steps, a rollout's update each
+    loss_scale: float | None = None     # --loss-scale: a fixed scale (None: dynamic)
+    initial_loss_scale: float = 2.0 ** 16  # --initial-loss-scale: the dynamic scale's start (Megatron-LM's: 2^32)
+    min_loss_scale: float = 1.0         # --min-loss-scale: the dynamic scale's floor
+    loss_scale_window: int = 1000       # --loss-scale-window: clean steps before the scale doubles
+    hysteresis: int = 2                 # --hysteresis: overflows (since the last growth) before the scale is cut
     # the megatron backend's parallelism (--train-backend megatron); data parallel = the trainer's GPUs / (TP x PP x CP)
     tensor_model_parallel_size: int = 1    # --tensor-model-parallel-size
     pipeline_model_parallel_size: int = 1  # --pipeline-model-parallel-size

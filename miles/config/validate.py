@@ -12,7 +12,7 @@ from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LO
 from miles.runtime.machine import STATES, MachineDef
 
 from .checks import check, run_checks
-from .schema import ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig
+from .schema import DTYPES, ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig
 
 
 def validate(cfg: RunConfig) -> None:
@@ -30,6 +30,22 @@ def _names(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.train.backend not in TRAIN_BACKEND_NAMES:
         problems.append(f"--train-backend {cfg.train.backend}: no such backend; use one of "
                         f"{', '.join(TRAIN_BACKEND_NAMES)}")
+
+
+@check
+def _precision(cfg: RunConfig, problems: list[str]) -> None:
+    """--dtype's names (a config built in code skips the flag's choices) and the loss scaling's ranges."""
+    if cfg.model.dtype != "auto" and cfg.model.dtype not in DTYPES:
+        problems.append(f"--dtype {cfg.model.dtype}: no such dtype; use auto, {', '.join(DTYPES)}")
+    t = cfg.train
+    if t.loss_scale is not None and t.loss_scale <= 0:
+        problems.append(f"--loss-scale {t.loss_scale}: must be > 0 (leave it out for the dynamic scale)")
+    if not 0 < t.min_loss_scale <= t.initial_loss_scale:
+        problems.append(f"--min-loss-scale {t.min_loss_scale} / --initial-loss-scale {t.initial_loss_scale}: need "
+                        "0 < min <= initial")
+    for flag, value in (("--loss-scale-window", t.loss_scale_window), ("--hysteresis", t.hysteresis)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be a positive integer")
 
 
 @check

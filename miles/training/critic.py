@@ -150,7 +150,7 @@ class Critic(OptimizedModel):
         self._computed = [0, 0]
         size = self._train_cfg.global_batch(batch.size)
         steps = [self._step(gb) for gb in split(batch, size)]
-        metrics = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics = {f"critic/{k}": v for k, v in self._step_averages(steps).items()}
         mask = batch.loss_mask
         metrics.update({"critic/values_mean": float(masked_mean(batch.values, mask)),
                         "critic/returns_mean": float(masked_mean(batch.returns, mask)),
@@ -165,8 +165,7 @@ class Critic(OptimizedModel):
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_gradients(batch)
-        grad_norm = self._optimizer_step()
-        return {**sums, "grad_norm": grad_norm, "step_time_s": time.perf_counter() - start}
+        return {**sums, **self._optimizer_step(), "step_time_s": time.perf_counter() - start}
 
     def _accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
         """The global batch's value-loss gradients, micro-batch by micro-batch (the policy's: --micro-batch-size
@@ -178,7 +177,7 @@ class Critic(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for _, mb in pairs:
                 loss, terms = self._micro_loss(mb, normalizer)
-                loss.backward()
+                self._backward(loss)
                 sums.add({**terms, "micro_batches": 1.0})
         return sums.floats()
 
@@ -206,13 +205,13 @@ class Critic(OptimizedModel):
         `background` (--async-save): a CPU snapshot now, the files on the writer thread (`wait_saved`)."""
         weights = state_dict_to_cpu(model_weights(self._live()))
         state = (self._optimizer_snapshot() if background else self._optimizer.state_dict()) if optimizer else None
-        self._write(background, self._write_folder, Path(path), weights, state, self._num_steps)
+        self._write(background, self._write_folder, Path(path), weights, state, self._counters(optimizer))
 
     def _write_folder(self, path: Path, weights: dict[str, Tensor], optimizer_state: dict | None,
-                      num_steps: int | None = None) -> None:
+                      counters: dict | None = None) -> None:
         """`save`'s folder from whole CPU `weights` (the ValueModel's names, tied aliases once) and
         the optimizer state keyed by parameter index (None: not saved); also what the critic's rank 0
-        writes on many ranks, so either loads the other's. `num_steps`: the snapshot's (default: now)."""
+        writes on many ranks, so either loads the other's. `counters`: the snapshot's state file (default: now)."""
         from safetensors.torch import save_file
 
         lm = {n.removeprefix("lm."): t for n, t in weights.items() if n.startswith("lm.")}
@@ -220,7 +219,7 @@ class Critic(OptimizedModel):
         self._live().lm.save_pretrained(str(path), state_dict=lm)
         self._tokenizer.save_pretrained(str(path))
         save_file(head, str(path / HEAD_FILE))
-        self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state, num_steps=num_steps)
+        self._save_optimizer(path, optimizer=optimizer_state is not None, state=optimizer_state, counters=counters)
 
     def load(self, path: str | Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """Restore what `save` wrote: backbone, head, optimizer state, step count (the parts as in

@@ -2,7 +2,9 @@
 
 What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
 run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
-step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step), the
+step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step; under float16
+the loss scaling of `miles.training.loss_scale`: the gradients unscaled before the clip, and a
+non-finite norm is an overflow whose step is skipped, not an error), the
 micro-batches of a global batch (--micro-batch-size rows, or with --use-dynamic-batch-size token-budget
 groups of at most --max-tokens-per-gpu tokens, packed into one row when the model packs; on CUDA without
 --max-tokens-per-gpu a budget planned from the free memory: `miles.training.microbatch`,
@@ -27,13 +29,14 @@ from torch import Tensor, nn
 from miles.checkpoint.background import BackgroundWrites
 from miles.config import TrainConfig
 from miles.training.batch import TrainBatch
+from miles.training.loss_scale import loss_scaler
 from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import HostRows, padded_tokens, plan_micro_batches, take_rows
 from miles.training.packing import to_device
 from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
 from miles.training.shadows import weight_shadows
-from miles.training.shards import clip_grad_norm, step_shards
+from miles.training.shards import clip_grad_norm, local, step_shards
 from miles.training.schedule import lr_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
@@ -61,6 +64,7 @@ class OptimizedModel:
             raise ValueError(f"--use-dynamic-batch-size needs --max-tokens-per-gpu N off CUDA (the {self.role} is on "
                              f"{self.device.type}; on CUDA the budget is planned from the free memory)")
         self.compute_dtype = resolve_dtype(dtype, self.device)
+        self._scaler = loss_scaler(train, self.compute_dtype)     # float16: a loss scale; else none
         self._train_cfg = train
         self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
         self._lr_at = lr_schedule(train)
@@ -97,13 +101,34 @@ class OptimizedModel:
             return contextlib.nullcontext()
         return weight_shadows(model, self.compute_dtype, grads=grads)
 
-    def _optimizer_step(self) -> float:
-        """Clip the accumulated gradients and step; returns the gradient norm before clipping."""
-        grad_norm = clip_grad_norm(self._live().parameters(), self._max_grad_norm)
-        if not math.isfinite(grad_norm):
+    def _backward(self, loss: Tensor) -> None:
+        """The backward of a micro-batch's loss, scaled under float16 (`_optimizer_step` unscales)."""
+        self._scaler.scaled(loss).backward()
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Unscale and clip the accumulated gradients, and step; the gradient norm before clipping, and
+        under float16 the loss scale the step's backward used and whether the step was skipped."""
+        scale = self._scaler.scale
+        params = [p for p in self._live().parameters() if p.grad is not None]
+        self._scaler.unscale([local(p.grad) for p in params])
+        grad_norm = clip_grad_norm(params, self._max_grad_norm)
+        overflow = not math.isfinite(grad_norm)     # the same on every rank: the norm is all-reduced
+        if overflow and (not self._scaler.skips_overflow or self._scaler.at_floor):
             # stepping would write NaN/inf into every weight; stop with the weights still good
-            raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}; "
-                                     f"lower {self.lr_hint}, set --clip-grad, or look for bad samples")
+            floor = f" with the loss scale at --min-loss-scale {scale}" if self._scaler.at_floor else ""
+            raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}"
+                                     f"{floor}; lower {self.lr_hint}, set --clip-grad, or look for bad samples")
+        self._scaler.update(overflow)
+        if overflow:        # float16: the scale was too large; weights and moments stay, the schedule does not advance
+            self._optimizer.zero_grad(set_to_none=True)
+        else:
+            self._apply_step()
+        if not self._scaler.skips_overflow:
+            return {"grad_norm": grad_norm}
+        return {"grad_norm": math.nan if overflow else grad_norm, "loss_scale": scale, "skipped_steps": float(overflow)}
+
+    def _apply_step(self) -> None:
+        """Set the scheduled rate and step the optimizer on the (unscaled, clipped) gradients."""
         for group in self._optimizer.param_groups:
             group["lr"] = self._lr_at(self._num_steps)
         if self._host is not None:
@@ -114,7 +139,17 @@ class OptimizedModel:
         # colocated engine's KV cache gets them during the rollout) instead of at the next step's start
         self._optimizer.zero_grad(set_to_none=True)
         self._num_steps += 1
-        return grad_norm
+
+    def _step_averages(self, steps: list[dict[str, float]]) -> dict[str, float]:
+        """The metrics of a train call's optimizer steps: each averaged over the steps, but under float16
+        `skipped_steps` counted and `grad_norm` averaged over the applied steps (nan: none applied), and
+        `loss_scale` the one the next step uses."""
+        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        if self._scaler.skips_overflow:
+            applied = [s["grad_norm"] for s in steps if not s["skipped_steps"]]
+            out.update(grad_norm=sum(applied) / len(applied) if applied else math.nan,
+                       skipped_steps=float(sum(s["skipped_steps"] for s in steps)), loss_scale=self._scaler.scale)
+        return out
 
     # --- micro-batches -----------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
@@ -166,15 +201,21 @@ class OptimizedModel:
         return self._memory_budget
 
     def _save_optimizer(self, path: Path, *, optimizer: bool = True, state: dict | None = None,
-                        num_steps: int | None = None) -> None:
+                        counters: dict | None = None) -> None:
         """The step count, and the optimizer state unless `optimizer` is False (--no-save-optim: a
         resume from `path` starts a fresh optimizer; the state file says so). `state`: what to write in
         place of `self._optimizer.state_dict()` (a sharded optimizer's state gathered whole, or a
-        background save's snapshot); `num_steps`: the snapshot's step count (default: now)."""
+        background save's snapshot); `counters`: the state file as the snapshot took it (`_counters`;
+        default: now)."""
         if optimizer:
             torch.save(self._optimizer.state_dict() if state is None else state, path / OPTIMIZER_FILE)
-        steps = self._num_steps if num_steps is None else num_steps
-        (path / self.state_file).write_text(json.dumps({"num_steps": steps, "optimizer": optimizer}))
+        (path / self.state_file).write_text(json.dumps(self._counters(optimizer) if counters is None else counters))
+
+    def _counters(self, optimizer: bool = True) -> dict:
+        """The state file's contents now: the step count, whether the optimizer state is saved, and the
+        float16 loss scaler's state (kept with the optimizer's, as Megatron-LM does: --no-save-optim
+        drops it too)."""
+        return {"num_steps": self._num_steps, "optimizer": optimizer, **self._scaler_state(optimizer)}
 
     def _optimizer_snapshot(self) -> dict:
         """`self._optimizer.state_dict()` with every tensor copied to the CPU: what a background save
@@ -201,6 +242,18 @@ class OptimizedModel:
         own (a Ray concurrency group), beside whatever the actor runs."""
         return self._writes.wait()
 
+    def _scaler_state(self, optimizer: bool = True) -> dict:
+        """The state file's entry for the float16 loss scaler (Megatron-LM keeps it with the optimizer's
+        state, so --no-save-optim drops it too); {} without one."""
+        state = self._scaler.state_dict() if optimizer else None
+        return {} if state is None else {"loss_scaler": state}
+
+    def _load_scaler_state(self, state: dict, optimizer: bool = True) -> None:
+        """The loss scaler's state from a state file's `state`, when it has one and the optimizer's state is
+        asked for (--no-load-optim, --finetune: the scale starts again at --initial-loss-scale)."""
+        if optimizer and "loss_scaler" in state:
+            self._scaler.load_state_dict(state["loss_scaler"])
+
     def _saved_with_optimizer(self, path: Path) -> bool:
         state = path / self.state_file
         return not state.is_file() or json.loads(state.read_text()).get("optimizer", True)
@@ -215,8 +268,11 @@ class OptimizedModel:
             else:
                 self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
                                                            weights_only=True))
-        if step and (path / self.state_file).is_file():
-            self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
+        if (path / self.state_file).is_file():
+            state = json.loads((path / self.state_file).read_text())
+            self._load_scaler_state(state, optimizer)
+            if step:
+                self._num_steps = state["num_steps"]
 
     def offload(self) -> int:
         """The optimizer state to host memory, the gradients dropped (--offload-train); the bytes of

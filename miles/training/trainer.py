@@ -2,9 +2,11 @@
 
 Precision: the parameters (the master weights) and the optimizer state are always float32. The
 forward runs under autocast in the compute dtype: bfloat16 on CUDA ("auto"), float32 on CPU, or
-what `dtype` says. Gradients land in float32 on the parameters. With --trainer-weight-shadows the
-decoder's Linear weights are cast once per micro-batch loop instead of at every forward, and their
-gradients folded into the float32 ones by hooks: the same numbers (`miles.training.shadows`).
+what `dtype` says. Gradients land in float32 on the parameters. In float16 (--fp16) the backward
+is loss-scaled and an overflow step skipped (the shell's `miles.training.loss_scale`). With
+--trainer-weight-shadows the decoder's Linear weights are cast once per micro-batch loop instead of
+at every forward, and their gradients folded into the float32 ones by hooks: the same numbers
+(`miles.training.shadows`).
 
 One rollout is trained in two calls. `prepare_rollout(samples, rollout_id, values)` packs the samples
 (`make_train_batch`), computes the trainer's logprobs (current weights, no grad), the reference
@@ -173,7 +175,7 @@ class Trainer(OptimizedModel):
         if self._train_cfg.save_debug_train_data:
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
-        metrics = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        metrics = self._step_averages(steps)
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
@@ -235,8 +237,8 @@ class Trainer(OptimizedModel):
         metrics = self.accumulate_gradients(batch, record=seen)
         if seen is not None:
             metrics.update(self._objective.mismatch(seen, batch))
-        grad_norm = self._optimizer_step()
-        return {**metrics, "grad_norm": grad_norm, "lr": float(self._optimizer.param_groups[0]["lr"]),
+        stepped = self._optimizer_step()
+        return {**metrics, **stepped, "lr": float(self._optimizer.param_groups[0]["lr"]),
                 "step_time_s": time.perf_counter() - start}
 
     def _memory_plan_args(self) -> dict:
@@ -261,7 +263,7 @@ class Trainer(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for rows, mb in pairs:
                 loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
-                loss.backward()
+                self._backward(loss)
                 if record is not None:
                     record[rows, :logprobs.shape[1]] = logprobs.detach()
                 sums.add(terms)
@@ -318,16 +320,16 @@ class Trainer(OptimizedModel):
         weights = self.weights()                 # CPU copies either way
         state = self._optimizer_snapshot() if optimizer and background else None
         ref = state_dict_to_cpu(model_weights(self._ref)) if self._ref_interval else None   # refreshed: keep it
-        self._write(background, self._write_checkpoint, Path(path), weights, optimizer, state, self._num_steps,
-                    rng_state(), ref)
+        self._write(background, self._write_checkpoint, Path(path), weights, optimizer, state,
+                    self._counters(optimizer), rng_state(), ref)
 
     def _write_checkpoint(self, path: Path, weights: dict[str, Tensor], optimizer: bool, state: dict | None,
-                          num_steps: int, rng: dict, ref: dict[str, Tensor] | None) -> None:
+                          counters: dict, rng: dict, ref: dict[str, Tensor] | None) -> None:
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(path / MODEL_FILE))
-        self._save_optimizer(path, optimizer=optimizer, state=state, num_steps=num_steps)
+        self._save_optimizer(path, optimizer=optimizer, state=state, counters=counters)
         torch.save(rng, path / RNG_FILE)
         if ref is not None:
             save_file(ref, str(path / REF_FILE))
@@ -367,6 +369,7 @@ class Trainer(OptimizedModel):
                                     "the torch trainer's save")
         state = json.loads((path / STATE_FILE).read_text())
         load_sharded(self._live(), self._optimizer if optimizer and state.get("optimizer", True) else None, path)
+        self._load_scaler_state(state, optimizer)
         if step:
             self._num_steps = state["num_steps"]
         own = rng_file(path, self.rank)

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+from miles.config.schema import DTYPES
+
+_DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPES.items()}
 
 
 def resolve_device(device: str) -> torch.device:

@@ -368,3 +368,19 @@ def test_draining_settles_the_pending_save(tmp_path, case):
     else:
         assert "the trainer's disk went away" in events("checkpoint_failed")[0].get("error") and stored == []
     assert not list((tmp_path / "ck").glob(".tmp-*"))
+
+
+def test_a_float16_trainer_saves_the_loss_scale_of_its_snapshot(model_path, tmp_path):
+    from tests.unit.test_fp16_training import trainer as fp16_trainer
+
+    t = fp16_trainer(model_path, "float16", initial_loss_scale=2.0 ** 40, hysteresis=1)    # every step overflows
+    t.train(SAMPLES, 0)
+    t.save(tmp_path / "sync")
+    release = held_writer(t)
+    t.save(tmp_path / "background", background=True)
+    t.train(SAMPLES, 1)                                   # the scale halves again
+    release.set()
+    t.wait_saved()
+    same_files(tmp_path / "sync", tmp_path / "background")
+    saved = json.loads((tmp_path / "background" / "trainer_state.json").read_text())["loss_scaler"]["scale"]
+    assert saved > t._scaler.scale

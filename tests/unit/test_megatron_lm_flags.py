@@ -118,7 +118,7 @@ def test_accepted_flags_take_megatron_lms_values_and_change_nothing(tmp_path):
     plain, _ = parse_flags(base(tmp_path))
     cfg, _ = parse_flags(base(tmp_path) + [
         "--num-workers", "8", "--log-interval", "1", "--init-method-std", "-0.02", "--use-cpu-initialization",
-        "--cp-comm-type", "p2p", "a2a", "--hierarchical-context-parallel-sizes", "2", "4", "--loss-scale", "-1",
+        "--cp-comm-type", "p2p", "a2a", "--hierarchical-context-parallel-sizes", "2", "4", "--num-workers", "-1",
         "--no-one-logger", "--override-opt-param-scheduler", "--ckpt-fully-parallel-load", "--lr", "3e-6"])
     assert cfg.train == dataclasses.replace(plain.train, lr=3e-6)
     assert (cfg.checkpoint, cfg.tracking, cfg.data) == (plain.checkpoint, plain.tracking, plain.data)

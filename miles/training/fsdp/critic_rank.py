@@ -107,7 +107,7 @@ class FSDPCriticRank(RankMicroBatches, Critic):
             self._root.set_reshard_after_backward(last)
             loss, terms = self._micro_loss(mb, normalizer)
             real = rows.numel() > 0
-            (loss if real else loss * 0.0).backward()
+            self._backward(loss if real else loss * 0.0)
             sums.add(terms, 1.0 if real else 0.0)
             sums.add({"micro_batches": float(real)})
         return sum_over_ranks(sums.floats(), self.device)
@@ -152,8 +152,11 @@ class FSDPCriticRank(RankMicroBatches, Critic):
         state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) \
             if optimizer and (path / OPTIMIZER_FILE).is_file() else None
         load_full(self._live(), weights, self._optimizer, state)
-        if step and (path / self.state_file).is_file():
-            self._num_steps = json.loads((path / self.state_file).read_text())["num_steps"]
+        if (path / self.state_file).is_file():
+            saved = json.loads((path / self.state_file).read_text())
+            self._load_scaler_state(saved, optimizer)
+            if step:
+                self._num_steps = saved["num_steps"]
 
     def dispose(self) -> None:
         """The critic's model and optimizer state, then this rank's process group. Idempotent.

@@ -136,7 +136,7 @@ class FSDPRank(RankMicroBatches, Trainer):
             self._root.set_reshard_after_backward(last or (self.sync_every_micro_batch and self.world_size > 1))
             loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             real = rows.numel() > 0
-            (loss if real else loss * 0.0).backward()
+            self._backward(loss if real else loss * 0.0)
             if record is not None and real:
                 record[rows, :logprobs.shape[1]] = logprobs.detach()
             sums.add(terms, 1.0 if real else 0.0)
@@ -224,7 +224,7 @@ class FSDPRank(RankMicroBatches, Trainer):
             if self._ref_interval else None
         if self.rank == 0:
             (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer,
-                                                       "world_size": self.world_size}))
+                                                       "world_size": self.world_size, **self._scaler_state(optimizer)}))
             if ref is not None:
                 save_file(ref, str(path / REF_FILE))
         dist.barrier()          # the caller commits the folder once every rank has written
@@ -252,8 +252,10 @@ class FSDPRank(RankMicroBatches, Trainer):
         optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) \
             if with_optimizer and optimizer else None
         load_full(self._live(), load_file(str(path / MODEL_FILE)), self._optimizer, optimizer_state)
+        state = json.loads((path / STATE_FILE).read_text())
+        self._load_scaler_state(state, optimizer)
         if step:
-            self._num_steps = json.loads((path / STATE_FILE).read_text())["num_steps"]
+            self._num_steps = state["num_steps"]
         if rng:
             set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         if step and self._ref_interval and (path / REF_FILE).is_file():

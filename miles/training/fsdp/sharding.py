@@ -7,9 +7,9 @@ that makes N ranks take the same optimizer step as one.
   reads, the LM head's weight too when the chunked logprobs read it outside the model's own forward,
   and their gradients are reduce-scattered after the backward. Each parameter becomes a DTensor holding 1/N of its rows on
   this rank; a unit's full parameters exist only between its all-gather (forward, backward) and its
-  reshard. On CUDA the units compute in bfloat16, the trainer's compute dtype
+  reshard. On CUDA the units compute in bfloat16 (float16 with --fp16), the trainer's compute dtype
   (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`): the sharded float32 parameters stay
-  the master weights, gradients are reduced in float32. On the CPU (or --dtype float32) everything
+  the master weights, gradients are reduced in float32. In float32 (--dtype auto on the CPU) everything
   stays float32.
 - Gradients are *summed* over the ranks (divide factor 1): every rank's micro-batch loss is already
   divided by the whole global batch's normalizer, so the sum over ranks is the global batch's

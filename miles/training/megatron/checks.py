@@ -87,6 +87,8 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         "--trainer-compile": "its layers are megatron-core's (Transformer Engine fuses them where installed)",
         "--trainer-weight-shadows": "its bf16 weights keep float32 main gradients already",
         "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
+        "--fp16": "its megatron-core model and optimizer are set up for bf16 or fp32, with no loss scaler: "
+                  "--dtype bfloat16 trains there",
     }
     used = [flag for flag, on in (
         ("--offload", c.offload), ("--offload-train", c.offload_train),
@@ -95,6 +97,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--no-save-optim", not cfg.checkpoint.save_optimizer), ("--save-debug-train-data", bool(t.save_debug_train_data)),
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
         ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
+        ("--fp16", cfg.model.float16),
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]

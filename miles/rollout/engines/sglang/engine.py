@@ -52,6 +52,7 @@ from pathlib import Path
 
 import structlog
 
+from miles.config.schema import DTYPES      # miles' --dtype names -> the long ones, which are SGLang's
 from miles.rollout.engines.sglang import api
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.rollout.engines.sglang.client import SGLangClient, SGLangHTTPError, SGLangUnreachable
@@ -72,8 +73,6 @@ ABORT_GRACE_S = 2.0
 # connections to our server beyond the generate requests' (at most max_concurrency): health probes,
 # aborts and pauses never wait for a generate request to free one
 CONTROL_CONNECTIONS = 8
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "float32": "float32", "fp32": "float32"}
 # model files the server needs besides the weights, copied next to each weight export
 _MODEL_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.py")
 
@@ -97,9 +96,9 @@ def server_dtype(dtype: str, device: str) -> str:
     """miles' --dtype as SGLang's --dtype: auto is bfloat16 (float32 on --device cpu), as miles' auto."""
     if dtype == "auto":
         return "float32" if device == "cpu" else "bfloat16"
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} for SGLang: use auto, bfloat16, float16 or float32")
-    return _DTYPES[dtype]
+    return DTYPES[dtype]
 
 
 class SGLangEngine(TokenizerAccessors):
