@@ -215,7 +215,8 @@ class OptimizedModel:
         """The state file's contents now: the step count, whether the optimizer state is saved, and the
         float16 loss scaler's state (kept with the optimizer's, as Megatron-LM does: --no-save-optim
         drops it too)."""
-        return {"num_steps": self._num_steps, "optimizer": optimizer, **self._scaler_state(optimizer)}
+        scaler = self._scaler.state_dict() if optimizer else None
+        return {"num_steps": self._num_steps, "optimizer": optimizer, **({"loss_scaler": scaler} if scaler else {})}
 
     def _optimizer_snapshot(self) -> dict:
         """`self._optimizer.state_dict()` with every tensor copied to the CPU: what a background save
@@ -241,12 +242,6 @@ class OptimizedModel:
         seconds waited. Raises the first write's error. The driver calls it on a thread of the actor's
         own (a Ray concurrency group), beside whatever the actor runs."""
         return self._writes.wait()
-
-    def _scaler_state(self, optimizer: bool = True) -> dict:
-        """The state file's entry for the float16 loss scaler (Megatron-LM keeps it with the optimizer's
-        state, so --no-save-optim drops it too); {} without one."""
-        state = self._scaler.state_dict() if optimizer else None
-        return {} if state is None else {"loss_scaler": state}
 
     def _load_scaler_state(self, state: dict, optimizer: bool = True) -> None:
         """The loss scaler's state from a state file's `state`, when it has one and the optimizer's state is

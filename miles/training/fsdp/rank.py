@@ -223,8 +223,7 @@ class FSDPRank(RankMicroBatches, Trainer):
         ref = {n: full_tensor(t.detach()).cpu().contiguous() for n, t in model_weights(self._ref).items()} \
             if self._ref_interval else None
         if self.rank == 0:
-            (path / STATE_FILE).write_text(json.dumps({"num_steps": self._num_steps, "optimizer": optimizer,
-                                                       "world_size": self.world_size, **self._scaler_state(optimizer)}))
+            (path / STATE_FILE).write_text(json.dumps({**self._counters(optimizer), "world_size": self.world_size}))
             if ref is not None:
                 save_file(ref, str(path / REF_FILE))
         dist.barrier()          # the caller commits the folder once every rank has written
