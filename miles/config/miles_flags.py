@@ -79,14 +79,10 @@ REFUSED: dict[str, str] = {
     "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
                        "dropped",
     "buffer-filter-path": f"a hook choosing samples from the buffer; {NOT_YET}: use --dynamic-sampling-filter-path",
-    "rollout-sample-filter-path": f"a per-sample filter hook; {NOT_YET}: use --dynamic-sampling-filter-path "
-                                  "(per group)",
-    "rollout-all-samples-process-path": f"a hook over all samples of a rollout; {NOT_YET}",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
     "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
-    "custom-reward-post-process-path": f"replaces reward normalization; {NOT_YET}",
     "tool-key": f"the tools of each row; {_AGENTIC}",
     "multimodal-keys": f"images and other media of each row; {NOT_YET}: prompts are text",
     "data-source-path": f"replaces the prompt data source; {NOT_YET}: --prompt-data is a .jsonl or .parquet file",

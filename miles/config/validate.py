@@ -339,6 +339,9 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--n-samples-per-prompt {r.n_samples_per_prompt}: SFT reads one response per prompt "
                         "from the data; use 1")
     ignored = [flag for flag, on in (("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path),
+                                     ("--rollout-sample-filter-path", r.sample_filter_path),
+                                     ("--rollout-all-samples-process-path", r.all_samples_process_path),
+                                     ("--custom-reward-post-process-path", r.reward_post_process_path),
                                      ("--overlong-buffer-len", r.overlong_buffer_len),
                                      ("--use-kl-loss", a.use_kl_loss), ("--kl-coef", a.kl_coef),
                                      ("--use-tis", a.use_tis), ("--use-rollout-logprobs", a.use_rollout_logprobs),
@@ -383,6 +386,16 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
     if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
         problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
                         "--dynamic-sampling-filter-path (or filter inside the rollout function)")
+    hooks = [flag for flag, on in (("--rollout-sample-filter-path", cfg.rollout.sample_filter_path),
+                                   ("--rollout-all-samples-process-path", cfg.rollout.all_samples_process_path)) if on]
+    if g.rollout_function_path and hooks:
+        problems.append(f"--rollout-function-path replaces the whole rollout, and miles calls {' and '.join(hooks)} "
+                        "only inside its own rollout function: call yours from the rollout function, or drop them")
+    if cfg.rollout.reward_post_process_path and cfg.algorithm.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+        problems.append(f"--custom-reward-post-process-path with --advantage-estimator "
+                        f"{cfg.algorithm.advantage_estimator}: not supported yet (the trainer computes token-level "
+                        "advantages from the rewards); shape the rewards in --custom-rm-path, or use a sequence-level "
+                        "estimator (grpo, gspo, rloo, reinforce_plus_plus_baseline)")
 
 
 @check
