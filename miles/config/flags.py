@@ -426,6 +426,10 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
        "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+    _f("custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path", str,
+       "miles' get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x): "
+       "reduces the policy loss only (KL, entropy keep --loss-agg-mode's), then divided by the global batch's "
+       "normalizer; by import path (miles.training.pg_reducer)"),
     _f("num-steps-per-rollout", "train", "num_steps_per_rollout", int,
        "optimizer steps per rollout: the global batch is the rollout's samples / N"),
     _f("save-debug-train-data", "train", "save_debug_train_data", str,

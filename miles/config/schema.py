@@ -42,6 +42,7 @@ USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
     "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
     "--custom-loss-function-path": ("algorithm", "custom_loss_function_path"),
     "--custom-tis-function-path": ("algorithm", "custom_tis_function_path"),
+    "--custom-pg-loss-reducer-function-path": ("algorithm", "pg_loss_reducer_path"),
 }
 
 
@@ -210,6 +211,7 @@ class AlgorithmConfig:
     use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
+    pg_loss_reducer_path: str | None = None  # --custom-pg-loss-reducer-function-path: miles' reducer of the policy loss
 
     @property
     def needs_critic(self) -> bool:

@@ -530,6 +530,9 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
     problems += [f"{flag} has no effect without {need}: add it or drop {flag}" for bad, flag, need in needs if bad]
+    if a.pg_loss_reducer_path and a.loss_type != "policy_loss":
+        problems.append(f"--custom-pg-loss-reducer-function-path reduces the policy loss: --loss-type {a.loss_type} "
+                        "has none (a custom loss reduces with its `reduce` argument); drop it")
     if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
         problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
                         "is fn(logprobs, batch, reduce) -> loss, by import path")
