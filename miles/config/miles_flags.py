@@ -78,7 +78,8 @@ REFUSED: dict[str, str] = {
     # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
     "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
                        "dropped",
-    "buffer-filter-path": f"a hook choosing samples from the buffer; {NOT_YET}: use --dynamic-sampling-filter-path",
+    "buffer-filter-path": f"picks groups from the buffer --partial-rollout fills, before fresh prompts; no buffer here "
+                          f"(--partial-rollout: {NOT_YET}): drop it, or choose with --rollout-sample-filter-path",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
@@ -89,7 +90,10 @@ REFUSED: dict[str, str] = {
     "disable-rollout-global-dataset": f"lets a custom rollout function bring its own data; {NOT_YET}",
     "object-store-backend": "how samples travel to the trainer (ray | mooncake); here always Ray's object "
                             "store: drop it",
-    "custom-convert-samples-to-train-data-path": f"replaces the samples-to-train-data conversion; {NOT_YET}",
+    "custom-convert-samples-to-train-data-path": "returns the dict of lists miles' Megatron actors read; here the "
+                                                 "trainer packs Samples, reading no dict: set fields in "
+                                                 "--rollout-sample-filter-path, advantages in "
+                                                 "--custom-reward-post-process-path",
     "rollout-buffer-url": "parsed but never read by miles: drop it",
     "fetch-trajectory-retry-times": "parsed but never read by miles: drop it",
     "min-batch-collection-ratio": "parsed but never read by miles: drop it",
