@@ -386,16 +386,27 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
     if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
         problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
                         "--dynamic-sampling-filter-path (or filter inside the rollout function)")
-    hooks = [flag for flag, on in (("--rollout-sample-filter-path", cfg.rollout.sample_filter_path),
-                                   ("--rollout-all-samples-process-path", cfg.rollout.all_samples_process_path)) if on]
-    if g.rollout_function_path and hooks:
+
+
+@check
+def _rollout_hooks(cfg: RunConfig, problems: list[str]) -> None:
+    """miles' rollout hooks (miles.rollout.hooks) where they would not run as in miles (SFT: `_sft`)."""
+    r, a = cfg.rollout, cfg.algorithm
+    hooks = [flag for flag, on in (("--rollout-sample-filter-path", r.sample_filter_path),
+                                   ("--rollout-all-samples-process-path", r.all_samples_process_path)) if on]
+    if cfg.generate.rollout_function_path and hooks:
         problems.append(f"--rollout-function-path replaces the whole rollout, and miles calls {' and '.join(hooks)} "
                         "only inside its own rollout function: call yours from the rollout function, or drop them")
-    if cfg.rollout.reward_post_process_path and cfg.algorithm.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
-        problems.append(f"--custom-reward-post-process-path with --advantage-estimator "
-                        f"{cfg.algorithm.advantage_estimator}: not supported yet (the trainer computes token-level "
-                        "advantages from the rewards); shape the rewards in --custom-rm-path, or use a sequence-level "
-                        "estimator (grpo, gspo, rloo, reinforce_plus_plus_baseline)")
+    replayed = hooks + (["--custom-reward-post-process-path"] if r.reward_post_process_path else [])
+    if cfg.load_debug_rollout_data and replayed:
+        problems.append(f"--load-debug-rollout-data trains on the saved rollouts as they were, advantages included: "
+                        f"{', '.join(replayed)} would not run; drop them (a run that saved rollouts with them "
+                        "ran them before saving)")
+    if r.reward_post_process_path and a.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+        problems.append(f"--custom-reward-post-process-path with --advantage-estimator {a.advantage_estimator}: not "
+                        "supported yet (the trainer computes token-level advantages from the rewards); shape the "
+                        "rewards in --custom-rm-path, or use a sequence-level estimator (grpo, gspo, rloo, "
+                        "reinforce_plus_plus_baseline)")
 
 
 @check

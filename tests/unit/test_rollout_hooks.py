@@ -153,6 +153,9 @@ def base(tmp_path):
      "--custom-reward-post-process-path with --advantage-estimator ppo: not supported yet"),
     (["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--rollout-all-samples-process-path", "m:f"],
      "--rollout-all-samples-process-path do not apply"),
+    (["--load-debug-rollout-data", "r_{rollout_id}.pt", "--custom-reward-post-process-path", "m:f"],
+     "--load-debug-rollout-data trains on the saved rollouts as they were, advantages included: "
+     "--custom-reward-post-process-path would not run"),
 ])
 def test_hook_combinations_that_cannot_hold_are_refused(base, flags, message):
     with pytest.raises(ConfigError) as err:
