@@ -15,6 +15,8 @@ and divides the reducer's result by the global batch's normalizer of --loss-agg-
 for token_mean, else the number of samples with trained tokens: miles counts every sample, the same
 unless some were aborted, failed or removed). A response starts at its row's first trained token; a
 row without trained tokens (aborted, failed, removed) comes with response length 0 and adds nothing.
+The lengths are Python lists, as miles passes them: one device-to-host read per micro-batch, paid only
+when the flag is set.
 """
 
 from __future__ import annotations
