@@ -81,6 +81,9 @@ class Sample:
     status: SampleStatus = "completed"
     metadata: dict[str, Any] = field(default_factory=dict)  # free-form; starts as a copy of the prompt's
     error: str | None = None        # why the sample failed or was aborted
+    # set by a --rollout-sample-filter-path hook (miles' name): not trained on, yet still counted in its
+    # group's advantage statistics
+    remove_sample: bool = False
 
     @property
     def response_length(self) -> int:
@@ -97,8 +100,8 @@ class Sample:
 
     def mask(self) -> list[int]:
         """The loss mask over the response tokens (all 1 for a single-turn sample); all 0 when the
-        sample is not trainable (aborted or failed)."""
-        if not self.trainable:
+        sample is not trainable (aborted or failed) or a hook removed it (`remove_sample`)."""
+        if not self.trainable or self.remove_sample:
             return [0] * len(self.response_ids)
         return [1] * len(self.response_ids) if self.loss_mask is None else list(self.loss_mask)
 

@@ -113,6 +113,15 @@ FLAGS: tuple[Flag, ...] = (
        "dynamic sampling: prompts per sampling round (default: --rollout-batch-size)"),
     _f("dynamic-sampling-max-rounds", "rollout", "dynamic_sampling_max_rounds", int,
        "dynamic sampling: sampling rounds per rollout before filling up with filtered-out groups"),
+    _f("rollout-sample-filter-path", "rollout", "sample_filter_path", str,
+       "fn(ctx, groups) on each rollout's groups: set sample.remove_sample = True to leave a sample out of "
+       "training (it still counts in its group's statistics), by import path (miles.rollout.hooks)"),
+    _f("rollout-all-samples-process-path", "rollout", "all_samples_process_path", str,
+       "fn(ctx, all_groups) on every group a rollout generated, those dynamic sampling dropped included, by "
+       "import path (miles.rollout.hooks)"),
+    _f("custom-reward-post-process-path", "rollout", "reward_post_process_path", str,
+       "fn(ctx, samples) -> (raw_rewards, rewards): the rewards are the advantages, in place of the group "
+       "baseline (grpo, gspo, rloo, reinforce_plus_plus_baseline); by import path (miles.rollout.hooks)"),
     _f("overlong-buffer-len", "rollout", "overlong_buffer_len", int,
        "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
@@ -417,6 +426,10 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
        "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+    _f("custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path", str,
+       "miles' get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x): "
+       "reduces the policy loss only (KL, entropy keep --loss-agg-mode's), then divided by the global batch's "
+       "normalizer; by import path (miles.training.pg_reducer)"),
     _f("num-steps-per-rollout", "train", "num_steps_per_rollout", int,
        "optimizer steps per rollout: the global batch is the rollout's samples / N"),
     _f("save-debug-train-data", "train", "save_debug_train_data", str,

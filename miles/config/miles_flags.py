@@ -78,22 +78,22 @@ REFUSED: dict[str, str] = {
     # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
     "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
                        "dropped",
-    "buffer-filter-path": f"a hook choosing samples from the buffer; {NOT_YET}: use --dynamic-sampling-filter-path",
-    "rollout-sample-filter-path": f"a per-sample filter hook; {NOT_YET}: use --dynamic-sampling-filter-path "
-                                  "(per group)",
-    "rollout-all-samples-process-path": f"a hook over all samples of a rollout; {NOT_YET}",
+    "buffer-filter-path": f"picks groups from the buffer --partial-rollout fills, before fresh prompts; no buffer here "
+                          f"(--partial-rollout: {NOT_YET}): drop it, or choose with --rollout-sample-filter-path",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
     "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
-    "custom-reward-post-process-path": f"replaces reward normalization; {NOT_YET}",
     "tool-key": f"the tools of each row; {_AGENTIC}",
     "multimodal-keys": f"images and other media of each row; {NOT_YET}: prompts are text",
     "data-source-path": f"replaces the prompt data source; {NOT_YET}: --prompt-data is a .jsonl or .parquet file",
     "disable-rollout-global-dataset": f"lets a custom rollout function bring its own data; {NOT_YET}",
     "object-store-backend": "how samples travel to the trainer (ray | mooncake); here always Ray's object "
                             "store: drop it",
-    "custom-convert-samples-to-train-data-path": f"replaces the samples-to-train-data conversion; {NOT_YET}",
+    "custom-convert-samples-to-train-data-path": "returns the dict of lists miles' Megatron actors read; here the "
+                                                 "trainer packs Samples, reading no dict: set fields in "
+                                                 "--rollout-sample-filter-path, advantages in "
+                                                 "--custom-reward-post-process-path",
     "rollout-buffer-url": "parsed but never read by miles: drop it",
     "fetch-trajectory-retry-times": "parsed but never read by miles: drop it",
     "min-batch-collection-ratio": "parsed but never read by miles: drop it",
@@ -106,8 +106,6 @@ REFUSED: dict[str, str] = {
     "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
     "custom-megatron-post-save-hook-path": f"a hook after each Megatron save; {NOT_YET}",
     "use-opsm": f"off-policy sequence masking; {NOT_YET}",
-    "custom-pg-loss-reducer-function-path": f"replaces the policy-loss reduction; {NOT_YET}: pick one with "
-                                            "--loss-agg-mode",
     "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
     "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
     "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "

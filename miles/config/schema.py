@@ -34,11 +34,15 @@ FAST_CHUNKED_PREFILL_SIZE = 8192   # FastEngine prefills longer prompts in piece
 USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
     "--custom-rm-path": ("rollout", "custom_rm_path"),
     "--dynamic-sampling-filter-path": ("rollout", "dynamic_sampling_filter_path"),
+    "--rollout-sample-filter-path": ("rollout", "sample_filter_path"),
+    "--rollout-all-samples-process-path": ("rollout", "all_samples_process_path"),
+    "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
     "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
     "--rollout-function-path": ("generate", "rollout_function_path"),
     "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
     "--custom-loss-function-path": ("algorithm", "custom_loss_function_path"),
     "--custom-tis-function-path": ("algorithm", "custom_tis_function_path"),
+    "--custom-pg-loss-reducer-function-path": ("algorithm", "pg_loss_reducer_path"),
 }
 
 
@@ -113,6 +117,10 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = None  # --dynamic-sampling-filter-path: keep a group iff filter(group)
     over_sampling_batch_size: int | None = None  # --over-sampling-batch-size: prompts per sampling round (None: batch_size)
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
+    # miles' rollout hooks (miles.rollout.hooks), module:function each
+    sample_filter_path: str | None = None  # --rollout-sample-filter-path: fn(ctx, groups) marks samples in place
+    all_samples_process_path: str | None = None  # --rollout-all-samples-process-path: fn(ctx, all_groups)
+    reward_post_process_path: str | None = None  # --custom-reward-post-process-path: fn(ctx, samples) -> (raw, adv)
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
     stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
@@ -203,6 +211,7 @@ class AlgorithmConfig:
     use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
+    pg_loss_reducer_path: str | None = None  # --custom-pg-loss-reducer-function-path: miles' reducer of the policy loss
 
     @property
     def needs_critic(self) -> bool:

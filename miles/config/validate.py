@@ -339,6 +339,9 @@ def _sft(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--n-samples-per-prompt {r.n_samples_per_prompt}: SFT reads one response per prompt "
                         "from the data; use 1")
     ignored = [flag for flag, on in (("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path),
+                                     ("--rollout-sample-filter-path", r.sample_filter_path),
+                                     ("--rollout-all-samples-process-path", r.all_samples_process_path),
+                                     ("--custom-reward-post-process-path", r.reward_post_process_path),
                                      ("--overlong-buffer-len", r.overlong_buffer_len),
                                      ("--use-kl-loss", a.use_kl_loss), ("--kl-coef", a.kl_coef),
                                      ("--use-tis", a.use_tis), ("--use-rollout-logprobs", a.use_rollout_logprobs),
@@ -383,6 +386,27 @@ def _generation(cfg: RunConfig, problems: list[str]) -> None:
     if g.rollout_function_path and cfg.rollout.dynamic_sampling_filter_path:
         problems.append("--rollout-function-path replaces the whole rollout, dynamic sampling included: drop "
                         "--dynamic-sampling-filter-path (or filter inside the rollout function)")
+
+
+@check
+def _rollout_hooks(cfg: RunConfig, problems: list[str]) -> None:
+    """miles' rollout hooks (miles.rollout.hooks) where they would not run as in miles (SFT: `_sft`)."""
+    r, a = cfg.rollout, cfg.algorithm
+    hooks = [flag for flag, on in (("--rollout-sample-filter-path", r.sample_filter_path),
+                                   ("--rollout-all-samples-process-path", r.all_samples_process_path)) if on]
+    if cfg.generate.rollout_function_path and hooks:
+        problems.append(f"--rollout-function-path replaces the whole rollout, and miles calls {' and '.join(hooks)} "
+                        "only inside its own rollout function: call yours from the rollout function, or drop them")
+    replayed = hooks + (["--custom-reward-post-process-path"] if r.reward_post_process_path else [])
+    if cfg.load_debug_rollout_data and replayed:
+        problems.append(f"--load-debug-rollout-data trains on the saved rollouts as they were, advantages included: "
+                        f"{', '.join(replayed)} would not run; drop them (a run that saved rollouts with them "
+                        "ran them before saving)")
+    if r.reward_post_process_path and a.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+        problems.append(f"--custom-reward-post-process-path with --advantage-estimator {a.advantage_estimator}: not "
+                        "supported yet (the trainer computes token-level advantages from the rewards); shape the "
+                        "rewards in --custom-rm-path, or use a sequence-level estimator (grpo, gspo, rloo, "
+                        "reinforce_plus_plus_baseline)")
 
 
 @check
@@ -517,6 +541,9 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
          "--load-debug-rollout-data PATH (rollouts written by --save-debug-rollout-data)"),
     ]
     problems += [f"{flag} has no effect without {need}: add it or drop {flag}" for bad, flag, need in needs if bad]
+    if a.pg_loss_reducer_path and a.loss_type != "policy_loss":
+        problems.append(f"--custom-pg-loss-reducer-function-path reduces the policy loss: --loss-type {a.loss_type} "
+                        "has none (a custom loss reduces with its `reduce` argument); drop it")
     if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
         problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
                         "is fn(logprobs, batch, reduce) -> loss, by import path")

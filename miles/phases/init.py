@@ -50,6 +50,7 @@ from miles.phases.input_checks import (check_checkpoint_fits, check_context_len,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
+from miles.rollout.hooks import check_hooks
 from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsWeightBuckets
@@ -381,6 +382,7 @@ async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list
     await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    check_hooks(cfg.rollout)
     check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):

@@ -126,7 +126,8 @@ def _fails_sha256(cfg: RunConfig, path: Path, name: str) -> bool:
 
 
 def check_user_functions(cfg: RunConfig) -> None:
-    """Import the custom loss and TIS functions here, so a bad one fails before the trainer starts."""
+    """Import the custom loss, TIS and policy-loss reducer functions here, so a bad one fails before the
+    trainer starts."""
     from miles.user_code import check_signature, import_user_function
 
     a = cfg.algorithm
@@ -135,6 +136,9 @@ def check_user_functions(cfg: RunConfig) -> None:
             ("--custom-tis-function-path", a.custom_tis_function_path, "fn(train_logprobs, rollout_logprobs, mask)")):
         if path:
             check_signature(import_user_function(path, flag), flag, path, 3, shape)
+    if a.pg_loss_reducer_path:
+        from miles.training.pg_reducer import load_reducer
+        load_reducer(a.pg_loss_reducer_path)
 
 
 def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys: list[str] | None) -> list[str]:

@@ -29,6 +29,7 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_l
                               normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import TrainBatch
+from miles.training.pg_reducer import GetReducer, load_reducer, miles_reduction
 from miles.user_code import display_name, import_user_function
 
 # (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
@@ -41,6 +42,21 @@ AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | N
 def _policy_term(loss_fn: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
     return loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, normalizer=normalizer,
                    is_weights=mb.is_weights)
+
+
+def _reduced_policy_term(loss_fn: Callable, get_reducer: GetReducer, per_token_loss: bool, logprobs: Tensor,
+                         mb: TrainBatch, normalizer: float):
+    """The policy term reduced by --custom-pg-loss-reducer-function-path's reducer (miles.training.pg_reducer)."""
+    reduce = partial(_user_reduction, get_reducer, mb.attention_mask, per_token_loss)
+    return loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, normalizer=normalizer,
+                   is_weights=mb.is_weights, reduce=reduce)
+
+
+def _user_reduction(get_reducer: GetReducer, attention_mask: Tensor, per_token_loss: bool, loss: Tensor,
+                    mask: Tensor, *, normalizer: float | None = None) -> Tensor:
+    assert normalizer is not None, "the policy term is always reduced with the global batch's normalizer"
+    return miles_reduction(get_reducer, loss, mask, attention_mask, per_token_loss=per_token_loss,
+                           normalizer=normalizer)
 
 
 def _sft_term(reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
@@ -90,9 +106,12 @@ def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tu
         policy = partial(_custom_term, import_user_function(path, "--custom-loss-function-path"), reduce)
     else:
         name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
-        loss_fn = get_policy_loss(name, eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high,
-                                  eps_clip_c=algorithm.eps_clip_c, reduce=reduce)
-        policy = partial(_policy_term, loss_fn)
+        clip = dict(eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c)
+        if algorithm.pg_loss_reducer_path:      # miles' reducer for the policy loss only; KL and entropy keep `reduce`
+            policy = partial(_reduced_policy_term, get_policy_loss(name, **clip),
+                             load_reducer(algorithm.pg_loss_reducer_path), algorithm.loss_agg_mode == "token_mean")
+        else:
+            policy = partial(_policy_term, get_policy_loss(name, **clip, reduce=reduce))
     kl_term = _unbiased_kl_term if algorithm.use_unbiased_kl else _kl_term
     kl: Term = (partial(kl_term, get_kl_estimator(algorithm.kl_loss_type), reduce) if algorithm.use_kl_loss
                 else _no_kl)
