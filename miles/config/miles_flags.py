@@ -76,10 +76,6 @@ REFUSED: dict[str, str] = {
     "miles-router-max-connections": f"miles router connection cap; {_NO_ROUTER}",
     "miles-router-health-check-failure-threshold": f"miles router health checks; {_NO_ROUTER}",
     # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
-    "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
-                       "dropped",
-    "buffer-filter-path": f"picks groups from the buffer --partial-rollout fills, before fresh prompts; no buffer here "
-                          f"(--partial-rollout: {NOT_YET}): drop it, or choose with --rollout-sample-filter-path",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
