@@ -312,6 +312,10 @@ def _partial_rollout(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("--partial-rollout continues the groups dynamic sampling aborts once the batch is full: add "
                         "--dynamic-sampling-filter-path (e.g. miles.rollout.filters:check_reward_nonzero_std) and "
                         "--over-sampling-batch-size")
+    if r.partial_rollout and cfg.ci_test and not r.mask_offpolicy_in_partial_rollout:
+        problems.append("--ci-test checks that engine and trainer logprobs agree, and with --partial-rollout a "
+                        "continued sample's earlier tokens come from older weights: add "
+                        "--mask-offpolicy-in-partial-rollout (they are then left out of training and of the check)")
     if r.partial_rollout and cfg.generate.generate_function_path:
         problems.append("--partial-rollout continues single-turn samples (one engine call each): not supported yet "
                         "with --custom-generate-function-path or --generate-execute-tool-function-path; drop one")

@@ -214,6 +214,13 @@ def test_flags_that_would_do_nothing_are_refused(tmp_path, extra, message):
         parse_flags(base(tmp_path) + extra)
 
 
+def test_ci_test_needs_the_old_parts_masked(tmp_path):
+    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout", "--ci-test"]
+    with pytest.raises(ConfigError, match="--ci-test checks that engine and trainer logprobs agree"):
+        parse_flags(argv)
+    assert parse_flags(argv + ["--mask-offpolicy-in-partial-rollout"])[0].ci_test
+
+
 def test_partial_rollout_with_a_generate_function_is_refused(tmp_path):
     argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout",
                              "--custom-generate-function-path", "miles.rollout.multi_turn:generate"]
