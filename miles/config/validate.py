@@ -312,6 +312,12 @@ def _partial_rollout(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("--partial-rollout continues the groups dynamic sampling aborts once the batch is full: add "
                         "--dynamic-sampling-filter-path (e.g. miles.rollout.filters:check_reward_nonzero_std) and "
                         "--over-sampling-batch-size")
+    a = cfg.algorithm
+    if (r.partial_rollout and not r.mask_offpolicy_in_partial_rollout and a.loss_type == "policy_loss"
+            and not (a.use_tis or a.use_rollout_logprobs)):
+        problems.append("--partial-rollout trains a continued sample's earlier tokens, which older weights generated "
+                        "(as the async machine does): add an off-policy correction, --use-tis or "
+                        "--use-rollout-logprobs, or leave those tokens out with --mask-offpolicy-in-partial-rollout")
     if r.partial_rollout and cfg.ci_test and not r.mask_offpolicy_in_partial_rollout:
         problems.append("--ci-test checks that engine and trainer logprobs agree, and with --partial-rollout a "
                         "continued sample's earlier tokens come from older weights: add "

@@ -35,7 +35,7 @@ def test_an_aborted_group_is_continued_by_a_later_rollout_and_trained(ray_cluste
     # one prompt a rollout out of two per round: the engine that answers first fills the batch, the other is cut
     result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=4, rollout_num_engines=2, rollout_batch_size=1,
                             n_samples_per_prompt=2, over_sampling_batch_size=2, rollout_max_response_len=24,
-                            dynamic_sampling_filter_path=f"{hooks}:keep_all", partial_rollout=True,
+                            dynamic_sampling_filter_path=f"{hooks}:keep_all", partial_rollout=True, use_tis=True,
                             rollout_sample_filter_path=f"{hooks}:record", save=tmp_path / "ckpt", save_interval=4))
     assert result.final_state == "shutdown"
     rows = [r for r in result.metrics if "partial_rollout_aborted_groups" in r]

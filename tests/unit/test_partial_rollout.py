@@ -214,15 +214,24 @@ def test_flags_that_would_do_nothing_are_refused(tmp_path, extra, message):
         parse_flags(base(tmp_path) + extra)
 
 
+@pytest.mark.parametrize("fix", ["--use-tis", "--use-rollout-logprobs", "--mask-offpolicy-in-partial-rollout"])
+def test_training_the_old_parts_needs_an_off_policy_correction(tmp_path, fix):
+    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout"]
+    with pytest.raises(ConfigError, match="--partial-rollout trains a continued sample's earlier tokens"):
+        parse_flags(argv)
+    assert parse_flags(argv + [fix])[0].rollout.partial_rollout
+
+
 def test_ci_test_needs_the_old_parts_masked(tmp_path):
-    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout", "--ci-test"]
+    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout", "--ci-test",
+                             "--use-tis"]
     with pytest.raises(ConfigError, match="--ci-test checks that engine and trainer logprobs agree"):
         parse_flags(argv)
     assert parse_flags(argv + ["--mask-offpolicy-in-partial-rollout"])[0].ci_test
 
 
 def test_partial_rollout_with_a_generate_function_is_refused(tmp_path):
-    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout",
+    argv = base(tmp_path) + ["--dynamic-sampling-filter-path", f"{HERE}:keep_all", "--partial-rollout", "--use-tis",
                              "--custom-generate-function-path", "miles.rollout.multi_turn:generate"]
     with pytest.raises(ConfigError, match="--partial-rollout continues single-turn samples"):
         parse_flags(argv)
