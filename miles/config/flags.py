@@ -113,6 +113,16 @@ FLAGS: tuple[Flag, ...] = (
        "dynamic sampling: prompts per sampling round (default: --rollout-batch-size)"),
     _f("dynamic-sampling-max-rounds", "rollout", "dynamic_sampling_max_rounds", int,
        "dynamic sampling: sampling rounds per rollout before filling up with filtered-out groups"),
+    _f("partial-rollout", "rollout", "partial_rollout", kind="true",
+       help="dynamic sampling: once the batch is full the engine calls still running are aborted, and their "
+            "groups (responses so far, with their logprobs) are continued by the next rollout before fresh prompts "
+            "(miles.rollout.partial)"),
+    _f("mask-offpolicy-in-partial-rollout", "rollout", "mask_offpolicy_in_partial_rollout", kind="true",
+       help="--partial-rollout: train a continued sample only on the tokens of its last engine call (loss mask 0 "
+            "on what earlier weights generated)"),
+    _f("buffer-filter-path", "rollout", "buffer_filter_path", str,
+       "--partial-rollout: fn(ctx, rollout_id, buffer, num_groups) -> groups, which buffered groups a rollout "
+       "continues; it removes them from the buffer (default: the oldest first), by import path"),
     _f("rollout-sample-filter-path", "rollout", "sample_filter_path", str,
        "fn(ctx, groups) on each rollout's groups: set sample.remove_sample = True to leave a sample out of "
        "training (it still counts in its group's statistics), by import path (miles.rollout.hooks)"),

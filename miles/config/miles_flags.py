@@ -76,10 +76,6 @@ REFUSED: dict[str, str] = {
     "miles-router-max-connections": f"miles router connection cap; {_NO_ROUTER}",
     "miles-router-health-check-failure-threshold": f"miles router health checks; {_NO_ROUTER}",
     # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
-    "partial-rollout": f"recycles aborted groups into the next rollout; {NOT_YET}: over-sampled groups are "
-                       "dropped",
-    "buffer-filter-path": f"picks groups from the buffer --partial-rollout fills, before fresh prompts; no buffer here "
-                          f"(--partial-rollout: {NOT_YET}): drop it, or choose with --rollout-sample-filter-path",
     "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
@@ -213,7 +209,7 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern. The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout (a later miles' parser has it). The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -229,7 +225,7 @@ use-miles-router miles-router-timeout miles-router-max-connections miles-router-
 rollout-temperature rollout-top-p rollout-top-k rollout-max-response-len rollout-max-context-len rollout-stop
 rollout-stop-token-ids rollout-seed
 rollout-batch-size n-samples-per-prompt over-sampling-batch-size dynamic-sampling-filter-path partial-rollout
-buffer-filter-path rollout-sample-filter-path rollout-all-samples-process-path
+mask-offpolicy-in-partial-rollout buffer-filter-path rollout-sample-filter-path rollout-all-samples-process-path
 rollout-function-path custom-generate-function-path custom-config-path
 generate-max-turns generate-tool-specs-path generate-tool-call-parser generate-execute-tool-function-path
 custom-agent-function-path use-session-server tito-model session-server-port

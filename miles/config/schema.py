@@ -36,6 +36,7 @@ USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
     "--dynamic-sampling-filter-path": ("rollout", "dynamic_sampling_filter_path"),
     "--rollout-sample-filter-path": ("rollout", "sample_filter_path"),
     "--rollout-all-samples-process-path": ("rollout", "all_samples_process_path"),
+    "--buffer-filter-path": ("rollout", "buffer_filter_path"),
     "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
     "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
     "--rollout-function-path": ("generate", "rollout_function_path"),
@@ -117,6 +118,10 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = None  # --dynamic-sampling-filter-path: keep a group iff filter(group)
     over_sampling_batch_size: int | None = None  # --over-sampling-batch-size: prompts per sampling round (None: batch_size)
     dynamic_sampling_max_rounds: int = 8  # --dynamic-sampling-max-rounds: then fill up with filtered-out groups
+    # --partial-rollout (miles.rollout.partial): the groups dynamic sampling aborts are continued next rollout
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False  # --mask-offpolicy-in-partial-rollout: train only the last part
+    buffer_filter_path: str | None = None  # --buffer-filter-path: fn(ctx, rollout_id, buffer, num_groups) -> groups
     # miles' rollout hooks (miles.rollout.hooks), module:function each
     sample_filter_path: str | None = None  # --rollout-sample-filter-path: fn(ctx, groups) marks samples in place
     all_samples_process_path: str | None = None  # --rollout-all-samples-process-path: fn(ctx, all_groups)

@@ -294,11 +294,37 @@ def _sampling(cfg: RunConfig, problems: list[str]) -> None:
     if r.dynamic_sampling_filter_path and per_round * r.dynamic_sampling_max_rounds < r.batch_size:
         problems.append(f"--over-sampling-batch-size {per_round} x --dynamic-sampling-max-rounds "
                         f"{r.dynamic_sampling_max_rounds} prompts cannot fill --rollout-batch-size {r.batch_size}")
+    _partial_rollout(cfg, problems)
     if r.overlong_buffer_len is not None and not 0 < r.overlong_buffer_len <= r.max_response_len:
         problems.append(f"--overlong-buffer-len {r.overlong_buffer_len}: must be in [1, --rollout-max-response-len "
                         f"{r.max_response_len}]")
     if r.overlong_penalty_factor < 0:
         problems.append(f"--overlong-penalty-factor {r.overlong_penalty_factor}: must be >= 0")
+
+
+def _partial_rollout(cfg: RunConfig, problems: list[str]) -> None:
+    r = cfg.rollout
+    needs = [flag for flag, on in (("--mask-offpolicy-in-partial-rollout", r.mask_offpolicy_in_partial_rollout),
+                                   ("--buffer-filter-path", r.buffer_filter_path)) if on]
+    if needs and not r.partial_rollout:
+        problems.append(f"{', '.join(needs)} only act with --partial-rollout: add it, or drop them")
+    if r.partial_rollout and not r.dynamic_sampling_filter_path:
+        problems.append("--partial-rollout continues the groups dynamic sampling aborts once the batch is full: add "
+                        "--dynamic-sampling-filter-path (e.g. miles.rollout.filters:check_reward_nonzero_std) and "
+                        "--over-sampling-batch-size")
+    a = cfg.algorithm
+    if (r.partial_rollout and not r.mask_offpolicy_in_partial_rollout and a.loss_type == "policy_loss"
+            and not (a.use_tis or a.use_rollout_logprobs)):
+        problems.append("--partial-rollout trains a continued sample's earlier tokens, which older weights generated "
+                        "(as the async machine does): add an off-policy correction, --use-tis or "
+                        "--use-rollout-logprobs, or leave those tokens out with --mask-offpolicy-in-partial-rollout")
+    if r.partial_rollout and cfg.ci_test and not r.mask_offpolicy_in_partial_rollout:
+        problems.append("--ci-test checks that engine and trainer logprobs agree, and with --partial-rollout a "
+                        "continued sample's earlier tokens come from older weights: add "
+                        "--mask-offpolicy-in-partial-rollout (they are then left out of training and of the check)")
+    if r.partial_rollout and cfg.generate.generate_function_path:
+        problems.append("--partial-rollout continues single-turn samples (one engine call each): not supported yet "
+                        "with --custom-generate-function-path or --generate-execute-tool-function-path; drop one")
 
 
 @check

@@ -65,11 +65,12 @@ class PromptIterator:
     def num_batches_per_epoch(self) -> int:
         return len(self._prompts) // self._batch_size
 
-    def next_batch(self) -> list[Prompt]:
-        n = len(self._prompts)
+    def next_batch(self, size: int | None = None) -> list[Prompt]:
+        """The next `size` prompts (default: the batch size; at most it)."""
+        n, size = len(self._prompts), self._batch_size if size is None else min(size, self._batch_size)
         batch: list[Prompt] = []
-        while len(batch) < self._batch_size:  # at most twice, since batch_size <= n
-            take = min(self._batch_size - len(batch), n - self._offset)
+        while len(batch) < size:  # at most twice, since size <= batch_size <= n
+            take = min(size - len(batch), n - self._offset)
             order = self._order_for(self._epoch)
             batch.extend(self._prompts[i] for i in order[self._offset : self._offset + take])
             self._offset += take

@@ -51,6 +51,7 @@ from miles.phases.input_checks import (check_checkpoint_fits, check_context_len,
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import check_hooks
+from miles.rollout.partial import check_engines, check_partial_rollout
 from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsWeightBuckets
@@ -293,6 +294,8 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
     if auto is not None:
         ctx.cfg = cfg = auto
         plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
+    if plan.engines:
+        check_engines(cfg.rollout, plan.num_engines)
     check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems = import_object(check)(cfg, len(plan.trainers))
@@ -383,6 +386,7 @@ async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
     check_hooks(cfg.rollout)
+    check_partial_rollout(cfg.rollout)
     check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):

@@ -219,6 +219,13 @@ def test_unshuffled_batches_wrap_into_the_next_epoch():
     assert seen == [([0, 1], 0, 2), ([2, 3], 0, 4), ([4, 0], 1, 1), ([1, 2], 1, 3)]
 
 
+def test_a_smaller_batch_takes_the_next_prompts_and_no_more():
+    # --partial-rollout: a round that continues buffered groups draws only the rest of its prompts
+    it = PromptIterator(prompts_n(5), 2, shuffle=False, seed=0)
+    assert [indices(it.next_batch(1)), indices(it.next_batch(0)), indices(it.next_batch(9)), indices(it.next_batch())] \
+        == [[0], [], [1, 2], [3, 4]]       # at most the batch size
+
+
 def test_shuffle_is_a_deterministic_permutation_per_epoch():
     def first_two_epochs(seed: int) -> list[int]:
         it = PromptIterator(prompts_n(6), 3, shuffle=True, seed=seed)
