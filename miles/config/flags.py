@@ -422,6 +422,11 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "prompt + response tokens at most: each response gets this minus its prompt's length"),
     _f("use-unbiased-kl", "algorithm", "use_unbiased_kl", kind="true",
        help="weight the KL loss per token by the importance ratio exp(logp - old logp) (DeepSeek-V3.2)"),
+    _f("use-opsm", "algorithm", "use_opsm", kind="true",
+       help="off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the negative-advantage tokens "
+            "of each sequence whose mean old - current logprob over its response tokens exceeds --opsm-delta"),
+    _f("opsm-delta", "algorithm", "opsm_delta", float,
+       "--use-opsm's threshold on a sequence's mean old - current logprob (a KL estimate); default 1e-4"),
     _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
        "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,

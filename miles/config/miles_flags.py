@@ -105,7 +105,6 @@ REFUSED: dict[str, str] = {
                                   "AutoModelForCausalLM from --hf-checkpoint",
     "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
     "custom-megatron-post-save-hook-path": f"a hook after each Megatron save; {NOT_YET}",
-    "use-opsm": f"off-policy sequence masking; {NOT_YET}",
     "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
     "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
     "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "

@@ -208,6 +208,8 @@ class AlgorithmConfig:
     use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
     tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
     tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
+    use_opsm: bool = False              # --use-opsm: off-policy sequence masking (DeepSeek-V3.2)
+    opsm_delta: float = 1e-4            # --opsm-delta: OPSM's threshold on a sequence's mean old - new logprob
     use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)

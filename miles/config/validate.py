@@ -5,6 +5,7 @@ Every problem is collected; one ConfigError names them all."""
 from __future__ import annotations
 
 import ipaddress
+import math
 from pathlib import Path
 
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
@@ -278,6 +279,12 @@ def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
                         "--use-rollout-logprobs the ratio already divides by the engine's probabilities; keep one")
     if not 0 <= a.tis_clip_low <= a.tis_clip or a.tis_clip <= 0:
         problems.append(f"--tis-clip-low {a.tis_clip_low} / --tis-clip {a.tis_clip}: need 0 <= low <= clip and clip > 0")
+    if a.use_opsm and a.loss_type != "policy_loss":
+        problems.append(f"--use-opsm masks sequences out of the policy loss: --loss-type {a.loss_type} has none; "
+                        "drop --use-opsm or use --loss-type policy_loss")
+    if a.use_opsm and not (math.isfinite(a.opsm_delta) and a.opsm_delta >= 0):
+        problems.append(f"--opsm-delta {a.opsm_delta}: must be a finite threshold >= 0 on a sequence's mean "
+                        "old - current logprob")
 
 
 @check

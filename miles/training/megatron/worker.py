@@ -244,7 +244,7 @@ class MegatronWorker:
         from megatron.core.distributed import finalize_model_grads
         finalize_model_grads([model.module])          # sums over DP x CP; tied embeddings across stages
         grad_norm, lr = self._optimizer_step(model.optimizer)
-        terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS, self.owner, self.device)
+        terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS + self._objective.metric_keys, self.owner, self.device)
         return {**terms, "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - start}
 
     def _optimizer_step(self, optimizer) -> tuple[float, float]:
