@@ -193,6 +193,7 @@ REFUSED: dict[str, str] = {
 # flags (checked against --hf-checkpoint's config.json), the kernel switches (accepted) and the model
 # families this build does not train are in miles.config.megatron_flags; those this build
 # implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
+# --weight-decay-incr-style, --start-weight-decay, --end-weight-decay, --decoupled-lr, --decoupled-min-lr,
 # --adam-beta1, --adam-beta2, --adam-eps, --lr-warmup-fraction, --clip-grad, --seed, --micro-batch-size,
 # --global-batch-size, --load, --save, --save-interval, --ref-load, --no-save-optim, --no-load-optim, --no-load-rng,
 # --finetune, --recompute-activations, --optimizer-cpu-offload, and for --train-backend megatron
