@@ -380,3 +380,29 @@ def test_a_checkpoint_of_another_model_is_refused_by_its_parameter_count(model_p
     saved["param_groups"][1]["params"] = saved["param_groups"][1]["params"][:-1]
     with pytest.raises(ValueError, match="parameters, this trainer's optimizer .*: not this model's"):
         t._fit_groups(saved)
+
+
+def test_a_sharded_checkpoints_optimizer_state_is_refused_by_decoupled_groups_and_loads_without_it(
+        model_path, tmp_path):
+    import json
+    import warnings
+
+    from miles.training.fsdp.checkpoint import rng_file, save_sharded
+    from miles.training.rng import rng_state
+    from miles.training.trainer import STATE_FILE
+
+    saved = trainer(model_path)
+    saved.train(SAMPLES, 0)
+    ck = tmp_path / "ck"                    # what FSDPRank.save writes, by one process
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save_sharded(saved._live(), saved._optimizer, ck)
+    (ck / STATE_FILE).write_text(json.dumps({"num_steps": saved.num_steps, "optimizer": True, "world_size": 1}))
+    rng_file(ck, 0).parent.mkdir()
+    torch.save(rng_state(), rng_file(ck, 0))
+    with pytest.raises(ValueError, match="sharded checkpoint, its optimizer state saved as one AdamW group.*"
+                                         "--no-load-optim"):
+        trainer(model_path, decoupled_lr=1e-3).load(ck)
+    fresh = trainer(model_path, decoupled_lr=1e-3)
+    fresh.load(ck, optimizer=False)                 # --no-load-optim: the weights and the step count
+    assert fresh.num_steps == 1 and fresh.weights_checksum() == saved.weights_checksum()
