@@ -187,6 +187,9 @@ def assert_same_training(got: list[dict], want: list[dict], got_w: dict, want_w:
             "train_tokens", "advantage_abs_mean")
     if tp > 1 and mcore_version() < (0, 17):
         keys = tuple(k for k in keys if k != "grad_norm")
+    keys += tuple(k for k in ("opsm_clipfrac",) if k in want[0])     # --use-opsm's
+    if "opsm_clipfrac" in want[0]:
+        assert 0 < want[0]["opsm_clipfrac"] < 1, want[0]["opsm_clipfrac"]       # some masked, not all
     for g, w in zip(got, want, strict=True):
         for k in keys:
             assert g[k] == pytest.approx(w[k], rel=tol, abs=tol), (k, g[k], w[k])
@@ -215,10 +218,13 @@ ALGORITHMS = {
     "grpo": {},
     "kl_entropy_tis": dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
                            loss_agg_mode="seq_mean_token_mean", ref_update_interval=1),
+    # the samples' rollout logprobs (-2) are far above the model's: OPSM masks the negative-advantage ones
+    "opsm": dict(use_opsm=True, opsm_delta=0.5, use_rollout_logprobs=True),
 }
 
 
 @pytest.mark.parametrize("family,algorithm", [("qwen2", "grpo"), ("qwen3", "grpo"), ("llama3", "kl_entropy_tis"),
+                                              ("qwen2", "opsm"),
                                               pytest.param("llama", "kl_entropy_tis", marks=pytest.mark.extended)])
 def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algorithm):
     cfg = configs(**ALGORITHMS[algorithm])
