@@ -244,6 +244,26 @@ def test_num_steps_per_rollout_gives_that_many_optimizer_steps_on_both_backends(
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
 
 
+def test_weight_decay_spares_biases_and_norms_and_follows_its_schedule(models, tmp_path):
+    # one optimizer step a rollout (global batch 8 = the rollout); the first step's gradients are the
+    # same with or without decay, so after it the biases and norms (megatron's wd_mult 0) are bit for
+    # bit those of a run without weight decay, and the matrices are not
+    train, algorithm, rollout = configs()
+    one_step = replace(train, global_batch_size=8)
+    runs = {wd: run_ranks(1, models["qwen2"], (replace(one_step, weight_decay=wd), algorithm, rollout),
+                          tmp_path / str(wd), rollouts=[0]) for wd in (0.0, 0.5)}
+    plain, decayed = (hf_weights(runs[wd], models["qwen2"]) for wd in (0.0, 0.5))
+    spared = [n for n in plain if n.endswith("bias") or "norm" in n]
+    assert spared and all(torch.equal(plain[n], decayed[n]) for n in spared)
+    assert not torch.equal(plain["model.layers.0.mlp.up_proj.weight"], decayed["model.layers.0.mlp.up_proj.weight"])
+    # Megatron-LM's linear schedule over 1 step from 0 to .1: step 0 decays by 0, step 1 by .1
+    scheduled = replace(one_step, weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1,
+                        lr_decay_iters=1)
+    metrics = run_ranks(1, models["qwen2"], (scheduled, algorithm, rollout), tmp_path / "linear",
+                        rollouts=[0, 1])[0]["metrics"]
+    assert [m["weight_decay"] for m in metrics] == [0.0, 0.1]
+
+
 # CI runs each parallelism alone; the combinations (1-2 min each on 2 cores) are `extended`
 EXTENDED = pytest.mark.extended
 @pytest.mark.parametrize("tp,pp,cp,world", [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 2), (1, 1, 2, 2),

@@ -89,8 +89,6 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
         "--fp16": "its megatron-core model and optimizer are set up for bf16 or fp32, with no loss scaler: "
                   "--dtype bfloat16 trains there",
-        "--weight-decay-incr-style": "its ranks set the learning rate each step but keep --weight-decay constant "
-                                     "(the torch trainer schedules it)",
         "--decoupled-lr": "its distributed optimizer's groups are built without the embedding and output layer's "
                           "own rate (the torch trainer has it)",
     }
@@ -102,7 +100,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
         ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
         ("--fp16", cfg.model.float16),
-        ("--weight-decay-incr-style", t.weight_decay_incr_style != "constant"), ("--decoupled-lr", t.decoupled_lr is not None),
+        ("--decoupled-lr", t.decoupled_lr is not None),
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]
