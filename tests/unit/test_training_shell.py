@@ -85,7 +85,11 @@ def test_the_scheduled_weight_decay_is_what_adamw_applies():
     assert torch.allclose(m._live().weight.detach(), w * (1 - 0.1 * 0.2), atol=1e-7)
 
 
-def test_the_critic_refuses_a_decoupled_rate():
+def test_a_model_without_decoupled_groups_refuses_a_decoupled_rate():
+    # the critic and the FSDP ranks are such models (decouples_lr False); the one-process policy is not
+    from miles.training.fsdp.rank import FSDPRank
+    assert (Trainer.decouples_lr, Critic.decouples_lr, FSDPRank.decouples_lr) == (True, False, False)
+
     class LinearLM(Linear):
         def __init__(self, **train):
             OptimizedModel.__init__(self, train=TrainConfig(**{"lr": 0.1, **train}), device="cpu", dtype="auto")
