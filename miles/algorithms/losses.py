@@ -1,5 +1,6 @@
 """Training losses: clipped policy-gradient surrogates (PPO, GSPO), SFT, the critic's value loss,
-and the truncated importance-sampling correction for rollout/train mismatch.
+the truncated importance-sampling correction for rollout/train mismatch, and off-policy sequence
+masking (OPSM).
 
 Inputs are per-token [B, T] tensors aligned to tokens (see `miles.algorithms.entropy`); `mask` is
 True on response tokens. Every loss reduces its per-token loss with `reduce` (a `LOSS_REDUCTIONS`
@@ -67,15 +68,31 @@ def _masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> T
     return torch.where(mask.bool(), logprobs - old_logprobs, zero)
 
 
+def opsm_masked(token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, delta: float) -> Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2; miles' --use-opsm): True [B, T] on the response
+    tokens with a negative advantage in a sequence (row) whose mean over its response tokens of
+    old_logp - logp (a k1 estimate of KL(old || current)) exceeds `delta`. `token_log_ratio` is
+    logp - old_logp, 0 off the mask; the mask carries no gradient."""
+    with torch.no_grad():
+        seq_kl = -masked_mean(token_log_ratio, mask, dim=-1)     # [B]
+        return mask.bool() & (advantages < 0) & (seq_kl > delta)[:, None]
+
+
 def _policy_loss(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, eps_clip: float,
                  eps_clip_high: float | None, eps_clip_c: float | None, reduce: Callable[..., Tensor],
-                 normalizer: float | None, is_weights: Tensor | None) -> tuple[Tensor, Metrics]:
+                 normalizer: float | None, is_weights: Tensor | None,
+                 opsm_delta: float | None) -> tuple[Tensor, Metrics]:
     loss, ratio, clipped, dual = _clipped_surrogate(log_ratio, advantages, eps_clip=eps_clip,
                                                     eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
     if is_weights is not None:
         loss = loss * is_weights
+    opsm: Metrics = {}
+    if opsm_delta is not None:
+        masked = opsm_masked(token_log_ratio, advantages, mask, delta=opsm_delta)
+        loss = torch.where(masked, torch.zeros((), dtype=loss.dtype, device=loss.device), loss)
+        opsm = {"opsm_clipfrac": masked_mean(masked.to(ratio.dtype), mask)}
     with torch.no_grad():
-        metrics = {
+        metrics = {**opsm,
             "clip_frac": masked_mean(clipped.to(ratio.dtype), mask),
             "dual_clip_frac": masked_mean(dual.to(ratio.dtype), mask),
             "approx_kl": masked_mean(-token_log_ratio, mask),  # mean of old - new over response tokens
@@ -87,24 +104,26 @@ def _policy_loss(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor,
 def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, eps_clip: float,
                   eps_clip_high: float | None = None, eps_clip_c: float | None = None,
                   reduce: Callable[..., Tensor] = token_mean, normalizer: float | None = None,
-                  is_weights: Tensor | None = None) -> tuple[Tensor, Metrics]:
+                  is_weights: Tensor | None = None, opsm_delta: float | None = None) -> tuple[Tensor, Metrics]:
     """PPO clipped surrogate with token ratio r_t = exp(logp_t - old_logp_t) (Schulman et al. 2017).
 
     Clip range [1 - eps_clip, 1 + eps_clip_high] (eps_clip_high defaults to eps_clip; larger is
     DAPO's clip-higher). `eps_clip_c` > 1 turns on dual clip: for A < 0 the loss is capped at -c A.
-    `is_weights` [B, T] (e.g. `tis_weights`) multiplies the per-token loss. Metrics: clip_frac
-    (share of response tokens whose clip is active), dual_clip_frac, approx_kl (mean old - new),
-    ratio_mean.
+    `is_weights` [B, T] (e.g. `tis_weights`) multiplies the per-token loss. `opsm_delta` turns on
+    off-policy sequence masking (`opsm_masked`): the masked tokens' loss is 0, and so is their gradient.
+    Metrics: clip_frac (share of response tokens whose clip is active), dual_clip_frac, approx_kl
+    (mean old - new), ratio_mean, and with OPSM opsm_clipfrac (share of response tokens masked).
     """
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, mask)
     return _policy_loss(log_ratio, log_ratio, advantages, mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
-                        eps_clip_c=eps_clip_c, reduce=reduce, normalizer=normalizer, is_weights=is_weights)
+                        eps_clip_c=eps_clip_c, reduce=reduce, normalizer=normalizer, is_weights=is_weights,
+                        opsm_delta=opsm_delta)
 
 
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, eps_clip: float,
               eps_clip_high: float | None = None, eps_clip_c: float | None = None,
               reduce: Callable[..., Tensor] = token_mean, normalizer: float | None = None,
-              is_weights: Tensor | None = None) -> tuple[Tensor, Metrics]:
+              is_weights: Tensor | None = None, opsm_delta: float | None = None) -> tuple[Tensor, Metrics]:
     """GSPO (Zheng et al. 2025): the PPO surrogate with one ratio per sequence,
     s_i = exp(mean over the response tokens of (logp - old_logp)), clipped per sequence.
 
@@ -118,7 +137,7 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     log_ratio = seq_log_ratio[:, None].expand_as(token_log_ratio)
     return _policy_loss(log_ratio, token_log_ratio, advantages, mask, eps_clip=eps_clip,
                         eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c, reduce=reduce,
-                        normalizer=normalizer, is_weights=is_weights)
+                        normalizer=normalizer, is_weights=is_weights, opsm_delta=opsm_delta)
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor, *, reduce: Callable[..., Tensor] = token_mean,
@@ -176,5 +195,6 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_clip_loss, "gspo": gspo_loss}
 
 
 def get_policy_loss(name: str, **options: object) -> PolicyLoss:
-    """The policy loss `name` (ppo | gspo) with `options` (eps_clip, eps_clip_high, eps_clip_c, reduce) bound."""
+    """The policy loss `name` (ppo | gspo) with `options` (eps_clip, eps_clip_high, eps_clip_c, reduce,
+    opsm_delta) bound."""
     return select(POLICY_LOSSES, "policy loss", name, **options)

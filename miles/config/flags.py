@@ -253,6 +253,19 @@ FLAGS: tuple[Flag, ...] = (
     _f("lr-wsd-decay-style", "train", "lr_wsd_decay_style", str, "WSD: the decay phase's shape",
        ("exponential", "linear", "cosine", "minus_sqrt")),
     _f("min-lr", "train", "min_lr", float, "the learning rate at the end of the decay"),
+    _f("decoupled-lr", "train", "decoupled_lr", float,
+       "the input embedding's and output layer's learning rate (Megatron-LM's; tied: one parameter), on --lr's "
+       "warmup and decay down to --decoupled-min-lr; the one-process torch trainer's policy"),
+    _f("decoupled-min-lr", "train", "decoupled_min_lr", float,
+       "with --decoupled-lr: the embedding and output layer's rate at the end of the decay (default: --min-lr)"),
+    _f("weight-decay-incr-style", "train", "weight_decay_incr_style", str,
+       "weight-decay schedule (Megatron-LM's): constant (--weight-decay throughout), or linear / cosine from "
+       "--start-weight-decay to --end-weight-decay over --lr-decay-iters optimizer steps (--weight-decay unused)",
+       ("constant", "linear", "cosine")),
+    _f("start-weight-decay", "train", "start_weight_decay", float,
+       "--weight-decay-incr-style linear/cosine: the weight decay of the first optimizer step"),
+    _f("end-weight-decay", "train", "end_weight_decay", float,
+       "--weight-decay-incr-style linear/cosine: the weight decay from --lr-decay-iters on (>= the start)"),
     _f("log-probs-max-tokens-per-gpu", "train", "log_probs_max_tokens_per_gpu", int,
        "with --use-dynamic-batch-size: the token budget of the forwards without a backward (old and reference "
        "logprobs, PPO's critic values), which keep no activations; default: --max-tokens-per-gpu's (or, on CUDA, "
@@ -432,6 +445,11 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "prompt + response tokens at most: each response gets this minus its prompt's length"),
     _f("use-unbiased-kl", "algorithm", "use_unbiased_kl", kind="true",
        help="weight the KL loss per token by the importance ratio exp(logp - old logp) (DeepSeek-V3.2)"),
+    _f("use-opsm", "algorithm", "use_opsm", kind="true",
+       help="off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the negative-advantage tokens "
+            "of each sequence whose mean old - current logprob over its response tokens exceeds --opsm-delta"),
+    _f("opsm-delta", "algorithm", "opsm_delta", float,
+       "--use-opsm's threshold on a sequence's mean old - current logprob (a KL estimate); default 1e-4"),
     _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
        "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
@@ -769,12 +787,13 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
 
 
 def _schedule_defaults(cfg: RunConfig) -> RunConfig:
-    """Megatron-LM's default --lr-decay-iters: when a schedule needs it (a decay style, or
-    --lr-warmup-fraction, a share of it) and it is not given, the run's optimizer steps (--train-iters
+    """Megatron-LM's default --lr-decay-iters: when a schedule needs it (a decay style,
+    --lr-warmup-fraction, a share of it, or a weight-decay schedule) and it is not given, the run's optimizer steps (--train-iters
     there; here --num-rollout x the steps of a rollout)."""
     t = cfg.train
     if t.lr_decay_iters is not None or not cfg.num_rollout or (t.lr_decay_style not in ("linear", "cosine", "WSD")
-                                                                 and t.lr_warmup_fraction is None):
+                                                                 and t.lr_warmup_fraction is None
+                                                                 and t.weight_decay_incr_style == "constant"):
         return cfg
     samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     decay = cfg.num_rollout * -(-samples // max(t.global_batch(samples), 1))

@@ -114,8 +114,6 @@ REQUIRED: dict[str, MegatronFlag] = {
     "expert-tensor-parallel-size": MegatronFlag("int", "expert tensor parallelism; dense models only here",
                                                 required=1),
     "optimizer": MegatronFlag("str", "Megatron's optimizer; here always AdamW (Megatron's adam)", required="adam"),
-    "weight-decay-incr-style": MegatronFlag("str", "a weight-decay schedule; here --weight-decay is constant",
-                                            required="constant"),
     "tokenizer-type": MegatronFlag("str", "Megatron-LM's tokenizer kind; here the tokenizer is --hf-checkpoint's "
                                           "(AutoTokenizer)", required="HuggingFaceTokenizer"),
     # full recomputation of every layer is --recompute-activations (miles.config.megatron_arch sets it)

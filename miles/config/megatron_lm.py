@@ -50,6 +50,7 @@ IMPLEMENTED = parse("""
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
     exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload async-save
     loss-scale= initial-loss-scale= min-loss-scale= loss-scale-window= hysteresis=
+    weight-decay-incr-style= start-weight-decay= end-weight-decay= decoupled-lr= decoupled-min-lr=
 """)
 # in miles.config.megatron_flags: CHECKED, REQUIRED, ACCEPTED, SETS (the flags miles' launch scripts pass)
 SCRIPTS = parse("""
@@ -58,7 +59,7 @@ SCRIPTS = parse("""
     rotary-scaling-factor= rope-scaling-factor= rope-type= max-position-embeddings= normalization= norm-epsilon= swiglu
     disable-bias-linear add-qkv-bias untie-embeddings-and-output-weights vocab-size= padded-vocab-size=
     attention-dropout= hidden-dropout= expert-model-parallel-size= expert-tensor-parallel-size= optimizer=
-    recompute-granularity= recompute-method= recompute-num-layers= weight-decay-incr-style= tokenizer-type=
+    recompute-granularity= recompute-method= recompute-num-layers= tokenizer-type=
     overlap-grad-reduce overlap-param-gather no-gradient-accumulation-fusion use-flash-attn no-masked-softmax-fusion
     no-bias-swiglu-fusion no-bias-dropout-fusion no-bias-gelu-fusion no-rope-fusion tp-comm-overlap
     no-persist-layer-norm cross-entropy-loss-fusion use-mcore-models no-create-attention-mask-in-dataloader
@@ -345,10 +346,6 @@ REFUSED: dict[str, str] = {
     "cpu-offloading-num-layers=": f"offloads layers' activations to the CPU; {NOT_YET}: --recompute-activations "
                                   "saves activation memory",
     "dump-param-to-param-group-map=": f"a file of parameter groups; {NOT_YET}: one AdamW group",
-    "decoupled-lr=": f"a separate learning rate for the embedding and output layers; {NOT_YET}: one --lr for all",
-    "decoupled-min-lr=": f"the embedding and output layers' minimum learning rate; {NOT_YET}: one --min-lr for all",
-    "start-weight-decay=": f"a weight-decay schedule's start; {NOT_YET}: --weight-decay is constant",
-    "end-weight-decay=": f"a weight-decay schedule's end; {NOT_YET}: --weight-decay is constant",
     "use-checkpoint-opt_param-scheduler": "takes the learning-rate schedule from the checkpoint; here it always comes "
                                           "from the flags: give the run's --lr-* flags again",
     "use-checkpoint-opt-param-scheduler": "takes the learning-rate schedule from the checkpoint; here it always comes "

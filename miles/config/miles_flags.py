@@ -101,7 +101,6 @@ REFUSED: dict[str, str] = {
                                   "AutoModelForCausalLM from --hf-checkpoint",
     "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
     "custom-megatron-post-save-hook-path": f"a hook after each Megatron save; {NOT_YET}",
-    "use-opsm": f"off-policy sequence masking; {NOT_YET}",
     "ref-ckpt-step": "the step of a Megatron --ref-load checkpoint; here --ref-load is an HF folder: drop it",
     "observe-training-entropy": "logs the policy entropy; here it is always logged (metric entropy): drop it",
     "get-mismatch-metrics": "logs train/rollout logprob mismatch; here always logged (logprob_diff_rollout, "
@@ -190,6 +189,7 @@ REFUSED: dict[str, str] = {
 # flags (checked against --hf-checkpoint's config.json), the kernel switches (accepted) and the model
 # families this build does not train are in miles.config.megatron_flags; those this build
 # implements (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters, --weight-decay,
+# --weight-decay-incr-style, --start-weight-decay, --end-weight-decay, --decoupled-lr, --decoupled-min-lr,
 # --adam-beta1, --adam-beta2, --adam-eps, --lr-warmup-fraction, --clip-grad, --seed, --micro-batch-size,
 # --global-batch-size, --load, --save, --save-interval, --ref-load, --no-save-optim, --no-load-optim, --no-load-rng,
 # --finetune, --recompute-activations, --optimizer-cpu-offload, and for --train-backend megatron

@@ -213,6 +213,8 @@ class AlgorithmConfig:
     use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
     tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
     tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
+    use_opsm: bool = False              # --use-opsm: off-policy sequence masking (DeepSeek-V3.2)
+    opsm_delta: float = 1e-4            # --opsm-delta: OPSM's threshold on a sequence's mean old - new logprob
     use_unbiased_kl: bool = False       # --use-unbiased-kl: KL loss weighted by exp(logp - old_logp) per token
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
@@ -245,6 +247,11 @@ class TrainConfig:
     lr_wsd_decay_style: str = "exponential"  # --lr-wsd-decay-style exponential | linear | cosine | minus_sqrt
     lr_decay_iters: int | None = None   # --lr-decay-iters: the step where linear/cosine decay reaches --min-lr
     min_lr: float = 0.0                 # --min-lr
+    decoupled_lr: float | None = None   # --decoupled-lr: the input embedding's and output layer's rate (None: --lr)
+    decoupled_min_lr: float | None = None  # --decoupled-min-lr: their rate at the end of the decay (None: --min-lr)
+    weight_decay_incr_style: str = "constant"  # --weight-decay-incr-style constant | linear | cosine
+    start_weight_decay: float | None = None  # --start-weight-decay: the linear/cosine weight decay's first value
+    end_weight_decay: float | None = None    # --end-weight-decay: its value from --lr-decay-iters on
     use_dynamic_batch_size: bool = False  # --use-dynamic-batch-size: micro-batches by token budget, not sample count
     max_tokens_per_gpu: int | None = None  # --max-tokens-per-gpu: a micro-batch's tokens (real ones packed, else rows x longest)
     log_probs_max_tokens_per_gpu: int | None = None  # --log-probs-max-tokens-per-gpu: the no-grad forwards' budget

@@ -5,6 +5,7 @@ Every problem is collected; one ConfigError names them all."""
 from __future__ import annotations
 
 import ipaddress
+import math
 from pathlib import Path
 
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
@@ -12,7 +13,8 @@ from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LO
 from miles.runtime.machine import STATES, MachineDef
 
 from .checks import check, run_checks
-from .schema import DTYPES, ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig
+from .schema import (DTYPES, ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig,
+                     TrainConfig)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -278,6 +280,12 @@ def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
                         "--use-rollout-logprobs the ratio already divides by the engine's probabilities; keep one")
     if not 0 <= a.tis_clip_low <= a.tis_clip or a.tis_clip <= 0:
         problems.append(f"--tis-clip-low {a.tis_clip_low} / --tis-clip {a.tis_clip}: need 0 <= low <= clip and clip > 0")
+    if a.use_opsm and a.loss_type != "policy_loss":
+        problems.append(f"--use-opsm masks sequences out of the policy loss: --loss-type {a.loss_type} has none; "
+                        "drop --use-opsm or use --loss-type policy_loss")
+    if a.use_opsm and not (math.isfinite(a.opsm_delta) and a.opsm_delta >= 0):
+        problems.append(f"--opsm-delta {a.opsm_delta}: must be a finite threshold >= 0 on a sequence's mean "
+                        "old - current logprob")
 
 
 @check
@@ -350,10 +358,53 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
                                       or t.lr_decay_iters is not None and t.lr_wsd_decay_iters > t.lr_decay_iters):
         problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-iters N: the decay phase's optimizer steps, "
                         f"1..--lr-decay-iters {t.lr_decay_iters}; got {t.lr_wsd_decay_iters}")
+    _wd_schedule(t, problems)
+    _decoupled_lr(cfg, problems)
     top = min(t.lr, t.critic_lr or t.lr)      # the critic warms up from it too
     if not 0 <= t.lr_warmup_init <= top:
         problems.append(f"--lr-warmup-init {t.lr_warmup_init}: need 0 <= warmup-init <= --lr {t.lr}"
                         + (f" and --critic-lr {t.critic_lr}" if t.critic_lr else ""))
+
+
+def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
+    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the one-process torch trainer's policy only."""
+    t = cfg.train
+    if t.decoupled_lr is None:
+        if t.decoupled_min_lr is not None:
+            problems.append(f"--decoupled-min-lr {t.decoupled_min_lr} has no effect without --decoupled-lr: add it "
+                            "or drop --decoupled-min-lr")
+        return
+    bottom = t.min_lr if t.decoupled_min_lr is None else t.decoupled_min_lr
+    if not 0 <= bottom <= t.decoupled_lr or t.lr_warmup_init > t.decoupled_lr:
+        problems.append(f"--decoupled-lr {t.decoupled_lr} / --decoupled-min-lr {bottom}: need 0 <= decoupled-min-lr "
+                        f"<= decoupled-lr and --lr-warmup-init {t.lr_warmup_init} <= decoupled-lr")
+    if cfg.algorithm.needs_critic:
+        problems.append("--decoupled-lr: the critic (--advantage-estimator ppo) takes one rate, --critic-lr, for "
+                        "all its parameters here; drop --decoupled-lr or use another estimator")
+    if t.backend == "torch" and cfg.cluster.trainer_ranks > 1:
+        problems.append(f"--decoupled-lr: not supported yet on the torch trainer's FSDP ranks ({cfg.cluster.trainer_ranks} "
+                        "trainer GPUs), whose checkpoints keep one AdamW group; train on one GPU or drop it")
+
+
+def _wd_schedule(t: TrainConfig, problems: list[str]) -> None:
+    """Megatron-LM's rules: constant takes --weight-decay alone; linear/cosine take a start and an end,
+    0 <= start <= end, over --lr-decay-iters steps (Megatron-LM's --train-iters, its default)."""
+    style, start, end = t.weight_decay_incr_style, t.start_weight_decay, t.end_weight_decay
+    if style == "constant":
+        given = [f for f, v in (("--start-weight-decay", start), ("--end-weight-decay", end)) if v is not None]
+        if given:
+            problems.append(f"{', '.join(given)} need --weight-decay-incr-style linear or cosine; with constant "
+                            "(the default) the weight decay is --weight-decay")
+        return
+    if start is None or end is None:
+        problems.append(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay")
+    elif not 0 <= start <= end:
+        problems.append(f"--start-weight-decay {start} / --end-weight-decay {end}: need 0 <= start <= end "
+                        "(Megatron-LM's schedule increases the weight decay)")
+    if t.lr_decay_iters is None or t.lr_decay_iters <= 0:
+        problems.append(f"--weight-decay-incr-style {style} runs over --lr-decay-iters optimizer steps: give "
+                        f"--lr-decay-iters N or --num-rollout (which sets it to the run's optimizer steps); got "
+                        f"{t.lr_decay_iters}")
 
 
 @check

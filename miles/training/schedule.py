@@ -1,9 +1,10 @@
-"""Learning-rate schedules as a pure function of the optimizer step (Megatron's flag names:
---lr-decay-style, --lr-warmup-iters, --lr-warmup-init, --lr-decay-iters, --min-lr, --lr-wsd-decay-iters,
---lr-wsd-decay-style).
+"""Learning-rate and weight-decay schedules as pure functions of the optimizer step (Megatron's flag
+names: --lr-decay-style, --lr-warmup-iters, --lr-warmup-init, --lr-decay-iters, --min-lr,
+--lr-wsd-decay-iters, --lr-wsd-decay-style; --decoupled-lr, --decoupled-min-lr for the embedding and
+output layer; --weight-decay-incr-style, --start-weight-decay, --end-weight-decay).
 
-The rate depends on the step count alone, so a resumed trainer (which restores its step count)
-continues on the same curve with nothing else to save.
+Both depend on the step count alone, so a resumed trainer (which restores its step count)
+continues on the same curves with nothing else to save.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 from miles.config import TrainConfig
 
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 NEEDS_DECAY_ITERS = ("linear", "cosine", "WSD")      # inverse-square-root: optional (min_lr after it)
@@ -64,15 +66,56 @@ def lr_at(step: int, *, lr: float, min_lr: float = 0.0, warmup_iters: int = 0, d
     return min_lr + (lr - min_lr) * shape
 
 
-def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
-    """`lr_at` bound to the run's flags; unknown styles fail here, at start-up."""
+def lr_schedule(cfg: TrainConfig, *, decoupled: bool = False) -> Callable[[int], float]:
+    """`lr_at` bound to the run's flags; unknown styles fail here, at start-up. `decoupled`: the
+    embedding and output layer's rate, from --decoupled-lr down to --decoupled-min-lr (default
+    --min-lr) on the same warmup and decay (Megatron-LM's max_lr / min_lr of their param group)."""
     if cfg.lr_decay_style not in LR_DECAY_STYLES:
         raise ValueError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {cfg.lr_decay_style!r}")
     if cfg.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
         raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}, "
                          f"got {cfg.lr_wsd_decay_style!r}")
-    schedule = partial(lr_at, lr=cfg.lr, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_steps,
+    top, bottom = cfg.lr, cfg.min_lr
+    if decoupled:
+        if cfg.decoupled_lr is None:
+            raise ValueError("a decoupled learning rate needs --decoupled-lr")
+        top, bottom = cfg.decoupled_lr, cfg.min_lr if cfg.decoupled_min_lr is None else cfg.decoupled_min_lr
+    schedule = partial(lr_at, lr=top, min_lr=bottom, warmup_iters=cfg.warmup_steps,
                        decay_iters=cfg.lr_decay_iters, style=cfg.lr_decay_style, warmup_init=cfg.lr_warmup_init,
                        wsd_decay_iters=cfg.lr_wsd_decay_iters, wsd_style=cfg.lr_wsd_decay_style)
     schedule(max(cfg.warmup_steps, 0))      # a bad decay setting fails now, not at the warmup's end
+    return schedule
+
+
+def wd_at(step: int, *, start: float, end: float, incr_iters: int | None, style: str = "constant") -> float:
+    """The weight decay of optimizer step `step` (0-based): Megatron-LM's OptimizerParamScheduler.get_wd
+    at num_steps = step. `constant`: `end` (== start). After `incr_iters` steps: `end`. Else, with
+    r = step / incr_iters, start + c (end - start) with c = r (`linear`) or (1 + cos(pi (1 - r))) / 2
+    (`cosine`): the decay grows from start to end."""
+    if style == "constant":
+        return end
+    if incr_iters is None or incr_iters <= 0:
+        raise ValueError(f"--weight-decay-incr-style {style} needs its length in optimizer steps (--lr-decay-iters "
+                         f"here) > 0, got {incr_iters}")
+    if step > incr_iters:
+        return end
+    r = step / incr_iters
+    coeff = r if style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - r)) + 1.0)
+    return start + coeff * (end - start)
+
+
+def wd_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """`wd_at` bound to the run's flags: --weight-decay throughout with the default constant style,
+    else from --start-weight-decay to --end-weight-decay over --lr-decay-iters steps (Megatron-LM:
+    over --train-iters, which --lr-decay-iters defaults to here as there)."""
+    style = cfg.weight_decay_incr_style
+    if style not in WD_INCR_STYLES:
+        raise ValueError(f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}, got {style!r}")
+    if style == "constant":
+        return partial(wd_at, start=cfg.weight_decay, end=cfg.weight_decay, incr_iters=None)
+    if cfg.start_weight_decay is None or cfg.end_weight_decay is None:
+        raise ValueError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay")
+    schedule = partial(wd_at, start=cfg.start_weight_decay, end=cfg.end_weight_decay,
+                       incr_iters=cfg.lr_decay_iters, style=style)
+    schedule(0)     # a missing length fails now
     return schedule

@@ -1,7 +1,8 @@
 """The shell the trainer and the critic share: one float32 model under AdamW on one device.
 
 What lives here, once: the seeding, the device and the autocast compute dtype, AdamW with the
-run's betas and weight decay, the learning-rate schedule by optimizer step, the finite-gradient
+run's betas (with --decoupled-lr the input embedding and output layer in groups of their own), the
+learning-rate and weight-decay schedules by optimizer step, the finite-gradient
 step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step; under float16
 the loss scaling of `miles.training.loss_scale`: the gradients unscaled before the clip, and a
 non-finite norm is an overflow whose step is skipped, not an error), the
@@ -37,7 +38,7 @@ from miles.training.rng import seed_everything
 from miles.training.offload import HostOffload
 from miles.training.shadows import weight_shadows
 from miles.training.shards import clip_grad_norm, local, step_shards
-from miles.training.schedule import lr_schedule
+from miles.training.schedule import lr_schedule, wd_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -56,6 +57,7 @@ class OptimizedModel:
     role = "model"
     state_file = "state.json"
     lr_hint = "--lr"
+    decouples_lr = False        # --decoupled-lr: the embedding and output layer get their own rate (the policy's)
 
     def __init__(self, *, train: TrainConfig, device: str, dtype: str):
         seed_everything(train.seed)
@@ -68,6 +70,9 @@ class OptimizedModel:
         self._train_cfg = train
         self._max_grad_norm = train.clip_grad if train.clip_grad > 0 else math.inf
         self._lr_at = lr_schedule(train)
+        self._wd_at = wd_schedule(train)
+        self._decoupled_lr_at = lr_schedule(train, decoupled=True) if train.decoupled_lr is not None else None
+        self._decoupled_groups: list[bool] = [False]    # per AdamW group: on the decoupled schedule
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._num_steps = 0
@@ -80,10 +85,62 @@ class OptimizedModel:
     def _start_optimizer(self, model: nn.Module) -> None:
         t = self._train_cfg
         self._model = model
-        self._optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        groups = self._param_groups(model)
+        self._decoupled_groups = [g["decoupled"] for g in groups]
+        self._optimizer = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=t.lr,
+                                            weight_decay=self._wd_at(0), betas=(t.adam_beta1, t.adam_beta2),
+                                            eps=t.adam_eps)
         if t.optimizer_cpu_offload:     # the state is made chunk by chunk in the first streamed step, then lives on the host
             self._host = HostOffload(self._optimizer, model, resident=True)
+
+    def _param_groups(self, model: nn.Module) -> list[dict]:
+        """One group of every parameter; with --decoupled-lr the parameters cut into runs, in
+        `model.parameters()` order, of those on the decoupled schedule (the input embedding and the
+        output layer, one parameter when tied) and the others: the state dict's parameter indices stay
+        those of one group, so a checkpoint of either layout loads into the other (`_fit_groups`)."""
+        params = list(model.parameters())
+        if self._decoupled_lr_at is None:
+            return [{"params": params, "decoupled": False}]
+        if not self.decouples_lr:
+            raise ValueError(f"--decoupled-lr is not supported for the {self.role} yet: its parameters take one "
+                             f"rate ({self.lr_hint}); drop --decoupled-lr")
+        special = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                   if m is not None}
+        groups: list[dict] = []
+        for p in params:
+            flag = id(p) in special
+            if not groups or groups[-1]["decoupled"] != flag:
+                groups.append({"params": [], "decoupled": flag})
+            groups[-1]["params"].append(p)
+        return groups
+
+    def _fit_groups(self, saved: dict) -> dict:
+        """A saved optimizer state dict laid out as this optimizer's groups: the parameter indices are
+        the same in every layout (`_param_groups`), so a checkpoint written with one group (or without
+        --decoupled-lr) loads with --decoupled-lr and back; each group takes the saved first group's
+        hyperparameters (the rate and the weight decay are set again at every step)."""
+        mine = [len(g["params"]) for g in self._optimizer.param_groups]
+        theirs = [len(g["params"]) for g in saved["param_groups"]]
+        if mine == theirs:
+            return saved
+        if sum(mine) != sum(theirs):
+            raise ValueError(f"the saved optimizer state has {sum(theirs)} parameters, this {self.role}'s "
+                             f"optimizer {sum(mine)}: not this model's")
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        hyper = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+        starts = [sum(mine[:k]) for k in range(len(mine))]
+        groups = [{**hyper, "params": ids[a:a + n]} for a, n in zip(starts, mine)]
+        return {"state": saved["state"], "param_groups": groups}
+
+    def _schedule_metrics(self) -> dict[str, float]:
+        """What the optimizer's groups hold after a step: lr (the main schedule's), decoupled_lr with
+        --decoupled-lr, weight_decay when it is scheduled (--weight-decay-incr-style linear/cosine)."""
+        out: dict[str, float] = {}
+        for group, decoupled in zip(self._optimizer.param_groups, self._decoupled_groups, strict=True):
+            out.setdefault("decoupled_lr" if decoupled else "lr", float(group["lr"]))
+        if self._train_cfg.weight_decay_incr_style != "constant":
+            out["weight_decay"] = float(self._optimizer.param_groups[0]["weight_decay"])
+        return out
 
     @property
     def num_steps(self) -> int:
@@ -128,9 +185,12 @@ class OptimizedModel:
         return {"grad_norm": math.nan if overflow else grad_norm, "loss_scale": scale, "skipped_steps": float(overflow)}
 
     def _apply_step(self) -> None:
-        """Set the scheduled rate and step the optimizer on the (unscaled, clipped) gradients."""
-        for group in self._optimizer.param_groups:
-            group["lr"] = self._lr_at(self._num_steps)
+        """Set the scheduled rates and weight decay and step the optimizer on the (unscaled, clipped) gradients."""
+        step = self._num_steps
+        lr, wd = self._lr_at(step), self._wd_at(step)
+        for group, decoupled in zip(self._optimizer.param_groups, self._decoupled_groups, strict=True):
+            group["lr"] = self._decoupled_lr_at(step) if decoupled else lr
+            group["weight_decay"] = wd
         if self._host is not None:
             self._host.step()           # the state lives in host memory since the first offload
         else:
@@ -259,10 +319,11 @@ class OptimizedModel:
         resumes: miles.phases.init), the state goes to the host buffers, never whole on the device."""
         if optimizer and (path / OPTIMIZER_FILE).is_file():
             if self._host is not None and self._host.holds_state:
-                self._host.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+                saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+                self._host.load_state_dict(self._fit_groups(saved))
             else:
-                self._optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
-                                                           weights_only=True))
+                saved = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+                self._optimizer.load_state_dict(self._fit_groups(saved))
         if (path / self.state_file).is_file():
             state = json.loads((path / self.state_file).read_text())
             self._load_scaler_state(state, optimizer)

@@ -32,6 +32,9 @@ from miles.training.batch import TrainBatch
 from miles.training.pg_reducer import GetReducer, load_reducer, miles_reduction
 from miles.user_code import display_name, import_user_function
 
+# --use-opsm's metric: the share of the step's response tokens masked out of the policy loss
+OPSM_KEYS = ("opsm_clipfrac",)
+
 # (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
 Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
 # (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
@@ -106,7 +109,8 @@ def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tu
         policy = partial(_custom_term, import_user_function(path, "--custom-loss-function-path"), reduce)
     else:
         name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
-        clip = dict(eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c)
+        clip = dict(eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
+                    opsm_delta=algorithm.opsm_delta if algorithm.use_opsm else None)
         if algorithm.pg_loss_reducer_path:      # miles' reducer for the policy loss only; KL and entropy keep `reduce`
             policy = partial(_reduced_policy_term, get_policy_loss(name, **clip),
                              load_reducer(algorithm.pg_loss_reducer_path), algorithm.loss_agg_mode == "token_mean")
@@ -247,6 +251,7 @@ class PolicyObjective:
         self._use_rollout_logprobs = algorithm.use_rollout_logprobs
         self._tis = _pick_tis(algorithm)
         # the pre-step logprobs are read for more than the PPO ratio (or not at all, SFT): keep the pass
+        self.metric_keys = OPSM_KEYS if algorithm.use_opsm and algorithm.loss_type == "policy_loss" else ()
         self.may_skip_old_pass = not (self.is_sft or self._tis is not None or self._use_rollout_logprobs
                                       or self._reward_kl_coef)
 
@@ -328,5 +333,6 @@ class PolicyObjective:
         # device tensors (or floats), read once a step by `TermSums.floats`
         terms = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl": kl.detach(), "entropy": ent.detach(),
                  "clip_frac": _detached(pg_metrics.get("clip_frac", 0.0)) * share,
+                 **{k: _detached(pg_metrics[k]) * share for k in OPSM_KEYS if k in pg_metrics},
                  **{k: _detached(v) * share for k, v in pg_metrics.items() if k.startswith("custom/")}}
         return loss, terms

@@ -103,6 +103,7 @@ def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int
 
 class Trainer(OptimizedModel):
     role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
+    decouples_lr = True
     rank = 0            # its data-parallel rank (miles.training.fsdp.rank.FSDPRank sets its own)
     world_size = 1      # ranks training together (the CPU ranks of one machine share its cores)
 
@@ -238,8 +239,7 @@ class Trainer(OptimizedModel):
         if seen is not None:
             metrics.update(self._objective.mismatch(seen, batch))
         stepped = self._optimizer_step()
-        return {**metrics, **stepped, "lr": float(self._optimizer.param_groups[0]["lr"]),
-                "step_time_s": time.perf_counter() - start}
+        return {**metrics, **stepped, **self._schedule_metrics(), "step_time_s": time.perf_counter() - start}
 
     def _memory_plan_args(self) -> dict:
         return dict(model=self._model, logits=self._logits_path, compiled=self._compiled_layers,
@@ -368,7 +368,12 @@ class Trainer(OptimizedModel):
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {STATE_FILE}; pass a folder written by "
                                     "the torch trainer's save")
         state = json.loads((path / STATE_FILE).read_text())
-        load_sharded(self._live(), self._optimizer if optimizer and state.get("optimizer", True) else None, path)
+        with_optimizer = optimizer and state.get("optimizer", True)
+        if with_optimizer and len(self._optimizer.param_groups) > 1:
+            raise ValueError(f"{path} is a sharded checkpoint, its optimizer state saved as one AdamW group; the "
+                             "groups of --decoupled-lr cannot load it yet: resume with --no-load-optim, or without "
+                             "--decoupled-lr")
+        load_sharded(self._live(), self._optimizer if with_optimizer else None, path)
         self._load_scaler_state(state, optimizer)
         if step:
             self._num_steps = state["num_steps"]

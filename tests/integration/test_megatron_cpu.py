@@ -187,6 +187,9 @@ def assert_same_training(got: list[dict], want: list[dict], got_w: dict, want_w:
             "train_tokens", "advantage_abs_mean")
     if tp > 1 and mcore_version() < (0, 17):
         keys = tuple(k for k in keys if k != "grad_norm")
+    keys += tuple(k for k in ("opsm_clipfrac",) if k in want[0])     # --use-opsm's
+    if "opsm_clipfrac" in want[0]:
+        assert 0 < want[0]["opsm_clipfrac"] < 1, want[0]["opsm_clipfrac"]       # some masked, not all
     for g, w in zip(got, want, strict=True):
         for k in keys:
             assert g[k] == pytest.approx(w[k], rel=tol, abs=tol), (k, g[k], w[k])
@@ -215,10 +218,13 @@ ALGORITHMS = {
     "grpo": {},
     "kl_entropy_tis": dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_tis=True,
                            loss_agg_mode="seq_mean_token_mean", ref_update_interval=1),
+    # the samples' rollout logprobs (-2) are far above the model's: OPSM masks the negative-advantage ones
+    "opsm": dict(use_opsm=True, opsm_delta=0.5, use_rollout_logprobs=True),
 }
 
 
 @pytest.mark.parametrize("family,algorithm", [("qwen2", "grpo"), ("qwen3", "grpo"), ("llama3", "kl_entropy_tis"),
+                                              ("qwen2", "opsm"),
                                               pytest.param("llama", "kl_entropy_tis", marks=pytest.mark.extended)])
 def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algorithm):
     cfg = configs(**ALGORITHMS[algorithm])
@@ -236,6 +242,26 @@ def test_num_steps_per_rollout_gives_that_many_optimizer_steps_on_both_backends(
     results = run_ranks(1, models["qwen2"], cfg, tmp_path, rollouts=[0])
     assert want[0]["num_steps"] == results[0]["metrics"][0]["num_steps"] == 2
     assert_same_training(results[0]["metrics"], want, hf_weights(results, models["qwen2"]), want_w)
+
+
+def test_weight_decay_spares_biases_and_norms_and_follows_its_schedule(models, tmp_path):
+    # one optimizer step a rollout (global batch 8 = the rollout); the first step's gradients are the
+    # same with or without decay, so after it the biases and norms (megatron's wd_mult 0) are bit for
+    # bit those of a run without weight decay, and the matrices are not
+    train, algorithm, rollout = configs()
+    one_step = replace(train, global_batch_size=8)
+    runs = {wd: run_ranks(1, models["qwen2"], (replace(one_step, weight_decay=wd), algorithm, rollout),
+                          tmp_path / str(wd), rollouts=[0]) for wd in (0.0, 0.5)}
+    plain, decayed = (hf_weights(runs[wd], models["qwen2"]) for wd in (0.0, 0.5))
+    spared = [n for n in plain if n.endswith("bias") or "norm" in n]
+    assert spared and all(torch.equal(plain[n], decayed[n]) for n in spared)
+    assert not torch.equal(plain["model.layers.0.mlp.up_proj.weight"], decayed["model.layers.0.mlp.up_proj.weight"])
+    # Megatron-LM's linear schedule over 1 step from 0 to .1: step 0 decays by 0, step 1 by .1
+    scheduled = replace(one_step, weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1,
+                        lr_decay_iters=1)
+    metrics = run_ranks(1, models["qwen2"], (scheduled, algorithm, rollout), tmp_path / "linear",
+                        rollouts=[0, 1])[0]["metrics"]
+    assert [m["weight_decay"] for m in metrics] == [0.0, 0.1]
 
 
 # CI runs each parallelism alone; the combinations (1-2 min each on 2 cores) are `extended`

@@ -231,3 +231,54 @@ def test_ppo_gradient_zero_exactly_where_clipped(seed, eps):
     clipped = ((adv > 0) & (r > 1 + eps)) | ((adv < 0) & (r < 1 - eps))
     assert (new.grad[clipped] == 0).all()
     assert (new.grad[~clipped] != 0).all()
+
+
+def opsm_case():
+    """Three sequences of two response tokens (and one pad), old - new per token:
+      row 0: [.3, .1]  mean .2 > delta .1, A = -1      -> masked
+      row 1: [.3, .1]  mean .2 > delta .1, A = +1      -> kept (positive advantage)
+      row 2: [.1, .0]  mean .05 <= delta .1, A = -1    -> kept (close to the old policy)
+    The pad of row 0 holds a large old - new (3.0): it must not count in the row's mean."""
+    old = t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    new = t([[-0.3, -0.1, -3.0], [-0.3, -0.1, -3.0], [-0.1, 0.0, -3.0]]).requires_grad_()
+    adv = t([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    return new, old, adv, mask
+
+
+def test_opsm_masks_exactly_the_negative_advantage_sequences_past_delta():
+    new, old, adv, mask = opsm_case()
+    loss, m = ppo_clip_loss(new, old, adv, mask, eps_clip=0.5, opsm_delta=0.1)
+    # eps .5 clips nothing here (ratios e^-.3 = .74 .. 1). Kept tokens' loss -A r: row 1: -(e^-.3 + e^-.1),
+    # row 2: e^-.1 + 1; row 0 is 0; token_mean over the 6 response tokens
+    kept = -(math.exp(-0.3) + math.exp(-0.1)) + (math.exp(-0.1) + 1.0)
+    assert loss.item() == approx(kept / 6)
+    assert m["opsm_clipfrac"].item() == approx(2 / 6)
+    # a threshold above row 0's mean .2 masks nothing: the plain PPO loss
+    plain, _ = ppo_clip_loss(new, old, adv, mask, eps_clip=0.5)
+    off, m_off = ppo_clip_loss(new, old, adv, mask, eps_clip=0.5, opsm_delta=0.2)
+    assert off.item() == approx(plain.item()) and m_off["opsm_clipfrac"].item() == 0.0
+    assert "opsm_clipfrac" not in ppo_clip_loss(new, old, adv, mask, eps_clip=0.5)[1]
+
+
+def test_opsm_masked_sequence_has_zero_gradient_and_the_others_keep_theirs():
+    new, old, adv, mask = opsm_case()
+    ppo_clip_loss(new, old, adv, mask, eps_clip=0.5, opsm_delta=0.1)[0].backward()
+    with_opsm = new.grad.clone()
+    new.grad = None
+    ppo_clip_loss(new, old, adv, mask, eps_clip=0.5)[0].backward()
+    assert torch.equal(with_opsm[0], torch.zeros(3, dtype=F64))
+    assert with_opsm[0].abs().sum() == 0 and new.grad[0, :2].abs().min() > 0    # PPO alone moves row 0
+    assert torch.allclose(with_opsm[1:], new.grad[1:], atol=0, rtol=0)
+
+
+def test_opsm_reads_each_token_s_advantage_and_the_gspo_loss_takes_it_too():
+    # one sequence past delta with advantages [-1, +1]: only its negative token is masked (miles' rule is
+    # per token: advantage < 0 and the sequence's KL > delta)
+    new, old, adv, mask = opsm_case()
+    adv = adv.clone()
+    adv[0, 1] = 1.0
+    _, m = ppo_clip_loss(new, old, adv, mask, eps_clip=0.5, opsm_delta=0.1)
+    assert m["opsm_clipfrac"].item() == approx(1 / 6)
+    _, g = gspo_loss(new, old, adv, mask, eps_clip=0.5, opsm_delta=0.1)
+    assert g["opsm_clipfrac"].item() == approx(1 / 6)

@@ -127,6 +127,13 @@ def test_the_torch_trainers_memory_flags_it_lacks_are_refused_by_name(task, mega
     assert problems_of(task, "--offload")[0].startswith("--offload: not supported by --train-backend megatron yet")
 
 
+def test_the_decoupled_rate_is_refused_and_the_weight_decay_schedule_taken(task, megatron_installed):
+    problems = problems_of(task, "--weight-decay-incr-style", "linear", "--start-weight-decay", "0",
+                           "--end-weight-decay", "0.1", "--decoupled-lr", "1e-6")
+    assert [p.split(":")[0] for p in problems] == ["--decoupled-lr"], problems
+    assert "embedding and output layer" in problems[0]
+
+
 def test_colocation_activation_recompute_and_engine_offload_are_accepted(task, megatron_installed):
     _, model, data = task
     cfg, _ = parse_flags(["--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "2",

@@ -75,7 +75,7 @@ def forms(name: str, kind: str) -> list[list[str]]:
         return [[f"--{name}"], [f"--no-{name}"]]
     if kind == "list":
         return [[f"--{name}", "a", "-2"]]
-    value = {"lr-decay-style": "cosine", "lr-wsd-decay-style": "linear"}.get(name, "-3")   # a choice, or a negative
+    value = {"lr-decay-style": "cosine", "lr-wsd-decay-style": "linear", "weight-decay-incr-style": "linear"}.get(name, "-3")   # a choice, or a negative
     return [[f"--{name}", value]]
 
 
@@ -243,3 +243,56 @@ def test_wsd_flags_parse_and_are_checked(tmp_path):
             cfg.train.lr_warmup_init) == ("WSD", 20, "minus_sqrt", 1e-7)
     cfg, _ = parse_flags(base(tmp_path) + ["--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "10"])
     assert cfg.train.lr_decay_style == "inverse-square-root"     # no --lr-decay-iters needed
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "constant"])
+def test_the_weight_decay_schedule_is_megatron_lms(style):
+    pytest.importorskip("megatron.core")
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from miles.training.schedule import wd_at
+
+    class Opt:
+        param_groups = [{}]
+    start, end = (0.01, 0.1) if style != "constant" else (0.1, 0.1)
+    sched = OptimizerParamScheduler(Opt(), init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
+                                    lr_decay_steps=10, lr_decay_style="constant", start_wd=start, end_wd=end,
+                                    wd_incr_steps=20, wd_incr_style=style)
+    theirs = []
+    for step in range(25):
+        sched.num_steps = step
+        theirs.append(sched.get_wd())
+    ours = [wd_at(s, start=start, end=end, incr_iters=20, style=style) for s in range(25)]
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+def test_the_weight_decay_and_decoupled_rate_flags_parse_and_are_checked(tmp_path):
+    # miles' launch scripts pass --weight-decay-incr-style constant; linear/cosine run over the run's steps
+    run = base(tmp_path) + ["--num-rollout", "10", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                            "--global-batch-size", "4"]
+    cfg, _ = parse_flags(run + ["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.01",
+                                "--end-weight-decay", "0.1", "--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-5"])
+    t = cfg.train
+    assert (t.weight_decay_incr_style, t.start_weight_decay, t.end_weight_decay, t.lr_decay_iters) == \
+        ("cosine", 0.01, 0.1, 20)         # 10 rollouts x 8 samples / 4 a step: Megatron-LM's --train-iters
+    assert (t.decoupled_lr, t.decoupled_min_lr) == (1e-4, 1e-5)
+    for extra, problem in (
+            (["--start-weight-decay", "0.1"], "--start-weight-decay need --weight-decay-incr-style linear or cosine"),
+            (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+             "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+            (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.2", "--end-weight-decay", "0.1"],
+             "--start-weight-decay 0.2 / --end-weight-decay 0.1: need 0 <= start <= end"),
+            (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr 1e-05 has no effect without --decoupled-lr"),
+            (["--decoupled-lr", "1e-5", "--min-lr", "1e-4", "--lr", "1e-3"],
+             "--decoupled-lr 1e-05 / --decoupled-min-lr 0.0001: need 0 <= decoupled-min-lr <= decoupled-lr"),
+            (["--decoupled-lr", "1e-5", "--advantage-estimator", "ppo"], "--decoupled-lr: the critic"),
+            (["--decoupled-lr", "1e-5", "--actor-num-gpus-per-node", "2"],
+             "--decoupled-lr: not supported yet on the torch trainer's FSDP ranks (2 trainer GPUs)")):
+        with pytest.raises(ConfigError) as info:
+            parse_flags(run + extra)
+        assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+    by_epoch = [a for flag, value in zip(run[::2], run[1::2]) if flag != "--num-rollout" for a in (flag, value)]
+    with pytest.raises(ConfigError) as info:       # no --num-rollout: the schedule has no length
+        parse_flags(by_epoch + ["--num-epoch", "1", "--weight-decay-incr-style", "linear",
+                                "--start-weight-decay", "0", "--end-weight-decay", "0.1"])
+    assert any("runs over --lr-decay-iters optimizer steps" in p for p in info.value.problems), info.value.problems

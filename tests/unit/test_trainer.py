@@ -324,3 +324,85 @@ def test_dispose_frees_the_model(model_path):
     t.dispose()
     with pytest.raises(RuntimeError, match="disposed"):
         t.weights()
+
+
+# --- --decoupled-lr: the input embedding and output layer on a rate of their own ----------------------
+def test_decoupled_groups_hold_the_embedding_and_output_layer_in_parameter_order(model_path, tmp_path):
+    from tests.tiny_model import make_tiny_family
+
+    tied = trainer(model_path, decoupled_lr=1e-3)
+    embed = tied.model.get_input_embeddings().weight
+    assert tied._decoupled_groups == [True, False] and tied._optimizer.param_groups[0]["params"] == [embed]
+    untied = trainer(make_tiny_family(tmp_path / "untied", "qwen2", tied=False), decoupled_lr=1e-3)
+    m = untied.model
+    assert untied._decoupled_groups == [True, False, True]
+    groups = untied._optimizer.param_groups
+    assert groups[0]["params"] == [m.get_input_embeddings().weight]
+    assert groups[2]["params"] == [m.get_output_embeddings().weight]
+    # the groups' concatenation is model.parameters(): a state dict's indices are one group's
+    assert [p for g in groups for p in g["params"]] == list(m.parameters())
+
+
+def test_a_decoupled_rate_equal_to_lr_changes_nothing_and_zero_freezes_the_embedding(model_path):
+    cfg = dict(global_batch_size=2, micro_batch_size=1, weight_decay=0.1)
+    plain, same = trainer(model_path, **cfg), trainer(model_path, decoupled_lr=1e-2, **cfg)
+    plain.train(SAMPLES, 0)
+    m = same.train(SAMPLES, 0)
+    assert same.weights_checksum() == plain.weights_checksum() and m["decoupled_lr"] == m["lr"] == 1e-2
+    frozen = trainer(model_path, decoupled_lr=0.0, **cfg)
+    before = {n: p.detach().clone() for n, p in frozen.model.named_parameters()}
+    m = frozen.train(SAMPLES, 0)
+    after = dict(frozen.model.named_parameters())
+    # rate 0: no Adam update, and AdamW's decay p * (1 - lr * wd) is p (tied: the head too)
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+    assert (m["decoupled_lr"], m["lr"]) == (0.0, 1e-2)
+
+
+@pytest.mark.parametrize("saved_kw, resumed_kw", [({}, {"decoupled_lr": 1e-2}), ({"decoupled_lr": 1e-2}, {})])
+def test_a_checkpoint_of_either_group_layout_resumes_bit_identically(model_path, tmp_path, saved_kw, resumed_kw):
+    # with --decoupled-lr equal to --lr the two layouts step alike: the resumed run matches the straight one
+    cfg = dict(global_batch_size=2, micro_batch_size=1, weight_decay=0.1)
+    straight = trainer(model_path, **cfg, **saved_kw)
+    straight.train(SAMPLES, 0)
+    straight.save(tmp_path / "ckpt")
+    straight.train(SAMPLES, 1)
+    resumed = trainer(model_path, **cfg, **resumed_kw)
+    resumed.load(tmp_path / "ckpt")
+    assert len(resumed._optimizer.param_groups) == (2 if resumed_kw else 1)
+    resumed.train(SAMPLES, 1)
+    assert resumed.weights_checksum() == straight.weights_checksum()
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_its_parameter_count(model_path, tmp_path):
+    t = trainer(model_path, decoupled_lr=1e-3)
+    saved = t._optimizer.state_dict()
+    saved["param_groups"][1]["params"] = saved["param_groups"][1]["params"][:-1]
+    with pytest.raises(ValueError, match="parameters, this trainer's optimizer .*: not this model's"):
+        t._fit_groups(saved)
+
+
+def test_a_sharded_checkpoints_optimizer_state_is_refused_by_decoupled_groups_and_loads_without_it(
+        model_path, tmp_path):
+    import json
+    import warnings
+
+    from miles.training.fsdp.checkpoint import rng_file, save_sharded
+    from miles.training.rng import rng_state
+    from miles.training.trainer import STATE_FILE
+
+    saved = trainer(model_path)
+    saved.train(SAMPLES, 0)
+    ck = tmp_path / "ck"                    # what FSDPRank.save writes, by one process
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save_sharded(saved._live(), saved._optimizer, ck)
+    (ck / STATE_FILE).write_text(json.dumps({"num_steps": saved.num_steps, "optimizer": True, "world_size": 1}))
+    rng_file(ck, 0).parent.mkdir()
+    torch.save(rng_state(), rng_file(ck, 0))
+    with pytest.raises(ValueError, match="sharded checkpoint, its optimizer state saved as one AdamW group.*"
+                                         "--no-load-optim"):
+        trainer(model_path, decoupled_lr=1e-3).load(ck)
+    fresh = trainer(model_path, decoupled_lr=1e-3)
+    fresh.load(ck, optimizer=False)                 # --no-load-optim: the weights and the step count
+    assert fresh.num_steps == 1 and fresh.weights_checksum() == saved.weights_checksum()

@@ -79,6 +79,22 @@ def test_rollout_logprobs_as_the_old_policy(model_path):
     assert t2.train(with_rollout_logprobs(t2, negative, 0.5), 0)["clip_frac"] == 0   # trainer's own: ratio 1
 
 
+def test_opsm_drops_the_stale_negative_sequences_from_the_policy_loss(model_path):
+    # engine logprobs 0.5 above the trainer's, the old policy with --use-rollout-logprobs: every
+    # sequence's mean old - new is .5 > delta; the negative ones (lengths 2 and 1 of 15 tokens) are masked
+    # and the positive ones train as without OPSM: pg_loss (token_mean, ratio e^-.5) = -(5 + 3.5) e^-.5 / 15
+    stale = with_rollout_logprobs(trainer(model_path), SAMPLES, 0.5)     # (with --use-rollout-logprobs prepare reads them)
+    t = trainer(model_path, use_rollout_logprobs=True, eps_clip=0.9, use_opsm=True, opsm_delta=0.4)
+    m = t.train(stale, 0)
+    assert m["opsm_clipfrac"] == pytest.approx(3 / 15)
+    assert m["pg_loss"] == pytest.approx(-(5 * 1 + 7 * 0.5) * math.exp(-0.5) / 15, rel=1e-4)
+    # a threshold above .5 masks nothing: -(5 - 2 + 3.5 - .5) e^-.5 / 15
+    t2 = trainer(model_path, use_rollout_logprobs=True, eps_clip=0.9, use_opsm=True, opsm_delta=0.6)
+    m2 = t2.train(stale, 0)
+    assert m2["opsm_clipfrac"] == 0 and m2["pg_loss"] == pytest.approx(-6 * math.exp(-0.5) / 15, rel=1e-4)
+    assert "opsm_clipfrac" not in trainer(model_path).train(SAMPLES, 0)
+
+
 def test_reinforce_plus_plus_whitens_the_return_to_go(model_path):
     t = trainer(model_path, advantage_estimator="reinforce_plus_plus", gamma=1.0)
     batch = t.prepare(make_train_batch([sample([5], [6, 7, 2], reward=1.0), sample([5], [8, 2], reward=0.0)], t.pad_id))

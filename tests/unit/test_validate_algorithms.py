@@ -32,6 +32,8 @@ def problems(argv):
     (["--loss-type", "sft_loss", "--use-tis"], "SFT reads one response per prompt"),
     (["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--use-tis"], "--use-tis do not apply"),
     (["--gamma", "1.5"], "--gamma 1.5"),
+    (["--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--use-opsm"], "--use-opsm masks sequences"),
+    (["--use-opsm", "--opsm-delta", "-0.1"], "--opsm-delta -0.1: must be a finite threshold >= 0"),
 ])
 def test_bad_algorithm_flags_are_named(base, flags, message):
     assert message in problems(base + flags)

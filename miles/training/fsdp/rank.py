@@ -67,6 +67,8 @@ class RankMicroBatches:
 
 
 class FSDPRank(RankMicroBatches, Trainer):
+    decouples_lr = False    # its checkpoints (DCP, and the whole state by name) keep one AdamW group
+
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  rank: int, world_size: int, device: str = "auto", dtype: str = "auto",
                  hidden_forward: bool | None = None, layers_per_unit: int = 1, sync_every_micro_batch: bool = False):

@@ -89,6 +89,8 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
         "--fp16": "its megatron-core model and optimizer are set up for bf16 or fp32, with no loss scaler: "
                   "--dtype bfloat16 trains there",
+        "--decoupled-lr": "its distributed optimizer's groups are built without the embedding and output layer's "
+                          "own rate (the torch trainer has it)",
     }
     used = [flag for flag, on in (
         ("--offload", c.offload), ("--offload-train", c.offload_train),
@@ -98,6 +100,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
         ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
         ("--fp16", cfg.model.float16),
+        ("--decoupled-lr", t.decoupled_lr is not None),
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]

@@ -45,7 +45,7 @@ from miles.training.megatron.conversion import (TE_RENAMES, hf_to_mcore, is_tp_s
                                                 shard_tp, stage_weights, te_names, unstage_weights)
 from miles.training.megatron.model import RankModel
 from miles.training.rng import rng_state, seed_everything, set_rng_state
-from miles.training.schedule import lr_schedule
+from miles.training.schedule import lr_schedule, wd_schedule
 from miles.training.terms import PolicyObjective, TermSums
 from miles.types import Sample
 from miles.weights.hf import load_tokenizer, resolve_dtype
@@ -78,7 +78,7 @@ class MegatronWorker:
         self._model_path, self._train_cfg, self._ref_load = model_path, train, algorithm.ref_load
         self._ref_interval = algorithm.ref_update_interval
         self._objective = PolicyObjective(algorithm, rollout)
-        self._lr_at = lr_schedule(train)
+        self._lr_at, self._wd_at = lr_schedule(train), wd_schedule(train)
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")  # Ray's GPU
         self.dtype = resolve_dtype(dtype, self.device)
@@ -243,14 +243,19 @@ class MegatronWorker:
                            split=self._split)
         from megatron.core.distributed import finalize_model_grads
         finalize_model_grads([model.module])          # sums over DP x CP; tied embeddings across stages
-        grad_norm, lr = self._optimizer_step(model.optimizer)
-        terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS, self.owner, self.device)
-        return {**terms, "grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - start}
+        grad_norm, lr, wd = self._optimizer_step(model.optimizer)
+        terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS + self._objective.metric_keys, self.owner, self.device)
+        scheduled = {"weight_decay": wd} if self._train_cfg.weight_decay_incr_style != "constant" else {}
+        return {**terms, "grad_norm": grad_norm, "lr": lr, **scheduled, "step_time_s": time.perf_counter() - start}
 
-    def _optimizer_step(self, optimizer) -> tuple[float, float]:
-        lr = self._lr_at(self._num_steps)
+    def _optimizer_step(self, optimizer) -> tuple[float, float, float]:
+        """Set the step's rate and weight decay, step; (gradient norm, rate, weight decay). As megatron-core's
+        OptimizerParamScheduler does, each group's decay is the schedule's times its wd_mult (0 for
+        biases and norms: megatron's convention)."""
+        lr, wd = self._lr_at(self._num_steps), self._wd_at(self._num_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
         optimizer.prepare_grads()
         grad_norm = float(optimizer.get_grad_norm())       # over every rank's shard
         if not math.isfinite(grad_norm):
@@ -259,7 +264,7 @@ class MegatronWorker:
                                      f"lower --lr, set --clip-grad, or look for bad samples")
         optimizer.step()                                  # clips to --clip-grad, steps, gathers the new weights
         self._num_steps += 1
-        return grad_norm, lr
+        return grad_norm, lr, wd
 
     @torch.no_grad()
     def _refresh_reference(self) -> None:
