@@ -58,14 +58,14 @@ def test_each_fate_is_one_line_saying_what_it_does_and_what_to_use():
 
 def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
     argv = base(tmp_path) + ["--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
-                             "--num-experts", "8", "--moe-router-topk", "2", "--no-use-opsm",
+                             "--num-experts", "8", "--moe-router-topk", "2", "--no-true-on-policy-mode",
                              "--critic-num-gpus-per-node=2", "--expert-model-parallel-size", "2", "--lr", "-1"]
     with pytest.raises(ConfigError) as info:
         parse_flags(argv)
     problems = info.value.problems
     refused = [p for p in problems if "is a miles flag this build does not take" in p]
     assert [p.split(" ", 1)[0] for p in refused] == ["--offload-train-target", "--sglang-router-ip",
-                                                     "--no-use-opsm", "--critic-num-gpus-per-node"]
+                                                     "--no-true-on-policy-mode", "--critic-num-gpus-per-node"]
     assert "offload the trainer to cpu or disk; not supported yet: --offload-train moves it to host memory" in refused[0]
     # a refused Megatron family is one line for all of its flags
     assert [p for p in problems if p.startswith("--num-experts, --moe-router-topk are miles flags this build does "
@@ -88,17 +88,17 @@ def test_an_unknown_flag_is_argparses_error_with_the_closest_name(tmp_path, caps
 
 
 def test_values_of_refused_flags_are_not_flags():
-    assert refused_in(["--use-opsm", "--sglang-router-port", "1", "-2", "--bogus", "x"]) == (
-        ["use-opsm", "sglang-router-port"], ["--bogus", "x"])
-    assert fate("no-use-opsm") == fate("use-opsm") and fate("rollout-batch-size") is None
+    assert refused_in(["--true-on-policy-mode", "--sglang-router-port", "1", "-2", "--bogus", "x"]) == (
+        ["true-on-policy-mode", "sglang-router-port"], ["--bogus", "x"])
+    assert fate("no-true-on-policy-mode") == fate("true-on-policy-mode") and fate("rollout-batch-size") is None
 
 
 def test_a_refused_key_in_a_config_file_gets_its_fate(tmp_path):
-    (tmp_path / "run.yaml").write_text("use-opsm: true\nrollout-batch-sise: 4\n")
+    (tmp_path / "run.yaml").write_text("true-on-policy-mode: true\nrollout-batch-sise: 4\n")
     with pytest.raises(ConfigError) as info:
         parse_flags(base(tmp_path) + ["--config", str(tmp_path / "run.yaml")])
     text = "\n".join(info.value.problems)
-    assert "--use-opsm is a miles flag this build does not take" in text
+    assert "--true-on-policy-mode is a miles flag this build does not take" in text
     assert "unknown key 'rollout-batch-sise'" in text
 
 
