@@ -10,6 +10,7 @@ from miles.config import AlgorithmConfig, ConfigError
 from miles.config.flags import parse_flags
 from miles.rollout.hooks import HookError, RolloutHooks, load_reward_post_process, load_sample_filter
 from tests.unit.test_executor_algorithms import ScriptedEngine, even_all_right_odd_mixed, executor
+from tests.unit.test_validate_algorithms import base  # noqa: F401  (the fixture: a minimal run's flags)
 
 HERE = "tests.unit.test_rollout_hooks"
 FILTER = "miles.rollout.filters:check_reward_nonzero_std"
@@ -137,13 +138,6 @@ def test_hooks_load_with_the_flag_named_in_every_error():
     assert RolloutHooks.from_config(executor(ScriptedEngine(right_wrong))._cfg) == RolloutHooks()
 
 
-@pytest.fixture
-def base(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "train.jsonl"),
-            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
 
 
 @pytest.mark.parametrize("flags, message", [

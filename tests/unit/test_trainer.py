@@ -182,11 +182,9 @@ def test_an_offloaded_trainer_resumes_with_its_optimizer_state_in_the_host_buffe
     assert resumed.weights_checksum() == straight.weights_checksum()
 
 
-def test_an_offloaded_trainer_resumes_a_sharded_checkpoint_with_its_optimizer_state_in_the_host_buffers(
-        model_path, tmp_path):
-    """The same from a sharded checkpoint (the torch trainer's ranks wrote it; DCP loads it onto the
-    device): the loaded moments end in the host buffers before the first rollout, nothing of them
-    left on the device, and the streamed step is the straight run's, bit for bit."""
+
+def sharded_checkpoint(t: Trainer, ck):
+    """What FSDPRank.save writes, written by one process: the DCP shards, the state file and rank 0's RNG."""
     import json
     import warnings
 
@@ -194,16 +192,23 @@ def test_an_offloaded_trainer_resumes_a_sharded_checkpoint_with_its_optimizer_st
     from miles.training.rng import rng_state
     from miles.training.trainer import STATE_FILE
 
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        save_sharded(t._live(), t._optimizer, ck)
+    (ck / STATE_FILE).write_text(json.dumps({"num_steps": t.num_steps, "optimizer": True, "world_size": 1}))
+    rng_file(ck, 0).parent.mkdir()
+    torch.save(rng_state(), rng_file(ck, 0))
+    return ck
+
+def test_an_offloaded_trainer_resumes_a_sharded_checkpoint_with_its_optimizer_state_in_the_host_buffers(
+        model_path, tmp_path):
+    """The same from a sharded checkpoint (the torch trainer's ranks wrote it; DCP loads it onto the
+    device): the loaded moments end in the host buffers before the first rollout, nothing of them
+    left on the device, and the streamed step is the straight run's, bit for bit."""
     cfg = dict(global_batch_size=2, micro_batch_size=1, weight_decay=0.1)
     straight = trainer(model_path, **cfg)
     straight.train(SAMPLES, 0)
-    ck = tmp_path / "ck"                    # what FSDPRank.save writes, by one process
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        save_sharded(straight._live(), straight._optimizer, ck)
-    (ck / STATE_FILE).write_text(json.dumps({"num_steps": straight.num_steps, "optimizer": True, "world_size": 1}))
-    rng_file(ck, 0).parent.mkdir()
-    torch.save(rng_state(), rng_file(ck, 0))
+    ck = sharded_checkpoint(straight, tmp_path / "ck")
     straight.train(SAMPLES, 1)
 
     resumed = trainer(model_path, **cfg)
@@ -384,22 +389,9 @@ def test_a_checkpoint_of_another_model_is_refused_by_its_parameter_count(model_p
 
 def test_a_sharded_checkpoints_optimizer_state_is_refused_by_decoupled_groups_and_loads_without_it(
         model_path, tmp_path):
-    import json
-    import warnings
-
-    from miles.training.fsdp.checkpoint import rng_file, save_sharded
-    from miles.training.rng import rng_state
-    from miles.training.trainer import STATE_FILE
-
     saved = trainer(model_path)
     saved.train(SAMPLES, 0)
-    ck = tmp_path / "ck"                    # what FSDPRank.save writes, by one process
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        save_sharded(saved._live(), saved._optimizer, ck)
-    (ck / STATE_FILE).write_text(json.dumps({"num_steps": saved.num_steps, "optimizer": True, "world_size": 1}))
-    rng_file(ck, 0).parent.mkdir()
-    torch.save(rng_state(), rng_file(ck, 0))
+    ck = sharded_checkpoint(saved, tmp_path / "ck")
     with pytest.raises(ValueError, match="sharded checkpoint, its optimizer state saved as one AdamW group.*"
                                          "--no-load-optim"):
         trainer(model_path, decoupled_lr=1e-3).load(ck)
