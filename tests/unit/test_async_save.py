@@ -384,3 +384,28 @@ def test_a_float16_trainer_saves_the_loss_scale_of_its_snapshot(model_path, tmp_
     same_files(tmp_path / "sync", tmp_path / "background")
     saved = json.loads((tmp_path / "background" / "trainer_state.json").read_text())["loss_scaler"]["scale"]
     assert saved > t._scaler.scale
+
+
+@pytest.mark.parametrize("backend, ranks, background", [("torch", 1, True), ("torch", 2, False), ("megatron", 1, False)])
+def test_a_trainer_that_cannot_save_in_the_background_saves_synchronously_and_says_so(tmp_path, backend, ranks,
+                                                                                      background):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from miles.phases.init import _async_save, _concurrency_groups
+    from miles.training.protocol import TRAIN_BACKENDS
+
+    ctx, events = background_context(tmp_path)
+    ctx.c.background_save = None
+    ctx.cfg = replace(ctx.cfg, train=replace(ctx.cfg.train, backend=backend),
+                      cluster=replace(ctx.cfg.cluster, actor_num_gpus_per_node=ranks))
+    ctx.backends = SimpleNamespace(train_spec=TRAIN_BACKENDS[backend].for_ranks(ranks))
+    registered = []
+    assert (_concurrency_groups(ctx) is not None) == background      # the actors' thread for wait_saved
+    _async_save(ctx, registered.append)
+    assert (ctx.c.background_save is not None) == background and registered == ([ctx.c.background_save] if background
+                                                                               else [])
+    warnings = [e for e in events("warning") if e.get("code") == "async_save_sync"]
+    assert len(warnings) == (0 if background else 1)
+    if warnings:
+        assert f"the {backend} trainer on {ranks} rank" in warnings[0].get("message")
