@@ -31,11 +31,6 @@ class BackgroundWrites:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-checkpoint-write")
         self._queued.append(self._pool.submit(write, *args))
 
-    @property
-    def busy(self) -> bool:
-        """Whether a queued write has not finished yet."""
-        return any(not f.done() for f in self._queued)
-
     def wait(self) -> float:
         """Block until every queued write has ended; seconds waited. The first failure is raised after
         all have ended (none is left running into a folder the driver is about to remove)."""

@@ -101,10 +101,9 @@ async def _save_run(ctx: TrainingContext, rid: int) -> Path:
     folders = ctx.c.folders
 
     async def write(folder: Path) -> Any:
+        write_data_position(folder, position)
         for actor, method, sub, kwargs in parts:
             await folders.save(actor, method, folder / sub, **kwargs)
-            if sub == TRAINER_DIR:
-                write_data_position(folder, position)
 
     return await save_atomically(ctx.c.store, rid, write, manifest)
 
