@@ -265,7 +265,8 @@ class PolicyObjective:
                 values: Tensor | None) -> tuple[Tensor | None, dict[str, float]]:
         """Fill old_logprobs, ref_logprobs, is_weights (--use-tis) and the advantages of `batch` from
         the current weights' logprobs `train_lp` [B, T] (None: the pass was skipped, allowed only when
-        `may_skip_old_pass`; old_logprobs stay None, or are the engine's with --use-rollout-logprobs) and the reference's `ref_lp` (None without one);
+        `may_skip_old_pass`; old_logprobs stay None, or are the engine's with --use-rollout-logprobs)
+        and the reference's `ref_lp` (None without one);
         returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
         if train_lp is None and not self.may_skip_old_pass:
             raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "

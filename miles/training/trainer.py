@@ -36,7 +36,9 @@ chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every d
 rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
 logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
 them is skipped: they are, by construction, the step's own logprobs before its update, so the
-step uses them detached (metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
+step uses them detached (metric `logprob_passes`). --skip-actor-forward-only skips the pass always: with
+--use-rollout-logprobs the engine's stand in (any number of steps), else the one step's own (validation
+refuses the rest). `--recompute-activations` checkpoints every layer's activations.
 
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
