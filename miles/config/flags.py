@@ -221,6 +221,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-critic-only-steps", "algorithm", "num_critic_only_steps", int, "first N rollouts train only the critic (ppo)"),
     _f("use-rollout-logprobs", "algorithm", "use_rollout_logprobs", kind="true",
        help="use the engine's logprobs as the old policy in the PPO ratio"),
+    _f("skip-actor-forward-only", "algorithm", "skip_actor_forward_only", kind="true",
+       help="no no-grad forward for the old logprobs: the PPO ratio's old policy is the engine's with "
+            "--use-rollout-logprobs, else the one optimizer step's own logprobs, detached (refused with several steps "
+            "per rollout, --use-tis, --kl-coef, a loss other than policy_loss, or --train-backend megatron); the "
+            "train/rollout mismatch metrics come from the step"),
     _f("use-tis", "algorithm", "use_tis", kind="true",
        help="truncated importance sampling: weight each token's loss by exp(train - rollout logprob), clipped"),
     _f("tis-clip", "algorithm", "tis_clip", float, "upper bound of the TIS weight"),
@@ -414,6 +419,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
     _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
        help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
+    _f("debug-skip-weight-update", "run", "debug_skip_weight_update", kind="true",
+       help="debugging: skip every weight sync (a weights_sync_skipped trace event says so); the engines keep the "
+            "initial weights and the trainer trains on. Refused with --check-weight-update-equal and --ci-test, "
+            "which compare the two, and with SGLang engines that release their weights (--offload*, --colocate)"),
     _f("update-weight-buffer-size", "run", "update_weight_buffer_size", int,
        "bytes of one weight bucket when weights travel by CUDA IPC (--colocate on GPUs)"),
     _f("update-weights-interval", "run", "update_weights_interval", int,
@@ -460,6 +469,9 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "normalizer; by import path (miles.training.pg_reducer)"),
     _f("num-steps-per-rollout", "train", "num_steps_per_rollout", int,
        "optimizer steps per rollout: the global batch is the rollout's samples / N"),
+    _f("use-dynamic-global-batch-size", "train", "use_dynamic_global_batch_size", kind="true",
+       help="the global batch is every sample the rollout gives, however many (one optimizer step per rollout); "
+            "--global-batch-size is then ignored for the steps. Needs --use-dynamic-batch-size"),
     _f("save-debug-train-data", "train", "save_debug_train_data", str,
        "write each rollout's packed train batch to PATH, a template with {rollout_id} and {rank} (else a "
        "folder: PATH/train_{rollout_id}.pt)"),

@@ -107,12 +107,9 @@ REFUSED: dict[str, str] = {
                             "train_rollout_k3_kl): drop it",
     "keep-old-actor": "keeps the pre-update policy for off-policy PPO; here old logprobs are computed before "
                       "each rollout's steps (or taken from the engine with --use-rollout-logprobs): drop it",
-    "skip-actor-forward-only": f"skips recomputing old logprobs; {NOT_YET}: --use-rollout-logprobs uses the "
-                               "engine's instead",
     "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
     "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
     "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
-    "use-dynamic-global-batch-size": f"global batches by tokens; {NOT_YET}",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "use-opd": f"on-policy distillation from a teacher; {NOT_YET}",
@@ -129,8 +126,6 @@ REFUSED: dict[str, str] = {
     "p2p-transfer-timeout": f"RDMA weight-sync timeout; {_WEIGHT_SYNC}",
     "update-weight-disk-dir": f"disk-delta weight sync folder; {_WEIGHT_SYNC}",
     "update-weight-local-checkpoint-dir": f"disk-delta weight sync engine folder; {_WEIGHT_SYNC}",
-    "debug-skip-weight-update": f"skips weight sync (engines keep the initial weights); {NOT_YET}: "
-                                "--debug-rollout-only never trains",
     "offload-rollout-level": f"what engine memory is offloaded; {NOT_YET}: --offload-rollout frees the KV cache",
     "offload-train-target": f"offload the trainer to cpu or disk; {NOT_YET}: --offload-train moves it to host memory",
     "offload-train-disk-dir": f"the trainer's disk-offload folder; {NOT_YET}: --offload-train moves it to host memory",

@@ -210,6 +210,7 @@ class AlgorithmConfig:
     value_clip: float = 0.2             # --value-clip: PPO value clipping (ppo); 0 disables
     num_critic_only_steps: int = 0      # --num-critic-only-steps: rollouts that train only the critic (ppo)
     use_rollout_logprobs: bool = False  # --use-rollout-logprobs: the engine's logprobs are the PPO ratio's old logprobs
+    skip_actor_forward_only: bool = False  # --skip-actor-forward-only: no no-grad pass for the old logprobs
     use_tis: bool = False               # --use-tis: truncated importance sampling, exp(old - rollout) per token
     tis_clip: float = 2.0               # --tis-clip: upper bound of the TIS weight
     tis_clip_low: float = 0.0           # --tis-clip-low: lower bound of the TIS weight
@@ -277,6 +278,7 @@ class TrainConfig:
     context_parallel_size: int = 1         # --context-parallel-size
     sequence_parallel: bool = False        # --sequence-parallel
     num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
+    use_dynamic_global_batch_size: bool = False  # --use-dynamic-global-batch-size: one step of whatever a rollout gives
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
 
     @property
@@ -289,6 +291,8 @@ class TrainConfig:
 
     def global_batch(self, rollout_samples: int) -> int:
         """Samples per optimizer step for a rollout of `rollout_samples` samples."""
+        if self.use_dynamic_global_batch_size:
+            return rollout_samples
         if self.global_batch_size is not None:
             return self.global_batch_size
         return rollout_samples // self.num_steps_per_rollout if self.num_steps_per_rollout else rollout_samples
@@ -469,6 +473,7 @@ class RunConfig:
     num_rollout: int | None = None      # --num-rollout (None: derived from --num-epoch)
     num_epoch: int | None = None        # --num-epoch
     check_weight_update_equal: bool = False  # --check-weight-update-equal
+    debug_skip_weight_update: bool = False  # --debug-skip-weight-update: no weight sync; engines keep the initial weights
     update_weight_buffer_size: int = 512 * 1024 ** 2  # --update-weight-buffer-size: bytes per weight bucket (CUDA IPC)
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout

@@ -96,7 +96,9 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
 def _batches(cfg: RunConfig, problems: list[str]) -> None:
     t, n = cfg.train, cfg.rollout.num_samples
     gbs = t.global_batch(n)
-    if t.global_batch_size is not None and n % t.global_batch_size:
+    if t.use_dynamic_global_batch_size:
+        _dynamic_global_batch(t, problems)
+    elif t.global_batch_size is not None and n % t.global_batch_size:
         problems.append(f"--global-batch-size {t.global_batch_size} does not divide the {n} samples of a rollout "
                         f"(--rollout-batch-size {cfg.rollout.batch_size} x --n-samples-per-prompt "
                         f"{cfg.rollout.n_samples_per_prompt})")
@@ -114,6 +116,16 @@ def _batches(cfg: RunConfig, problems: list[str]) -> None:
             and cfg.algorithm.loss_type == "policy_loss":
         problems.append("--n-samples-per-prompt 1 gives GRPO groups of one, which learn nothing (1 is miles' "
                         "default): pass --n-samples-per-prompt N with N >= 2")
+
+
+def _dynamic_global_batch(t: TrainConfig, problems: list[str]) -> None:
+    """--use-dynamic-global-batch-size: one optimizer step of every sample a rollout gives, however many."""
+    if t.num_steps_per_rollout is not None:
+        problems.append(f"--use-dynamic-global-batch-size makes one optimizer step per rollout: drop "
+                        f"--num-steps-per-rollout {t.num_steps_per_rollout}")
+    if not t.use_dynamic_batch_size:
+        problems.append("--use-dynamic-global-batch-size needs --use-dynamic-batch-size (and --max-tokens-per-gpu): "
+                        "a rollout's sample count varies, so micro-batches go by tokens, not --micro-batch-size")
 
 
 @check
@@ -286,6 +298,50 @@ def _off_policy(cfg: RunConfig, problems: list[str]) -> None:
     if a.use_opsm and not (math.isfinite(a.opsm_delta) and a.opsm_delta >= 0):
         problems.append(f"--opsm-delta {a.opsm_delta}: must be a finite threshold >= 0 on a sequence's mean "
                         "old - current logprob")
+
+
+@check
+def _skipped_old_pass(cfg: RunConfig, problems: list[str]) -> None:
+    """--skip-actor-forward-only: the old logprobs are the engine's (--use-rollout-logprobs) or, with one
+    optimizer step per rollout, the step's own; nothing else may need the pre-step pass."""
+    a, t, n = cfg.algorithm, cfg.train, cfg.rollout.num_samples
+    if not a.skip_actor_forward_only:
+        return
+    flag = "--skip-actor-forward-only"
+    if a.loss_type != "policy_loss":
+        problems.append(f"{flag} skips the policy loss's old-logprob pass: --loss-type {a.loss_type} has none "
+                        "(SFT rollouts carry no engine logprobs); drop it or use --loss-type policy_loss")
+    needs_pass = [f for f, on in (("--use-tis", a.use_tis), (f"--kl-coef {a.kl_coef}", a.kl_coef > 0)) if on]
+    if needs_pass:
+        problems.append(f"{flag}: {', '.join(needs_pass)} read(s) the trainer's logprobs before the first step "
+                        "(TIS weights, the reward's KL); drop one of them")
+    steps = -(-n // max(t.global_batch(n), 1))
+    if not a.use_rollout_logprobs and steps > 1:
+        problems.append(f"{flag} without --use-rollout-logprobs takes the old logprobs from the step itself, "
+                        f"right only for one optimizer step per rollout, not {steps} (global batch "
+                        f"{t.global_batch(n)} of {n} samples): add --use-rollout-logprobs, or drop "
+                        "--global-batch-size / --num-steps-per-rollout")
+    if t.backend == "megatron":
+        problems.append(f"{flag} is not supported by --train-backend megatron yet (it always computes the old "
+                        "logprobs); use --train-backend torch or drop it")
+
+
+@check
+def _skipped_weight_sync(cfg: RunConfig, problems: list[str]) -> None:
+    """--debug-skip-weight-update: the engines keep the initial weights, so nothing may compare them with the
+    trainer's, and no engine may drop its weights (only a sync gives them back)."""
+    if not cfg.debug_skip_weight_update:
+        return
+    checks = [f for f, on in (("--check-weight-update-equal", cfg.check_weight_update_equal),
+                              ("--ci-test", cfg.ci_test)) if on]
+    if checks:
+        problems.append(f"--debug-skip-weight-update keeps the engines on the initial weights, which "
+                        f"{' and '.join(checks)} compare(s) with the trainer's (checksums, logprobs) and would fail "
+                        "after the first step: drop one of them")
+    if cfg.rollout.engine == "sglang" and cfg.cluster.offloads_rollout:
+        problems.append("--debug-skip-weight-update with --rollout-engine sglang and --offload / --offload-rollout "
+                        "/ --colocate: the servers release their weights while the trainer trains and only a weight "
+                        "sync gives them back; drop the offload flags or --debug-skip-weight-update")
 
 
 @check

@@ -13,6 +13,11 @@ not take the update fails the run, named. With --check-weight-update-equal (or -
 engines' checksums are compared with the trainer's too, whatever the transport, and, before the
 next push, with what each engine was given: weights that changed between two syncs (a corrupted
 engine) fail the run with the engine named, before its rollouts are trained on any further.
+
+With --debug-skip-weight-update nothing is pushed: the state still runs (the memory hand-off to the
+engines included) and writes a `weights_sync_skipped` event instead of `weights_synced`; the engines
+keep the weights they hold (the initial ones) and `ctx.weight_version` stays theirs. Validation
+refuses the flag with the checks that compare engine and trainer weights.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class WeightSyncMismatch(RuntimeError):
 
 
 async def sync_weights(ctx: TrainingContext) -> str:
+    if ctx.cfg.debug_skip_weight_update:
+        return await _skip_sync(ctx)
     t0 = time.monotonic()
     version = ctx.next_rollout
     await resume_engine_weights(ctx)          # engines that released their weights (SGLang) need them back first
@@ -48,6 +55,15 @@ async def sync_weights(ctx: TrainingContext) -> str:
     if expected is not None:
         fields["checksum"] = expected
     ctx.tracer.emit("weights_synced", **fields)
+    await to_engines(ctx)
+    return "next"
+
+
+async def _skip_sync(ctx: TrainingContext) -> str:
+    """--debug-skip-weight-update: say so in the trace, and hand the memory to the engines as a sync would."""
+    await resume_engine_weights(ctx)
+    ctx.tracer.emit("weights_sync_skipped", version=ctx.next_rollout, engines_hold=ctx.weight_version,
+                    reason="--debug-skip-weight-update")
     await to_engines(ctx)
     return "next"
 

@@ -248,12 +248,14 @@ class PolicyObjective:
         self.is_sft = algorithm.loss_type == "sft_loss"       # SFT needs neither old logprobs nor advantages
         self.uses_reference = algorithm.use_kl_loss or algorithm.kl_coef > 0
         self._reward_kl_coef = algorithm.kl_coef
-        self._use_rollout_logprobs = algorithm.use_rollout_logprobs
+        self.uses_rollout_logprobs = algorithm.use_rollout_logprobs
         self._tis = _pick_tis(algorithm)
-        # the pre-step logprobs are read for more than the PPO ratio (or not at all, SFT): keep the pass
         self.metric_keys = OPSM_KEYS if algorithm.use_opsm and algorithm.loss_type == "policy_loss" else ()
-        self.may_skip_old_pass = not (self.is_sft or self._tis is not None or self._use_rollout_logprobs
-                                      or self._reward_kl_coef)
+        # --skip-actor-forward-only: never the pass (validation refused what reads it besides the ratio);
+        # else the pre-step logprobs read for more than the PPO ratio (or not at all, SFT) keep it
+        self.skips_old_pass = algorithm.skip_actor_forward_only
+        self.may_skip_old_pass = self.skips_old_pass or not (self.is_sft or self._tis is not None
+                                                             or self.uses_rollout_logprobs or self._reward_kl_coef)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
         """[B, T] float32 logprobs of `tokens` under `logits` [B, T, V] at the rollout's temperature."""
@@ -263,13 +265,14 @@ class PolicyObjective:
                 values: Tensor | None) -> tuple[Tensor | None, dict[str, float]]:
         """Fill old_logprobs, ref_logprobs, is_weights (--use-tis) and the advantages of `batch` from
         the current weights' logprobs `train_lp` [B, T] (None: the pass was skipped, allowed only when
-        `may_skip_old_pass`; old_logprobs stay None) and the reference's `ref_lp` (None without one);
+        `may_skip_old_pass`; old_logprobs stay None, or are the engine's with --use-rollout-logprobs)
+        and the reference's `ref_lp` (None without one);
         returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
         if train_lp is None and not self.may_skip_old_pass:
             raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
                              "(no --use-tis, --use-rollout-logprobs, --kl-coef or SFT); pass the trainer's logprobs")
         mask = batch.loss_mask
-        metrics = {} if train_lp is None else self._old_policy(batch, train_lp)
+        metrics = self._old_policy(batch, train_lp)
         kl = None
         if ref_lp is not None:
             batch.ref_logprobs = ref_lp
@@ -283,11 +286,14 @@ class PolicyObjective:
         metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
         return returns, metrics
 
-    def _old_policy(self, batch: TrainBatch, train_lp: Tensor) -> dict[str, float]:
+    def _old_policy(self, batch: TrainBatch, train_lp: Tensor | None) -> dict[str, float]:
         """old_logprobs (the trainer's, or the engine's with --use-rollout-logprobs) and TIS weights from
-        the pre-step logprobs; the train-vs-rollout mismatch metrics."""
+        the pre-step logprobs; the train-vs-rollout mismatch metrics. Without them (the skipped pass)
+        only the engine's are set: else `loss` takes the step's own, and the step reports the mismatch."""
         mask = batch.loss_mask
-        batch.old_logprobs = batch.rollout_logprobs if self._use_rollout_logprobs else train_lp
+        batch.old_logprobs = batch.rollout_logprobs if self.uses_rollout_logprobs else train_lp
+        if train_lp is None:
+            return {}
         metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
         if self._tis is not None:
             out = self._tis(train_lp, batch.rollout_logprobs, mask)

@@ -36,7 +36,9 @@ chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every d
 rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
 logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
 them is skipped: they are, by construction, the step's own logprobs before its update, so the
-step uses them detached (metric `logprob_passes`). `--recompute-activations` checkpoints every layer's activations.
+step uses them detached (metric `logprob_passes`). --skip-actor-forward-only skips the pass always: with
+--use-rollout-logprobs the engine's stand in (any number of steps), else the one step's own (validation
+refuses the rest). `--recompute-activations` checkpoints every layer's activations.
 
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
@@ -223,17 +225,30 @@ class Trainer(OptimizedModel):
         batch = batch.to(self.device)
         if self._objective.is_sft:
             return batch, None, {}
-        skip = may_skip and self._may_skip_old_pass and self._global_batch_size(batch) >= batch.size
+        skip = may_skip and self._skips_old_pass(batch)
         train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
         ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
         returns, metrics = self._objective.prepare(batch, train_lp, ref_lp, values)
         return batch, returns, metrics
 
+    def _skips_old_pass(self, batch: TrainBatch) -> bool:
+        """No no-grad pass for the old logprobs: always with --skip-actor-forward-only, else when the
+        rollout is one optimizer step and nothing but the PPO ratio reads them."""
+        one_step = self._global_batch_size(batch) >= batch.size
+        if not self._objective.skips_old_pass:
+            return self._may_skip_old_pass and one_step
+        if not (one_step or self._objective.uses_rollout_logprobs):
+            raise ValueError(f"--skip-actor-forward-only: a rollout of {batch.size} samples makes several optimizer "
+                             f"steps of {self._global_batch_size(batch)}, and without --use-rollout-logprobs the "
+                             "old logprobs are the first step's own; add --use-rollout-logprobs")
+        return True
+
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)
         seen = None
-        if batch.old_logprobs is None and not self._objective.is_sft:   # the skipped pass: the step records them instead
+        # the skipped pass: the step records the logprobs for the mismatch metrics instead
+        if (batch.old_logprobs is None or self._objective.skips_old_pass) and not self._objective.is_sft:
             seen = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         metrics = self.accumulate_gradients(batch, record=seen)
         if seen is not None:
