@@ -156,3 +156,12 @@ def test_eval_min_new_tokens_below_zero_is_refused(base):
 def test_sglang_gets_min_new_tokens_when_set():
     assert sampling_params(SamplingParams(min_new_tokens=4), None)["min_new_tokens"] == 4
     assert "min_new_tokens" not in sampling_params(SamplingParams(), None)
+
+
+def test_the_start_up_check_loads_the_eval_log_function_too():
+    from miles.config import RolloutConfig
+    from miles.rollout.hooks import check_hooks
+
+    check_hooks(RolloutConfig(batch_size=1, log_function_path=f"{HERE}:add_longest"), f"{HERE}:eval_per_set")
+    with pytest.raises(ConfigError, match=r"--custom-eval-rollout-log-function-path 'no_such_module:f'"):
+        check_hooks(RolloutConfig(batch_size=1), "no_such_module:f")
