@@ -154,7 +154,6 @@ class RolloutHooks:
         raw, rewards = (_numbers(name, what, values, len(samples)) for what, values in zip(("raw_rewards", "rewards"), out))
         return raw, rewards
 
-
     def log_rollout(self, ctx: HookContext, samples: list[Sample], metrics: dict[str, float],
                     rollout_time_s: float) -> dict[str, float]:
         """Step 4: the rollout's metrics row after the log function (unchanged without one)."""
