@@ -37,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()      # stop strings: a response ends at the token whose text completes one
     max_context_len: int | None = None  # prompt + response tokens at most (each prompt's budget is the rest)
     seed: int | None = None         # makes a generate() call reproducible on the same engine
+    min_new_tokens: int = 0         # EOS and stop_token_ids are barred before this many tokens (SGLang's)
 
 
 @dataclass

@@ -132,6 +132,13 @@ FLAGS: tuple[Flag, ...] = (
     _f("custom-reward-post-process-path", "rollout", "reward_post_process_path", str,
        "fn(ctx, samples) -> (raw_rewards, rewards): the rewards are the advantages, in place of the group "
        "baseline (grpo, gspo, rloo, reinforce_plus_plus_baseline); by import path (miles.rollout.hooks)"),
+    _f("custom-rollout-log-function-path", "rollout", "log_function_path", str,
+       "fn(ctx, samples, metrics, rollout_time_s) after each rollout: it may add entries to `metrics` (the "
+       "rollout's row); returning True replaces the default metrics by its own (those the loop reads stay), by "
+       "import path (miles.rollout.hooks)"),
+    _f("log-reward-category", "rollout", "log_reward_category", str,
+       "KEY: log the share of samples per category, a sample's metadata[KEY] (rollout/error_cat/CAT, "
+       "eval/NAME/error_cat/CAT)"),
     _f("overlong-buffer-len", "rollout", "overlong_buffer_len", int,
        "DAPO overlong penalty: penalize responses within this many tokens of --rollout-max-response-len"),
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
@@ -349,6 +356,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("n-samples-per-eval-prompt", "eval", "n_samples_per_prompt", int, "responses per eval prompt (pass@k uses them)"),
     _f("eval-temperature", "eval", "temperature", float, "eval sampling temperature (0: greedy; default: --rollout-temperature)"),
     _f("eval-max-response-len", "eval", "max_response_len", int, "max new tokens in eval (default: the rollout's)"),
+    _f("eval-min-new-tokens", "eval", "min_new_tokens", int,
+       "eval responses get at least this many tokens: EOS and stop tokens are barred before (SGLang's "
+       "min_new_tokens; stop strings still end a response)"),
+    _f("custom-eval-rollout-log-function-path", "eval", "log_function_path", str,
+       "fn(ctx, data, metrics) after each eval, data {dataset: samples}: it may add entries to `metrics`; "
+       "returning True replaces the default eval metrics by its own, by import path (miles.rollout.hooks)"),
     _f("eval-max-prompt-len", "eval", "max_prompt_len", int,
        "drop eval prompts longer than this many tokens (default: --max-prompt-len)"),
     _f("eval-max-context-len", "eval", "max_context_len", int,

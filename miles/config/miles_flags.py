@@ -145,8 +145,6 @@ REFUSED: dict[str, str] = {
     "use-prometheus": f"exports metrics to Prometheus; {NOT_YET}: metrics.jsonl, --use-tensorboard, "
                       "--use-wandb, --use-mlflow",
     "use-miles-dashboard": f"miles' web dashboard; {NOT_YET}: miles plot RUN_DIR and miles trace show RUN_DIR",
-    "custom-rollout-log-function-path": f"custom rollout metrics; {NOT_YET}",
-    "log-reward-category": f"logs rewards per category; {NOT_YET}",
     "dump-details": "sets every dump flag; here use --save-debug-rollout-data and --save-debug-train-data",
     "dumper-enable": f"tensor dumps inside Megatron; {NOT_YET}: --save-debug-train-data dumps the train batches",
     "profile-target": f"torch profiler targets; {NOT_YET}",
@@ -162,7 +160,6 @@ REFUSED: dict[str, str] = {
     **{f"eval-{key}": f"the eval datasets' {key.replace('-', '_')}; here set it per dataset in --eval-config "
                       f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},
     "eval-tool-key": f"the eval datasets' tools; {_AGENTIC}",
-    "eval-min-new-tokens": f"a minimum eval response length; {NOT_YET}",
     "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
                            "built-in one",
     # -- the FSDP backend's and the launch scripts' run flags ----------------------------------------

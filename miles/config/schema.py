@@ -38,6 +38,8 @@ USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
     "--rollout-all-samples-process-path": ("rollout", "all_samples_process_path"),
     "--buffer-filter-path": ("rollout", "buffer_filter_path"),
     "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
+    "--custom-rollout-log-function-path": ("rollout", "log_function_path"),
+    "--custom-eval-rollout-log-function-path": ("eval", "log_function_path"),
     "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
     "--rollout-function-path": ("generate", "rollout_function_path"),
     "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
@@ -126,6 +128,8 @@ class RolloutConfig:
     sample_filter_path: str | None = None  # --rollout-sample-filter-path: fn(ctx, groups) marks samples in place
     all_samples_process_path: str | None = None  # --rollout-all-samples-process-path: fn(ctx, all_groups)
     reward_post_process_path: str | None = None  # --custom-reward-post-process-path: fn(ctx, samples) -> (raw, adv)
+    log_function_path: str | None = None  # --custom-rollout-log-function-path: fn(ctx, samples, metrics, time_s)
+    log_reward_category: str | None = None  # --log-reward-category KEY: share of samples per metadata[KEY]
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
     stop: tuple[str, ...] = ()          # --rollout-stop: stop strings (the response ends with the one it hit)
@@ -373,6 +377,8 @@ class EvalConfig:
     max_context_len: int | None = None  # --eval-max-context-len: eval prompt + response cap (None: the rollout's)
     datasets: tuple[EvalDataset, ...] = ()  # --eval-config YAML: datasets with their own n, sampling, keys, reward
     log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)
+    min_new_tokens: int = 0             # --eval-min-new-tokens: EOS and stop tokens barred before this many
+    log_function_path: str | None = None  # --custom-eval-rollout-log-function-path: fn(ctx, data, metrics)
 
     def sets(self) -> tuple[EvalDataset, ...]:
         """Every eval dataset: --eval-prompt-data's pairs (run defaults), then --eval-config's."""

@@ -81,6 +81,8 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
                         "free after the weights that the KV cache takes")
     if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
         problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
+    if cfg.eval.min_new_tokens < 0:
+        problems.append(f"--eval-min-new-tokens {cfg.eval.min_new_tokens}: must be >= 0 (0: responses may stop at once)")
     if cfg.train.lr <= 0:
         problems.append(f"--lr {cfg.train.lr}: must be > 0")
     if cfg.train.clip_grad < 0:

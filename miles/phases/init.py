@@ -385,7 +385,7 @@ async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list
     await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
     if cfg.rollout.dynamic_sampling_filter_path:
         load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    check_hooks(cfg.rollout)
+    check_hooks(cfg.rollout, cfg.eval.log_function_path)
     check_partial_rollout(cfg.rollout)
     check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),

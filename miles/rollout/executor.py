@@ -107,7 +107,7 @@ class RolloutExecutor:
                               for d in eval.sets() if d.rm_type}
         self._algorithm = algorithm
         self._advantages = _estimator(algorithm)
-        self._hooks = RolloutHooks.from_config(rollout)   # miles' rollout hooks, each None unless set
+        self._hooks = RolloutHooks.from_config(rollout, eval.log_function_path)   # miles' hooks, each None unless set
         self._sft_responses = sft_responses
         self._filter = load_filter(dynamic) if dynamic else None
         g = self._gen_cfg
@@ -182,6 +182,9 @@ class RolloutExecutor:
         metrics = rollout_metrics(samples, n, rollout_id, log_passrate=self._eval_cfg.log_passrate)
         metrics.update(collect_metrics, gen_time_s=gen_s, gen_tokens_per_s=metrics["gen_tokens"] / max(gen_s, 1e-9),
                        epoch=self._iterator.epoch)
+        if self._cfg.log_reward_category:
+            metrics.update(category_shares(samples, self._cfg.log_reward_category, "rollout/"))
+        metrics = self._hooks.log_rollout(ctx, samples, metrics, time.monotonic() - t0)
         if self._buffer is not None and self._pending is not None:
             self._buffer.add(self._pending.to_buffer)
             metrics["partial_rollout_buffer_groups"] = float(len(self._buffer))
@@ -406,7 +409,7 @@ class RolloutExecutor:
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n} (every k <= n
         with --log-passrate). An --eval-config dataset has its own n, sampling and reward."""
-        e, out = self._eval_cfg, {}
+        e, out, data = self._eval_cfg, {}, {}
         for dataset in e.sets():
             name, t0 = dataset.name, time.monotonic()
             n = dataset.n_samples_per_prompt or e.n_samples_per_prompt
@@ -414,8 +417,12 @@ class RolloutExecutor:
                                          evaluation=True, reward_fn=self._eval_rewards.get(name))
             metrics = eval_metrics(samples, n, log_passrate=e.log_passrate)
             out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
+            if self._cfg.log_reward_category:
+                out.update(category_shares(samples, self._cfg.log_reward_category, f"eval/{name}/"))
             out[f"eval/{name}/time_s"] = time.monotonic() - t0
-        return out
+            data[name] = samples
+        ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
+        return self._hooks.log_eval(ctx, data, out)
 
     def _eval_params(self, d: EvalDataset, rollout_id: int) -> SamplingParams:
         """A dataset's own values, else the eval flags' (--eval-temperature, ...), else the rollout's."""
@@ -430,7 +437,7 @@ class RolloutExecutor:
             stop=c.stop if d.stop is None else d.stop,
             stop_token_ids=c.stop_token_ids if d.stop_token_ids is None else d.stop_token_ids,
             max_context_len=c.max_context_len if e.max_context_len is None else e.max_context_len,
-            seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
+            min_new_tokens=e.min_new_tokens, seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
 
     async def _sample(self, prompts: list[Prompt], n: int, params: SamplingParams, *, evaluation: bool = False,
                       reward_fn: Callable[..., Any] | None = None) -> list[Sample]:
@@ -595,6 +602,20 @@ def eval_metrics(samples: list[Sample], n: int, *, log_passrate: bool = False) -
     out = {"reward_mean": sum(s.reward for s in samples) / len(samples), **_status_ratios(samples)}
     out.update(pass_rates(samples, n, range(1, n + 1) if log_passrate else sorted({1, n})))
     return out
+
+
+MISSING_CATEGORY = "none"    # the category of a sample whose metadata lacks --log-reward-category's key
+
+
+def category_shares(samples: list[Sample], key: str, prefix: str) -> dict[str, float]:
+    """--log-reward-category KEY: the share of `samples` in each category, `metadata[KEY]` (miles'
+    `error_cat/CAT`), under `prefix`."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        value = s.metadata.get(key)
+        cat = MISSING_CATEGORY if value is None else str(value)
+        counts[cat] = counts.get(cat, 0) + 1
+    return {f"{prefix}error_cat/{cat}": c / len(samples) for cat, c in sorted(counts.items())}
 
 
 def _status_ratios(samples: list[Sample]) -> dict[str, float]:

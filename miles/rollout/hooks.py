@@ -13,6 +13,16 @@ The executor calls them as miles does, once per rollout, in this order:
    estimator's group baseline (reinforce_plus_plus_baseline then whitens them over the batch, as
    without the hook); `raw_rewards` are logged (`raw_reward_mean`).
 
+Two more run after the rollout's metrics (and the eval's) are computed, as miles' log functions do:
+4. `--custom-rollout-log-function-path`: `fn(ctx, samples, metrics, rollout_time_s) -> bool | None`.
+   `metrics` is the rollout's row (metrics.jsonl and the trackers); the function may add entries to it.
+   Returning True means, as in miles, that its metrics replace the default ones: the row keeps what the
+   function added or changed, plus `LOOP_METRICS`, which the training loop itself reads.
+5. `--custom-eval-rollout-log-function-path`: `fn(ctx, data, metrics) -> bool | None` after each eval,
+   `data` mapping each eval dataset's name to its samples; True keeps only what the function added or changed.
+miles' log functions get miles' `rollout_extra_metrics` / `extra_metrics` and log themselves (to W&B);
+here they write into `metrics`, which is what reaches every tracker.
+
 Where miles passes its `args` namespace, a hook gets `ctx` (`HookContext`): the rollout id and the
 run's rollout and algorithm configs. miles' all-samples hook also gets its data source, which has no
 counterpart here (prompts come from --prompt-data, drawn by the executor).
@@ -31,6 +41,12 @@ from miles.user_code import check_signature, display_name, import_user_function
 SAMPLE_FILTER_FLAG = "--rollout-sample-filter-path"
 ALL_SAMPLES_FLAG = "--rollout-all-samples-process-path"
 REWARD_POST_PROCESS_FLAG = "--custom-reward-post-process-path"
+ROLLOUT_LOG_FLAG = "--custom-rollout-log-function-path"
+EVAL_LOG_FLAG = "--custom-eval-rollout-log-function-path"
+# the rollout metrics the training loop reads (the trace's rollout_done, the zero-variance and staleness
+# watches): a log function that replaces the default metrics cannot take them out of the row
+LOOP_METRICS = ("rollout_id", "reward_mean", "num_samples", "zero_std_group_ratio", "staleness_max",
+                "weight_version_min")
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,8 @@ class HookContext:
 
 GroupsHook = Callable[[HookContext, list[list[Sample]]], None]
 RewardPostProcess = Callable[[HookContext, list[Sample]], tuple[Sequence[float], Sequence[float]]]
+RolloutLog = Callable[[HookContext, list[Sample], dict[str, float], float], object]
+EvalLog = Callable[[HookContext, dict[str, list[Sample]], dict[str, float]], object]
 
 
 class HookError(RuntimeError):
@@ -68,9 +86,21 @@ def load_reward_post_process(path: str) -> RewardPostProcess:
     return _load(REWARD_POST_PROCESS_FLAG, path, "fn(ctx, samples: list[Sample]) -> (raw_rewards, rewards)")
 
 
-def check_hooks(rollout: RolloutConfig) -> None:
-    """Start-up check, on the driver: each hook set imports and takes two arguments (ConfigError otherwise)."""
-    RolloutHooks.from_config(rollout)
+def load_rollout_log(path: str) -> RolloutLog:
+    fn = import_user_function(path, ROLLOUT_LOG_FLAG)
+    check_signature(fn, ROLLOUT_LOG_FLAG, path, 4, "fn(ctx, samples, metrics: dict, rollout_time_s) -> bool | None")
+    return fn
+
+
+def load_eval_log(path: str) -> EvalLog:
+    fn = import_user_function(path, EVAL_LOG_FLAG)
+    check_signature(fn, EVAL_LOG_FLAG, path, 3, "fn(ctx, data: dict[str, list[Sample]], metrics: dict) -> bool | None")
+    return fn
+
+
+def check_hooks(rollout: RolloutConfig, eval_log_path: str | None = None) -> None:
+    """Start-up check, on the driver: each hook set imports and takes its arguments (ConfigError otherwise)."""
+    RolloutHooks.from_config(rollout, eval_log_path)
 
 
 def group(samples: list[Sample], n: int) -> list[list[Sample]]:
@@ -85,15 +115,19 @@ class RolloutHooks:
     sample_filter: GroupsHook | None = None
     all_samples: GroupsHook | None = None
     reward_post_process: RewardPostProcess | None = None
+    rollout_log: RolloutLog | None = None
+    eval_log: EvalLog | None = None
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig) -> RolloutHooks:
+    def from_config(cls, rollout: RolloutConfig, eval_log_path: str | None = None) -> RolloutHooks:
         r = rollout
         return cls(
             sample_filter=load_sample_filter(r.sample_filter_path) if r.sample_filter_path else None,
             all_samples=load_all_samples_process(r.all_samples_process_path) if r.all_samples_process_path else None,
             reward_post_process=(load_reward_post_process(r.reward_post_process_path)
-                                 if r.reward_post_process_path else None))
+                                 if r.reward_post_process_path else None),
+            rollout_log=load_rollout_log(r.log_function_path) if r.log_function_path else None,
+            eval_log=load_eval_log(eval_log_path) if eval_log_path else None)
 
     def process(self, ctx: HookContext, samples: list[Sample], all_groups: list[list[Sample]]) -> None:
         """Steps 1 and 2 of the module docstring on a rollout's samples (grouped by n_samples_per_prompt)."""
@@ -119,6 +153,36 @@ class RolloutHooks:
                             "(raw_rewards, rewards): two lists of one number per sample")
         raw, rewards = (_numbers(name, what, values, len(samples)) for what, values in zip(("raw_rewards", "rewards"), out))
         return raw, rewards
+
+    def log_rollout(self, ctx: HookContext, samples: list[Sample], metrics: dict[str, float],
+                    rollout_time_s: float) -> dict[str, float]:
+        """Step 4: the rollout's metrics row after the log function (unchanged without one)."""
+        if self.rollout_log is None:
+            return metrics
+        return _logged(ROLLOUT_LOG_FLAG, self.rollout_log, metrics, LOOP_METRICS,
+                       lambda row: self.rollout_log(ctx, samples, row, rollout_time_s))
+
+    def log_eval(self, ctx: HookContext, data: dict[str, list[Sample]], metrics: dict[str, float]) -> dict[str, float]:
+        """Step 5: the eval's metrics row after the eval log function (unchanged without one)."""
+        if self.eval_log is None:
+            return metrics
+        return _logged(EVAL_LOG_FLAG, self.eval_log, metrics, (), lambda row: self.eval_log(ctx, data, row))
+
+
+def _logged(flag: str, fn: Callable[..., object], defaults: dict[str, float], kept: Sequence[str],
+            call: Callable[[dict[str, float]], object]) -> dict[str, float]:
+    """Run a log function on a copy of the default metrics; a true result keeps only its own entries
+    (those it added or changed) and the `kept` defaults."""
+    row = dict(defaults)
+    replace = call(row)
+    bad = [k for k, v in row.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise HookError(f"{flag} {display_name(fn)} put {bad[0]!r} = {row[bad[0]]!r} into the metrics; "
+                        "metrics are numbers under string names")
+    if replace:     # truthy, as miles reads it
+        own = {k: v for k, v in row.items() if k not in defaults or defaults[k] != v}
+        row = {**{k: defaults[k] for k in kept if k in defaults}, **own}
+    return row
 
 
 def _numbers(name: str, what: str, values: object, n: int) -> list[float]:

@@ -148,7 +148,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         for i in range(0, len(prompts), self.max_batch_size):
             chunk = slice(i, i + self.max_batch_size)
             budgets = [_budget(params, len(p), cap) for p, cap in zip(prompts[chunk], caps[chunk])]
-            out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch)
+            out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch,
+                                        params.min_new_tokens)
         return out
 
     # --- health (EngineGuard's health() and abort()) ---------------------------------------------
@@ -162,7 +163,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     @torch.inference_mode()
     def _generate_batch(self, model, prompts: list[list[int]], budgets: list[int], sampler: Sampler,
                         gen: torch.Generator, stop_ids: Tensor, stops: _StopStrings | None,
-                        epoch: int) -> list[Generation]:
+                        epoch: int, min_new_tokens: int = 0) -> list[Generation]:
         from transformers import DynamicCache
 
         ids, attn = _left_pad(prompts, self.pad_token_id, self.device)
@@ -172,7 +173,9 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         next_pos = pos[:, -1] + 1
         rows = list(range(len(prompts)))     # original index of each row still in the batch
         gens = [Generation([], [], "length", self._version) for _ in prompts]
-        for _ in range(max(budgets)):
+        for step in range(max(budgets)):
+            if step < min_new_tokens:   # every row has `step` tokens: none may stop yet (SGLang's min_new_tokens)
+                logits[:, stop_ids] = float("-inf")
             tokens, logprobs = sampler(logits, gen)
             stopped = torch.isin(tokens, stop_ids)
             done = []
@@ -344,6 +347,8 @@ def _param_problems(params: SamplingParams) -> list[str]:
         problems.append(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
     if params.max_new_tokens < 1:
         problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.min_new_tokens < 0:
+        problems.append(f"min_new_tokens must be >= 0, got {params.min_new_tokens}")
     return problems
 
 

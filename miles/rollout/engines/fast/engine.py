@@ -58,8 +58,8 @@ from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposed
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
                                       plan_positions, plan_slots, span_buckets)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
-from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, greedy, make_sampler,
-                                                 race, stop_table)
+from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
+                                                 make_sampler, race, stop_table)
 from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
@@ -381,7 +381,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
             out = CallOutputs(len(prompts), max(caps), self.device)
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
-            call = _Call(prompts, caps, sampler, is_stop, out, watch)
+            call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens)
             steps = self._run(call, epoch)
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
@@ -443,8 +443,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
     def _decode(self, table: _Slots, step: int, call: _Call) -> None:
         b = bucket(table.top(), self._batch_buckets)
         self._graphs.run(b, bucket(table.span(step), self._span_buckets))
-        tokens, logprobs = call.sampler(self._logits[:b])
         st = self._state
+        logits = self._logits[:b]
+        if call.min_new_tokens:
+            bar_stops(logits, st.ngen[:b] < call.min_new_tokens, call.is_stop)
+        tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.is_stop,
                            call.cap_table)
         st.pos[:b] += still
@@ -515,6 +518,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot."""
         st = self._state
         st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
+        if call.min_new_tokens:     # a first token is never a stop under min_new_tokens >= 1
+            bar_stops(logits, torch.ones_like(reqs, dtype=torch.bool), call.is_stop)
         tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
                            call.is_stop, call.cap_table)
@@ -577,9 +582,9 @@ class _Call:
     """What one generate call's steps share."""
 
     def __init__(self, prompts: list[list[int]], caps: list[int], sampler: Sampler, is_stop: Tensor,
-                 out: CallOutputs, watch: _StopWatch | None = None):
+                 out: CallOutputs, watch: _StopWatch | None = None, min_new_tokens: int = 0):
         self.prompts, self.caps, self.sampler, self.is_stop, self.out = prompts, caps, sampler, is_stop, out
-        self.watch = watch
+        self.watch, self.min_new_tokens = watch, min_new_tokens
         # each request's max_new_tokens on the device, and the spare row's (never reached: idle slots)
         self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)

@@ -83,6 +83,12 @@ def stop_table(stop_ids: set[int], vocab: int, device: torch.device) -> Tensor:
     return table.to(device)
 
 
+def bar_stops(logits: Tensor, rows: Tensor, is_stop: Tensor) -> None:
+    """min_new_tokens: the stop tokens (`is_stop` [V]) of the rows marked in `rows` [b] bool can not be
+    sampled; in place on `logits` [b, V], no host sync."""
+    logits.masked_fill_(rows[:, None] & is_stop[None, :], float("-inf"))
+
+
 def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen: Tensor,
             out: CallOutputs, is_stop: Tensor, caps: Tensor) -> tuple[Tensor, Tensor]:
     """Record each active slot's sampled token; -> (still active [b] bool, tokens generated [b]).

@@ -96,6 +96,8 @@ def sampling_params(params: SamplingParams, seed: int | None) -> dict[str, Any]:
                            "top_p": params.top_p, "top_k": params.top_k}
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.min_new_tokens:
+        out["min_new_tokens"] = params.min_new_tokens
     if seed is not None:
         out["sampling_seed"] = seed
     return out
