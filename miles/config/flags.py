@@ -542,6 +542,22 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("ci-test", "run", "ci_test", kind="true",
        help="CI checks that fail the run: weights equal after each sync, engine and trainer logprobs agree, "
             "the reference equals the policy at the start"),
+    _f("ci-metric-checker-key", "run", "ci_metric_checker_key", str,
+       "with --ci-test: the eval metric the run must reach (eval/<set>/<metric>, or miles' eval/<set>: its "
+       "reward_mean); missing from an eval, or never reaching the threshold by the run's end, fails the run"),
+    _f("ci-metric-checker-threshold", "run", "ci_metric_checker_threshold", float,
+       "with --ci-metric-checker-key: the value at least one eval must reach (>=)"),
+    _f("ci-save-grad-norm", "run", "ci_save_grad_norm", str,
+       "write each optimizer step's gradient norm to this JSON file (miles' {role}, {rollout_id}, {step_id} may "
+       "split it into several) for a later --ci-load-grad-norm"),
+    _f("ci-load-grad-norm", "run", "ci_load_grad_norm", str,
+       "compare each optimizer step's gradient norm with the one --ci-save-grad-norm recorded there (rel and abs "
+       "tolerance 0.01); a mismatch or an unrecorded step fails the run"),
+    _f("ci-save-model-hash", "run", "ci_save_model_hash", kind="true",
+       help="with --ci-test and --save: each checkpoint also holds a sha256 of the trainer's float32 weights"),
+    _f("ci-check-model-hash", "run", "ci_check_model_hash", kind="true",
+       help="with --ci-test and --load: the weights loaded must match the hash --ci-save-model-hash wrote into "
+            "the checkpoint, else the run fails"),
 )
 FLAGS += MILES_COMPAT_FLAGS
 # reliability: kept in a block of their own

@@ -139,8 +139,6 @@ REFUSED: dict[str, str] = {
     "eval-max-in-flight": f"evals in flight on the eval fleet; {_EVAL_FLEET}",
     "eval-overflow-policy": f"backpressure or skip when the eval fleet is busy; {_EVAL_FLEET}",
     "eval-keep-snapshots": f"eval-fleet snapshots kept; {_EVAL_FLEET}",
-    "ci-metric-checker-key": f"a CI accuracy gate on one metric; {NOT_YET}",
-    "ci-metric-checker-threshold": f"a CI accuracy gate's threshold; {NOT_YET}",
     # -- tracking and debugging --------------------------------------------------------------------------
     "use-prometheus": f"exports metrics to Prometheus; {NOT_YET}: metrics.jsonl, --use-tensorboard, "
                       "--use-wandb, --use-mlflow",
@@ -152,10 +150,6 @@ REFUSED: dict[str, str] = {
     "debug-deterministic-collective": f"deterministic NCCL collectives; {NOT_YET}",
     "ci-inject-rollout-data-path": "replays recorded rollouts with live engines; here "
                                    "--load-debug-rollout-data replays them without engines",
-    "ci-save-grad-norm": f"records gradient norms for a CI comparison; {NOT_YET}",
-    "ci-load-grad-norm": f"compares gradient norms with recorded ones in CI; {NOT_YET}",
-    "ci-save-model-hash": f"records a model hash for a CI comparison; {NOT_YET}",
-    "ci-check-model-hash": f"compares the model hash with a recorded one in CI; {NOT_YET}",
     # -- eval and tracking flags miles' eval config and launch scripts read, beyond the inventory ------
     **{f"eval-{key}": f"the eval datasets' {key.replace('-', '_')}; here set it per dataset in --eval-config "
                       f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import string
 from pathlib import Path
 
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
@@ -715,3 +716,42 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
         if d.temperature is not None and d.temperature < 0:
             problems.append(f"{where}: temperature {d.temperature} must be >= 0")
+
+
+GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save/load-grad-norm paths may hold
+
+
+@check
+def _ci_gates(cfg: RunConfig, problems: list[str]) -> None:
+    """miles' CI gates (miles/phases/ci_gates.py): the metric and model-hash ones work under --ci-test, as in miles."""
+    key, threshold = cfg.ci_metric_checker_key, cfg.ci_metric_checker_threshold
+    if (key is None) != (threshold is None):
+        problems.append("--ci-metric-checker-key and --ci-metric-checker-threshold go together: give both")
+    needs_ci = [flag for flag, given in (("--ci-metric-checker-key", key is not None),
+                                         ("--ci-save-model-hash", cfg.ci_save_model_hash),
+                                         ("--ci-check-model-hash", cfg.ci_check_model_hash)) if given]
+    if needs_ci and not cfg.ci_test:
+        problems.append(f"{' / '.join(needs_ci)} work under --ci-test (as in miles): add --ci-test")
+    names = [d.name for d in cfg.eval.sets()]
+    if key is not None and not any(key == f"eval/{n}" or key.startswith(f"eval/{n}/") for n in names):
+        problems.append(f"--ci-metric-checker-key {key}: not an eval metric of this run; use eval/<set>/<metric> "
+                        f"(or eval/<set>: its reward_mean) with <set> one of --eval-prompt-data / --eval-config's "
+                        f"datasets ({', '.join(names) or 'none given'})")
+    if cfg.ci_save_grad_norm and cfg.ci_load_grad_norm:
+        problems.append("--ci-save-grad-norm and --ci-load-grad-norm: a run records the norms or checks them; give one")
+    for flag, path in (("--ci-save-grad-norm", cfg.ci_save_grad_norm), ("--ci-load-grad-norm", cfg.ci_load_grad_norm)):
+        fields = _template_fields(path) if path else set()
+        if fields is None or not fields <= set(GRAD_NORM_FIELDS):
+            problems.append(f"{flag} {path}: a path whose {{...}} fields are among {', '.join(GRAD_NORM_FIELDS)}")
+    if cfg.ci_save_model_hash and not cfg.checkpoint.save:
+        problems.append("--ci-save-model-hash writes the hash into each checkpoint: add --save DIR")
+    if cfg.ci_check_model_hash and not cfg.checkpoint.load:
+        problems.append("--ci-check-model-hash checks the weights --load reads: add --load DIR")
+
+
+def _template_fields(path: str) -> set[str] | None:
+    """The {field} names of a str.format template (None: not a valid template)."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(path) if name is not None}
+    except ValueError:
+        return None

@@ -22,6 +22,7 @@ from miles.phases import init as sync_init
 from miles.phases import weights as sync_weights_phase
 from miles.phases.context import TrainingContext
 from miles.phases.engines import restart_unresponsive, with_engine_restarts
+from miles.phases.watch import ci_after_eval
 from miles.rollout.evals import EvalDispatcher
 from miles.rollout.prefetch import Prefetcher
 from miles.rollout.protocol import EngineUnresponsive
@@ -37,6 +38,7 @@ async def init(ctx: TrainingContext) -> str:
         row = {**metrics, "kind": "eval", "weight_version": version}
         ctx.c.metrics.log(step, row)
         ctx.metrics_history.append({"step": step, **row})
+        ci_after_eval(ctx, step, metrics)      # raising here fails the eval's job, which fails the run
 
     ctx.c.evals = EvalDispatcher(lambda step: executor.evaluate.remote(step), on_eval, ctx.tracer)
     ctx.disposer.add(ctx.c.evals, timeout=timeout, force=ctx.c.evals.force)

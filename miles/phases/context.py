@@ -17,6 +17,7 @@ import ray
 
 from miles.config import RunConfig
 from miles.phases.checkpoint_io import Folders, SharedFolders
+from miles.phases.ci_gates import CIGates
 from miles.runtime import Disposer, PhaseContext, Tracer
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class TrainingContext(PhaseContext):
         self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
         self.resumed = False                           # init restored a checkpoint (--load)
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
+        self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:

@@ -22,6 +22,7 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.save import save_checkpoint, settle_background_save
+from miles.phases.watch import ci_at_end
 
 END_MARGIN_S = 1.0          # of draining's budget, kept for what follows the save (the metrics flush)
 CANCEL_GRACE_S = 1.0        # a save past its budget gets this long to abort its temporary folder
@@ -38,6 +39,7 @@ async def drain(ctx: TrainingContext) -> str:
     if ctx.c.metrics is not None:        # every sink's rows on disk before the teardown closes them
         ctx.c.metrics.flush()
     ctx.tracer.emit("drained", dropped_rollout=dropped, after_failure=ctx.failure is not None)
+    ci_at_end(ctx)          # the evals have settled: --ci-metric-checker-key's verdict
     return "finish"
 
 

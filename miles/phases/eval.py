@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
+from miles.phases.watch import ci_after_eval
 
 
 async def evaluate(ctx: TrainingContext) -> str:
@@ -14,4 +15,5 @@ async def evaluate(ctx: TrainingContext) -> str:
     ctx.c.metrics.log(done, row)
     ctx.metrics_history.append({"step": done, **row})
     ctx.tracer.emit("eval_done", rollout_id=done, **{k: v for k, v in metrics.items() if k.endswith("pass@1")})
+    ci_after_eval(ctx, done, metrics)
     return "next"

@@ -39,6 +39,7 @@ from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.background_save import BackgroundSave
 from miles.phases.checkpoint_io import SAVE_GROUP, pick_folders
+from miles.phases.ci_gates import CICheckFailed
 from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
@@ -48,6 +49,7 @@ from miles.phases.megatron_resume import resume_from_megatron
 from miles.phases.memory import trainer_offloads
 from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
+from miles.phases.watch import ci_check_model_hash
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import check_hooks
@@ -444,6 +446,7 @@ async def _resume(ctx: TrainingContext) -> None:
                             message=skipped_line(c, problems, list(folder.candidates[i + 1:])))
             continue
         await _load_checkpoint(ctx, c.path)
+        await ci_check_model_hash(ctx, c.path)
         finetune = ctx.cfg.checkpoint.finetune      # the weights alone: the run starts over from them
         ctx.start_rollout = ctx.next_rollout = 0 if finetune else c.rollout_id + 1
         ctx.resumed = True
@@ -453,6 +456,9 @@ async def _resume(ctx: TrainingContext) -> None:
         return
     if not (folder.starts_fresh or allow):
         raise refuse_fresh_start(folder, found)
+    if ctx.ci.model_hash_checked:
+        raise CICheckFailed(f"--ci-check-model-hash: --load {root} held no checkpoint to load, so there are no "
+                            "loaded weights to check; point --load at a run saved with --ci-save-model-hash")
     # --load X --save X before X holds anything: the auto-resume launch script's first run
     reason = folder.reason or "nothing loadable, and --allow-fresh-start"
     ctx.tracer.emit("resume_skipped", reason=reason, root=root)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.checkpoint.megatron_format import MegatronCheckpoint
+from miles.phases.watch import ci_check_model_hash
 
 if TYPE_CHECKING:
     from miles.phases.context import TrainingContext
@@ -26,6 +27,7 @@ async def resume_from_megatron(ctx: TrainingContext, checkpoint: MegatronCheckpo
     """The trainer's weights from `checkpoint`; the next rollout is the one after its iteration (0 for
     a converter's release folder, or with --finetune)."""
     await ctx.c.folders.load(ctx.c.trainer, "load", checkpoint.dist_dir)
+    await ci_check_model_hash(ctx, checkpoint.dist_dir)    # miles' own per-layer hash files are not read
     finetune = ctx.cfg.checkpoint.finetune or checkpoint.iteration is None    # --finetune: from rollout 0
     next_rollout = 0 if finetune else checkpoint.iteration + 1
     ctx.start_rollout = ctx.next_rollout = next_rollout

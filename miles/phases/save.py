@@ -27,6 +27,7 @@ from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, Disk
                                            hf_copy_path, publish_folder, save_atomically, write_data_position)
 from miles.phases.background_save import commit_when_written, start_parts
 from miles.phases.context import TrainingContext
+from miles.phases.watch import ci_save_model_hash
 
 
 async def save(ctx: TrainingContext) -> str:
@@ -104,6 +105,7 @@ async def _save_run(ctx: TrainingContext, rid: int) -> Path:
         write_data_position(folder, position)
         for actor, method, sub, kwargs in parts:
             await folders.save(actor, method, folder / sub, **kwargs)
+        await ci_save_model_hash(ctx, folder)
 
     return await save_atomically(ctx.c.store, rid, write, manifest)
 
@@ -117,6 +119,7 @@ async def _start_background_run(ctx: TrainingContext, rid: int, t0: float) -> Pa
     tmp = begin_checkpoint(store, rid)
     try:
         write_data_position(tmp, position)
+        await ci_save_model_hash(ctx, tmp)     # the weights the snapshots below take
     except BaseException as exc:
         raise abort_checkpoint(store, tmp, rid, exc)
     finishers = await start_parts(store, tmp, rid, [

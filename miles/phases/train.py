@@ -11,7 +11,7 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.memory import to_trainer
-from miles.phases.watch import ci_checks, watch_reward_variance
+from miles.phases.watch import ci_after_train, ci_checks, watch_reward_variance
 
 
 async def train(ctx: TrainingContext) -> str:
@@ -26,6 +26,7 @@ async def train(ctx: TrainingContext) -> str:
     ctx.training = None
     ctx.batch_ref = None
     ctx.next_rollout = rid + 1
+    ci_after_train(ctx, rid, metrics)    # takes the per-step norms out of the row
     ctx.record(rid, {**metrics, "train_time_s": time.monotonic() - t0, "kind": "train"})
     ctx.c.metrics.log(rid, ctx.last_metrics)
     ctx.metrics_history.append(dict(ctx.last_metrics))

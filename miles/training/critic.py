@@ -38,6 +38,7 @@ from miles.checkpoint.checkpointer import CRITIC_DIR   # the critic's folder ins
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.packing import Pack, use_packing
+from miles.training.protocol import STEP_GRAD_NORMS
 from miles.training.shell import OptimizedModel
 from miles.training.terms import TermSums
 from miles.training.threads import cpu_threads
@@ -159,6 +160,7 @@ class Critic(OptimizedModel):
         if self._memory_budget is not None:
             metrics["critic/memory_token_budget"] = float(self._memory_budget)
         log.info("critic_train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
+        metrics[f"critic/{STEP_GRAD_NORMS}"] = [s["grad_norm"] for s in steps]
         return metrics
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from miles.types import Sample
 
 
+# the key of a train call's metrics holding each optimizer step's gradient norm, in order (a list, not a
+# float: the driver pops it before the metrics row is written); the critic's is prefixed "critic/"
+STEP_GRAD_NORMS = "step_grad_norms"
+
+
 @runtime_checkable
 class SupportsOffload(Protocol):
     """The optimizer state goes to host memory while the engines generate (--offload-train), and back."""
@@ -163,7 +168,8 @@ class TrainerBackend(Protocol):
         ...
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Optimizer steps on one rollout; returns its metrics."""
+        """Optimizer steps on one rollout; returns its metrics, and under `STEP_GRAD_NORMS` the list of
+        each step's gradient norm (the driver takes it out of the row: miles.phases.ci_gates)."""
         ...
 
     def weights(self) -> dict[str, torch.Tensor]:

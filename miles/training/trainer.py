@@ -65,6 +65,7 @@ from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
+from miles.training.protocol import STEP_GRAD_NORMS
 from miles.training.rng import rng_state, set_rng_state
 from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective, TermSums
@@ -195,6 +196,7 @@ class Trainer(OptimizedModel):
             self._refresh_reference()
             metrics["ref_updated"] = 1.0
         log.info("train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
+        metrics[STEP_GRAD_NORMS] = [s["grad_norm"] for s in steps]
         return metrics
 
     def _refresh_reference(self) -> None:

@@ -44,6 +44,7 @@ from miles.training.megatron.context_parallel import ContextSplit, token_terms
 from miles.training.megatron.conversion import (TE_RENAMES, hf_to_mcore, is_tp_split, merge_tensor, model_spec,
                                                 shard_tp, stage_weights, te_names, unstage_weights)
 from miles.training.megatron.model import RankModel
+from miles.training.protocol import STEP_GRAD_NORMS
 from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule, wd_schedule
 from miles.training.terms import PolicyObjective, TermSums
@@ -192,6 +193,7 @@ class MegatronWorker:
             metrics["ref_updated"] = 1.0
         if self.rank == 0:
             log.info("train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
+        metrics[STEP_GRAD_NORMS] = [r["grad_norm"] for r in results]
         return metrics
 
     def _local_rows(self, batch: TrainBatch) -> tuple[range, TrainBatch]:
