@@ -434,7 +434,7 @@ FLAGS: tuple[Flag, ...] = (
        help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
     _f("debug-skip-weight-update", "run", "debug_skip_weight_update", kind="true",
        help="debugging: skip every weight sync (a weights_sync_skipped trace event says so); the engines keep the "
-            "initial weights and the trainer trains on. Refused with --check-weight-update-equal and --ci-test, "
+            "initial weights and the trainer trains on; evals keep their --eval-interval schedule. Refused with --check-weight-update-equal and --ci-test, "
             "which compare the two, and with SGLang engines that release their weights (--offload*, --colocate)"),
     _f("update-weight-buffer-size", "run", "update_weight_buffer_size", int,
        "bytes of one weight bucket when weights travel by CUDA IPC (--colocate on GPUs)"),

@@ -96,7 +96,7 @@ async def _take(ctx: TrainingContext, r: int) -> tuple[Any, dict[str, Any]]:
 async def dispatch_eval(ctx: TrainingContext) -> str:
     """`eval`: start every eval dataset on the weights just synced; no waiting."""
     ctx.c.evals.submit(ctx.next_rollout, ctx.weight_version)
-    ctx.evaluated_version = ctx.weight_version
+    ctx.evaluated_version = ctx.eval_key()
     return "next"
 
 

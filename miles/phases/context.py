@@ -102,7 +102,7 @@ class TrainingContext(PhaseContext):
         self.saved_rollout: int | None = None          # the newest rollout this run saved
         self.save_duration_s: float | None = None      # how long that save took (a stop's save is budgeted by it)
         self.saves_failed = 0                          # saves the disk had no room for (--save-retries)
-        self.evaluated_version: int | None = None
+        self.evaluated_version: int | None = None      # the eval_key() of the last eval (none twice on one key)
         self.batch_ref: ray.ObjectRef | None = None    # the current rollout's samples, for the trainer
         self.save_requested = False                    # a host asked for a save now
         self.engine_budget: RestartBudget | None = None  # made at the first restart
@@ -132,10 +132,16 @@ class TrainingContext(PhaseContext):
         """Async: push weights every --update-weights-interval rollouts, and after the last one."""
         return self.next_rollout % self.cfg.update_weights_interval == 0 or not self.rollouts_left()
 
+    def eval_key(self) -> int:
+        """What an eval reads: the engines' weight version, evaluated once. With
+        --debug-skip-weight-update the engines never move, so the key is the rollout position and the
+        evals keep their schedule (as miles runs them), not only the first."""
+        return self.next_rollout if self.cfg.debug_skip_weight_update else self.weight_version
+
     def eval_due(self) -> bool:
         """Before the first rollout, every --eval-interval rollouts, and after the last one."""
         e = self.cfg.eval
-        if not e.sets() or self.evaluated_version == self.weight_version:
+        if not e.sets() or self.evaluated_version == self.eval_key():
             return False
         done = self.next_rollout
         if done == self.start_rollout:

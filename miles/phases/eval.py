@@ -10,7 +10,7 @@ from miles.phases.watch import ci_after_eval
 async def evaluate(ctx: TrainingContext) -> str:
     done = ctx.next_rollout
     metrics = await with_engine_restarts(ctx, lambda: ctx.c.executor.handle.evaluate.remote(done))
-    ctx.evaluated_version = ctx.weight_version
+    ctx.evaluated_version = ctx.eval_key()
     row = {**metrics, "kind": "eval", "weight_version": ctx.weight_version}
     ctx.c.metrics.log(done, row)
     ctx.metrics_history.append({"step": done, **row})

@@ -28,13 +28,17 @@ def train_rows(result) -> list[dict]:
 
 
 def test_debug_skip_weight_update_keeps_the_engines_on_the_initial_weights(ray_cluster, tiny_task, tmp_path):
-    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=2, debug_skip_weight_update=True))
+    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=2, debug_skip_weight_update=True,
+                            eval_prompt_data=["arith", tiny_task["eval"]], eval_interval=1))
     trace = read_trace(result.run_dir)
     skipped = trace.of("weights_sync_skipped")
     # every visit of weight_sync: before rollout 0, after each of the 2 trainings; the engines stay at v0
     assert [(e.get("version"), e.get("engines_hold"), e.get("reason")) for e in skipped] == \
         [(v, 0, "--debug-skip-weight-update") for v in (0, 1, 2)]
     assert not trace.of("weights_synced")
+    # the evals keep their schedule (before training, after each rollout), all on the engines' v0
+    evals = [r for r in result.metrics if r.get("kind") == "eval"]
+    assert [(r["step"], r["weight_version"]) for r in evals] == [(0, 0), (1, 0), (2, 0)]
     first, second = (r["logprob_diff_rollout"] for r in train_rows(result))
     # rollout 0: engine and trainer hold the same (initial) weights; rollout 1 came from those same
     # engine weights while the trainer had taken a step (a synced run keeps this ~0: --ci-test checks it)

@@ -51,7 +51,7 @@ def test_eval_due(make):
     assert not make().eval_due()                                           # no eval data
     ctx = make(eval=EvalConfig(temperature=0.0, prompt_data=data, interval=2))
     assert ctx.eval_due()                                                  # before training
-    ctx.evaluated_version = ctx.weight_version
+    ctx.evaluated_version = ctx.eval_key()
     assert not ctx.eval_due()                                              # never twice on the same weights
     for done, expected in ((1, False), (2, True), (3, False), (4, True)):  # 4: every 2, and the last
         ctx.next_rollout, ctx.weight_version = done, done
@@ -60,6 +60,22 @@ def test_eval_due(make):
     resumed = make(eval=EvalConfig(temperature=0.0, prompt_data=data, interval=3))
     resumed.start_rollout = resumed.next_rollout = resumed.weight_version = 2
     assert not resumed.eval_due()        # resumed at 2, not a multiple of 3: the first eval waits for 3
+
+
+def test_eval_keeps_its_schedule_when_the_weights_never_move(make):
+    # --debug-skip-weight-update: the engines hold version 0 throughout; the evals still run every
+    # --eval-interval (miles' schedule), once per rollout position
+    data = (("arith", "e.jsonl"),)
+    ctx = make(eval=EvalConfig(temperature=0.0, prompt_data=data, interval=2), debug_skip_weight_update=True)
+    due = []
+    for done in range(5):
+        ctx.next_rollout = done
+        due.append(ctx.eval_due())
+        if due[-1]:
+            ctx.evaluated_version = ctx.eval_key()
+            assert not ctx.eval_due()                                      # not twice at one position
+    assert due == [True, False, True, False, True]
+    assert ctx.weight_version == 0
 
 
 def test_save_due(make, tmp_path):
