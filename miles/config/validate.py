@@ -244,7 +244,7 @@ def _train_env_vars(cfg: RunConfig, problems: list[str]) -> None:
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
             problems.append(f"--train-env-vars: {name!r} is not an environment variable name")
         elif not isinstance(value, str):
-            problems.append(f"--train-env-vars {name}: {json.dumps(value)} is a {type(value).__name__}; values are "
+            problems.append(f"--train-env-vars {name}: {json.dumps(value)} is not a string; values are "
                             f"strings, as in a process environment: write \"{name}\": {json.dumps(str(value))}")
 
 
