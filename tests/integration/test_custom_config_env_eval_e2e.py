@@ -69,3 +69,35 @@ def test_custom_config_train_env_vars_and_an_eval_function_in_a_run(ray_cluster,
     assert e["eval/driver_var"] == 0.0             # the variable is the trainer's: the rollout executor lacks it
     assert 0.0 <= e["eval/arith/reward_mean"] <= 1.0 and "eval/arith/pass@1" in e
     assert miles_actors() == []
+
+
+RANK_LOSS = '''
+import os
+from pathlib import Path
+
+import torch
+
+from miles.user_code import custom_args
+
+
+def loss(logprobs, batch, reduce):               # each trainer process writes what it sees, under its pid
+    Path(custom_args().seen_dir, f"{os.getpid()}.txt").write_text(os.environ.get("MILES_TEST_VAR", "-"))
+    ratio = torch.exp(logprobs - batch.old_logprobs)
+    return reduce(-batch.advantages * ratio, batch.loss_mask)
+'''
+
+
+def test_train_env_vars_reach_every_fsdp_rank(ray_cluster, tiny_task, tmp_path):
+    """--actor-num-gpus-per-node 2 on the CPU: the trainer's two FSDP ranks are actors the trainer creates;
+    they start with the variable too (Ray's runtime_env passes on to the actors an actor creates)."""
+    fns, seen = tmp_path / "rank_loss.py", tmp_path / "seen"
+    fns.write_text(RANK_LOSS)
+    seen.mkdir()
+    (tmp_path / "custom.yaml").write_text(f"seen_dir: {seen}\n")
+    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=1, actor_num_gpus_per_node=2,
+                            custom_config_path=str(tmp_path / "custom.yaml"), train_env_vars='{"MILES_TEST_VAR": "x"}',
+                            loss_type="custom_loss", custom_loss_function_path=f"{fns}:loss"))
+    assert result.final_state == "shutdown"
+    files = sorted(seen.iterdir())
+    assert len(files) == 2 and [f.read_text() for f in files] == ["x", "x"]      # two rank processes, each saw x
+    assert miles_actors() == []
