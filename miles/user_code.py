@@ -23,7 +23,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from miles.config import ConfigError
 
@@ -136,3 +136,74 @@ def import_async_function(path: str, flag: str, num_args: int, expected: str) ->
         raise ConfigError(f"{flag} {path}: {getattr(fn, '__qualname__', fn)!s}{sig} cannot be called as {expected}: "
                           f"{exc}") from None
     return fn
+
+
+# ---- --custom-config-path: miles' `args.my_key` --------------------------------------------------------
+
+class CustomArgs(Mapping[str, Any]):
+    """--custom-config-path's keys that name no flag (`RolloutConfig.custom_args`), read-only, by
+    attribute (`args.my_key` in miles) or by key. A key the YAML lacks raises AttributeError (KeyError by key)
+    naming the flag, so a typo does not read as None."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None):
+        object.__setattr__(self, "_values", dict(values or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(_missing(name, values))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("--custom-config-path's values are read-only in a run")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"CustomArgs({self._values!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CustomArgs, (self._values,)
+
+
+def _missing(name: str, values: Mapping[str, Any]) -> str:
+    keys = ", ".join(sorted(values)) or "none"
+    return f"{name!r}: not a key of --custom-config-path (its keys: {keys})"
+
+
+class CustomArgsAccess:
+    """A context (`ctx`) of custom functions: a name that is not the context's own is looked up in the run's
+    --custom-config-path keys (`self.rollout.custom_args`), as miles' functions read `args.my_key`."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        rollout = self.__dict__.get("rollout")
+        values = getattr(rollout, "custom_args", None) or {}
+        if name in values:
+            return values[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {_missing(name, values)}")
+
+
+_CUSTOM_ARGS = CustomArgs()      # the process's: set by the executor and the trainers where they are built
+
+
+def install_custom_args(values: Mapping[str, Any]) -> None:
+    """Make `values` (RolloutConfig.custom_args) what `custom_args()` answers in this process."""
+    global _CUSTOM_ARGS
+    _CUSTOM_ARGS = CustomArgs(values)
+
+
+def custom_args() -> CustomArgs:
+    """The run's --custom-config-path keys, for a custom function that gets no `ctx` (a reward, a loss, a TIS
+    function): `custom_args().my_key`. Set in the rollout executor and in every trainer process."""
+    return _CUSTOM_ARGS

@@ -76,14 +76,15 @@ class RayCluster:
     def actor(self, cls: type, *args: Any, name: str, num_cpus: float = 0, num_gpus: float = 0,
               concurrency: int | None = None, concurrency_groups: Mapping[str, int] | None = None,
               placement: dict[str, Any] | None = None, needs: Mapping[str, str] | None = None,
-              **kwargs: Any) -> "ActorResource":
+              env_vars: Mapping[str, str] | None = None, **kwargs: Any) -> "ActorResource":
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
         structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
         `placement`: the GPUs it asks for and where (PlacementGroupResource.options; its `resources`, if
         any, already hold --ray-actor-resources). `needs`: flag → a path on the driver's disk the actor
         reads (a model folder), which must exist at that path on the actor's node too. `concurrency_groups`:
         name -> threads, groups of its own a call can be sent to (`handle.m.options(concurrency_group=name)`)
-        to run beside the actor's other calls."""
+        to run beside the actor's other calls. `env_vars`: the environment its worker process starts with
+        (Ray's runtime_env, merged over the job's; the actors it creates inherit it): --train-env-vars."""
         options: dict[str, Any] = dict(name=name, namespace=self.namespace, num_cpus=num_cpus, num_gpus=num_gpus,
                                        max_restarts=0, lifetime="non_detached")
         if self.actor_resources:
@@ -91,6 +92,8 @@ class RayCluster:
         options.update(placement or {})
         if concurrency is not None:
             options["max_concurrency"] = concurrency
+        if env_vars:    # a fresh worker started with them (not one Ray already started): slower, so only when set
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
         local = {flag: path for flag, path in (needs or {}).items() if os.path.exists(path)}   # not a hub name
         if local:
             cls = checking_paths(cls, local, name)

@@ -9,6 +9,8 @@ one `ConfigError` before anything starts.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import difflib
 import functools
 import re
@@ -132,6 +134,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("custom-reward-post-process-path", "rollout", "reward_post_process_path", str,
        "fn(ctx, samples) -> (raw_rewards, rewards): the rewards are the advantages, in place of the group "
        "baseline (grpo, gspo, rloo, reinforce_plus_plus_baseline); by import path (miles.rollout.hooks)"),
+    _f("custom-config-path", "rollout", "custom_config_path", str,
+       "a YAML file (or base64:PAYLOAD, miles' pseudo file) of extra arguments, as in miles: a key naming a flag "
+       "here (rollout_batch_size) sets it, over the command line; any other key is for custom functions and "
+       "hooks, which read it as ctx.KEY where miles reads args.KEY (miles.user_code.custom_args().KEY where no "
+       "ctx is passed)"),
     _f("custom-rollout-log-function-path", "rollout", "log_function_path", str,
        "fn(ctx, samples, metrics, rollout_time_s) after each rollout: it may add entries to `metrics` (the "
        "rollout's row); returning True replaces the default metrics by its own (those the loop reads stay), by "
@@ -359,6 +366,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("eval-min-new-tokens", "eval", "min_new_tokens", int,
        "eval responses get at least this many tokens: EOS and stop tokens are barred before (SGLang's "
        "min_new_tokens; stop strings still end a response)"),
+    _f("eval-function-path", "eval", "function_path", str,
+       "async fn(ctx, rollout_id) -> {dataset: groups of scored Samples}, or ({dataset: groups}, metrics), in place "
+       "of the built-in eval (miles calls its eval function like the rollout function, evaluation=True): ctx has "
+       "the eval datasets (ctx.datasets[name].prompts, .n_samples_per_prompt, .sampling_params), generate, "
+       "generate_samples and score; the eval row gets each returned dataset's reward_mean, pass@k and ratios as the "
+       "built-in eval's, and the metrics under eval/, by import path (miles.rollout.evals)"),
     _f("custom-eval-rollout-log-function-path", "eval", "log_function_path", str,
        "fn(ctx, data, metrics) after each eval, data {dataset: samples}: it may add entries to `metrics`; "
        "returning True replaces the default eval metrics by its own, by import path (miles.rollout.hooks)"),
@@ -399,6 +412,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("ray-actor-resources", "cluster", "actor_resources", kind="json",
        help="Ray resources every actor of the run asks for, as JSON ('{\"miles_worker\": 1}'): puts the actors on "
             "the nodes that have them"),
+    _f("train-env-vars", "cluster", "train_env_vars", kind="json",
+       help="environment variables the trainer's processes start with, as a JSON object of strings "
+            "('{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'): the trainer, PPO's critic and "
+            "their FSDP or Megatron ranks, through their Ray runtime_env, as in miles"),
     # trace
     _f("run-dir", "trace", "run_dir", str, "where trace.jsonl, metrics.jsonl and config.yaml go"),
     _f("trace-console", "trace", "console", str, "trace events on the terminal", ("auto", "pretty", "plain", "off")),
@@ -673,6 +690,7 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
         values.update(file_values)
         machine = machine or machine_from_file
     values.update(ns)
+    custom_args = apply_custom_config(values, problems)    # miles: the YAML's keys over the command line
     values.update(miles_value_aliases(values))
     megatron = pop_megatron_values(values)      # checked against --hf-checkpoint's config.json below
     refused += megatron_problems(megatron, values.get("hf_checkpoint"))    # reported with the refused flags
@@ -680,7 +698,7 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "miles train")
     if passthrough:     # the command line's SGLang flags override the file's, flag by flag
         values["sglang_server_args"] = _merge_passthrough(values.get("sglang_server_args", ()), passthrough)
     try:                      # the refused flags first, then everything else wrong with the command line
-        cfg = build_config(values, problems)
+        cfg = build_config(values, problems, custom_args=custom_args)
     except ConfigError as exc:
         raise ConfigError(refused + exc.problems) from None
     if refused:
@@ -782,7 +800,8 @@ def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     """Paths in a config file are relative to the file, so a recipe runs from any directory."""
     def fix(v: Any) -> Any:
         return str(base / v) if isinstance(v, str) and not os.path.isabs(v) and (base / v).exists() else v
-    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path", "generate_tool_specs_path"):
+    if dest in ("hf_checkpoint", "prompt_data", "eval_config", "chat_template_path", "generate_tool_specs_path",
+                "custom_config_path"):
         return fix(value)
     if dest in _FUNCTION_PATHS and isinstance(value, str) and ".py:" in value:
         file, _, name = value.rpartition(":")      # a file.py:function path, relative to the file too
@@ -794,10 +813,14 @@ def _relative_paths(dest: str, value: Any, base: Path) -> Any:
     return value
 
 
-def build_config(values: dict[str, Any], problems: list[str] | None = None) -> RunConfig:
-    """Flag values (dest names) → RunConfig; every problem is raised together as one ConfigError."""
+def build_config(values: dict[str, Any], problems: list[str] | None = None, *,
+                 custom_args: dict[str, Any] | None = None) -> RunConfig:
+    """Flag values (dest names) → RunConfig; every problem is raised together as one ConfigError.
+    `custom_args`: --custom-config-path's keys that name no flag (`apply_custom_config`)."""
     problems = list(problems or [])
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    if custom_args:
+        sections["rollout"]["custom_args"] = dict(custom_args)
     for dest, value in values.items():
         flag = BY_DEST[dest]
         if flag.kind == "false":
@@ -825,6 +848,77 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None) -> R
     cfg = _schedule_defaults(RunConfig(**built, **sections["run"]))
     validate(cfg)
     return cfg
+
+
+CUSTOM_CONFIG_FLAG = "--custom-config-path"
+PSEUDO_FILE_PREFIX = "base64:"      # miles' pseudo file: the YAML itself, base64-encoded, in place of a path
+# what the contexts custom functions get (HookContext, GenerateContext, RolloutContext, EvalContext) are
+# themselves: a custom key of one of these names would be hidden behind ctx's own (tests check the list)
+CONTEXT_NAMES = frozenset({
+    "rollout_id", "rollout", "algorithm", "tokenizer", "config", "tools", "evaluation", "engine_calls",
+    "weight_version", "generate", "prompts", "n_samples_per_prompt", "sampling_params", "generate_samples", "score",
+    "new_sample", "datasets", "eval"})
+
+
+def _shown(value: str) -> str:
+    """The flag's value as errors show it: a base64 payload cut short."""
+    return f"{value[:len(PSEUDO_FILE_PREFIX) + 8]}..." if value.startswith(PSEUDO_FILE_PREFIX) else value
+
+
+def read_custom_config(value: str) -> dict[str, Any]:
+    """--custom-config-path's YAML (a file, or miles' `base64:PAYLOAD`) as a mapping; ConfigError otherwise."""
+    shown = _shown(value)
+    if value.startswith(PSEUDO_FILE_PREFIX):
+        try:
+            text = base64.b64decode(value[len(PSEUDO_FILE_PREFIX):], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{CUSTOM_CONFIG_FLAG} {shown}: not base64-encoded UTF-8 text ({exc}); pass a YAML "
+                              "file's path or base64: and the file's text base64-encoded") from None
+    else:
+        if not Path(value).is_file():
+            raise ConfigError(f"{CUSTOM_CONFIG_FLAG} {value}: no such file; pass a YAML file of name: value lines")
+        text = Path(value).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{CUSTOM_CONFIG_FLAG} {shown}: not valid YAML: {exc}") from None
+    if raw is None:
+        return {}       # an empty file, as miles reads it
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{CUSTOM_CONFIG_FLAG} {shown}: expected a mapping of names to values (name: value lines), "
+                          f"got a {type(raw).__name__}")
+    bad = [k for k in raw if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ConfigError(f"{CUSTOM_CONFIG_FLAG} {shown}: key {bad[0]!r} is not a Python name; custom functions "
+                          "read each key as an attribute (ctx.my_key), so keys are names like my_key")
+    return raw
+
+
+def apply_custom_config(values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """--custom-config-path, as miles reads it (it sets each key on `args`, over the command line): a key
+    that is a flag's name with underscores (rollout_batch_size, use_tis, a Megatron-LM flag) sets that
+    flag in `values`; one naming a miles flag this build refuses is a problem; every other key is returned,
+    for the custom functions (RolloutConfig.custom_args)."""
+    path = values.get("custom_config_path")
+    if not path:
+        return {}
+    custom: dict[str, Any] = {}
+    shown = _shown(str(path))
+    for key, value in read_custom_config(str(path)).items():
+        name = key.replace("_", "-")
+        if key in BY_DEST and key != "sglang_server_args":
+            values[key] = value
+        elif name in megatron_options():
+            values[megatron_dest(name)] = value
+        elif fate(name) is not None:
+            problems.append(f"{CUSTOM_CONFIG_FLAG} {shown}: key {key!r} sets miles' --{name}, which this build does "
+                            f"not take: {fate(name)}")
+        elif key in CONTEXT_NAMES:
+            problems.append(f"{CUSTOM_CONFIG_FLAG} {shown}: key {key!r} would be hidden by ctx.{key}, which the "
+                            "contexts of custom functions have themselves; rename the key")
+        else:
+            custom[key] = value
+    return custom
 
 
 def _schedule_defaults(cfg: RunConfig) -> RunConfig:

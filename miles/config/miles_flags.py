@@ -76,7 +76,6 @@ REFUSED: dict[str, str] = {
     "miles-router-max-connections": f"miles router connection cap; {_NO_ROUTER}",
     "miles-router-health-check-failure-threshold": f"miles router health checks; {_NO_ROUTER}",
     # -- rollout: batches, hooks, multi-turn, data ---------------------------------------------------
-    "custom-config-path": f"a YAML of extra arguments for custom functions; {NOT_YET}",
     "custom-agent-function-path": f"an agent loop on session servers; {_AGENTIC}",
     "use-session-server": f"token-in/token-out session servers for agents; {_AGENTIC}",
     "tito-model": f"the session servers' tokenizer model; {_AGENTIC}",
@@ -132,8 +131,6 @@ REFUSED: dict[str, str] = {
     "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
     "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
     # -- checkpoints and eval --------------------------------------------------------------------------
-    "eval-function-path": f"replaces the eval function; {NOT_YET}: evals score --eval-prompt-data or "
-                          "--eval-config datasets",
     "eval-num-gpus": f"a dedicated eval fleet; {_EVAL_FLEET}",
     "eval-hf-dir": f"HF snapshots for the eval fleet; {_EVAL_FLEET}",
     "eval-max-in-flight": f"evals in flight on the eval fleet; {_EVAL_FLEET}",
@@ -161,8 +158,6 @@ REFUSED: dict[str, str] = {
                            "(SDPA): drop it",
     "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET} for the parameters: "
                         "--optimizer-cpu-offload keeps the optimizer state in host memory",
-    "train-env-vars": "environment variables of the train actors (JSON); here actors inherit the driver's "
-                      "environment: export them before miles train",
     "disable-compute-advantages-and-returns": "skips advantages for SFT; here --loss-type sft_loss needs none: "
                                               "drop it",
     "wandb-key": "the W&B API key; here log in with `wandb login` or set WANDB_API_KEY: drop it",

@@ -8,7 +8,7 @@ mapping lives in `miles/config/flags.py`. Validation collects every problem and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Mapping
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
 
@@ -40,6 +40,7 @@ USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
     "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
     "--custom-rollout-log-function-path": ("rollout", "log_function_path"),
     "--custom-eval-rollout-log-function-path": ("eval", "log_function_path"),
+    "--eval-function-path": ("eval", "function_path"),
     "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
     "--rollout-function-path": ("generate", "rollout_function_path"),
     "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
@@ -129,6 +130,9 @@ class RolloutConfig:
     all_samples_process_path: str | None = None  # --rollout-all-samples-process-path: fn(ctx, all_groups)
     reward_post_process_path: str | None = None  # --custom-reward-post-process-path: fn(ctx, samples) -> (raw, adv)
     log_function_path: str | None = None  # --custom-rollout-log-function-path: fn(ctx, samples, metrics, time_s)
+    custom_config_path: str | None = None  # --custom-config-path: YAML of extra arguments (flags, custom keys)
+    # its keys that name no flag, read by custom functions as ctx.KEY (miles.user_code.CustomArgs)
+    custom_args: Mapping[str, Any] = field(default_factory=dict)
     log_reward_category: str | None = None  # --log-reward-category KEY: share of samples per metadata[KEY]
     overlong_buffer_len: int | None = None  # --overlong-buffer-len: DAPO overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0  # --overlong-penalty-factor: the penalty at max_response_len
@@ -379,6 +383,7 @@ class EvalConfig:
     log_passrate: bool = False          # --log-passrate: pass@k for every k <= n (rollouts and evals)
     min_new_tokens: int = 0             # --eval-min-new-tokens: EOS and stop tokens barred before this many
     log_function_path: str | None = None  # --custom-eval-rollout-log-function-path: fn(ctx, data, metrics)
+    function_path: str | None = None    # --eval-function-path: async fn(ctx, rollout_id) -> {dataset: groups}
 
     def sets(self) -> tuple[EvalDataset, ...]:
         """Every eval dataset: --eval-prompt-data's pairs (run defaults), then --eval-config's."""
@@ -403,6 +408,7 @@ class ClusterConfig:
     ship_code: bool = True              # --ray-no-ship-code: miles and the user's files are on every node already
     shared_fs: bool | None = None       # --shared-fs / --no-shared-fs (None: shared iff every node is the driver's host)
     actor_resources: dict[str, float] | None = None  # --ray-actor-resources: Ray resources every actor asks for
+    train_env_vars: dict[str, str] | None = None  # --train-env-vars: the trainer's processes' environment (JSON)
 
     @property
     def offloads_train(self) -> bool:

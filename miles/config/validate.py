@@ -5,6 +5,7 @@ Every problem is collected; one ConfigError names them all."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import string
 from pathlib import Path
@@ -178,6 +179,9 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
                         "place, pass that folder as --save too)")
     if cfg.eval.interval is not None and not cfg.eval.sets():
         problems.append(f"--eval-interval {cfg.eval.interval} needs --eval-prompt-data NAME PATH or --eval-config FILE")
+    if cfg.eval.function_path and not cfg.eval.sets():
+        problems.append(f"--eval-function-path {cfg.eval.function_path} runs where an eval is due, and evals run with "
+                        "eval datasets, as in miles: add --eval-prompt-data NAME PATH or --eval-config FILE")
     for flag, given in (("--ckpt-step", c.ckpt_step is not None), ("--exit-on-missing-checkpoint", c.exit_on_missing),
                         ("--finetune", c.finetune), ("--no-load-optim", not c.load_optimizer),
                         ("--no-load-rng", not c.load_rng)):
@@ -225,6 +229,23 @@ def _reliability(cfg: RunConfig, problems: list[str]) -> None:
                             "this machine's address, or auto")
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")   # asked for by the placement, not by name
+
+
+@check
+def _train_env_vars(cfg: RunConfig, problems: list[str]) -> None:
+    """--train-env-vars: a JSON object of names to string values (what a process environment holds)."""
+    env = cfg.cluster.train_env_vars
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        problems.append(f"--train-env-vars {env!r}: must be a JSON object of names to strings")
+        return
+    for name, value in env.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            problems.append(f"--train-env-vars: {name!r} is not an environment variable name")
+        elif not isinstance(value, str):
+            problems.append(f"--train-env-vars {name}: {json.dumps(value)} is not a string; values are "
+                            f"strings, as in a process environment: write \"{name}\": {json.dumps(str(value))}")
 
 
 @check

@@ -55,6 +55,7 @@ from miles.rollout.filters import load_filter
 from miles.rollout.hooks import check_hooks
 from miles.rollout.partial import check_engines, check_partial_rollout
 from miles.rollout.generation import load_generate_function, load_rollout_function
+from miles.rollout.evals import load_eval_function
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsWeightBuckets
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
@@ -221,14 +222,16 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
     cfg, place = ctx.cfg, ctx.c.placement
     path = driver_path(cfg.model.hf_checkpoint)                   # read by the actor, on its node
     groups = _concurrency_groups(ctx)
+    env = cfg.cluster.train_env_vars       # --train-env-vars: the trainer's and critic's processes, their ranks' too
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, path, name="trainer", needs={"--hf-checkpoint": path},
-                                        concurrency_groups=groups, **_trainer_placement(ctx), **trainer_options(cfg))
+                                        concurrency_groups=groups, env_vars=env, **_trainer_placement(ctx),
+                                        **trainer_options(cfg))
     add(ctx.c.trainer, force=ctx.c.trainer.force)
     if ctx.backends.critic is not None:
         init_from = driver_path(cfg.checkpoint.critic_load) if cfg.checkpoint.critic_load else None
         needs = {"--hf-checkpoint": path, **({"--critic-load": init_from} if init_from else {})}
         ctx.c.critic = ctx.c.cluster.actor(
-            ctx.backends.critic, path, name="critic", concurrency_groups=groups, **_critic_placement(ctx),
+            ctx.backends.critic, path, name="critic", concurrency_groups=groups, env_vars=env, **_critic_placement(ctx),
             needs=needs, train=replace(cfg.train, lr=cfg.train.critic_lr or cfg.train.lr),
             algorithm=cfg.algorithm, init_from=init_from, device=cfg.model.device, dtype=cfg.model.dtype)
         add(ctx.c.critic, force=ctx.c.critic.force)
@@ -352,6 +355,8 @@ async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
         load_generate_function(g.generate_function_path)
     if g.rollout_function_path:
         load_rollout_function(g.rollout_function_path)
+    if cfg.eval.function_path:
+        load_eval_function(cfg.eval.function_path)
     if g.execute_tool_function_path:
         load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
                       timeout_s=g.tool_timeout_s)

@@ -1,6 +1,15 @@
-"""Evals: what an eval measures (unbiased pass@k over each prompt's samples) and, on the async
-machine, how evals run in the background: each a traced background job, while the loop goes on.
-(The `eval` phase of the sync machine is miles.phases.eval; the executor generates and scores.)
+"""Evals: what an eval measures (unbiased pass@k over each prompt's samples), a custom eval function
+(--eval-function-path) and, on the async machine, how evals run in the background: each a traced
+background job, while the loop goes on. (The `eval` phase of the sync machine is miles.phases.eval; the
+executor generates and scores.)
+
+--eval-function-path replaces the built-in eval, as miles' does (miles calls it as its rollout function,
+with evaluation=True, and logs the data it returns per dataset). Here it mirrors --rollout-function-path:
+`async fn(ctx: EvalContext, rollout_id) -> {dataset: groups}` or `({dataset: groups}, metrics)`, each
+dataset's groups being lists of scored Samples (one group per prompt, all of one size). The executor scores
+nothing more: it computes each returned dataset's eval metrics as the built-in eval does (`eval/NAME/reward_mean`,
+pass@k over the groups, the truncated / aborted / failed ratios) and adds `metrics` (numbers) as
+`eval/KEY`; --custom-eval-rollout-log-function-path then sees the samples, as after the built-in eval.
 
 The dispatcher is registered with the disposer where it is created, after the executor and the
 models, so on every way out its drain runs before they are torn down and an eval in flight still
@@ -15,15 +24,18 @@ metrics.jsonl when it finishes (`eval_start` / `eval_end` in the trace show its 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from math import comb
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
+from miles.config import EvalConfig, RolloutConfig
 from miles.rollout.background import Job, cancel_jobs, start_job
 from miles.runtime.trace import Tracer
+from miles.types import Generation, Prompt, Sample, SamplingParams
+from miles.user_code import CustomArgsAccess, display_name, import_async_function
 
-if TYPE_CHECKING:
-    from miles.types import Sample
+EVAL_FUNCTION_FLAG = "--eval-function-path"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,6 +54,85 @@ def pass_rates(samples: list[Sample], n: int, ks: Iterable[int]) -> dict[str, fl
 
 
 Evaluate = Callable[[int], Awaitable[dict[str, float]]]    # step -> eval metrics (a Ray ObjectRef is one)
+
+
+# ---- --eval-function-path --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EvalDatasetInput:
+    """One eval dataset as the built-in eval would run it: its prompts, samples per prompt and sampling
+    (its --eval-config values, else the eval flags', else the rollout's)."""
+
+    name: str
+    prompts: list[Prompt]
+    n_samples_per_prompt: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class EvalContext(CustomArgsAccess):
+    """What an --eval-function-path function gets as `ctx` (the eval's counterpart of RolloutContext).
+
+    `ctx.datasets[name]` each eval dataset (EvalDatasetInput); `await ctx.generate(ids, params)` one engine
+    request; `await ctx.generate_samples(prompts, n, params)` the run's own per-sample generation (one engine
+    call, or the custom / multi-turn function, with evaluation=True), unscored; `await ctx.score(samples, n,
+    dataset)` fills their rewards with the dataset's reward (its rm_type, else the run's); `ctx.new_sample(prompt,
+    group)` a sample to fill; `ctx.my_key` a key of --custom-config-path.
+    """
+
+    rollout_id: int
+    datasets: dict[str, EvalDatasetInput]
+    tokenizer: Any
+    rollout: RolloutConfig
+    eval: EvalConfig
+    generate: Callable[[Sequence[int], SamplingParams], Awaitable[Generation]]
+    generate_samples: Callable[[list[Prompt], int, SamplingParams], Awaitable[list[Sample]]]
+    score: Callable[..., Awaitable[None]]
+    new_sample: Callable[[Prompt, int], Sample]
+
+
+EvalFunction = Callable[[EvalContext, int], Awaitable[Any]]
+
+
+class EvalFunctionError(RuntimeError):
+    """The eval function returned something an eval row cannot be made of; the message names the flag and the fix."""
+
+
+def load_eval_function(path: str) -> EvalFunction:
+    """--eval-function-path: imported and checked to be `async fn(ctx, rollout_id)` (a ConfigError otherwise)."""
+    return import_async_function(path, EVAL_FUNCTION_FLAG, 2,
+                                 "async fn(ctx, rollout_id) -> {dataset: groups} or ({dataset: groups}, metrics)")
+
+
+def check_eval_output(fn: EvalFunction, out: Any) -> tuple[dict[str, list[list[Sample]]], dict[str, float]]:
+    """The eval function's result as ({dataset: groups}, metrics), checked; EvalFunctionError otherwise."""
+    name = f"{EVAL_FUNCTION_FLAG} {display_name(fn)}"
+    expected = ("expected {dataset name: groups}, each group a list of scored Samples (one per prompt), or "
+                "({dataset name: groups}, {metric: number})")
+    data, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(data, Mapping) or not isinstance(metrics, Mapping):
+        raise EvalFunctionError(f"{name} returned {type(out).__name__}; {expected}")
+    for dataset, groups in data.items():
+        if not isinstance(dataset, str) or not isinstance(groups, (list, tuple)) or not groups or \
+                not all(isinstance(g, (list, tuple)) and g for g in groups):
+            raise EvalFunctionError(f"{name} returned {dataset!r}: {type(groups).__name__} (empty or not a list "
+                                    f"of non-empty groups); {expected}")
+        sizes = sorted({len(g) for g in groups})
+        if len(sizes) > 1:
+            raise EvalFunctionError(f"{name}: dataset {dataset!r} has groups of sizes {sizes}; pass@k needs one "
+                                    "size (the samples per prompt)")
+        for index, group in enumerate(groups):
+            for s in group:
+                if not isinstance(s, Sample):
+                    raise EvalFunctionError(f"{name}: dataset {dataset!r} group {index} holds a "
+                                            f"{type(s).__name__}, not a Sample")
+                s.group = index
+    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
+           or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise EvalFunctionError(f"{name} returned metric {bad[0]!r} = {metrics[bad[0]]!r}; metrics are finite "
+                                "numbers under string names")
+    return {k: [list(g) for g in v] for k, v in data.items()}, {k: float(v) for k, v in metrics.items()}
 
 
 @dataclass

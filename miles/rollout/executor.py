@@ -43,7 +43,8 @@ import torch
 from miles.algorithms import TOKEN_LEVEL_ESTIMATORS, get_advantage_estimator, normalize_advantages, overlong_penalty
 from miles.config import AlgorithmConfig, EvalConfig, EvalDataset, GenerateConfig, RolloutConfig
 from miles.data.iterator import PromptIterator
-from miles.rollout.evals import pass_rates
+from miles.rollout.evals import (EvalContext, EvalDatasetInput, check_eval_output, load_eval_function,
+                                 pass_rates)
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import HookContext, RolloutHooks, group
 from miles.rollout.partial import PartialBuffer, continuation, unfinished
@@ -53,6 +54,7 @@ from miles.rollout.protocol import EngineUnresponsive
 from miles.rollout.scoring import Rewards
 from miles.rollout.tools import ToolKit, load_tool_kit
 from miles.types import SAMPLE_STATUSES, Generation, Prompt, RolloutBatch, Sample, SamplingParams
+from miles.user_code import install_custom_args
 
 log = structlog.get_logger().bind(role="rollout-executor")
 # a rollout's samples, grouped; how they were collected; and every group generated for it, those left out
@@ -93,6 +95,7 @@ class RolloutExecutor:
                  engines: Sequence[Any], seed: int, sft_responses: dict[int, tuple[int, ...]] | None = None,
                  reward_timeout_s: float | None = None, generate: GenerateConfig | None = None):
         self._cfg, self._eval_cfg, self._gen_cfg = rollout, eval, generate or GenerateConfig()
+        install_custom_args(rollout.custom_args)      # custom_args() in the user's functions this process runs
         self._reward_timeout_s = reward_timeout_s     # --reward-timeout: a call past it fails its sample
         dynamic = rollout.dynamic_sampling_filter_path
         per_round = (rollout.over_sampling_batch_size or rollout.batch_size) if dynamic else rollout.batch_size
@@ -116,6 +119,7 @@ class RolloutExecutor:
             g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
             timeout_s=g.tool_timeout_s) if g.execute_tool_function_path else None
         self._rollout_fn = load_rollout_function(g.rollout_function_path) if g.rollout_function_path else None
+        self._eval_fn = load_eval_function(eval.function_path) if eval.function_path else None
         self._collect: Callable[[int], Awaitable[Collected]] = (
             self._sft_samples if algorithm.loss_type == "sft_loss" else
             self._custom_rollout if self._rollout_fn else
@@ -408,7 +412,10 @@ class RolloutExecutor:
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n} (every k <= n
-        with --log-passrate). An --eval-config dataset has its own n, sampling and reward."""
+        with --log-passrate). An --eval-config dataset has its own n, sampling and reward. With
+        --eval-function-path the user's function generates and scores (miles.rollout.evals)."""
+        if self._eval_fn is not None:
+            return await self._custom_eval(rollout_id)
         e, out, data = self._eval_cfg, {}, {}
         for dataset in e.sets():
             name, t0 = dataset.name, time.monotonic()
@@ -423,6 +430,43 @@ class RolloutExecutor:
             data[name] = samples
         ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
         return self._hooks.log_eval(ctx, data, out)
+
+    async def _custom_eval(self, rollout_id: int) -> dict[str, float]:
+        """--eval-function-path: the user's function answers and scores the eval datasets (or its own);
+        each dataset it returns gets the built-in eval's metrics."""
+        e, t0 = self._eval_cfg, time.monotonic()
+        datasets = {d.name: EvalDatasetInput(name=d.name, prompts=self._eval_sets[d.name],
+                                             n_samples_per_prompt=d.n_samples_per_prompt or e.n_samples_per_prompt,
+                                             sampling_params=self._eval_params(d, rollout_id)) for d in e.sets()}
+        batcher = self._batcher()
+        ctx = EvalContext(rollout_id=rollout_id, datasets=datasets, tokenizer=self._tokenizer, rollout=self._cfg,
+                          eval=e, generate=batcher.request, generate_samples=self._generate_eval_samples,
+                          score=self._score_eval, new_sample=new_sample)
+        try:
+            result = await self._eval_fn(ctx, rollout_id)
+        finally:
+            await batcher.close()
+        if batcher.fatal is not None:
+            raise batcher.fatal
+        groups, extra = check_eval_output(self._eval_fn, result)
+        out: dict[str, float] = {}
+        data = {name: [s for g in gs for s in g] for name, gs in groups.items()}
+        for name, samples in data.items():
+            metrics = eval_metrics(samples, len(groups[name][0]), log_passrate=e.log_passrate)
+            out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
+            if self._cfg.log_reward_category:
+                out.update(category_shares(samples, self._cfg.log_reward_category, f"eval/{name}/"))
+        out.update({f"eval/{k}": v for k, v in extra.items()})
+        out["eval/time_s"] = time.monotonic() - t0
+        hook_ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
+        return self._hooks.log_eval(hook_ctx, data, out)
+
+    async def _generate_eval_samples(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
+        samples = [new_sample(p, i) for i, p in enumerate(prompts) for _ in range(n)]
+        return await self._fill(samples, params, True)
+
+    async def _score_eval(self, samples: list[Sample], n: int, dataset: str | None = None) -> None:
+        await self._rewards.score(samples, n, default=self._eval_rewards.get(dataset) if dataset else None)
 
     def _eval_params(self, d: EvalDataset, rollout_id: int) -> SamplingParams:
         """A dataset's own values, else the eval flags' (--eval-temperature, ...), else the rollout's."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from miles.config import ConfigError, GenerateConfig, RolloutConfig
 from miles.types import Generation, Prompt, Sample, SamplingParams
-from miles.user_code import import_async_function
+from miles.user_code import CustomArgsAccess, import_async_function
 
 if TYPE_CHECKING:
     from miles.rollout.tools import ToolKit
@@ -188,14 +188,14 @@ def _split(batch: list[Any], parts: int) -> list[list[Any]]:
 
 # ---- one sample -------------------------------------------------------------------------------------
 
-class GenerateContext:
+class GenerateContext(CustomArgsAccess):
     """What a generate function gets as `ctx`, one per sample.
 
     `await ctx.generate(token_ids, params)` is one engine request (token ids in, a `Generation` out:
     ids, per-token logprobs, finish reason, weight version); `ctx.tokenizer` is the run's (for the
     chat template and decoding); `ctx.rollout` and `ctx.config` are the run's rollout and generation
     settings; `ctx.tools` the multi-turn tool kit (None without a tool executor); `ctx.evaluation`
-    says whether the sample is for an eval.
+    says whether the sample is for an eval; `ctx.my_key` a key of --custom-config-path.
     """
 
     def __init__(self, batcher: EngineBatcher, *, tokenizer: Any, rollout: RolloutConfig, config: GenerateConfig,
@@ -335,7 +335,7 @@ def load_rollout_function(path: str) -> Callable[..., Awaitable[list[list[Sample
 # ---- a whole rollout -------------------------------------------------------------------------------
 
 @dataclass
-class RolloutContext:
+class RolloutContext(CustomArgsAccess):
     """What a --rollout-function-path function gets as `ctx`: the rollout's prompts (drawn by the
     framework, so the data position is checkpointed) and the means to answer and score them.
 
@@ -344,7 +344,7 @@ class RolloutContext:
     engine call, or the custom / multi-turn function) and returns the samples unscored;
     `await ctx.score(samples)` fills their rewards with the run's reward (groups of
     `n_samples_per_prompt`, in order). The function returns `len(prompts)` groups of
-    `n_samples_per_prompt` scored samples.
+    `n_samples_per_prompt` scored samples. `ctx.my_key` reads a key of --custom-config-path.
     """
 
     rollout_id: int

@@ -24,7 +24,8 @@ miles' log functions get miles' `rollout_extra_metrics` / `extra_metrics` and lo
 here they write into `metrics`, which is what reaches every tracker.
 
 Where miles passes its `args` namespace, a hook gets `ctx` (`HookContext`): the rollout id and the
-run's rollout and algorithm configs. miles' all-samples hook also gets its data source, which has no
+run's rollout and algorithm configs, and, as attributes, the keys of --custom-config-path (miles'
+`args.my_key` is `ctx.my_key`). miles' all-samples hook also gets its data source, which has no
 counterpart here (prompts come from --prompt-data, drawn by the executor).
 """
 
@@ -36,7 +37,7 @@ from typing import Callable, Sequence
 
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.types import Sample
-from miles.user_code import check_signature, display_name, import_user_function
+from miles.user_code import CustomArgsAccess, check_signature, display_name, import_user_function
 
 SAMPLE_FILTER_FLAG = "--rollout-sample-filter-path"
 ALL_SAMPLES_FLAG = "--rollout-all-samples-process-path"
@@ -50,8 +51,8 @@ LOOP_METRICS = ("rollout_id", "reward_mean", "num_samples", "zero_std_group_rati
 
 
 @dataclass(frozen=True)
-class HookContext:
-    """What a rollout hook gets where miles passes `args`."""
+class HookContext(CustomArgsAccess):
+    """What a rollout hook gets where miles passes `args`; `ctx.my_key` reads --custom-config-path's keys."""
 
     rollout_id: int
     rollout: RolloutConfig        # n_samples_per_prompt, batch_size, ... (the --rollout-* flags)

@@ -30,7 +30,7 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_l
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import TrainBatch
 from miles.training.pg_reducer import GetReducer, load_reducer, miles_reduction
-from miles.user_code import display_name, import_user_function
+from miles.user_code import display_name, import_user_function, install_custom_args
 
 # --use-opsm's metric: the share of the step's response tokens masked out of the policy loss
 OPSM_KEYS = ("opsm_clipfrac",)
@@ -237,7 +237,9 @@ class PolicyObjective:
 
     def __init__(self, algorithm: AlgorithmConfig, rollout: RolloutConfig):
         """`rollout` says how the samples were drawn: its temperature divides the logits logprobs are
-        recomputed from, its max_response_len is seq_mean_token_sum_norm's constant."""
+        recomputed from, its max_response_len is seq_mean_token_sum_norm's constant; its custom_args are
+        what `miles.user_code.custom_args()` answers here, for the custom loss and TIS functions."""
+        install_custom_args(rollout.custom_args)
         self.temperature = rollout.temperature
         self.reduce, self.count = _pick_reduction(algorithm, rollout.max_response_len)
         self._policy_term, self._kl_term = _pick_terms(algorithm, self.reduce)
