@@ -13,8 +13,8 @@
 
 Keys of an entry (and of `defaults`): path, n_samples_per_eval_prompt, temperature, top_p, top_k,
 max_response_len, stop, stop_token_ids, input_key, label_key, metadata_key, rm_type. What an entry
-leaves out comes from the run's flags (--n-samples-per-eval-prompt, --eval-temperature,
---eval-max-response-len, --rollout-stop, --input-key, --label-key, ...; the reward: --custom-rm-path
+leaves out comes from the run's flags (--n-samples-per-eval-prompt, --eval-temperature, --eval-top-p,
+--eval-top-k, --eval-max-response-len, --rollout-stop, --input-key, --label-key, ...; the reward: --custom-rm-path
 or --rm-type). A relative path is read from the working directory, else next to the YAML file.
 """
 

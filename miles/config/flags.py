@@ -31,7 +31,8 @@ from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_a
                           refused_in)
 from .validate import validate
 from .schema import (
-    EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
+    ATTN_IMPLEMENTATIONS, EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE,
+    MEGATRON_TO_HF_MODES, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
     USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
     TrackingConfig, TrainConfig,
@@ -575,6 +576,37 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("ci-check-model-hash", "run", "ci_check_model_hash", kind="true",
        help="with --ci-test and --load: the weights loaded must match the hash --ci-save-model-hash wrote into "
             "the checkpoint, else the run fails"),
+    # -- flags miles' own launch scripts pass (scripts/run_qwen3_*.py) -------------------------------
+    _f("eval-top-p", "eval", "top_p", float,
+       "the eval datasets' top-p (an --eval-config dataset's own top_p wins; default: --rollout-top-p, 1 with a "
+       "greedy --eval-temperature 0)"),
+    _f("eval-top-k", "eval", "top_k", int,
+       "the eval datasets' top-k, -1: off (an --eval-config dataset's own top_k wins; default: --rollout-top-k, "
+       "off with a greedy --eval-temperature 0)"),
+    _f("dump-details", "run", "dump_details", str,
+       "DIR: as miles, each rollout's samples go to DIR/rollout_data/{rollout_id}.pt (--load-debug-rollout-data "
+       "reads them back), its train batch to DIR/train_data/{rollout_id}_{rank}.pt and the tokenizer to "
+       "DIR/tokenizer. A --save-debug-rollout-data or --save-debug-train-data given beside it wins for its kind "
+       "(miles' --dump-details overrides them) (default: none)"),
+    _f("use-fault-tolerance", "rollout", "use_fault_tolerance", kind="true",
+       help="miles' switch for engine health checks and restarts of dead or hung engines, which this build does by "
+            "default (--engine-max-restarts, --rollout-health-check-*, --engine-generate-timeout); given, the flags "
+            "that turn them off are refused. miles' train-cell fault tolerance (--ft-components train) is not here"),
+    _f("attn-implementation", "train", "attn_implementation", str,
+       "miles' FSDP backend's HF attention kernel; a kernel switch, accepted with no effect: the torch trainer runs "
+       "its own attention (SDPA; packed micro-batches through torch's varlen flash kernel on CUDA, "
+       "miles/training/packing.py), megatron-core its own (default: none)", ATTN_IMPLEMENTATIONS),
+    _f("disable-compute-advantages-and-returns", "algorithm", "compute_advantages_and_returns", kind="false",
+       help="miles: train without advantages or returns; here with --loss-type sft_loss, which computes none "
+            "already; refused with the policy and custom losses, which read the advantages"),
+    _f("wandb-key", "tracking", "wandb_key", str,
+       "the W&B API key of the run's W&B run (miles logs in with it); written to no config.yaml, trace, log or "
+       "tracker config. On a command line other users of the machine can read it (ps): WANDB_API_KEY is safer "
+       "(default: W&B's own login, WANDB_API_KEY or `wandb login`)"),
+    _f("megatron-to-hf-mode", "train", "megatron_to_hf_mode", str,
+       "--train-backend megatron: how miles maps Megatron weights to HF names for the engines (raw: its own table, "
+       "bridge: Megatron-Bridge); here the backend's own bit-exact conversion (miles/training/megatron/"
+       "conversion.py) serves both, accepted with no effect (default: none)", MEGATRON_TO_HF_MODES),
 )
 FLAGS += MILES_COMPAT_FLAGS
 # reliability: kept in a block of their own

@@ -45,7 +45,6 @@ REFUSED: dict[str, str] = {
     "rollout-submission-granularity": f"fully-async: submit groups or samples; {_FULLY_ASYNC}",
     "pause-generation-mode": f"how generation pauses for a weight update; {NOT_YET}: a weight sync waits "
                              "for the rollout in flight",
-    "use-fault-tolerance": f"restarts dead engines (and train cells); {_FT}",
     "ft-components": f"which parts fault tolerance covers; {_FT}",
     "control-server-port": f"FastAPI control server for fault-tolerance cells; {NOT_YET}",
     "mini-ft-controller-enable": f"suspends and resumes unhealthy train cells; {NOT_YET}",
@@ -94,8 +93,6 @@ REFUSED: dict[str, str] = {
     "min-batch-collection-ratio": "parsed but never read by miles: drop it",
     "rollout-task-type": "parsed but never read by miles: drop it",
     # -- training -------------------------------------------------------------------------------------
-    "megatron-to-hf-mode": f"how Megatron weights map to HF names; {NOT_YET}: the torch backend trains HF checkpoints "
-                           "as they are and --train-backend megatron converts them itself: drop it",
     "custom-model-provider-path": f"a custom Megatron model provider; {NOT_YET}: the model is "
                                   "AutoModelForCausalLM from --hf-checkpoint",
     "custom-megatron-before-train-step-hook-path": f"a Megatron train-step hook; {NOT_YET}",
@@ -140,7 +137,6 @@ REFUSED: dict[str, str] = {
     "use-prometheus": f"exports metrics to Prometheus; {NOT_YET}: metrics.jsonl, --use-tensorboard, "
                       "--use-wandb, --use-mlflow",
     "use-miles-dashboard": f"miles' web dashboard; {NOT_YET}: miles plot RUN_DIR and miles trace show RUN_DIR",
-    "dump-details": "sets every dump flag; here use --save-debug-rollout-data and --save-debug-train-data",
     "dumper-enable": f"tensor dumps inside Megatron; {NOT_YET}: --save-debug-train-data dumps the train batches",
     "profile-target": f"torch profiler targets; {NOT_YET}",
     "enable-event-analyzer": f"miles' event analyzer; {NOT_YET}: miles trace show RUN_DIR reads the run's trace",
@@ -149,18 +145,13 @@ REFUSED: dict[str, str] = {
                                    "--load-debug-rollout-data replays them without engines",
     # -- eval and tracking flags miles' eval config and launch scripts read, beyond the inventory ------
     **{f"eval-{key}": f"the eval datasets' {key.replace('-', '_')}; here set it per dataset in --eval-config "
-                      f"(defaults or a dataset's entry)" for key in ("top-p", "top-k", "input-key", "label-key")},
+                      f"(defaults or a dataset's entry)" for key in ("input-key", "label-key")},
     "eval-tool-key": f"the eval datasets' tools; {_AGENTIC}",
     "eval-custom-rm-path": f"a reward for evals only; {NOT_YET}: a dataset's rm_type in --eval-config picks a "
                            "built-in one",
     # -- the FSDP backend's and the launch scripts' run flags ----------------------------------------
-    "attn-implementation": "the FSDP backend's HF attention kernel (flash_attention_2/3); here the model's own "
-                           "(SDPA): drop it",
     "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET} for the parameters: "
                         "--optimizer-cpu-offload keeps the optimizer state in host memory",
-    "disable-compute-advantages-and-returns": "skips advantages for SFT; here --loss-type sft_loss needs none: "
-                                              "drop it",
-    "wandb-key": "the W&B API key; here log in with `wandb login` or set WANDB_API_KEY: drop it",
     "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
     "disable-wandb-random-suffix": "keeps the W&B run name without a random suffix; here the W&B run's name "
                                    "and id are the miles run id: drop it",

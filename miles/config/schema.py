@@ -17,6 +17,10 @@ from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, 
 ENGINE_NAMES = ("embedded", "fast", "sglang")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")   # sglang-router 0.3 --policy
 TRAIN_BACKEND_NAMES = ("torch", "megatron")
+# miles' FSDP backend's --attn-implementation values (HF's attn_implementation names); accepted, no effect here
+ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention")
+MEGATRON_TO_HF_MODES = ("raw", "bridge")   # miles' --megatron-to-hf-mode values
+SECRET = {"secret": True}   # field metadata: as_dict (config.yaml, trackers' run config) writes "<redacted>"
 
 # sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
 # vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
@@ -159,6 +163,8 @@ class RolloutConfig:
     health_check_timeout_s: float = 30.0      # --rollout-health-check-timeout: an engine that does not answer (or
     #                                           makes no progress) within it is killed and restarted
     health_check_first_wait_s: float = 0.0    # --rollout-health-check-first-wait: before the first probe
+    use_fault_tolerance: bool = False         # --use-fault-tolerance: miles' switch for the two above, on here by
+    #                                           default; given, validate refuses the flags that turn them off
 
     @property
     def num_samples(self) -> int:
@@ -207,6 +213,7 @@ class AlgorithmConfig:
     kl_loss_type: KlLossType = "k1"     # --kl-loss-type k1 | k2 | k3 | low_var_kl (miles: k1)
     entropy_coef: float = 0.0           # --entropy-coef
     normalize_advantages: bool = False  # --normalize-advantages: whiten over the rollout's response tokens
+    compute_advantages_and_returns: bool = True  # --disable-compute-advantages-and-returns (sft_loss only: none needed)
     # --loss-agg-mode token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; miles' default is the
     # per-sample mean (--calculate-per-token-loss off), --calculate-per-token-loss is token_mean
     loss_agg_mode: LossAggMode = "seq_mean_token_mean"
@@ -288,6 +295,8 @@ class TrainConfig:
     num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
     use_dynamic_global_batch_size: bool = False  # --use-dynamic-global-batch-size: one step of whatever a rollout gives
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
+    attn_implementation: str | None = None  # --attn-implementation: miles' FSDP attention kernel; no effect here
+    megatron_to_hf_mode: str | None = None  # --megatron-to-hf-mode raw | bridge: accepted with megatron, no effect
 
     @property
     def warmup_steps(self) -> int:
@@ -376,6 +385,8 @@ class EvalConfig:
     skip_before_train: bool = False     # --skip-eval-before-train
     n_samples_per_prompt: int = 1       # --n-samples-per-eval-prompt
     temperature: float | None = None    # --eval-temperature (0: greedy; None: --rollout-temperature, as miles)
+    top_p: float | None = None          # --eval-top-p (None: --rollout-top-p; 1 when greedy), as miles
+    top_k: int | None = None            # --eval-top-k (None: --rollout-top-k; off when greedy), as miles
     max_response_len: int | None = None # --eval-max-response-len (None: the rollout's)
     max_prompt_len: int | None = None   # --eval-max-prompt-len: drop longer eval prompts (None: --max-prompt-len)
     max_context_len: int | None = None  # --eval-max-context-len: eval prompt + response cap (None: the rollout's)
@@ -443,6 +454,8 @@ class TrackingConfig:
     wandb_team: str | None = None       # --wandb-team: the W&B entity (None: your default)
     wandb_group: str | None = None      # --wandb-group
     wandb_mode: str | None = None       # --wandb-mode online | offline | disabled (None: $WANDB_MODE, else online)
+    # --wandb-key: the W&B API key of this run's W&B run (None: wandb's own login); never written out
+    wandb_key: str | None = field(default=None, repr=False, metadata=SECRET)
     wandb_dir: str | None = None        # --wandb-dir (None: <run_dir>/wandb)
     use_mlflow: bool = False            # --use-mlflow (pip install mlflow): $MLFLOW_TRACKING_URI, else <run_dir>/mlruns
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
@@ -490,6 +503,7 @@ class RunConfig:
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path
+    dump_details: str | None = None     # --dump-details DIR: both debug dumps under DIR (debug_*_data_path)
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
     inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
@@ -521,14 +535,30 @@ class RunConfig:
         return {flag: path for flag, path in given.items() if path}
 
     @property
+    def debug_rollout_data_path(self) -> str | None:
+        """Where each rollout's samples go: --save-debug-rollout-data, else --dump-details' DIR/rollout_data."""
+        if self.save_debug_rollout_data or not self.dump_details:
+            return self.save_debug_rollout_data
+        return f"{self.dump_details}/rollout_data/{{rollout_id}}.pt"
+
+    @property
+    def debug_train_data_path(self) -> str | None:
+        """Where each rollout's train batch goes: --save-debug-train-data, else --dump-details' DIR/train_data."""
+        if self.train.save_debug_train_data or not self.dump_details:
+            return self.train.save_debug_train_data
+        return f"{self.dump_details}/train_data/{{rollout_id}}_{{rank}}.pt"
+
+    @property
     def rollout_seed(self) -> int:
         """The seed of the prompt order and the engines' sampling: --rollout-seed, else --seed."""
         return self.train.seed if self.rollout.seed is None else self.rollout.seed
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:
-    """Nested plain-dict view (for config.yaml in the run dir)."""
-    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
+    """Nested plain-dict view (for config.yaml in the run dir and the trackers' run config); a SECRET
+    field that is set reads "<redacted>"."""
+    return {f.name: "<redacted>" if f.metadata.get("secret") and getattr(cfg, f.name) is not None
+            else _plain(getattr(cfg, f.name)) for f in fields(cfg)}
 
 
 def _plain(v: Any) -> Any:

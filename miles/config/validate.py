@@ -15,8 +15,8 @@ from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LO
 from miles.runtime.machine import STATES, MachineDef
 
 from .checks import check, run_checks
-from .schema import (DTYPES, ENGINE_NAMES, TRAIN_BACKEND_NAMES, USER_FUNCTION_FLAGS, ConfigError, RunConfig,
-                     TrainConfig)
+from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, TRAIN_BACKEND_NAMES,
+                     USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -737,6 +737,43 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
         if d.temperature is not None and d.temperature < 0:
             problems.append(f"{where}: temperature {d.temperature} must be >= 0")
+        problems += [f"{where}: {p}" for p in _sampling_problems(d.top_p, d.top_k, "top_p", "top_k")]
+    problems += [f"--eval-{p}" for p in _sampling_problems(e.top_p, e.top_k, "top-p", "top-k")]
+
+
+def _sampling_problems(top_p: float | None, top_k: int | None, p_name: str, k_name: str) -> list[str]:
+    """An eval top-p / top-k the engines take: top-p in (0, 1], top-k -1 (off) or >= 1 (None: not given)."""
+    out = []
+    if top_p is not None and not 0 < top_p <= 1:
+        out.append(f"{p_name} {top_p}: must be in (0, 1]")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        out.append(f"{k_name} {top_k}: must be -1 (off) or >= 1")
+    return out
+
+
+@check
+def _launch_script_switches(cfg: RunConfig, problems: list[str]) -> None:
+    """miles' launch-script flags that hold only with what this build does (names: a config built in
+    code skips the flags' choices)."""
+    r, a, t = cfg.rollout, cfg.algorithm, cfg.train
+    off = [flag for flag, is_off in (("--engine-max-restarts 0", r.engine_max_restarts == 0),
+                                     ("--rollout-health-check-interval 0", r.health_check_interval_s == 0)) if is_off]
+    if r.use_fault_tolerance and off:
+        problems.append(f"--use-fault-tolerance asks for engine health checks and restarts of dead engines, which "
+                        f"{' and '.join(off)} turn off: drop one side (both are on by default here)")
+    if not a.compute_advantages_and_returns and a.loss_type != "sft_loss":
+        problems.append(f"--disable-compute-advantages-and-returns with --loss-type {a.loss_type}: that loss reads "
+                        "the advantages; miles' SFT recipe passes it, and here --loss-type sft_loss computes none "
+                        "already: drop the flag, or train with --loss-type sft_loss")
+    if t.attn_implementation is not None and t.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        problems.append(f"--attn-implementation {t.attn_implementation}: not an attention implementation miles' "
+                        f"FSDP backend takes; use one of {', '.join(ATTN_IMPLEMENTATIONS)} (or drop it: no effect "
+                        "here)")
+    if t.megatron_to_hf_mode is not None and t.megatron_to_hf_mode not in MEGATRON_TO_HF_MODES:
+        problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: use raw or bridge")
+    elif t.megatron_to_hf_mode is not None and t.backend != "megatron":
+        problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: converts Megatron weights for the engines; "
+                        f"--train-backend {t.backend} trains the HF weights as they are: drop it")
 
 
 GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save/load-grad-norm paths may hold

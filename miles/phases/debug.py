@@ -45,8 +45,9 @@ def check_debug_flags(cfg: RunConfig, machine: str) -> None:
     for field, (machine_for, flag) in MACHINES.items():
         if machine == machine_for and not getattr(cfg, field):
             problems.append(f"--machine {machine_for} needs {flag}")
-    if cfg.save_debug_rollout_data and machine == "async":     # its rollouts come from the prefetcher
-        problems.append("--save-debug-rollout-data is not supported by --machine async yet; use sync")
+    if cfg.debug_rollout_data_path and machine == "async":     # its rollouts come from the prefetcher
+        flag = "--save-debug-rollout-data" if cfg.save_debug_rollout_data else "--dump-details"
+        problems.append(f"{flag} is not supported by --machine async yet; use sync")
     if cfg.debug_rollout_only and (cfg.checkpoint.load or cfg.checkpoint.save):
         problems.append("--debug-rollout-only has no trainer to --save or --load; drop those flags")
     if problems:

@@ -117,6 +117,8 @@ async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
     tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
+    if cfg.dump_details:        # as miles: the tokenizer beside the dumps, to read their token ids
+        tokenizer.save_pretrained(Path(cfg.dump_details) / "tokenizer")
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
 
     ctx.c.metrics = Tracker()
@@ -339,10 +341,11 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     """The trainer's slices: its own, and the rollout's, which says how the samples it trains on were drawn.
-    A --save-debug-train-data path is made absolute: the trainer writes it from its own working directory."""
-    train = cfg.train
-    if train.save_debug_train_data:
-        train = replace(train, save_debug_train_data=os.path.abspath(train.save_debug_train_data))
+    Its --save-debug-train-data path is the run's (--dump-details' when only that is given), made absolute:
+    the trainer writes it from its own working directory."""
+    train, dump = cfg.train, cfg.debug_train_data_path
+    if dump:
+        train = replace(train, save_debug_train_data=os.path.abspath(dump))
     return dict(train=train, algorithm=cfg.algorithm, rollout=cfg.rollout, device=cfg.model.device,
                 dtype=cfg.model.dtype)
 

@@ -29,15 +29,16 @@ async def rollout(ctx: TrainingContext) -> str:
     # the data position a checkpoint of this rollout holds: a stop that cuts the next rollout short has
     # the executor past that one's prompts already, and its save must not take the live position
     ctx.data_states = {ctx.rollout_id: await ctx.c.executor.handle.state_dict.remote()}
-    if ctx.cfg.save_debug_rollout_data:
+    if ctx.cfg.debug_rollout_data_path:
         await _save_debug_data(ctx, samples_ref, metrics)
     return "next"
 
 
 async def _save_debug_data(ctx: TrainingContext, samples_ref: Any, metrics: dict[str, Any]) -> None:
-    """--save-debug-rollout-data: the samples come to the driver (a debugging cost, off by default)."""
+    """--save-debug-rollout-data (or --dump-details): the samples come to the driver (a debugging cost, off
+    by default)."""
     from miles.tracking.rollout_data import rollout_data_path, save_rollout_data
 
-    path = rollout_data_path(ctx.cfg.save_debug_rollout_data, ctx.rollout_id)
+    path = rollout_data_path(ctx.cfg.debug_rollout_data_path, ctx.rollout_id)
     save_rollout_data(path, ctx.rollout_id, await samples_ref, metrics)
     ctx.tracer.emit("rollout_data_saved", rollout_id=ctx.rollout_id, path=str(path))

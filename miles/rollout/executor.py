@@ -469,19 +469,7 @@ class RolloutExecutor:
         await self._rewards.score(samples, n, default=self._eval_rewards.get(dataset) if dataset else None)
 
     def _eval_params(self, d: EvalDataset, rollout_id: int) -> SamplingParams:
-        """A dataset's own values, else the eval flags' (--eval-temperature, ...), else the rollout's."""
-        e, c = self._eval_cfg, self._cfg
-        temperature = (c.temperature if e.temperature is None else e.temperature) if d.temperature is None \
-            else d.temperature
-        greedy = temperature == 0
-        return SamplingParams(
-            temperature=temperature, top_p=d.top_p if d.top_p is not None else (1.0 if greedy else c.top_p),
-            top_k=d.top_k if d.top_k is not None else (-1 if greedy else c.top_k),
-            max_new_tokens=d.max_response_len or e.max_response_len or c.max_response_len,
-            stop=c.stop if d.stop is None else d.stop,
-            stop_token_ids=c.stop_token_ids if d.stop_token_ids is None else d.stop_token_ids,
-            max_context_len=c.max_context_len if e.max_context_len is None else e.max_context_len,
-            min_new_tokens=e.min_new_tokens, seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
+        return eval_sampling_params(self._cfg, self._eval_cfg, d, seed=self._seed(rollout_id) + EVAL_SEED_OFFSET)
 
     async def _sample(self, prompts: list[Prompt], n: int, params: SamplingParams, *, evaluation: bool = False,
                       reward_fn: Callable[..., Any] | None = None) -> list[Sample]:
@@ -575,6 +563,26 @@ def _extend(s: Sample, g: Generation) -> None:
     s.weight_version = min(versions)
     s.finish_reason = g.finish_reason
     s.status = {"length": "truncated", "abort": "aborted"}.get(g.finish_reason, "completed")  # type: ignore[assignment]
+
+
+def eval_sampling_params(c: RolloutConfig, e: EvalConfig, d: EvalDataset, *, seed: int) -> SamplingParams:
+    """An eval dataset's sampling: its own values, else the eval flags' (--eval-temperature, --eval-top-p,
+    --eval-top-k, ...), else the rollout's (a greedy eval's top-p and top-k: off), as miles resolves them."""
+    temperature = _first(d.temperature, e.temperature, c.temperature)
+    greedy = temperature == 0
+    return SamplingParams(
+        temperature=temperature, top_p=_first(d.top_p, e.top_p, 1.0 if greedy else c.top_p),
+        top_k=_first(d.top_k, e.top_k, -1 if greedy else c.top_k),
+        max_new_tokens=d.max_response_len or e.max_response_len or c.max_response_len,
+        stop=c.stop if d.stop is None else d.stop,
+        stop_token_ids=c.stop_token_ids if d.stop_token_ids is None else d.stop_token_ids,
+        max_context_len=c.max_context_len if e.max_context_len is None else e.max_context_len,
+        min_new_tokens=e.min_new_tokens, seed=seed)
+
+
+def _first(*values: Any) -> Any:
+    """The first value given (not None): a dataset's own, the eval flag's, then the rollout's."""
+    return next(v for v in values if v is not None)
 
 
 def _before_stop(text: str, stops: tuple[str, ...]) -> str:

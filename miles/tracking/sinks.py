@@ -133,8 +133,10 @@ class WandbSink:
         wandb_dir.mkdir(parents=True, exist_ok=True)
         mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "online"
         # console="off": W&B must not wrap stdout/stderr under the CLI's live display;
-        # reinit="create_new": two runs embedded in one process each get their own W&B run
-        settings = wandb.Settings(console="off", silent=True, reinit="create_new")
+        # reinit="create_new": two runs embedded in one process each get their own W&B run;
+        # --wandb-key: this W&B run's key only (wandb.login would write it to ~/.netrc for every later run)
+        key = {"api_key": cfg.wandb_key} if cfg.wandb_key else {}
+        settings = wandb.Settings(console="off", silent=True, reinit="create_new", **key)
         self.mode = mode
         self._run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_team, group=cfg.wandb_group,
                                name=run_id, id=run_id, dir=str(wandb_dir), mode=mode, config=run_config,

@@ -84,6 +84,8 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         "--max-tokens-per-gpu": "its micro-batches are --micro-batch-size rows, not a token budget",
         "--no-save-optim": "its dist checkpoint holds the distributed optimizer's shards with the weights",
         "--save-debug-train-data": "its ranks do not write their prepared batches yet",
+        "--dump-details": "its ranks do not write their prepared batches yet; --save-debug-rollout-data "
+                          "DIR/rollout_data/{rollout_id}.pt dumps the rollouts alone",
         "--trainer-compile": "its layers are megatron-core's (Transformer Engine fuses them where installed)",
         "--trainer-weight-shadows": "its bf16 weights keep float32 main gradients already",
         "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
@@ -97,6 +99,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--update-weight-buffer-size", cfg.update_weight_buffer_size != default_bucket),
         ("--use-dynamic-batch-size", t.use_dynamic_batch_size), ("--max-tokens-per-gpu", t.max_tokens_per_gpu is not None),
         ("--no-save-optim", not cfg.checkpoint.save_optimizer), ("--save-debug-train-data", bool(t.save_debug_train_data)),
+        ("--dump-details", bool(cfg.dump_details) and not t.save_debug_train_data),
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
         ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
         ("--fp16", cfg.model.float16),
