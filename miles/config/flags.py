@@ -603,6 +603,9 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "the W&B API key of the run's W&B run (miles logs in with it); written to no config.yaml, trace, log or "
        "tracker config. On a command line other users of the machine can read it (ps): WANDB_API_KEY is safer "
        "(default: W&B's own login, WANDB_API_KEY or `wandb login`)"),
+    _f("disable-wandb-random-suffix", "tracking", "disable_wandb_random_suffix", kind="true",
+       help="miles: name the W&B run without a random suffix; here the W&B run's name and id are always the miles "
+            "run id, with no suffix: accepted, it is what happens"),
     _f("megatron-to-hf-mode", "train", "megatron_to_hf_mode", str,
        "--train-backend megatron: how miles maps Megatron weights to HF names for the engines (raw: its own table, "
        "bridge: Megatron-Bridge); here the backend's own bit-exact conversion (miles/training/megatron/"

@@ -153,8 +153,6 @@ REFUSED: dict[str, str] = {
     "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET} for the parameters: "
                         "--optimizer-cpu-offload keeps the optimizer state in host memory",
     "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
-    "disable-wandb-random-suffix": "keeps the W&B run name without a random suffix; here the W&B run's name "
-                                   "and id are the miles run id: drop it",
 }
 
 # Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): the architecture

@@ -457,6 +457,8 @@ class TrackingConfig:
     # --wandb-key: the W&B API key of this run's W&B run (None: wandb's own login); never written out
     wandb_key: str | None = field(default=None, repr=False, metadata=SECRET)
     wandb_dir: str | None = None        # --wandb-dir (None: <run_dir>/wandb)
+    # --disable-wandb-random-suffix: miles' switch; the W&B run's name and id are the miles run id anyway
+    disable_wandb_random_suffix: bool = False
     use_mlflow: bool = False            # --use-mlflow (pip install mlflow): $MLFLOW_TRACKING_URI, else <run_dir>/mlruns
     worker_log_level: str = "info"      # --worker-log-level: the actors' logs in <run_dir>/logs
 

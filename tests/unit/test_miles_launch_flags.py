@@ -198,7 +198,7 @@ def test_the_sft_scripts_flags_have_their_fates(tmp_path):
 
 def test_the_scripts_wandb_flags_take_the_key_and_never_echo_it(tmp_path):
     problems = problems_of(command(tmp_path, QWEN3_4B_MODEL, RUN_QWEN3_4B, QWEN3_4B_CONFIG, WANDB))
-    assert refused_flags(problems) == ["--disable-wandb-random-suffix"]
+    assert refused_flags(problems) == []
     assert WANDB_KEY not in "\n".join(problems)
 
 
