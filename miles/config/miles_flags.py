@@ -191,7 +191,7 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, and --mask-offpolicy-in-partial-rollout (a later miles' parser has it). The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key (a later miles' parser has them). The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -230,7 +230,7 @@ use-rollout-logprobs use-tis tis-clip tis-clip-low custom-tis-function-path get-
 skip-actor-forward-only true-on-policy-mode recompute-logprobs-via-prefill use-rollout-routing-replay
 global-batch-size num-steps-per-rollout micro-batch-size use-dynamic-batch-size max-tokens-per-gpu
 log-probs-max-tokens-per-gpu use-dynamic-global-batch-size balance-data balance-by-flops qkv-format
-use-opd opd-type opd-teacher-load opd-teacher-urls lora-rank target-modules multi-lora-rank
+use-opd opd-type opd-kl-coef opd-teacher-load opd-teacher-urls opd-teacher-key lora-rank target-modules multi-lora-rank
 enable-mtp-training indep-dp
 update-weight-transfer-mode p2p-transfer-num-workers p2p-transfer-timeout update-weight-disk-dir
 update-weight-local-checkpoint-dir update-weight-buffer-size update-weights-interval debug-skip-weight-update

@@ -1,6 +1,6 @@
 """The policy trainer's algorithm, picked once from the run's flags and shared by every training
 backend: how a rollout is prepared (old logprobs, truncated importance sampling, the reference's KL
-in the token rewards, advantages) and how a micro-batch's loss is made (policy loss, or SFT's NLL,
+in the token rewards, advantages, on-policy distillation's teacher term, whitening) and how a micro-batch's loss is made (policy loss, or SFT's NLL,
 + kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term reduced by
 --loss-agg-mode with the global batch's normalizer).
 

@@ -10,7 +10,8 @@ at every forward, and their gradients folded into the float32 ones by hooks: the
 
 One rollout is trained in two calls. `prepare_rollout(samples, rollout_id, values)` packs the samples
 (`make_train_batch`), computes the trainer's logprobs (current weights, no grad), the reference
-model's when there is one, the truncated importance-sampling weights (--use-tis), and the advantages:
+model's when there is one, the OPD teacher's (--opd-type megatron: `--opd-teacher-load`, held like the
+reference), the truncated importance-sampling weights (--use-tis), and the advantages:
 the executor's per-sample ones for the sequence-level estimators, or token-level ones here, where
 the reference and the critic's `values` are (REINFORCE++ returns, PPO's GAE, both with --kl-coef's
 KL in the token rewards); for PPO it returns the critic's targets. `train(samples, rollout_id)` then
