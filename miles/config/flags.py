@@ -30,7 +30,8 @@ from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_a
 from .validate import validate
 from .schema import (
     EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
-    OPD_TYPES, USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
+    OPD_TYPES, USER_FUNCTION_FLAGS,
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
     TrackingConfig, TrainConfig,
 )

@@ -191,7 +191,8 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key (a later miles' parser has them). The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key (a later miles' parser has
+# them). The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode

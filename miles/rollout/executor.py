@@ -21,7 +21,8 @@ miles' rollout hooks run next (`miles.rollout.hooks`: `--rollout-sample-filter-p
 `--rollout-all-samples-process-path`). Then DAPO's overlong penalty (`--overlong-buffer-len`) is added
 to the rewards, and sequence-level advantages are computed (grpo, gspo, rloo,
 reinforce_plus_plus_baseline; or taken from `--custom-reward-post-process-path`). With --use-opd --opd-type
-sglang the teacher servers score the samples' response tokens first (`miles.rollout.opd_teacher`). Token-level estimators
+sglang the teacher servers score the samples' response tokens first (`miles.rollout.opd_teacher`).
+Token-level estimators
 (ppo, reinforce_plus_plus) need the reference's KL and the critic's values, so the trainer computes
 them (`Trainer.prepare_rollout`); their samples leave here with advantage 0. Aborted and failed
 samples are left out of their group's statistics (advantage 0; the trainer does not train on them).

@@ -1,8 +1,8 @@
 """The policy trainer's algorithm, picked once from the run's flags and shared by every training
 backend: how a rollout is prepared (old logprobs, truncated importance sampling, the reference's KL
-in the token rewards, advantages, on-policy distillation's teacher term, whitening) and how a micro-batch's loss is made (policy loss, or SFT's NLL,
-+ kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term reduced by
---loss-agg-mode with the global batch's normalizer).
+in the token rewards, advantages, on-policy distillation's teacher term, whitening) and how a
+micro-batch's loss is made (policy loss, or SFT's NLL, + kl_loss_coef * KL(policy || reference)
+- entropy_coef * entropy, each term reduced by --loss-agg-mode with the global batch's normalizer).
 
 A backend computes logits or logprobs its own way (an HF model's logits or chunked from its hidden
 states, a megatron-core pipeline) and hands them to `PolicyObjective`; the losses, advantages and
@@ -285,7 +285,8 @@ class PolicyObjective:
         returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
         if train_lp is None and not self.may_skip_old_pass:
             raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
-                             "(no --use-tis, --use-rollout-logprobs, --kl-coef or SFT); pass the trainer's logprobs")
+                             "(no --use-tis, --use-rollout-logprobs, --kl-coef, --use-opd or SFT); pass the trainer's "
+                             "logprobs")
         mask = batch.loss_mask
         metrics = self._old_policy(batch, train_lp)
         kl = None

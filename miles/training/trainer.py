@@ -148,7 +148,8 @@ class Trainer(OptimizedModel):
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
-                 kl=self._ref is not None, opd_teacher=algorithm.opd_teacher_load if self._teacher is not None else None, forward=forward_name, compiled_layers=compiled,
+                 kl=self._ref is not None, opd_teacher=algorithm.opd_teacher_load if self._teacher is not None else None,
+                 forward=forward_name, compiled_layers=compiled,
                  weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
                  optimizer_state="host" if train.optimizer_cpu_offload else "device",
                  may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)

@@ -14,8 +14,8 @@ starts scheduler and detokenizer processes), so tests see whether a teardown rea
 Test knobs are launch flags SGLang does not have (a run passes them as --sglang-fake-...): --fake-startup-delay
 (seconds /health_generate answers 503), --fake-token-delay (seconds per generated token), --fake-never-stop
 (never emit a stop token: every request runs to max_new_tokens). A request with `return_logprob` and
-`logprob_start_len` >= 0 gets `input_token_logprobs` too (a hash, as for output tokens). Every call is printed to stdout (the
-server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them. On demand, POST /fake/hang
+`logprob_start_len` >= 0 gets `input_token_logprobs` too (a hash, as for output tokens). Every call is printed
+to stdout (the server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them. On demand, POST /fake/hang
 `{"generate": true, "health": true}` makes the server hang as a stuck SGLang scheduler does: `/generate`
 requests (running and new) make no more progress, and `/health` and `/health_generate` answer 503 only
 after `health_timeout_s` (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT, 20 s: its health check waits that long

@@ -48,7 +48,8 @@ def reverse_kl(student_dir: str, teacher_dir: str, prompts: list[str]) -> float:
     kls = []
     with torch.no_grad():
         for x in ids:
-            s, t = (torch.log_softmax(m(input_ids=torch.tensor([x])).logits[0, -1].float(), -1) for m in (student, teacher))
+            s, t = (torch.log_softmax(m(input_ids=torch.tensor([x])).logits[0, -1].float(), -1)
+                    for m in (student, teacher))
             kls.append(float((s.exp() * (s - t)).sum()))
     return sum(kls) / len(kls)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from miles.rollout.engines.sglang.api import SGLangResponseError, parse_input_logprobs
 from miles.rollout.opd_teacher import TeacherServers
@@ -83,3 +84,31 @@ def test_samples_go_to_the_teacher_their_metadata_names_else_the_default():
     assert only_math.url_for(sample((5,), [2], domain="math")) == "http://m:1"
     with pytest.raises(ValueError, match=r"metadata\['domain'\] = 'code' names no teacher"):
         only_math.url_for(sample((5,), [2], domain="code"))
+
+
+def test_a_rollout_scored_by_the_teacher_server_carries_its_logprobs_into_the_advantages(server):
+    from miles.config import AlgorithmConfig
+    from miles.training.batch import make_train_batch
+    from miles.training.terms import PolicyObjective
+    from tests.unit.test_executor_algorithms import ScriptedEngine, executor
+
+    algorithm = AlgorithmConfig(use_opd=True, opd_type="sglang", opd_teacher_urls=(server,), opd_kl_coef=0.5,
+                                use_rollout_logprobs=True)
+    ex = executor(ScriptedEngine(lambda p, k: [3 + k, 2]), algorithm=algorithm)   # reward 0 each: A = 0
+
+    async def go():
+        try:
+            return await ex.generate(0)
+        finally:
+            await ex.dispose()
+
+    batch_out = asyncio.run(go())
+    assert batch_out.metrics["opd_teacher_samples"] == 4.0
+    for s in batch_out.samples:
+        assert s.teacher_logprobs is not None and len(s.teacher_logprobs) == 2 and s.advantage == 0.0
+    obj = PolicyObjective(algorithm, executor(ScriptedEngine(None))._cfg)
+    batch = make_train_batch(batch_out.samples, 0)
+    obj.prepare(batch, torch.zeros_like(batch.rollout_logprobs), None, None)   # the trainer's: not the student's
+    # pure OPD from the engine's logprobs (-0.5 each): A' = -0.5 * (-0.5 - teacher) on the response tokens
+    expected = [[-0.5 * (-0.5 - t) for t in s.teacher_logprobs] for s in batch_out.samples]
+    assert torch.allclose(batch.advantages[:, 1:], torch.tensor(expected))
