@@ -85,6 +85,8 @@ class Sample:
     # set by a --rollout-sample-filter-path hook (miles' name): not trained on, yet still counted in its
     # group's advantage statistics
     remove_sample: bool = False
+    # --use-opd --opd-type sglang: the teacher servers' logprob of each response token (None: not scored)
+    teacher_logprobs: list[float] | None = None
 
     @property
     def response_length(self) -> int:

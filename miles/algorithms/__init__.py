@@ -1,7 +1,7 @@
 """RL math as pure functions on torch tensors: advantages, policy/value/SFT losses, KL estimators,
 entropies and logprobs (from logits, or chunked from hidden states and the LM head), loss
 reductions, reward shaping (DAPO's overlong penalty, the group reward spread dynamic sampling
-filters on). No Ray, no I/O, no config objects.
+filters on), on-policy distillation's advantage adjustment. No Ray, no I/O, no config objects.
 
 Variants live in registries (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`,
 `LOSS_REDUCTIONS`) and are picked once at start-up with the `get_*` helpers, which fail on unknown
@@ -20,6 +20,7 @@ _MODULES = {   # submodule: the names it exports here
     "advantages": ("ADVANTAGE_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "broadcast_to_tokens", "gae",
                    "get_advantage_estimator", "grpo_advantages", "last_token_rewards", "normalize_advantages",
                    "reinforce_plus_plus_baseline_advantages", "reinforce_plus_plus_returns", "rloo_advantages"),
+    "distillation": ("opd_advantages",),
     "entropy": ("entropy_from_logits", "logprobs_from_logits"),
     "fused_logprobs": ("linear_logprobs_entropy", "masked_logprobs_entropy"),
     "kl": ("KL_ESTIMATORS", "get_kl_estimator", "kl_estimate"),

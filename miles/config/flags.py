@@ -33,7 +33,7 @@ from .validate import validate
 from .schema import (
     ATTN_IMPLEMENTATIONS, EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE,
     MEGATRON_TO_HF_MODES, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
-    USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
+    OPD_TYPES, USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
     TrackingConfig, TrainConfig,
 )
@@ -245,6 +245,20 @@ FLAGS: tuple[Flag, ...] = (
        help="truncated importance sampling: weight each token's loss by exp(train - rollout logprob), clipped"),
     _f("tis-clip", "algorithm", "tis_clip", float, "upper bound of the TIS weight"),
     _f("tis-clip-low", "algorithm", "tis_clip_low", float, "lower bound of the TIS weight"),
+    _f("use-opd", "algorithm", "use_opd", kind="true",
+       help="on-policy distillation: each response token's advantage -= --opd-kl-coef x (student - teacher "
+            "logprob of the sampled token); needs --opd-type (docs/algorithms.md, OPD)"),
+    _f("opd-type", "algorithm", "opd_type", str, "where the OPD teacher scores the samples: megatron = in the "
+       "trainer (--opd-teacher-load; the torch trainer here), sglang = teacher servers (--opd-teacher-urls)",
+       OPD_TYPES),
+    _f("opd-kl-coef", "algorithm", "opd_kl_coef", float, "weight of the OPD reverse KL in the advantages"),
+    _f("opd-teacher-load", "algorithm", "opd_teacher_load", str,
+       "--opd-type megatron: HF folder of the teacher (the policy's tokenizer)"),
+    _f("opd-teacher-urls", "algorithm", "opd_teacher_urls", str,
+       "--opd-type sglang: teacher servers, NAME=URL each (a sample goes to the one its metadata[--opd-teacher-key] "
+       "names, else to 'default'); a bare URL is 'default'", kind="list"),
+    _f("opd-teacher-key", "algorithm", "opd_teacher_key", str,
+       "--opd-teacher-urls: the sample metadata key that names its teacher"),
     # train
     _f("lr", "train", "lr", float, "AdamW learning rate"),
     _f("weight-decay", "train", "weight_decay", float, "AdamW weight decay"),

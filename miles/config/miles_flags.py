@@ -108,10 +108,6 @@ REFUSED: dict[str, str] = {
     "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
-    "use-opd": f"on-policy distillation from a teacher; {NOT_YET}",
-    "opd-type": f"on-policy distillation teacher kind; {NOT_YET}",
-    "opd-teacher-load": f"on-policy distillation teacher checkpoint; {NOT_YET}",
-    "opd-teacher-urls": f"on-policy distillation teacher servers; {NOT_YET}",
     "lora-rank": f"LoRA training; {NOT_YET}: the whole model trains",
     "target-modules": f"LoRA target modules; {NOT_YET}: the whole model trains",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
@@ -179,7 +175,8 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, and --mask-offpolicy-in-partial-rollout (a later miles' parser has it). The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key (a later miles' parser has
+# them). The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -218,7 +215,7 @@ use-rollout-logprobs use-tis tis-clip tis-clip-low custom-tis-function-path get-
 skip-actor-forward-only true-on-policy-mode recompute-logprobs-via-prefill use-rollout-routing-replay
 global-batch-size num-steps-per-rollout micro-batch-size use-dynamic-batch-size max-tokens-per-gpu
 log-probs-max-tokens-per-gpu use-dynamic-global-batch-size balance-data balance-by-flops qkv-format
-use-opd opd-type opd-teacher-load opd-teacher-urls lora-rank target-modules multi-lora-rank
+use-opd opd-type opd-kl-coef opd-teacher-load opd-teacher-urls opd-teacher-key lora-rank target-modules multi-lora-rank
 enable-mtp-training indep-dp
 update-weight-transfer-mode p2p-transfer-num-workers p2p-transfer-timeout update-weight-disk-dir
 update-weight-local-checkpoint-dir update-weight-buffer-size update-weights-interval debug-skip-weight-update

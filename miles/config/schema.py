@@ -21,6 +21,25 @@ TRAIN_BACKEND_NAMES = ("torch", "megatron")
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention")
 MEGATRON_TO_HF_MODES = ("raw", "bridge")   # miles' --megatron-to-hf-mode values
 SECRET = {"secret": True}   # field metadata: as_dict (config.yaml, trackers' run config) writes "<redacted>"
+# --opd-type: where the OPD teacher scores the samples (miles' names: megatron = inside the trainer)
+OPD_TYPES = ("sglang", "megatron")
+OPD_DEFAULT_TEACHER = "default"     # --opd-teacher-urls: the teacher of samples that name none (miles' reserved name)
+
+
+def parse_opd_teachers(entries: tuple[str, ...]) -> dict[str, str]:
+    """--opd-teacher-urls NAME=URL ... -> {name: url}; a bare URL is the 'default' teacher's. Splits at the
+    first '=' (miles'), so a URL's query string survives; ValueError on a malformed or repeated entry."""
+    teachers: dict[str, str] = {}
+    for entry in entries:
+        name, sep, url = entry.partition("=") if not entry.startswith(("http://", "https://")) else ("", "", entry)
+        name, url = (name.strip() or OPD_DEFAULT_TEACHER), url.strip()
+        if (sep and not name) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--opd-teacher-urls entry {entry!r}: expected NAME=URL (or a bare URL) with an "
+                             "http:// or https:// URL")
+        if name in teachers:
+            raise ValueError(f"--opd-teacher-urls names teacher {name!r} twice")
+        teachers[name] = url
+    return teachers
 
 # sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
 # vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
@@ -235,11 +254,28 @@ class AlgorithmConfig:
     custom_loss_function_path: str | None = None  # --custom-loss-function-path (--loss-type custom_loss)
     custom_tis_function_path: str | None = None   # --custom-tis-function-path: the TIS weights (--use-tis)
     pg_loss_reducer_path: str | None = None  # --custom-pg-loss-reducer-function-path: miles' reducer of the policy loss
+    # on-policy distillation (docs/algorithms.md, OPD): advantages -= opd_kl_coef * (student - teacher logprob)
+    use_opd: bool = False               # --use-opd
+    opd_type: str | None = None         # --opd-type: one of OPD_TYPES (megatron: the teacher runs in the trainer)
+    opd_kl_coef: float = 1.0            # --opd-kl-coef (miles' default 1.0)
+    opd_teacher_load: str | None = None  # --opd-teacher-load: HF folder of the teacher (--opd-type megatron)
+    opd_teacher_urls: tuple[str, ...] = ()  # --opd-teacher-urls: NAME=URL (or URL) teacher servers (--opd-type sglang)
+    opd_teacher_key: str = "opd_teacher"  # --opd-teacher-key: the sample metadata key naming its teacher
 
     @property
     def needs_critic(self) -> bool:
         """PPO's advantages read a learned critic's values (GAE); every other estimator trains without one."""
         return self.advantage_estimator == "ppo"
+
+    @property
+    def opd_in_trainer(self) -> bool:
+        """--use-opd --opd-type megatron: the trainer holds the teacher and scores each rollout's samples."""
+        return self.use_opd and self.opd_type == "megatron"
+
+    @property
+    def opd_from_servers(self) -> bool:
+        """--use-opd --opd-type sglang: the rollout asks the teacher servers for the samples' logprobs."""
+        return self.use_opd and self.opd_type == "sglang"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LO
 from miles.runtime.machine import STATES, MachineDef
 
 from .checks import check, run_checks
-from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, TRAIN_BACKEND_NAMES,
-                     USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig)
+from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES,
+                     USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -564,6 +564,73 @@ def _rollout_hooks(cfg: RunConfig, problems: list[str]) -> None:
                         "supported yet (the trainer computes token-level advantages from the rewards); shape the "
                         "rewards in --custom-rm-path, or use a sequence-level estimator (grpo, gspo, rloo, "
                         "reinforce_plus_plus_baseline)")
+
+
+@check
+def _opd(cfg: RunConfig, problems: list[str]) -> None:
+    """On-policy distillation (miles' checks, and what this build needs): one teacher source per --opd-type,
+    a teacher that shares the policy's tokenizer, and the pre-step logprobs the adjustment reads."""
+    a = cfg.algorithm
+    given = [f"{flag} {v}" for flag, v in (("--opd-type", a.opd_type), ("--opd-teacher-load", a.opd_teacher_load),
+                                           ("--opd-teacher-urls", " ".join(a.opd_teacher_urls) or None)) if v]
+    if not a.use_opd:
+        if given:
+            problems.append(f"{', '.join(given)}: no effect without --use-opd; add --use-opd or drop them")
+        return
+    if a.opd_type not in OPD_TYPES:
+        problems.append(f"--use-opd needs --opd-type {' or '.join(OPD_TYPES)} (where the teacher scores the samples), "
+                        f"got {a.opd_type}")
+    if not math.isfinite(a.opd_kl_coef) or a.opd_kl_coef < 0:
+        problems.append(f"--opd-kl-coef {a.opd_kl_coef}: must be a finite number >= 0")
+    if a.loss_type == "sft_loss":
+        problems.append("--use-opd adjusts the advantages, which --loss-type sft_loss does not read; drop one of them")
+    if a.skip_actor_forward_only and not a.use_rollout_logprobs:
+        problems.append("--skip-actor-forward-only with --use-opd: the OPD reverse KL reads the student's logprobs "
+                        "before the first step; add --use-rollout-logprobs (the engine's stand in) or drop it")
+    if a.opd_type == "megatron":
+        _opd_teacher_folder(cfg, problems)
+        if a.opd_teacher_urls:
+            problems.append("--opd-teacher-urls is for --opd-type sglang; --opd-type megatron runs the teacher of "
+                            "--opd-teacher-load in the trainer: drop one of them")
+    elif a.opd_type == "sglang":
+        if a.opd_teacher_load:
+            problems.append(f"--opd-teacher-load {a.opd_teacher_load} is for --opd-type megatron; with --opd-type "
+                            "sglang the teacher servers of --opd-teacher-urls score the samples: drop it")
+        if not a.opd_teacher_urls:
+            problems.append("--opd-type sglang needs --opd-teacher-urls NAME=URL ... (or one URL): the teacher "
+                            "servers' /generate endpoints (miles' fallback to --rm-url is not taken here)")
+        try:
+            parse_opd_teachers(a.opd_teacher_urls)
+        except ValueError as exc:
+            problems.append(str(exc))
+
+
+def _opd_teacher_folder(cfg: RunConfig, problems: list[str]) -> None:
+    """--opd-teacher-load: an HF folder whose tokenizer is the policy's (OPD compares the logprobs of the same
+    token ids; a teacher with another vocabulary would score other tokens)."""
+    path = cfg.algorithm.opd_teacher_load
+    if not path:
+        problems.append("--opd-type megatron needs --opd-teacher-load: the teacher's HF folder")
+        return
+    if not (Path(path) / "config.json").is_file():
+        problems.append(f"--opd-teacher-load {path}: no config.json there; pass an HF-format model folder")
+        return
+    if not (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
+        return      # _paths says so
+    from transformers import AutoTokenizer     # only OPD runs pay for it
+
+    try:
+        policy, teacher = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (cfg.model.hf_checkpoint, path))
+    except (OSError, ValueError) as exc:
+        problems.append(f"--opd-teacher-load {path}: its tokenizer does not load ({exc}); the teacher needs the "
+                        "policy's tokenizer files")
+        return
+    if policy != teacher:
+        diff = sorted(set(policy.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:1]
+        where = f" (first difference: {diff[0][0]!r} id {diff[0][1]})" if diff else ""
+        problems.append(f"--opd-teacher-load {path}: its tokenizer's vocabulary ({len(teacher)} tokens) is not "
+                        f"--hf-checkpoint's ({len(policy)} tokens){where}; OPD compares the teacher's and the "
+                        "student's logprobs of the same token ids, so the teacher must share the policy's tokenizer")
 
 
 @check

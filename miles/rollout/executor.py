@@ -20,7 +20,9 @@ multi-turn with tools): see `miles.rollout.generation`. Rewards are `miles.rollo
 miles' rollout hooks run next (`miles.rollout.hooks`: `--rollout-sample-filter-path`, then
 `--rollout-all-samples-process-path`). Then DAPO's overlong penalty (`--overlong-buffer-len`) is added
 to the rewards, and sequence-level advantages are computed (grpo, gspo, rloo,
-reinforce_plus_plus_baseline; or taken from `--custom-reward-post-process-path`). Token-level estimators
+reinforce_plus_plus_baseline; or taken from `--custom-reward-post-process-path`). With --use-opd --opd-type
+sglang the teacher servers score the samples' response tokens first (`miles.rollout.opd_teacher`).
+Token-level estimators
 (ppo, reinforce_plus_plus) need the reference's KL and the critic's values, so the trainer computes
 them (`Trainer.prepare_rollout`); their samples leave here with advantage 0. Aborted and failed
 samples are left out of their group's statistics (advantage 0; the trainer does not train on them).
@@ -47,6 +49,7 @@ from miles.rollout.evals import (EvalContext, EvalDatasetInput, check_eval_outpu
                                  pass_rates)
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import HookContext, RolloutHooks, group
+from miles.rollout.opd_teacher import TeacherServers
 from miles.rollout.partial import PartialBuffer, continuation, unfinished
 from miles.rollout.generation import (EngineBatcher, GenerateContext, RolloutContext, check_groups, check_outcome,
                                       load_generate_function, load_rollout_function, new_sample, run_samples)
@@ -131,6 +134,9 @@ class RolloutExecutor:
         self._pending: _Drawn | None = None     # drawn for a rollout not yet delivered
         self._buffer = PartialBuffer(rollout) if rollout.partial_rollout else None
         self._prompt_rows = {p.index: p for p in prompts} if rollout.partial_rollout else {}
+        # --use-opd --opd-type sglang: the teacher servers score each rollout's trained samples
+        self._teacher = (TeacherServers.from_flags(algorithm.opd_teacher_urls, algorithm.opd_teacher_key)
+                         if algorithm.opd_from_servers else None)
 
     # -- state ----------------------------------------------------------------------------------
     def num_batches_per_epoch(self) -> int:
@@ -161,6 +167,8 @@ class RolloutExecutor:
         are the run's, torn down after this."""
         self._engines.clear()
         await self._rewards.close()
+        if self._teacher is not None:
+            await self._teacher.close()
 
     async def check_rewards(self) -> None:
         """Start-up check, on the driver: every reward service the run posts to answers."""
@@ -173,6 +181,8 @@ class RolloutExecutor:
         t0 = time.monotonic()
         samples, collect_metrics, generated = await self._collect(rollout_id)
         gen_s = time.monotonic() - t0
+        if self._teacher is not None:
+            collect_metrics.update(await self._teacher.score(samples))
         n = self._group_size
         ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
         self._hooks.process(ctx, samples, generated if generated is not None else group(samples, n))

@@ -51,6 +51,7 @@ class TrainBatch:
     is_weights: Tensor | None = None    # [B, T] float32, truncated importance-sampling weights (--use-tis)
     values: Tensor | None = None        # [B, T] float32, the critic's values before its step (PPO)
     returns: Tensor | None = None       # [B, T] float32, the critic's GAE targets (PPO)
+    teacher_logprobs: Tensor | None = None  # [B, T] float32, the OPD teacher's (--use-opd), 0 off the mask
     # a micro-batch's layout, known on the host (`HostLayout`); None on a global batch, and dropped by
     # every change of rows, columns or device
     layout: HostLayout | None = None
@@ -84,6 +85,9 @@ def _check_sample(i: int, s: Sample) -> None:
     if len(s.rollout_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
                          f"but {len(s.rollout_logprobs)} rollout logprobs; they must pair one to one")
+    if s.teacher_logprobs is not None and len(s.teacher_logprobs) != len(s.response_ids):
+        raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
+                         f"but {len(s.teacher_logprobs)} teacher logprobs; the teacher scores every response token")
     if s.loss_mask is not None and len(s.loss_mask) != len(s.response_ids):
         raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
                          f"but a loss mask of {len(s.loss_mask)}; a generate function must extend all three "
@@ -124,11 +128,22 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
     rows = np.flatnonzero(loss_mask.any(axis=1))
     last = width - 1 - loss_mask[rows, ::-1].argmax(axis=1)
     token_rewards[rows, last] = np.fromiter((samples[i].reward for i in rows), np.float32, len(rows))
+    teacher_logprobs = None
+    if any(s.teacher_logprobs is not None for s in samples):     # --opd-type sglang: scored in the rollout
+        unscored = [i for i, s in enumerate(samples) if s.teacher_logprobs is None and any(s.mask())]
+        if unscored:
+            raise ValueError(f"samples {unscored[:8]} are trained on but have no teacher logprobs while others "
+                             "do; the OPD teacher must score every trained sample")
+        teacher_logprobs = np.zeros((n, width), np.float32)
+        teacher_logprobs[response] = flat((s.teacher_logprobs or [0.0] * s.response_length for s in samples),
+                                          np.float32, response_len.sum())
+        teacher_logprobs[~loss_mask] = 0.0
+        teacher_logprobs = torch.from_numpy(teacher_logprobs)
     return TrainBatch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(loss_mask),
                       advantages=torch.from_numpy(advantages), token_rewards=torch.from_numpy(token_rewards),
                       rollout_logprobs=torch.from_numpy(rollout_logprobs),
                       attention_mask=torch.from_numpy(real.astype(np.int64)),
-                      weight_version=min(s.weight_version for s in samples))
+                      weight_version=min(s.weight_version for s in samples), teacher_logprobs=teacher_logprobs)
 
 
 def split(batch: TrainBatch, size: int) -> list[TrainBatch]:

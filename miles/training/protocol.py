@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from miles.config import RunConfig
 from miles.config.checks import check as register_check
-from miles.config.schema import TRAIN_BACKEND_NAMES
+from miles.config.schema import OPD_TYPES, TRAIN_BACKEND_NAMES
 from miles.runtime.machine import import_object
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ class TrainBackendSpec:
     capabilities: tuple[type, ...] = ()   # the Supports* Protocols above that the trainer class implements
     # the spec the backend runs under on more than one trainer rank (a `ranked` one); None: this spec's
     many_ranks: TrainBackendSpec | None = None
+    # the --opd-type values it trains with (on-policy distillation: the teacher's logprobs in the advantages)
+    opd_types: tuple[str, ...] = ()
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities
@@ -112,6 +114,7 @@ TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
         trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
         check="miles.training.memory_plan:startup_problems",
         capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets, SupportsBackgroundSave),
+        opd_types=("megatron", "sglang"),
         # FSDP2 data parallel, the policy's ranks and PPO's critic's side by side on the trainer GPUs
         many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer",
                                     critic="miles.training.fsdp.critic_group:FSDPCritic",
@@ -136,6 +139,10 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
     if spec is not one and c.offloads_train and not spec.supports(SupportsOffload):
         problems.append(f"--offload-train (or --offload): the {t.backend} trainer on {c.trainer_ranks} ranks keeps its "
                         "optimizer state on the GPUs; drop it, or train on one GPU")
+    if cfg.algorithm.use_opd and cfg.algorithm.opd_type in OPD_TYPES and cfg.algorithm.opd_type not in spec.opd_types:
+        where = f"--train-backend {t.backend}" + (f" on {c.trainer_ranks} ranks" if spec is not one else "")
+        problems.append(f"--use-opd --opd-type {cfg.algorithm.opd_type}: {where} does not take on-policy distillation "
+                        f"yet; use --train-backend torch on one rank (--actor-num-nodes 1 --actor-num-gpus-per-node 1)")
     if spec.critic is None and cfg.algorithm.needs_critic:
         problems.append(f"--train-backend {t.backend} has no critic: --advantage-estimator ppo needs one; "
                         f"use {', '.join(n for n, s in TRAIN_BACKENDS.items() if s.critic)} or another estimator")

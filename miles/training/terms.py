@@ -1,8 +1,8 @@
 """The policy trainer's algorithm, picked once from the run's flags and shared by every training
 backend: how a rollout is prepared (old logprobs, truncated importance sampling, the reference's KL
-in the token rewards, advantages) and how a micro-batch's loss is made (policy loss, or SFT's NLL,
-+ kl_loss_coef * KL(policy || reference) - entropy_coef * entropy, each term reduced by
---loss-agg-mode with the global batch's normalizer).
+in the token rewards, advantages, on-policy distillation's teacher term, whitening) and how a
+micro-batch's loss is made (policy loss, or SFT's NLL, + kl_loss_coef * KL(policy || reference)
+- entropy_coef * entropy, each term reduced by --loss-agg-mode with the global batch's normalizer).
 
 A backend computes logits or logprobs its own way (an HF model's logits or chunked from its hidden
 states, a megatron-core pipeline) and hands them to `PolicyObjective`; the losses, advantages and
@@ -26,7 +26,8 @@ from torch import Tensor
 
 from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_logits, gae, get_kl_estimator,
                               get_policy_loss, logprobs_from_logits, masked_mean, mismatch_metrics,
-                              normalize_advantages, reinforce_plus_plus_returns, select, sft_loss, tis_weights)
+                              normalize_advantages, opd_advantages, reinforce_plus_plus_returns, select, sft_loss,
+                              tis_weights)
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import TrainBatch
 from miles.training.pg_reducer import GetReducer, load_reducer, miles_reduction
@@ -38,7 +39,7 @@ OPSM_KEYS = ("opsm_clipfrac",)
 # (logprobs, micro-batch, normalizer) -> (loss term, metrics averaged over the micro-batch's tokens)
 Term = Callable[[Tensor, TrainBatch, float], tuple[Tensor, dict[str, Tensor]]]
 # (prepared batch, critic values [B, T] or None, policy-vs-reference KL [B, T] or None) -> critic targets or None;
-# fills batch.advantages
+# fills batch.advantages (unwhitened)
 AdvantageStage = Callable[[TrainBatch, Tensor | None, Tensor | None], Tensor | None]
 
 
@@ -143,11 +144,11 @@ def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], 
 
 
 # --- advantage stages (one is picked at start-up) --------------------------------------------------
-def _sequence_advantages(normalize: bool, batch: TrainBatch, values: Tensor | None, kl: Tensor | None):
+# Each fills batch.advantages unwhitened; `prepare` then applies OPD's reverse KL (--use-opd) and whitens
+# when the estimator does (`_pick_advantages`), miles' order (compute_advantages_and_returns).
+def _sequence_advantages(batch: TrainBatch, values: Tensor | None, kl: Tensor | None):
     """grpo, gspo, rloo, reinforce_plus_plus_baseline: the executor's per-sample advantages, already on
-    the response tokens; --normalize-advantages whitens them over the rollout's response tokens."""
-    if normalize:
-        batch.advantages = normalize_advantages(batch.advantages, batch.loss_mask)
+    the response tokens (--normalize-advantages whitens them over the rollout's response tokens)."""
     return None
 
 
@@ -155,12 +156,11 @@ def _reinforce_plus_plus(gamma: float, kl_coef: float, batch: TrainBatch, values
                          kl: Tensor | None):
     """REINFORCE++: discounted return-to-go of the token rewards (reward on the last token, -kl_coef * KL
     on every token), whitened over the rollout's response tokens as the paper does."""
-    returns = reinforce_plus_plus_returns(batch.token_rewards, batch.loss_mask, gamma, kl=kl, kl_coef=kl_coef)
-    batch.advantages = normalize_advantages(returns, batch.loss_mask)
+    batch.advantages = reinforce_plus_plus_returns(batch.token_rewards, batch.loss_mask, gamma, kl=kl, kl_coef=kl_coef)
     return None
 
 
-def _ppo_gae(gamma: float, lambd: float, kl_coef: float, normalize: bool, batch: TrainBatch,
+def _ppo_gae(gamma: float, lambd: float, kl_coef: float, batch: TrainBatch,
              values: Tensor | None, kl: Tensor | None):
     """PPO: GAE over the token rewards (reward on the last token, -kl_coef * KL on every token) and the
     critic's values; returns the critic's targets (advantages + values)."""
@@ -171,17 +171,30 @@ def _ppo_gae(gamma: float, lambd: float, kl_coef: float, normalize: bool, batch:
         raise ValueError(f"critic values {tuple(values.shape)} do not match the batch {tuple(batch.loss_mask.shape)}; "
                          "critic and trainer must pack the same samples")
     rewards = batch.token_rewards if kl is None else batch.token_rewards - kl_coef * kl
-    advantages, returns = gae(rewards, values, batch.loss_mask, gamma, lambd)
-    batch.advantages = normalize_advantages(advantages, batch.loss_mask) if normalize else advantages
+    batch.advantages, returns = gae(rewards, values, batch.loss_mask, gamma, lambd)
     return returns
 
 
-def _pick_advantages(a: AlgorithmConfig) -> AdvantageStage:
+def _pick_advantages(a: AlgorithmConfig) -> tuple[AdvantageStage, bool]:
+    """The stage, and whether its advantages are whitened afterwards (REINFORCE++ always)."""
     if a.needs_critic:
-        return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef, a.normalize_advantages)
+        return partial(_ppo_gae, a.gamma, a.lambd, a.kl_coef), a.normalize_advantages
     if a.advantage_estimator == "reinforce_plus_plus":
-        return partial(_reinforce_plus_plus, a.gamma, a.kl_coef)
-    return partial(_sequence_advantages, a.normalize_advantages and a.loss_type != "sft_loss")
+        return partial(_reinforce_plus_plus, a.gamma, a.kl_coef), True
+    return _sequence_advantages, a.normalize_advantages and a.loss_type != "sft_loss"
+
+
+def _opd_stage(kl_coef: float, batch: TrainBatch) -> dict[str, float]:
+    """--use-opd: advantages -= kl_coef * (student - teacher logprob) on the trained tokens; the student's
+    are the old policy's (the trainer's before the step, or the engine's with --use-rollout-logprobs)."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("--use-opd needs the teacher's logprobs of the samples: the trainer's teacher "
+                         "(--opd-type megatron) or the rollout's teacher servers (--opd-type sglang) gave none")
+    assert batch.old_logprobs is not None, "OPD keeps the old-logprob pass (may_skip_old_pass)"
+    batch.advantages, reverse_kl = opd_advantages(batch.advantages, batch.old_logprobs, batch.teacher_logprobs,
+                                                  batch.loss_mask, kl_coef)
+    return {"opd_reverse_kl": float(masked_mean(reverse_kl, batch.loss_mask)),
+            "opd_teacher_logprob": float(masked_mean(batch.teacher_logprobs, batch.loss_mask))}
 
 
 def _mismatch(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -243,7 +256,8 @@ class PolicyObjective:
         self.temperature = rollout.temperature
         self.reduce, self.count = _pick_reduction(algorithm, rollout.max_response_len)
         self._policy_term, self._kl_term = _pick_terms(algorithm, self.reduce)
-        self._advantages = _pick_advantages(algorithm)
+        self._advantages, self._whiten = _pick_advantages(algorithm)
+        self._opd = partial(_opd_stage, algorithm.opd_kl_coef) if algorithm.use_opd else None
         self._kl_coef = algorithm.kl_loss_coef
         self._entropy_coef = algorithm.entropy_coef
         self.entropy_has_grad = algorithm.entropy_coef != 0  # else entropy is only a metric
@@ -257,7 +271,8 @@ class PolicyObjective:
         # else the pre-step logprobs read for more than the PPO ratio (or not at all, SFT) keep it
         self.skips_old_pass = algorithm.skip_actor_forward_only
         self.may_skip_old_pass = self.skips_old_pass or not (self.is_sft or self._tis is not None
-                                                             or self.uses_rollout_logprobs or self._reward_kl_coef)
+                                                             or self.uses_rollout_logprobs or self._reward_kl_coef
+                                                             or self._opd is not None)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
         """[B, T] float32 logprobs of `tokens` under `logits` [B, T, V] at the rollout's temperature."""
@@ -272,7 +287,8 @@ class PolicyObjective:
         returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
         if train_lp is None and not self.may_skip_old_pass:
             raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
-                             "(no --use-tis, --use-rollout-logprobs, --kl-coef or SFT); pass the trainer's logprobs")
+                             "(no --use-tis, --use-rollout-logprobs, --kl-coef, --use-opd or SFT); pass the trainer's "
+                             "logprobs")
         mask = batch.loss_mask
         metrics = self._old_policy(batch, train_lp)
         kl = None
@@ -285,6 +301,10 @@ class PolicyObjective:
                 metrics["reward_kl"] = float(masked_mean(kl, mask))
         metrics["logprob_passes"] = float((train_lp is not None) + (ref_lp is not None))   # no-grad forwards (MFU)
         returns = self._advantages(batch, None if values is None else values.to(mask.device), kl)
+        if self._opd is not None:
+            metrics.update(self._opd(batch))
+        if self._whiten:
+            batch.advantages = normalize_advantages(batch.advantages, mask)
         metrics["advantage_abs_mean"] = float(masked_mean(batch.advantages.abs(), mask))
         return returns, metrics
 

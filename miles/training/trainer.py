@@ -10,7 +10,8 @@ at every forward, and their gradients folded into the float32 ones by hooks: the
 
 One rollout is trained in two calls. `prepare_rollout(samples, rollout_id, values)` packs the samples
 (`make_train_batch`), computes the trainer's logprobs (current weights, no grad), the reference
-model's when there is one, the truncated importance-sampling weights (--use-tis), and the advantages:
+model's when there is one, the OPD teacher's (--opd-type megatron: `--opd-teacher-load`, held like the
+reference), the truncated importance-sampling weights (--use-tis), and the advantages:
 the executor's per-sample ones for the sequence-level estimators, or token-level ones here, where
 the reference and the critic's `values` are (REINFORCE++ returns, PPO's GAE, both with --kl-coef's
 KL in the token rewards); for PPO it returns the critic's targets. `train(samples, rollout_id)` then
@@ -126,11 +127,12 @@ class Trainer(OptimizedModel):
         pad = self._tokenizer.pad_token_id
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
         self._ref = self._make_reference(algorithm)
+        self._teacher = self._make_teacher(algorithm)
         self._num_params = sum(p.numel() for p in self._model.parameters())    # tied ones once; `tflops`
         self._peak_tflops = peak_tflops(self.device, self.compute_dtype, train.mfu_peak_tflops)
         self._start_optimizer(self._model)
         on_cuda = self.device.type == "cuda"
-        self._packed = use_packing(train, self._model, self._ref, device=self.device)
+        self._packed = use_packing(train, self._model, self._ref, self._teacher, device=self.device)
         self._forward, forward_name = pick_forward(self._model, temperature=self._objective.temperature, autocast=self._autocast,
                                                    compute_dtype=self.compute_dtype,
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
@@ -146,7 +148,8 @@ class Trainer(OptimizedModel):
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
-                 kl=self._ref is not None, forward=forward_name, compiled_layers=compiled,
+                 kl=self._ref is not None, opd_teacher=algorithm.opd_teacher_load if self._teacher is not None else None,
+                 forward=forward_name, compiled_layers=compiled,
                  weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
                  optimizer_state="host" if train.optimizer_cpu_offload else "device",
                  may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
@@ -156,8 +159,17 @@ class Trainer(OptimizedModel):
         if not self._objective.uses_reference:
             return None
         if algorithm.ref_load:
-            return load_causal_lm(algorithm.ref_load, device=self.device, dtype=torch.float32).requires_grad_(False)
+            return self._frozen(algorithm.ref_load)
         return copy.deepcopy(self._model).requires_grad_(False)
+
+    def _make_teacher(self, algorithm: AlgorithmConfig):
+        """The frozen OPD teacher (--use-opd --opd-type megatron), held like the reference: --opd-teacher-load.
+        Its tokenizer is the policy's (validation compared them)."""
+        return self._frozen(algorithm.opd_teacher_load) if algorithm.opd_in_trainer else None
+
+    def _frozen(self, path: str) -> nn.Module:
+        """A model of the trainer's that never trains (a reference or a teacher): float32, no gradients."""
+        return load_causal_lm(path, device=self.device, dtype=torch.float32).requires_grad_(False)
 
     @property
     def model(self):
@@ -230,7 +242,11 @@ class Trainer(OptimizedModel):
         skip = may_skip and self._skips_old_pass(batch)
         train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
         ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
+        if self._teacher is not None:      # --opd-type megatron: the teacher scores the sampled tokens here
+            batch.teacher_logprobs = self._logprobs(self._teacher, batch)
         returns, metrics = self._objective.prepare(batch, train_lp, ref_lp, values)
+        if self._teacher is not None:
+            metrics["logprob_passes"] += 1.0
         return batch, returns, metrics
 
     def _skips_old_pass(self, batch: TrainBatch) -> bool:
@@ -411,4 +427,4 @@ class Trainer(OptimizedModel):
     def _release(self) -> None:
         if self._sender is not None:
             self._sender.dispose()
-        self._ref = self._prepared = self._sender = None
+        self._ref = self._teacher = self._prepared = self._sender = None

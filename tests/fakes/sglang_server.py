@@ -13,8 +13,9 @@ starts scheduler and detokenizer processes), so tests see whether a teardown rea
 
 Test knobs are launch flags SGLang does not have (a run passes them as --sglang-fake-...): --fake-startup-delay
 (seconds /health_generate answers 503), --fake-token-delay (seconds per generated token), --fake-never-stop
-(never emit a stop token: every request runs to max_new_tokens). Every call is printed to stdout (the
-server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them. On demand, POST /fake/hang
+(never emit a stop token: every request runs to max_new_tokens). A request with `return_logprob` and
+`logprob_start_len` >= 0 gets `input_token_logprobs` too (a hash, as for output tokens). Every call is printed
+to stdout (the server's log) as `FAKE_CALL {json}`, and GET /fake/calls returns them. On demand, POST /fake/hang
 `{"generate": true, "health": true}` makes the server hang as a stuck SGLang scheduler does: `/generate`
 requests (running and new) make no more progress, and `/health` and `/health_generate` answer 503 only
 after `health_timeout_s` (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT, 20 s: its health check waits that long
@@ -256,7 +257,11 @@ class FakeSGLang:
         self.counter += 1
         self.running[rid] = False
         try:
-            return web.json_response(await self._decode(rid, ids, sp, bool(body.get("return_logprob"))))
+            out = await self._decode(rid, ids, sp, bool(body.get("return_logprob")))
+            start = body.get("logprob_start_len", -1)
+            if body.get("return_logprob") and isinstance(start, int) and 0 <= start < len(ids):
+                out["meta_info"]["input_token_logprobs"] = self.input_logprobs(ids, start)
+            return web.json_response(out)
         finally:
             self.running.pop(rid, None)
 
@@ -290,6 +295,17 @@ class FakeSGLang:
         if logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
         return {"output_ids": out, "meta_info": meta}
+
+    def input_logprobs(self, ids: list[int], start: int) -> list[list[Any]]:
+        """SGLang's `input_token_logprobs` from `logprob_start_len` `start` on: `[logprob, token_id, null]`
+        per input token, the first input token's logprob null (nothing precedes it). The fake's logprob
+        of token i is a hash of (weights, the tokens before it, the token) in [-4.01, -0.01]."""
+        digest = overall_digest(self.weights)
+        out = []
+        for i in range(start, len(ids)):
+            h = int.from_bytes(hashlib.blake2b(f"{digest}|{ids[:i]}|{ids[i]}".encode(), digest_size=8).digest(), "big")
+            out.append([None if i == 0 else -0.01 - h % 1000 / 250.0, ids[i], None])
+        return out
 
     async def _wait_runnable(self) -> None:
         if self.token_delay:

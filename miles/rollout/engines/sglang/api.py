@@ -127,6 +127,33 @@ def parse_generation(body: Any, *, rid: str, abort_asked: bool = False) -> Gener
                       weight_version=weight_version_of(meta, rid))
 
 
+def score_body(input_ids: Sequence[int]) -> dict[str, Any]:
+    """Score a whole sequence without generating (on-policy distillation's teacher, miles'
+    `on_policy_distillation._score_payload`): greedy, no new token, the logprob of every input token
+    (`logprob_start_len` 0 returns `meta_info.input_token_logprobs` from the first input token on)."""
+    return {"input_ids": list(input_ids),
+            "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
+            "return_logprob": True, "logprob_start_len": 0}
+
+
+def parse_input_logprobs(body: Any, response_ids: Sequence[int], *, url: str) -> list[float]:
+    """The logprobs of the last `len(response_ids)` input tokens out of a `score_body` answer.
+    `input_token_logprobs` is `[[logprob, token_id, null], ...]`, one per input token, the first
+    entry's logprob null (no token precedes it); each kept entry's id must be the response's."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    n = len(response_ids)
+    if not isinstance(entries, list) or len(entries) < n + 1:
+        raise SGLangResponseError(f"{url}: expected meta_info.input_token_logprobs for {n} response tokens after "
+                                  f"the prompt (logprob_start_len 0), got {str(body)[:300]}")
+    kept = entries[len(entries) - n:] if n else []
+    ids = [int(e[1]) for e in kept]
+    if ids != [int(t) for t in response_ids]:
+        raise SGLangResponseError(f"{url}: input_token_logprobs are of tokens {ids[:8]}..., not the response's "
+                                  f"{list(response_ids)[:8]}...")
+    return [float(e[0]) for e in kept]
+
+
 def _finish_reason(reason: Any, rid: str, abort_asked: bool) -> str:
     kind = reason.get("type") if isinstance(reason, dict) else None
     if kind in ("stop", "length") or (kind == "abort" and abort_asked):
