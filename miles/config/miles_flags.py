@@ -112,8 +112,6 @@ REFUSED: dict[str, str] = {
     "opd-type": f"on-policy distillation teacher kind; {NOT_YET}",
     "opd-teacher-load": f"on-policy distillation teacher checkpoint; {NOT_YET}",
     "opd-teacher-urls": f"on-policy distillation teacher servers; {NOT_YET}",
-    "lora-rank": f"LoRA training; {NOT_YET}: the whole model trains",
-    "target-modules": f"LoRA target modules; {NOT_YET}: the whole model trains",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
     "indep-dp": f"one independent cell per data-parallel replica; {_FSDP_RANKS}",
     # -- weight sync and memory --------------------------------------------------------------------
@@ -179,7 +177,8 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, and --mask-offpolicy-in-partial-rollout (a later miles' parser has it). The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout and the LoRA flags beyond --lora-rank/--target-modules (a later
+# miles' parser has them: miles/utils/lora/arguments.py). The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -219,6 +218,8 @@ skip-actor-forward-only true-on-policy-mode recompute-logprobs-via-prefill use-r
 global-batch-size num-steps-per-rollout micro-batch-size use-dynamic-batch-size max-tokens-per-gpu
 log-probs-max-tokens-per-gpu use-dynamic-global-batch-size balance-data balance-by-flops qkv-format
 use-opd opd-type opd-teacher-load opd-teacher-urls lora-rank target-modules multi-lora-rank
+lora-alpha lora-dropout lora-type exclude-modules lora-adapter-path lora-sync-from-tensor lora-base-cpu-backup
+lora-train-only
 enable-mtp-training indep-dp
 update-weight-transfer-mode p2p-transfer-num-workers p2p-transfer-timeout update-weight-disk-dir
 update-weight-local-checkpoint-dir update-weight-buffer-size update-weights-interval debug-skip-weight-update
