@@ -222,3 +222,16 @@ def test_miles_lora_options_not_taken_are_refused_with_the_ones_that_are(tmp_pat
         parse_flags(flags(tmp_path, "--lora-rank", "8", "--lora-type", "canonical_lora"))
     (line,) = [p for p in info.value.problems if "--lora-type" in p]
     assert "--lora-alpha" in line and "drop it" in line
+
+
+def test_the_memory_plan_counts_no_gradients_moments_or_reference_copy_under_lora(tmp_path, model_path):
+    from miles.training.memory_plan import startup_problems
+
+    def need(*extra: str) -> str:
+        cfg, _ = parse_flags(flags(tmp_path, "--hf-checkpoint", model_path, "--device", "cuda", "--use-kl-loss", *extra))
+        (problem,) = startup_problems(cfg, 1, gpu_bytes=1)      # a 1-byte GPU: refused, its parts listed
+        return problem.split(" GiB; a ")[0]
+
+    full, adapters = need(), need("--lora-rank", "8")
+    assert "gradients" in full and "optimizer" in full and "reference" in full
+    assert "gradients" not in adapters and "optimizer" not in adapters and "reference" not in adapters
