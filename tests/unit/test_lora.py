@@ -235,3 +235,10 @@ def test_the_memory_plan_counts_no_gradients_moments_or_reference_copy_under_lor
     full, adapters = need(), need("--lora-rank", "8")
     assert "gradients" in full and "optimizer" in full and "reference" in full
     assert "gradients" not in adapters and "optimizer" not in adapters and "reference" not in adapters
+
+
+def test_ref_update_interval_keeps_a_plain_copy_refreshed_with_the_merged_weights(model_path):
+    t = lora_trainer(model_path, use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=1)
+    assert t._ref is not t.model and not any(p.requires_grad for p in t._ref.parameters())
+    t.train(SAMPLES, rollout_id=0)                               # refreshes the reference after it
+    assert state_dict_checksum(model_weights(t._ref)) == t.weights_checksum()
