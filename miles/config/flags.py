@@ -624,6 +624,24 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
        "--train-backend megatron: how miles maps Megatron weights to HF names for the engines (raw: its own table, "
        "bridge: Megatron-Bridge); here the backend's own bit-exact conversion (miles/training/megatron/"
        "conversion.py) serves both, accepted with no effect (default: none)", MEGATRON_TO_HF_MODES),
+    # LoRA: the torch trainer on one process (docs/algorithms.md "LoRA")
+    _f("lora-rank", "train", "lora_rank", int,
+       "train LoRA adapters of rank R on the decoder's Linear layers, the base model frozen (0: off, the whole "
+       "model trains); the engines get the merged weights W + (alpha/R) B A at each sync. Torch trainer, one "
+       "process (default: 0)"),
+    _f("lora-alpha", "train", "lora_alpha", float, "LoRA's alpha: the adapters' output is scaled by alpha / "
+       "--lora-rank (default: 16, miles')"),
+    _f("lora-dropout", "train", "lora_dropout", float,
+       "dropout on the LoRA adapters' input in the training forwards (not in the logprob passes; default: 0)"),
+    _f("target-modules", "train", "target_modules", str,
+       "the Linear modules LoRA adapts, a comma list: all-linear (every Linear of the decoder layers, not the LM "
+       "head), miles' groups attn and mlp, module-name suffixes (q_proj,v_proj or self_attn.o_proj) or patterns "
+       "with * (default: all-linear)"),
+    _f("exclude-modules", "train", "exclude_modules", str,
+       "module-name suffixes or * patterns (comma list) taken out of --target-modules' selection"),
+    _f("lora-adapter-path", "train", "lora_adapter_path", str,
+       "start the LoRA adapters from this PEFT adapter folder (adapter_model.safetensors, adapter_config.json; "
+       "its r and lora_alpha must equal --lora-rank and --lora-alpha) instead of B = 0"),
 )
 FLAGS += MILES_COMPAT_FLAGS
 # reliability: kept in a block of their own

@@ -108,8 +108,6 @@ REFUSED: dict[str, str] = {
     "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
-    "lora-rank": f"LoRA training; {NOT_YET}: the whole model trains",
-    "target-modules": f"LoRA target modules; {NOT_YET}: the whole model trains",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
     "indep-dp": f"one independent cell per data-parallel replica; {_FSDP_RANKS}",
     # -- weight sync and memory --------------------------------------------------------------------
@@ -175,8 +173,9 @@ REFUSED_PREFIXES: dict[str, str] = {
 }
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
-# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key (a later miles' parser has
-# them). The test checks each one's fate.
+# concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key and the LoRA flags beyond
+# --lora-rank/--target-modules (a later miles' parser has them: miles/utils/lora/arguments.py). The test checks
+# each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -216,6 +215,8 @@ skip-actor-forward-only true-on-policy-mode recompute-logprobs-via-prefill use-r
 global-batch-size num-steps-per-rollout micro-batch-size use-dynamic-batch-size max-tokens-per-gpu
 log-probs-max-tokens-per-gpu use-dynamic-global-batch-size balance-data balance-by-flops qkv-format
 use-opd opd-type opd-kl-coef opd-teacher-load opd-teacher-urls opd-teacher-key lora-rank target-modules multi-lora-rank
+lora-alpha lora-dropout lora-type exclude-modules lora-adapter-path lora-sync-from-tensor lora-base-cpu-backup
+lora-train-only
 enable-mtp-training indep-dp
 update-weight-transfer-mode p2p-transfer-num-workers p2p-transfer-timeout update-weight-disk-dir
 update-weight-local-checkpoint-dir update-weight-buffer-size update-weights-interval debug-skip-weight-update

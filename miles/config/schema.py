@@ -333,6 +333,13 @@ class TrainConfig:
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
     attn_implementation: str | None = None  # --attn-implementation: miles' FSDP attention kernel; no effect here
     megatron_to_hf_mode: str | None = None  # --megatron-to-hf-mode raw | bridge: accepted with megatron, no effect
+    # LoRA (the torch trainer on one process: miles/training/lora.py); rank 0: the whole model trains
+    lora_rank: int = 0                  # --lora-rank: the adapters' rank r
+    lora_alpha: float = 16.0            # --lora-alpha: the adapters' scale is alpha / r
+    lora_dropout: float = 0.0           # --lora-dropout: dropout on the adapters' input in the training forwards
+    target_modules: str | None = None   # --target-modules: comma list of module suffixes / attn / mlp (None: all-linear)
+    exclude_modules: str | None = None  # --exclude-modules: comma list of module suffixes taken out of the targets
+    lora_adapter_path: str | None = None  # --lora-adapter-path: a PEFT adapter folder to start from
 
     @property
     def warmup_steps(self) -> int:

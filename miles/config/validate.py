@@ -466,6 +466,69 @@ def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
                         "trainer GPUs), whose checkpoints keep one AdamW group; train on one GPU or drop it")
 
 
+@check
+def _lora(cfg: RunConfig, problems: list[str]) -> None:
+    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/lora.py); what it cannot take."""
+    t, a = cfg.train, cfg.algorithm
+    if t.lora_rank < 0:
+        problems.append(f"--lora-rank {t.lora_rank}: must be >= 0 (0 trains the whole model)")
+    if not t.lora_rank:
+        extra = [f"{flag} {v}" for flag, v in (("--lora-dropout", t.lora_dropout or None),
+                                               ("--target-modules", t.target_modules),
+                                               ("--exclude-modules", t.exclude_modules),
+                                               ("--lora-adapter-path", t.lora_adapter_path)) if v is not None]
+        if extra:
+            problems.append(f"{', '.join(extra)}: LoRA is off without --lora-rank R; add it (the adapter's r for "
+                            "--lora-adapter-path) or drop them")
+        return
+    if not t.lora_alpha > 0:
+        problems.append(f"--lora-alpha {t.lora_alpha}: must be > 0 (the adapters' scale is alpha / --lora-rank)")
+    if not 0 <= t.lora_dropout < 1:
+        problems.append(f"--lora-dropout {t.lora_dropout}: must be in [0, 1)")
+    targets = [s.strip() for s in (t.target_modules or "").split(",") if s.strip()]
+    if t.target_modules is not None and not targets:
+        problems.append(f"--target-modules {t.target_modules!r}: name modules (q_proj,v_proj), attn, mlp or all-linear")
+    if "unembed" in targets:
+        problems.append("--target-modules unembed: the LM head is not adapted here (tied to the embedding in many "
+                        "models); drop it")
+    if len(targets) > 1 and {"all-linear", "all_linear", "all"} & set(targets):
+        problems.append(f"--target-modules {t.target_modules}: all-linear takes every decoder Linear; give it alone")
+    refused = [(t.backend == "megatron", "--train-backend megatron",
+                "LoRA trains on the torch trainer here; use --train-backend torch"),
+               (t.backend == "torch" and cfg.cluster.trainer_ranks > 1,
+                f"{cfg.cluster.trainer_ranks} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
+                "the torch trainer's FSDP ranks do not shard adapters yet; train on one GPU (1 x 1)"),
+               (t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
+               (a.needs_critic, "--advantage-estimator ppo", "PPO's critic is not set up for LoRA yet; use grpo, "
+                "gspo, rloo or reinforce_plus_plus"),
+               (t.decoupled_lr is not None, "--decoupled-lr", "the embedding and output layer are frozen under LoRA; "
+                "drop it")]
+    for bad, flag, fix in refused:
+        if bad:
+            problems.append(f"--lora-rank {t.lora_rank} with {flag}: {fix}")
+    _lora_adapter(t, problems)
+
+
+def _lora_adapter(t: TrainConfig, problems: list[str]) -> None:
+    """--lora-adapter-path: a PEFT folder whose r and lora_alpha are the flags'."""
+    if t.lora_adapter_path is None:
+        return
+    folder = Path(t.lora_adapter_path)
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (folder / f).is_file()]
+    if missing:
+        problems.append(f"--lora-adapter-path {folder}: lacks {', '.join(missing)}; pass a PEFT LoRA adapter folder")
+        return
+    try:
+        saved = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(f"--lora-adapter-path {folder}: adapter_config.json is unreadable ({exc})")
+        return
+    for flag, key, mine in (("--lora-rank", "r", t.lora_rank), ("--lora-alpha", "lora_alpha", t.lora_alpha)):
+        if saved.get(key) is not None and float(saved[key]) != float(mine):
+            problems.append(f"--lora-adapter-path {folder}: its {key} is {saved[key]}, {flag} is {mine}; pass "
+                            f"{flag} {saved[key]}")
+
+
 def _wd_schedule(t: TrainConfig, problems: list[str]) -> None:
     """Megatron-LM's rules: constant takes --weight-decay alone; linear/cosine take a start and an end,
     0 <= start <= end, over --lr-decay-iters steps (Megatron-LM's --train-iters, its default)."""

@@ -76,9 +76,11 @@ def activation_bytes_per_token(cfg, *, compute_bytes: int, recompute: bool, logi
 
 
 def reserve_bytes(*, params: int, grads_allocated: bool, optimizer_allocated: bool, compute_bytes: int,
-                  chunk_rows: int, vocab: int) -> int:
-    """Bytes the step allocates besides the activations (see the module docstring)."""
-    return ((0 if grads_allocated else 4 * params) + (0 if optimizer_allocated else 8 * params)
+                  chunk_rows: int, vocab: int, trained: int | None = None) -> int:
+    """Bytes the step allocates besides the activations (see the module docstring). `trained`: the
+    parameters with gradients and optimizer state (LoRA: the adapters; None: all `params`)."""
+    trained = params if trained is None else trained
+    return ((0 if grads_allocated else 4 * trained) + (0 if optimizer_allocated else 8 * trained)
             + (2 * params if compute_bytes < 4 else 0) + chunk_rows * vocab * LOGPROB_CHUNK_BYTES_PER_VOCAB)
 
 
@@ -107,6 +109,7 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     reserve = reserve_bytes(params=sum(p.numel() for p in params),
+                            trained=sum(p.numel() for p in params if p.requires_grad),
                             grads_allocated=any(p.grad is not None for p in params),
                             optimizer_allocated=streamed or (bool(state) and all(v.is_cuda for v in state)),
                             compute_bytes=compute_bytes, chunk_rows=chunk_rows, vocab=model.config.vocab_size)
@@ -135,7 +138,8 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 #   the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
 #   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
-#   one sample), and a CUDA context per process on the GPU.
+#   one sample), and a CUDA context per process on the GPU. Under LoRA (--lora-rank) gradients and
+#   moments are the adapters' (counted as none) and the initial-policy reference is the policy itself.
 CONTEXT_BYTES = 1 << 30
 
 
@@ -152,12 +156,14 @@ def parameter_count(config) -> int:
 
 def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes: int, reference: bool,
               critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int,
-              critic_optimizer_on_gpu: bool = True) -> dict[str, int]:
-    """Bytes a training step needs on each trainer GPU, by part (see the comment above)."""
+              critic_optimizer_on_gpu: bool = True, trained: int | None = None) -> dict[str, int]:
+    """Bytes a training step needs on each trainer GPU, by part (see the comment above). `trained`: the
+    parameters with gradients and moments (LoRA: its adapters; None: all `params`)."""
+    trained = params if trained is None else trained
     return {
         "weights": 4 * params // ranks,
-        "gradients": 4 * params // ranks,
-        "optimizer": 8 * params // ranks if optimizer_on_gpu else 0,
+        "gradients": 4 * trained // ranks,
+        "optimizer": 8 * trained // ranks if optimizer_on_gpu else 0,
         "compute_copies": 2 * params // ranks if compute_bytes < 4 else 0,
         "reference": 4 * params // ranks if reference else 0,
         "critic": (16 if critic_optimizer_on_gpu else 8) * params // ranks if critic else 0,
@@ -211,7 +217,12 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     streamed = (c.offloads_train and not a.needs_critic) or t.optimizer_cpu_offload
     engine_keeps = c.colocate and r.engine == "fast"
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
-                     reference=a.use_kl_loss or a.kl_coef > 0, critic=a.needs_critic,
+                     # LoRA: gradients and moments of the adapters alone (~0), the initial-policy reference the
+                     # policy itself with its adapters off
+                     trained=0 if t.lora_rank else None,
+                     reference=(a.use_kl_loss or a.kl_coef > 0)
+                     and not (t.lora_rank and a.ref_load is None and not a.ref_update_interval),
+                     critic=a.needs_critic,
                      critic_optimizer_on_gpu=not t.optimizer_cpu_offload,
                      engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
                      processes=2 if c.colocate else 1)
@@ -220,7 +231,7 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     gib = 2 ** 30
     room = [f for f, missing in (
         ("--offload-train or --optimizer-cpu-offload (AdamW's moments, 8 B/param, stay in host memory)",
-         not streamed and not a.needs_critic),
+         not streamed and not a.needs_critic and not t.lora_rank),
         ("--optimizer-cpu-offload (the policy's and the critic's AdamW moments, 8 B/param each, in host memory)",
          a.needs_critic and not t.optimizer_cpu_offload),
         ("--recompute-activations", not t.recompute_activations),

@@ -94,11 +94,11 @@ class OptimizedModel:
             self._host = HostOffload(self._optimizer, model, resident=True)
 
     def _param_groups(self, model: nn.Module) -> list[dict]:
-        """One group of every parameter; with --decoupled-lr the parameters cut into runs, in
-        `model.parameters()` order, of those on the decoupled schedule (the input embedding and the
-        output layer, one parameter when tied) and the others: the state dict's parameter indices stay
-        those of one group, so a checkpoint of either layout loads into the other (`_fit_groups`)."""
-        params = list(model.parameters())
+        """One group of every trainable parameter (a frozen one, LoRA's base, has no optimizer state); with
+        --decoupled-lr the parameters cut into runs, in `model.parameters()` order, of those on the
+        decoupled schedule (the input embedding and the output layer, one parameter when tied) and the
+        others: the state dict's parameter indices stay those of one group, so a checkpoint of either layout loads into the other (`_fit_groups`)."""
+        params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters alone
         if self._decoupled_lr_at is None:
             return [{"params": params, "decoupled": False}]
         if not self.decouples_lr:

@@ -44,6 +44,12 @@ refuses the rest). `--recompute-activations` checkpoints every layer's activatio
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
 
+LoRA (--lora-rank R, `miles.training.lora`): the base model frozen, adapters on the selected Linear
+layers, only the adapters in AdamW. Everything that leaves the trainer for the engines (`weights`, the
+buckets, `weights_checksum`, the HF export) is the merged model, W + (alpha/R) B A, under the base's
+names; a checkpoint holds the adapters (PEFT's layout) and their optimizer state, never the base (it is
+--hf-checkpoint's). The initial-policy KL reference is the same model with its adapters off.
+
 A plain class; the composition root makes it a Ray actor.
 """
 
@@ -54,6 +60,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -63,6 +70,7 @@ from torch import Tensor, nn
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
+from miles.training import lora
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
@@ -89,6 +97,18 @@ def _export_hf(path: Path, model: nn.Module, weights: dict[str, Tensor] | None, 
     save_pretrained itself writes them), else the live ones."""
     model.save_pretrained(str(path), **({} if weights is None else {"state_dict": dict(weights)}))
     tokenizer.save_pretrained(str(path))
+
+
+LORA_EXPORT_DIR = "adapter"      # export_hf under LoRA: the adapter's PEFT folder inside the HF folder
+
+
+def _export_lora_hf(path: Path, model: nn.Module, weights: dict[str, Tensor], tokenizer: Any,
+                    adapter: dict[str, Tensor], adapter_cfg: dict) -> None:
+    """The merged model's HF folder (`weights`: merged CPU copies), and the adapter in `adapter/`: a
+    subfolder, since an adapter_config.json beside config.json makes transformers (with peft) load the
+    folder as an adapter of another model."""
+    _export_hf(path, model, weights, tokenizer)
+    lora.save_adapter(path / LORA_EXPORT_DIR, adapter, adapter_cfg)
 
 
 def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int = 0) -> Path:
@@ -123,11 +143,14 @@ class Trainer(OptimizedModel):
         self._objective = PolicyObjective(algorithm, rollout)
         self._ref_interval = algorithm.ref_update_interval
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
+        self._model_path = model_path
         self._tokenizer = load_tokenizer(model_path)
         pad = self._tokenizer.pad_token_id
         self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
+        self._lora_spec = lora.LoraSpec.from_train(train)
         self._ref = self._make_reference(algorithm)
         self._teacher = self._make_teacher(algorithm)
+        self._adapters = self._attach_lora(train.lora_adapter_path)
         self._num_params = sum(p.numel() for p in self._model.parameters())    # tied ones once; `tflops`
         self._peak_tflops = peak_tflops(self.device, self.compute_dtype, train.mfu_peak_tflops)
         self._start_optimizer(self._model)
@@ -138,8 +161,10 @@ class Trainer(OptimizedModel):
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
                                                    chunk_rows=train.log_probs_chunk_size, packed=self._packed)
         self._logits_path = not forward_name.startswith("hidden")
+        # with --lora-dropout the step's own logprobs carry its dropout: the old ones need their own pass
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
-                                   and self._objective.may_skip_old_pass)
+                                   and self._objective.may_skip_old_pass
+                                   and not (self._lora_spec and self._lora_spec.dropout))
         threads = cpu_threads(self.device, share=self.world_size)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
@@ -152,14 +177,22 @@ class Trainer(OptimizedModel):
                  forward=forward_name, compiled_layers=compiled,
                  weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
                  optimizer_state="host" if train.optimizer_cpu_offload else "device",
-                 may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads)
+                 may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads,
+                 lora=None if self._adapters is None else dict(
+                     rank=self._lora_spec.rank, alpha=self._lora_spec.alpha, modules=len(self._adapters),
+                     trained_params=sum(p.numel() for p in self._model.parameters() if p.requires_grad)))
 
     def _make_reference(self, algorithm: AlgorithmConfig):
-        """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy."""
+        """The frozen KL reference (--use-kl-loss or --kl-coef): --ref-load, else the initial policy. Under
+        LoRA (called before the adapters are attached) the initial policy is the base model: the policy
+        itself with its adapters off (`_ref_is_policy`), unless --ref-update-interval refreshes it, which
+        needs a copy of its own."""
         if not self._objective.uses_reference:
             return None
         if algorithm.ref_load:
             return self._frozen(algorithm.ref_load)
+        if self._lora_spec is not None and not self._ref_interval:
+            return self._model
         return copy.deepcopy(self._model).requires_grad_(False)
 
     def _make_teacher(self, algorithm: AlgorithmConfig):
@@ -170,6 +203,24 @@ class Trainer(OptimizedModel):
     def _frozen(self, path: str) -> nn.Module:
         """A model of the trainer's that never trains (a reference or a teacher): float32, no gradients."""
         return load_causal_lm(path, device=self.device, dtype=torch.float32).requires_grad_(False)
+
+    def _attach_lora(self, adapter_path: str | None) -> dict[str, lora.LoraLinear] | None:
+        """The adapters (--lora-rank), from --lora-adapter-path's PEFT folder when given; None: no LoRA."""
+        if self._lora_spec is None:
+            return None
+        adapters = lora.attach(self._model, self._lora_spec)
+        if adapter_path is not None:
+            path = Path(adapter_path)
+            problems = lora.config_problems(lora.read_adapter_config(path), self._lora_spec, list(adapters),
+                                            where=f"--lora-adapter-path {path}")
+            if problems:
+                raise ValueError("; ".join(problems))
+            lora.load_adapter_tensors(path, adapters)
+        return adapters
+
+    @property
+    def _ref_is_policy(self) -> bool:
+        return self._ref is not None and self._ref is self._model
 
     @property
     def model(self):
@@ -212,7 +263,7 @@ class Trainer(OptimizedModel):
         return metrics
 
     def _refresh_reference(self) -> None:
-        load_weights(self._ref, model_weights(self._model))    # in place: the reference stays frozen
+        load_weights(self._ref, self._engine_weights())    # in place: the reference stays frozen
 
     def _set_reference(self, weights: dict[str, Tensor]) -> None:
         """The reference's weights from a checkpoint's REF_FILE (whole tensors under HF names)."""
@@ -241,7 +292,7 @@ class Trainer(OptimizedModel):
             return batch, None, {}
         skip = may_skip and self._skips_old_pass(batch)
         train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
-        ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
+        ref_lp = None if self._ref is None else self._ref_logprobs(batch)
         if self._teacher is not None:      # --opd-type megatron: the teacher scores the sampled tokens here
             batch.teacher_logprobs = self._logprobs(self._teacher, batch)
         returns, metrics = self._objective.prepare(batch, train_lp, ref_lp, values)
@@ -308,6 +359,12 @@ class Trainer(OptimizedModel):
         loss, terms = self._objective.loss(logprobs, token_entropy, mb, normalizer, num_tokens)
         return loss, terms, logprobs
 
+    def _ref_logprobs(self, batch: TrainBatch) -> Tensor:
+        if not self._ref_is_policy:
+            return self._logprobs(self._ref, batch)
+        with lora.adapters_off(self._adapters):      # LoRA: the base model is the reference
+            return self._logprobs(self._model, batch)
+
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
@@ -319,15 +376,21 @@ class Trainer(OptimizedModel):
         return out
 
     # --- weights and state ---------------------------------------------------------------------
+    def _engine_weights(self) -> Mapping[str, Tensor]:
+        """The weights the engines load, under HF names (tied aliases once): the live tensors, or under
+        LoRA the merged ones, each computed when read (`miles.training.lora.MergedWeights`)."""
+        live = model_weights(self._live())
+        return live if self._adapters is None else lora.MergedWeights(live, self._adapters)
+
     def weights(self) -> dict[str, Tensor]:
         """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
-        return HostWeights(state_dict_to_cpu(model_weights(self._live())))
+        return HostWeights(state_dict_to_cpu(self._engine_weights()))
 
     def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
         """Buckets of the CUDA IPC transport (made once): the weights cast to `dtype` in flat buffers
         of at most `bucket_bytes`. Call before `weight_bucket`."""
         if self._sender is None:
-            self._sender = BucketSender(lambda: model_weights(self._live()), dtype=dtype, bucket_bytes=bucket_bytes,
+            self._sender = BucketSender(self._engine_weights, dtype=dtype, bucket_bytes=bucket_bytes,
                                         ipc=True)
         return self._sender.num_buckets
 
@@ -343,25 +406,37 @@ class Trainer(OptimizedModel):
 
     def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
         """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
-        return state_dict_checksum(model_weights(self._live()), dtype=dtype)
+        return state_dict_checksum(self._engine_weights(), dtype=dtype)
 
     def save(self, path: str | Path, *, optimizer: bool = True, background: bool = False) -> None:
         """Write weights, optimizer state (unless `optimizer` is False: --no-save-optim), RNG states and
         the step count into the folder `path` (created if needed). Atomicity is the caller's: it hands
         in a temp dir and renames it. `background` (--async-save): take a CPU snapshot of all of it and
-        return; the files are written on the writer thread (`wait_saved` says when)."""
-        weights = self.weights()                 # CPU copies either way
+        return; the files are written on the writer thread (`wait_saved` says when). Under LoRA the
+        weights are the adapters alone (lora.ADAPTER_WEIGHTS and lora.ADAPTER_CONFIG, PEFT's layout)."""
+        if self._adapters is None:
+            weights, adapter_cfg = self.weights(), None          # CPU copies either way
+        else:
+            weights, adapter_cfg = state_dict_to_cpu(lora.adapter_tensors(self._adapters)), self._adapter_config()
         state = self._optimizer_snapshot() if optimizer and background else None
         ref = state_dict_to_cpu(model_weights(self._ref)) if self._ref_interval else None   # refreshed: keep it
         self._write(background, self._write_checkpoint, Path(path), weights, optimizer, state,
-                    self._counters(optimizer), rng_state(), ref)
+                    self._counters(optimizer), rng_state(), ref, adapter_cfg)
+
+    def _adapter_config(self) -> dict:
+        return lora.adapter_config(self._lora_spec, list(self._adapters), self._model_path,
+                                   list(lora.candidates(self._live())))
 
     def _write_checkpoint(self, path: Path, weights: dict[str, Tensor], optimizer: bool, state: dict | None,
-                          counters: dict, rng: dict, ref: dict[str, Tensor] | None) -> None:
+                          counters: dict, rng: dict, ref: dict[str, Tensor] | None,
+                          adapter_cfg: dict | None = None) -> None:
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(path / MODEL_FILE))
+        if adapter_cfg is None:
+            save_file(weights, str(path / MODEL_FILE))
+        else:
+            lora.save_adapter(path, weights, adapter_cfg)
         self._save_optimizer(path, optimizer=optimizer, state=state, counters=counters)
         torch.save(rng, path / RNG_FILE)
         if ref is not None:
@@ -375,22 +450,48 @@ class Trainer(OptimizedModel):
         from safetensors.torch import load_file
 
         path = Path(path)
+        self._check_lora_checkpoint(path)
         if is_sharded_checkpoint(path):      # saved by the torch trainer on several ranks
             self._load_sharded(path, optimizer=optimizer, rng=rng, step=step)
             return
         # saved with --no-save-optim: no optimizer state, and a fresh optimizer
-        needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
+        weights_file = MODEL_FILE if self._adapters is None else lora.ADAPTER_WEIGHTS
+        needed = (weights_file, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if self._saved_with_optimizer(path) else ())
         missing = [f for f in needed if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"trainer checkpoint {path} lacks {', '.join(missing)}; "
                                     f"pass a folder written by Trainer.save")
-        load_weights(self._live(), load_file(str(path / MODEL_FILE)))
+        if self._adapters is None:
+            load_weights(self._live(), load_file(str(path / MODEL_FILE)))
+        else:
+            lora.load_adapter_tensors(path, self._adapters)
         self._load_optimizer(path, optimizer=optimizer, step=step)
         if rng:
             set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         if step and self._ref_interval and (path / REF_FILE).is_file():
             self._set_reference(load_file(str(path / REF_FILE)))
         self._prepared = None
+
+    def _check_lora_checkpoint(self, path: Path) -> None:
+        """A checkpoint's LoRA must be this run's: the adapters of the same rank, alpha, dropout and
+        modules, or none on both sides (a ValueError saying which flags to pass)."""
+        has_adapter = (path / lora.ADAPTER_CONFIG).is_file()
+        if self._adapters is None and has_adapter:
+            saved = lora.read_adapter_config(path)
+            raise ValueError(f"trainer checkpoint {path} holds LoRA adapters (r={saved.get('r')}, lora_alpha="
+                             f"{saved.get('lora_alpha')}), not a whole model: resume with the LoRA flags it was "
+                             f"trained with (--lora-rank {saved.get('r')} --lora-alpha {saved.get('lora_alpha')} ...)")
+        if self._adapters is None:
+            return
+        if not has_adapter:
+            raise ValueError(f"trainer checkpoint {path} holds a whole model, not LoRA adapters: a --lora-rank run "
+                             "resumes adapters only; start LoRA from its weights with --hf-checkpoint <its hf folder>, "
+                             "or resume it without --lora-rank")
+        problems = lora.config_problems(lora.read_adapter_config(path), self._lora_spec, list(self._adapters),
+                                        where=f"the checkpoint {path}")
+        if problems:
+            raise ValueError(f"cannot resume LoRA from {path}: " + "; ".join(problems) + "; pass the flags it was "
+                             "saved with")
 
     def _load_sharded(self, path: Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
         """A sharded checkpoint (`miles.training.fsdp.checkpoint`), resharded onto this trainer's ranks
@@ -419,8 +520,14 @@ class Trainer(OptimizedModel):
 
     def export_hf(self, path: str | Path, *, background: bool = False) -> None:
         """`save_pretrained` the model (float32) and the tokenizer: loadable by AutoModelForCausalLM.
-        `background` (--async-save): from a CPU snapshot of the weights, on the writer thread."""
+        `background` (--async-save): from a CPU snapshot of the weights, on the writer thread. Under
+        LoRA: the merged model, and the adapter alone in PEFT's layout in its subfolder `adapter/`."""
         model = self._live()
+        if self._adapters is not None:
+            adapter = state_dict_to_cpu(lora.adapter_tensors(self._adapters))
+            self._write(background, _export_lora_hf, Path(path), model, self.weights(), self._tokenizer, adapter,
+                        self._adapter_config())
+            return
         weights = self.weights() if background else None     # None: save_pretrained reads the live model
         self._write(background, _export_hf, Path(path), model, weights, self._tokenizer)
 
