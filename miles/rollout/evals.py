@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from miles.config import EvalConfig, RolloutConfig
 from miles.rollout.background import Job, cancel_jobs, start_job
+from miles.rollout.generation import number_groups
 from miles.runtime.trace import Tracer
 from miles.types import Generation, Prompt, Sample, SamplingParams
 from miles.user_code import CustomArgsAccess, display_name, import_async_function
@@ -121,12 +122,8 @@ def check_eval_output(fn: EvalFunction, out: Any) -> tuple[dict[str, list[list[S
         if len(sizes) > 1:
             raise EvalFunctionError(f"{name}: dataset {dataset!r} has groups of sizes {sizes}; pass@k needs one "
                                     "size (the samples per prompt)")
-        for index, group in enumerate(groups):
-            for s in group:
-                if not isinstance(s, Sample):
-                    raise EvalFunctionError(f"{name}: dataset {dataset!r} group {index} holds a "
-                                            f"{type(s).__name__}, not a Sample")
-                s.group = index
+        number_groups(groups, lambda index, item, dataset=dataset: EvalFunctionError(
+            f"{name}: dataset {dataset!r} group {index} holds a {type(item).__name__}, not a Sample"))
     bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
            or not isinstance(v, (int, float)) or not math.isfinite(v)]
     if bad:

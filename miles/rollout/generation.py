@@ -369,12 +369,18 @@ def check_groups(groups: Any, prompts: list[Prompt], n: int, path: str) -> list[
         raise GenerateFunctionError(f"--rollout-function-path {path} returned {len(groups)} groups of sizes "
                                     f"{sizes}; expected {len(prompts)} groups (--rollout-batch-size) of {n} "
                                     "(--n-samples-per-prompt)")
+    return number_groups(groups, lambda index, item: GenerateFunctionError(
+        f"--rollout-function-path {path}: group {index} holds a {type(item).__name__}, not a Sample"))
+
+
+def number_groups(groups: Sequence[Sequence[Any]], not_a_sample: Callable[[int, Any], Exception]) -> list[Sample]:
+    """A custom function's groups, flattened, each Sample's `group` set to its group's index; an item
+    that is not a Sample raises `not_a_sample(group index, item)`."""
     flat = []
     for index, group in enumerate(groups):
         for s in group:
             if not isinstance(s, Sample):
-                raise GenerateFunctionError(f"--rollout-function-path {path}: group {index} holds a "
-                                            f"{type(s).__name__}, not a Sample")
+                raise not_a_sample(index, s)
             s.group = index
             flat.append(s)
     return flat
