@@ -187,8 +187,6 @@ FAMILIES: dict[str, Group] = {
     """), ("fp8-", "fp4-", "kitchen-")),
     "MTP": Group(f"multi-token-prediction layers; {_DENSE}drop them (the model's MTP head is not trained)",
                  parse("mtp-num-layers= mtp-loss-scaling-factor="), ("mtp-",)),
-    "LoRA": Group("a LoRA option not supported yet: --lora-rank, --lora-alpha, --lora-dropout, --target-modules, "
-                  "--exclude-modules, --lora-adapter-path are (docs/algorithms.md); drop it", {}, ("lora-",)),
     "architecture variants": Group(
         "a Megatron-LM architecture variant this build does not check against config.json; the model is "
         "--hf-checkpoint's architecture: drop the flag", parse("""

@@ -109,6 +109,15 @@ REFUSED: dict[str, str] = {
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
+    # LoRA's options beyond the ones LoRA takes here (--lora-rank ...: docs/algorithms.md "LoRA")
+    "lora-type": "Megatron's fused (lora) or split (canonical_lora) adapter layout; here the adapters sit on the HF "
+                 "model's own q/k/v and gate/up projections (canonical_lora's layout): drop it",
+    "lora-sync-from-tensor": "ships the adapter to SGLang from tensors; here every sync sends the merged weights "
+                             "(W + alpha/R B A) by the usual transport: drop it",
+    "lora-base-cpu-backup": "a CPU mirror of SGLang's frozen base so that only the adapter is shipped; here every "
+                            "sync sends the merged weights: drop it",
+    "lora-train-only": f"trains the adapter while the engines keep the frozen base; {NOT_YET} "
+                       "(--debug-skip-weight-update keeps the engines on the initial weights)",
     "indep-dp": f"one independent cell per data-parallel replica; {_FSDP_RANKS}",
     # -- weight sync and memory --------------------------------------------------------------------
     "update-weight-transfer-mode": f"broadcast, p2p or disk-delta weight sync; {_WEIGHT_SYNC}",

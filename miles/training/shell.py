@@ -98,7 +98,9 @@ class OptimizedModel:
         --decoupled-lr the parameters cut into runs, in `model.parameters()` order, of those on the
         decoupled schedule (the input embedding and the output layer, one parameter when tied) and the
         others: the state dict's parameter indices stay those of one group, so a checkpoint of either layout loads into the other (`_fit_groups`)."""
-        params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters alone
+        # LoRA: the adapters alone. Otherwise every parameter, a frozen one too (the critic's untied LM head:
+        # no gradient, so no state), so the state dict's indices stay those of checkpoints written before
+        params = [p for p in model.parameters() if p.requires_grad or not self._train_cfg.lora_rank]
         if self._decoupled_lr_at is None:
             return [{"params": params, "decoupled": False}]
         if not self.decouples_lr:

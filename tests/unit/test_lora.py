@@ -221,7 +221,12 @@ def test_miles_lora_options_not_taken_are_refused_with_the_ones_that_are(tmp_pat
     with pytest.raises(ConfigError) as info:
         parse_flags(flags(tmp_path, "--lora-rank", "8", "--lora-type", "canonical_lora"))
     (line,) = [p for p in info.value.problems if "--lora-type" in p]
-    assert "--lora-alpha" in line and "drop it" in line
+    assert "canonical_lora" in line and "drop it" in line        # the HF projections are split already
+    for option in ("--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only"):
+        with pytest.raises(ConfigError) as info:
+            parse_flags(flags(tmp_path, "--lora-rank", "8", option))
+        (line,) = [p for p in info.value.problems if option in p]
+        assert "merged weights" in line or "not supported yet" in line, line
 
 
 def test_the_memory_plan_counts_no_gradients_moments_or_reference_copy_under_lora(tmp_path, model_path):
