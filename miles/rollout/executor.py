@@ -432,10 +432,7 @@ class RolloutExecutor:
             n = dataset.n_samples_per_prompt or e.n_samples_per_prompt
             samples = await self._sample(self._eval_sets[name], n, self._eval_params(dataset, rollout_id),
                                          evaluation=True, reward_fn=self._eval_rewards.get(name))
-            metrics = eval_metrics(samples, n, log_passrate=e.log_passrate)
-            out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
-            if self._cfg.log_reward_category:
-                out.update(category_shares(samples, self._cfg.log_reward_category, f"eval/{name}/"))
+            out.update(self._dataset_metrics(name, samples, n))
             out[f"eval/{name}/time_s"] = time.monotonic() - t0
             data[name] = samples
         ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
@@ -462,14 +459,19 @@ class RolloutExecutor:
         out: dict[str, float] = {}
         data = {name: [s for g in gs for s in g] for name, gs in groups.items()}
         for name, samples in data.items():
-            metrics = eval_metrics(samples, len(groups[name][0]), log_passrate=e.log_passrate)
-            out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
-            if self._cfg.log_reward_category:
-                out.update(category_shares(samples, self._cfg.log_reward_category, f"eval/{name}/"))
+            out.update(self._dataset_metrics(name, samples, len(groups[name][0])))
         out.update({f"eval/{k}": v for k, v in extra.items()})
         out["eval/time_s"] = time.monotonic() - t0
         hook_ctx = HookContext(rollout_id=rollout_id, rollout=self._cfg, algorithm=self._algorithm)
         return self._hooks.log_eval(hook_ctx, data, out)
+
+    def _dataset_metrics(self, name: str, samples: list[Sample], n: int) -> dict[str, float]:
+        """One eval dataset's metrics under eval/NAME/: reward, pass@k, statuses, --log-reward-category's shares."""
+        metrics = eval_metrics(samples, n, log_passrate=self._eval_cfg.log_passrate)
+        out = {f"eval/{name}/{k}": v for k, v in metrics.items()}
+        if self._cfg.log_reward_category:
+            out.update(category_shares(samples, self._cfg.log_reward_category, f"eval/{name}/"))
+        return out
 
     async def _generate_eval_samples(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         samples = [new_sample(p, i) for i, p in enumerate(prompts) for _ in range(n)]
