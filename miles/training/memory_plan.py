@@ -138,8 +138,10 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 #   the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
 #   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
-#   one sample), and a CUDA context per process on the GPU. Under LoRA (--lora-rank) gradients and
-#   moments are the adapters' (counted as none) and the initial-policy reference is the policy itself.
+#   one sample), the OPD teacher of --opd-type megatron 4T (float32, T its parameters: the one-process
+#   trainer holds it whole), and a CUDA context per process on the GPU. Under LoRA (--lora-rank)
+#   gradients and moments are the adapters' (counted as none) and the initial-policy reference is the
+#   policy itself.
 CONTEXT_BYTES = 1 << 30
 
 
@@ -156,9 +158,11 @@ def parameter_count(config) -> int:
 
 def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes: int, reference: bool,
               critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int,
-              critic_optimizer_on_gpu: bool = True, trained: int | None = None) -> dict[str, int]:
+              critic_optimizer_on_gpu: bool = True, trained: int | None = None,
+              teacher_params: int = 0) -> dict[str, int]:
     """Bytes a training step needs on each trainer GPU, by part (see the comment above). `trained`: the
-    parameters with gradients and moments (LoRA: its adapters; None: all `params`)."""
+    parameters with gradients and moments (LoRA: its adapters; None: all `params`); `teacher_params`:
+    the OPD teacher's, held whole in the trainer (--opd-type megatron; 0: none)."""
     trained = params if trained is None else trained
     return {
         "weights": 4 * params // ranks,
@@ -167,6 +171,7 @@ def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes:
         "compute_copies": 2 * params // ranks if compute_bytes < 4 else 0,
         "reference": 4 * params // ranks if reference else 0,
         "critic": (16 if critic_optimizer_on_gpu else 8) * params // ranks if critic else 0,
+        "teacher": 4 * teacher_params,
         "engine_weights": engine_weight_bytes,
         "activations": math.ceil(activation_bytes / HEADROOM),
         "cuda_contexts": processes * CONTEXT_BYTES,
@@ -207,6 +212,12 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
         return []
     params = parameter_count(hf_config)
     t, c, r, a = cfg.train, cfg.cluster, cfg.rollout, cfg.algorithm
+    teacher = 0
+    if a.opd_in_trainer and a.opd_teacher_load:
+        try:
+            teacher = parameter_count(AutoConfig.from_pretrained(a.opd_teacher_load))
+        except (OSError, ValueError):   # validate reports an unreadable teacher folder itself
+            pass
     compute_bytes = 4 if cfg.model.dtype == "float32" else 2
     prompt = cfg.data.max_prompt_len
     longest = r.max_context_len or (prompt or 0) + r.max_response_len
@@ -225,7 +236,7 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
                      critic=a.needs_critic,
                      critic_optimizer_on_gpu=not t.optimizer_cpu_offload,
                      engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
-                     processes=2 if c.colocate else 1)
+                     processes=2 if c.colocate else 1, teacher_params=teacher)
     if sum(need.values()) <= total:
         return []
     gib = 2 ** 30
@@ -237,6 +248,8 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
         ("--recompute-activations", not t.recompute_activations),
         ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
         ("--rollout-engine sglang (it releases its weights while the trainer trains)", engine_keeps),
+        ("--opd-type sglang --opd-teacher-urls (the teacher scores on its own servers, not in the trainer)",
+         teacher > 0),
         ("more trainer GPUs (--actor-num-gpus-per-node N shards the model)", True)) if missing]
     parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in need.items() if v)
     return [f"the torch trainer's step needs about {sum(need.values()) / gib:.1f} GiB on each of its GPUs "

@@ -160,6 +160,18 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
     assert startup_problems(gpu_run("--recompute-activations", "--optimizer-cpu-offload"), 1, gpu_bytes=H200) == []
     assert "critic 61.0" in startup_problems(ppo, 2, gpu_bytes=H200)[0]
     assert startup_problems(ppo, 4, gpu_bytes=H200) == []
+    # --opd-type megatron: the trainer holds the teacher whole in float32 (4 B/param of the teacher's own
+    # size): beside the 8B policy, its streamed moments and its KL reference (16 B/param with the engine's
+    # weights, which fit above), an 8B teacher no longer fits
+    fits = gpu_run("--recompute-activations", "--offload-train", "--use-kl-loss")
+    opd = replace(fits, algorithm=replace(fits.algorithm, use_opd=True, opd_type="megatron",
+                                          opd_teacher_load=fits.model.hf_checkpoint))
+    (teacher,) = startup_problems(opd, 1, gpu_bytes=H200)
+    assert "teacher 30.5" in teacher and "--opd-type sglang" in teacher and "teacher" not in problem
+    assert startup_problems(opd, 1, gpu_bytes=2 * H200) == []
+    # the teacher of --opd-type sglang scores on its servers: nothing in the trainer
+    assert startup_problems(replace(opd, algorithm=replace(opd.algorithm, opd_type="sglang", opd_teacher_load=None)),
+                            1, gpu_bytes=H200) == []
     # nothing to check: no GPUs known, a CPU run
     assert startup_problems(gpu_run(), None, gpu_bytes=H200) == []
     cpu = gpu_run()
