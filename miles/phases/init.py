@@ -35,6 +35,7 @@ from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlace
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
+from miles.config.schema import parse_opd_teachers
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
 from miles.phases.background_save import BackgroundSave
@@ -58,6 +59,7 @@ from miles.rollout.generation import load_generate_function, load_rollout_functi
 from miles.rollout.evals import load_eval_function
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsWeightBuckets
+from miles.rollout.remote_reward import check_reachable
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
 from miles.rollout.scoring import Rewards
 from miles.rollout.tools import load_tool_kit, load_tool_specs
@@ -369,6 +371,12 @@ async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
         await rewards.check_services()
     finally:
         await rewards.close()
+    if cfg.algorithm.opd_from_servers:       # --opd-type sglang: every teacher server answers before anything starts
+        for name, url in parse_opd_teachers(cfg.algorithm.opd_teacher_urls).items():
+            await check_reachable(url, timeout_s=10.0, attempts=cfg.rollout.rm_max_retries + 1,
+                                  backoff_s=cfg.rollout.rm_retry_backoff_s, flag="--opd-teacher-urls",
+                                  what=f"the server of teacher {name!r}",
+                                  why_needed="--opd-type sglang asks it for every trained sample's logprobs")
 
 
 async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:

@@ -106,9 +106,12 @@ def _json(body: str, url: str) -> Any:
                                 f"{body[:_BODY_PREVIEW_CHARS]!r}; answer a number or an object of scores") from exc
 
 
-async def check_reachable(url: str, *, timeout_s: float, attempts: int = 3, backoff_s: float = 0.5) -> None:
+async def check_reachable(url: str, *, timeout_s: float, attempts: int = 3, backoff_s: float = 0.5,
+                          flag: str = "--rm-url", what: str = "the reward service",
+                          why_needed: str = "--rm-type remote_rm posts every response there") -> None:
     """ConfigError unless the service at `url` answers an HTTP request (any status) within
-    `attempts` tries: what the run checks before it starts anything."""
+    `attempts` tries: what the run checks before it starts anything. `flag`, `what` and `why_needed`
+    word the error (the reward service's by default)."""
     import aiohttp
 
     last: BaseException | None = None
@@ -122,5 +125,4 @@ async def check_reachable(url: str, *, timeout_s: float, attempts: int = 3, back
             if attempt + 1 < attempts:
                 await asyncio.sleep(backoff_s * 2 ** attempt)
     why = f"{type(last).__name__}: {last}" if str(last) else type(last).__name__
-    raise ConfigError(f"--rm-url {url}: the reward service does not answer ({why}); start it, or fix the "
-                      "address (--rm-type remote_rm posts every response there)")
+    raise ConfigError(f"{flag} {url}: {what} does not answer ({why}); start it, or fix the address ({why_needed})")

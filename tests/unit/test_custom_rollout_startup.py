@@ -57,6 +57,16 @@ def test_reward_service_down_exits_2_naming_the_url(tiny_task, tmp_path, capsys)
     assert f"--rm-url {url}: the reward service does not answer" in err
 
 
+def test_an_opd_teacher_server_down_exits_2_naming_the_teacher_and_its_url(tiny_task, tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/generate"
+    err = run(tiny_task, tmp_path, capsys, use_opd=True, opd_type="sglang", opd_teacher_urls=f"math={url}",
+              use_rollout_logprobs=True, rm_max_retries=0)
+    assert f"--opd-teacher-urls {url}: the server of teacher 'math' does not answer" in err and "start it" in err
+
+
 @pytest.mark.parametrize("extra, expect", [
     ({"rm_type": "remote_rm"}, "--rm-type remote_rm needs --rm-url"),
     ({"group_rm": True}, "--group-rm makes the --custom-rm-path function"),
