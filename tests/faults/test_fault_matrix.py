@@ -68,7 +68,7 @@ SIGNAL_IN_CI = {"init": "sigterm", "weight_sync": "sigterm", "eval": "sigint", "
 
 def matrix_params(kinds, in_ci: dict[str, str]) -> list:
     """(state, kind) pytest params for every state x kind; those not `in_ci` are marked extended."""
-    return [pytest.param(state, kind, id=f"{state}-{kind}", marks=() if in_ci[state] == kind else pytest.mark.extended)
+    return [pytest.param(state, kind, id=f"{state}-{kind}", marks=() if in_ci.get(state) == kind else pytest.mark.extended)
             for state in STATES for kind in kinds]
 
 

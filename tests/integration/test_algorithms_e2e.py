@@ -146,6 +146,7 @@ def test_critic_warm_up_saves_only_the_critic_and_a_later_run_starts_from_it(ray
     assert first["critic/values_mean"] != 0 and first["actor_trained"] == 1   # a fresh head would value 0
 
 
+@pytest.mark.extended   # out of the default run (CI budget): PPO's recipe on one rank here, the critic's two ranks in tests/unit/test_fsdp_critic.py
 def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task, ones_reward, tmp_path):
     """--actor-num-gpus-per-node 2 on the CPU: the policy and PPO's critic each run as 2 FSDP ranks
     (gloo); the critic learns, and its checkpoint is the one-process critic's folder."""

@@ -32,6 +32,7 @@ def _failed_with(tmp_path, run_dir: str, flags: list[str], message: str, capsys)
     assert miles_actors() == []
 
 
+@pytest.mark.extended   # out of the default run (CI budget): five runs; the gates' checks in tests/unit/test_ci_gates.py, a gate failing a run in the test below
 def test_recorded_norms_and_hash_match_a_second_run_and_a_tampered_record_fails(ray_cluster, tiny_task,
                                                                                tmp_path, capsys):
     norms, ck = tmp_path / "norms.json", tmp_path / "ck"

@@ -17,6 +17,7 @@ from tests.integration.test_algorithms_e2e import RECIPES, all_ones_logprob, one
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.extended   # out of the default run (CI budget): the loss scale's skips, growth and resume in tests/unit/test_fp16_training.py, fp16 on CUDA in tests/gpu
 def test_fp16_ppo_skips_its_overflow_learns_and_resumes_its_scale(ray_cluster, tiny_task, ones_reward, tmp_path):
     torch.set_num_threads(1)
     prompts = [json.loads(x)["input"] for x in open(tiny_task["train"]).read().splitlines()[:8]]

@@ -64,6 +64,7 @@ def test_three_rollouts_end_to_end(ray_cluster, tiny_task, tmp_path):
     assert miles_actors() == []
 
 
+@pytest.mark.extended   # out of the default run (CI budget): tests/faults/test_driver_kill.py resumes after kill -9 and matches an uninterrupted run
 def test_resume_matches_an_uninterrupted_run(ray_cluster, tiny_task, tmp_path):
     # with the default engine count: two engines on a CPU of two or more cores, each its own part of the
     # batch and its own seed, so the runs below are reproducible with two engines as with one

@@ -224,7 +224,7 @@ ALGORITHMS = {
 
 
 @pytest.mark.parametrize("family,algorithm", [("qwen2", "grpo"), ("qwen3", "grpo"), ("llama3", "kl_entropy_tis"),
-                                              ("qwen2", "opsm"),
+                                              pytest.param("qwen2", "opsm", marks=pytest.mark.extended),
                                               pytest.param("llama", "kl_entropy_tis", marks=pytest.mark.extended)])
 def test_one_rank_trains_like_the_torch_trainer(models, tmp_path, family, algorithm):
     cfg = configs(**ALGORITHMS[algorithm])
@@ -314,7 +314,9 @@ def test_uneven_pipeline_stages_train_like_the_torch_trainer(tmp_path):
     assert_same_training(results[0]["metrics"], want, hf_weights(results, model), want_w)
 
 
-@pytest.mark.parametrize("tp,cp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)], ids=["tp2", "cp2"])
+# both extended (CI budget): tests/integration/test_megatron_ray.py saves and resumes a two-rank megatron run
+@pytest.mark.parametrize("tp,cp", [pytest.param(2, 1, marks=pytest.mark.extended),
+                                   pytest.param(1, 2, marks=pytest.mark.extended)], ids=["tp2", "cp2"])
 def test_save_commit_and_resume_continue_the_same_curve(models, tmp_path, tp, cp):
     from miles.checkpoint.store import CheckpointStore
 

@@ -117,6 +117,7 @@ def test_sampling_and_template_flags(folder, first_run):
     sampling_checks(folder)
 
 
+@pytest.mark.extended   # out of the default run (CI budget): the launch script runs in test_the_run_is_clean_on_stderr, the fast engine's run in test_main_job.py
 def test_the_fast_engine_serves_the_same_sampling_flags(tmp_path_factory, tiny_task):
     # --rollout-stop and --rollout-max-context-len on FastEngine (the engine CUDA runs pick; eager here)
     fast = script_folder(tmp_path_factory, tiny_task)

@@ -7,10 +7,12 @@ The HF export of the last save is what the engine ran: its weights' checksum is 
 weight sync checked on the engine, and transformers' own greedy decoding of the export scores what
 the run's last eval (greedy, on the engine) scored.
 
-One run (Qwen3, torch) is in the default set, with the torch trainer on 2 ranks (FSDP2 over gloo,
+All four are `extended` (bash scripts/test.sh -m extended; 2-7 min each on 2 cores): the demo learns
+in the default run (test_demo.py), the families' forward equals transformers' in
+tests/unit/test_model_families.py, and two FSDP ranks run end to end in
+test_custom_config_env_eval_e2e.py. The Qwen3 torch run uses 2 ranks (FSDP2 over gloo,
 --actor-num-gpus-per-node 2 on the CPU): its weights reach the engine gathered bucket by bucket and
-its export is made from them; the other three repeat the path with another family or backend at 2-7
-min each here, on one rank, and are `extended` (bash scripts/test.sh -m extended).
+its export is made from them; the other three run on one rank.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ NEEDS_MEGATRON = pytest.mark.skipif(not installed("megatron.core"), reason="need
 
 
 @pytest.mark.parametrize("family,backend,ranks", [
-    ("qwen3", "torch", 2),
+    pytest.param("qwen3", "torch", 2, marks=pytest.mark.extended),
     pytest.param("llama3", "torch", 1, marks=pytest.mark.extended),
     pytest.param("qwen3", "megatron", 1, marks=[pytest.mark.extended, NEEDS_MEGATRON]),
     pytest.param("llama3", "megatron", 1, marks=[pytest.mark.extended, NEEDS_MEGATRON]),

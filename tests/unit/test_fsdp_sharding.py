@@ -34,6 +34,7 @@ def test_a_merged_bucket_offers_every_ranks_ipc_copy_and_keeps_rank_0s_bytes():
     assert merge_rank_buckets([payload, None]) is payload        # off CUDA: rank 0's bytes, nothing to merge
 
 
+@pytest.mark.extended   # out of the default run (CI budget): compiled FSDP layers on CUDA in tests/gpu/test_fsdp_gpu.py
 def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_path):
     """The order the trainer uses on CUDA (shard, then compile each layer in place), on one gloo rank:
     FSDP's hooks run outside the compiled code, the gradients are the eager ones. aot_eager traces

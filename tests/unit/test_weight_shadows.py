@@ -100,6 +100,7 @@ def test_the_masters_come_back_on_an_error_and_frozen_weights_get_no_shadow():
     assert model.get_output_embeddings() not in linears
 
 
+@pytest.mark.extended   # out of the default run (CI budget): the CUDA case in tests/gpu/test_weight_shadows_gpu.py
 def test_new_shadows_every_step_do_not_recompile_a_compiled_layer():
     from torch._dynamo.utils import counters
 
