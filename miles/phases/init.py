@@ -354,7 +354,8 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
 
 async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
     """The user's generate / rollout / tool functions import and have the right signatures; the
-    rewards exist (the per-sample types the data names too) and their services answer."""
+    rewards exist (the per-sample types the data names too) and their services answer, as do the OPD
+    teacher servers (--opd-type sglang)."""
     g = cfg.generate
     if g.generate_function_path:
         load_generate_function(g.generate_function_path)

@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # CI runs the async cases where a rollout can be generating ahead or an eval in flight (from the rollout
 # phase on) and leaves the earlier states, whose path the sync matrix covers, to the extended run
 ASYNC_STATES_IN_CI = ("rollout", "train", "save", "draining")
+# SIGINT in CI: where a rollout is asked for ahead or cancelled (save's stop path is the sync matrix's save case)
+ASYNC_SIGNAL_STATES_IN_CI = ("rollout", "train", "draining")
 SPANS = {"prefetch_start": "prefetch_end", "eval_start": "eval_end"}
 ASYNC = ["--use-tis"]
 
@@ -65,7 +67,7 @@ def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, t
 
 # SIGTERM takes the same path as SIGINT (the sync matrix runs both in every state, half of it extended); here SIGINT
 @pytest.mark.parametrize("sig", ["sigint"])
-@pytest.mark.parametrize("state", [s if s in ASYNC_STATES_IN_CI and s != "save" else pytest.param(s, marks=pytest.mark.extended)
+@pytest.mark.parametrize("state", [s if s in ASYNC_SIGNAL_STATES_IN_CI else pytest.param(s, marks=pytest.mark.extended)
                                    for s in STATES])
 def test_signal_drains_cancels_the_rollout_ahead_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
     cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, f"{state}:{sig}"), *ASYNC])

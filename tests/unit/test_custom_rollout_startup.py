@@ -63,7 +63,7 @@ def test_an_opd_teacher_server_down_exits_2_naming_the_teacher_and_its_url(tiny_
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/generate"
     err = run(tiny_task, tmp_path, capsys, use_opd=True, opd_type="sglang", opd_teacher_urls=f"math={url}",
-              use_rollout_logprobs=True, rm_max_retries=0)
+              rm_max_retries=0)
     assert f"--opd-teacher-urls {url}: the server of teacher 'math' does not answer" in err and "start it" in err
 
 
