@@ -3,7 +3,7 @@
 # install the wheels, then run the steps named in the arguments, each bounded so that the call
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
 # megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
-# mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), enginecaps (engine_caps.py at
+# wgrad (wgrad_accum_gpu.py: the float32 gradient accumulation fused into the matmul or not), mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), enginecaps (engine_caps.py at
 # the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
 # (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
 # SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
@@ -55,6 +55,7 @@ for step in "$@"; do
         timeout ${FSDP_S:-150} python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp${n:+-$n}.json ${!av:-} > /tmp/fsdp$n.log 2>&1; tail -c 3000 /tmp/fsdp$n.log ;;
     mfu) timeout ${MFU_S:-480} python3 scripts/bench/train_mfu_gpu.py --out $OUT/mfu.json ${MFU_ARGS:-} > /tmp/mfu.log 2>&1
         echo "rc=$?"; cp /tmp/mfu.log $OUT/; tail -c 4000 /tmp/mfu.log ;;
+    wgrad) timeout 120 python3 scripts/bench/wgrad_accum_gpu.py --out $OUT/wgrad.json 2>&1 | tail -c 4000 ;;
     megatron) timeout ${MEGATRON_S:-300} python3 -m pytest tests/gpu/test_megatron_gpu.py -q -p no:cacheprovider --durations=6 2>&1 | tail -20 ;;
     scale:*|bgscale:*) w=${step#*scale:}; k=${w//[.-]/_}; sv=SCALE_S_$k; av=SCALE_ARGS_$k   # per workload: SCALE_S_8b_2k, SCALE_ARGS_8b_2k
         rm -f /tmp/scale-$w.rc
