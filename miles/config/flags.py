@@ -325,9 +325,16 @@ FLAGS: tuple[Flag, ...] = (
     _f("trainer-weight-shadows", "train", "weight_shadows", kind="true",
        help="torch trainer with a compute dtype below float32 (bf16 on CUDA): cast the decoder's Linear weights "
             "once per optimizer step instead of once per micro-batch, and add their gradients into the float32 "
-            "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Off by "
-            "default until measured on the GPU; FSDP ranks (several trainer GPUs) gather bf16 weights once a step "
-            "already and ignore it"),
+            "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Opt-in: "
+            "0.6-0.9%% of a step on the GPU (docs/performance.md); FSDP ranks (several trainer GPUs) gather bf16 "
+            "weights once a step already and ignore it"),
+    _f("gradient-accumulation-fusion", "train", "grad_accum_fusion", kind="true",
+       help="torch trainer with a compute dtype below float32: --trainer-weight-shadows, and each shadowed "
+            "Linear's weight gradient is added into its float32 gradient by the weight-gradient matmul itself "
+            "(cuBLAS with a float32 output on CUDA), not rounded to bf16 and added by a kernel of its own "
+            "(Megatron-LM's gradient-accumulation fusion; more exact than autocast's sums, so not its numbers "
+            "to the bit; miles/training/shadows.py). Opt-in: 3.6%% off a 1.7B step on an H100 "
+            "(docs/performance.md); Megatron-LM's --no-gradient-accumulation-fusion leaves it off"),
     _f("optimizer-cpu-offload", "train", "optimizer_cpu_offload", kind="true",
        help="keep the optimizer state (AdamW's two float32 moments, 8 bytes a parameter) in pinned host memory "
             "for the whole run: each step streams it through the trainer's device 1 GiB of parameters at a time, "

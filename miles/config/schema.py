@@ -312,6 +312,7 @@ class TrainConfig:
     log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: rows per chunk of the chunked logprobs
     compile_layers: bool | None = None  # --trainer-compile / --no-trainer-compile (None: on for the torch trainer on CUDA)
     weight_shadows: bool = False        # --trainer-weight-shadows: Linear weights cast once a step, not once a micro-batch
+    grad_accum_fusion: bool = False     # --gradient-accumulation-fusion: shadows whose weight gradients add up in the matmul
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
     mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
     # float16 loss scaling (--fp16; miles.training.loss_scale): Megatron-LM's flags and defaults, but the
@@ -340,6 +341,12 @@ class TrainConfig:
     target_modules: str | None = None   # --target-modules: comma list of module suffixes / attn / mlp (None: all-linear)
     exclude_modules: str | None = None  # --exclude-modules: comma list of module suffixes taken out of the targets
     lora_adapter_path: str | None = None  # --lora-adapter-path: a PEFT adapter folder to start from
+
+    @property
+    def shadows(self) -> bool:
+        """The decoder's Linear weights cast once a loop (--trainer-weight-shadows, or implied by
+        --gradient-accumulation-fusion, whose matmuls need the shadows)."""
+        return self.weight_shadows or self.grad_accum_fusion
 
     @property
     def warmup_steps(self) -> int:

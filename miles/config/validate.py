@@ -499,6 +499,8 @@ def _lora(cfg: RunConfig, problems: list[str]) -> None:
                 f"{cfg.cluster.trainer_ranks} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
                 "the torch trainer's FSDP ranks do not shard adapters yet; train on one GPU (1 x 1)"),
                (t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
+               (t.grad_accum_fusion, "--gradient-accumulation-fusion", "the adapted Linear layers run their own "
+                "matmuls; drop it"),
                (a.needs_critic, "--advantage-estimator ppo", "PPO's critic is not set up for LoRA yet; use grpo, "
                 "gspo, rloo or reinforce_plus_plus"),
                (t.decoupled_lr is not None, "--decoupled-lr", "the embedding and output layer are frozen under LoRA; "

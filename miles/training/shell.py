@@ -155,10 +155,12 @@ class OptimizedModel:
 
     def _shadowed(self, model: nn.Module, *, grads: bool):
         """The context of a micro-batch loop over `model`: with --trainer-weight-shadows its decoder's
-        Linear weights in the compute dtype, cast once for the loop (`miles.training.shadows`)."""
-        if not self._train_cfg.weight_shadows:
+        Linear weights in the compute dtype, cast once for the loop, with --gradient-accumulation-fusion
+        their weight gradients added up by the matmuls too (`miles.training.shadows`)."""
+        t = self._train_cfg
+        if not t.shadows:
             return contextlib.nullcontext()
-        return weight_shadows(model, self.compute_dtype, grads=grads)
+        return weight_shadows(model, self.compute_dtype, grads=grads, fuse=t.grad_accum_fusion)
 
     def _backward(self, loss: Tensor) -> None:
         """The backward of a micro-batch's loss, scaled under float16 (`_optimizer_step` unscales)."""

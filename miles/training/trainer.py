@@ -175,7 +175,8 @@ class Trainer(OptimizedModel):
         log.info("trainer_ready", model=model_path, device=str(self.device), compute_dtype=str(self.compute_dtype),
                  kl=self._ref is not None, opd_teacher=algorithm.opd_teacher_load if self._teacher is not None else None,
                  forward=forward_name, compiled_layers=compiled,
-                 weight_shadows=train.weight_shadows and self.compute_dtype != torch.float32,
+                 weight_shadows=train.shadows and self.compute_dtype != torch.float32,
+                 grad_accum_fusion=train.grad_accum_fusion and self.compute_dtype != torch.float32,
                  optimizer_state="host" if train.optimizer_cpu_offload else "device",
                  may_skip_old_logprobs=self._may_skip_old_pass, cpu_threads=threads,
                  lora=None if self._adapters is None else dict(

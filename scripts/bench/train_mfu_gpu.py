@@ -18,7 +18,9 @@ state to host memory after the warm-up, streamed by each step, as --offload-trai
 trainer as one FSDP2 rank, `miles.training.fsdp.rank.FSDPRank` in a world of one: bf16 parameters
 gathered once a step and kept across its micro-batches, no autocast, whole float32 gradients
 accumulated by FSDP; what each of N ranks runs), shadow (0/1: --trainer-weight-shadows, the decoder's
-Linear weights cast to bf16 once a step instead of once a micro-batch; `miles.training.shadows`).
+Linear weights cast to bf16 once a step instead of once a micro-batch; `miles.training.shadows`), fused
+(0/1: --gradient-accumulation-fusion, which implies the shadows: the weight gradients summed into the
+float32 ones by the matmuls).
 
 Printed JSON per variant: step_s (median of the timed rollouts), mfu (6 x params x tokens / step_s /
 989 TFLOP/s, the scale bench's formula), micro_batches, memory_token_budget, the torch
@@ -55,15 +57,15 @@ from train_megatron_gpu import free_port, log, rollout  # noqa: E402
 
 DEFAULT_VARIANTS = ("recompute:recompute=1;budget=32768,plan:budget=plan,"
                     "packed:offload=1;budget=12800,padded:offload=1;budget=12800;pack=0")
-KEYS = {"budget", "recompute", "pack", "offload", "fsdp", "shadow"}
+KEYS = {"budget", "recompute", "pack", "offload", "fsdp", "shadow", "fused"}
 
 
 def parse_variants(text: str) -> dict[str, dict]:
-    """NAME:key=value;key=value,... -> {NAME: {budget, recompute, pack, offload, fsdp, shadow}} (see the docstring)."""
+    """NAME:key=value;key=value,... -> {NAME: {budget, recompute, pack, offload, fsdp, shadow, fused}} (see the docstring)."""
     out = {}
     for item in filter(None, text.split(",")):
         name, _, spec = item.partition(":")
-        v = {"budget": "plan", "recompute": 0, "pack": 1, "offload": 0, "fsdp": 0, "shadow": 0}
+        v = {"budget": "plan", "recompute": 0, "pack": 1, "offload": 0, "fsdp": 0, "shadow": 0, "fused": 0}
         for kv in filter(None, spec.split(";")):
             key, _, value = kv.partition("=")
             if key not in KEYS:
@@ -81,7 +83,7 @@ def make_trainer(model: str, v: dict, args):
     train = TrainConfig(lr=1e-6, micro_batch_size=args.samples, global_batch_size=args.samples,
                         use_dynamic_batch_size=budget is not None, max_tokens_per_gpu=budget,
                         pack_sequences=bool(v["pack"]), recompute_activations=bool(v["recompute"]),
-                        weight_shadows=bool(v["shadow"]))
+                        weight_shadows=bool(v["shadow"]), grad_accum_fusion=bool(v["fused"]))
     kw = dict(train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)

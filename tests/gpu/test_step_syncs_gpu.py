@@ -2,7 +2,7 @@
 what the loop needs of it (`HostLayout`), is made before the first forward, and the loop runs under
 torch's sync debug mode set to "error" (a `.item()`, a boolean index, a copy from pageable memory
 inside it raises). Padded and packed micro-batches, the chunked logprob path and compiled layers (the
-CUDA defaults), with and without --trainer-weight-shadows. Skipped without a GPU; no Ray."""
+CUDA defaults), with and without --trainer-weight-shadows or --gradient-accumulation-fusion. Skipped without a GPU; no Ray."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def run_loop(t: Trainer, batch, record):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("shadows", [False, True], ids=["autocast", "shadows"])
-def test_the_micro_batch_loop_reads_nothing_back_from_the_gpu(packed, shadows):
+@pytest.mark.parametrize("cast", ["autocast", "shadows", "fused"])
+def test_the_micro_batch_loop_reads_nothing_back_from_the_gpu(packed, cast):
     train = TrainConfig(lr=1e-3, micro_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
-                        pack_sequences=packed, weight_shadows=shadows)
+                        pack_sequences=packed, weight_shadows=cast == "shadows", grad_accum_fusion=cast == "fused")
     algorithm = AlgorithmConfig(loss_agg_mode="seq_mean_token_mean", kl_loss_type="k3", use_kl_loss=True,
                                 kl_loss_coef=0.01, entropy_coef=0.001)
     t = Trainer(QWEN3, train=train, algorithm=algorithm, rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=6),

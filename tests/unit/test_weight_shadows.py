@@ -1,7 +1,9 @@
 """--trainer-weight-shadows: the decoder's Linear weights cast to the compute dtype once a step
 (`miles.training.shadows`) give autocast's numbers to the bit, on the policy and the critic, over
 several steps; the float32 masters are back in place after every loop, error or not; a compiled
-layer does not recompile for each step's new shadows."""
+layer does not recompile for each step's new shadows. --gradient-accumulation-fusion: the weight
+gradients add up in float32 inside the matmuls, nearer the exact sums than autocast's, through
+compiled layers too."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.config.schema import ConfigError
 from miles.training.critic import Critic
+from miles.training.batch import make_train_batch
 from miles.training.forward import compile_decoder_layers
-from miles.training.shadows import shadowable, weight_shadows
+from miles.training.shadows import FusedWgradLinear, accumulate_weight_grad, shadowable, weight_shadows
 from miles.training.trainer import Trainer
 from tests.unit.test_trainer import sample
 
@@ -30,8 +33,9 @@ def samples(n=12, seed=0):
                    [rng.randrange(4, 24) for _ in range(rng.randrange(1, 20))], rng.uniform(-1, 1)) for _ in range(n)]
 
 
-def policy(shadows: bool, **train) -> Trainer:
-    cfg = TrainConfig(**{"lr": 1e-3, "micro_batch_size": 4, "global_batch_size": 6, "weight_shadows": shadows, **train})
+def policy(shadows: bool, fuse: bool = False, **train) -> Trainer:
+    cfg = TrainConfig(**{"lr": 1e-3, "micro_batch_size": 4, "global_batch_size": 6, "weight_shadows": shadows,
+                         "grad_accum_fusion": fuse, **train})
     algorithm = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_kl_loss=True, kl_loss_coef=0.01,
                                 entropy_coef=0.001)
     return Trainer(QWEN3, train=cfg, algorithm=algorithm, rollout=RolloutConfig(n_samples_per_prompt=4, batch_size=3),
@@ -122,5 +126,95 @@ def test_the_flag(tmp_path):
             "--n-samples-per-prompt", "8"]
     assert parse_flags(base + ["--trainer-weight-shadows"])[0].train.weight_shadows is True
     assert parse_flags(base)[0].train.weight_shadows is False
+    assert not parse_flags(base)[0].train.shadows
     with pytest.raises(ConfigError, match="--trainer-weight-shadows: not supported by --train-backend megatron"):
         parse_flags(base + ["--train-backend", "megatron", "--trainer-weight-shadows"])
+    fused = parse_flags(base + ["--gradient-accumulation-fusion"])[0].train
+    assert fused.grad_accum_fusion and fused.shadows          # the fusion needs the shadows: it implies them
+    with pytest.raises(ConfigError, match="--gradient-accumulation-fusion: not supported by --train-backend megatron"):
+        parse_flags(base + ["--train-backend", "megatron", "--gradient-accumulation-fusion"])
+    with pytest.raises(ConfigError, match="--lora-rank 4 with --gradient-accumulation-fusion"):
+        parse_flags(base + ["--lora-rank", "4", "--gradient-accumulation-fusion"])
+
+
+# ---- --gradient-accumulation-fusion -----------------------------------------------------------------
+
+def test_the_fused_weight_gradient_is_the_float32_sum_nearer_the_exact_one_than_autocasts():
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40, bias=True)
+    xs = [torch.randn(3, 7, 48) for _ in range(4)]                 # four micro-batches
+    exact = torch.zeros(40, 48, dtype=torch.float64)
+    for x in xs:       # the loss: sum(out * 0.1 * out's index); its gradient reaches the bf16 output rounded
+        g = (torch.arange(40) * 0.1).to(BF16).double().expand(3, 7, 40)
+        exact += g.reshape(-1, 40).t() @ x.to(BF16).double().reshape(-1, 48)
+
+    def run(fuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin.zero_grad(set_to_none=True)
+        inputs = [x.clone().requires_grad_(True) for x in xs]
+        with weight_shadows(lin, BF16, fuse=fuse) as count, torch.autocast("cpu", dtype=BF16):
+            assert count == 1 and isinstance(lin, FusedWgradLinear) is fuse
+            for x in inputs:
+                (lin(x).float() * torch.arange(40) * 0.1).sum().backward()
+        assert type(lin) is nn.Linear and not hasattr(lin, "main_grad") and lin.weight.dtype == torch.float32
+        return lin.weight.grad.clone(), lin.bias.grad.clone(), torch.stack([x.grad for x in inputs])
+
+    def err(g):
+        return float((g.double() - exact).abs().max() / exact.abs().max())
+
+    fused_w, fused_b, fused_x = run(True)
+    plain_w, plain_b, plain_x = run(False)
+    assert fused_w.dtype == torch.float32 and not torch.equal(fused_w, plain_w)
+    assert err(fused_w) < 1e-6 < err(plain_w)         # float32 sums against bf16-rounded products
+    assert torch.equal(fused_b, plain_b) and torch.equal(fused_x, plain_x)   # the rest is autocast's
+
+
+def test_accumulate_weight_grad_adds_into_the_gradient_in_place():
+    g, x = torch.randn(5, 3, dtype=BF16), torch.randn(5, 4, dtype=BF16)
+    main = torch.ones(3, 4)
+    before = main.data_ptr()
+    accumulate_weight_grad(main, g, x)
+    assert main.data_ptr() == before
+    assert torch.allclose(main, 1 + g.float().t() @ x.float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("train", [{}, {"recompute_activations": True}], ids=["rows", "recompute"])
+def test_a_fused_policy_takes_autocasts_gradients_to_rounding_and_gives_its_modules_back(train):
+    grads = {}
+    for fuse in (False, True):
+        t = policy(False, fuse=fuse, **train)
+        linears = shadowable(t.model)
+        t.accumulate_gradients(t.prepare(make_train_batch(samples(seed=0), t.pad_id)))
+        grads[fuse] = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        assert all(type(m) is nn.Linear and not hasattr(m, "main_grad") for m in linears)
+        assert all(p.dtype == torch.float32 for p in t.model.parameters())
+        metrics = t.train(samples(seed=1), 1)               # whole steps run, and change the weights
+        assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    plain, fused = grads[False], grads[True]
+    assert plain.keys() == fused.keys()
+    linear_weights = {n for n in plain if n.endswith("proj.weight")}
+    assert linear_weights and all(not torch.equal(plain[n], fused[n]) for n in linear_weights)
+    for n, g in plain.items():         # the same gradients but for bf16 roundings of the products
+        assert float((fused[n] - g).norm() / g.norm().clamp_min(1e-12)) < 2e-2, n
+
+
+@pytest.mark.extended   # ~27 s of compiling on 2 cores (CI budget); tests/gpu/test_weight_shadows_gpu.py compiles it on CUDA
+def test_fused_gradients_through_a_compiled_layer_equal_the_eager_ones_and_compile_once():
+    from torch._dynamo.utils import counters
+
+    grads = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        t = policy(False, fuse=True)
+        if compiled:
+            compile_decoder_layers(t.model, backend="aot_eager")
+        graphs = []
+        for _ in range(2):               # the same shapes again: a new graph would be the new shadows'
+            t._optimizer.zero_grad(set_to_none=True)
+            t.accumulate_gradients(t.prepare(make_train_batch(samples(seed=0), t.pad_id)))
+            graphs.append(counters["stats"]["unique_graphs"])
+        grads[compiled] = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        if compiled:
+            assert graphs[0] > 0 and graphs[0] == graphs[1], graphs
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.allclose(grads[True][n], g, rtol=1e-4, atol=1e-6) for n, g in grads[False].items())
+    torch._dynamo.reset()

@@ -88,6 +88,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
                           "DIR/rollout_data/{rollout_id}.pt dumps the rollouts alone",
         "--trainer-compile": "its layers are megatron-core's (Transformer Engine fuses them where installed)",
         "--trainer-weight-shadows": "its bf16 weights keep float32 main gradients already",
+        "--gradient-accumulation-fusion": "megatron-core fuses it with Transformer Engine or APEX where installed",
         "--optimizer-cpu-offload": "its distributed optimizer keeps its state shards on the GPU",
         "--fp16": "its megatron-core model and optimizer are set up for bf16 or fp32, with no loss scaler: "
                   "--dtype bfloat16 trains there",
@@ -102,6 +103,7 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
         ("--dump-details", bool(cfg.dump_details) and not t.save_debug_train_data),
         ("--trainer-compile", t.compile_layers is True),     # None (auto) means the torch trainer's default
         ("--trainer-weight-shadows", t.weight_shadows), ("--optimizer-cpu-offload", t.optimizer_cpu_offload),
+        ("--gradient-accumulation-fusion", t.grad_accum_fusion),
         ("--fp16", cfg.model.float16),
         ("--decoupled-lr", t.decoupled_lr is not None),
     ) if on]
