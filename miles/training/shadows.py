@@ -107,8 +107,10 @@ def weight_shadows(model: nn.Module, dtype: torch.dtype, *, grads: bool = True, 
     """Within the context the decoder's Linear modules use `dtype` copies of their weights made on
     entry (one multi-tensor copy); with `grads`, the copies' gradients fold into the float32 masters'
     `.grad` as they come (the masters must take gradients; frozen ones get no shadow), or with `fuse`
-    too, the weight-gradient matmuls add into the masters' `.grad` themselves (allocated here, zeros,
-    where there is none yet); without `grads`, the copies take none (no-grad passes). The masters and
+    too, the weight-gradient matmuls of plain `nn.Linear` modules add into the masters' `.grad`
+    themselves (allocated here, zeros, where there is none yet: a Linear the loop never runs then has a
+    zero gradient, as in Megatron-LM's main-gradient buffers, not None; subclasses of `nn.Linear` keep
+    their own forward and fold); without `grads`, the copies take none (no-grad passes). The masters and
     the modules' classes are back in place on every exit, error or not.
     Yields the number of shadowed weights (0: nothing to shadow, or `dtype` is float32)."""
     modules = [] if dtype == torch.float32 else shadowable(model)
@@ -122,8 +124,9 @@ def weight_shadows(model: nn.Module, dtype: torch.dtype, *, grads: bool = True, 
         if copies:
             torch._foreach_copy_(copies, [w.detach() for w in masters])
         for module, master, copy in zip(modules, masters, copies):
-            shadow = nn.Parameter(copy, requires_grad=grads and not fuse)
-            if fuse:
+            fused = fuse and type(module) is nn.Linear
+            shadow = nn.Parameter(copy, requires_grad=grads and not fused)
+            if fused:
                 if master.grad is None:
                     master.grad = torch.zeros_like(master)
                 module.__class__ = FusedWgradLinear
@@ -137,4 +140,4 @@ def weight_shadows(model: nn.Module, dtype: torch.dtype, *, grads: bool = True, 
             module._parameters["weight"] = master
             if module.__class__ is not cls:
                 module.__class__ = cls
-                del module.main_grad
+            module.__dict__.pop("main_grad", None)

@@ -168,6 +168,26 @@ def test_the_fused_weight_gradient_is_the_float32_sum_nearer_the_exact_one_than_
     assert torch.equal(fused_b, plain_b) and torch.equal(fused_x, plain_x)   # the rest is autocast's
 
 
+def test_a_linear_subclass_keeps_its_forward_and_folds_its_shadows_gradient():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(8, 8), nn.Linear(8, 8))
+    x = torch.randn(5, 8)
+    want = {}
+    for fuse in (False, True):
+        model.zero_grad(set_to_none=True)
+        with weight_shadows(model, BF16, fuse=fuse), torch.autocast("cpu", dtype=BF16):
+            assert type(model[0]) is Scaled and isinstance(model[1], FusedWgradLinear) is fuse
+            model(x).float().sum().backward()
+        assert [type(m) for m in model] == [Scaled, nn.Linear]
+        want[fuse] = [m.weight.grad.clone() for m in model]
+    assert torch.equal(want[True][0], want[False][0])          # the subclass: the fold, autocast's numbers
+    assert torch.allclose(want[True][1], want[False][1], rtol=1e-2, atol=1e-2)
+
+
 def test_accumulate_weight_grad_adds_into_the_gradient_in_place():
     g, x = torch.randn(5, 3, dtype=BF16), torch.randn(5, 4, dtype=BF16)
     main = torch.ones(3, 4)
