@@ -16,8 +16,8 @@ from torch import nn
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.config.schema import ConfigError
-from miles.training.critic import Critic
 from miles.training.batch import make_train_batch
+from miles.training.critic import Critic
 from miles.training.forward import compile_decoder_layers
 from miles.training.shadows import FusedWgradLinear, accumulate_weight_grad, shadowable, weight_shadows
 from miles.training.trainer import Trainer
@@ -207,8 +207,10 @@ def test_a_fused_policy_takes_autocasts_gradients_to_rounding_and_gives_its_modu
         grads[fuse] = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
         assert all(type(m) is nn.Linear and not hasattr(m, "main_grad") for m in linears)
         assert all(p.dtype == torch.float32 for p in t.model.parameters())
+        before = masters(t.model)
         metrics = t.train(samples(seed=1), 1)               # whole steps run, and change the weights
         assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+        assert any(not torch.equal(before[n], w) for n, w in masters(t.model).items())
     plain, fused = grads[False], grads[True]
     assert plain.keys() == fused.keys()
     linear_weights = {n for n in plain if n.endswith("proj.weight")}
