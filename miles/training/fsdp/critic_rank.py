@@ -4,7 +4,7 @@
 Every rank receives the whole rollout, its old values and its returns, and packs the same [B, T]
 batch, so each computes the global batch's token count (the loss's normalizer) itself. A rank runs
 only its contiguous share of each global batch's rows (`rank_rows`), in the policy's micro-batches
-(--micro-batch-size rows, or token-budget groups with --use-dynamic-batch-size: `RankMicroBatches`,
+(--micro-batch-size rows, or token-budget groups with --use-dynamic-batch-size: `DataParallelRank`,
 the shell's plan), padded to the same count on every rank (an empty micro-batch runs row 0 for
 the collectives and contributes nothing); FSDP sums the gradients over the ranks, so the step is
 the one-process step. The values and the loss terms are summed over the ranks: every rank answers
@@ -38,33 +38,31 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch
 from miles.training.critic import HEAD_FILE, Critic
 from miles.training.fsdp.checkpoint import load_full, whole_optimizer_state
-from miles.training.fsdp.rank import RankMicroBatches
-from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, join_group, reshard_all,
+from miles.training.fsdp.rank import DataParallelRank
+from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, reshard_all,
                                           shard_model, sum_over_ranks)
 from miles.training.shell import OPTIMIZER_FILE
 from miles.training.terms import TermSums
 from miles.types import Sample
-from miles.weights.hf import load_causal_lm, model_weights, resolve_device
+from miles.weights.hf import load_causal_lm, model_weights
 
 log = structlog.get_logger().bind(role="critic-rank")
 
 
-class FSDPCriticRank(RankMicroBatches, Critic):
+class FSDPCriticRank(DataParallelRank, Critic):
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rank: int, world_size: int,
                  init_from: str | None = None, device: str = "auto", dtype: str = "auto"):
         """Remembers the configuration; `setup` joins the group, then loads and shards the model."""
         self.rank, self.world_size = rank, world_size
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, init_from=init_from, device=device,
                                             dtype=dtype))
-        self._distributed = False
         self._model = self._root = None
 
     def setup(self, address: str, port: int) -> None:
         """Join the group (all ranks at once), then build the critic with its model sharded (and
         restored, when --critic-load names a critic folder)."""
         model_path, kwargs = self._init_args
-        self._distributed = join_group(resolve_device(kwargs["device"]), address, port, rank=self.rank,
-                                       world_size=self.world_size)     # False: the process's group, kept
+        self._join_group(kwargs["device"], address, port)
         super().__init__(model_path, **kwargs)
 
     def _start_optimizer(self, model: torch.nn.Module) -> None:
@@ -159,17 +157,9 @@ class FSDPCriticRank(RankMicroBatches, Critic):
                 self._num_steps = saved["num_steps"]
 
     def dispose(self) -> None:
-        """The critic's model and optimizer state, then this rank's process group. Idempotent.
-        `destroy_process_group` does not join the gloo group's worker threads (DTensor's caches and
-        FSDP's meshes keep the group alive): end the process without the interpreter's finalization
-        afterwards, as `RankGroup.dispose` does (`ray.kill`), since a worker still releasing a finished
-        collective's tensors then takes the GIL and aborts the process (SIGABRT; see `end_rank_process`
-        in tests/unit/test_fsdp_ranks.py)."""
-        import torch.distributed as dist
-
+        """The critic's model and optimizer state, then this rank's process group (`_leave_group`).
+        Idempotent."""
         if self._model is not None:
             super().dispose()
         self._root = None
-        if self._distributed:
-            self._distributed = False
-            dist.destroy_process_group()
+        self._leave_group()

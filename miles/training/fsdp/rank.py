@@ -48,9 +48,28 @@ from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeig
 log = structlog.get_logger().bind(role="trainer-rank")
 
 
-class RankMicroBatches:
-    """The micro-batches of one data-parallel rank, for the policy's rank and the critic's (both
-    `OptimizedModel`s, whose `_plan_groups` and `_take` plan them; `rank`, `world_size` set)."""
+class DataParallelRank:
+    """What the policy's rank and the critic's share (both `OptimizedModel`s, whose `_plan_groups` and
+    `_take` plan micro-batches; `rank`, `world_size` set): joining and leaving the ranks' process group,
+    and the micro-batches of the rank's share of a batch."""
+
+    _distributed = False        # this rank made the process's group (and destroys it on leaving)
+
+    def _join_group(self, device: str, address: str, port: int) -> None:
+        self._distributed = join_group(resolve_device(device), address, port, rank=self.rank,
+                                       world_size=self.world_size)     # False: the process's group, kept
+
+    def _leave_group(self) -> None:
+        """Destroy the group this rank made. Idempotent. `destroy_process_group` does not join the gloo
+        group's worker threads (DTensor's caches and FSDP's meshes keep the group alive): end the
+        process without the interpreter's finalization afterwards, as `RankGroup.dispose` does
+        (`ray.kill`), since a worker still releasing a finished collective's tensors then takes the GIL
+        and aborts the process (SIGABRT; see `end_rank_process` in tests/unit/test_fsdp_ranks.py)."""
+        import torch.distributed as dist
+
+        if self._distributed:
+            self._distributed = False
+            dist.destroy_process_group()
 
     def _micro_batches(self, batch: TrainBatch, micro_batch_size: int | None = None, *,
                        forward_only: bool = False) -> list[tuple[Tensor, TrainBatch]]:
@@ -66,7 +85,7 @@ class RankMicroBatches:
         return pairs + [(empty, padding)] * (padded_count(len(groups), self.device) - len(groups))
 
 
-class FSDPRank(RankMicroBatches, Trainer):
+class FSDPRank(DataParallelRank, Trainer):
     decouples_lr = False    # its checkpoints (DCP, and the whole state by name) keep one AdamW group
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
@@ -82,7 +101,6 @@ class FSDPRank(RankMicroBatches, Trainer):
         self.sync_every_micro_batch = sync_every_micro_batch
         self._init_args = (model_path, dict(train=train, algorithm=algorithm, rollout=rollout, device=device,
                                             dtype=dtype, hidden_forward=hidden_forward))
-        self._distributed = False
         self._model = None
         self._roots: dict[int, Root] = {}      # id(model) -> its FSDP root: the policy's (and the reference's)
 
@@ -92,8 +110,7 @@ class FSDPRank(RankMicroBatches, Trainer):
         process, as the FSDP bench interleaves them) uses that group if its rank and size are this
         rank's, and leaves it to its maker on `dispose` (`sharding.join_group`)."""
         model_path, kwargs = self._init_args
-        self._distributed = join_group(resolve_device(kwargs["device"]), address, port, rank=self.rank,
-                                       world_size=self.world_size)
+        self._join_group(kwargs["device"], address, port)
         super().__init__(model_path, **kwargs)
         forward = self._forward         # every forward runs inside its model's root (see sharding.Root)
         self._forward = lambda model, mb, *flags: self._roots[id(model)](lambda lm: forward(lm, mb, *flags))
@@ -264,17 +281,8 @@ class FSDPRank(RankMicroBatches, Trainer):
         self._prepared = None
 
     def dispose(self) -> None:
-        """The trainer's state, then this rank's process group. Idempotent.
-        `destroy_process_group` does not join the gloo group's worker threads (DTensor's caches and
-        FSDP's meshes keep the group alive): end the process without the interpreter's finalization
-        afterwards, as `RankGroup.dispose` does (`ray.kill`), since a worker still releasing a finished
-        collective's tensors then takes the GIL and aborts the process (SIGABRT; see `end_rank_process`
-        in tests/unit/test_fsdp_ranks.py)."""
-        import torch.distributed as dist
-
+        """The trainer's state, then this rank's process group (`_leave_group`). Idempotent."""
         if self._model is not None:
             super().dispose()
         self._roots, self._root = {}, None
-        if self._distributed:
-            self._distributed = False
-            dist.destroy_process_group()
+        self._leave_group()
