@@ -7,7 +7,9 @@ bash scripts/setup.sh dev tensorboard      # tensorboard: the --use-tensorboard 
 PY=python; [ -z "${VIRTUAL_ENV:-}" ] && PY=.venv/bin/python
 # the default run (CI) leaves out the tests marked extended (each repeats a path the others cover, at
 # 1-2 min each on 2 cores); `bash scripts/test.sh -m extended` runs them, `-m ""` runs everything.
-# One process: the end-to-end runs are CPU-bound (run alone they keep the two cores 81% busy), and two
-# xdist workers running them side by side were no faster (docs/performance.md, "The test suite on 2 cores");
-# `-n 2` (pytest-xdist, in the dev extra) speeds up a unit-only run (`-n 2 tests/unit`: 585 s -> 355 s).
-exec "$PY" -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 -m "not extended" "$@"
+# Two pytest-xdist workers (the dev extra): one runs the end-to-end tests in order, the other the unit
+# files beside it (the scheduler is tests/conftest.py's pytest_xdist_make_scheduler). An end-to-end run
+# alone keeps the two cores ~81% busy, so two of them side by side only share the cores; the unit files
+# fill the rest (docs/performance.md, "The test suite on 2 cores"). `-n 0` runs in this one process (for
+# -s, --pdb or a single test).
+exec "$PY" -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 -m "not extended" -n 2 "$@"

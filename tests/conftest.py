@@ -86,3 +86,23 @@ def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:
         elif v is not None and v is not False:
             argv += [f"--{k}", str(v)]
     return argv
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n 2`, scripts/test.sh's default run), one worker runs the end-to-end tests
+    (everything outside tests/unit) in order while the other takes the unit files one by one.
+
+    An end-to-end run keeps the two cores ~81% busy by itself and two of them side by side only share
+    the cores; the unit files fill the rest (docs/performance.md, "The test suite on 2 cores"). A
+    scheduler, not `--dist loadgroup` with markers: xdist 3.8 tags a group onto `item._nodeid`, which
+    pytest 9 no longer reads, so the groups are silently ignored.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EndToEndBesideUnitFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.startswith("tests/unit/") else "end-to-end"
+
+    return EndToEndBesideUnitFiles(config, log)
