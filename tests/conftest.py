@@ -98,6 +98,8 @@ def pytest_xdist_make_scheduler(config, log):
     scheduler, not `--dist loadgroup` with markers: xdist 3.8 tags a group onto `item._nodeid`, which
     pytest 9 no longer reads, so the groups are silently ignored.
     """
+    if config.getvalue("dist") != "load":     # an explicit --dist (loadfile, loadscope, ...) is the user's
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndBesideUnitFiles(LoadScopeScheduling):
