@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from miles.checkpoint.store import CheckpointStore
+from miles.cli.train import main as train_main
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
+from miles.tracking.metrics import read_metrics
 from tests.conftest import base_flags
 
 pytestmark = pytest.mark.ray
@@ -113,18 +115,27 @@ def check_recipe_metrics(recipe: str, rows: list[dict], result) -> None:
         assert (CheckpointStore(result.run_dir.parent / "ckpt").latest()[1] / "critic").is_dir()
 
 
-def test_sft_trains_on_the_data_responses_through_the_same_machine(ray_cluster, tiny_task, tmp_path):
+def test_sft_trains_on_the_data_responses_through_the_same_machine(ray_cluster, tiny_task, tmp_path, capsys):
+    # through the CLI, whose progress lines show SFT's numbers (loss, tokens trained), not RL's
     torch.set_num_threads(1)
     rows = [json.loads(x) for x in open(tiny_task["train"]).read().splitlines()]
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"input": r["input"], "response": r["label"]}) + "\n" for r in rows))
-    result = run(base_flags({**tiny_task, "train": str(sft)}, tmp_path / "run", loss_type="sft_loss",
-                            n_samples_per_prompt=1, rollout_batch_size=16, lr=1e-2, num_rollout=4,
-                            eval_prompt_data=["arith", tiny_task["eval"]], eval_interval=4))
-    losses = [r["loss"] for r in result.metrics if r.get("kind") == "train"]
+    code = train_main(base_flags({**tiny_task, "train": str(sft)}, tmp_path / "run", loss_type="sft_loss",
+                                 n_samples_per_prompt=1, rollout_batch_size=16, lr=1e-2, num_rollout=4,
+                                 eval_prompt_data=["arith", tiny_task["eval"]], eval_interval=4))
+    err = capsys.readouterr().err
+    assert code == 0, err
+    metrics = read_metrics(tmp_path / "run")
+    losses = [r["loss"] for r in metrics if r.get("kind") == "train"]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
-    evals = [r for r in result.metrics if r.get("kind") == "eval"]
+    evals = [r for r in metrics if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [0, 4]       # the engines serve the SFT'd weights to eval
+    lines = [l for l in err.splitlines() if l.startswith("miles: rollout ")]
+    assert len(lines) == 4 and all(" loss=" in l and " tokens=" in l and "train tok/s=" in l for l in lines), lines
+    assert not any("reward=" in l or "kl=" in l for l in lines)
+    tokens = [int(l.split("tokens=")[1].split()[0]) for l in lines]
+    assert all(a < b for a, b in zip(tokens, tokens[1:])), lines                # trained so far: it grows
 
 
 @pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended

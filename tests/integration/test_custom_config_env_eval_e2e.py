@@ -1,8 +1,9 @@
 """--custom-config-path, --train-env-vars and --eval-function-path through the whole loop (local Ray, the
-embedded engine, the torch trainer, a tiny model), the functions given by file path: the trainer's process
-sees the variable (a custom loss reads os.environ and reports it as a metric), the custom keys reach the
-hooks (ctx.KEY), the eval function (ctx.KEY) and the loss (custom_args().KEY), a flag's key sets the flag,
-and the eval function's datasets and metrics land in the eval row."""
+embedded engine, the torch trainer on two FSDP ranks, a tiny model), the functions given by file path: each
+trainer rank's process sees the variable (a custom loss reads os.environ, reports it as a metric and writes it
+to a file per process), the custom keys reach the hooks (ctx.KEY), the eval function (ctx.KEY) and the loss
+(custom_args().KEY), a flag's key sets the flag, and the eval function's datasets and metrics land in the
+eval row. One run asserts all of it (each end-to-end run costs its actors' start-up)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ pytestmark = pytest.mark.ray
 
 FUNCTIONS = '''
 import os
+from pathlib import Path
 
 import torch
 
 from miles.user_code import custom_args
 
 
-def loss(logprobs, batch, reduce):                 # --custom-loss-function-path, in the trainer's process
+def loss(logprobs, batch, reduce):                 # --custom-loss-function-path, in each trainer rank's process
+    Path(custom_args().seen_dir, f"{os.getpid()}.txt").write_text(os.environ.get("MILES_TEST_VAR", "-"))
     ratio = torch.exp(logprobs - batch.old_logprobs)
     seen = {"env_seen": float(os.environ.get("MILES_TEST_VAR") == "x"), "tag": float(custom_args().tag)}
     return reduce(-batch.advantages * ratio, batch.loss_mask), seen
@@ -44,12 +47,17 @@ async def evaluate(ctx, rollout_id):               # --eval-function-path: the b
 '''
 
 
-def test_custom_config_train_env_vars_and_an_eval_function_in_a_run(ray_cluster, tiny_task, tmp_path):
-    fns = tmp_path / "fns.py"
+def test_custom_config_train_env_vars_and_an_eval_function_in_a_two_rank_run(ray_cluster, tiny_task, tmp_path):
+    """--actor-num-gpus-per-node 2 on the CPU: the trainer's two FSDP ranks are actors the trainer creates;
+    they start with the variable too (Ray's runtime_env passes on to the actors an actor creates)."""
+    fns, seen = tmp_path / "fns.py", tmp_path / "seen"
     fns.write_text(FUNCTIONS)
+    seen.mkdir()
     custom = tmp_path / "custom.yaml"
-    custom.write_text("tag: 7\nn_samples_per_prompt: 2\n")        # a custom key, and a flag's (over its 4 below)
+    # custom keys, and a flag's (over its 4 below)
+    custom.write_text(f"tag: 7\nseen_dir: {seen}\nn_samples_per_prompt: 2\n")
     result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=2, custom_config_path=str(custom),
+                            actor_num_gpus_per_node=2,
                             train_env_vars='{"MILES_TEST_VAR": "x"}', loss_type="custom_loss",
                             custom_loss_function_path=f"{fns}:loss",
                             custom_rollout_log_function_path=f"{fns}:rollout_log",
@@ -68,36 +76,6 @@ def test_custom_config_train_env_vars_and_an_eval_function_in_a_run(ray_cluster,
     assert e["eval/custom_ran"] == 1.0 and e["eval/tag"] == 7.0
     assert e["eval/driver_var"] == 0.0             # the variable is the trainer's: the rollout executor lacks it
     assert 0.0 <= e["eval/arith/reward_mean"] <= 1.0 and "eval/arith/pass@1" in e
-    assert miles_actors() == []
-
-
-RANK_LOSS = '''
-import os
-from pathlib import Path
-
-import torch
-
-from miles.user_code import custom_args
-
-
-def loss(logprobs, batch, reduce):               # each trainer process writes what it sees, under its pid
-    Path(custom_args().seen_dir, f"{os.getpid()}.txt").write_text(os.environ.get("MILES_TEST_VAR", "-"))
-    ratio = torch.exp(logprobs - batch.old_logprobs)
-    return reduce(-batch.advantages * ratio, batch.loss_mask)
-'''
-
-
-def test_train_env_vars_reach_every_fsdp_rank(ray_cluster, tiny_task, tmp_path):
-    """--actor-num-gpus-per-node 2 on the CPU: the trainer's two FSDP ranks are actors the trainer creates;
-    they start with the variable too (Ray's runtime_env passes on to the actors an actor creates)."""
-    fns, seen = tmp_path / "rank_loss.py", tmp_path / "seen"
-    fns.write_text(RANK_LOSS)
-    seen.mkdir()
-    (tmp_path / "custom.yaml").write_text(f"seen_dir: {seen}\n")
-    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=1, actor_num_gpus_per_node=2,
-                            custom_config_path=str(tmp_path / "custom.yaml"), train_env_vars='{"MILES_TEST_VAR": "x"}',
-                            loss_type="custom_loss", custom_loss_function_path=f"{fns}:loss"))
-    assert result.final_state == "shutdown"
     files = sorted(seen.iterdir())
     assert len(files) == 2 and [f.read_text() for f in files] == ["x", "x"]      # two rank processes, each saw x
     assert miles_actors() == []

@@ -117,11 +117,16 @@ def test_async_save_writes_the_synchronous_checkpoints_while_the_run_goes_on(ray
 
 def test_finetune_ckpt_step_and_no_load_optim_take_only_their_parts_of_the_checkpoint(ray_cluster, tiny_task,
                                                                                       tmp_path):
-    # a 2-rollout run with a 2-step warmup saves after each rollout; --finetune starts over from the newest's
-    # weights (rollout 0, step 0: the warmup again); --ckpt-step 0 --no-load-optim --no-load-rng continues
-    # after the first checkpoint (rollout 1, step 1) with a fresh AdamW
+    # a 2-rollout run with a 2-step warmup saves after each rollout (its --load is its --save, not there yet:
+    # it starts fresh, traced); --finetune starts over from the newest's weights (rollout 0, step 0: the
+    # warmup again); --ckpt-step 0 --no-load-optim --no-load-rng continues after the first checkpoint
+    # (rollout 1, step 1) with a fresh AdamW
     flags = dict(num_rollout=2, lr_warmup_iters=2)
-    first = run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", save_interval=1, **flags))
+    first = run(base_flags(tiny_task, tmp_path / "first", save=tmp_path / "ck", load=tmp_path / "ck", save_interval=1,
+                           **flags))
+    skipped = read_trace(first.run_dir).of("resume_skipped")
+    assert len(skipped) == 1 and skipped[0].get("reason") == "no checkpoint there yet"    # its --save lock made it
+    assert (tmp_path / "ck" / "iter_0000000" / "manifest.json").is_file()                # and it saved there
     saved = CheckpointStore(tmp_path / "ck").latest()[1] / "trainer" / "model.safetensors"
     lrs = [r["lr"] for r in first.metrics if r.get("kind") == "train"]
     assert lrs[0] < lrs[1]                                      # warming up
@@ -146,23 +151,17 @@ def test_finetune_ckpt_step_and_no_load_optim_take_only_their_parts_of_the_check
     assert miles_actors() == []
 
 
-def test_custom_async_reward_by_file_path(ray_cluster, tiny_task, tmp_path):
+def test_rollout_engine_fast_runs_the_loop_with_its_options_and_checked_weights(ray_cluster, tiny_task, tmp_path):
+    # FastEngine through the whole loop (on CPU: eager, the CUDA path minus graphs and compilation):
+    # its options reach the actor, weights land in place, and their checksums match the trainer's. The
+    # reward is a custom async one given by file path (the rest of the run does not depend on it)
     rm = tmp_path / "my_reward.py"
     rm.write_text(
         "async def length_reward(prompt, response, label):\n"
         "    return float(len(response))\n")
-    result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=1, custom_rm_path=f"{rm}:length_reward"))
-    row = result.metrics[0]
-    # the reward is the response length in characters; every char token decodes to one char (EOS to none)
-    assert row["reward_mean"] > 0
-    assert miles_actors() == []
-
-
-def test_rollout_engine_fast_runs_the_loop_with_its_options_and_checked_weights(ray_cluster, tiny_task, tmp_path):
-    # FastEngine through the whole loop (on CPU: eager, the CUDA path minus graphs and compilation):
-    # its options reach the actor, weights land in place, and their checksums match the trainer's
     result = run(base_flags(tiny_task, tmp_path / "run", num_rollout=2, rollout_engine="fast",
-                            rollout_max_batch_size=8, check_weight_update_equal=True))
+                            rollout_max_batch_size=8, check_weight_update_equal=True,
+                            custom_rm_path=f"{rm}:length_reward"))
     assert result.final_state == "shutdown"
     trace = read_trace(result.run_dir)
     picked, = trace.of("engine_picked")
@@ -171,6 +170,8 @@ def test_rollout_engine_fast_runs_the_loop_with_its_options_and_checked_weights(
                                          attention_kernel=True)
     assert [e.get("version") for e in trace.of("weights_synced")] == [0, 1, 2]
     assert result.metrics[0]["response_len_mean"] > 0
+    # the reward is the response length in characters; every char token decodes to one char (EOS to none)
+    assert result.metrics[0]["reward_mean"] > 0
     assert miles_actors() == []
 
 
