@@ -88,16 +88,10 @@ def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:
     return argv
 
 
-# files outside tests/unit that start no Ray cluster (their processes are their own: megatron's ranks over
-# gloo, fake SGLang servers behind the real router); the scheduler below runs them beside the unit files
-BESIDE_THE_UNIT_FILES = ("tests/integration/test_megatron_cpu.py", "tests/integration/test_sglang_router.py")
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`-n 2`, scripts/test.sh's default run), one worker runs the end-to-end tests
-    (everything outside tests/unit but BESIDE_THE_UNIT_FILES) in order while the other takes the unit
-    files, and those, one by one.
+    (everything outside tests/unit) in order while the other takes the unit files one by one.
 
     An end-to-end run keeps the two cores ~81% busy by itself and two of them side by side only share
     the cores; the unit files fill the rest (docs/performance.md, "The test suite on 2 cores"). A
@@ -111,6 +105,6 @@ def pytest_xdist_make_scheduler(config, log):
     class EndToEndBesideUnitFiles(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if path.startswith("tests/unit/") or path in BESIDE_THE_UNIT_FILES else "end-to-end"
+            return path if path.startswith("tests/unit/") else "end-to-end"
 
     return EndToEndBesideUnitFiles(config, log)
