@@ -4,7 +4,8 @@
 Nothing of the driver's reaches the actors by the filesystem: the nodes start with no PYTHONPATH and
 in a folder of their own, and the reward is a relative file path in the driver's working directory
 (outside the checkout). The run must ship miles and the reward through Ray's runtime_env; the reward
-reports where it was loaded from. With --no-shared-fs the checkpoint comes back to the driver's --save
+reports where it was loaded from. The first run's custom loss is shipped the same way and reports, from the
+trainer's process, the variable --train-env-vars gave it (the actor's runtime_env merged over the job's). With --no-shared-fs the checkpoint comes back to the driver's --save
 through Ray, complete (manifest, sha256) and with no scratch folder left on the node; a second run
 resumes from it the same way. The cluster uses Ray's token authentication, as a cluster should: the
 nodes and the driver get the token from RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (Ray's documented
@@ -57,6 +58,20 @@ def reward(prompt, response, label):
     with open({log!r}, "a") as f:
         f.write(json.dumps({{"file": __file__, "cwd": os.getcwd(), "miles": miles.__file__}}) + "\\n")
     return 1.0 if response.strip() == label else 0.25
+"""
+
+# --custom-loss-function-path, in the trainer's process: where it was loaded from and what --train-env-vars set
+LOSS = """\
+import json, os
+
+import torch
+
+
+def loss(logprobs, batch, reduce):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"file": __file__, "var": os.environ.get("MILES_TEST_VAR")}}) + "\\n")
+    ratio = torch.exp(logprobs - batch.old_logprobs)
+    return reduce(-batch.advantages * ratio, batch.loss_mask)
 """
 
 
@@ -159,7 +174,8 @@ def named_actors(cluster: dict) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def check_run(run: subprocess.CompletedProcess, run_dir: Path, worker_tmp: Path) -> tuple:
+def check_run(run: subprocess.CompletedProcess, run_dir: Path, worker_tmp: Path,
+              files: frozenset = frozenset({"reward.py"})) -> tuple:
     assert run.returncode == 0, run.stderr[-4000:]
     trace = read_trace(run_dir)
     ready, = trace.of("cluster_ready")
@@ -170,7 +186,7 @@ def check_run(run: subprocess.CompletedProcess, run_dir: Path, worker_tmp: Path)
     folders, = trace.of("checkpoint_folders")
     assert (folders.get("shared"), folders.get("why")) == (False, "--no-shared-fs")
     shipped, = trace.of("code_shipped")
-    assert set(shipped.get("files")) == {"reward.py"} and shipped.get("code") == [str(ROOT / "miles")]
+    assert set(shipped.get("files")) == files and shipped.get("code") == [str(ROOT / "miles")]
     assert all(e.get("outcome") == "ok" for e in trace.of("disposed"))
     assert [p.name for p in worker_tmp.iterdir() if p.name.startswith(SCRATCH_PREFIX)] == []
     pids = trace.of("components_ready")[0].get("pids")
@@ -185,15 +201,22 @@ def check_run(run: subprocess.CompletedProcess, run_dir: Path, worker_tmp: Path)
 def test_a_run_on_another_node_gets_its_code_and_reward_shipped_and_its_checkpoints_back(tiny_task, tmp_path):
     driver = tmp_path / "driver"                      # outside the checkout; the nodes never see it as a cwd
     driver.mkdir()
-    rewards_log = tmp_path / "rewards.jsonl"
+    rewards_log, losses_log = tmp_path / "rewards.jsonl", tmp_path / "losses.jsonl"
     (driver / "reward.py").write_text(REWARD.format(log=str(rewards_log)))
+    (driver / "loss.py").write_text(LOSS.format(log=str(losses_log)))
     with two_nodes() as cluster:
         node_tmp, worker_dir = cluster["root"] / "node-tmp", str(cluster["root"] / "worker")
         # --run-dir and --save relative to the driver's working directory, as people write them
         attach = dict(ray_address=cluster["address"], ray_actor_resources=json.dumps({WORKER_RESOURCE: 1}),
                       no_shared_fs=True, custom_rm_path="reward.py:reward", save="ck")
-        first = train(cluster, driver, base_flags(tiny_task, Path("run1"), num_rollout=1, **attach))
-        check_run(first, driver / "run1", node_tmp)
+        # the first run also trains with a custom loss shipped the same way, in a trainer started with
+        # --train-env-vars: the actor's own runtime_env (the variable) is merged over the job's (the code)
+        first = train(cluster, driver, base_flags(tiny_task, Path("run1"), num_rollout=1, loss_type="custom_loss",
+                                                  custom_loss_function_path="loss.py:loss",
+                                                  train_env_vars='{"MILES_TEST_VAR": "x"}', **attach))
+        check_run(first, driver / "run1", node_tmp, files=frozenset({"reward.py", "loss.py"}))
+        losses = [json.loads(line) for line in losses_log.read_text().splitlines()]
+        assert losses and all(c["var"] == "x" and c["file"].startswith(worker_dir) for c in losses), losses
         # the actors' logs went to the driver's run dir (one machine here), not into their working dirs
         assert (driver / "run1" / "logs" / "trainer-0.jsonl").is_file()
         # the reward ran on the worker node from the shipped copy, with the shipped miles
