@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -204,8 +205,6 @@ def teardown_faults_flags(faults: tuple[str, ...]) -> list[str]:
 
 def assert_failed_teardowns(raised, trace, faults: tuple[str, ...]) -> None:
     """Each injected teardown failed once per state, with its error in the group; every other teardown ok."""
-    from collections import Counter
-
     assert isinstance(raised, ExceptionGroup)
     assert Counter(type(e).__name__ for e in raised.exceptions) == Counter(
         {TEARDOWN_ERROR[f]: len(STATES) for f in faults})
