@@ -47,6 +47,7 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
         disposer.add(lock)
     definition = load_machine(machine)
     validate_for_machine(cfg, definition)        # before the run dir exists: bad input starts nothing
+    handlers = definition.resolve_phases()       # so is a phase that does not import (a missing package)
     run_id = run_id or new_run_id()
     if locks is None:
         locks = lock_run(cfg, run_id)
@@ -66,7 +67,6 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
     ctx = TrainingContext(cfg, run_id=run_id, run_dir=run_dir, tracer=tracer, disposer=disposer)
     if stop is not None:
         ctx.stop_requested = stop
-    handlers = definition.resolve_phases()
     if cfg.inject_faults:
         handlers = with_faults(handlers, [parse_fault(f) for f in cfg.inject_faults])
     r = cfg.reliability

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
-from miles.runtime import MachineDefinitionError, with_disposer
+from miles.runtime import MachineDefinitionError, MissingPackageError, with_disposer
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
 from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
@@ -245,7 +245,9 @@ def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> 
                                      traceback=_traceback_text(exc, strip_ansi))
     code = EXIT_INPUT if _is_input_error(exc) else EXIT_FAILED
     word = "bad input" if code == EXIT_INPUT else "failed"
-    if isinstance(root, (ConfigError, MachineDefinitionError)) and not shown:
+    if isinstance(root, MissingPackageError) and not shown:
+        print(f"{prog}: missing package:\n{_indent(root)}", file=sys.stderr)
+    elif isinstance(root, (ConfigError, MachineDefinitionError)) and not shown:
         print(f"{prog}: bad input:\n{_indent(root)}", file=sys.stderr)
     elif not shown:
         print(f"{prog}: {word}: {error_summary(exc)}", file=sys.stderr)

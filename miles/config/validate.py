@@ -15,6 +15,7 @@ from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LO
 from miles.runtime.machine import STATES, MachineDef
 
 from .checks import check, run_checks
+from .packages import missing_package
 from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES,
                      USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
@@ -658,6 +659,8 @@ def _opd(cfg: RunConfig, problems: list[str]) -> None:
             problems.append("--opd-teacher-urls is for --opd-type sglang; --opd-type megatron runs the teacher of "
                             "--opd-teacher-load in the trainer: drop one of them")
     elif a.opd_type == "sglang":
+        if missing := missing_package("--opd-type sglang", "aiohttp", "aiohttp", "remote"):
+            problems.append(missing)
         if a.opd_teacher_load:
             problems.append(f"--opd-teacher-load {a.opd_teacher_load} is for --opd-type megatron; with --opd-type "
                             "sglang the teacher servers of --opd-teacher-urls score the samples: drop it")
@@ -705,6 +708,8 @@ def _rewards(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("--rm-type remote_rm needs --rm-url URL: the reward service to post responses to")
     if r.rm_url and not r.rm_url.startswith(("http://", "https://")):
         problems.append(f"--rm-url {r.rm_url}: expected an http:// or https:// URL")
+    if r.rm_url and not r.custom_rm_path and (missing := missing_package("--rm-url", "aiohttp", "aiohttp", "remote")):
+        problems.append(missing)
     if r.rm_url and r.custom_rm_path:
         problems.append(f"--rm-url {r.rm_url} has no effect with --custom-rm-path (the custom reward scores "
                         "every sample); drop one of them")

@@ -7,7 +7,9 @@ worse). The request is miles' scoring call, SGLang's `/generate` with the whole 
 response) as `input_ids`, no new token and every input token's logprob (`api.score_body`); the
 answer's last response-length input logprobs become `Sample.teacher_logprobs`, which the trainer
 packs and subtracts from the advantages (`miles.training.terms`). The HTTP client is the SGLang
-engine's (`SGLangClient`): one per teacher server, made on first use, closed by `close`.
+engine's (`SGLangClient`): one per teacher server, made on first use, closed by `close`. It needs
+aiohttp (the `remote` extra), imported when the first teacher is set up: the executor that imports this
+module runs on the base install (miles.config.packages).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Mapping
 
 from miles.config.schema import OPD_DEFAULT_TEACHER, parse_opd_teachers
 from miles.rollout.engines.sglang import api
-from miles.rollout.engines.sglang.client import SGLangClient
 from miles.types import Sample
 
 GENERATE = "/generate"
@@ -28,6 +29,8 @@ class TeacherServers:
     """The teachers of `--opd-teacher-urls` (name -> URL of the server, or of its /generate)."""
 
     def __init__(self, teachers: Mapping[str, str], *, key: str = "opd_teacher"):
+        from miles.rollout.engines.sglang.client import SGLangClient   # aiohttp: only this path needs it
+
         self._urls = dict(teachers)
         self._key = key
         self._clients = {url: SGLangClient(url.removesuffix(GENERATE)) for url in dict.fromkeys(self._urls.values())}

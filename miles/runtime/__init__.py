@@ -6,12 +6,12 @@ Nothing here imports the rest of miles or any ML library: it can drive stub phas
 from .disposer import (
     Disposer, DisposerClosedError, TeardownOutcome, TeardownTimeout, teardown_errors, with_disposer,
 )
-from .machine import MachineDef, MachineDefinitionError, builtin_machines, load_machine, parse_machine
+from .machine import MachineDef, MachineDefinitionError, MissingPackageError, builtin_machines, load_machine, parse_machine
 from .runner import IllegalTransition, PhaseContext, PhaseTimeout, Runner
 from .trace import Trace, TraceEvent, Tracer, read_trace
 
 __all__ = [
     "Disposer", "DisposerClosedError", "IllegalTransition", "MachineDef", "MachineDefinitionError",
-    "PhaseContext", "PhaseTimeout", "Runner", "TeardownOutcome", "TeardownTimeout", "Trace", "TraceEvent", "Tracer",
+    "MissingPackageError", "PhaseContext", "PhaseTimeout", "Runner", "TeardownOutcome", "TeardownTimeout", "Trace", "TraceEvent", "Tracer",
     "builtin_machines", "load_machine", "parse_machine", "read_trace", "teardown_errors", "with_disposer",
 ]

@@ -17,6 +17,8 @@ import hashlib
 import importlib
 import importlib.resources
 import inspect
+import sys
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,18 @@ class MachineDefinitionError(ValueError):
     def __init__(self, source: str, problems: list[str]):
         self.source, self.problems = source, problems
         super().__init__(f"invalid machine definition {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class MissingPackageError(ImportError):
+    """A phase's module loads, but imports a package this Python does not have: the installation is
+    short, the machine file is fine. The run's input (its environment), so it exits 2 (`input_fault`)."""
+
+    input_fault = True
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source, self.problems = source, problems
+        super().__init__(f"a package is missing (machine {source} itself is fine):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass(frozen=True)
@@ -100,16 +114,26 @@ class MachineDef:
 
     def resolve_phases(self) -> dict[str, Callable[..., Any]]:
         """Import every phase handler; errors name the state, the YAML line and the import path."""
-        handlers, problems = {}, []
+        handlers, problems, missing = {}, [], []
         for s in self.states.values():
             if s.final:
                 continue
             try:
                 handlers[s.name] = import_handler(s.phase or "")
+            except ModuleNotFoundError as exc:
+                if _names_the_phase(exc.name, s.phase or ""):
+                    problems.append(f"line {s.line}: state {s.name!r}: phase {s.phase!r} cannot be used: {exc}")
+                else:
+                    missing.append(f"state {s.name!r} (line {s.line}): its phase {s.phase} imports {exc.name!r}"
+                                   f"{_importer(exc)}, which is not installed in this Python ({sys.prefix}); install "
+                                   f"the package that provides it (miles' extras: pyproject.toml's "
+                                   f"[project.optional-dependencies])")
             except (ImportError, AttributeError, ValueError, TypeError) as exc:
                 problems.append(f"line {s.line}: state {s.name!r}: phase {s.phase!r} cannot be used: {exc}")
         if problems:
             raise MachineDefinitionError(self.source, problems)
+        if missing:
+            raise MissingPackageError(self.source, missing)
         return handlers
 
     def check_guards(self, context: Any) -> None:
@@ -131,6 +155,23 @@ class MachineDef:
                  "unless": [guard(g) for g in t.unless]} for t in self.transitions]
         return Machine(model=model, states=list(self.states), transitions=spec, initial=self.initial,
                        auto_transitions=False, send_event=False, queued=False)
+
+
+def _names_the_phase(module: str | None, phase: str) -> bool:
+    """Whether the missing `module` is the phase's own module or a package above it (a wrong path in
+    the machine file), rather than something that module imports."""
+    own = phase.partition(":")[0]
+    return module is None or own == module or own.startswith(module + ".")
+
+
+def _importer(exc: BaseException) -> str:
+    """' (at file:line)', the last frame of the traceback outside importlib: the import that failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
+    if not frames:
+        return ""
+    path = Path(frames[-1].filename)
+    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    return f" (at {shown}:{frames[-1].lineno})"
 
 
 def import_object(path: str) -> Any:

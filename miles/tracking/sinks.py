@@ -15,7 +15,6 @@ because evals of the async machine can arrive after the next rollout's row.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from typing import Any, Iterator, Protocol
 
 from miles.config import ConfigError, RunConfig, TrackingConfig
 from miles.config.checks import check
+from miles.config.packages import missing_package
 from miles.tracking.metrics import MetricsWriter
 
 EXTRAS = {"use_tensorboard": ("tensorboard", "--use-tensorboard", "tensorboard"),
@@ -63,9 +63,8 @@ def tracking_problems(cfg: TrackingConfig) -> list[str]:
     """Sinks asked for whose package is missing, each with the install line that fixes it."""
     problems = []
     for field_name, (module, flag, extra) in EXTRAS.items():
-        if getattr(cfg, field_name) and importlib.util.find_spec(module) is None:
-            install = f"'miles[{extra}]'" if extra else module
-            problems.append(f"{flag}: the {module!r} package is not installed; pip install {install} (or drop {flag})")
+        if getattr(cfg, field_name) and (problem := missing_package(flag, module, module, extra)):
+            problems.append(f"{problem} (or drop {flag})")
     return problems
 
 

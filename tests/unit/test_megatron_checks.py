@@ -44,7 +44,7 @@ def test_missing_megatron_core_is_named_with_the_install_command(task, monkeypat
     monkeypatch.setattr(checks, "installed", lambda m: False)
     problems = problems_of(task)
     assert problems == ["--train-backend megatron needs megatron-core, which is not installed: "
-                        "pip install 'miles[megatron]' (megatron-core)"]
+                        "pip install -e '.[megatron]' in a miles checkout (pip install 'miles[megatron]' otherwise)"]
 
 
 def test_tp_that_does_not_divide_the_key_value_heads(task, megatron_installed):

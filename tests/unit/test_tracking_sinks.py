@@ -66,8 +66,9 @@ def test_a_missing_extra_is_a_config_problem_naming_the_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     problems = tracking_problems(TrackingConfig(use_wandb=True))
-    assert problems == ["--use-wandb: the 'wandb' package is not installed; pip install 'miles[wandb]' "
-                        "(or drop --use-wandb)"]
+    assert problems == ["--use-wandb needs the 'wandb' package (module 'wandb'), which is not installed in this "
+                        f"Python ({sys.prefix}): pip install -e '.[wandb]' in a miles checkout (pip install "
+                        "'miles[wandb]' otherwise) (or drop --use-wandb)"]
     assert tracking_problems(TrackingConfig()) == []
     with pytest.raises(ConfigError, match=r"miles\[wandb\]"):
         next(open_sinks(TrackingConfig(use_wandb=True), run_dir=None, run_id="r", run_config={}))
@@ -163,7 +164,8 @@ def test_use_mlflow_without_mlflow_is_a_config_problem_naming_the_install(monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     assert tracking_problems(TrackingConfig(use_mlflow=True)) == [
-        "--use-mlflow: the 'mlflow' package is not installed; pip install mlflow (or drop --use-mlflow)"]
+        f"--use-mlflow needs the 'mlflow' package (module 'mlflow'), which is not installed in this Python "
+        f"({sys.prefix}): pip install mlflow (or drop --use-mlflow)"]
 
 
 def test_mlflow_sink_logs_one_run_with_params_and_metrics_and_ends_it(tmp_path, monkeypatch):

@@ -8,27 +8,25 @@ given (`group_problems`).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.config.packages import install_line, installed
 from miles.training.megatron.conversion import model_spec, spec_problems, tp_problems
 from miles.training.megatron.layout import ParallelLayout, batch_problems, layout_problems
 
 if TYPE_CHECKING:
     from miles.config import RunConfig, TrainConfig
 
-INSTALL_HINT = "pip install 'miles[megatron]' (megatron-core)"
 
 
-def installed(module: str) -> bool:
-    """Whether `module` can be imported, without importing it (a missing parent package counts as missing)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+def missing_megatron() -> list[str]:
+    """The problem line when megatron-core is not installed (`installed` is looked up here at call time,
+    so a test can stand in for it)."""
+    return [] if installed("megatron.core") else [
+        f"--train-backend megatron needs megatron-core, which is not installed: {install_line('megatron-core', 'megatron')}"]
 
 
 def requested_layout(train: TrainConfig, world_size: int | None = None) -> ParallelLayout:
@@ -42,8 +40,8 @@ def requested_layout(train: TrainConfig, world_size: int | None = None) -> Paral
 def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: ParallelLayout,
                    rollout_samples: int) -> list[str]:
     """Everything wrong with training this HF config on this layout (empty: fine)."""
-    if not installed("megatron.core"):
-        return [f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"]
+    if missing := missing_megatron():
+        return missing
     problems = layout_problems(layout.world_size, layout.tp, layout.pp, layout.cp, layout.sequence_parallel,
                                hf_config.get("num_hidden_layers"), layout.first_stage_layers, layout.last_stage_layers)
     if layout.sequence_parallel and not (installed("transformer_engine") or installed("apex")):
@@ -118,7 +116,6 @@ def run_problems(cfg: RunConfig, trainer_gpus: int | None = None) -> list[str]:
     problems = unsupported_features(cfg)
     hf_config = read_hf_config(cfg.model.hf_checkpoint)
     if hf_config is None:        # validate reports the missing config.json itself
-        return problems + ([] if installed("megatron.core") else [
-            f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}"])
+        return problems + missing_megatron()
     layout = requested_layout(cfg.train, trainer_gpus)
     return problems + group_problems(hf_config, cfg.train, layout, cfg.rollout.num_samples)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles.config.packages import missing_package
 from miles.config.schema import ROUTER_POLICIES
 from miles.rollout.engines.sglang import api
 from miles.rollout.protocol import EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease
@@ -49,6 +50,9 @@ def options(cfg: RunConfig) -> dict[str, Any]:
 def check(cfg: RunConfig, problems: list[str]) -> None:
     """SGLang's flags need --rollout-engine sglang; flags miles sets itself cannot be passed through."""
     g, r = cfg.sglang, cfg.rollout
+    if r.engine == "sglang":       # the client and the router (SGLang itself: docs/sglang.md)
+        problems += filter(None, (missing_package("--rollout-engine sglang", module, package, "sglang")
+                                  for module, package in (("aiohttp", "aiohttp"), ("sglang_router", "sglang-router"))))
     if r.engine != "sglang" and g.server_args:
         problems.append(f"--sglang-<flag> pass-through ({' '.join(g.server_args)}): only the SGLang engine reads "
                         "it; add --rollout-engine sglang or drop it")
