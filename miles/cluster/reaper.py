@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -143,11 +144,18 @@ def remove_session(session_dir: Path, logs_to: Path | None) -> dict | None:
 
 
 def _reason(exc: BaseException) -> str:
-    """shutil.move's Error lists (source, destination, reason) per file: the first says it."""
+    """Why the logs did not move, short: shutil.move's Error lists (source, destination, why) per file
+    that failed, each `why` naming both paths; the system's reason and the count say it."""
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
-        first = exc.args[0][0]
-        return f"{first[-1]} ({len(exc.args[0])} files)" if isinstance(first, tuple) else str(first)
+        failed = exc.args[0]
+        why = str(failed[0][-1]) if isinstance(failed[0], tuple) else str(failed[0])
+        return f"{_ERRNO_TEXT.sub('', why).split(': ')[0]} ({len(failed)} files not copied)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
     return str(exc)
+
+
+_ERRNO_TEXT = re.compile(r"^\[Errno \d+\] ")
 
 
 def _free(path: Path) -> int | None:
