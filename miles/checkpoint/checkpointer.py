@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from miles.checkpoint.store import CheckpointStore
-from miles.runtime.files import free_space, human_bytes, is_disk_full   # the run's disk helpers, shared with the trace
+from miles.runtime.files import NEARLY_FULL_BYTES, free_space, human_bytes, is_disk_full   # shared with the run dir's files
 
 TRAINER_DIR, ROLLOUT_FILE, HF_DIR, CRITIC_DIR = "trainer", "rollout.json", "hf", "critic"
 
@@ -44,7 +44,6 @@ class DiskFull(RuntimeError):
                          "--keep-last-checkpoints N), then resume with --load")
 
 
-NEARLY_FULL_BYTES = 16 << 20    # a save that fails with less than this free failed for the disk
 
 
 async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callable[[Path], Awaitable[Any]],

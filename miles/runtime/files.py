@@ -23,6 +23,8 @@ from pathlib import Path
 # hosts every user is in one primary group ("users"), so a group-writable folder is writable by everyone
 RUN_UMASK = 0o022
 
+NEARLY_FULL_BYTES = 16 << 20    # a write that fails with less than this free failed for the disk (torch.save
+                                # says only "unexpected pos ..." when the disk is full)
 _ENOSPC_TEXT = re.compile(r"No space left on device|os error 28|\[Errno 28\]")
 
 

@@ -185,11 +185,9 @@ class Tracer:
         """One line to the file (under the lock); a failed write breaks the file (see the docstring)."""
         try:
             self._log.info(event, **fields)
-        except WriteFailed as exc:
+        except WriteFailed as exc:              # the console showed it already (a processor before the file)
             self.write_error, self.broke_at = exc, fields["seq"]
             self._file.close()
-            if self._console is not None:       # the console still shows it
-                self._console(self._stamp(None, "", {**fields, "event": event}))
 
     def note_lost(self, what: str, *, error: BaseException | str, **fields: Any) -> int:
         """Record something the run lost without failing (`what`: "Ray's logs"): a `lost` event, kept in

@@ -245,3 +245,19 @@ def test_the_run_umask_takes_group_and_world_write_and_keeps_a_stricter_one():
         assert restrict_umask() == 0o077
     finally:
         os.umask(old)
+
+
+def test_a_saved_rollout_that_does_not_fit_names_the_file_and_leaves_no_partial(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from miles.tracking.rollout_data import save_rollout_data
+
+    def full(obj, f, *a, **k):
+        Path(f).write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr("miles.tracking.rollout_data.free_space", lambda p: 0)     # what that message means
+    with pytest.raises(WriteFailed) as failed:
+        save_rollout_data(tmp_path / "rollouts" / "rollout_3.pt", 3, [], {})
+    assert str(failed.value).startswith(f"cannot write the saved rollout (--save-debug-rollout-data) "
+                                        f"{tmp_path / 'rollouts' / 'rollout_3.pt'}: No space left on device")
+    assert list((tmp_path / "rollouts").iterdir()) == []
