@@ -200,7 +200,7 @@ class Run:
             metrics.update(row)
         self.result = Result(final_state=self._runner.state, outcome=ended.outcome, error=self._runner.failure,
                              metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.tracer.path,
-                             lost=[*self._ctx.tracer.lost, *filter(None, [self._ctx.tracer.trace_lost()])])
+                             lost=self._ctx.tracer.losses())
 
     def _require_task(self) -> asyncio.Task[Any]:
         if self._task is None:

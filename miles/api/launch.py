@@ -100,6 +100,5 @@ async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", ru
         final = await runner.run()
     finally:
         ctx.tracer.close()
-    lost = [*ctx.tracer.lost, *filter(None, [ctx.tracer.trace_lost()])]
     return RunResult(run_id=ctx.run_id, run_dir=ctx.run_dir, final_state=final, metrics=ctx.metrics_history,
-                     trace_path=ctx.tracer.path, lost=lost)
+                     trace_path=ctx.tracer.path, lost=ctx.tracer.losses())

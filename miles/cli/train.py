@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
-from miles.runtime.files import restrict_umask
+from miles.runtime.files import human_bytes, restrict_umask
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
 from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
@@ -226,8 +226,6 @@ def _run_and_report(main_task: Callable[[], Any], progress: Any, locks: list, re
 
 def lost_line(lost: dict[str, Any]) -> str:
     """One line for something a run lost without failing (a `lost` record: what, error, path, ...)."""
-    from miles.runtime.files import human_bytes
-
     where = f" ({lost['path']})" if lost.get("path") and str(lost["path"]) not in lost["error"] else ""
     free = f"; {human_bytes(lost['free_bytes'])} free there" if "free_bytes" in lost else ""
     seqs = f" (events {lost['from_seq']}-{lost['last_seq']})" if "from_seq" in lost else ""

@@ -196,6 +196,10 @@ class Tracer:
         self.lost.append(record)
         return self.emit("lost", **record)
 
+    def losses(self) -> list[dict[str, Any]]:
+        """Everything the run lost without failing: the `lost` records, and the trace's own last events."""
+        return [*self.lost, *filter(None, [self.trace_lost()])]
+
     def trace_lost(self) -> dict[str, Any] | None:
         """What the trace itself lost (its events from `broke_at` on), or None when it is whole."""
         if self.write_error is None:
