@@ -24,6 +24,7 @@ metrics.jsonl, config.yaml, a checkpoint) fails it (exit 1), naming the file and
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -35,7 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, with_disposer
-from miles.runtime.files import human_bytes, restrict_umask
+from miles.runtime.files import human_bytes, restrict_umask, write_failed
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
 from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
@@ -54,8 +55,8 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     run_id = new_run_id()
     restrict_umask()           # before the first file: nothing the run (or Ray, started later) writes is others' to write
     locks = _lock_run_folders(cfg, run_id, prog)      # before torch and Ray load: a busy folder is refused at once
-    if locks is None:
-        return EXIT_INPUT
+    if isinstance(locks, int):
+        return locks
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
     # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
@@ -179,8 +180,8 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     the run's folders, locked by the caller under `run_id` (else locked here)."""
     run_id = run_id or new_run_id()
     locks = _lock_run_folders(cfg, run_id, prog) if locks is None else locks
-    if locks is None:
-        return EXIT_INPUT
+    if isinstance(locks, int):
+        return locks
     from miles.api.launch import train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
@@ -232,19 +233,23 @@ def lost_line(lost: dict[str, Any]) -> str:
     return f"lost {lost['what']}{seqs}{where}: {lost['error']}{free}"
 
 
-def _lock_run_folders(cfg, run_id: str, prog: str) -> list | None:
-    """The run dir's and --save's locks, or None after saying who holds one (the caller exits 2)."""
+def _lock_run_folders(cfg, run_id: str, prog: str) -> list | int:
+    """The run dir's and --save's locks, or the exit code after saying why not: 2 when another run holds
+    one or the folder cannot be used, 1 when its disk is full (not the input's fault: a retry may pass)."""
     c = cfg.checkpoint
     try:
         return lock_folders(run_folders(cfg.trace.run_dir, run_id, save=c.save, critic_save=c.critic_save),
                             run_id=run_id)
     except FolderLocked as exc:
         print(f"{prog}: bad input: {exc}", file=sys.stderr)
-        return None
+        return EXIT_INPUT
     except OSError as exc:              # a --run-dir that is a file, a folder that cannot be created
+        if exc.errno == errno.ENOSPC:   # not the input's fault: a later retry may pass
+            print(f"{prog}: failed: {write_failed('a lock', exc.filename or '.', exc)}", file=sys.stderr)
+            return EXIT_FAILED
         print(f"{prog}: bad input: cannot use {exc.filename or 'the run dir'} for the run: {exc.strerror or exc}",
               file=sys.stderr)
-        return None
+        return EXIT_INPUT
 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:

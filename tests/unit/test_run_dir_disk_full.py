@@ -261,3 +261,17 @@ def test_a_saved_rollout_that_does_not_fit_names_the_file_and_leaves_no_partial(
     assert str(failed.value).startswith(f"cannot write the saved rollout (--save-debug-rollout-data) "
                                         f"{tmp_path / 'rollouts' / 'rollout_3.pt'}: No space left on device")
     assert list((tmp_path / "rollouts").iterdir()) == []
+
+
+def test_a_run_dir_too_full_for_its_lock_fails_with_exit_1_naming_the_file(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from miles.cli.train import EXIT_FAILED, _lock_run_folders
+
+    cfg = SimpleNamespace(trace=SimpleNamespace(run_dir=str(tmp_path / "run")),   # the two slices it reads
+                          checkpoint=SimpleNamespace(save=None, critic_save=None))
+    monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    assert _lock_run_folders(cfg, "r", "miles train") == EXIT_FAILED          # not bad input (2): a retry may pass
+    err = capsys.readouterr().err
+    assert err.startswith(f"miles train: failed: cannot write the lock of --run-dir {tmp_path / 'run' / '.miles.lock'}: "
+                          "No space left on device (")
