@@ -47,7 +47,7 @@ import ray
 
 from miles.cluster import reaper as reaper_module
 from miles.config import ConfigError
-from miles.runtime.files import restrict_umask
+from miles.runtime.files import restricted_umask
 
 AUTH_ENV = "RAY_AUTH_MODE"
 MIN_RAY = "2.60"                                   # token authentication on by default (pyproject pins it)
@@ -209,10 +209,9 @@ def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_
     anything when it would run without authentication."""
     if problem := auth_problem(allow_no_auth):
         raise ConfigError(problem)
-    restrict_umask()                 # Ray's processes inherit it: nothing they create is writable by others
     private = private_temp_dir()
-    try:
-        with loopback_node(node_ip), no_dashboard_process(), own_process_groups():
+    try:                             # Ray's processes keep the umask they start with: nothing they create is others'
+        with restricted_umask(), loopback_node(node_ip), no_dashboard_process(), own_process_groups():
             ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
                      _system_config=SYSTEM_CONFIG, _temp_dir=str(private / "ray"), **common)
     except BaseException:

@@ -17,7 +17,9 @@ import errno
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 # group and others may read what a run writes (a colleague reads its trace) but not write: on many shared
 # hosts every user is in one primary group ("users"), so a group-writable folder is writable by everyone
@@ -35,6 +37,18 @@ def restrict_umask() -> int:
     new = old | RUN_UMASK
     os.umask(new)
     return new
+
+
+@contextmanager
+def restricted_umask() -> Iterator[int]:
+    """`restrict_umask` for the block, then the umask there was (a host's own, in `miles.Run`): what
+    starts in the block (a local Ray cluster's processes) keeps the restricted one."""
+    old = os.umask(0)
+    os.umask(old | RUN_UMASK)
+    try:
+        yield old | RUN_UMASK
+    finally:
+        os.umask(old)
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -26,7 +26,8 @@ from miles.cli.train import lost_line
 from miles.cluster import reaper
 from miles.cluster.local import LocalCluster
 from miles.runtime import Tracer, read_trace
-from miles.runtime.files import RUN_UMASK, LineFile, WriteFailed, free_space, is_disk_full, restrict_umask
+from miles.runtime.files import (RUN_UMASK, LineFile, WriteFailed, free_space, is_disk_full, restrict_umask,
+                                 restricted_umask)
 from miles.tracking.logs import LogContext, process_logging
 from miles.tracking.metrics import MetricsWriter, read_metrics
 from tests.conftest import world_writable
@@ -243,6 +244,10 @@ def test_the_run_umask_takes_group_and_world_write_and_keeps_a_stricter_one():
         assert restrict_umask() == 0o022 == RUN_UMASK
         os.umask(0o077)
         assert restrict_umask() == 0o077
+        os.umask(0o002)
+        with restricted_umask() as inside:                # a host's umask (miles.Run) comes back after the block
+            assert inside == 0o022 and os.umask(inside) == 0o022
+        assert os.umask(0o002) == 0o002
     finally:
         os.umask(old)
 
