@@ -280,3 +280,20 @@ def test_a_run_dir_too_full_for_its_lock_fails_with_exit_1_naming_the_file(tmp_p
     err = capsys.readouterr().err
     assert err.startswith(f"miles train: failed: cannot write the lock of --run-dir {tmp_path / 'run' / '.miles.lock'}: "
                           "No space left on device (")
+
+
+def fake_reaper(script: str) -> subprocess.Popen:
+    """A stand-in reaper: waits for the driver's pipe to close, then runs `script`."""
+    return subprocess.Popen([sys.executable, "-c", f"import sys, json; sys.stdin.read(); {script}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def test_close_returns_what_the_reaper_lost_and_fails_only_when_the_session_is_left(tmp_path):
+    session = tmp_path / "session_x"
+    lost = {"what": "Ray's logs", "path": "/run/logs/ray", "error": "No space left on device", "free_bytes": 0}
+    report = json.dumps({"event": "reaped", "lost": lost})
+    assert LocalCluster(session, None, fake_reaper(f"print({report!r})")).close() == lost
+    assert LocalCluster(session, None, fake_reaper("print('{}')")).close() is None
+    session.mkdir()                                          # the reaper could not delete it
+    with pytest.raises(RuntimeError, match=f"the reaper of Ray session {session} exited 1 and left the folder"):
+        LocalCluster(session, tmp_path / "logs" / "ray", fake_reaper("sys.exit(1)")).close()
