@@ -122,7 +122,7 @@ def write_failed(what: str, path: str | os.PathLike, exc: OSError) -> WriteFaile
 
 
 class LineFile:
-    """An append-only file of whole lines (JSONL), written unbuffered: a line is on disk when
+    """An append-only file of whole lines (JSONL), written unbuffered: a line is in the file when
     `write_line` returns (a killed process loses nothing it wrote). A line that cannot be written whole
     (the disk filled in the middle of it) is cut back out, so readers find whole lines only, and the
     write raises WriteFailed naming `what` and the path. The file is the caller's to `close`."""

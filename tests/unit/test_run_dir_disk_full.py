@@ -59,7 +59,7 @@ def test_a_write_error_names_the_file_what_it_is_and_the_space_left(tmp_path):
     assert err.filename == str(tmp_path / "trace.jsonl") and err.__cause__ is ENOSPC
     import pickle                                          # Ray pickles an actor's error to the driver
     back = pickle.loads(pickle.dumps(err))
-    assert str(back) .startswith(str(err).split(" (")[0]) and back.errno == errno.ENOSPC
+    assert str(back).startswith(str(err).split(" (")[0]) and back.errno == errno.ENOSPC
 
 
 def test_a_line_that_does_not_fit_is_cut_back_out(tmp_path, monkeypatch):
