@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,21 @@ def tiny_task(tmp_path_factory):
     model = make_tiny_model(root / "model")
     train, eval_ = write_addition_task(root)
     return {"model": model, "train": str(train), "eval": str(eval_), "root": root}
+
+
+def world_writable(root: Path) -> list[str]:
+    """Files and folders under `root` (itself included) that any user may write, without the sticky bit:
+    what another user on a shared host could replace or plant files in."""
+    out = []
+    for folder, _dirs, files in os.walk(root):
+        for path in [folder, *(os.path.join(folder, f) for f in files)]:
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:        # gone while we looked
+                continue
+            if not stat.S_ISLNK(mode) and mode & 0o002 and not mode & stat.S_ISVTX:
+                out.append(f"{oct(stat.S_IMODE(mode))} {path}")
+    return out
 
 
 def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:

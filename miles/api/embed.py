@@ -85,6 +85,7 @@ class Result:
     metrics: dict[str, Any]        # the last train row, and the last eval row's keys
     run_dir: Path
     trace_path: Path
+    lost: list[dict[str, Any]] = field(default_factory=list)   # what it lost without failing (Ray's logs, ...)
 
 
 class Run:
@@ -198,7 +199,8 @@ class Run:
         for row in self._ctx.metrics_history:
             metrics.update(row)
         self.result = Result(final_state=self._runner.state, outcome=ended.outcome, error=self._runner.failure,
-                             metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.tracer.path)
+                             metrics=metrics, run_dir=self._ctx.run_dir, trace_path=self._ctx.tracer.path,
+                             lost=self._ctx.tracer.losses())
 
     def _require_task(self) -> asyncio.Task[Any]:
         if self._task is None:

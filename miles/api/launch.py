@@ -7,6 +7,7 @@ installs no signal handlers and never exits the process: the CLI (`miles/cli/tra
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,7 @@ from miles.phases.context import TrainingContext
 from miles.phases.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
 from miles.runtime.runlock import FolderLock, describe_holder, lock_folders, run_folders
+from miles.runtime.files import WriteFailed
 from miles.runtime.trace import new_run_id, next_segment_path
 from miles.config.validate import validate_for_machine
 
@@ -29,6 +31,7 @@ class RunResult:
     final_state: str
     metrics: list[dict[str, Any]] = field(default_factory=list)
     trace_path: Path | None = None          # this run's segment of the run dir's trace
+    lost: list[dict[str, Any]] = field(default_factory=list)   # what it lost without failing (Ray's logs, ...)
 
 
 def lock_run(cfg: RunConfig, run_id: str) -> list[FolderLock]:
@@ -54,8 +57,7 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
         for lock in locks:
             disposer.add(lock)
     run_dir = Path(cfg.trace.run_dir or f"runs/{run_id}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"machine": definition.name, **as_dict(cfg)}, sort_keys=False))
+    _write_config(run_dir, {"machine": definition.name, **as_dict(cfg)})
     tracer = Tracer(next_segment_path(run_dir), run_id=run_id, machine=definition.name,
                     machine_hash=definition.hash, console=cfg.trace.console, listeners=listeners)
     disposer.bind_tracer(tracer)
@@ -74,6 +76,19 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
                   stop_timeout_s=r.stop_timeout_s), ctx
 
 
+def _write_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """`<run_dir>/config.yaml`; a write error names the file and the space left (WriteFailed)."""
+    path = run_dir / "config.yaml"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    except OSError as exc:
+        error = WriteFailed("the run's config", path, exc)
+        with suppress(OSError):
+            path.unlink(missing_ok=True)      # not half a config
+        raise error
+
+
 async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", run_id: str | None = None,
                 stop: asyncio.Event | None = None,
                 listeners: list[Callable[[dict[str, Any]], None]] | None = None,
@@ -86,4 +101,4 @@ async def train(cfg: RunConfig, *, disposer: Disposer, machine: str = "sync", ru
     finally:
         ctx.tracer.close()
     return RunResult(run_id=ctx.run_id, run_dir=ctx.run_dir, final_state=final, metrics=ctx.metrics_history,
-                     trace_path=ctx.tracer.path)
+                     trace_path=ctx.tracer.path, lost=ctx.tracer.losses())

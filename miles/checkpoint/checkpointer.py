@@ -18,16 +18,15 @@ takes plain values (paths, dicts, a coroutine function that writes the parts): w
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from miles.checkpoint.store import CheckpointStore
+from miles.runtime.files import NEARLY_FULL_BYTES, free_space, human_bytes, is_disk_full   # shared with the run dir's files
 
 TRAINER_DIR, ROLLOUT_FILE, HF_DIR, CRITIC_DIR = "trainer", "rollout.json", "hf", "critic"
 
@@ -39,41 +38,12 @@ class DiskFull(RuntimeError):
 
     def __init__(self, root: Path, rollout_id: int, free_bytes: int | None):
         self.root, self.rollout_id, self.free_bytes = root, rollout_id, free_bytes
-        free = "unknown" if free_bytes is None else _bytes(free_bytes)
+        free = human_bytes(free_bytes)
         super().__init__(f"the disk of --save {root} is full ({free} free after removing the partial checkpoint "
                          f"of rollout {rollout_id}); the earlier checkpoints are intact: free some space (or "
                          "--keep-last-checkpoints N), then resume with --load")
 
 
-NEARLY_FULL_BYTES = 16 << 20    # a save that fails with less than this free failed for the disk
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC, also when it came from an actor (Ray keeps the original as `cause`), was chained, or was
-    reworded by a library (safetensors: "No space left on device (os error 28)")."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _ENOSPC_TEXT.search(str(e)):
-            return True
-        inner = getattr(e, "cause", None)
-        todo += [inner if isinstance(inner, BaseException) else None, e.__cause__, e.__context__]
-    return False
-
-
-def free_space(path: Path) -> int | None:
-    """Bytes free to an unprivileged writer on `path`'s file system (its nearest existing parent)."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
 
 
 async def save_atomically(store: CheckpointStore, rollout_id: int, write: Callable[[Path], Awaitable[Any]],
@@ -111,17 +81,6 @@ def abort_checkpoint(store: CheckpointStore, tmp: Path, rollout_id: int, exc: Ba
     error = DiskFull(store.root, rollout_id, free_space(store.root))
     error.__cause__ = exc
     return error
-
-
-_ENOSPC_TEXT = re.compile(r"No space left on device|os error 28|\[Errno 28\]")
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def write_data_position(folder: Path, state: dict[str, Any]) -> None:

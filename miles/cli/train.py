@@ -12,12 +12,19 @@ stderr is gone (writes to it fail): those descriptors go to /dev/null, and the t
 say the rest.
 
 The run dir's and --save's locks (miles.runtime.runlock) are taken here, before torch and Ray load,
-so a second run into a busy folder is refused within a second.
+so a second run into a busy folder is refused within a second. The process's umask gains
+`miles.runtime.files.RUN_UMASK` first: nothing the run or the processes it starts create is writable
+by other users.
+
+A run that did its work but could not keep something (Ray's logs on a full disk, the trace's last
+events) exits 0 and says what was lost, one warning line each; a write error while it runs (the trace,
+metrics.jsonl, config.yaml, a checkpoint) fails it (exit 1), naming the file and the space left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -29,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 from miles.config.flags import parse_flags
 from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, MissingPackageError, with_disposer
+from miles.runtime.files import human_bytes, restrict_umask, write_failed
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
 from miles.runtime.runner import AFTER_DEADLINE_S
 from miles.runtime.trace import new_run_id
@@ -45,9 +53,10 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
         print(f"{prog}: bad configuration:\n{_indent(exc)}", file=sys.stderr)
         return EXIT_INPUT
     run_id = new_run_id()
+    restrict_umask()           # before the first file: nothing the run (or Ray, started later) writes is others' to write
     locks = _lock_run_folders(cfg, run_id, prog)      # before torch and Ray load: a busy folder is refused at once
-    if locks is None:
-        return EXIT_INPUT
+    if isinstance(locks, int):
+        return locks
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
     # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
@@ -171,8 +180,8 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     the run's folders, locked by the caller under `run_id` (else locked here)."""
     run_id = run_id or new_run_id()
     locks = _lock_run_folders(cfg, run_id, prog) if locks is None else locks
-    if locks is None:
-        return EXIT_INPUT
+    if isinstance(locks, int):
+        return locks
     from miles.api.launch import train      # torch and Ray load only once the flags are known good
     from miles.tracking.logs import LogContext, process_logging
 
@@ -185,6 +194,8 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
                                      listeners=[progress, stops.on_event], locks=locks)
         word = f"stopped ({signal.Signals(stops.received[0]).name})" if stops.received else "done"
         print(f"{prog}: {word}: {result.run_dir}", file=sys.stderr)
+        for lost in result.lost:         # the run did its work: what it could not keep is a warning, not a failure
+            print(f"  warning: {lost_line(lost)}", file=sys.stderr)
 
     received = stops.received
     if not sys.stderr.isatty():
@@ -214,19 +225,31 @@ def _run_and_report(main_task: Callable[[], Any], progress: Any, locks: list, re
     return SIGNAL_EXIT[received[0]] if received else EXIT_OK
 
 
-def _lock_run_folders(cfg, run_id: str, prog: str) -> list | None:
-    """The run dir's and --save's locks, or None after saying who holds one (the caller exits 2)."""
+def lost_line(lost: dict[str, Any]) -> str:
+    """One line for something a run lost without failing (a `lost` record: what, error, path, ...)."""
+    where = f" ({lost['path']})" if lost.get("path") and str(lost["path"]) not in lost["error"] else ""
+    free = f"; {human_bytes(lost['free_bytes'])} free there" if "free_bytes" in lost else ""
+    seqs = f" (events {lost['from_seq']}-{lost['last_seq']})" if "from_seq" in lost else ""
+    return f"lost {lost['what']}{seqs}{where}: {lost['error']}{free}"
+
+
+def _lock_run_folders(cfg, run_id: str, prog: str) -> list | int:
+    """The run dir's and --save's locks, or the exit code after saying why not: 2 when another run holds
+    one or the folder cannot be used, 1 when its disk is full (not the input's fault: a retry may pass)."""
     c = cfg.checkpoint
     try:
         return lock_folders(run_folders(cfg.trace.run_dir, run_id, save=c.save, critic_save=c.critic_save),
                             run_id=run_id)
     except FolderLocked as exc:
         print(f"{prog}: bad input: {exc}", file=sys.stderr)
-        return None
+        return EXIT_INPUT
     except OSError as exc:              # a --run-dir that is a file, a folder that cannot be created
+        if exc.errno == errno.ENOSPC:   # not the input's fault: a later retry may pass
+            print(f"{prog}: failed: {write_failed('a lock', exc.filename or '.', exc)}", file=sys.stderr)
+            return EXIT_FAILED
         print(f"{prog}: bad input: cannot use {exc.filename or 'the run dir'} for the run: {exc.strerror or exc}",
               file=sys.stderr)
-        return None
+        return EXIT_INPUT
 
 
 def report_failure(exc: BaseException, *, prog: str, shown: bool, log: Path) -> int:

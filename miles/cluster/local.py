@@ -19,7 +19,15 @@
   signal to the driver's group stops the run in order instead of killing the cluster under it.
 - **Afterwards.** The reaper, a process in a session of its own, ends the cluster's stragglers when
   the driver closes its pipe or dies (`kill -9` included), moves Ray's logs into the run directory
-  and deletes the session folder.
+  and deletes the session folder, always: logs that do not fit on the run directory's disk are
+  reported lost, not a failure (`LocalCluster.close`).
+- **Permissions.** Ray makes its temp dir, the session folder, `sockets/`, `logs/` and a dozen folders
+  more 0777 on purpose (`ray._common.utils.try_make_directory_shared`, so that users share /tmp/ray),
+  again each time a worker starts. So the cluster's temp dir is a fresh folder of the run's user alone
+  (0700, `private_temp_dir`, inside $RAY_TMPDIR or /tmp: no other user can reach anything in it, whatever
+  its mode), Ray's processes start under the run's umask (`miles.runtime.files.RUN_UMASK`), and the
+  reaper takes group and world write off everything in the session folder as it appears (each second)
+  and off the logs it moves into the run directory. The whole private folder goes with the session.
 """
 
 from __future__ import annotations
@@ -27,21 +35,26 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import ray
 
+from miles.cluster import reaper as reaper_module
 from miles.config import ConfigError
+from miles.runtime.files import restricted_umask
 
 AUTH_ENV = "RAY_AUTH_MODE"
 MIN_RAY = "2.60"                                   # token authentication on by default (pyproject pins it)
 SYSTEM_CONFIG = {"enable_metrics_collection": False}  # nothing reads Ray's metrics: no exporter, no traffic
 REAPER = Path(__file__).with_name("reaper.py")
 REAPER_EXIT_S = 10.0                               # moving the logs and deleting the folder
+PRIVATE_PREFIX = "miles-ray-"                      # the cluster's private temp folder (private_temp_dir)
 
 
 def auth_problem(allow_no_auth: bool) -> str | None:
@@ -161,20 +174,33 @@ class LocalCluster:
     def reaper_pid(self) -> int:
         return self._reaper.pid
 
-    def close(self) -> None:
+    def close(self) -> dict[str, Any] | None:
         """Close the reaper's pipe and wait while it ends stragglers, keeps the logs and deletes the
-        session folder; raise if it failed."""
-        if self._reaper.stdin is not None and not self._reaper.stdin.closed:
-            self._reaper.stdin.close()
+        session folder. Returns what was lost on the way (Ray's logs, when the run dir's disk had no
+        room for them: what, where, why, the space left), None when nothing was; raises when the
+        session folder is left."""
         try:
-            code = self._reaper.wait(timeout=REAPER_EXIT_S)
+            out, _ = self._reaper.communicate(timeout=REAPER_EXIT_S)    # closes its stdin: the driver is done
         except subprocess.TimeoutExpired:
             self._reaper.kill()
+            self._reaper.communicate()
             raise RuntimeError(f"the reaper of Ray session {self.session_dir} did not finish in "
                                f"{REAPER_EXIT_S:.0f}s; the folder may be left") from None
-        if code != 0:
-            raise RuntimeError(f"the reaper of Ray session {self.session_dir} exited {code}; see "
+        report = _last_json(out)
+        if self.session_dir.exists() or (self._reaper.returncode != 0 and not report):
+            raise RuntimeError(f"the reaper of Ray session {self.session_dir} exited {self._reaper.returncode} "
+                               f"{'and left the folder' if self.session_dir.exists() else 'without a report'}; see "
                                f"{self.logs_to.parent / 'reaper.log' if self.logs_to else 'its stderr'}")
+        return report.get("lost")
+
+
+def _last_json(out: bytes | None) -> dict[str, Any]:
+    for line in reversed((out or b"").decode(errors="replace").splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return {}
 
 
 def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_dir: str | os.PathLike | None,
@@ -183,9 +209,14 @@ def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_
     anything when it would run without authentication."""
     if problem := auth_problem(allow_no_auth):
         raise ConfigError(problem)
-    with loopback_node(node_ip), no_dashboard_process(), own_process_groups():
-        ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
-                 _system_config=SYSTEM_CONFIG, **common)
+    private = private_temp_dir()
+    try:                             # Ray's processes keep the umask they start with: nothing they create is others'
+        with restricted_umask(), loopback_node(node_ip), no_dashboard_process(), own_process_groups():
+            ray.init(num_cpus=num_cpus, num_gpus=None, _node_ip_address=node_address(node_ip),
+                     _system_config=SYSTEM_CONFIG, _temp_dir=str(private / "ray"), **common)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     node = ray._private.worker._global_node
     checks = [(not allow_no_auth and not token_auth_enabled(), "token authentication is off after ray.init"),
               (is_loopback(node_ip) and node.node_ip_address != "127.0.0.1",
@@ -195,23 +226,36 @@ def start_local(*, num_cpus: int | None, node_ip: str, allow_no_auth: bool, log_
             raise RuntimeError(f"the local Ray cluster is not what --ray-node-ip/--ray-allow-no-auth asked "
                                f"for: {'; '.join(bad)}")
         session_dir = Path(node.get_session_dir_path())
-        logs_to, reaper = _start_reaper(session_dir, log_dir)
+        reaper_module.no_shared_write(session_dir)     # what Ray made 0777 so far; the reaper keeps at it
+        logs_to, reaper = _start_reaper(session_dir, log_dir, private)
     except BaseException:
         ray.shutdown()               # nobody else knows this cluster exists yet
+        shutil.rmtree(private, ignore_errors=True)
         raise
     return LocalCluster(session_dir, logs_to, reaper)
 
 
-def _start_reaper(session_dir: Path, log_dir: str | os.PathLike | None) -> tuple[Path | None, subprocess.Popen]:
+def private_temp_dir() -> Path:
+    """A fresh folder of this user's alone (0700) for the cluster's temp dir, in the one Ray would use
+    ($RAY_TMPDIR or /tmp): Ray makes its temp dir, the session folder and some folders in it 0777 (see
+    the module docstring), and no other user can reach them through this one."""
+    from ray._common.utils import get_default_ray_temp_dir      # $RAY_TMPDIR/ray, or /tmp/ray
+
+    return Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=os.path.dirname(get_default_ray_temp_dir())))
+
+
+def _start_reaper(session_dir: Path, log_dir: str | os.PathLike | None,
+                  private: Path) -> tuple[Path | None, subprocess.Popen]:
     logs_to = Path(log_dir) / "ray" if log_dir is not None else None
-    spec = {"root": os.getpid(), "session_dir": str(session_dir), "logs_to": str(logs_to) if logs_to else None}
+    spec = {"root": os.getpid(), "session_dir": str(session_dir), "logs_to": str(logs_to) if logs_to else None,
+            "private_dir": str(private)}
     stderr: Any = subprocess.DEVNULL
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         stderr = open(Path(log_dir) / "reaper.log", "ab")      # the child keeps its own descriptor
     try:
         proc = subprocess.Popen([sys.executable, str(REAPER), json.dumps(spec)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
     finally:
         if stderr is not subprocess.DEVNULL:
             stderr.close()

@@ -20,7 +20,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import ray
 
@@ -39,8 +39,9 @@ class RayCluster:
 
     def __init__(self, cfg: ClusterConfig, run_id: str, *, log_dir: str | os.PathLike | None = None,
                  log_level: str = "info", node_ip: str = "127.0.0.1", allow_no_auth: bool = False,
-                 shipment: Shipment | None = None):
+                 shipment: Shipment | None = None, on_lost: Callable[[dict[str, Any]], Any] | None = None):
         self.run_id = run_id
+        self.on_lost = on_lost        # told what stopping a local cluster lost (Ray's logs on a full disk)
         # with a log_dir, actors log into it: absolute, an actor's working directory is not the driver's
         self.log_dir, self.log_level = (Path(log_dir).absolute() if log_dir is not None else None), log_level
         self.namespace = cfg.namespace or f"miles-{run_id}"
@@ -131,7 +132,9 @@ class RayCluster:
             return                    # the reaper goes when this process does
         ray.shutdown()
         if self.local is not None:    # stragglers ended, logs kept in the run dir, session folder deleted
-            self.local.close()
+            lost = self.local.close()
+            if lost is not None and self.on_lost is not None:
+                self.on_lost(lost)
 
     def other_runs(self) -> list[str]:
         return sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)

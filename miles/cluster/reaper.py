@@ -13,8 +13,17 @@ descendants (the raylet's agents and workers). When the pipe closes (the driver 
    linger ~60 s after `kill -9` of the driver;
 2. moves the session's `logs/` into the run directory (the `logs_to` argument), then deletes the
    session folder (Ray leaves one per cluster under its temp dir, forever), and Ray's
-   `session_latest` link when it points at this session.
+   `session_latest` link when it points at this session. The folder goes whatever happened to the
+   logs: when they do not fit in the run directory (a full disk), what was copied is removed again
+   (the run's trace needs that space for its last events) and the report says they were lost.
 
+It also takes world and group write off what Ray's processes create in the session folder while the
+cluster runs (Ray makes some folders 0777 on purpose, `ray._common.utils.try_make_directory_shared`,
+again at each worker's start), and off the logs it moved; then it deletes the cluster's private temp
+folder (`private_dir`) around the session.
+
+Its report is one JSON line on stdout, a pipe the driver reads (`LocalCluster.close`): not a file in
+the run directory, whose disk may be the full one. It exits 0 when the session folder is gone, 1 if not.
 It runs as a plain script (`python reaper.py SPEC`): stdlib and psutil only, no miles import.
 """
 
@@ -22,9 +31,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -53,12 +64,14 @@ def ray_processes(root: int, session_name: str) -> dict[int, float]:
     return found
 
 
-def wait_for_eof(root: int, session_name: str) -> dict[int, float]:
-    """Record the cluster's processes until the driver's pipe closes; return what was recorded."""
+def wait_for_eof(root: int, session_dir: Path, private_dir: Path | None = None) -> dict[int, float]:
+    """Record the cluster's processes (and keep its folders unwritable by others) until the driver's
+    pipe closes; return what was recorded."""
     recorded: dict[int, float] = {}
     fd = sys.stdin.fileno()
     while True:
-        recorded.update(ray_processes(root, session_name))
+        recorded.update(ray_processes(root, session_dir.name))
+        no_shared_write(private_dir or session_dir)
         readable, _, _ = select.select([fd], [], [], POLL_S)
         if readable and not os.read(fd, 4096):
             return recorded
@@ -79,28 +92,101 @@ def kill_recorded(recorded: dict[int, float]) -> list[int]:
     return [p.pid for p in alive]
 
 
-def remove_session(session_dir: Path, logs_to: Path | None) -> None:
-    """Keep the logs in the run directory, then delete the session folder and a link to it."""
-    if logs_to is not None and (session_dir / "logs").is_dir():
+def no_shared_write(root: Path) -> list[str]:
+    """Take group and world write off every file and folder under `root` (and `root`) that has it without
+    the sticky bit; return their paths. What this process's umask forbids goes too."""
+    umask = os.umask(0)
+    os.umask(umask)
+    drop = 0o022 | (umask & 0o077)
+    fixed = []
+    for folder, _dirs, files in os.walk(root):
+        for path in [folder, *(os.path.join(folder, f) for f in files)]:
+            try:
+                mode = os.lstat(path).st_mode
+                if not stat.S_ISLNK(mode) and mode & drop and not mode & stat.S_ISVTX:
+                    os.chmod(path, stat.S_IMODE(mode) & ~drop)
+                    fixed.append(path)
+            except OSError:            # gone while we looked, or not ours
+                continue
+    return fixed
+
+
+def keep_logs(session_dir: Path, logs_to: Path) -> dict | None:
+    """Move the session's logs to `logs_to` (private to the run's user); None when they are there, else
+    what was lost: the logs, where, why and the space left (what was copied is removed again)."""
+    if not (session_dir / "logs").is_dir():
+        return None
+    if logs_to.exists():                # a second cluster in one run dir: keep both
+        logs_to = logs_to.with_name(f"{logs_to.name}-{session_dir.name}")
+    try:
         logs_to.parent.mkdir(parents=True, exist_ok=True)
-        if logs_to.exists():            # a second cluster in one run dir: keep both
-            logs_to = logs_to.with_name(f"{logs_to.name}-{session_dir.name}")
         shutil.move(str(session_dir / "logs"), str(logs_to))
-    shutil.rmtree(session_dir, ignore_errors=True)
-    latest = session_dir.parent / "session_latest"
-    if latest.is_symlink() and Path(os.readlink(latest)) == session_dir:
-        latest.unlink()
+    except (OSError, shutil.Error) as exc:
+        shutil.rmtree(logs_to, ignore_errors=True)
+        return {"what": "Ray's logs", "path": str(logs_to), "error": _reason(exc), "free_bytes": _free(logs_to.parent)}
+    no_shared_write(logs_to)
+    return None
+
+
+def remove_session(session_dir: Path, logs_to: Path | None) -> dict | None:
+    """Keep the logs in the run directory, then delete the session folder and a link to it, whatever
+    happened to the logs; return what was lost (None: nothing)."""
+    lost = None
+    try:
+        if logs_to is not None:
+            lost = keep_logs(session_dir, logs_to)
+    finally:
+        shutil.rmtree(session_dir, ignore_errors=True)
+        latest = session_dir.parent / "session_latest"
+        if latest.is_symlink() and Path(os.readlink(latest)) == session_dir:
+            latest.unlink()
+    return lost
+
+
+def _reason(exc: BaseException) -> str:
+    """Why the logs did not move, short: shutil.move's Error lists (source, destination, why) per file
+    that failed, each `why` naming both paths; the system's reason and the count say it."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        failed = exc.args[0]
+        why = str(failed[0][-1]) if isinstance(failed[0], tuple) else str(failed[0])
+        return f"{_ERRNO_TEXT.sub('', why).split(': ')[0]} ({len(failed)} files not copied)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+_ERRNO_TEXT = re.compile(r"^\[Errno \d+\] ")
+
+
+def _free(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        return None
+
+
+def report(record: dict) -> None:
+    """One JSON line to the driver's pipe; a driver that is gone (kill -9) reads nothing, and that is fine."""
+    try:
+        print(json.dumps(record), flush=True)
+    except (OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's own flush goes nowhere
 
 
 def main(spec: dict) -> int:
     session_dir = Path(spec["session_dir"])
-    recorded = wait_for_eof(int(spec["root"]), session_dir.name)
+    private = Path(spec["private_dir"]) if spec.get("private_dir") else None
+    recorded = wait_for_eof(int(spec["root"]), session_dir, private)
     t0 = time.monotonic()
     killed = kill_recorded(recorded)
-    remove_session(session_dir, Path(spec["logs_to"]) if spec.get("logs_to") else None)
-    print(json.dumps({"event": "reaped", "killed": killed, "session_dir": str(session_dir),
-                      "duration_s": round(time.monotonic() - t0, 3)}), file=sys.stderr, flush=True)
-    return 0
+    try:
+        lost = remove_session(session_dir, Path(spec["logs_to"]) if spec.get("logs_to") else None)
+    finally:
+        if private is not None:          # the cluster's own temp folder (miles.cluster.local.private_temp_dir)
+            shutil.rmtree(private, ignore_errors=True)
+    report({"event": "reaped", "killed": killed, "session_dir": str(session_dir), "removed": not session_dir.exists(),
+            "lost": lost, "duration_s": round(time.monotonic() - t0, 3)})
+    return 0 if not session_dir.exists() else 1
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ async def init(ctx: TrainingContext) -> str:
         ctx.c.metrics.add(sink)
     ctx.c.cluster = RayCluster(cfg.cluster, ctx.run_id, log_dir=ctx.run_dir / "logs",
                                log_level=cfg.tracking.worker_log_level, node_ip=cfg.reliability.ray_node_ip,
-                               allow_no_auth=cfg.reliability.ray_allow_no_auth, shipment=_shipment(ctx))
+                               allow_no_auth=cfg.reliability.ray_allow_no_auth, shipment=_shipment(ctx),
+                               on_lost=lambda lost: ctx.tracer.note_lost(**lost))
     add(ctx.c.cluster)
     _cluster_ready(ctx)
     gpus = cluster_gpus()           # with --device auto, the cluster's GPUs decide where everything runs

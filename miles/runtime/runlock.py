@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import WriteFailed
+
 LOCK_FILE = ".miles.lock"
 
 
@@ -94,9 +96,12 @@ def lock_folder(folder: str | os.PathLike[str], *, what: str, run_id: str = "") 
         left = _read_record(fd)             # a record under a free lock: its holder died holding it
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3),
                   "run_id": run_id, "what": what}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as exc:              # a full disk: say which file
+            raise WriteFailed(f"the lock of {what}", folder / LOCK_FILE, exc)
     except BaseException:
         os.close(fd)
         raise

@@ -8,7 +8,10 @@ concurrently): the library is the authority on legal moves and nothing else.
 Every way out ends the same: an exception (or cancellation, or KeyboardInterrupt) in a phase fires
 `fail` → `draining` → `shutdown`; a stop request fires `stop` → `draining` once the current phase
 ends; an error while draining fires `fail` → `shutdown`. Entering `shutdown` unwinds the disposer.
-The first failure is what `run()` raises; teardown errors are attached to it.
+The first failure is what `run()` raises; teardown errors are attached to it. A trace that could not
+be written (a full disk) fails the run at the end of the phase it broke in; one that broke while
+draining or during the teardown, when the run's work is done, leaves the outcome to what the run did
+(the tracer says what was lost).
 
 The runner names no state: where `fail` and `stop` lead, and whether a trigger is legal at all, are
 the machine's (`transitions` answers `get_triggers`); the final state ends the loop. Each guard is
@@ -80,6 +83,7 @@ class Runner:
         self._machine = definition.build(self._model, self._decided_guard)
         self.failure: BaseException | None = None
         self.history: list[tuple[str, str, str]] = []   # (src, trigger, dst)
+        self._trace_broke = False                   # the trace's write error was raised (once) as the run's
 
     @property
     def state(self) -> str:
@@ -115,6 +119,9 @@ class Runner:
         end = self.tracer.emit("phase_end", state=state, rollout_id=self.ctx.rollout_id, trigger=trigger,
                                duration_s=round(time.monotonic() - t0, 6), cause=start,
                                cut="stop" if trigger is None else None)
+        if self.tracer.write_error is not None and not self._trace_broke and state != self.definition.drain_state:
+            self._trace_broke = True           # a run that goes on without its record fails; draining ends it anyway
+            raise self.tracer.write_error
         # a stop is honoured where the machine has a stop route (not while draining: it would be moot)
         if self.ctx.stop_requested.is_set() and trigger != STOP and self._allows(state, STOP):
             self.tracer.emit("stop_honoured", state=state, ignored_trigger=trigger, cause=end)

@@ -8,6 +8,13 @@ Each `Tracer` owns its own structlog pipeline (`structlog.wrap_logger`, no globa
 two runs in one process never see each other's events. Every event carries `seq` (gapless,
 monotonic), `ts` (UTC ISO), `mono` (seconds since the tracer started), `run_id`, `machine` and
 `machine_hash`; `emit` returns the event's `seq` so later events can name it as their `cause`.
+
+A trace that cannot be written (its disk is full) never raises out of `emit`: the line that did not fit
+is cut back out (the file ends in whole lines), the file is closed, `write_error` says which file, why
+and the space left, and the later events still reach the console and the listeners. The runner fails
+a run whose trace broke while it ran; one that broke during the teardown has lost only its last events
+(`lost`). What else a run loses without failing (Ray's logs on a full disk) is a `lost` event
+(`note_lost`), kept in `lost` for the final report.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator
 
 import structlog
+
+from .files import LineFile, WriteFailed
 
 TRACE_FILE = "trace.jsonl"
 _SEGMENT = re.compile(r"trace\.(\d+)\.jsonl")
@@ -78,15 +87,14 @@ def error_summary(exc: BaseException) -> str:
 
 
 class _Sink:
-    """The structlog 'logger' at the end of the pipeline: writes the rendered line to its outputs."""
+    """The structlog 'logger' at the end of the pipeline: writes the rendered line to the trace file."""
 
-    def __init__(self, file: TextIO | None):
+    def __init__(self, file: LineFile | None):
         self.file = file
 
     def msg(self, line: str) -> None:
         if self.file is not None:
-            self.file.write(line + "\n")
-            self.file.flush()
+            self.file.write_line(line)
 
     info = msg
 
@@ -110,10 +118,16 @@ class Tracer:
         self._seq = 0
         self._t0 = time.monotonic()
         self._listeners = list(listeners or [])
+        self.write_error: WriteFailed | None = None   # the trace file failed (and was closed) at `broke_at`
+        self.broke_at: int | None = None               # the seq of the first event not written
+        self.lost: list[dict[str, Any]] = []           # what the run lost without failing (note_lost)
         file = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            file = open(self.path, "a", encoding="utf-8")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise WriteFailed("the trace's folder", self.path.parent, exc)
+            file = LineFile(self.path, "the trace")
         self._file = file
         self._console = _console_renderer(console)
         self._log = structlog.wrap_logger(
@@ -156,7 +170,7 @@ class Tracer:
             fields.update(seq=seq, ts=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
                           mono=round(now - self._t0, 6))
             if self._file is not None and not self._file.closed:
-                self._log.info(event, **fields)
+                self._write(event, fields)
             elif self._console is not None:
                 self._console(self._stamp(None, "", {**fields, "event": event}))
             listeners = list(self._listeners)
@@ -166,6 +180,32 @@ class Tracer:
             for fn in listeners:
                 fn(record)
         return seq
+
+    def _write(self, event: str, fields: dict[str, Any]) -> None:
+        """One line to the file (under the lock); a failed write breaks the file (see the docstring)."""
+        try:
+            self._log.info(event, **fields)
+        except WriteFailed as exc:              # the console showed it already (a processor before the file)
+            self.write_error, self.broke_at = exc, fields["seq"]
+            self._file.close()
+
+    def note_lost(self, what: str, *, error: BaseException | str, **fields: Any) -> int:
+        """Record something the run lost without failing (`what`: "Ray's logs"): a `lost` event, kept in
+        `lost` for the run's final report."""
+        record = {"what": what, "error": str(error), **fields}
+        self.lost.append(record)
+        return self.emit("lost", **record)
+
+    def losses(self) -> list[dict[str, Any]]:
+        """Everything the run lost without failing: the `lost` records, and the trace's own last events."""
+        return [*self.lost, *filter(None, [self.trace_lost()])]
+
+    def trace_lost(self) -> dict[str, Any] | None:
+        """What the trace itself lost (its events from `broke_at` on), or None when it is whole."""
+        if self.write_error is None:
+            return None
+        return {"what": "the trace's last events", "error": str(self.write_error), "from_seq": self.broke_at,
+                "last_seq": self._seq, "path": str(self.path)}
 
     @property
     def last_seq(self) -> int:

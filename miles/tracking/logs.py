@@ -31,6 +31,8 @@ from typing import Any, Callable, TextIO
 
 import structlog
 
+from miles.runtime.files import LineFile, WriteFailed
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _METHOD_LEVEL = {"warn": "warning", "exception": "error", "fatal": "critical", "msg": "info", "log": "info"}
 _ACTOR_NAME = re.compile(r"^(?P<role>.+?)-(?P<rank>\d+)(?:-r(?P<restart>\d+))?$")
@@ -118,31 +120,46 @@ class _WriteTo:
         self.file = file
 
     def __call__(self, _logger: Any, _name: str, line: str) -> Any:
-        self.file.write(line + "\n")
+        self.file.write_line(line)
         raise structlog.DropEvent
 
 
 class _LazyFile:
     """Opened (folder and all) at the first line: a run that fails its checks leaves no directory.
-    Line-buffered, so a killed process loses nothing it logged."""
+    Each line is on disk when written, so a killed process loses nothing it logged. A log is the
+    process's diagnostics, not the run's record: when it cannot be written (a full disk) the process
+    says so once on stderr (file, reason, space left) and goes on without it (`lost`)."""
 
     def __init__(self, path: Path):
         self.path, self._file, self.closed = path, None, False
+        self.lost: WriteFailed | None = None
 
-    def write(self, text: str) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
-        self._file.write(text)
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+    def write_line(self, line: str) -> None:
+        if self.lost is not None or self.closed:
+            return
+        try:
+            if self._file is None:
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise WriteFailed("the log's folder", self.path.parent, exc)
+                self._file = LineFile(self.path, "the log")
+            self._file.write_line(line)
+        except WriteFailed as exc:
+            self.lost = exc
+            _say(f"[warning] log_lost {exc}; this process's later log lines are not kept")
 
     def close(self) -> None:
         self.closed = True
         if self._file is not None:
             self._file.close()
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):       # no stderr either: nothing more to do
+        pass
 
 
 def _static(fields: dict[str, Any]) -> Callable[[Any, str, dict[str, Any]], dict[str, Any]]:

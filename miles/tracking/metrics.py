@@ -12,38 +12,42 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
+from miles.runtime.files import LineFile, WriteFailed
+
 CONSOLE_KEYS = (("reward_mean", "reward"), ("eval_pass@1", "eval"), ("kl", "kl"), ("entropy", "ent"),
                 ("clip_frac", "clip"), ("response_len_mean", "len"), ("gen_tokens_per_s", "tok/s"),
                 ("step_time_s", "step_s"))
 
 
 class MetricsWriter:
-    """Appends `{"step": rollout_id, ...}` lines to `<run_dir>/metrics.jsonl`. The run owns the file."""
+    """Appends `{"step": rollout_id, ...}` lines to `<run_dir>/metrics.jsonl`, each on disk when `log`
+    returns. The run owns the file. A row that cannot be written (a full disk) is cut back out and
+    raises WriteFailed naming the file and the space left: the run fails, its record would have a gap."""
 
     resource_name = "metrics_writer"
 
     def __init__(self, path: str | Path, *, console: TextIO | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise WriteFailed("the metrics file's folder", self.path.parent, exc)
+        self._file = LineFile(self.path, "the metrics file")
         self._console = console
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._file.write_line(json.dumps(row))
         if self._console is not None:
             self._console.write(console_line(step, row) + "\n")
             self._console.flush()
 
     def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
+        """Each row is written through when logged: nothing is buffered."""
 
     def dispose(self) -> None:
-        """Flush and close metrics.jsonl."""
-        if not self._file.closed:
-            self._file.close()
+        """Close metrics.jsonl."""
+        self._file.close()
 
 
 def console_line(step: int, row: dict[str, Any]) -> str:

@@ -13,11 +13,14 @@ which case files are `PATH/rollout_<id>.pt`.
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError
+from miles.runtime.files import NEARLY_FULL_BYTES, WriteFailed, free_space, is_disk_full
 from miles.types import Prompt, Sample
 
 FORMAT = "miles-rollout-v1"
@@ -36,15 +39,27 @@ def rollout_data_path(template: str, rollout_id: int) -> Path:
     return Path(template) / f"rollout_{rollout_id}.pt"
 
 
+WHAT = "the saved rollout (--save-debug-rollout-data)"
+
+
 def save_rollout_data(path: Path, rollout_id: int, samples: list[Sample], metrics: dict[str, Any]) -> Path:
     """Write one rollout (atomically: a reader never sees half a file)."""
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"format": FORMAT, "rollout_id": rollout_id, "samples": [asdict(s) for s in samples],
-                "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}, tmp)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": FORMAT, "rollout_id": rollout_id, "samples": [asdict(s) for s in samples],
+                    "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}, tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as exc:      # torch.save on a full disk: RuntimeError("... unexpected pos ...")
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise WriteFailed(WHAT, path, exc)
+        free = free_space(path.parent)
+        if is_disk_full(exc) or (free is not None and free < NEARLY_FULL_BYTES):
+            raise WriteFailed(WHAT, path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        raise
     return path
 
 

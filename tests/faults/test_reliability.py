@@ -3,7 +3,8 @@ are skipped on --load, a phase past its deadline drains the run, a corrupted eng
 naming it, a hung reward fails its sample (with --reward-timeout), a local cluster without token
 authentication is refused before it starts, and a SIGTERM while a reward never returns ends a run
 that started its own cluster within --stop-timeout, saving its last trained rollout, with nothing
-listening beyond loopback before and nothing left after."""
+listening beyond loopback before, nothing writable by other users (the Ray session folder while it
+runs, the run dir and the checkpoints after), and nothing left after."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +25,8 @@ from miles.api.launch import train
 from miles.checkpoint.store import CheckpointStore
 from miles.config.flags import parse_flags
 from miles.runtime import read_trace, with_disposer
-from tests.conftest import base_flags
+from miles.cluster import reaper
+from tests.conftest import base_flags, world_writable
 from tests.faults.test_driver_kill import exposed_sockets
 from tests.faults.test_fault_matrix import assert_clean_end
 
@@ -136,8 +139,9 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
     argv = [sys.executable, str(ROOT / "scripts/train.py"),
             *small(tiny_task, tmp_path, "run", num_rollout=3, save=ckpt, rollout_shuffle=False,
                    custom_rm_path=f"{rm}:stuck")]
+    # started with umask 0: what the run and Ray create is not writable by others because the run says so
     driver = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, umask=0)
     trace_path = run_dir / "trace.jsonl"
     deadline = time.monotonic() + 240
     while not rollout_after_training(trace_path):
@@ -148,6 +152,10 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
     assert exposed_sockets([driver.pid, *(p.pid for p in spawned)]) == []
     assert not [p.pid for p in spawned if any("dashboard/dashboard.py" in a for a in p.cmdline())]   # none started
     session = Path(read_trace(trace_path).of("cluster_ready")[0].get("session_dir"))
+    private = session.parent.parent              # the cluster's own temp folder: no other user gets in
+    assert private.name.startswith("miles-ray-") and stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert private.stat().st_uid == os.getuid()
+    assert settled_world_writable(session) == []  # Ray's 0777 folders lose their write as the reaper sees them
     t0 = time.monotonic()
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
@@ -162,10 +170,20 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
     cut = trace.of("phase_timeout")[0]
     assert (cut.state, cut.get("reason")) == ("rollout", "stop")
     assert not session.exists() and (run_dir / "logs" / "ray" / "raylet.out").is_file()
+    assert not private.exists() and world_writable(run_dir) == [] and world_writable(ckpt) == []
     time.sleep(1.0)                                            # the reaper's last kills land
     assert [p.name() for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     print(json.dumps({"case": "sigterm_stuck_reward_own_cluster", "signal_to_exit_s": round(exit_s, 2),
                       "signal_to_run_end_s": round(trace.events[-1].mono - trace.of("stop_requested")[0].mono, 2)}))
+
+
+def settled_world_writable(root: Path) -> list[str]:
+    """What stays writable by any user under `root` for longer than the reaper's poll (Ray makes some
+    folders 0777 again as each worker starts; the reaper takes that off within a second)."""
+    deadline = time.monotonic() + 2 * reaper.POLL_S + 1.0
+    while (found := world_writable(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
 
 
 def rollout_after_training(trace_path: Path) -> bool:
