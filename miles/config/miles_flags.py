@@ -248,13 +248,10 @@ hf-checkpoint num-rollout num-epoch rollout-max-prompt-len
 
 
 # miles' --rm-type values this build does not have (miles/rollout/rm_hub): what each is; what to use
-_MATH_HERE = "here --rm-type math compares the final answer (boxed_math: the last \\boxed{...})"
 MILES_RM_TYPES: dict[str, str] = {
-    "deepscaler": f"DeepScaleR's math verifier; {_MATH_HERE}",
-    "dapo": f"DAPO's math verifier; {_MATH_HERE}",
-    "gemma_math": f"a math verifier for Gemma's answer format; {_MATH_HERE}",
-    "gpqa": f"GPQA multiple-choice scoring; {NOT_YET}: --rm-type exact_match on the letter, or --custom-rm-path",
-    "ifbench": f"IFBench instruction-following checks; {NOT_YET}: --custom-rm-path module:function",
+    "ifbench": "IFBench instruction-following checks (allenai/IFBench, which miles clones from GitHub at run time; "
+               "no package of its authors is on PyPI to depend on): wrap its checks in a reward of your own, "
+               "--custom-rm-path module:function (docs/algorithms.md, Rewards)",
 }
 
 
