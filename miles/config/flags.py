@@ -423,6 +423,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
        help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
             "weights too (on with --colocate; sync machine)"),
+    _f("no-offload-train", "cluster", "offload_train", kind="false",
+       help="miles' explicit off: the trainer keeps its optimizer state on the GPU, --offload notwithstanding"),
+    _f("no-offload-rollout", "cluster", "offload_rollout", kind="false",
+       help="miles' explicit off: the engines keep their memory while the trainer trains, --colocate and --offload "
+            "notwithstanding"),
+    _f("offload-train-disk-chunk-mb", "train", "offload_chunk_mb", int,
+       "MiB of float32 parameters each streamed optimizer step moves through the GPU at a time under --offload-train "
+       "and --optimizer-cpu-offload (default 1024; the step holds 4x this of AdamW moments on the GPU). miles: the "
+       "staging buffer of its disk offload, which this build does not have"),
     _f("ray-no-ship-code", "cluster", "ship_code", kind="false",
        help="with --ray-address: do not send miles and the files of --custom-rm-path & co. to the cluster through "
             "Ray's runtime_env; they are installed at the same paths on every node"),
