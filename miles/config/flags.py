@@ -103,8 +103,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts (default: 2 on a "
        "CPU run with two or more cores and no --rollout-num-gpus, each decoding on a core of its own; else 1)"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", ENGINE_NAMES),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...}; miles' "
-       "other types get a line saying what to use)"),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward: math, deepscaler, dapo, gemma_math (graded by "
+       "math-verify), gpqa, exact_match, f1, random, deterministic_random, remote_rm; boxed_TYPE scores the last "
+       "\\boxed{...}; miles' ifbench gets a line saying what to use"),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
