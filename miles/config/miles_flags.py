@@ -266,8 +266,8 @@ use-rollout-indexer-replay
 # miles' --rm-type values this build does not have (miles/rollout/rm_hub): what each is; what to use
 MILES_RM_TYPES: dict[str, str] = {
     "ifbench": "IFBench instruction-following checks (allenai/IFBench, which miles clones from GitHub at run time; "
-               "no package of its authors is on PyPI to depend on): wrap its checks in a reward of your own, "
-               "--custom-rm-path module:function (docs/algorithms.md, Rewards)",
+               "this build fetches no code at run time): install IFBench's checks and call them from a reward of "
+               "your own, --custom-rm-path module:function (docs/algorithms.md, Rewards)",
 }
 
 
