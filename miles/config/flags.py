@@ -103,8 +103,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-num-engines", "rollout", "num_engines", int, "engine actors serving rollouts (default: 2 on a "
        "CPU run with two or more cores and no --rollout-num-gpus, each decoding on a core of its own; else 1)"),
     _f("rollout-engine", "rollout", "engine", str, "inference engine", ENGINE_NAMES),
-    _f("rm-type", "rollout", "rm_type", str, "built-in reward (boxed_TYPE scores the last \\boxed{...}; miles' "
-       "other types get a line saying what to use)"),
+    _f("rm-type", "rollout", "rm_type", str, "built-in reward: math, deepscaler, dapo, gemma_math (graded by "
+       "math-verify), gpqa, exact_match, f1, random, deterministic_random, remote_rm; boxed_TYPE scores the last "
+       "\\boxed{...}; miles' ifbench gets a line saying what to use"),
     _f("custom-rm-path", "rollout", "custom_rm_path", str, "reward function by import path, module:function (sync or async)"),
     _f("rollout-seed", "rollout", "seed", int, "sampling seed (default: --seed)"),
     _f("engine-max-restarts", "rollout", "engine_max_restarts", int, "restarts of dead engines allowed per window"),
@@ -423,6 +424,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("offload-rollout", "cluster", "offload_rollout", kind="true",
        help="the engines free their GPU memory while the trainer trains: KV cache and CUDA graphs, SGLang's "
             "weights too (on with --colocate; sync machine)"),
+    _f("no-offload-train", "cluster", "offload_train", kind="false",
+       help="miles' explicit off: the trainer keeps its optimizer state on the GPU, --offload notwithstanding"),
+    _f("no-offload-rollout", "cluster", "offload_rollout", kind="false",
+       help="miles' explicit off: the engines keep their memory while the trainer trains, --colocate and --offload "
+            "notwithstanding"),
+    _f("offload-train-disk-chunk-mb", "train", "offload_chunk_mb", int,
+       "MiB of float32 parameters each streamed optimizer step moves through the GPU at a time under --offload-train "
+       "and --optimizer-cpu-offload (default 1024; the step holds 4x this of AdamW moments on the GPU). miles: the "
+       "staging buffer of its disk offload, which this build does not have"),
     _f("ray-no-ship-code", "cluster", "ship_code", kind="false",
        help="with --ray-address: do not send miles and the files of --custom-rm-path & co. to the cluster through "
             "Ray's runtime_env; they are installed at the same paths on every node"),

@@ -170,7 +170,8 @@ FAMILIES: dict[str, Group] = {
         moe-token-dispatcher-type= moe-enable-deepep moe-deepep-num-sms= moe-permute-fusion moe-expert-capacity-factor=
         moe-pad-expert-input-to-capacity moe-token-drop-policy= moe-apply-probs-on-input moe-upcycling-granularity=
         moe-pad-experts-for-cuda-graph-inference overlap-moe-expert-parallel-comm delay-wgrad-compute
-    """), ("moe-",)),
+        freeze-e-score-correction-bias
+    """), ("moe-",)),    # freeze-e-score-correction-bias: miles' Megatron-LM fork's (DeepSeek-V4's router bias)
     "MLA": Group(f"multi-latent attention (DeepSeek); {_DENSE}train a model with standard attention", parse("""
         multi-latent-attention q-lora-rank= kv-lora-rank= qk-head-dim= qk-pos-emb-head-dim= v-head-dim= mscale=
         mscale-all-dim= cache-mla-latents
@@ -178,13 +179,17 @@ FAMILIES: dict[str, Group] = {
     # miles' own flags (not Megatron-LM's)
     "DSA": Group(f"DeepSeek sparse attention; {_DENSE}train a model with full attention",
                  parse("use-dsa index-topk= index-head-dim= index-n-heads="), ("dsa-",)),
+    # miles' Megatron-LM fork's (scripts/models/deepseek-v4-*.py)
+    "DeepSeek-V4": Group(f"DeepSeek-V4's attention (compressed, hashed and windowed layers, grouped output "
+                         f"projection) in miles' Megatron-LM fork; {_DENSE}train a model with standard attention",
+                         parse("experimental-attention-variant= no-activation-func-clamp-shared-expert"), ("dsv4-",)),
     "FP8/FP4": Group(f"FP8/FP4 training; {_DENSE}use --dtype bfloat16", parse("""
         fp8-format= fp8-recipe= fp8-quantizer-factory= fp8-margin= fp8-interval= fp8-amax-history-len=
         fp8-amax-compute-algo= no-fp8-wgrad fp8-param-gather first-last-layers-bf16 num-layers-at-start-in-bf16=
         num-layers-at-end-in-bf16= fp4-format= fp4-recipe= fp4-quantizer-factory= fp4-param-gather
         reuse-grad-buf-for-mxfp8-param-ag keep-fp8-transpose-cache kitchen-config-file= kitchen-recipe-number=
-        fp8 fp4
-    """), ("fp8-", "fp4-", "kitchen-")),
+        fp8 fp4 te-precision-config-file=
+    """), ("fp8-", "fp4-", "kitchen-")),     # te-precision-config-file: miles' fork's per-layer precision recipe
     "MTP": Group(f"multi-token-prediction layers; {_DENSE}drop them (the model's MTP head is not trained)",
                  parse("mtp-num-layers= mtp-loss-scaling-factor="), ("mtp-",)),
     "architecture variants": Group(
@@ -196,7 +201,9 @@ FAMILIES: dict[str, Group] = {
         activation-func-clamp-value= glu-linear-offset= qk-l2-norm fp32-residual-connection
         apply-query-key-layer-scaling onnx-safe= spec* heterogeneous-layers-config-path=
         heterogeneous-layers-config-encoded-json=
-    """)),
+        attention-output-gate post-self-attn-layernorm post-mlp-layernorm beta-fast= beta-slow=
+        original-max-position-embeddings=
+    """)),   # the last six are miles' Megatron-LM fork's: Qwen3.5's gated attention, GLM-4's extra norms, YaRN's RoPE
     "BERT/T5": Group(f"BERT and T5 (encoder) models; {_DECODER}", parse("""
         encoder-num-layers= decoder-num-layers= encoder-seq-length= decoder-seq-length= bert-no-binary-head
         output-bert-embeddings bert-embedder-type= bert-load= mask-prob= short-seq-prob= vocab-extra-ids=

@@ -106,6 +106,14 @@ REFUSED: dict[str, str] = {
     "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
     "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
     "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
+    "use-rollout-indexer-replay": "replays the rollout's sparse-attention indexer top-k in training (DeepSeek-V3.2/V4); "
+                                  "this build trains dense models with full attention: drop it",
+    "allgather-cp": "all-gather context parallelism for sparse-attention models (DeepSeek-V3.2, GLM-5); here dense "
+                    "models' is --context-parallel-size (--train-backend megatron): drop it",
+    "data-pad-size-multiplier": "pads each packed (thd) batch's length to a multiple of N for miles' Megatron actors; "
+                                "here batches are right-padded to their longest row: drop it",
+    "experts-shared-outer-loras": "a LoRA layout of MoE experts (adapters shared across experts); this build "
+                                  "trains dense models (LoRA: --lora-rank): drop it",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
@@ -128,6 +136,9 @@ REFUSED: dict[str, str] = {
     "offload-rollout-level": f"what engine memory is offloaded; {NOT_YET}: --offload-rollout frees the KV cache",
     "offload-train-target": f"offload the trainer to cpu or disk; {NOT_YET}: --offload-train moves it to host memory",
     "offload-train-disk-dir": f"the trainer's disk-offload folder; {NOT_YET}: --offload-train moves it to host memory",
+    **{f"extra-high-precision-layers-{side}": f"{side} weight names left unquantized when miles quantizes the weights "
+                                               f"it sends to FP8/INT4 engines; {NOT_YET}: the engines get the trainer's "
+                                               f"weights in --dtype: drop it" for side in ("hf", "megatron")},
     "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
     "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
     # -- checkpoints and eval --------------------------------------------------------------------------
@@ -156,6 +167,8 @@ REFUSED: dict[str, str] = {
     "fsdp-cpu-offload": f"FSDP parameters and optimizer state on the CPU; {NOT_YET} for the parameters: "
                         "--optimizer-cpu-offload keeps the optimizer state in host memory",
     "wandb-host": "the W&B server; here set WANDB_BASE_URL: drop it",
+    "use-distributed-post": "sends the engine requests from Ray actors on every node; here the rollout executor "
+                            "sends them (SGLang: through the run's sglang-router): drop it",
 }
 
 # Megatron flags miles' launch scripts pass (MODEL_ARGS, PERF_ARGS, OPTIMIZER_ARGS): the architecture
@@ -183,8 +196,8 @@ REFUSED_PREFIXES: dict[str, str] = {
 
 # Every flag of miles' parser (radixark/miles @ 31f1ca96; families by a representative member), by
 # concern, and --mask-offpolicy-in-partial-rollout, --opd-kl-coef, --opd-teacher-key and the LoRA flags beyond
-# --lora-rank/--target-modules (a later miles' parser has them: miles/utils/lora/arguments.py). The test checks
-# each one's fate.
+# --lora-rank/--target-modules (a later miles' parser has them: miles/utils/lora/arguments.py), and, on the last
+# three lines, flags of a later miles' parser that its run and model scripts pass. The test checks each one's fate.
 MILES_FLAGS: tuple[str, ...] = tuple("""
 fully-async max-weight-staleness async-max-concurrent-samples async-data-buffer-capacity-factor
 async-unused-samples-handler custom-async-data-buffer-path rollout-submission-granularity pause-generation-mode
@@ -244,17 +257,17 @@ dump-details ci-inject-rollout-data-path dumper-enable profile-target enable-eve
 debug-deterministic-collective
 ci-disable-kl-checker ci-save-grad-norm ci-load-grad-norm ci-save-model-hash ci-check-model-hash
 hf-checkpoint num-rollout num-epoch rollout-max-prompt-len
+no-offload-train no-offload-rollout offload-train-disk-chunk-mb allgather-cp data-pad-size-multiplier
+experts-shared-outer-loras extra-high-precision-layers-hf extra-high-precision-layers-megatron use-distributed-post
+use-rollout-indexer-replay
 """.split())
 
 
 # miles' --rm-type values this build does not have (miles/rollout/rm_hub): what each is; what to use
-_MATH_HERE = "here --rm-type math compares the final answer (boxed_math: the last \\boxed{...})"
 MILES_RM_TYPES: dict[str, str] = {
-    "deepscaler": f"DeepScaleR's math verifier; {_MATH_HERE}",
-    "dapo": f"DAPO's math verifier; {_MATH_HERE}",
-    "gemma_math": f"a math verifier for Gemma's answer format; {_MATH_HERE}",
-    "gpqa": f"GPQA multiple-choice scoring; {NOT_YET}: --rm-type exact_match on the letter, or --custom-rm-path",
-    "ifbench": f"IFBench instruction-following checks; {NOT_YET}: --custom-rm-path module:function",
+    "ifbench": "IFBench instruction-following checks (allenai/IFBench, which miles clones from GitHub at run time; "
+               "this build fetches no code at run time): install IFBench's checks and call them from a reward of "
+               "your own, --custom-rm-path module:function (docs/algorithms.md, Rewards)",
 }
 
 
@@ -313,7 +326,8 @@ def refusal_lines(names: Iterable[str]) -> list[str]:
     """One line per refused flag; the flags of one refused Megatron family share one line."""
     by_family: dict[str, list[str]] = {}
     for name in dict.fromkeys(names):
-        by_family.setdefault(family_of(name.removeprefix("no-")) or f"--{name}", []).append(name)
+        family = family_of(name) or family_of(name.removeprefix("no-"))     # a family's own no- switch too
+        by_family.setdefault(family or f"--{name}", []).append(name)
     lines = []
     for key, members in by_family.items():
         if key.startswith("--"):

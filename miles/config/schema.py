@@ -314,6 +314,7 @@ class TrainConfig:
     weight_shadows: bool = False        # --trainer-weight-shadows: Linear weights cast once a step, not once a micro-batch
     grad_accum_fusion: bool = False     # --gradient-accumulation-fusion: shadows whose weight gradients add up in the matmul
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
+    offload_chunk_mb: int | None = None  # --offload-train-disk-chunk-mb: MiB of fp32 parameters a streamed step moves at once
     mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
     # float16 loss scaling (--fp16; miles.training.loss_scale): Megatron-LM's flags and defaults, but the
     # start is torch's GradScaler's 2^16: Megatron-LM's 2^32 skips the first ~18 steps, a rollout's update each
@@ -463,8 +464,9 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = 1  # --rollout-num-gpus-per-engine (an SGLang server's tensor parallel size)
     num_gpus_per_node: int = 8          # --num-gpus-per-node: GPUs of a node (an engine may not span nodes)
     offload: bool = False               # --offload: both of the next two
-    offload_train: bool = False         # --offload-train: the trainer's optimizer state to host memory during rollouts
-    offload_rollout: bool = False       # --offload-rollout: the engines' memory freed during training (SGLang: weights too)
+    # None: as --offload (and, for the engines, --colocate) says; False: --no-offload-train / --no-offload-rollout
+    offload_train: bool | None = None   # --offload-train: the trainer's optimizer state to host memory during rollouts
+    offload_rollout: bool | None = None  # --offload-rollout: the engines' memory freed during training (SGLang: weights too)
     # attaching to a cluster (--ray-address; docs/running.md "Attaching to a cluster")
     ship_code: bool = True              # --ray-no-ship-code: miles and the user's files are on every node already
     shared_fs: bool | None = None       # --shared-fs / --no-shared-fs (None: shared iff every node is the driver's host)
@@ -473,7 +475,7 @@ class ClusterConfig:
 
     @property
     def offloads_train(self) -> bool:
-        return self.offload or self.offload_train
+        return self.offload_train if self.offload_train is not None else self.offload
 
     @property
     def trainer_ranks(self) -> int:
@@ -483,7 +485,7 @@ class ClusterConfig:
     @property
     def offloads_rollout(self) -> bool:
         """--colocate frees the engines' cache during training too (miles: colocate turns it on)."""
-        return self.offload or self.offload_rollout or self.colocate
+        return self.offload_rollout if self.offload_rollout is not None else self.offload or self.colocate
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,7 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
         ("--rollout-chunked-prefill-size", cfg.rollout.chunked_prefill_size),
         ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
+        ("--offload-train-disk-chunk-mb", cfg.train.offload_chunk_mb),
     ):
         if value is not None and value < (0 if flag == "--num-rollout" else 1):
             problems.append(f"{flag} {value}: must be {'>= 0' if flag == '--num-rollout' else 'a positive integer'}")

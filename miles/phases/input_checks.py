@@ -144,7 +144,7 @@ def check_user_functions(cfg: RunConfig) -> None:
 def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys: list[str] | None) -> list[str]:
     """A reward that reads labels while --label-key is unset: an error for a built-in reward, a warning
     for a custom one (it may not need them), naming the keys the rows have that no flag reads."""
-    from miles.rollout.rewards import LABEL_FREE_REWARDS, REWARD_FUNCTIONS
+    from miles.rollout.rewards import BOXED_REWARDS, LABEL_FREE_REWARDS, REWARD_FUNCTIONS
     from miles.user_code import display_name, takes_parameter
 
     d = cfg.data
@@ -155,7 +155,7 @@ def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys
     unread = [k for k in first_row_keys or [] if k not in (d.input_key, d.metadata_key)]
     hint = next((k for k in unread if k in LABEL_KEYS), unread[0] if unread else None)
     fix = f"set --label-key {hint}" if hint else "set --label-key to the column with the reference answers"
-    if builtin in REWARD_FUNCTIONS.values():
+    if builtin in (*REWARD_FUNCTIONS.values(), *BOXED_REWARDS.values()):
         raise ConfigError(f"--rm-type {cfg.rollout.rm_type} compares each response with a label, but --label-key is "
                           f"not set{f'; the rows also have {unread}' if unread else ''}: {fix}")
     warnings = []

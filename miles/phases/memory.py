@@ -31,7 +31,7 @@ from miles.training.protocol import SupportsCachedMemoryRelease, SupportsOffload
 
 def _engines_release(ctx: TrainingContext) -> bool:
     p, c = ctx.c.placement, ctx.cfg.cluster
-    asked = c.offload or c.offload_rollout
+    asked = c.offloads_rollout and bool(c.offload or c.offload_rollout)     # --no-offload-rollout wins
     on_gpus = p is not None and p.gpus and c.offloads_rollout      # --colocate implies it on GPUs
     return bool((asked or on_gpus) and ctx.c.engines and ctx.backends.engine_spec.supports(SupportsMemoryRelease))
 

@@ -7,20 +7,27 @@ to a prompt at once (for rewards that rank or compare). The function is chosen o
 by `load_reward_fn`; `score_group` runs it on one group. `--reward-timeout` bounds each call: one
 past it fails its sample (it scores 0.0, as a wrong answer does), not the rollout.
 
-Built-ins (`--rm-type`):
+Built-ins (`--rm-type`; the rules are miles', equivalence is `miles.rollout.math_grading`'s: a
+numeric or string check inline, else math-verify in worker processes, ANSWER_TIME_LIMIT_S an answer):
 - `math`: the final answer is the content of the last `\\boxed{...}`, else the last number in the
-  response (integers, decimals, negatives, `1,234` thousands separators, `3/4` fractions, and
-  `\\frac{3}{4}` inside a box). It is compared with the label numerically (relative tolerance 1e-6)
-  when both parse as numbers, else as strings with spaces and `$` removed. The label is the answer
-  itself (a number, a fraction, or `\\boxed{...}`), not a worked solution. Scores 1.0 or 0.0.
+  response (miles requires the box; the demo's model writes bare numbers). Equal to the label
+  (the answer itself, or `\\boxed{...}`): 1.0, else 0.0.
+- `boxed_math`: the whole content of the last box against the label (no box: 0.0).
+- `deepscaler`: the text after the last `</think>` (or after `###Response`; neither: 0.0) must hold a
+  box whose content equals the label: 1.0, else 0.0.
+- `gemma_math`: as deepscaler, after Gemma 4's last `<channel|>` (the whole response without one).
+- `dapo`: the last `Answer: X` line in the response's last 300 characters equal to the label after
+  DAPO's normalization (or by the verifier): +1.0, else -1.0 (no such line included).
+- `gpqa`: the option letter the response chooses (after `</think>`) against the label's letter (or
+  `metadata["correct_letter"]`, or the choice in `metadata["choices"]` the label names): 1.0 or 0.0.
 - `exact_match`: 1.0 when the response and the label are equal after stripping whitespace.
 - `f1`: token-level F1 between the response and the label (SQuAD-style: lowercase, punctuation and
   articles dropped, whitespace tokens), in [0, 1].
 - `random`: 0.0 or 1.0 at random; `deterministic_random`: 0.0 or 1.0 from a hash of the prompt index
   and the response, the same on every run (for tests).
 - `remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url` (`miles.rollout.remote_reward`).
-- `boxed_<type>` (`boxed_math`, `boxed_exact_match`, `boxed_f1`): `<type>` scores the content of the
-  response's last `\\boxed{...}` ("" when there is none) instead of the whole response.
+- `boxed_exact_match`, `boxed_f1`: `exact_match` / `f1` score the content of the response's last
+  `\\boxed{...}` ("" when there is none) instead of the whole response.
 
 A reward may return a dict of named scores; `--reward-key` picks the one to train on
 (`with_reward_key`). Which function scores which sample (`--custom-rm-path`, `--rm-type`, a
@@ -45,6 +52,8 @@ from typing import Any, TypeVar
 from miles.config import ConfigError, RunConfig
 from miles.config.checks import check
 from miles.config.miles_flags import rm_type_problem
+from miles.rollout import math_grading
+from miles.rollout.math_grading import MATH_REL_TOL, extract_answer, last_boxed, parse_number  # noqa: F401
 from miles.runtime.threads import in_daemon_thread
 from miles.types import Prompt
 from miles.user_code import check_signature, display_name, import_user_function
@@ -53,7 +62,6 @@ RewardFn = Callable[[Prompt, str, str | None], float | Awaitable[float]]
 GroupRewardFn = Callable[[Prompt, list[str], str | None], list[float] | Awaitable[list[float]]]
 F = TypeVar("F", bound=Callable[..., Any])
 
-MATH_REL_TOL = 1e-6
 _RESPONSE_PREVIEW_CHARS = 200
 
 
@@ -90,86 +98,32 @@ def is_group_reward(fn: Callable[..., Any]) -> bool:
     return getattr(fn, "group", False) is True
 
 
-# ---- math answers -------------------------------------------------------------------------------
+# ---- built-ins ----------------------------------------------------------------------------------
 
-_NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
-# A sign counts only when it does not follow an operand ("3-5" is not -5); a number does not
-# start inside a word or another number ("x2", "v1.2").
-_NUMBER_IN_TEXT = re.compile(rf"(?:(?<![\w)\]}}])(?P<sign>-))?(?<![\w.])(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?")
-_NUMBER_ONLY = re.compile(rf"(?P<sign>-)?(?P<num>{_NUM})(?:/(?P<den>{_NUM}))?")
-_FRAC = re.compile(r"(?P<sign>-)?\\[dt]?frac\{(?P<num>[^{}]+)\}\{(?P<den>[^{}]+)\}")
-_TEXT_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}")
-_LATEX_NOISE = ("$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "\\%", "%", "^\\circ", "^{\\circ}")
+async def math_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return await math_grading.math_score(response, _require_label(label, "math"))
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{...}` (braces balanced) or `\\boxed x`, else None."""
-    start = text.rfind("\\boxed")
-    while start != -1:
-        rest = text[start + len("\\boxed"):]
-        if rest.startswith("{"):
-            depth = 0
-            for i, ch in enumerate(rest):
-                depth += (ch == "{") - (ch == "}")
-                if depth == 0:
-                    return rest[1:i]
-        elif rest[:1] == " " and rest.strip():
-            return rest.split()[0].rstrip(".$")
-        start = text.rfind("\\boxed", 0, start)  # unclosed (a truncated response): try an earlier one
-    return None
+async def boxed_math_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return await math_grading.boxed_math_score(response, _require_label(label, "boxed_math"))
 
 
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: the last box's content, else the last number in the text."""
-    boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
-    matches = list(_NUMBER_IN_TEXT.finditer(response))
-    return matches[-1].group(0) if matches else None
+async def deepscaler_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return await math_grading.deepscaler_score(response, _require_label(label, "deepscaler"))
 
 
-def parse_number(text: str) -> float | None:
-    """`text` as a number when it is one (`-1,234.5`, `3/4`, `\\frac{3}{4}`, `x = 5`), else None."""
-    s = _normalize(text)
-    if "=" in s:
-        s = s.rsplit("=", 1)[1]
-    s = s.removeprefix("+").rstrip(".")
-    match = _FRAC.fullmatch(s) or _NUMBER_ONLY.fullmatch(s)
-    return _match_value(match) if match else None
+async def gemma_math_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return await math_grading.gemma_math_score(response, _require_label(label, "gemma_math"))
 
 
-def _match_value(match: re.Match[str]) -> float | None:
-    num = _plain_number(match["num"])
-    den = _plain_number(match["den"]) if match["den"] is not None else 1.0
-    if num is None or den is None or den == 0:
-        return None
-    return (-num if match["sign"] else num) / den
+async def dapo_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    return await math_grading.dapo_score(response, _require_label(label, "dapo"))
 
 
-def _plain_number(text: str) -> float | None:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def _normalize(text: str) -> str:
-    s = _TEXT_WRAPPER.sub(r"\1", text)
-    for noise in _LATEX_NOISE:
-        s = s.replace(noise, "")
-    return "".join(s.split())
-
-
-def math_reward(prompt: Prompt, response: str, label: str | None) -> float:
-    target = _require_label(label, "math")
-    answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    target = last_boxed(target) or target
-    got, want = parse_number(answer), parse_number(target)
-    if got is not None and want is not None:
-        return float(math.isclose(got, want, rel_tol=MATH_REL_TOL, abs_tol=1e-9))
-    return float(_normalize(answer) == _normalize(target))
+def gpqa_reward(prompt: Prompt, response: str, label: str | None) -> float:
+    if label is None and not prompt.metadata.get("correct_letter"):
+        _require_label(label, "gpqa")
+    return math_grading.gpqa_score(response, label, prompt.metadata)
 
 
 def exact_match_reward(prompt: Prompt, response: str, label: str | None) -> float:
@@ -212,13 +166,16 @@ def deterministic_random_reward(prompt: Prompt, response: str, label: str | None
 
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "math": math_reward, "exact_match": exact_match_reward, "f1": f1_reward, "random": random_reward,
+    "math": math_reward, "deepscaler": deepscaler_reward, "dapo": dapo_reward, "gemma_math": gemma_math_reward,
+    "gpqa": gpqa_reward, "exact_match": exact_match_reward, "f1": f1_reward, "random": random_reward,
     "deterministic_random": deterministic_random_reward,
 }
 LABEL_FREE_REWARDS = ("random", "deterministic_random")   # the built-ins that read no label
+VERIFIED_REWARDS = ("math", "deepscaler", "dapo", "gemma_math")   # graded by math-verify (math_grading)
 REMOTE_RM = "remote_rm"             # built by miles.rollout.scoring from --rm-url and its options
 BOXED_PREFIX = "boxed_"
 BOXABLE = ("math", "exact_match", "f1")   # rule rewards that read the answer from the response text
+BOXED_REWARDS: dict[str, RewardFn] = {"boxed_math": boxed_math_reward}   # the others score the box's content
 RM_TYPES: tuple[str, ...] = (*REWARD_FUNCTIONS, REMOTE_RM, *(BOXED_PREFIX + name for name in BOXABLE))
 
 
@@ -226,7 +183,7 @@ def boxed(fn: RewardFn) -> RewardFn:
     """`fn` scoring the content of the response's last `\\boxed{...}` ("" when there is none)."""
     @functools.wraps(fn)
     def scored_on_box(prompt: Prompt, response: str, label: str | None) -> Any:
-        return fn(prompt, last_boxed(response) or "", label)
+        return fn(prompt, math_grading.last_boxed(response) or "", label)
 
     scored_on_box.__qualname__ = f"{BOXED_PREFIX}{getattr(fn, '__qualname__', 'reward')}"
     return scored_on_box
@@ -236,8 +193,10 @@ def builtin_reward(rm_type: str, *, flag: str = "--rm-type") -> RewardFn:
     """The built-in reward `rm_type` (a `boxed_` prefix allowed); `remote_rm` is built from its
     flags by `miles.rollout.scoring`, so it is not one of these."""
     base = rm_type.removeprefix(BOXED_PREFIX)
-    if rm_type in REWARD_FUNCTIONS or (rm_type.startswith(BOXED_PREFIX) and base in BOXABLE):
-        return REWARD_FUNCTIONS[rm_type] if rm_type in REWARD_FUNCTIONS else boxed(REWARD_FUNCTIONS[base])
+    if rm_type in REWARD_FUNCTIONS or rm_type in BOXED_REWARDS:
+        return REWARD_FUNCTIONS.get(rm_type) or BOXED_REWARDS[rm_type]
+    if rm_type.startswith(BOXED_PREFIX) and base in BOXABLE:
+        return boxed(REWARD_FUNCTIONS[base])
     raise ConfigError(f"{flag} {rm_type!r} is not a built-in reward; valid types are {sorted(RM_TYPES)}, "
                       "or pass --custom-rm-path module:function")
 
@@ -422,3 +381,14 @@ def _reward_types(cfg: RunConfig, problems: list[str]) -> None:
         if d.rm_type is not None and d.rm_type not in RM_TYPES:
             problems.append(f"--eval-config dataset {d.name!r}: rm_type {d.rm_type!r} is not a reward type here; use "
                             f"one of {', '.join(RM_TYPES)} or leave it out to use the run's reward (--custom-rm-path)")
+
+
+@check
+def _verifier_installed(cfg: RunConfig, problems: list[str]) -> None:
+    """A reward graded by math-verify (--rm-type math, boxed_math, deepscaler, dapo, gemma_math, or an
+    --eval-config dataset's rm_type) needs the package in this environment."""
+    verified = (*VERIFIED_REWARDS, *BOXED_REWARDS)
+    used = [t for t in (None if cfg.rollout.custom_rm_path else cfg.rollout.rm_type,
+                        *(d.rm_type for d in cfg.eval.datasets)) if t in verified]
+    if used and (problem := math_grading.verifier_problem()) is not None:
+        problems.append(f"--rm-type {used[0]} grades answers with math-verify, and {problem}")

@@ -35,7 +35,7 @@ from miles.training.memory_plan import cuda_token_budget
 from miles.training.microbatch import HostRows, padded_tokens, plan_micro_batches, take_rows
 from miles.training.packing import to_device
 from miles.training.rng import seed_everything
-from miles.training.offload import HostOffload
+from miles.training.offload import DEFAULT_CHUNK_BYTES, HostOffload
 from miles.training.shadows import weight_shadows
 from miles.training.shards import clip_grad_norm, local, step_shards
 from miles.training.schedule import lr_schedule, wd_schedule
@@ -91,7 +91,7 @@ class OptimizedModel:
                                             weight_decay=self._wd_at(0), betas=(t.adam_beta1, t.adam_beta2),
                                             eps=t.adam_eps)
         if t.optimizer_cpu_offload:     # the state is made chunk by chunk in the first streamed step, then lives on the host
-            self._host = HostOffload(self._optimizer, model, resident=True)
+            self._host = HostOffload(self._optimizer, model, resident=True, chunk_bytes=self._offload_chunk_bytes())
 
     def _param_groups(self, model: nn.Module) -> list[dict]:
         """One group of every trainable parameter (a frozen one, LoRA's base, has no optimizer state); with
@@ -334,11 +334,15 @@ class OptimizedModel:
             if step:
                 self._num_steps = state["num_steps"]
 
+    def _offload_chunk_bytes(self) -> int:
+        mb = self._train_cfg.offload_chunk_mb      # --offload-train-disk-chunk-mb
+        return DEFAULT_CHUNK_BYTES if mb is None else mb << 20
+
     def offload(self) -> int:
         """The optimizer state to host memory, the gradients dropped (--offload-train); the bytes of
         state held there. It stays there: every later step streams it (`HostOffload.step`)."""
         if self._host is None:
-            self._host = HostOffload(self._optimizer, self._live())
+            self._host = HostOffload(self._optimizer, self._live(), chunk_bytes=self._offload_chunk_bytes())
         return self._host.offload()
 
     def release_cached_memory(self) -> None:

@@ -119,9 +119,9 @@ def test_eval_config_problems_name_the_file_and_the_dataset(tmp_path, text, expe
 
 def test_eval_config_checks_against_the_run(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"input": "x"}\n')
-    path = write(tmp_path / "e.yaml", "eval: {datasets: [{name: a, path: a.jsonl, rm_type: deepscaler}, "
+    path = write(tmp_path / "e.yaml", "eval: {datasets: [{name: a, path: a.jsonl, rm_type: ifbench}, "
                                       "{name: b, path: nowhere.jsonl}]}")
     problems = problems_of(base(tmp_path) + ["--eval-config", path, "--eval-prompt-data", "c", str(tmp_path / "a.jsonl")])
     assert any("--eval-prompt-data and --eval-config both name eval datasets" in p for p in problems)
-    assert any("rm_type 'deepscaler' is not a reward type here" in p for p in problems)
+    assert any("rm_type 'ifbench' is not a reward type here" in p for p in problems)
     assert any("dataset 'b': path nowhere.jsonl: no such file" in p for p in problems)

@@ -60,12 +60,12 @@ def test_parse_number(text, value):
     ("I don't know", "4", 0.0),
 ])
 def test_math_reward(response, label, reward):
-    assert math_reward(PROMPT, response, label) == reward
+    assert asyncio.run(math_reward(PROMPT, response, label)) == reward
 
 
 def test_math_reward_without_a_label_explains_the_fix():
     with pytest.raises(ValueError, match="needs a label.*--label-key"):
-        math_reward(PROMPT, "\\boxed{1}", None)
+        asyncio.run(math_reward(PROMPT, "\\boxed{1}", None))
 
 
 def test_exact_match_strips_whitespace():
@@ -93,7 +93,7 @@ def test_builtin_reward_is_chosen_by_name():
 
 
 def test_unknown_rm_type_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*'exact_match', 'f1', 'math'"):
+    with pytest.raises(ConfigError, match=r"--rm-type 'maths'.*'dapo', 'deepscaler', 'deterministic_random', 'exact_match', 'f1', 'gemma_math', 'gpqa', 'math'"):
         load_reward_fn("maths", None)
 
 

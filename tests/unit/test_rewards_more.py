@@ -44,8 +44,8 @@ def test_random_rewards():
 
 def test_boxed_prefix_scores_the_last_box():
     assert "boxed_f1" in RM_TYPES and "boxed_math" in RM_TYPES
-    assert builtin_reward("boxed_math")(P, "2+2 is \\boxed{4}, not 5", "4") == 1.0
-    assert builtin_reward("boxed_math")(P, "the answer is 4", "4") == 0.0          # no box: scores ""
+    assert asyncio.run(builtin_reward("boxed_math")(P, "2+2 is \\boxed{4}, not 5", "4")) == 1.0
+    assert asyncio.run(builtin_reward("boxed_math")(P, "the answer is 4", "4")) == 0.0     # no box: 0.0
     assert builtin_reward("boxed_exact_match")(P, "so \\boxed{cat}", "cat") == 1.0
     with pytest.raises(ConfigError, match="boxed_remote_rm"):
         builtin_reward("boxed_remote_rm")

@@ -398,3 +398,12 @@ def test_a_sharded_checkpoints_optimizer_state_is_refused_by_decoupled_groups_an
     fresh = trainer(model_path, decoupled_lr=1e-3)
     fresh.load(ck, optimizer=False)                 # --no-load-optim: the weights and the step count
     assert fresh.num_steps == 1 and fresh.weights_checksum() == saved.weights_checksum()
+
+
+def test_the_offload_chunk_size_is_the_streamed_steps_chunk(model_path):
+    """--offload-train-disk-chunk-mb sets how many MiB of parameters a streamed step moves at a time."""
+    from miles.training.offload import DEFAULT_CHUNK_BYTES
+
+    plain, chunked = trainer(model_path), trainer(model_path, offload_chunk_mb=3)
+    plain.offload(), chunked.offload()
+    assert (plain._host._chunk_bytes, chunked._host._chunk_bytes) == (DEFAULT_CHUNK_BYTES, 3 << 20)
