@@ -219,8 +219,8 @@ def _reliability(cfg: RunConfig, problems: list[str]) -> None:
     if r.stop_timeout_s < 1:
         problems.append(f"--stop-timeout {r.stop_timeout_s}: must be at least 1 s (the draining and the "
                         "teardown share it)")
-    if r.reward_timeout_s is not None and r.reward_timeout_s <= 0:
-        problems.append(f"--reward-timeout {r.reward_timeout_s}: must be > 0 (leave it out for no limit)")
+    if r.reward_timeout_s is not None and not r.reward_timeout_s >= 0:
+        problems.append(f"--reward-timeout {r.reward_timeout_s:g}: must be >= 0 seconds (0: no limit)")
     if r.ray_node_ip != "auto":
         try:
             ipaddress.ip_address(r.ray_node_ip)

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from miles.training.protocol import CriticBackend, TrainBackendSpec, TrainerBackend
 
 
+# what each state's phase waits on, in the words of its progress line (`waiting_for`)
+WAITS = {"init": "the run's actors to start", "weight_sync": "the weights to reach the engines",
+         "rollout": "the engines' samples and their rewards", "eval": "the engines' samples and their rewards",
+         "train": "the trainer's step", "save": "the checkpoint's files", "draining": "in-flight work to settle"}
+
+
 @dataclass(frozen=True)
 class Backends:
     """The implementation classes a run uses and the specs they come with (`miles.phases.init.pick_backends`);
@@ -116,6 +122,16 @@ class TrainingContext(PhaseContext):
         self.resumed = False                           # init restored a checkpoint (--load)
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
+
+    async def waiting_for(self) -> dict[str, Any]:
+        """For the heartbeat of a phase that runs long: what the phase waits on, and what the rollout
+        executor is doing (each running rollout and eval: samples made and scored, the calls still
+        running and the oldest's age), asked of the executor whatever the state (an eval runs in the
+        background of the async machine)."""
+        out: dict[str, Any] = {"waiting_for": WAITS.get(self.state or "", f"the {self.state} phase")}
+        if self.c.executor is not None:
+            out["activities"] = await self.c.executor.handle.progress.remote()
+        return out
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:

@@ -145,7 +145,7 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s, generate=cfg.generate)
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_limit_s, generate=cfg.generate)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
