@@ -120,6 +120,7 @@ class TrainingContext(PhaseContext):
         self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
         self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
         self.resumed = False                           # init restored a checkpoint (--load)
+        self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
 

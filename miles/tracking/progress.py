@@ -95,6 +95,9 @@ class ProgressModel:
     def _on_plan(self, ev: dict[str, Any]) -> None:
         self.num_rollout = ev.get("num_rollout", self.num_rollout)
 
+    def _on_eval_begin(self, ev: dict[str, Any]) -> list[str]:
+        return [f"evaluating after {ev.get('rollout_id')} rollouts: {ev.get('why')}"]
+
     def _on_phase_waiting(self, ev: dict[str, Any]) -> list[str]:
         return [waiting_line(ev)]
 

@@ -131,3 +131,24 @@ def test_a_hung_reward_in_an_eval_is_reported_while_it_runs_and_cut_by_the_rewar
     assert ProgressModel().update({"event": "phase_waiting", "mono": 1.0, **{"state": "eval", "running_s": 30.0,
                                    "unanswered": "no answer within 5 s"}}) == [
         "eval still running after 0:00:30; what it waits on did not answer (no answer within 5 s)"]
+
+
+def test_an_eval_says_why_it_runs(tmp_path):
+    from miles.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig
+    from miles.phases.context import TrainingContext
+    from miles.phases.eval import why_due
+    from miles.runtime import Disposer, Tracer
+
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
+                    rollout=RolloutConfig(batch_size=1), num_rollout=7, checkpoint=CheckpointConfig(),
+                    eval=EvalConfig(prompt_data=(("arith", "e.jsonl"),), interval=3))
+    tracer = Tracer(tmp_path / "t.jsonl", run_id="g", machine="sync", console="off")
+    ctx = TrainingContext(cfg, run_id="g", run_dir=tmp_path, tracer=tracer, disposer=Disposer())
+    assert why_due(ctx).startswith("before the first rollout") and "--skip-eval-before-train" in why_due(ctx)
+    ctx.next_rollout = 3
+    assert why_due(ctx) == "every --eval-interval 3 rollouts"
+    ctx.next_rollout = 7
+    assert why_due(ctx) == "after the last rollout"
+    tracer.close()
+    assert ProgressModel().update({"event": "eval_begin", "mono": 0.0, "rollout_id": 7, "why": why_due(ctx)}) == [
+        "evaluating after 7 rollouts: after the last rollout"]
