@@ -14,8 +14,8 @@ per round or segment), as soon as the run can be hit (its actors up). The kinds:
     kill_trainer     SIGKILL the trainer's worker (the run fails; the loop resumes it)
     stop_engine      SIGSTOP the engine for longer than the health timeout (the probe restarts it)
     sigterm_driver   SIGTERM the driver (it drains, saves and exits 143; the loop resumes it)
-    corrupt_newest   flip a byte of the newest checkpoint's weights, then SIGTERM the driver: the
-                     resume skips it (one console line) and loads the one before
+    corrupt_newest   SIGTERM the driver, then (once it has exited) flip a byte of the newest
+                     checkpoint's weights: the resume skips it (one console line) and loads the one before
     enospc_save      fill the --save disk (a tmpfs the soak mounts) until one save fails; the run goes
                      on (--save-retries), then the space comes back (root only: else left out, said why)
 
@@ -247,16 +247,22 @@ class Soak:
         return f"driver pid {driver.pid}", True
 
     def _corrupt_newest(self, driver, pids, ckpt) -> tuple[str, bool]:
-        rid, path = CheckpointStore(ckpt).list()[-1]
-        weights = path / "trainer" / "model.safetensors"
-        try:
-            data = bytearray(weights.read_bytes())
-            data[-5] ^= 0x01                                # same size: only the sha256 check finds it
-            weights.write_bytes(bytes(data))
-        except OSError as exc:                              # pruned meanwhile (--keep-last-checkpoints)
-            return f"{path.name} went while it was corrupted ({exc}); nothing done", False
+        """SIGTERM the driver, and once it has exited (its stop's save written) flip a byte of the newest
+        checkpoint: the resume that follows meets it first, skips it and loads the one before."""
         driver.send_signal(signal.SIGTERM)
-        return f"{path.name}, then SIGTERM to the driver", True
+        try:
+            driver.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            return f"driver pid {driver.pid} still running 60 s after SIGTERM; nothing corrupted", False
+        found = CheckpointStore(ckpt).list()
+        if len(found) < 2:
+            return "SIGTERM to the driver; fewer than 2 checkpoints after it, nothing corrupted", False
+        rid, path = found[-1]
+        weights = path / "trainer" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0x01                                    # same size: only the sha256 check finds it
+        weights.write_bytes(bytes(data))
+        return f"SIGTERM to the driver, then {path.name} corrupted once it had exited", True
 
     def _enospc_save(self, driver, pids, ckpt) -> tuple[str, bool]:
         filler = self.disk / "filler"
@@ -297,6 +303,12 @@ class Soak:
         checks["rollouts_lost"] = len(generated) - len(set(generated))
         checks["rollouts_retrained"] = len(trained) - len(set(trained))
         checks["eval"] = eval_gain(run_dir, self.args.num_rollout)
+        # each checkpoint corrupted in this round was met by the resume after it and passed over
+        corrupted = sum(f.kind == "corrupt_newest" and f.hit and f.round == rnd.index for f in self.faults)
+        checks["checkpoints_skipped"] = sum(e.get("check") == "sha256" for t in traces for e in t.of("checkpoint_skipped"))
+        if checks["checkpoints_skipped"] < corrupted:
+            rnd.problems.append(f"{corrupted} checkpoints corrupted, {checks['checkpoints_skipped']} passed over by "
+                                "their sha256 on resume")
         rnd.checks = checks
         if not checks["last_rollout"]:
             rnd.problems.append(f"the run never trained rollout {self.args.num_rollout - 1}")

@@ -124,6 +124,10 @@ class TrainingContext(PhaseContext):
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
 
+    def rollout_of(self, state: str) -> int | None:
+        """A rollout phase makes the next rollout; every other phase works on the last one."""
+        return self.next_rollout if state == "rollout" else self.rollout_id
+
     async def waiting_for(self) -> dict[str, Any]:
         """For the heartbeat of a phase that runs long: what the phase waits on, and what the rollout
         executor is doing (each running rollout and eval: samples made and scored, the calls still

@@ -52,6 +52,18 @@ HEARTBEAT_S = 30.0             # a running phase says what it waits on this ofte
 ASK_S = 5.0                    # how long the heartbeat waits for `waiting_for()`'s answer
 
 
+class StopRequest(asyncio.Event):
+    """The run's stop event, which also says who asked (`why`: the signal's name, "the host (Run.stop)"),
+    for the `stop_requested` event; the first asker is kept. A plain asyncio.Event works as well."""
+
+    why: str | None = None
+
+    def request(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        self.set()
+
+
 class PhaseContext:
     """What every phase handler receives. Training contexts subclass it and add guards."""
 
@@ -61,8 +73,13 @@ class PhaseContext:
         self.failure: BaseException | None = None   # set by the runner before `draining` runs
         self.state: str | None = None
         self.rollout_id: int | None = None
-        self.stop_requested = asyncio.Event()
+        self.stop_requested: asyncio.Event = StopRequest()
         self.deadline: float | None = None          # time.monotonic() at which the running phase is cut
+
+    def rollout_of(self, state: str) -> int | None:
+        """The rollout the phase of `state` works on, for its `phase_start` (a training context knows
+        that a rollout phase makes the next one)."""
+        return self.rollout_id
 
     async def waiting_for(self) -> dict[str, Any]:
         """What the running phase waits on, for its `phase_waiting` heartbeat (a training context asks
@@ -122,7 +139,7 @@ class Runner:
         state = self.ctx.state = self.state
         handler = self.handlers[state]
         t0 = time.monotonic()
-        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_id,
+        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_of(state),
                                  deadline_s=self.deadlines[state])
         trigger = await self._run_phase(state, handler, start)
         if trigger is not None and not isinstance(trigger, str):
@@ -199,6 +216,7 @@ class Runner:
         if self._stop_at is None and self.ctx.stop_requested.is_set():
             self._stop_at = time.monotonic()
             self.tracer.emit("stop_requested", state=state, stop_timeout_s=self.stop_timeout_s, cause=cause,
+                             why=getattr(self.ctx.stop_requested, "why", None),
                              phase_cut_s=PHASE_SHARE * self.stop_timeout_s,
                              draining_cut_s=DRAIN_SHARE * self.stop_timeout_s,
                              teardown_by_s=TEARDOWN_SHARE * self.stop_timeout_s)
