@@ -208,12 +208,15 @@ def _spans(events: list[TraceEvent], t0: float, last_mono: float) -> list[PhaseS
     return spans
 
 
+OPEN_ROLLOUT_FROM = ("phase_waiting", "rollout_done")   # events that carry the running phase's own rollout
+
+
 def _open_rollout(events: list[TraceEvent], start: TraceEvent) -> int | None:
-    """The rollout of a phase the trace ends in (no phase_end to say it): the newest rollout id an event
-    inside it carries (the rollout phase names its rollout once it starts: `phase_waiting`, an engine
-    restart, `rollout_done`), else its phase_start's (right since the runner asks the context for it;
-    an older trace's rollout phase_start carries the rollout before)."""
-    inside = [e.rollout_id for e in events if e.seq > start.seq and e.rollout_id is not None]
+    """The rollout of a phase the trace ends in (no phase_end to say it): the newest that an event of
+    the phase itself carries (its heartbeat, the rollout it made), else its phase_start's, right since
+    the runner asks the context for it (an older trace's rollout phase_start carries the one before)."""
+    inside = [e.rollout_id for e in events
+              if e.seq > start.seq and e.event in OPEN_ROLLOUT_FROM and e.rollout_id is not None]
     return inside[-1] if inside else start.rollout_id
 
 

@@ -186,7 +186,7 @@ def resumed_segment(*, why: str | None = "SIGTERM", cut_in_rollout: bool = False
     ]
     if cut_in_rollout:
         return head + [{"event": "phase_start", "state": "rollout", "rollout_id": 3},
-                       {"event": "engine_restart", "rollout_id": 4}]
+                       {"event": "phase_waiting", "state": "rollout", "rollout_id": 4, "running_s": 30.0}]
     stop = {"event": "stop_requested", "state": "train", "stop_timeout_s": 20.0}
     if why is not None:
         stop["why"] = why
@@ -223,10 +223,18 @@ def test_show_says_where_a_segment_resumed_from_what_stopped_it_and_what_the_sto
 
 
 def test_a_cut_short_segments_last_row_names_the_rollout_it_was_making(tmp_path):
-    tl = build_timeline(read_trace(write_events(tmp_path / "t.jsonl", resumed_segment(cut_in_rollout=True))))
+    old = resumed_segment(cut_in_rollout=True)       # an older runner: rollout's phase_start says 3
+    tl = build_timeline(read_trace(write_events(tmp_path / "t.jsonl", old)))
     last = tl.spans[-1]
-    assert (last.state, last.outcome, last.rollout_id) == ("rollout", "open", 4)
+    assert (last.state, last.outcome, last.rollout_id) == ("rollout", "open", 4)     # its heartbeat's
     assert [s.rollout_id for s in tl.spans[1:3]] == [3, 3]                  # closed rows: their phase_end's
+    new = old[:-1]
+    new[-1] = {**new[-1], "rollout_id": 4}            # the runner now: rollout_of("rollout") = next_rollout
+    assert build_timeline(read_trace(write_events(tmp_path / "n.jsonl", new))).spans[-1].rollout_id == 4
+    evaluating = old[:-2] + [{"event": "phase_start", "state": "eval", "rollout_id": 3},
+                             {"event": "eval_begin", "rollout_id": 4, "why": "every --eval-interval 4 rollouts"}]
+    tl = build_timeline(read_trace(write_events(tmp_path / "e.jsonl", evaluating)))
+    assert (tl.spans[-1].state, tl.spans[-1].rollout_id) == ("eval", 3)   # as a closed eval row reads
 
 
 def test_the_runner_names_a_rollout_phases_rollout_at_its_start(tmp_path):
