@@ -131,10 +131,11 @@ class TrainingContext(PhaseContext):
     async def waiting_for(self) -> dict[str, Any]:
         """For the heartbeat of a phase that runs long: what the phase waits on, and what the rollout
         executor is doing (each running rollout and eval: samples made and scored, the calls still
-        running and the oldest's age), asked of the executor whatever the state (an eval runs in the
-        background of the async machine)."""
+        running and the oldest's age), asked of the executor in every state but init (an eval runs in
+        the background of the async machine; in init the executor may still be starting, and a question
+        queued behind its constructor would read as a hang)."""
         out: dict[str, Any] = {"waiting_for": WAITS.get(self.state or "", f"the {self.state} phase")}
-        if self.c.executor is not None:
+        if self.c.executor is not None and self.state != "init":
             out["activities"] = await self.c.executor.handle.progress.remote()
         return out
 

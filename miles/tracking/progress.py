@@ -248,7 +248,8 @@ def waiting_line(ev: dict[str, Any]) -> str:
     if ev.get("cut_in_s") is not None:
         head += f", cut by its deadline in {_clock(ev['cut_in_s'])}"
     if ev.get("unanswered"):
-        return f"{head}; what it waits on did not answer ({ev['unanswered']})"
+        return (f"{head}; the rollout executor did not answer ({ev['unanswered']}): busy, or its event loop "
+                "blocked by a reward or generate function running in it")
     parts = [f"{head}; waiting for {ev.get('waiting_for', 'the phase')}"]
     parts += [_activity_text(a) for a in ev.get("activities") or []]
     return "; ".join(parts)

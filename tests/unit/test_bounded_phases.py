@@ -130,7 +130,8 @@ def test_a_hung_reward_in_an_eval_is_reported_while_it_runs_and_cut_by_the_rewar
                     "--reward-timeout 1 s)")
     assert ProgressModel().update({"event": "phase_waiting", "mono": 1.0, **{"state": "eval", "running_s": 30.0,
                                    "unanswered": "no answer within 5 s"}}) == [
-        "eval still running after 0:00:30; what it waits on did not answer (no answer within 5 s)"]
+        "eval still running after 0:00:30; the rollout executor did not answer (no answer within 5 s): busy, or "
+        "its event loop blocked by a reward or generate function running in it"]
 
 
 def test_an_eval_says_why_it_runs(tmp_path):
@@ -152,3 +153,38 @@ def test_an_eval_says_why_it_runs(tmp_path):
     tracer.close()
     assert ProgressModel().update({"event": "eval_begin", "mono": 0.0, "rollout_id": 7, "why": why_due(ctx)}) == [
         "evaluating after 7 rollouts: after the last rollout"]
+
+
+def test_the_heartbeat_asks_the_executor_except_while_init_creates_it(tmp_path):
+    from miles.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig
+    from miles.phases.context import TrainingContext
+    from miles.runtime import Disposer, Tracer
+
+    class Remote:
+        def __init__(self):
+            self.asked = 0
+
+        def remote(self):
+            self.asked += 1
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result([{"activity": "rollout 2", "samples": 8, "generated": 8, "scored": 4}])
+            return fut
+
+    class Handle:
+        progress = Remote()
+
+    class Resource:
+        handle = Handle()
+
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
+                    rollout=RolloutConfig(batch_size=1), num_rollout=3, checkpoint=CheckpointConfig())
+    tracer = Tracer(tmp_path / "t.jsonl", run_id="g", machine="sync", console="off")
+    ctx = TrainingContext(cfg, run_id="g", run_dir=tmp_path, tracer=tracer, disposer=Disposer())
+    ctx.c.executor = Resource()
+    ctx.state = "init"
+    assert asyncio.run(ctx.waiting_for()) == {"waiting_for": "the run's actors to start"}
+    ctx.state = "train"                      # an async run's background eval shows in any later state
+    assert asyncio.run(ctx.waiting_for()) == {"waiting_for": "the trainer's step", "activities": [
+        {"activity": "rollout 2", "samples": 8, "generated": 8, "scored": 4}]}
+    assert Handle.progress.asked == 1
+    tracer.close()
