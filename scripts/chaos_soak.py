@@ -17,7 +17,8 @@ per round or segment), as soon as the run can be hit (its actors up). The kinds:
     corrupt_newest   SIGTERM the driver, then (once it has exited) flip a byte of the newest
                      checkpoint's weights: the resume skips it (one console line) and loads the one before
     enospc_save      fill the --save disk (a tmpfs the soak mounts) until one save fails; the run goes
-                     on (--save-retries), then the space comes back (root only: else left out, said why)
+                     on (--save-retries), then the space comes back (root only: else left out, said
+                     why, and the soak is not ok)
 
 A fault counts only when it took effect (a signal reached a live process, a byte was flipped in a
 checkpoint that was still there, a save met the full disk); one that did not is reported under
@@ -30,7 +31,8 @@ still short after that makes the report `ok: false` (`kinds_missing`).
 A round that ends before the window does is followed by another. After the window the last round
 runs to its end without faults. Each round must then: have trained its last rollout, raise greedy
 eval accuracy by at least --min-gain (the demo's bar: 15 points), pass `miles trace check` on every
-segment, and leave no process of any segment behind. The report (JSON, on stdout and in
+segment, pass over (sha256) each checkpoint the soak corrupted, and leave no process of any segment
+behind. The report (JSON, on stdout and in
 <out>/report.json) counts the rollouts lost to faults: rollouts generated more than once (their
 samples, and their training if it was done, thrown away by a fault). Exit 0 when every round holds,
 1 otherwise (also when a kind is missing).
