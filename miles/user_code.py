@@ -51,9 +51,11 @@ def import_user_function(path: str, flag: str) -> Callable[..., Any]:
                           "path/to/file.py:function")
     try:
         obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as e:
-        raise ConfigError(f"{flag} {path!r}: cannot import module {module_name!r} "
-                          f"({type(e).__name__}: {e}); check that it is on PYTHONPATH") from e
+    except FileNotFoundError as e:          # a file path: the fix is the path
+        raise ConfigError(f"{flag} {path!r}: {e} (a relative path is read from the driver's working directory, "
+                          f"{_driver_cwd()}); check the path") from e
+    except ImportError as e:
+        raise ConfigError(f"{flag} {path!r}: {_import_problem(module_name, e)}") from e
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing: their input, named
         raise ConfigError(f"{flag} {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     for part in attr.split("."):
@@ -109,13 +111,36 @@ def _load_file(path: str) -> Any:
     return module
 
 
+def _import_problem(module_name: str, e: ImportError) -> str:
+    """Why `module_name` did not import, and the fix: the path when the value names a file or looks like
+    a path, the missing package when the module imported but its own import failed, else PYTHONPATH."""
+    missing = getattr(e, "name", None)
+    if isinstance(e, ModuleNotFoundError) and missing and not module_name.startswith(missing):
+        what = "file" if module_name.endswith(".py") else "module"
+        return (f"{what} {module_name!r} was found, but importing it failed: {e}; install {missing!r} "
+                "where the run's processes can import it")
+    as_file = module_name.replace(".", "/") + ".py"
+    if "/" in module_name or os.sep in module_name:
+        return (f"{module_name!r} looks like a path but has no .py: give the file, "
+                f"{module_name}.py:FUNCTION, relative to the driver's working directory {_driver_cwd()}")
+    if (Path(_driver_cwd()) / as_file).is_file():
+        return (f"cannot import module {module_name!r} ({type(e).__name__}: {e}), but {as_file} is in the "
+                f"driver's working directory: give the file, {as_file}:FUNCTION")
+    return (f"cannot import module {module_name!r} ({type(e).__name__}: {e}); if it is a module, check that it "
+            "is on PYTHONPATH; if it is your file, give its path: path/to/file.py:FUNCTION")
+
+
+def _driver_cwd() -> str:
+    return os.environ.get(DRIVER_CWD_ENV) or os.getcwd()
+
+
 def _find_file(path: str) -> Path:
     """The shipped copy of `path` when the run shipped it (an actor on an attached cluster), else `path`
     read from the driver's working directory."""
     shipped = json.loads(os.environ.get(USER_FILES_ENV) or "{}")
     if path in shipped:
         return (Path.cwd() / shipped[path]).resolve()
-    return (Path(os.environ.get(DRIVER_CWD_ENV) or os.getcwd()) / path).resolve()
+    return (Path(_driver_cwd()) / path).resolve()
 
 
 def import_async_function(path: str, flag: str, num_args: int, expected: str) -> Callable[..., Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from miles.config import RunConfig
-from miles.runtime import Disposer
+from miles.runtime import Disposer, StopRequest
 
 
 # -- typed event records ---------------------------------------------------------------------------
@@ -139,7 +139,11 @@ class Run:
     async def stop(self) -> Result | None:
         """Graceful: the current phase finishes, then `draining`, then `shutdown`."""
         self._require_task()
-        self._ctx.stop_requested.set()
+        stop = self._ctx.stop_requested
+        if isinstance(stop, StopRequest):
+            stop.request("the host (Run.stop)")
+        else:
+            stop.set()
         try:
             return await self.wait()
         except BaseException:  # noqa: BLE001 - a stop's caller wants the run gone, not its error

@@ -72,7 +72,7 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
     if cfg.inject_faults:
         handlers = with_faults(handlers, [parse_fault(f) for f in cfg.inject_faults])
     r = cfg.reliability
-    return Runner(definition, ctx, handlers=handlers, deadlines=definition.deadlines(r.phase_timeout_overrides),
+    return Runner(definition, ctx, handlers=handlers, deadlines=definition.deadlines(r.deadline_overrides(definition.states)),
                   stop_timeout_s=r.stop_timeout_s), ctx
 
 

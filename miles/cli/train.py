@@ -38,7 +38,7 @@ from miles.config import ConfigError
 from miles.runtime import MachineDefinitionError, MissingPackageError, with_disposer
 from miles.runtime.files import human_bytes, restrict_umask, write_failed
 from miles.runtime.runlock import FolderLocked, lock_folders, run_folders
-from miles.runtime.runner import AFTER_DEADLINE_S
+from miles.runtime.runner import AFTER_DEADLINE_S, StopRequest
 from miles.runtime.trace import new_run_id
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
@@ -98,9 +98,9 @@ class SignalStop:
 
     def attach(self) -> asyncio.Event:
         """Called in the run's task: the event the run watches (set now if a signal came first)."""
-        self._loop, self._task, self.event = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+        self._loop, self._task, self.event = asyncio.get_running_loop(), asyncio.current_task(), StopRequest()
         if self.received:
-            self.event.set()
+            self.event.request(signal.Signals(self.received[0]).name)
         return self.event
 
     def _on_signal(self, sig: int, _frame: Any) -> None:
@@ -114,7 +114,7 @@ class SignalStop:
             self._deadline = threading.Timer(self.hard_exit_s, self._hard_exit, args=(sig,))
             self._deadline.daemon = True
             self._deadline.start()
-            self._soon(lambda: self.event is not None and self.event.set())
+            self._soon(lambda: self.event is not None and self.event.request(signal.Signals(sig).name))
         else:
             self._soon(lambda: self._task is not None and self._task.cancel())
 

@@ -666,12 +666,14 @@ FLAGS += MILES_COMPAT_FLAGS
 RELIABILITY_FLAGS: tuple[Flag, ...] = (
     _f("phase-timeout", "reliability", "phase_timeouts", kind="list",
        help="STATE=SECONDS ...: a state's phase deadline, overriding the machine YAML's timeout (past it the "
-            "phase is cancelled and the run drains)"),
+            "phase is cancelled and the run drains); eval takes rollout's unless named"),
     _f("stop-timeout", "reliability", "stop_timeout_s", float,
        "seconds from the first SIGINT/SIGTERM to the process's exit, whatever the phase is doing "
        "(stays under a cluster's ~30 s preemption grace)"),
     _f("reward-timeout", "reliability", "reward_timeout_s", float,
-       "seconds one reward call may take; past it the sample scores 0 and the run goes on (default: no limit)"),
+       "seconds one reward call may take; past it the sample scores 0 and the run goes on; 0: no limit. The "
+       "default, 300, is above remote_rm's worst case (4 tries of --rm-timeout 30 s with backoff: 124 s) and a "
+       "judge model's or a sandboxed test's call; a reward still running after 5 minutes is hung"),
     _f("no-verify-load", "reliability", "verify_load", kind="false",
        help="do not check a checkpoint's sha256 values on --load (huge models; a corrupt file then fails the load)"),
     _f("ray-node-ip", "reliability", "ray_node_ip", str,

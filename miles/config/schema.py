@@ -8,7 +8,7 @@ mapping lives in `miles/config/flags.py`. Validation collects every problem and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
 
@@ -523,7 +523,7 @@ class ReliabilityConfig:
 
     phase_timeouts: tuple[str, ...] = ()  # --phase-timeout STATE=SECONDS ...: override the machine YAML's deadlines
     stop_timeout_s: float = 20.0        # --stop-timeout: first SIGINT/SIGTERM -> process exit, at most this long
-    reward_timeout_s: float | None = None  # --reward-timeout: per reward call; past it the sample scores 0
+    reward_timeout_s: float = 300.0     # --reward-timeout: per reward call; past it the sample scores 0 (0: no limit)
     verify_load: bool = True            # --no-verify-load: skip the sha256 check of a checkpoint on --load
     ray_node_ip: str = "127.0.0.1"      # --ray-node-ip: the local cluster's node address (auto: Ray's choice)
     ray_allow_no_auth: bool = False     # --ray-allow-no-auth: start a local cluster without token authentication
@@ -532,6 +532,19 @@ class ReliabilityConfig:
     def phase_timeout_overrides(self) -> dict[str, float]:
         """--phase-timeout's STATE=SECONDS pairs (validate checks their form)."""
         return {state: float(seconds) for state, _, seconds in (t.partition("=") for t in self.phase_timeouts)}
+
+    def deadline_overrides(self, states: Collection[str]) -> dict[str, float]:
+        """The deadlines --phase-timeout sets on a machine with these states: eval generates and scores
+        as rollout does, so it takes rollout's deadline unless it is named itself."""
+        named = self.phase_timeout_overrides
+        if "rollout" in named and "eval" not in named and "eval" in states:
+            return {**named, "eval": named["rollout"]}
+        return named
+
+    @property
+    def reward_limit_s(self) -> float | None:
+        """Seconds a reward call may take (None: no limit, --reward-timeout 0)."""
+        return self.reward_timeout_s or None
 
 
 @dataclass(frozen=True, kw_only=True)

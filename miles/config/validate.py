@@ -162,6 +162,8 @@ def _paths(cfg: RunConfig, problems: list[str]) -> None:
     if not (ckpt / "config.json").is_file():
         problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; pass an HF-format "
                         "model folder (what save_pretrained writes)")
+    else:
+        problems += [f"--hf-checkpoint {cfg.model.hf_checkpoint}: {p}" for p in model_json_problems(ckpt)]
     for flag, path in [("--prompt-data", cfg.data.prompt_data)] + [
             (f"--eval-prompt-data {name}", p) for name, p in cfg.eval.prompt_data] + [
             (f"--eval-config dataset {d.name!r}: path", d.path) for d in cfg.eval.datasets]:
@@ -193,6 +195,33 @@ def _checkpoint_and_eval(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--ckpt-step {c.ckpt_step}: a rollout id, >= 0")
 
 
+MODEL_JSON_FILES = ("config.json", "tokenizer_config.json", "generation_config.json",   # small, read at start
+                    "model.safetensors.index.json")
+
+
+def model_json_problems(folder: Path) -> list[str]:
+    """What is wrong with a model folder's small JSON files, each named with where it breaks: a broken
+    one otherwise surfaces as "cannot load its tokenizer" or a transformers traceback."""
+    problems = []
+    for name in MODEL_JSON_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            problems.append(f"the {name} at {path} is not UTF-8 text (byte {e.start}); restore it from the "
+                            "model's source")
+            continue
+        except json.JSONDecodeError as e:
+            problems.append(f"the {name} at {path} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                            f"{e.msg}); restore it from the model's source")
+            continue
+        if not isinstance(data, dict):
+            problems.append(f"the {name} at {path} holds a JSON {type(data).__name__}, not an object")
+    return problems
+
+
 def _same_path(a: str, b: str | None) -> bool:
     """--load X --save X with X not there yet: the auto-resume launch script; it starts fresh."""
     return b is not None and Path(a).resolve() == Path(b).resolve()
@@ -221,8 +250,8 @@ def _reliability(cfg: RunConfig, problems: list[str]) -> None:
     if r.stop_timeout_s < 1:
         problems.append(f"--stop-timeout {r.stop_timeout_s}: must be at least 1 s (the draining and the "
                         "teardown share it)")
-    if r.reward_timeout_s is not None and r.reward_timeout_s <= 0:
-        problems.append(f"--reward-timeout {r.reward_timeout_s}: must be > 0 (leave it out for no limit)")
+    if r.reward_timeout_s is not None and not r.reward_timeout_s >= 0:
+        problems.append(f"--reward-timeout {r.reward_timeout_s:g}: must be >= 0 seconds (0: no limit)")
     if r.ray_node_ip != "auto":
         try:
             ipaddress.ip_address(r.ray_node_ip)
@@ -430,7 +459,9 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"--lr-warmup-fraction {fraction} needs --lr-decay-iters N, or --num-rollout (which sets "
                             "it to the run's optimizer steps)")
     warmup = t.warmup_steps
-    if warmup < 0 or not 0 <= t.min_lr <= t.lr:
+    # a bad --lr (or --critic-lr) is its own problem: the rates bounded by it are checked against a good one only
+    lr_ok = t.lr > 0 and (t.critic_lr is None or t.critic_lr > 0)
+    if warmup < 0 or t.min_lr < 0 or (lr_ok and t.min_lr > t.lr):
         problems.append(f"--lr-warmup-iters {warmup} / --min-lr {t.min_lr}: need warmup >= 0 and "
                         f"0 <= min-lr <= --lr {t.lr}")
     if t.lr_decay_style in ("linear", "cosine", "WSD") and (t.lr_decay_iters is None or t.lr_decay_iters <= warmup):
@@ -443,7 +474,7 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
     _wd_schedule(t, problems)
     _decoupled_lr(cfg, problems)
     top = min(t.lr, t.critic_lr or t.lr)      # the critic warms up from it too
-    if not 0 <= t.lr_warmup_init <= top:
+    if t.lr_warmup_init < 0 or (lr_ok and t.lr_warmup_init > top):
         problems.append(f"--lr-warmup-init {t.lr_warmup_init}: need 0 <= warmup-init <= --lr {t.lr}"
                         + (f" and --critic-lr {t.critic_lr}" if t.critic_lr else ""))
 

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from miles.training.protocol import CriticBackend, TrainBackendSpec, TrainerBackend
 
 
+# what each state's phase waits on, in the words of its progress line (`waiting_for`)
+WAITS = {"init": "the run's actors to start", "weight_sync": "the weights to reach the engines",
+         "rollout": "the engines' samples and their rewards", "eval": "the engines' samples and their rewards",
+         "train": "the trainer's step", "save": "the checkpoint's files", "draining": "in-flight work to settle"}
+
+
 @dataclass(frozen=True)
 class Backends:
     """The implementation classes a run uses and the specs they come with (`miles.phases.init.pick_backends`);
@@ -114,8 +120,24 @@ class TrainingContext(PhaseContext):
         self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
         self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
         self.resumed = False                           # init restored a checkpoint (--load)
+        self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
+
+    def rollout_of(self, state: str) -> int | None:
+        """A rollout phase makes the next rollout; every other phase works on the last one."""
+        return self.next_rollout if state == "rollout" else self.rollout_id
+
+    async def waiting_for(self) -> dict[str, Any]:
+        """For the heartbeat of a phase that runs long: what the phase waits on, and what the rollout
+        executor is doing (each running rollout and eval: samples made and scored, the calls still
+        running and the oldest's age), asked of the executor in every state but init (an eval runs in
+        the background of the async machine; in init the executor may still be starting, and a question
+        queued behind its constructor would read as a hang)."""
+        out: dict[str, Any] = {"waiting_for": WAITS.get(self.state or "", f"the {self.state} phase")}
+        if self.c.executor is not None and self.state != "init":
+            out["activities"] = await self.c.executor.handle.progress.remote()
+        return out
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:

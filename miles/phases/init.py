@@ -26,8 +26,8 @@ import ray
 
 from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
 from miles.checkpoint.megatron_format import megatron_checkpoint_info
-from miles.checkpoint.resume import (check_load_folder, classify_load_folder, pick_step, refuse_fresh_start,
-                                     skipped_line)
+from miles.checkpoint.resume import (LoadFolder, check_load_folder, classify_load_folder, pick_step,
+                                     refuse_fresh_start, skipped_line)
 from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
 from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
@@ -146,7 +146,7 @@ async def init(ctx: TrainingContext) -> str:
         RolloutExecutor, name="rollout-executor", concurrency=8, prompts=prompts, eval_sets=eval_sets,
         rollout=cfg.rollout, algorithm=cfg.algorithm, eval=cfg.eval, shuffle=cfg.data.rollout_shuffle,
         tokenizer=tokenizer, engines=[e.handle for e in ctx.c.engines], seed=cfg.rollout_seed,
-        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_timeout_s, generate=cfg.generate)
+        sft_responses=sft_responses, reward_timeout_s=cfg.reliability.reward_limit_s, generate=cfg.generate)
     add(ctx.c.executor, force=ctx.c.executor.force)
     actors = [a for a in (*ctx.c.engines, ctx.c.trainer, ctx.c.critic, ctx.c.executor) if a is not None]
     pids = await asyncio.gather(*(a.wait_ready() for a in actors))
@@ -384,8 +384,9 @@ async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
 async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
     """Everything that can be wrong with the input, found before any actor exists."""
     cfg = ctx.cfg
-    check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start,
-                      step=cfg.checkpoint.ckpt_step, exit_on_missing=cfg.checkpoint.exit_on_missing)
+    folder = check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start,
+                               step=cfg.checkpoint.ckpt_step, exit_on_missing=cfg.checkpoint.exit_on_missing)
+    _hash_before_start(ctx, folder)
     check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
     try:
         tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
@@ -455,8 +456,9 @@ async def _resume(ctx: TrainingContext) -> None:
     for i, c in enumerate(folder.candidates):
         problems = list(c.problems)
         verified = not problems and ctx.cfg.reliability.verify_load
-        if verified:
-            problems = await _verify_where_read(ctx, c.path)
+        if verified:                        # hashed before Ray started (`_hash_before_start`), else where read
+            problems = (list(ctx.load_checked[c.path]) if c.path in ctx.load_checked
+                        else await _verify_where_read(ctx, c.path))
         if problems:
             found[c.path] = problems
             ctx.tracer.emit("checkpoint_skipped", rollout_id=c.rollout_id, path=str(c.path), check="sha256" if verified
@@ -503,6 +505,28 @@ def _fresh_parts(parts: dict[str, bool]) -> dict:
     names = {"optimizer": "optimizer", "rng": "rng", "step": "step_count_and_data_position"}
     fresh = [names[k] for k, taken in parts.items() if not taken]
     return {"fresh": fresh} if fresh else {}
+
+
+def _hash_before_start(ctx: TrainingContext, folder: LoadFolder | None) -> None:
+    """--load's checkpoints that pass the cheap check, hashed here before anything starts, newest first
+    until one checks out (the sha256 of every file the load reads against its manifest): when none
+    does, the run is refused now (exit 2), not after Ray and the actors have started. What each one
+    hashed to is kept (`ctx.load_checked`): `_resume` reads it instead of hashing again. The driver
+    reads what the actors load: the same path on a shared filesystem, or the copy it sends them."""
+    cfg = ctx.cfg
+    if folder is None or folder.kind != "miles" or folder.starts_fresh or not cfg.reliability.verify_load:
+        return
+    for c in folder.candidates:
+        if c.problems:
+            continue
+        files = {**manifest_files(c.path, f"{TRAINER_DIR}/"), **manifest_files(c.path, ROLLOUT_FILE)}
+        if cfg.algorithm.needs_critic and (c.path / CRITIC_DIR).is_dir():
+            files.update(manifest_files(c.path, f"{CRITIC_DIR}/"))
+        ctx.load_checked[c.path] = verify_files(c.path, files)
+        if not ctx.load_checked[c.path]:
+            return
+    if not (cfg.checkpoint.allow_fresh_start and cfg.checkpoint.ckpt_step is None):
+        raise refuse_fresh_start(folder, ctx.load_checked)
 
 
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:

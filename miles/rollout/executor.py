@@ -49,6 +49,7 @@ from miles.rollout.evals import (EvalContext, EvalDatasetInput, check_eval_outpu
                                  pass_rates)
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import HookContext, RolloutHooks, group
+from miles.rollout.meter import Meters, current, engine_call
 from miles.rollout.opd_teacher import TeacherServers
 from miles.rollout.partial import PartialBuffer, continuation, unfinished
 from miles.rollout.generation import (EngineBatcher, GenerateContext, RolloutContext, check_groups, check_outcome,
@@ -100,6 +101,7 @@ class RolloutExecutor:
         self._cfg, self._eval_cfg, self._gen_cfg = rollout, eval, generate or GenerateConfig()
         install_custom_args(rollout.custom_args)      # custom_args() in the user's functions this process runs
         self._reward_timeout_s = reward_timeout_s     # --reward-timeout: a call past it fails its sample
+        self._meters = Meters(reward_timeout_s=reward_timeout_s)   # what runs now, for the progress line
         dynamic = rollout.dynamic_sampling_filter_path
         per_round = (rollout.over_sampling_batch_size or rollout.batch_size) if dynamic else rollout.batch_size
         self._base_seed = seed                # RunConfig.rollout_seed: prompt order and sampling
@@ -174,10 +176,20 @@ class RolloutExecutor:
         """Start-up check, on the driver: every reward service the run posts to answers."""
         await self._rewards.check_services()
 
+    def progress(self) -> list[dict[str, Any]]:
+        """What each running rollout and eval is doing: samples to make, generated, scored, the engine
+        and reward calls still running and the oldest's age (`miles.rollout.meter`). The driver asks
+        this of a phase that runs long, for its progress line."""
+        return self._meters.snapshot()
+
     # -- rollout --------------------------------------------------------------------------------
     async def generate(self, rollout_id: int) -> RolloutBatch:
         """Collect the rollout's samples (generated and scored, or read for SFT), shape the rewards and
         compute sequence-level advantages."""
+        with self._meters.metering(f"rollout {rollout_id}"):
+            return await self._generate(rollout_id)
+
+    async def _generate(self, rollout_id: int) -> RolloutBatch:
         t0 = time.monotonic()
         samples, collect_metrics, generated = await self._collect(rollout_id)
         gen_s = time.monotonic() - t0
@@ -424,6 +436,10 @@ class RolloutExecutor:
         """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n} (every k <= n
         with --log-passrate). An --eval-config dataset has its own n, sampling and reward. With
         --eval-function-path the user's function generates and scores (miles.rollout.evals)."""
+        with self._meters.metering(f"eval after {rollout_id} rollouts"):
+            return await self._evaluate_sets(rollout_id)
+
+    async def _evaluate_sets(self, rollout_id: int) -> dict[str, float]:
         if self._eval_fn is not None:
             return await self._custom_eval(rollout_id)
         e, out, data = self._eval_cfg, {}, {}
@@ -498,6 +514,7 @@ class RolloutExecutor:
 
     async def _fill_single_turn(self, samples: list[Sample], params: SamplingParams, evaluation: bool) -> list[Sample]:
         """One engine call per sample, spread over the engines in contiguous slices."""
+        _count(samples)
         generations = await self._generate_on_engines([list(s.prompt.prompt_ids) for s in samples], params)
         for s, g in zip(samples, generations):
             s.response_ids, s.rollout_logprobs, s.finish_reason = g.response_ids, g.logprobs, g.finish_reason
@@ -509,6 +526,7 @@ class RolloutExecutor:
 
     async def _fill_custom(self, samples: list[Sample], params: SamplingParams, evaluation: bool) -> list[Sample]:
         """The generate function on every sample (see `miles.rollout.generation`)."""
+        _count(samples)
         batcher = self._batcher()
 
         def make_ctx() -> GenerateContext:
@@ -542,7 +560,8 @@ class RolloutExecutor:
         uniform = caps is None or all(c == params.max_new_tokens for c in caps)
         args = (prompts, params) if uniform else (prompts, params, caps)
         try:
-            return await asyncio.wait_for(_call(self._engines[index].generate, *args), timeout)
+            with engine_call(len(prompts)):
+                return await asyncio.wait_for(_call(self._engines[index].generate, *args), timeout)
         except asyncio.TimeoutError:
             raise EngineUnresponsive(f"engine-{index}: a generate call of {len(prompts)} prompts ran past "
                                      f"--engine-generate-timeout {timeout:g}s", engine=index) from None
@@ -553,6 +572,13 @@ class RolloutExecutor:
     def _seed(self, rollout_id: int) -> int:
         # a function of (seed, rollout id) only, so a resumed run samples what the uninterrupted one did
         return (self._base_seed * RUN_SEED_PRIME + rollout_id * ROLLOUT_SEED_PRIME) % SEED_RANGE
+
+
+def _count(samples: list[Sample]) -> None:
+    """Add samples about to be generated to the running activity's total (its progress line)."""
+    meter = current()
+    if meter is not None:
+        meter.add_total(len(samples))
 
 
 def _budget_left(s: Sample, params: SamplingParams) -> bool:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from miles.config import ConfigError, RolloutConfig
+from miles.rollout.meter import reward_call
 from miles.rollout.remote_reward import RemoteReward, check_reachable
 from miles.rollout.rewards import (REMOTE_RM, builtin_reward, group_reward, import_reward_fn, is_group_reward,
                                    score_group, with_reward_key)
@@ -107,8 +108,9 @@ class Rewards:
     async def _score_part(self, fn: Callable[..., Any], part: list[Sample]) -> None:
         prompt = part[0].prompt
         on_timeout = (lambda i: self._on_timeout(part[i])) if self._on_timeout is not None else None
-        scores = await score_group(fn, prompt, [s.response_text for s in part], prompt.label,
-                                   timeout_s=self._timeout_s, on_timeout=on_timeout)
+        with reward_call(len(part)):               # counted for the progress line of a long phase
+            scores = await score_group(fn, prompt, [s.response_text for s in part], prompt.label,
+                                       timeout_s=self._timeout_s, on_timeout=on_timeout)
         for s, r in zip(part, scores):
             s.reward = float(r)
 

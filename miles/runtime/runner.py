@@ -27,6 +27,12 @@ bounds the rest of the run the same way, by AFTER_DEADLINE_S (or the stop timeou
 the cut phase left hung (an actor blocked in a call, a thread) is forced by then, not waited on for
 each resource's whole --teardown-timeout. `ctx.deadline` tells the running phase when it will be cut
 (draining budgets a stop's save by it).
+
+Nothing waits in silence either: a phase still running HEARTBEAT_S after its start (and every
+HEARTBEAT_S after that) gets a `phase_waiting` event: how long it has run, when its deadline cuts
+it, and what `ctx.waiting_for()` says it waits on (a training run's context asks the rollout
+executor how many samples are done and which calls still run). The question gets ASK_S to answer;
+an unanswered one is said (`unanswered`), and never delays the phase or its cut.
 """
 
 from __future__ import annotations
@@ -45,6 +51,20 @@ DRAIN_SHARE = 0.7              # draining (with a stop's save) is cut by then
 TEARDOWN_SHARE = 0.9           # the teardown's deadline; the rest is the process's exit
 CANCEL_GRACE_S = 1.0           # a cancelled phase gets this long to unwind before it is abandoned
 AFTER_DEADLINE_S = 8.0         # a phase past its deadline: draining and the teardown end within this
+HEARTBEAT_S = 30.0             # a running phase says what it waits on this often (a progress line each time)
+ASK_S = 5.0                    # how long the heartbeat waits for `waiting_for()`'s answer
+
+
+class StopRequest(asyncio.Event):
+    """The run's stop event, which also says who asked (`why`: the signal's name, "the host (Run.stop)"),
+    for the `stop_requested` event; the first asker is kept. A plain asyncio.Event works as well."""
+
+    why: str | None = None
+
+    def request(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        self.set()
 
 
 class PhaseContext:
@@ -56,8 +76,18 @@ class PhaseContext:
         self.failure: BaseException | None = None   # set by the runner before `draining` runs
         self.state: str | None = None
         self.rollout_id: int | None = None
-        self.stop_requested = asyncio.Event()
+        self.stop_requested: asyncio.Event = StopRequest()
         self.deadline: float | None = None          # time.monotonic() at which the running phase is cut
+
+    def rollout_of(self, state: str) -> int | None:
+        """The rollout the phase of `state` works on, for its `phase_start` (a training context knows
+        that a rollout phase makes the next one)."""
+        return self.rollout_id
+
+    async def waiting_for(self) -> dict[str, Any]:
+        """What the running phase waits on, for its `phase_waiting` heartbeat (a training context asks
+        its components); plain JSON values."""
+        return {}
 
 
 class _Model:
@@ -69,12 +99,14 @@ class _Model:
 class Runner:
     def __init__(self, definition: MachineDef, context: PhaseContext,
                  handlers: dict[str, Callable[..., Any]] | None = None, *,
-                 deadlines: dict[str, float] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S):
+                 deadlines: dict[str, float] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
+                 heartbeat_s: float = HEARTBEAT_S):
         self.definition = definition
         self.ctx = context
         self.handlers = handlers if handlers is not None else definition.resolve_phases()
         self.deadlines = definition.deadlines() if deadlines is None else {**definition.deadlines(), **deadlines}
         self.stop_timeout_s = stop_timeout_s
+        self.heartbeat_s = heartbeat_s
         self._stop_at: float | None = None          # when the rest of the run became bounded: a stop, a deadline
         self._deadline_bound_s: float | None = None  # ... by how long, when a deadline did it (else the stop timeout)
         self._model = _Model()
@@ -111,7 +143,7 @@ class Runner:
         state = self.ctx.state = self.state
         handler = self.handlers[state]
         t0 = time.monotonic()
-        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_id,
+        start = self.tracer.emit("phase_start", state=state, rollout_id=self.ctx.rollout_of(state),
                                  deadline_s=self.deadlines[state])
         trigger = await self._run_phase(state, handler, start)
         if trigger is not None and not isinstance(trigger, str):
@@ -130,29 +162,50 @@ class Runner:
 
     async def _run_phase(self, state: str, handler: Callable[..., Any], start: int) -> str | None:
         """The phase's trigger, or None when a stop cut it; PhaseTimeout past its deadline."""
-        deadline = time.monotonic() + self.deadlines[state]
+        began = time.monotonic()
+        deadline = began + self.deadlines[state]
         self._note_stop(state, start)
         cut_at, why = self._cut(state, deadline)
         self.ctx.deadline = cut_at
         task = asyncio.ensure_future(handler(self.ctx))
         stop_seen = asyncio.ensure_future(self.ctx.stop_requested.wait())
         waiting = {task, stop_seen}
+        beat_at, beats = began + self.heartbeat_s, set()
         try:
             while not task.done() and time.monotonic() < cut_at:
-                await asyncio.wait(waiting, timeout=cut_at - time.monotonic(), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=min(cut_at, beat_at) - time.monotonic(),
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if stop_seen.done():            # a stop came: the phase's cut moves up
                     waiting.discard(stop_seen)
                     self._note_stop(state, start)
                     cut_at, why = self._cut(state, deadline)
                     self.ctx.deadline = cut_at
+                if not task.done() and time.monotonic() >= beat_at:
+                    beat_at += self.heartbeat_s
+                    beats.add(asyncio.ensure_future(self._heartbeat(state, began, start)))
         except asyncio.CancelledError:          # the runner itself was cancelled (a second signal, a host)
             await _cancel(task)
             raise
         finally:
             stop_seen.cancel()
+            for beat in beats:
+                beat.cancel()
         if task.done():
             return task.result()
         return await self._cut_phase(state, task, why, deadline, start)
+
+    async def _heartbeat(self, state: str, began: float, start: int) -> None:
+        """A `phase_waiting` event: the phase's age, its cut, and what it waits on (if that answers)."""
+        try:
+            info = await asyncio.wait_for(self.ctx.waiting_for(), ASK_S)
+        except asyncio.TimeoutError:
+            info = {"unanswered": f"no answer within {ASK_S:g} s"}
+        except Exception as exc:  # noqa: BLE001 - a heartbeat never fails the phase
+            info = {"unanswered": f"{type(exc).__name__}: {exc}"}
+        now = time.monotonic()
+        cut_in = None if self.ctx.deadline is None else round(max(self.ctx.deadline - now, 0.0), 1)
+        self.tracer.emit("phase_waiting", state=state, rollout_id=self.ctx.rollout_id,
+                         running_s=round(now - began, 1), cut_in_s=cut_in, cause=start, **info)
 
     @property
     def _bound_s(self) -> float:
@@ -170,6 +223,7 @@ class Runner:
         if self._stop_at is None and self.ctx.stop_requested.is_set():
             self._stop_at = time.monotonic()
             self.tracer.emit("stop_requested", state=state, stop_timeout_s=self.stop_timeout_s, cause=cause,
+                             why=getattr(self.ctx.stop_requested, "why", None),
                              phase_cut_s=PHASE_SHARE * self.stop_timeout_s,
                              draining_cut_s=DRAIN_SHARE * self.stop_timeout_s,
                              teardown_by_s=TEARDOWN_SHARE * self.stop_timeout_s)

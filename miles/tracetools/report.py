@@ -18,6 +18,8 @@ HEAD_ROWS, TAIL_ROWS, MAX_ROWS = 20, 40, 200
 
 def show_blocks(tl: Timeline, *, all_rows: bool = False) -> list[Block]:
     blocks: list[Block] = [Text([_headline(tl)], style="bold")]
+    if tl.story:
+        blocks.append(Text(tl.story, title="Resume and stop"))
     blocks.append(_timeline_table(tl, all_rows))
     if tl.failure is not None:
         blocks.append(_failure_text(tl.failure))

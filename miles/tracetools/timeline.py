@@ -135,6 +135,7 @@ class Timeline:
     truncated: bool
     markers: list[TraceEvent] = field(default_factory=list)   # stop_honoured and the like
     background: list[BackgroundSpan] = field(default_factory=list)   # async: prefetch, evals in flight
+    story: list[str] = field(default_factory=list)   # where this segment resumed from, what stopped it, what it saved
 
     @property
     def rollouts(self) -> list[int]:
@@ -172,6 +173,7 @@ def build_timeline(trace: Trace) -> Timeline:
         truncated=trace.truncated or end is None,
         markers=[e for e in events if e.event == "stop_honoured"],
         background=_background(events, t0, last_mono),
+        story=_story(events, t0),
     )
 
 
@@ -201,9 +203,55 @@ def _spans(events: list[TraceEvent], t0: float, last_mono: float) -> list[PhaseS
                                    "fail" if failed else e.trigger, outcome, open_.seq))
             open_ = None
     if open_ is not None:
-        spans.append(PhaseSpan(open_.state or "?", open_.rollout_id, open_.mono - t0,
+        spans.append(PhaseSpan(open_.state or "?", _open_rollout(events, open_), open_.mono - t0,
                                max(last_mono - open_.mono, 0.0), None, "open", open_.seq))
     return spans
+
+
+OPEN_ROLLOUT_FROM = ("phase_waiting", "rollout_done")   # events that carry the running phase's own rollout
+
+
+def _open_rollout(events: list[TraceEvent], start: TraceEvent) -> int | None:
+    """The rollout of a phase the trace ends in (no phase_end to say it): the newest that an event of
+    the phase itself carries (its heartbeat, the rollout it made), else its phase_start's, right since
+    the runner asks the context for it (an older trace's rollout phase_start carries the one before)."""
+    inside = [e.rollout_id for e in events
+              if e.seq > start.seq and e.event in OPEN_ROLLOUT_FROM and e.rollout_id is not None]
+    return inside[-1] if inside else start.rollout_id
+
+
+def _story(events: list[TraceEvent], t0: float) -> list[str]:
+    """What a person resuming runs asks first: which checkpoint this segment resumed from (and which it
+    passed over), what stopped it and what that stop saved; one line each, in trace order."""
+    lines: list[str] = []
+    saved = {e.rollout_id: e for e in events if e.event == "checkpoint_saved"}
+    for e in events:
+        if e.event == "checkpoint_skipped":
+            problems = e.get("problems") or ["?"]
+            lines.append(f"passed over {_folder(e.get('path'))} (rollout {e.rollout_id}, {e.get('check')} check): "
+                         f"{problems[0]}")
+        elif e.event == "resumed":
+            checked = "its sha256 verified" if e.get("verified") else "not verified (--no-verify-load)"
+            lines.append(f"resumed from {_folder(e.get('path'))} (rollout {e.rollout_id}, {checked}; {e.get('path')}); "
+                         f"next rollout {e.get('next_rollout')}")
+        elif e.event == "resume_skipped":
+            lines.append(f"started fresh: {e.get('reason')} under --load {e.get('root')}")
+        elif e.event == "stop_requested":
+            who = e.get("why") or "a stop request (this trace does not record whose)"
+            lines.append(f"stopped by {who} in {e.state}, {e.mono - t0:.1f} s into the run")
+        elif e.event == "stop_save":
+            if e.get("saved"):
+                where = saved.get(e.rollout_id)
+                lines.append(f"the stop saved rollout {e.rollout_id}"
+                             + (f" ({_folder(where.get('path'))})" if where is not None else "")
+                             + (f" in {e.duration_s:.2f} s" if e.duration_s is not None else ""))
+            else:
+                lines.append(f"the stop saved nothing: {e.get('reason')}")
+    return lines
+
+
+def _folder(path: Any) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if path else "?"
 
 
 def _background(events: list[TraceEvent], t0: float, last_mono: float) -> list[BackgroundSpan]:

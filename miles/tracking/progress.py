@@ -6,7 +6,10 @@
 What it shows: the state the run is in, rollout r of N, a bar for the rollout in progress (samples)
 and the training step (micro-batches), the last reward, KL, step time, tokens/s and eval accuracy,
 and an ETA. On a terminal it is a rich live display; elsewhere (CI, a log file) one plain line per
-trained rollout, per eval and per lifecycle milestone.
+trained rollout, per eval and per lifecycle milestone. A phase that runs long gets a line every 30 s
+(the runner's `phase_waiting` heartbeat, on a terminal too): how long it has run, when its deadline
+cuts it, what it waits on, and how many samples the running rollout or eval has made and scored, with
+the engine and reward calls still running.
 
 Where the numbers come from: the trace events (states, rollout ids, reward, KL, samples) and the
 row the run just appended to metrics.jsonl (tokens/s, entropy, response length). The actors report
@@ -91,6 +94,12 @@ class ProgressModel:
 
     def _on_plan(self, ev: dict[str, Any]) -> None:
         self.num_rollout = ev.get("num_rollout", self.num_rollout)
+
+    def _on_eval_begin(self, ev: dict[str, Any]) -> list[str]:
+        return [f"evaluating after {ev.get('rollout_id')} rollouts: {ev.get('why')}"]
+
+    def _on_phase_waiting(self, ev: dict[str, Any]) -> list[str]:
+        return [waiting_line(ev)]
 
     def _on_resumed(self, ev: dict[str, Any]) -> list[str]:
         self.start_rollout = int(ev.get("next_rollout", 0))
@@ -230,6 +239,33 @@ class ProgressModel:
         if self.no_signal:
             parts.append(f"WARNING: equal rewards in every group for {self.no_signal} rollouts, nothing to learn")
         return "  ".join(parts)
+
+
+def waiting_line(ev: dict[str, Any]) -> str:
+    """The progress line of a phase that runs long (a `phase_waiting` event)."""
+    state, rid = ev.get("state", "?"), ev.get("rollout_id")
+    head = f"{state}{'' if rid is None else f' (rollout {rid})'} still running after {_clock(ev.get('running_s'))}"
+    if ev.get("cut_in_s") is not None:
+        head += f", cut by its deadline in {_clock(ev['cut_in_s'])}"
+    if ev.get("unanswered"):
+        return (f"{head}; the rollout executor did not answer ({ev['unanswered']}): busy, or its event loop "
+                "blocked by a reward or generate function running in it")
+    parts = [f"{head}; waiting for {ev.get('waiting_for', 'the phase')}"]
+    parts += [_activity_text(a) for a in ev.get("activities") or []]
+    return "; ".join(parts)
+
+
+def _activity_text(a: dict[str, Any]) -> str:
+    n = a.get("samples") or "?"
+    text = f"{a.get('activity')}: {a.get('generated', 0)}/{n} samples generated, {a.get('scored', 0)}/{n} scored"
+    if a.get("engine_pending"):
+        text += f", {a['engine_pending']} in engine calls (oldest call {a.get('engine_oldest_s', 0):.0f} s)"
+    if a.get("reward_pending"):
+        bound = (f"--reward-timeout {a['reward_timeout_s']:g} s" if a.get("reward_timeout_s")
+                 else "no --reward-timeout")
+        text += (f", {a['reward_pending']} awaiting their reward (oldest call {a.get('reward_oldest_s', 0):.0f} s; "
+                 f"{bound})")
+    return text
 
 
 def _line_keys(sft: bool) -> tuple[tuple[str, str, str], ...]:

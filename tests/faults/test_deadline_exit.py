@@ -33,7 +33,9 @@ STUCK_RM = ("import threading\n"
 def hang_flags(hang: str, tmp_path: Path) -> list[str]:
     if hang == "reward":
         (tmp_path / "stuck_rm.py").write_text(STUCK_RM)
-        return ["--custom-rm-path", f"{tmp_path / 'stuck_rm.py'}:stuck", "--phase-timeout", f"rollout={PHASE_TIMEOUT_S}"]
+        # --reward-timeout 0: no bound of its own, so the stuck call blocks the executor actor itself
+        return ["--custom-rm-path", f"{tmp_path / 'stuck_rm.py'}:stuck", "--reward-timeout", "0",
+                "--phase-timeout", f"rollout={PHASE_TIMEOUT_S}"]
     if hang == "engine":
         return ["--inject-fault", "rollout:hang_engine", "--rollout-health-check-interval", "0",
                 "--phase-timeout", f"rollout={PHASE_TIMEOUT_S}"]

@@ -169,6 +169,7 @@ def test_sigterm_while_a_reward_never_returns_saves_and_exits_within_the_stop_ti
     assert CheckpointStore(ckpt).latest() == (0, ckpt / "iter_0000000")
     cut = trace.of("phase_timeout")[0]
     assert (cut.state, cut.get("reason")) == ("rollout", "stop")
+    assert trace.of("stop_requested")[0].get("why") == "SIGTERM"     # `miles trace show` says which signal
     assert not session.exists() and (run_dir / "logs" / "ray" / "raylet.out").is_file()
     assert not private.exists() and world_writable(run_dir) == [] and world_writable(ckpt) == []
     time.sleep(1.0)                                            # the reaper's last kills land

@@ -82,6 +82,7 @@ def test_a_resume_takes_a_dead_runs_lock_skips_a_corrupt_checkpoint_loudly_and_i
     for i in (2, 1, 0):
         assert f"  iter_000000{i}: {ckpt / f'iter_000000{i}' / 'trainer' / 'model.safetensors'} does not match" in err
     assert read_trace(run_dir).of("metrics") == [] and miles_actors() == []
+    assert read_trace(run_dir).of("cluster_ready") == []      # hashed on the driver: refused before Ray started
 
 
 def test_a_load_folder_of_files_but_no_checkpoint_exits_2_before_ray(tiny_task, tmp_path, capsys):

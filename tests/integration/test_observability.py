@@ -51,6 +51,11 @@ def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(observed_ru
     assert [line.split()[1:4] for line in rollout_lines] == [["rollout", "0", "(1/2)"], ["rollout", "1", "(2/2)"]]
     assert "reward=" in rollout_lines[0] and "tok/s=" in rollout_lines[0] and "eta=0:00:00" in rollout_lines[1]
     assert sum(line.startswith("miles: eval after") for line in lines) == 2     # before training, after the last
+    # each eval says why it runs: the first by miles' rule, though --eval-interval 2 is the last rollout
+    assert [line for line in lines if line.startswith("miles: evaluating")] == [
+        "miles: evaluating after 0 rollouts: before the first rollout, the baseline (miles runs it whatever "
+        "--eval-interval is; --skip-eval-before-train skips it)",
+        "miles: evaluating after 2 rollouts: every --eval-interval 2 rollouts"]
     assert lines[-1].startswith("miles: run ") and " ended: ok after " in lines[-1]
 
     # sinks: registered in init as each opened, torn down in reverse, flushed by draining first

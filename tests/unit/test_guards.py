@@ -104,3 +104,10 @@ def test_only_the_machines_guards_are_public_predicates(make):
     named = set().union(*(load_machine(m).guards for m in builtin_machines()))
     assert named == {"eval_due", "rollouts_left", "save_due", "weights_due"}
     assert all(callable(getattr(make(), g)) for g in named)
+
+
+def test_a_rollout_phase_is_named_by_the_rollout_it_makes(make):
+    """The runner writes `rollout_of(state)` into phase_start: a cut-short trace's last row is right."""
+    ctx = make()
+    ctx.rollout_id, ctx.next_rollout = 3, 4
+    assert [ctx.rollout_of(s) for s in ("rollout", "train", "save", "weight_sync", "eval")] == [4, 3, 3, 3, 3]

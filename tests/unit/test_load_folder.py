@@ -72,3 +72,71 @@ def test_the_deep_checks_findings_are_listed_too_and_a_skip_names_the_next_one(t
     msg = str(refuse_fresh_start(folder, {newest.path: [sha], older.path: ["x", "y"]}))
     assert f"  iter_0000001: {sha}" in msg and "  iter_0000000: x (and 1 more)" in msg
     assert json.loads((tmp_path / "iter_0000000" / "manifest.json").read_text())["rollout_id"] == 0
+
+
+# ---- the sha256 check before Ray starts (miles.phases.init._hash_before_start) -------------------
+
+def trainer_checkpoint(store: CheckpointStore, rollout_id: int) -> None:
+    with store.saving(rollout_id) as tmp:
+        (tmp / "trainer").mkdir()
+        (tmp / "trainer" / "model.safetensors").write_bytes(b"weights-%d" % rollout_id)
+        (tmp / "rollout.json").write_text("{}")
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / "export.bin").write_bytes(b"not read by a load")
+
+
+def flip(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01                                   # same size: only the sha256 tells
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def ctx_for(tmp_path):
+    from miles.config import CheckpointConfig, DataConfig, ModelConfig, RolloutConfig, RunConfig
+    from miles.phases.context import TrainingContext
+    from miles.runtime import Disposer, Tracer
+    made = []
+
+    def make(load, **checkpoint):
+        cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
+                        rollout=RolloutConfig(batch_size=1), num_rollout=1,
+                        checkpoint=CheckpointConfig(load=str(load), **checkpoint))
+        tracer = Tracer(tmp_path / f"t{len(made)}.jsonl", run_id="g", machine="sync", console="off")
+        made.append(tracer)
+        return TrainingContext(cfg, run_id="g", run_dir=tmp_path, tracer=tracer, disposer=Disposer())
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def test_checkpoints_that_all_fail_their_sha256_are_refused_before_ray_starts(tmp_path, ctx_for):
+    from miles.phases.init import _hash_before_start
+    ckpt = tmp_path / "ckpt"
+    store = CheckpointStore(ckpt)
+    for i in range(3):
+        trainer_checkpoint(store, i)
+    flip(ckpt / "iter_0000002" / "trainer" / "model.safetensors")
+    flip(ckpt / "iter_0000001" / "hf" / "export.bin")             # a file the load does not read
+    ctx = ctx_for(ckpt)
+    _hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
+    newest, second = ckpt / "iter_0000002", ckpt / "iter_0000001"
+    assert ctx.load_checked == {newest: [f"{newest / 'trainer' / 'model.safetensors'} does not match its sha256 "
+                                         "in the manifest"], second: []}     # stops at the first that checks out
+    for i in (1, 0):
+        flip(ckpt / f"iter_000000{i}" / "trainer" / "model.safetensors")
+    ctx = ctx_for(ckpt)
+    with pytest.raises(UnusableLoadFolder) as refused:
+        _hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
+    lines = str(refused.value).splitlines()
+    assert lines[0].startswith(f"--load {ckpt}: none of its 3 checkpoints can be loaded")
+    assert [line.split(":")[0] for line in lines[1:]] == ["  iter_0000002", "  iter_0000001", "  iter_0000000"]
+    assert all("does not match its sha256 in the manifest" in line for line in lines[1:])
+    allowed = ctx_for(ckpt, allow_fresh_start=True)
+    _hash_before_start(allowed, check_load_folder(str(ckpt), allow_fresh_start=True))    # said later, not refused
+    assert len(allowed.load_checked) == 3 and all(allowed.load_checked.values())
+    unverified = ctx_for(ckpt)
+    object.__setattr__(unverified.cfg.reliability, "verify_load", False)                # --no-verify-load
+    _hash_before_start(unverified, check_load_folder(str(ckpt), allow_fresh_start=False))
+    assert unverified.load_checked == {}

@@ -169,3 +169,42 @@ def test_a_bad_timeout_in_the_yaml_is_reported_with_its_line(value):
     text = load_machine(SYNC).text.replace("timeout: 3600", f"timeout: {value}", 1)
     with pytest.raises(MachineDefinitionError, match=r"line \d+: state '\w+': timeout .* must be a number"):
         parse_machine(text)
+
+
+# ---- a phase that runs long says so: the `phase_waiting` heartbeat --------------------------------
+
+def test_a_long_phase_beats_with_what_it_waits_on_and_an_unanswered_question_is_said(tmp_path, monkeypatch):
+    """Every heartbeat_s a running phase gets a `phase_waiting` event with its age, its cut and the
+    context's answer; a question that hangs is said, and delays neither the phase nor its cut."""
+    runner, ctx, _ = stub(tmp_path, hang_in="rollout", deadlines={"rollout": 1.6})
+    runner.heartbeat_s = 0.3
+    asked = []
+
+    async def waiting_for():
+        asked.append(ctx.state)
+        if len(asked) == 3:
+            await asyncio.sleep(3600)            # the executor's event loop blocked: no answer
+        return {"waiting_for": "the engines", "activities": [{"activity": "rollout 0", "samples": 8, "scored": 3}]}
+
+    ctx.waiting_for = waiting_for
+    monkeypatch.setattr("miles.runtime.runner.ASK_S", 0.2)
+    elapsed, raised = run_timed(runner)
+    assert isinstance(raised, PhaseTimeout)
+    trace = read_trace(tmp_path / "trace.jsonl")
+    beats = trace.of("phase_waiting")
+    assert [b.state for b in beats] and {b.state for b in beats} == {"rollout"}   # only the long phase beat
+    assert len(beats) >= 4 and all(0.0 <= b.get("cut_in_s") < 1.6 for b in beats)
+    ages = [b.get("running_s") for b in beats]
+    assert ages == sorted(ages) and ages[0] >= 0.3
+    assert beats[0].get("activities") == [{"activity": "rollout 0", "samples": 8, "scored": 3}]
+    assert any(b.get("unanswered") == "no answer within 0.2 s" for b in beats)
+    cut = trace.of("phase_timeout")[0]
+    assert all(b.seq < cut.seq for b in beats)          # no beat after the phase was cut
+    assert 1.6 <= cut.get("after_s") < 1.6 + CANCEL_GRACE_S
+
+
+def test_a_phase_shorter_than_the_heartbeat_never_beats(tmp_path):
+    runner, _, _ = stub(tmp_path, hang_in="none")
+    runner.heartbeat_s = 30.0
+    assert run_timed(runner)[1] is None
+    assert read_trace(tmp_path / "trace.jsonl").of("phase_waiting") == []

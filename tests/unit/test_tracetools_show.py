@@ -154,3 +154,94 @@ def test_a_honoured_stop_request_shows_and_conforms(tmp_path, capsys):
     assert len(train) == 1 and train[0].trigger == "stop" and train[0].note == "returned next; stop requested"
     main(["show", str(tmp_path)])
     assert "stop  (returned next; stop requested)" in capsys.readouterr().out
+
+
+# ---- a resumed segment: where it resumed from, what stopped it, what the stop saved -------------
+
+def write_events(path: Path, events: list[dict]) -> Path:
+    with open(path, "w") as f:
+        for seq, e in enumerate(events, start=1):
+            f.write(json.dumps({"seq": seq, "ts": "2026-12-06T18:00:00+00:00", "mono": float(seq), "run_id": "r",
+                                "machine": "sync", "machine_hash": "h", **e}) + "\n")
+    return path
+
+
+def resumed_segment(*, why: str | None = "SIGTERM", cut_in_rollout: bool = False) -> list[dict]:
+    """A segment that resumed from iter 2 (iter 3 passed over), trained rollout 3, then was stopped in
+    rollout 4's train and saved it; or (`cut_in_rollout`) was killed in rollout 4's rollout phase,
+    whose phase_start, as the runner wrote it before the fix, carries rollout 3."""
+    head = [
+        {"event": "run_start", "state": "init", "states": ["init", "weight_sync", "rollout", "train", "save",
+                                                           "draining", "shutdown"]},
+        {"event": "phase_start", "state": "init"},
+        {"event": "checkpoint_skipped", "rollout_id": 3, "path": "/c/iter_0000003", "check": "sha256",
+         "problems": ["/c/iter_0000003/trainer/model.safetensors does not match its sha256 in the manifest"]},
+        {"event": "resumed", "rollout_id": 2, "path": "/c/iter_0000002", "next_rollout": 3, "verified": True},
+        {"event": "phase_end", "state": "init", "trigger": "ready", "duration_s": 1.0},
+        {"event": "phase_start", "state": "rollout", "rollout_id": 2},
+        {"event": "rollout_done", "rollout_id": 3},
+        {"event": "phase_end", "state": "rollout", "rollout_id": 3, "trigger": "next", "duration_s": 1.0},
+        {"event": "phase_start", "state": "train", "rollout_id": 3},
+        {"event": "phase_end", "state": "train", "rollout_id": 3, "trigger": "next", "duration_s": 1.0},
+    ]
+    if cut_in_rollout:
+        return head + [{"event": "phase_start", "state": "rollout", "rollout_id": 3},
+                       {"event": "phase_waiting", "state": "rollout", "rollout_id": 4, "running_s": 30.0}]
+    stop = {"event": "stop_requested", "state": "train", "stop_timeout_s": 20.0}
+    if why is not None:
+        stop["why"] = why
+    return head + [
+        {"event": "phase_start", "state": "train", "rollout_id": 4}, stop,
+        {"event": "phase_end", "state": "train", "rollout_id": 4, "trigger": "next", "duration_s": 1.0},
+        {"event": "stop_honoured", "state": "train", "ignored_trigger": "next"},
+        {"event": "phase_start", "state": "draining", "rollout_id": 4},
+        {"event": "checkpoint_saved", "rollout_id": 4, "path": "/c/iter_0000004", "duration_s": 0.5},
+        {"event": "stop_save", "saved": True, "rollout_id": 4, "duration_s": 0.5},
+        {"event": "phase_end", "state": "draining", "rollout_id": 4, "trigger": "finish", "duration_s": 1.0},
+        {"event": "run_end", "state": "shutdown", "outcome": "stopped", "duration_s": 20.0},
+    ]
+
+
+def test_show_says_where_a_segment_resumed_from_what_stopped_it_and_what_the_stop_saved(tmp_path, capsys):
+    path = write_events(tmp_path / "trace.jsonl", resumed_segment())
+    tl = build_timeline(read_trace(path))
+    assert tl.story == [
+        "passed over iter_0000003 (rollout 3, sha256 check): /c/iter_0000003/trainer/model.safetensors does not "
+        "match its sha256 in the manifest",
+        "resumed from iter_0000002 (rollout 2, its sha256 verified; /c/iter_0000002); next rollout 3",
+        "stopped by SIGTERM in train, 11.0 s into the run",
+        "the stop saved rollout 4 (iter_0000004) in 0.50 s"]
+    assert main(["show", str(path), "--format", "plain"]) == 0
+    out = capsys.readouterr().out
+    assert "Resume and stop" in out and "stopped by SIGTERM in train" in out
+    old = build_timeline(read_trace(write_events(tmp_path / "old.jsonl", resumed_segment(why=None))))
+    assert "stopped by a stop request (this trace does not record whose) in train, 11.0 s into the run" in old.story
+    nothing = resumed_segment()
+    nothing[-3] = {"event": "stop_save", "saved": False, "rollout_id": 4, "reason": "rollout 4 is saved already"}
+    tl = build_timeline(read_trace(write_events(tmp_path / "n.jsonl", nothing)))
+    assert tl.story[-1] == "the stop saved nothing: rollout 4 is saved already"
+
+
+def test_a_cut_short_segments_last_row_names_the_rollout_it_was_making(tmp_path):
+    old = resumed_segment(cut_in_rollout=True)       # an older runner: rollout's phase_start says 3
+    tl = build_timeline(read_trace(write_events(tmp_path / "t.jsonl", old)))
+    last = tl.spans[-1]
+    assert (last.state, last.outcome, last.rollout_id) == ("rollout", "open", 4)     # its heartbeat's
+    assert [s.rollout_id for s in tl.spans[1:3]] == [3, 3]                  # closed rows: their phase_end's
+    new = old[:-1]
+    new[-1] = {**new[-1], "rollout_id": 4}            # the runner now: rollout_of("rollout") = next_rollout
+    assert build_timeline(read_trace(write_events(tmp_path / "n.jsonl", new))).spans[-1].rollout_id == 4
+    evaluating = old[:-2] + [{"event": "phase_start", "state": "eval", "rollout_id": 3},
+                             {"event": "eval_begin", "rollout_id": 4, "why": "every --eval-interval 4 rollouts"}]
+    tl = build_timeline(read_trace(write_events(tmp_path / "e.jsonl", evaluating)))
+    assert (tl.spans[-1].state, tl.spans[-1].rollout_id) == ("eval", 3)   # as a closed eval row reads
+
+
+def test_the_runner_names_a_rollout_phases_rollout_at_its_start(tmp_path):
+    """phase_start of `rollout` carries the rollout it makes (ctx.rollout_of), not the one before."""
+    runner, ctx = make_stub_run("sync", tmp_path / "trace.jsonl", num_rollout=2, eval_interval=None,
+                                save_interval=None)
+    ctx.rollout_of = lambda state: 7 if state == "rollout" else ctx.rollout_id
+    asyncio.run(runner.run())
+    starts = [e for e in read_trace(tmp_path / "trace.jsonl").of("phase_start") if e.state == "rollout"]
+    assert starts and all(e.rollout_id == 7 for e in starts)
