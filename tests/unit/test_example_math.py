@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import shlex
 import sys
@@ -14,9 +15,10 @@ from miles.config.flags import parse_flags
 from miles.rollout.math_grading import VerifierPool
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math"
-sys.path.insert(0, str(EXAMPLE))
-
-import make_data  # noqa: E402
+# loaded by path under a name of its own: the arithmetic example's make_data.py has the same module name
+_spec = importlib.util.spec_from_file_location("math_example_make_data", EXAMPLE / "make_data.py")
+make_data = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_data)
 
 QWEN3_4B_CONFIG = {"model_type": "qwen3", "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 9728,
                    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
