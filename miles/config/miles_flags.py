@@ -105,7 +105,6 @@ REFUSED: dict[str, str] = {
                       "each rollout's steps (or taken from the engine with --use-rollout-logprobs): drop it",
     "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
     "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
-    "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",
