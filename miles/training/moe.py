@@ -42,7 +42,7 @@ def router_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
     [] for a dense model."""
     config = getattr(model, "config", None)
     family = MOE_FAMILIES.get(getattr(config, "model_type", None))
-    if family is None or not getattr(config, family.experts_field, 0):
+    if family is None or not family.experts(config.to_dict()):
         return []
     out = []
     for name, module in model.named_modules():
@@ -228,3 +228,87 @@ def engine_routed(routing: Routing, rows: int, width: int) -> Tensor:
     """[rows, L, k] the experts of each row's last position in the last forward of a [rows, width]
     input (the position whose logits the engine samples the row's next token from)."""
     return routing.applied().view(rows, width, len(routing.layers), routing.top_k)[:, -1]
+
+
+# --- the torch trainer's side ---------------------------------------------------------------------
+class TrainerMoe:
+    """What the torch trainer adds for an MoE model: its forward wrapped (replay, records, stats), the
+    router losses of each training micro-batch, the old-logprob pass's routing (--use-routing-replay)
+    and the rollout's routing metrics. `of` is None for a dense model."""
+
+    def __init__(self, model: nn.Module, *, rollout_replay: bool, old_replay: bool, aux_coeff: float,
+                 balancing: str, z_coeff: float | None, router_fp32: bool):
+        self.model = model
+        self.routing = Routing(model, router_fp32=router_fp32)
+        self.rollout_replay, self.old_replay = rollout_replay, old_replay
+        self.aux_coeff, self.balancing, self.z_coeff = aux_coeff, balancing, z_coeff
+        self.stats = RoutingStats()
+        self._losses: dict[str, Tensor] = {}
+        self._loss_sums: dict[str, float] = {}
+        self._loss_count = 0
+
+    @classmethod
+    def of(cls, model: nn.Module, train) -> TrainerMoe | None:
+        """From the trainer's TrainConfig; None when the model has no MoE layers."""
+        if not router_modules(model):
+            return None
+        return cls(model, rollout_replay=train.use_rollout_routing_replay, old_replay=train.use_routing_replay,
+                   aux_coeff=train.moe_aux_loss_coeff, balancing=train.moe_router_load_balancing_type,
+                   z_coeff=train.moe_z_loss_coeff, router_fp32=train.moe_router_dtype == "fp32")
+
+    def replay_for(self, mb, training: bool) -> Tensor | None:
+        """[b, w, L, k] the experts a forward of `mb` replays (-1: the router's own), or None: R3's rollout
+        experts; in a training forward under --use-routing-replay the old pass's where R3 has none."""
+        replay = mb.routed_experts if self.rollout_replay else None
+        if training and self.old_replay and mb.old_routed_experts is not None:
+            old = mb.old_routed_experts
+            replay = old if replay is None else torch.where(replay[..., :1] >= 0, replay, old)
+        return replay
+
+    def wrap(self, forward: Callable) -> Callable:
+        """`forward` (miles.training.forward's) with this model's routing set up before and read after."""
+        def routed_forward(model, mb, entropy, entropy_grad):
+            if model is not self.model:          # the reference or the teacher: their own routers
+                return forward(model, mb, entropy, entropy_grad)
+            training = torch.is_grad_enabled()
+            replay = self.replay_for(mb, training)
+            flat = lambda t: None if t is None else t.reshape(-1, *t.shape[2:])     # noqa: E731
+            self.routing.begin(flat(replay))
+            out = forward(model, mb, entropy, entropy_grad)
+            real = mb.attention_mask.reshape(-1).bool()
+            self.stats.add(self.routing, real, flat(mb.routed_experts), replayed=replay is not None)
+            self._losses = {}
+            if training:
+                rows = torch.arange(mb.tokens.shape[0], device=real.device).repeat_interleave(mb.tokens.shape[1])
+                self._losses = aux_losses(self.routing, real, rows, aux_coeff=self.aux_coeff,
+                                          balancing=self.balancing, z_coeff=self.z_coeff)
+            return out
+        return routed_forward
+
+    def router_loss(self, micro_batches: int) -> Tensor | None:
+        """The last training forward's router losses, over the step's `micro_batches` (their mean over the
+        micro-batches is the step's); None when off."""
+        if not self._losses:
+            return None
+        for name, value in self._losses.items():
+            self._loss_sums[name] = self._loss_sums.get(name, 0.0) + float(value.detach())
+        self._loss_count += 1
+        return sum(self._losses.values()) / micro_batches
+
+    def record_old(self, out: Tensor | None, rows: Tensor, mb, batch) -> Tensor | None:
+        """--use-routing-replay: the old-logprob pass's experts of `mb` (rows `rows` of `batch`) into `out`."""
+        if not self.old_replay:
+            return None
+        if out is None:
+            out = torch.full((*batch.tokens.shape, len(self.routing.layers), self.routing.top_k), -1,
+                             dtype=torch.long, device=batch.tokens.device)
+        b, w = mb.tokens.shape
+        out[rows, :w] = self.routing.applied().view(b, w, len(self.routing.layers), self.routing.top_k)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The rollout's routing metrics (`moe/...`) and router losses (mean per micro-batch); then reset."""
+        out = self.stats.metrics()
+        out.update({f"moe/{name}": total / max(self._loss_count, 1) for name, total in self._loss_sums.items()})
+        self.stats, self._loss_sums, self._loss_count = RoutingStats(), {}, 0
+        return out

@@ -20,11 +20,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MoeFamily:
     router_class: str       # transformers' router module (softmax, top-k, norm_topk_prob) the hooks go on
-    experts_field: str      # the config field whose 0 makes the model dense
+    experts_fields: tuple[str, ...]   # the config's expert count (transformers 5 saves num_experts as num_local_experts)
+
+    def experts(self, hf: dict[str, Any]) -> int:
+        return next((int(hf[f]) for f in self.experts_fields if hf.get(f) is not None), 0)
 
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
-    "qwen3_moe": MoeFamily(router_class="Qwen3MoeTopKRouter", experts_field="num_experts"),
+    "qwen3_moe": MoeFamily(router_class="Qwen3MoeTopKRouter", experts_fields=("num_experts", "num_local_experts")),
 }
 # config fields of the MoE families this build does not run, and what each is
 _OTHER_MOE_FIELDS = {
@@ -50,7 +53,7 @@ def moe_kind(hf: dict[str, Any] | None) -> str | None:
     kind = hf.get("model_type")
     family = MOE_FAMILIES.get(kind)
     if family is not None:
-        return "built" if hf.get(family.experts_field) else "dense"
+        return "built" if family.experts(hf) else "dense"
     found = [what for name, what in _OTHER_MOE_FIELDS.items() if hf.get(name)]
     if not found:
         return "dense"

@@ -72,6 +72,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training import lora
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.training.moe import TrainerMoe
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
 from miles.training.protocol import STEP_GRAD_NORMS
@@ -161,6 +162,10 @@ class Trainer(OptimizedModel):
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
                                                    chunk_rows=train.log_probs_chunk_size, packed=self._packed)
         self._logits_path = not forward_name.startswith("hidden")
+        # a mixture-of-experts model: routing replay, router losses and metrics (miles.training.moe)
+        self._moe = TrainerMoe.of(self._model, train)
+        if self._moe is not None:
+            self._forward = self._moe.wrap(self._forward)
         # with --lora-dropout the step's own logprobs carry its dropout: the old ones need their own pass
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass
@@ -244,6 +249,8 @@ class Trainer(OptimizedModel):
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = self._step_averages(steps)
+        if self._moe is not None:
+            metrics.update(self._moe.metrics())
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
@@ -293,6 +300,8 @@ class Trainer(OptimizedModel):
             return batch, None, {}
         skip = may_skip and self._skips_old_pass(batch)
         train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
+        if not skip and self._moe is not None:     # --use-routing-replay: the steps route as this pass did
+            batch.old_routed_experts = self._old_routing
         ref_lp = None if self._ref is None else self._ref_logprobs(batch)
         if self._teacher is not None:      # --opd-type megatron: the teacher scores the sampled tokens here
             batch.teacher_logprobs = self._logprobs(self._teacher, batch)
@@ -348,6 +357,8 @@ class Trainer(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for rows, mb in pairs:
                 loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
+                if self._moe is not None and (router := self._moe.router_loss(len(pairs))) is not None:
+                    loss = loss + router
                 self._backward(loss)
                 if record is not None:
                     record[rows, :logprobs.shape[1]] = logprobs.detach()
@@ -371,9 +382,12 @@ class Trainer(OptimizedModel):
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         pairs = self._micro_batches(batch, forward_only=True)    # planned before the shadows take their memory
+        self._old_routing = None
         with self._shadowed(model, grads=False):
             for rows, mb in pairs:
                 out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]
+                if self._moe is not None and model is self._model:
+                    self._old_routing = self._moe.record_old(self._old_routing, rows, mb, batch)
         return out
 
     # --- weights and state ---------------------------------------------------------------------
