@@ -19,6 +19,10 @@ Health and abort (`miles.rollout.engines.guard`): the actor runs on two threads;
 model call at a time, every decode step stamps a heartbeat, `health()` reads it without the lock
 (or, idle, runs a one-token generate), and `abort()` makes the running calls stop at their next step.
 
+A mixture-of-experts model (Qwen3-MoE: miles.training.moe, docs/moe.md): each sampled token's experts, per
+MoE layer, are recorded from the forward whose logits sampled it (`Generation.routed_experts`), for the
+trainer's routing replay (R3).
+
 A plain class; the composition root makes it a Ray actor.
 """
 
