@@ -173,7 +173,9 @@ class Trainer(OptimizedModel):
         threads = cpu_threads(self.device, share=self.world_size)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
-        compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
+        # an MoE model's layers stay eager: the routing hooks keep Python state per forward (miles.training.moe)
+        compiled = (compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False
+                    and self._moe is None else 0)
         self._compiled_layers = compiled > 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train

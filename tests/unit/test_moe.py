@@ -310,3 +310,4 @@ def test_other_moe_families_are_refused_by_name(data, tmp_path):
         kind = moe_kind(cfg)
         assert f"model_type {cfg['model_type']!r} is a mixture-of-experts family this build does not run yet" in kind
         assert what in kind and "built: qwen3_moe" in kind
+        assert any(p.startswith(f"--hf-checkpoint {folder}: {kind}") for p in problems_of(argv(folder, data)))
