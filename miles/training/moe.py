@@ -102,7 +102,8 @@ class Routing:
             logits, scores, indices = output
             if self.router_fp32:
                 hidden = args[0].reshape(-1, module.weight.shape[1])
-                logits = F.linear(hidden.float(), module.weight.float())
+                with torch.autocast(hidden.device.type, enabled=False):     # a bf16 trainer's autocast too
+                    logits = F.linear(hidden.float(), module.weight.float())
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             own = indices if not self.router_fp32 else torch.topk(probs, self.top_k, dim=-1).indices
             record = self.records[slot]

@@ -315,3 +315,23 @@ def test_other_moe_families_are_refused_by_name(data, tmp_path):
         assert f"model_type {cfg['model_type']!r} is a mixture-of-experts family this build does not run yet" in kind
         assert what in kind and "built: qwen3_moe" in kind
         assert any(p.startswith(f"--hf-checkpoint {folder}: {kind}") for p in problems_of(argv(folder, data)))
+
+
+def test_the_fp32_router_in_a_bf16_trainer_routes_from_float32_logits(moe_path):
+    # a bfloat16 compute trainer: with --moe-router-dtype fp32 its routers' logits are the float32 ones
+    # (the float32 model's, up to the bf16 hidden states they read), and the gate weights stay float32
+    samples = samples_of(PROMPTS, EmbeddedEngine(moe_path, device="cpu").generate(PROMPTS, GREEDY))
+    t = Trainer(moe_path, train=TrainConfig(moe_router_dtype="fp32"), algorithm=AlgorithmConfig(),
+                rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=2), device="cpu", dtype="bfloat16")
+    batch = make_train_batch(samples, t.pad_id)
+    seen = {}
+    router = t.model.model.layers[1].mlp.gate
+    hook = router.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out), prepend=False)
+    with t._autocast():
+        t._forward(t.model, batch, False, False)
+    hook.remove()
+    logits, weights, _ = seen["out"]
+    assert logits.dtype == torch.float32 and weights.dtype == torch.float32
+    want = torch.nn.functional.linear(seen["x"].reshape(-1, router.weight.shape[1]).float(), router.weight.float())
+    assert torch.equal(logits, want)
+    assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[0]))        # norm_topk_prob
