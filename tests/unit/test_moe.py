@@ -123,6 +123,16 @@ def test_partial_rollout_continuation_extends_the_routing():
     _extend(cont, Generation([7], [-1.0], "stop", 2, [[[2, 3]]]))
     assert cont.rollout_routed_experts == [[[0, 1]], [[1, 2]], [[2, 3]]]
     assert s.rollout_routed_experts == [[[0, 1]], [[1, 2]]]          # the buffer's own is untouched
+    # the partial-rollout buffer's checkpoint (rollout.json) carries it
+    import json
+
+    from miles.rollout.partial import PartialBuffer
+
+    buffer = PartialBuffer(RolloutConfig(batch_size=1, n_samples_per_prompt=1, partial_rollout=True))
+    buffer.add([[s]])
+    resumed = PartialBuffer(RolloutConfig(batch_size=1, n_samples_per_prompt=1, partial_rollout=True))
+    resumed.load_state_dict(json.loads(json.dumps(buffer.state_dict())), {0: s.prompt})
+    assert resumed._groups[0][0].rollout_routed_experts == [[[0, 1]], [[1, 2]]]
 
 
 def perturb_routers(model, scale: float, seed: int = 0) -> None:
