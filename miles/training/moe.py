@@ -26,7 +26,7 @@ over the MoE layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,6 @@ class RoutingStats:
     compared_tokens: Tensor | None = None
     differ_tokens: Tensor | None = None   # positions where any layer differs
     replayed: Tensor | None = None        # positions x layers that ran replayed experts
-    extra: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, routing: Routing, real: Tensor, rollout: Tensor | None, replayed: bool) -> None:
         """One forward's routing: `real` [N] bool, `rollout` [N, L, k] (-1: none) the rollout's experts."""
@@ -202,6 +201,26 @@ class RoutingStats:
                 self._sum("differ_tokens", differ.any(-1).sum())
                 if replayed:
                     self._sum("replayed", has.sum())
+
+    _SCALARS = ("entropy", "compared", "differ", "compared_tokens", "differ_tokens", "replayed")
+
+    def raw(self, layers: int, experts: int) -> dict[str, float]:
+        """The sums as floats under fixed keys (0 where nothing was seen), to sum over ranks."""
+        tokens = self.tokens.tolist() if self.tokens is not None else [[0.0] * experts for _ in range(layers)]
+        out = {f"tokens/{i}/{e}": float(v) for i, row in enumerate(tokens) for e, v in enumerate(row)}
+        out.update({name: 0.0 if getattr(self, name) is None else float(getattr(self, name)) for name in self._SCALARS})
+        out["positions"] = float(self.positions)
+        return out
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, float], layers: int, experts: int) -> RoutingStats:
+        stats = cls(tokens=torch.tensor([[raw[f"tokens/{i}/{e}"] for e in range(experts)] for i in range(layers)])
+                    if raw["positions"] else None, positions=int(raw["positions"]))
+        for name in cls._SCALARS:
+            setattr(stats, name, torch.tensor(raw[name]))
+        if not raw["positions"]:
+            stats.entropy = None
+        return stats
 
     def _sum(self, name: str, value: Tensor) -> None:
         old = getattr(self, name)
@@ -244,9 +263,14 @@ class TrainerMoe:
         self.rollout_replay, self.old_replay = rollout_replay, old_replay
         self.aux_coeff, self.balancing, self.z_coeff = aux_coeff, balancing, z_coeff
         self.stats = RoutingStats()
+        self.counting = True            # False: a data-parallel rank's padding micro-batch (no stats, no loss terms)
         self._losses: dict[str, Tensor] = {}
-        self._loss_sums: dict[str, float] = {}
+        self._loss_sums: dict[str, float] = {name: 0.0 for name in self._loss_names()}
         self._loss_count = 0
+
+    def _loss_names(self) -> list[str]:
+        return ([] if self.aux_coeff <= 0 or self.balancing == "none" else ["moe_aux_loss"]) + \
+            (["moe_z_loss"] if self.z_coeff else [])
 
     @classmethod
     def of(cls, model: nn.Module, train) -> TrainerMoe | None:
@@ -277,7 +301,8 @@ class TrainerMoe:
             self.routing.begin(flat(replay))
             out = forward(model, mb, entropy, entropy_grad)
             real = mb.attention_mask.reshape(-1).bool()
-            self.stats.add(self.routing, real, flat(mb.routed_experts), replayed=replay is not None)
+            if self.counting:
+                self.stats.add(self.routing, real, flat(mb.routed_experts), replayed=replay is not None)
             self._losses = {}
             if training:
                 rows = torch.arange(mb.tokens.shape[0], device=real.device).repeat_interleave(mb.tokens.shape[1])
@@ -291,9 +316,10 @@ class TrainerMoe:
         micro-batches is the step's); None when off."""
         if not self._losses:
             return None
-        for name, value in self._losses.items():
-            self._loss_sums[name] = self._loss_sums.get(name, 0.0) + float(value.detach())
-        self._loss_count += 1
+        if self.counting:
+            for name, value in self._losses.items():
+                self._loss_sums[name] += float(value.detach())
+            self._loss_count += 1
         return sum(self._losses.values()) / micro_batches
 
     def record_old(self, out: Tensor | None, rows: Tensor, mb, batch) -> Tensor | None:
@@ -301,15 +327,26 @@ class TrainerMoe:
         if not self.old_replay:
             return None
         if out is None:
-            out = torch.full((*batch.tokens.shape, len(self.routing.layers), self.routing.top_k), -1,
-                             dtype=torch.long, device=batch.tokens.device)
+            out = self.no_routing(batch)
         b, w = mb.tokens.shape
-        out[rows, :w] = self.routing.applied().view(b, w, len(self.routing.layers), self.routing.top_k)
+        if rows.numel():
+            out[rows, :w] = self.routing.applied().view(b, w, len(self.routing.layers), self.routing.top_k)
         return out
 
-    def metrics(self) -> dict[str, float]:
-        """The rollout's routing metrics (`moe/...`) and router losses (mean per micro-batch); then reset."""
-        out = self.stats.metrics()
-        out.update({f"moe/{name}": total / max(self._loss_count, 1) for name, total in self._loss_sums.items()})
-        self.stats, self._loss_sums, self._loss_count = RoutingStats(), {}, 0
+    def no_routing(self, batch) -> Tensor:
+        """[B, T, L, k] of -1 (no recorded routing) for `batch`."""
+        return torch.full((*batch.tokens.shape, len(self.routing.layers), self.routing.top_k), -1,
+                          dtype=torch.long, device=batch.tokens.device)
+
+    def metrics(self, reduce: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
+        """The rollout's routing metrics (`moe/...`) and router losses (mean per micro-batch); then reset.
+        `reduce` sums the raw counts over data-parallel ranks (every rank calls it, with the same keys)."""
+        raw = self.stats.raw(len(self.routing.layers), self.routing.num_experts)
+        raw.update({f"loss/{name}": total for name, total in self._loss_sums.items()}, loss_count=float(self._loss_count))
+        if reduce is not None:
+            raw = reduce(raw)
+        out = RoutingStats.from_raw(raw, len(self.routing.layers), self.routing.num_experts).metrics()
+        out.update({f"moe/{name}": raw[f"loss/{name}"] / max(raw["loss_count"], 1.0) for name in self._loss_names()})
+        self.stats, self._loss_count = RoutingStats(), 0
+        self._loss_sums = {name: 0.0 for name in self._loss_names()}
         return out

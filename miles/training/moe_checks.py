@@ -87,7 +87,3 @@ def _moe(cfg: RunConfig, problems: list[str]) -> None:
     if t.compile_layers is True:
         problems.append(f"--trainer-compile with --hf-checkpoint {ckpt} (Qwen3-MoE): compiled MoE layers are not built "
                         "yet (the routing hooks run eager); drop it")
-    if cfg.cluster.trainer_ranks > 1:
-        problems.append(f"--actor-num-nodes x --actor-num-gpus-per-node = {cfg.cluster.trainer_ranks} trainer ranks "
-                        f"with --hf-checkpoint {ckpt} (Qwen3-MoE): FSDP2 ranks are not built for MoE yet (the "
-                        "routing replay and the router losses run on one rank); train on one rank")

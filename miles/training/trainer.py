@@ -252,7 +252,7 @@ class Trainer(OptimizedModel):
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = self._step_averages(steps)
         if self._moe is not None:
-            metrics.update(self._moe.metrics())
+            metrics.update(self._moe.metrics(self._sum_over_ranks))
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
@@ -271,6 +271,10 @@ class Trainer(OptimizedModel):
         log.info("train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
         metrics[STEP_GRAD_NORMS] = [s["grad_norm"] for s in steps]
         return metrics
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Counts summed over the data-parallel ranks (one process: themselves)."""
+        return values
 
     def _refresh_reference(self) -> None:
         load_weights(self._ref, self._engine_weights())    # in place: the reference stays frozen

@@ -298,8 +298,6 @@ def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
     assert any("megatron-core MoE" in p and "use --train-backend torch" in p for p in problems)
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "fast"))
     assert any("--rollout-engine fast" in p and "qwen3_moe" in p and "--rollout-engine embedded" in p for p in problems)
-    problems = problems_of(argv(moe_path, data, "--actor-num-gpus-per-node", "2"))
-    assert any("FSDP2 ranks are not built for MoE yet" in p for p in problems)
     problems = problems_of(argv(moe_path, data, "--trainer-compile"))
     assert any(p.startswith("--trainer-compile with --hf-checkpoint") for p in problems)
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))
@@ -345,3 +343,45 @@ def test_the_fp32_router_in_a_bf16_trainer_routes_from_float32_logits(moe_path):
     want = torch.nn.functional.linear(seen["x"].reshape(-1, router.weight.shape[1]).float(), router.weight.float())
     assert torch.equal(logits, want)
     assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[0]))        # norm_topk_prob
+
+
+# --- two FSDP2 ranks (gloo, spawned processes) against the one-process trainer -------------------------
+FSDP_TRAIN = dict(lr=1e-2, micro_batch_size=1, global_batch_size=2, use_rollout_routing_replay=True,   # 2 steps: an old pass
+                  use_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+
+
+def _moe_rank_main(rank: int, world_size: int, port: int, model: str, out: str):
+    from miles.training.fsdp.rank import FSDPRank
+    from tests.unit.test_fsdp_ranks import end_rank_process
+
+    torch.set_num_threads(1)
+    samples = torch.load(Path(out) / "samples.pt", weights_only=False)
+    t = FSDPRank(model, rank=rank, world_size=world_size, train=TrainConfig(**FSDP_TRAIN),
+                 algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
+                 rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=2), device="cpu")
+    t.setup("127.0.0.1", port)
+    metrics = t.train(samples, 0)
+    torch.save((metrics, t.weights()), Path(out) / f"rank_{rank}.pt")
+    t.dispose()
+    end_rank_process()
+
+
+def test_two_fsdp_ranks_train_an_moe_model_as_one_process_does(moe_path, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.unit.test_fsdp_ranks import free_port
+
+    engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
+    samples = samples_of(PROMPTS, engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)))
+    torch.save(samples, tmp_path / "samples.pt")
+    one = trainer(moe_path, **FSDP_TRAIN)
+    want = one.train(samples, rollout_id=0)
+    mp.spawn(_moe_rank_main, args=(2, free_port(), moe_path, str(tmp_path)), nprocs=2)
+    (got, weights), (other, _) = (torch.load(tmp_path / f"rank_{r}.pt", weights_only=False) for r in range(2))
+    moe = lambda m: {k: v for k, v in m.items() if k.startswith("moe/") or k in ("loss", "grad_norm")}  # noqa: E731
+    assert moe(got) == moe(other) and len(moe(got)) > 10      # the ranks agree on the metrics
+    for key in ("loss", "grad_norm", "moe/moe_aux_loss", "moe/moe_z_loss", "moe/routing_replayed",
+                "moe/routing_mismatch", "moe/router_entropy", "moe/layer1/tokens_per_expert_max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    mine = one.weights()
+    assert max(float((weights[n] - mine[n]).abs().max()) for n in mine) < 1e-5
