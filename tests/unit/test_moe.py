@@ -1,7 +1,8 @@
 """Qwen3-MoE on the embedded engine and the torch trainer (CPU): the engine's parity with transformers and
 its routing record, rollout routing replay (R3) and the old pass's replay, the router losses against
-numbers derived by hand, the routing metrics, weight sync / checkpoint / HF export, and the start-up
-refusals of what is not built (miles/training/moe.py, miles/training/moe_checks.py, docs/moe.md)."""
+numbers derived by hand, the routing metrics, weight sync / checkpoint / HF export, two FSDP2 ranks
+against one process, and the start-up refusals of what is not built (miles/training/moe.py,
+miles/training/moe_checks.py, docs/moe.md)."""
 
 import math
 from pathlib import Path
