@@ -48,6 +48,9 @@ class Generation:
     logprobs: list[float]           # log p(response_ids[i]) under the sampling distribution's model, len == len(response_ids)
     finish_reason: str              # "stop" (EOS / stop token), "length", or "abort" (the engine was told to stop)
     weight_version: int             # version of the weights that produced it
+    # a mixture-of-experts model's routing: per response token, per MoE layer, the top-k experts of the position
+    # whose logits sampled it (miles.training.moe); None for a dense model
+    routed_experts: list[list[list[int]]] | None = None
 
 
 # completed: the trajectory ended on its own (EOS, no further tool call); truncated: it ran out of
@@ -87,6 +90,10 @@ class Sample:
     remove_sample: bool = False
     # --use-opd --opd-type sglang: the teacher servers' logprob of each response token (None: not scored)
     teacher_logprobs: list[float] | None = None
+    # a mixture-of-experts model's rollout routing (miles' name): per response token [MoE layers][top-k] expert
+    # ids the engine used for the position that sampled it; [] on tokens the model did not sample (tool turns:
+    # the trainer routes them itself). None: a dense model, or an engine that does not record it
+    rollout_routed_experts: list[list[list[int]]] | None = None
 
     @property
     def response_length(self) -> int:
@@ -113,12 +120,19 @@ class Sample:
         """Response tokens the model sampled (the trained ones of a trainable sample)."""
         return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
-    def append(self, ids: list[int], logprobs: list[float] | None = None, *, trained: bool) -> None:
+    def append(self, ids: list[int], logprobs: list[float] | None = None, *, trained: bool,
+               routed_experts: list[list[list[int]]] | None = None) -> None:
         """Append a span to the response: the model's tokens with the engine's logprobs
-        (`trained=True`), or tool / environment tokens (`trained=False`, logprobs 0.0)."""
+        (`trained=True`, and the engine's routing of an MoE model: `Generation.routed_experts`), or tool /
+        environment tokens (`trained=False`, logprobs 0.0, no routing)."""
         if trained and (logprobs is None or len(logprobs) != len(ids)):
             raise ValueError(f"the model's {len(ids)} tokens need as many logprobs, got "
                              f"{None if logprobs is None else len(logprobs)}")
+        if routed_experts is not None and self.rollout_routed_experts is None and not self.response_ids:
+            self.rollout_routed_experts = []
+        if self.rollout_routed_experts is not None:
+            self.rollout_routed_experts.extend(routed_experts if trained and routed_experts is not None
+                                               else [[] for _ in ids])
         if self.loss_mask is None:
             self.loss_mask = [1] * len(self.response_ids)
         self.response_ids.extend(ids)

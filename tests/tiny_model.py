@@ -74,8 +74,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "hi
 
 
 def tiny_config(family: str, *, tied: bool = True, **overrides):
-    """The HF config of a tiny `family` model ("qwen2", "qwen3", "llama3") over this vocabulary."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """The HF config of a tiny `family` model ("qwen2", "qwen3", "llama3", "qwen3_moe") over this vocabulary."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=tied,
@@ -88,7 +88,12 @@ def tiny_config(family: str, *, tied: bool = True, **overrides):
     if family == "llama3":
         return LlamaConfig(**{**common, "head_dim": 8, "rope_theta": 500.0, "rope_scaling": dict(LLAMA3_ROPE),
                               **overrides})
-    raise ValueError(f"unknown tiny family {family!r}: use qwen2, qwen3 or llama3")
+    if family == "qwen3_moe":      # layer 0 dense (mlp_only_layers), 1-2 four experts each, top-2 renormalised
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3, "head_dim": 16, "rope_theta": 10000.0,
+                                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+                                 **overrides})
+    raise ValueError(f"unknown tiny family {family!r}: use qwen2, qwen3, llama3 or qwen3_moe")
 
 
 def make_tiny_family(path: str | Path, family: str, *, tied: bool = True, seed: int = 0, scale: float = 0.3,

@@ -1,11 +1,14 @@
 """Builds the arithmetic example's tiny base models: a 4-layer Llama warm-started on a sloppy teacher,
-and its Qwen3 and Llama 3 siblings.
+and its Qwen3, Llama 3 and Qwen3-MoE siblings.
 
 The model is a ~1M-parameter causal LM over the character tokenizer of `make_tokenizer.py`, of one
 family (`--family`): `llama` (`base_model/`: tied embeddings, plain RoPE), `qwen3`
 (`base_model_qwen3/`: `Qwen3ForCausalLM`, per-head q/k RMSNorm, head_dim 64 != hidden 128 / 4 heads,
 2 KV heads, tied) or `llama3` (`base_model_llama3/`: `LlamaForCausalLM` with Llama 3's `llama3` RoPE
-scaling over an original context of 16 positions, 2 KV heads, untied embeddings). Supervised fine-tuning on `data/sft.jsonl` (loss on response tokens only)
+scaling over an original context of 16 positions, 2 KV heads, untied embeddings) or `qwen3_moe`
+(`base_model_qwen3_moe/`: `Qwen3MoeForCausalLM`, Qwen3's attention, layer 0 a dense MLP
+(`mlp_only_layers`), layers 1-3 four experts of `moe_intermediate_size` 128 each, top-2 with
+`norm_topk_prob`; docs/moe.md). Supervised fine-tuning on `data/sft.jsonl` (loss on response tokens only)
 teaches it addition the way the teacher does it, dropping most carries, so its greedy accuracy is
 low but not zero and the right answer stays among its samples: the start GRPO needs.
 
@@ -19,7 +22,7 @@ runs the same SFT on a GPU in float32 with deterministic kernels where torch has
 instead of half an hour on a busy CPU; not the bytes the CPU makes). The committed models were all
 made on the CPU.
 
-    python examples/arithmetic/make_base_model.py [--family llama|qwen3|llama3] [--out DIR] [--steps N] [--seed S]
+    python examples/arithmetic/make_base_model.py [--family llama|qwen3|llama3|qwen3_moe] [--out DIR] [--steps N] [--seed S]
         [--device cpu|cuda]
 """
 
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.trainer import Trainer
@@ -59,10 +62,15 @@ class ModelSpec:
     family: str = "llama"
 
 
-FAMILIES = ("llama", "qwen3", "llama3")
-OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3"}
+FAMILIES = ("llama", "qwen3", "llama3", "qwen3_moe")
+OUT_DIRS = {"llama": "base_model", "qwen3": "base_model_qwen3", "llama3": "base_model_llama3",
+            "qwen3_moe": "base_model_qwen3_moe"}
 # SFT steps each committed model was made with
-DEFAULT_STEPS = {"llama": 2500, "qwen3": 2500, "llama3": 1200}
+DEFAULT_STEPS = {"llama": 2500, "qwen3": 2500, "llama3": 1200, "qwen3_moe": 2000}
+# the Qwen3-MoE sibling's experts: few and small, so that its SFT stays a few minutes per 100 steps on
+# a shared 2-core CPU (transformers' expert loop runs one matmul pair per expert hit)
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
+       "decoder_sparse_step": 1, "mlp_only_layers": [0]}
 # Llama 3's RoPE scaling (Llama 3.1's factors) over a short original context, so that the scaled
 # low frequencies matter within the example's 64 positions
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -96,6 +104,9 @@ def model_config(spec: ModelSpec, tokenizer):
     if spec.family == "llama3":
         return LlamaConfig(**{**common, "num_key_value_heads": spec.num_heads // 2, "tie_word_embeddings": False,
                               "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)})
+    if spec.family == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "num_key_value_heads": spec.num_heads // 2,
+                                 "head_dim": 2 * spec.hidden_size // spec.num_heads, **MOE})
     raise ValueError(f"--family {spec.family!r}: use one of {', '.join(FAMILIES)}")
 
 
@@ -163,7 +174,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="default: base_model/ (llama), "
-                        "base_model_qwen3/, base_model_llama3/ here")
+                        "base_model_qwen3/, base_model_llama3/, base_model_qwen3_moe/ here")
     parser.add_argument("--steps", type=int, default=None, help=f"default: {DEFAULT_STEPS}")
     parser.add_argument("--seed", type=int, default=SftSpec.seed)
     args = parser.parse_args(argv)

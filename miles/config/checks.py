@@ -25,6 +25,7 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.rollout.engines.registry",   # the engines' specs: tensor parallelism, each engine's own checks
     "miles.rollout.rewards",        # reward types
     "miles.checkpoint.megatron_format",  # --load / --ref-load naming Megatron checkpoints
+    "miles.training.moe_checks",    # mixture-of-experts checkpoints and flags
     "miles.training.protocol",      # the trainers' specs: names, critic, model parallelism, each backend's checks
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
     "miles.phases.faults",          # --inject-fault

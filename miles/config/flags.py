@@ -660,6 +660,22 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("lora-adapter-path", "train", "lora_adapter_path", str,
        "start the LoRA adapters from this PEFT adapter folder (adapter_model.safetensors, adapter_config.json; "
        "its r and lora_alpha must equal --lora-rank and --lora-alpha) instead of B = 0"),
+    # mixture-of-experts: a Qwen3-MoE --hf-checkpoint on the torch trainer (docs/moe.md)
+    _f("use-rollout-routing-replay", "train", "use_rollout_routing_replay", kind="true",
+       help="R3: the trainer's MoE layers route each response token to the experts the rollout engine used "
+            "(the gate weights stay the trainer's router softmax at those experts, so the router trains)"),
+    _f("use-routing-replay", "train", "use_routing_replay", kind="true",
+       help="the train steps' MoE layers route as the old-logprob pass did (with R3: the rollout's experts where "
+            "it has them)"),
+    _f("moe-aux-loss-coeff", "train", "moe_aux_loss_coeff", float,
+       "coefficient of Megatron's load-balancing loss, summed over the MoE layers (0: off)"),
+    _f("moe-router-load-balancing-type", "train", "moe_router_load_balancing_type", str,
+       "aux_loss: over a micro-batch's tokens; seq_aux_loss: per sequence, averaged; none: no load-balancing loss",
+       ("aux_loss", "seq_aux_loss", "none")),
+    _f("moe-z-loss-coeff", "train", "moe_z_loss_coeff", float,
+       "coefficient of the router z-loss (mean logsumexp(router logits)^2), summed over the MoE layers"),
+    _f("moe-router-dtype", "train", "moe_router_dtype", str, "the routers' logits and gate weights in float32",
+       ("fp32",)),
 )
 FLAGS += MILES_COMPAT_FLAGS
 # reliability: kept in a block of their own

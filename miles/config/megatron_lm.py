@@ -45,6 +45,7 @@ IMPLEMENTED = parse("""
     lr= min-lr= lr-decay-style= lr-decay-iters= lr-warmup-iters= lr-warmup-fraction= lr-warmup-init=
     lr-wsd-decay-style= lr-wsd-decay-iters= weight-decay= clip-grad= adam-beta1= adam-beta2= adam-eps= seed=
     micro-batch-size= global-batch-size= recompute-activations
+    moe-router-load-balancing-type* moe-router-dtype= moe-aux-loss-coeff* moe-z-loss-coeff=
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
@@ -160,18 +161,21 @@ ALIASES: dict[str, tuple[str, str]] = {
 _DENSE = "this build trains dense models with full attention in bf16, fp16 or fp32 (docs/coming-from-miles.md): "
 _DECODER = "this build trains decoder-only causal LMs from --hf-checkpoint"
 FAMILIES: dict[str, Group] = {
-    "MoE": Group(f"mixture-of-experts layers; {_DENSE}train a dense model", parse("""
+    "MoE": Group("Megatron-LM's mixture-of-experts layers (expert parallelism, its router variants); this build "
+                 "trains Qwen3-MoE from --hf-checkpoint on the torch trainer (docs/moe.md: R3, --moe-aux-loss-coeff, "
+                 "--moe-z-loss-coeff, --moe-router-dtype fp32); drop the flag", parse("""
         num-experts= moe-layer-freq= moe-ffn-hidden-size= moe-shared-expert-intermediate-size= moe-shared-expert-overlap
         moe-grouped-gemm moe-use-legacy-grouped-gemm moe-layer-recompute moe-extended-tp moe-use-upcycling
-        moe-router-load-balancing-type* moe-router-dtype= moe-router-fusion moe-router-score-function= moe-router-topk=
+        moe-router-fusion moe-router-score-function= moe-router-topk=
         moe-router-pre-softmax moe-router-num-groups= moe-router-group-topk= moe-router-topk-scaling-factor=
         moe-router-enable-expert-bias moe-router-bias-update-rate= moe-router-force-load-balancing
-        moe-router-padding-for-fp8 moe-aux-loss-coeff* moe-z-loss-coeff= moe-input-jitter-eps= moe-per-layer-logging
+        moe-router-padding-for-fp8 moe-input-jitter-eps= moe-per-layer-logging
         moe-token-dispatcher-type= moe-enable-deepep moe-deepep-num-sms= moe-permute-fusion moe-expert-capacity-factor=
         moe-pad-expert-input-to-capacity moe-token-drop-policy= moe-apply-probs-on-input moe-upcycling-granularity=
         moe-pad-experts-for-cuda-graph-inference overlap-moe-expert-parallel-comm delay-wgrad-compute
         freeze-e-score-correction-bias
-    """), ("moe-",)),    # freeze-e-score-correction-bias: miles' Megatron-LM fork's (DeepSeek-V4's router bias)
+    """)),       # no "moe-" prefix: --moe-aux-loss-coeff & co. are implemented (docs/moe.md);
+    # freeze-e-score-correction-bias: miles' Megatron-LM fork's (DeepSeek-V4's router bias)
     "MLA": Group(f"multi-latent attention (DeepSeek); {_DENSE}train a model with standard attention", parse("""
         multi-latent-attention q-lora-rank= kv-lora-rank= qk-head-dim= qk-pos-emb-head-dim= v-head-dim= mscale=
         mscale-all-dim= cache-mla-latents

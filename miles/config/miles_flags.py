@@ -105,15 +105,14 @@ REFUSED: dict[str, str] = {
                       "each rollout's steps (or taken from the engine with --use-rollout-logprobs): drop it",
     "true-on-policy-mode": f"bitwise-equal rollout and training numerics; {NOT_YET}",
     "recompute-logprobs-via-prefill": f"recomputes rollout logprobs with a prefill pass; {NOT_YET}",
-    "use-rollout-routing-replay": f"replays MoE routing from the rollout (R3); {NOT_YET}",
     "use-rollout-indexer-replay": "replays the rollout's sparse-attention indexer top-k in training (DeepSeek-V3.2/V4); "
                                   "this build trains dense models with full attention: drop it",
     "allgather-cp": "all-gather context parallelism for sparse-attention models (DeepSeek-V3.2, GLM-5); here dense "
                     "models' is --context-parallel-size (--train-backend megatron): drop it",
     "data-pad-size-multiplier": "pads each packed (thd) batch's length to a multiple of N for miles' Megatron actors; "
                                 "here batches are right-padded to their longest row: drop it",
-    "experts-shared-outer-loras": "a LoRA layout of MoE experts (adapters shared across experts); this build "
-                                  "trains dense models (LoRA: --lora-rank): drop it",
+    "experts-shared-outer-loras": "a LoRA layout of MoE experts (adapters shared across experts); not built "
+                                  "here (LoRA: --lora-rank): drop it",
     "balance-by-flops": f"balances FLOPs across data-parallel ranks; {_FSDP_RANKS}: drop it",
     "qkv-format": "Megatron's packed (thd) or padded (bshd) layout; here batches are right-padded: drop it",
     "enable-mtp-training": f"trains the multi-token-prediction head; {NOT_YET}",

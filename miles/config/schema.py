@@ -342,6 +342,13 @@ class TrainConfig:
     target_modules: str | None = None   # --target-modules: comma list of module suffixes / attn / mlp (None: all-linear)
     exclude_modules: str | None = None  # --exclude-modules: comma list of module suffixes taken out of the targets
     lora_adapter_path: str | None = None  # --lora-adapter-path: a PEFT adapter folder to start from
+    # mixture-of-experts (a Qwen3-MoE --hf-checkpoint on the torch trainer: miles/training/moe.py, docs/moe.md)
+    use_rollout_routing_replay: bool = False  # --use-rollout-routing-replay (R3): the rollout's experts for its tokens
+    use_routing_replay: bool = False    # --use-routing-replay: the old-logprob pass's experts in the train steps
+    moe_aux_loss_coeff: float = 0.0     # --moe-aux-loss-coeff: the load-balancing loss's coefficient (0: off)
+    moe_router_load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type aux_loss | seq_aux_loss | none
+    moe_z_loss_coeff: float | None = None  # --moe-z-loss-coeff: the router z-loss's coefficient (None: off)
+    moe_router_dtype: str | None = None  # --moe-router-dtype fp32: the router's logits in float32 (None: the model's)
 
     @property
     def shadows(self) -> bool:

@@ -518,6 +518,7 @@ class RolloutExecutor:
         generations = await self._generate_on_engines([list(s.prompt.prompt_ids) for s in samples], params)
         for s, g in zip(samples, generations):
             s.response_ids, s.rollout_logprobs, s.finish_reason = g.response_ids, g.logprobs, g.finish_reason
+            s.rollout_routed_experts = g.routed_experts
             s.weight_version = g.weight_version
             s.status = "truncated" if g.finish_reason == "length" else "completed"
             s.response_text = _before_stop(self._tokenizer.decode(g.response_ids, skip_special_tokens=True),
@@ -594,6 +595,11 @@ def _extend(s: Sample, g: Generation) -> None:
     earlier part; `metadata["weight_versions"]` gets one version per call, `weight_version` the oldest)."""
     s.response_ids.extend(g.response_ids)
     s.rollout_logprobs.extend(g.logprobs)
+    if g.routed_experts is not None or s.rollout_routed_experts is not None:     # an MoE model's routing
+        before = s.rollout_routed_experts
+        if before is None:
+            before = [[] for _ in range(len(s.response_ids) - len(g.response_ids))]
+        s.rollout_routed_experts = [*before, *(g.routed_experts or [[] for _ in g.response_ids])]
     if s.loss_mask is not None:
         s.loss_mask.extend([1] * len(g.response_ids))
     versions = [*s.metadata.get("weight_versions", []), g.weight_version]

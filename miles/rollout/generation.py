@@ -252,6 +252,9 @@ def _inconsistency(s: Sample) -> str | None:
     if lp != n or (mask is not None and len(mask) != n):
         return (f"the generate function returned {n} response ids, {lp} rollout logprobs and a loss mask of "
                 f"{n if mask is None else len(mask)}; they must be equally long (use Sample.append)")
+    if s.rollout_routed_experts is not None and len(s.rollout_routed_experts) != n:
+        return (f"the generate function returned {n} response ids and the routing of {len(s.rollout_routed_experts)}; "
+                "they must be equally long (use Sample.append with the Generation's routed_experts)")
     return None
 
 
@@ -262,6 +265,8 @@ def settle(sample: Sample, status: str, error: str, decode: Callable[[list[int]]
     del sample.response_ids[n:], sample.rollout_logprobs[n:]
     if sample.loss_mask is not None:
         del sample.loss_mask[n:]
+    if sample.rollout_routed_experts is not None:
+        del sample.rollout_routed_experts[n:]
     sample.status, sample.error = status, error  # type: ignore[assignment]
     sample.response_text = sample.response_text or decode(sample.response_ids)
     return sample

@@ -34,7 +34,7 @@ async def generate(ctx: GenerateContext, sample: Sample, params: SamplingParams)
         if left < 1:
             break
         g = await ctx.generate(prompt + sample.response_ids, replace(params, max_new_tokens=left))
-        sample.append(g.response_ids, g.logprobs, trained=True)
+        sample.append(g.response_ids, g.logprobs, trained=True, routed_experts=g.routed_experts)
         sample.finish_reason = g.finish_reason
         sample.metadata["turns"] += 1
         if g.finish_reason == "abort":

@@ -144,7 +144,9 @@ def continuation(sample: Sample, *, mask_old: bool) -> Sample:
     loss mask 0."""
     mask = [0] * sample.response_length if mask_old else (None if sample.loss_mask is None else list(sample.loss_mask))
     return replace(sample, response_ids=list(sample.response_ids), rollout_logprobs=list(sample.rollout_logprobs),
-                   loss_mask=mask, metadata=dict(sample.metadata), reward=0.0, advantage=0.0, error=None)
+                   loss_mask=mask, metadata=dict(sample.metadata), reward=0.0, advantage=0.0, error=None,
+                   rollout_routed_experts=None if sample.rollout_routed_experts is None
+                   else list(sample.rollout_routed_experts))
 
 
 def unfinished(sample: Sample) -> bool:

@@ -52,6 +52,11 @@ class TrainBatch:
     values: Tensor | None = None        # [B, T] float32, the critic's values before its step (PPO)
     returns: Tensor | None = None       # [B, T] float32, the critic's GAE targets (PPO)
     teacher_logprobs: Tensor | None = None  # [B, T] float32, the OPD teacher's (--use-opd), 0 off the mask
+    # a mixture-of-experts model's routing (miles.training.moe), [B, T, L, k] int64 over its L MoE layers, -1 where
+    # none: the rollout's experts at the position that produced each response token (column t - 1 for the token
+    # at t, the position whose logits score it), and the old-logprob pass's experts (--use-routing-replay)
+    routed_experts: Tensor | None = None
+    old_routed_experts: Tensor | None = None
     # a micro-batch's layout, known on the host (`HostLayout`); None on a global batch, and dropped by
     # every change of rows, columns or device
     layout: HostLayout | None = None
@@ -139,11 +144,37 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
                                           np.float32, response_len.sum())
         teacher_logprobs[~loss_mask] = 0.0
         teacher_logprobs = torch.from_numpy(teacher_logprobs)
+    routed_experts = _routed_experts(samples, prompt_len, width)
     return TrainBatch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(loss_mask),
                       advantages=torch.from_numpy(advantages), token_rewards=torch.from_numpy(token_rewards),
                       rollout_logprobs=torch.from_numpy(rollout_logprobs),
                       attention_mask=torch.from_numpy(real.astype(np.int64)),
-                      weight_version=min(s.weight_version for s in samples), teacher_logprobs=teacher_logprobs)
+                      weight_version=min(s.weight_version for s in samples), teacher_logprobs=teacher_logprobs,
+                      routed_experts=routed_experts)
+
+
+def _routed_experts(samples: list[Sample], prompt_len: np.ndarray, width: int) -> Tensor | None:
+    """[B, T, L, k] the samples' rollout routing (`Sample.rollout_routed_experts`) at the positions that
+    produced their response tokens, -1 elsewhere; None when no sample carries any."""
+    shape = next((np.shape(r) for s in samples for r in (s.rollout_routed_experts or ()) if r), None)
+    if shape is None:
+        return None
+    out = np.full((len(samples), width, *shape), -1, np.int64)
+    for i, s in enumerate(samples):
+        routed = s.rollout_routed_experts
+        if routed is None:
+            continue
+        if len(routed) != len(s.response_ids):
+            raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
+                             f"but the routing of {len(routed)}; they must pair one to one")
+        rows = [t for t, r in enumerate(routed) if r]
+        if rows:
+            values = np.asarray([routed[t] for t in rows], np.int64)
+            if values.shape[1:] != shape:
+                raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has routing of shape "
+                                 f"{values.shape[1:]} per token; others have {shape} (MoE layers, top-k)")
+            out[i, int(prompt_len[i]) - 1 + np.asarray(rows)] = values
+    return torch.from_numpy(out)
 
 
 def split(batch: TrainBatch, size: int) -> list[TrainBatch]:

@@ -72,6 +72,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training import lora
 from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.training.moe import TrainerMoe
 from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
 from miles.training.protocol import STEP_GRAD_NORMS
@@ -161,6 +162,10 @@ class Trainer(OptimizedModel):
                                                    hidden=on_cuda if hidden_forward is None else hidden_forward,
                                                    chunk_rows=train.log_probs_chunk_size, packed=self._packed)
         self._logits_path = not forward_name.startswith("hidden")
+        # a mixture-of-experts model: routing replay, router losses and metrics (miles.training.moe)
+        self._moe = TrainerMoe.of(self._model, train)
+        if self._moe is not None:
+            self._forward = self._moe.wrap(self._forward)
         # with --lora-dropout the step's own logprobs carry its dropout: the old ones need their own pass
         self._may_skip_old_pass = ((True if skip_old_logprobs is None else skip_old_logprobs)
                                    and self._objective.may_skip_old_pass
@@ -168,7 +173,9 @@ class Trainer(OptimizedModel):
         threads = cpu_threads(self.device, share=self.world_size)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
-        compiled = compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False else 0
+        # an MoE model's layers stay eager: the routing hooks keep Python state per forward (miles.training.moe)
+        compiled = (compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False
+                    and self._moe is None else 0)
         self._compiled_layers = compiled > 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
@@ -244,6 +251,8 @@ class Trainer(OptimizedModel):
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
         metrics = self._step_averages(steps)
+        if self._moe is not None:
+            metrics.update(self._moe.metrics(self._sum_over_ranks))
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
@@ -262,6 +271,10 @@ class Trainer(OptimizedModel):
         log.info("train_done", rollout_id=rollout_id, **{k: round(v, 6) for k, v in metrics.items()})
         metrics[STEP_GRAD_NORMS] = [s["grad_norm"] for s in steps]
         return metrics
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Counts summed over the data-parallel ranks (one process: themselves)."""
+        return values
 
     def _refresh_reference(self) -> None:
         load_weights(self._ref, self._engine_weights())    # in place: the reference stays frozen
@@ -293,6 +306,8 @@ class Trainer(OptimizedModel):
             return batch, None, {}
         skip = may_skip and self._skips_old_pass(batch)
         train_lp = None if skip else self._logprobs(self._model, batch)   # skipped: the step's own, detached
+        if not skip and self._moe is not None:     # --use-routing-replay: the steps route as this pass did
+            batch.old_routed_experts = self._old_routing
         ref_lp = None if self._ref is None else self._ref_logprobs(batch)
         if self._teacher is not None:      # --opd-type megatron: the teacher scores the sampled tokens here
             batch.teacher_logprobs = self._logprobs(self._teacher, batch)
@@ -348,6 +363,8 @@ class Trainer(OptimizedModel):
         with self._shadowed(self._model, grads=True):
             for rows, mb in pairs:
                 loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
+                if self._moe is not None and (router := self._moe.router_loss(len(pairs))) is not None:
+                    loss = loss + router
                 self._backward(loss)
                 if record is not None:
                     record[rows, :logprobs.shape[1]] = logprobs.detach()
@@ -371,9 +388,12 @@ class Trainer(OptimizedModel):
         """[B, T] float32 logprobs of `batch.tokens` under `model`, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         pairs = self._micro_batches(batch, forward_only=True)    # planned before the shadows take their memory
+        self._old_routing = None
         with self._shadowed(model, grads=False):
             for rows, mb in pairs:
                 out[rows, :mb.tokens.shape[1]] = self._forward(model, mb, False, False)[0]
+                if self._moe is not None and model is self._model:
+                    self._old_routing = self._moe.record_old(self._old_routing, rows, mb, batch)
         return out
 
     # --- weights and state ---------------------------------------------------------------------

@@ -13,6 +13,9 @@ tests/unit/test_model_families.py, and two FSDP ranks run end to end in
 test_custom_config_env_eval_e2e.py. The Qwen3 torch run uses 2 ranks (FSDP2 over gloo,
 --actor-num-gpus-per-node 2 on the CPU): its weights reach the engine gathered bucket by bucket and
 its export is made from them; the other three run on one rank.
+
+Qwen3-MoE (base_model_qwen3_moe) runs the recipe with rollout routing replay (R3) and the router losses,
+on one process and on 2 FSDP2 ranks (extended too; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -77,3 +80,33 @@ def test_family_learns_arithmetic_and_its_export_is_the_engine_s_model(ray_clust
     # the same greedy tokens as the engine's last eval, up to a float near-tie flipping one or two of
     # the 500 answers (the engine batches its prompts differently)
     assert abs(accuracy - after) <= 2 / 500, (accuracy, after)
+
+
+@pytest.mark.extended   # whole runs (CI budget): bash scripts/test.sh -m extended; the parts are tests/unit/test_moe.py
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_qwen3_moe_learns_arithmetic_with_rollout_routing_replay(ray_cluster, tmp_path, ranks):
+    """Qwen3-MoE (examples/arithmetic/base_model_qwen3_moe) on the embedded engine and the torch trainer (one
+    process, or 2 FSDP2 ranks over gloo), R3 on, with the load-balancing and z losses: the recipe's bar,
+    every response token replayed, and the HF export is the engine's model."""
+    cfg, _ = parse_flags(["--config", str(EXAMPLE / "grpo.yaml"), "--hf-checkpoint", str(EXAMPLE / "base_model_qwen3_moe"),
+                          "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ck"), "--save-interval", "40",
+                          "--trace-console", "off", "--check-weight-update-equal", "--use-rollout-routing-replay",
+                          "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4",
+                          "--actor-num-gpus-per-node", str(ranks)])
+    result = asyncio.run(with_disposer(train, cfg))
+    trace, after = assert_learns_arithmetic(result)
+    trains = [r for r in result.metrics if "moe/routing_replayed" in r]
+    assert len(trains) == 40
+    assert all(r["moe/routing_replayed"] == 1.0 and r["moe/moe_aux_loss"] > 0 and r["moe/moe_z_loss"] > 0 for r in trains)
+    picked, = trace.of("engine_picked")
+    assert picked.get("family") == "qwen3_moe"
+    last_sync = trace.of("weights_synced")[-1]
+
+    from transformers import AutoModelForCausalLM
+
+    from miles.weights.checksum import state_dict_checksum
+    from miles.weights.hf import model_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "iter_0000039" / "hf")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert state_dict_checksum(model_weights(model)) == last_sync.get("checksum")

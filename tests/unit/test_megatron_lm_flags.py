@@ -68,11 +68,16 @@ def test_each_family_of_the_table_is_one_fate():
     assert sorted(taken & IMPLEMENTED) == []
 
 
+ONE_VALUE = {"moe-router-load-balancing-type": "seq_aux_loss", "moe-aux-loss-coeff": "-3", "moe-router-dtype": "fp32"}
+
+
 def forms(name: str, kind: str) -> list[list[str]]:
     if kind == "switch":
         return [[f"--{name}"]]
     if kind == "optional":
         return [[f"--{name}"], [f"--no-{name}"]]
+    if name in ONE_VALUE:     # implemented with one value here (Megatron-LM: a list of one per type; fp32 or fp64)
+        return [[f"--{name}", ONE_VALUE[name]]]
     if kind == "list":
         return [[f"--{name}", "a", "-2"]]
     value = {"lr-decay-style": "cosine", "lr-wsd-decay-style": "linear", "weight-decay-incr-style": "linear"}.get(name, "-3")   # a choice, or a negative

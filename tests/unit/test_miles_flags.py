@@ -69,9 +69,9 @@ def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
     assert "offload the trainer to cpu or disk; not supported yet: --offload-train moves it to host memory" in refused[0]
     # a refused Megatron family is one line for all of its flags
     assert [p for p in problems if p.startswith("--num-experts, --moe-router-topk are miles flags this build does "
-                                                "not take: MoE: mixture-of-experts layers")]
+                                                "not take: MoE: Megatron-LM's mixture-of-experts layers")]
     # a Megatron flag with one possible value here names it
-    assert any(p.startswith("--expert-model-parallel-size 2: expert parallelism; dense models only here; here only 1")
+    assert any(p.startswith("--expert-model-parallel-size 2: expert parallelism; not built here")
                for p in problems)
     assert any(p.startswith("--lr -1") for p in problems)       # reported together with the other problems
 

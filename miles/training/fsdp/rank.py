@@ -153,26 +153,49 @@ class FSDPRank(DataParallelRank, Trainer):
             last = i == len(pairs) - 1
             self._root.set_requires_gradient_sync(last or self.sync_every_micro_batch)
             self._root.set_reshard_after_backward(last or (self.sync_every_micro_batch and self.world_size > 1))
-            loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
             real = rows.numel() > 0
+            if self._moe is not None:        # an MoE model: a padding micro-batch adds no routing stats
+                self._moe.counting = real
+            loss, terms, logprobs = self._micro_loss(mb, normalizer, num_tokens)
+            if self._moe is not None and (router := self._moe.router_loss(len(pairs) * self.world_size)) is not None:
+                loss = loss + router         # the mean over every rank's micro-batches, as the gradients sum
             self._backward(loss if real else loss * 0.0)
             if record is not None and real:
                 record[rows, :logprobs.shape[1]] = logprobs.detach()
             sums.add(terms, 1.0 if real else 0.0)
         if record is not None:
             all_reduce_sum(record)
+        if self._moe is not None:
+            self._moe.counting = True
         return sum_over_ranks(sums.floats(), self.device)
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> Tensor:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        # --use-routing-replay (an MoE model): the policy's routing of this pass, from every rank's rows
+        routing = self._moe.no_routing(batch) if self._moe is not None and self._moe.old_replay and \
+            model is self._model else None
         for rows, mb in self._micro_batches(batch):
+            if self._moe is not None:
+                self._moe.counting = bool(rows.numel())
             logprobs = self._forward(model, mb, False, False)[0]
             if rows.numel():
                 out[rows, :mb.tokens.shape[1]] = logprobs
+            if routing is not None:
+                routing = self._moe.record_old(routing, rows, mb, batch)
+        if self._moe is not None:
+            self._moe.counting = True
         reshard_all(self._roots[id(model)])
         all_reduce_sum(out)
+        if routing is not None:         # each row is one rank's: -1 elsewhere, so the sum of (experts + 1) is its own
+            routing += 1
+            all_reduce_sum(routing)
+            routing -= 1
+        self._old_routing = routing
         return out
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        return sum_over_ranks(values, self.device)
 
     # --- weights -----------------------------------------------------------------------------------
     def weight_buckets(self, bucket_bytes: int) -> list[list[str]]:

@@ -19,6 +19,10 @@ Health and abort (`miles.rollout.engines.guard`): the actor runs on two threads;
 model call at a time, every decode step stamps a heartbeat, `health()` reads it without the lock
 (or, idle, runs a one-token generate), and `abort()` makes the running calls stop at their next step.
 
+A mixture-of-experts model (Qwen3-MoE: miles.training.moe, docs/moe.md): each sampled token's experts, per
+MoE layer, are recorded from the forward whose logits sampled it (`Generation.routed_experts`), for the
+trainer's routing replay (R3).
+
 A plain class; the composition root makes it a Ray actor.
 """
 
@@ -37,6 +41,7 @@ from torch import Tensor
 from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
+from miles.training.moe import Routing, engine_routed, router_modules
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
@@ -71,6 +76,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         # transformers 5 renamed the cache argument; pick the name once
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # a mixture-of-experts model: each sampled token's experts, per MoE layer (Generation.routed_experts)
+        self._routing = Routing(self._model) if router_modules(self._model) else None
         self._init_guard()
         self._weights_on_host = False        # release_memory moved them off the GPU
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
@@ -170,18 +177,21 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self._forward(model, ids, attn, pos, cache)
+        routed = self._routed(ids.shape)
         next_pos = pos[:, -1] + 1
         rows = list(range(len(prompts)))     # original index of each row still in the batch
-        gens = [Generation([], [], "length", self._version) for _ in prompts]
+        gens = [Generation([], [], "length", self._version, None if routed is None else []) for _ in prompts]
         for step in range(max(budgets)):
             if step < min_new_tokens:   # every row has `step` tokens: none may stop yet (SGLang's min_new_tokens)
                 logits[:, stop_ids] = float("-inf")
             tokens, logprobs = sampler(logits, gen)
             stopped = torch.isin(tokens, stop_ids)
             done = []
-            for row, t, lp, s in zip(rows, tokens.tolist(), logprobs.tolist(), stopped.tolist()):
+            for i, (row, t, lp, s) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), stopped.tolist())):
                 gens[row].response_ids.append(t)
                 gens[row].logprobs.append(lp)
+                if routed is not None:
+                    gens[row].routed_experts.append(routed[i])
                 s = s or (stops is not None and stops.hit(gens[row].response_ids))
                 if s:
                     gens[row].finish_reason = "stop"
@@ -202,6 +212,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
                 rows = [r for r, k in zip(rows, keep.tolist()) if k]
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
             logits = self._forward(model, tokens[:, None], attn, next_pos[:, None], cache)
+            routed = self._routed((tokens.shape[0], 1))
             next_pos = next_pos + 1
         return gens
 
@@ -210,6 +221,13 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                     logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
+
+    def _routed(self, shape: tuple[int, int]) -> list[list[list[int]]] | None:
+        """Per row of the last [rows, width] forward, the experts of its last position (the one whose logits
+        sample its next token), per MoE layer; None for a dense model."""
+        if self._routing is None:
+            return None
+        return engine_routed(self._routing, shape[0], shape[1]).tolist()
 
     def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int] | None = None) -> None:
         caps = [params.max_new_tokens] * len(prompts) if caps is None else caps

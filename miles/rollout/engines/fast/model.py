@@ -53,6 +53,9 @@ def supports(config) -> str | None:
     """None when the fast forward implements this HF config; else the reason it does not."""
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
+        if kind == "qwen3_moe":
+            return ("model_type 'qwen3_moe' (mixture-of-experts) is not built in the fast engine yet (its grouped-matmul "
+                    "experts and routing capture: docs/moe.md)")
         return f"model_type {kind!r} is not implemented (fast path: {', '.join(FAMILIES)})"
     if rope_type(config) not in STATIC_ROPE_TYPES:
         return f"RoPE type {rope_type(config)!r} is not implemented (fast path: {', '.join(STATIC_ROPE_TYPES)})"
