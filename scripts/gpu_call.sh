@@ -22,7 +22,7 @@ if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 LANE1="tests/gpu/test_megatron_gpu.py tests/gpu/test_fp16_and_async_save_gpu.py tests/gpu/test_lora_gpu.py"
-LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py"
+LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py tests/gpu/test_moe_gpu.py"
 LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
        tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py
        tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py"
