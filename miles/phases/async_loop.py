@@ -69,8 +69,9 @@ async def rollout(ctx: TrainingContext) -> str:
     ctx.tracer.emit("rollout_done", rollout_id=r, reward_mean=metrics["reward_mean"],
                     samples=int(metrics["num_samples"]), staleness_max=metrics["staleness_max"],
                     waited_s=round(waited, 6))
-    # the data position a checkpoint of rollout r holds, read before r+1's prompts are drawn
-    ctx.data_states = {r: await ctx.c.executor.handle.state_dict.remote()}
+    # the data position a checkpoint of rollout r holds, read before r+1's prompts are drawn (r-1's,
+    # the last trained, is kept: a stop now saves that one)
+    ctx.note_data_position(r, await ctx.c.executor.handle.state_dict.remote())
     if ctx.will_run(r + 1) and not ctx.stop_requested.is_set():
         prefetch.start(r + 1, ctx.weight_version)
     return "next"

@@ -1,0 +1,121 @@
+"""The data position a stop's save writes is the one right after the last TRAINED rollout's prompts.
+
+The bug this guards (issue 59): a stop (SIGTERM) while rollout r generates lets that rollout finish,
+then drains and saves rollout r-1, the last trained one. The rollout phase had replaced the recorded
+positions with rollout r's alone, so the save found none for r-1 and wrote the executor's live
+position, after rollout r's prompts: the resumed run trained rollout r on rollout r+1's prompts and
+never saw rollout r's. Both machines' rollout phases run here over an executor whose prompt iterator
+is the real one (miles.data.iterator); the trainer is a fake that writes a file where it is asked to
+save (a unit test of the phases' layer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from miles.checkpoint.store import CheckpointStore
+from miles.config import CheckpointConfig, DataConfig, ModelConfig, RolloutConfig, RunConfig
+from miles.data.iterator import PromptIterator
+from miles.phases import async_loop
+from miles.phases.context import TrainingContext
+from miles.phases.drain import save_on_stop
+from miles.phases.rollout import rollout as sync_rollout
+from miles.rollout.prefetch import Prefetcher
+from miles.runtime import Disposer, Tracer
+from miles.types import Prompt
+from tests.unit.test_save_phase import FakeActor, _Method
+
+BATCH = 2
+
+
+class FakeExecutor:
+    """The executor's calls the rollout phases make, over a real PromptIterator: each rollout draws
+    BATCH prompts when it is asked for (as the executor does), its metrics come later."""
+
+    def __init__(self):
+        self.iterator = PromptIterator([Prompt(index=i, text=f"p{i}", prompt_ids=(i,)) for i in range(10)], BATCH,
+                                       shuffle=False, seed=1)
+        self.handle = self
+        self.drawn: dict[int, list[int]] = {}
+
+        async def state_dict() -> dict:
+            return {"iterator": self.iterator.state_dict()}
+
+        self.state_dict = _Method(state_dict)
+        self.generate_split = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, rollout_id: int):
+        prompts = self.iterator.next_batch(BATCH)
+        self.drawn[rollout_id] = [p.index for p in prompts]
+
+        async def metrics() -> dict:
+            return {"reward_mean": 0.5, "num_samples": float(BATCH), "staleness_max": 0.0,
+                    "weight_version_min": 0.0}
+
+        return f"samples of rollout {rollout_id}", metrics()
+
+
+def context(tmp_path: Path, machine: str) -> TrainingContext:
+    ckpt = CheckpointConfig(save=str(tmp_path / "ck"), save_interval=100, save_hf=False)
+    cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"),
+                    rollout=RolloutConfig(n_samples_per_prompt=1, batch_size=BATCH), checkpoint=ckpt, num_rollout=4)
+    tracer = Tracer(tmp_path / "trace.jsonl", run_id="t", machine=machine, console="off")
+    ctx = TrainingContext(cfg, run_id="t", run_dir=tmp_path, tracer=tracer, disposer=Disposer())
+    ctx.c.trainer, ctx.c.executor = FakeActor("trainer"), FakeExecutor()
+    ctx.c.store = CheckpointStore(ckpt.save)
+    if machine == "async":
+        executor = ctx.c.executor
+        ctx.c.prefetch = Prefetcher(lambda r: executor.generate_split.options(num_returns=2).remote(r), tracer)
+    return ctx
+
+
+def trained(ctx: TrainingContext) -> None:
+    """What `train` leaves behind for the save: the rollout it stepped on is the last trained."""
+    ctx.next_rollout, ctx.batch_ref = ctx.rollout_id + 1, None
+
+
+def saved_position(tmp_path: Path) -> tuple[int, dict]:
+    (rid, folder), = CheckpointStore(tmp_path / "ck").list()
+    return rid, json.loads((folder / "rollout.json").read_text())["iterator"]
+
+
+@pytest.mark.parametrize("machine", ["sync", "async"])
+def test_a_stop_while_the_next_rollout_generates_saves_the_position_after_the_last_trained_rollout(tmp_path, machine):
+    ctx = context(tmp_path, machine)
+    phase = sync_rollout if machine == "sync" else async_loop.rollout
+
+    async def run() -> None:
+        await phase(ctx)                 # rollout 0 ...
+        trained(ctx)                     # ... trained, not saved (no periodic save due)
+        ctx.stop_requested.set()         # SIGTERM while rollout 1 generates: the phase finishes it
+        await phase(ctx)
+        assert ctx.rollout_id == 1 and ctx.next_rollout == 1
+        await save_on_stop(ctx)          # draining: the stop's save of rollout 0
+
+    asyncio.run(run())
+    ctx.tracer.close()
+    drawn = ctx.c.executor.drawn
+    assert drawn == {0: [0, 1], 1: [2, 3]}                     # rollout 1's prompts were drawn (async: ahead)
+    rid, position = saved_position(tmp_path)
+    assert rid == 0
+    assert position["offset"] == BATCH, position              # right after rollout 0's prompts, not 2 * BATCH
+    # the resumed run draws rollout 1's prompts first
+    resumed = PromptIterator([Prompt(index=i, text=f"p{i}", prompt_ids=(i,)) for i in range(10)], BATCH, shuffle=False, seed=1)
+    resumed.load_state_dict(position)
+    assert [p.index for p in resumed.next_batch(BATCH)] == drawn[1]
+
+
+def test_the_positions_kept_are_the_last_trained_rollouts_and_those_rolled_out_since(tmp_path):
+    ctx = context(tmp_path, "sync")
+    for r in range(4):
+        ctx.next_rollout = r             # rollout r-1 is the last trained
+        ctx.note_data_position(r, {"after": r})
+        assert sorted(ctx.data_states) == ([r - 1, r] if r else [0])
+    ctx.tracer.close()
