@@ -10,6 +10,7 @@ from typing import Any
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
+from miles.rollout.executor import PROMPTS_KEY
 
 
 async def rollout(ctx: TrainingContext) -> str:
@@ -21,11 +22,12 @@ async def rollout(ctx: TrainingContext) -> str:
         return samples, await metrics
 
     samples_ref, metrics = await with_engine_restarts(ctx, attempt)
+    prompts = metrics.pop(PROMPTS_KEY, None)
     ctx.batch_ref = samples_ref
     ctx.last_metrics = {}
     ctx.record(ctx.rollout_id, metrics)
     ctx.tracer.emit("rollout_done", rollout_id=ctx.rollout_id, reward_mean=metrics["reward_mean"],
-                    samples=int(metrics["num_samples"]))
+                    samples=int(metrics["num_samples"]), prompts=prompts)
     # the data position a checkpoint of this rollout holds (the last trained one's is kept: a stop now
     # saves that one, and the executor has moved past its prompts)
     ctx.note_data_position(ctx.rollout_id, await ctx.c.executor.handle.state_dict.remote())

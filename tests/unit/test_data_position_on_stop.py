@@ -102,7 +102,9 @@ def test_a_stop_while_the_next_rollout_generates_saves_the_position_after_the_la
     asyncio.run(run())
     ctx.tracer.close()
     drawn = ctx.c.executor.drawn
-    assert drawn == {0: [0, 1], 1: [2, 3]}                     # rollout 1's prompts were drawn (async: ahead)
+    # rollout 1's prompts were drawn (async: ahead, while rollout 0 trained); rollout 2's were not: the
+    # async phase asks for no rollout ahead once a stop is requested
+    assert drawn == {0: [0, 1], 1: [2, 3]}
     rid, position = saved_position(tmp_path)
     assert rid == 0
     assert position["offset"] == BATCH, position              # right after rollout 0's prompts, not 2 * BATCH
