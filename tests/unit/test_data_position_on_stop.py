@@ -121,3 +121,16 @@ def test_the_positions_kept_are_the_last_trained_rollouts_and_those_rolled_out_s
         ctx.note_data_position(r, {"after": r})
         assert sorted(ctx.data_states) == ([r - 1, r] if r else [0])
     ctx.tracer.close()
+
+
+def test_the_trace_names_each_groups_prompt_in_batch_order():
+    from miles.rollout.executor import trained_prompts
+    from miles.types import Sample
+
+    def sample(row: int, group: int) -> Sample:
+        return Sample(prompt=Prompt(index=row, text="", prompt_ids=(row,)), group=group, response_ids=[1],
+                      rollout_logprobs=[0.0], finish_reason="stop", weight_version=0)
+
+    # two samples a group; the last group is the first one's prompt again (a batch across an epoch's end)
+    samples = [sample(7, 0), sample(7, 0), sample(3, 1), sample(3, 1), sample(7, 2), sample(7, 2)]
+    assert trained_prompts(samples) == [7, 3, 7]
