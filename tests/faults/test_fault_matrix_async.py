@@ -27,7 +27,7 @@ ASYNC_STATES_IN_CI = ("rollout", "train", "save", "draining")
 ASYNC_SIGNAL_STATES_IN_CI = ("init", "weight_sync", "eval", "rollout", "train")
 # the way out per state whose resume CI runs (see the sync matrix's RESUME_IN_CI)
 RESUME_IN_CI = {"init": "signal", "weight_sync": "signal", "eval": "signal", "rollout": "signal",
-                "train": "fatal", "save": "fatal", "draining": "fatal"}
+                "train": "fatal", "save": "fatal", "draining": None}
 SPANS = {"prefetch_start": "prefetch_end", "eval_start": "eval_end"}
 ASYNC = ["--use-tis"]
 
