@@ -6,7 +6,8 @@ positions with rollout r's alone, so the save found none for r-1 and wrote the e
 position, after rollout r's prompts: the resumed run trained rollout r on rollout r+1's prompts and
 never saw rollout r's. Both machines' rollout phases run here over an executor whose prompt iterator
 is the real one (miles.data.iterator); the trainer is a fake that writes a file where it is asked to
-save (a unit test of the phases' layer).
+save (a unit test of the phases' layer). Also: the positions the context keeps, the prompts the trace
+names, and the position after a dynamic-sampling rollout (the executor with a scripted engine).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from miles.phases import async_loop
 from miles.phases.context import TrainingContext
 from miles.phases.drain import save_on_stop
 from miles.phases.rollout import rollout as sync_rollout
+from miles.rollout.executor import PROMPTS_KEY
 from miles.rollout.prefetch import Prefetcher
 from miles.runtime import Disposer, Tracer
 from miles.types import Prompt
@@ -134,3 +136,28 @@ def test_the_trace_names_each_groups_prompt_in_batch_order():
     # two samples a group; the last group is the first one's prompt again (a batch across an epoch's end)
     samples = [sample(7, 0), sample(7, 0), sample(3, 1), sample(3, 1), sample(7, 2), sample(7, 2)]
     assert trained_prompts(samples) == [7, 3, 7]
+
+
+def odd_rows(group) -> bool:
+    """A dynamic-sampling filter: keeps the groups of odd dataset rows."""
+    return group[0].prompt.index % 2 == 1
+
+
+def test_the_position_after_a_rollout_covers_the_prompts_its_filter_dropped():
+    # dynamic sampling draws rounds of 2 prompts until 2 groups pass: rollout 0 draws rows 0-3 and trains
+    # 1 and 3; the position saved with it is after row 3, so a resumed executor's rollout 1 trains the
+    # uninterrupted one's (5 and 7), neither rows 2-3 again nor skipping any
+    from tests.unit.test_partial_rollout import Engine, executor
+
+    def run(ex, rollout_id):
+        return asyncio.run(ex.generate_split(rollout_id))[1][PROMPTS_KEY]
+
+    flags = {"partial_rollout": False, "batch_size": 2, "dynamic_sampling_filter_path": f"{__name__}:odd_rows"}
+    uninterrupted = executor([Engine()], **flags)
+    assert run(uninterrupted, 0) == [1, 3]
+    position = json.loads(json.dumps(uninterrupted.state_dict()))      # rollout.json is JSON
+    assert position["iterator"]["offset"] == 4
+    assert run(uninterrupted, 1) == [5, 7]
+    resumed = executor([Engine()], **flags)
+    resumed.load_state_dict(position)
+    assert run(resumed, 1) == [5, 7]
