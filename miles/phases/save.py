@@ -6,8 +6,8 @@ and with --critic-save alone only the critic is saved. The data position is the 
 phase recorded right after the saved rollout's prompts were drawn (`ctx.note_data_position`): by
 the time a checkpoint is written the executor may be past the next rollout's prompts too (the async
 machine's rollout generated ahead; a stop that let the next rollout finish before it drained). Only
-a machine whose executor draws nothing (train_only) records none; its live position is the one. --save-hf PATH also exports the HF model to PATH, outside the
-checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
+a machine whose executor draws nothing (train_only) records none; its live position is the one.
+--save-hf PATH also exports the HF model to PATH, outside the checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
 reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/phases/checkpoint_io.py).
 A save the disk has no room for removes its partial folder and fails the run naming the folder and the
 space left (DiskFull, exit 1), or with --save-retries N goes on without that checkpoint N times.

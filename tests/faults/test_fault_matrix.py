@@ -335,8 +335,11 @@ def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path,
     # the phase finishes, then the run drains; with SIGTERM the phase also hangs (one way per state)
     # and the stop's budget (--stop-timeout) cuts it: the time from the signal to the run's end is bounded.
     # No periodic save before the last rollout's: the stop's own save is the one the resume starts from
-    faults = [at_visit(state, sig, stop=True)] + ([at_visit(state, HANG_IN[state], stop=True)] if sig == "sigterm" else [])
-    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), *STOP_SAVES, "--stop-timeout", str(STOP_TIMEOUT_S)])
+    faults = [at_visit(state, sig, stop=True)]
+    if sig == "sigterm":
+        faults.append(at_visit(state, HANG_IN[state], stop=True))
+    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), *STOP_SAVES,
+                          "--stop-timeout", str(STOP_TIMEOUT_S)])
     # the hard exit (os._exit at --stop-timeout) would end pytest too: here it waits, the bound is checked below
     code = run_with_signals(cfg, "sync", prog="miles train", hard_exit_s=10 * STOP_TIMEOUT_S)
     hung_draining = sig == "sigterm" and state == "draining"     # draining itself cut: it did not finish

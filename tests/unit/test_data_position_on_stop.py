@@ -32,6 +32,7 @@ from miles.types import Prompt
 from tests.unit.test_save_phase import FakeActor, _Method
 
 BATCH = 2
+PROMPTS = [Prompt(index=i, text=f"p{i}", prompt_ids=(i,)) for i in range(10)]
 
 
 class FakeExecutor:
@@ -39,8 +40,7 @@ class FakeExecutor:
     BATCH prompts when it is asked for (as the executor does), its metrics come later."""
 
     def __init__(self):
-        self.iterator = PromptIterator([Prompt(index=i, text=f"p{i}", prompt_ids=(i,)) for i in range(10)], BATCH,
-                                       shuffle=False, seed=1)
+        self.iterator = PromptIterator(PROMPTS, BATCH, shuffle=False, seed=1)
         self.handle = self
         self.drawn: dict[int, list[int]] = {}
 
@@ -111,7 +111,7 @@ def test_a_stop_while_the_next_rollout_generates_saves_the_position_after_the_la
     assert rid == 0
     assert position["offset"] == BATCH, position              # right after rollout 0's prompts, not 2 * BATCH
     # the resumed run draws rollout 1's prompts first
-    resumed = PromptIterator([Prompt(index=i, text=f"p{i}", prompt_ids=(i,)) for i in range(10)], BATCH, shuffle=False, seed=1)
+    resumed = PromptIterator(PROMPTS, BATCH, shuffle=False, seed=1)
     resumed.load_state_dict(position)
     assert [p.index for p in resumed.next_batch(BATCH)] == drawn[1]
 
