@@ -24,6 +24,7 @@ from miles.phases.context import TrainingContext
 from miles.phases.engines import restart_unresponsive, with_engine_restarts
 from miles.phases.watch import ci_after_eval
 from miles.rollout.evals import EvalDispatcher
+from miles.rollout.executor import PROMPTS_KEY
 from miles.rollout.prefetch import Prefetcher
 from miles.rollout.protocol import EngineUnresponsive
 
@@ -63,14 +64,17 @@ async def rollout(ctx: TrainingContext) -> str:
     t0 = time.monotonic()
     samples_ref, metrics = await _take(ctx, r)
     waited = time.monotonic() - t0
+    metrics = dict(metrics)
+    prompts = metrics.pop(PROMPTS_KEY, None)
     ctx.rollout_id, ctx.batch_ref = r, samples_ref
     ctx.last_metrics = {}
     ctx.record(r, {**metrics, "rollout_wait_s": waited})
     ctx.tracer.emit("rollout_done", rollout_id=r, reward_mean=metrics["reward_mean"],
                     samples=int(metrics["num_samples"]), staleness_max=metrics["staleness_max"],
-                    waited_s=round(waited, 6))
-    # the data position a checkpoint of rollout r holds, read before r+1's prompts are drawn
-    ctx.data_states = {r: await ctx.c.executor.handle.state_dict.remote()}
+                    waited_s=round(waited, 6), prompts=prompts)
+    # the data position a checkpoint of rollout r holds, read before r+1's prompts are drawn (r-1's,
+    # the last trained, is kept: a stop now saves that one)
+    ctx.note_data_position(r, await ctx.c.executor.handle.state_dict.remote())
     if ctx.will_run(r + 1) and not ctx.stop_requested.is_set():
         prefetch.start(r + 1, ctx.weight_version)
     return "next"

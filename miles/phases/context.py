@@ -118,7 +118,8 @@ class TrainingContext(PhaseContext):
         self.metrics_history: list[dict[str, Any]] = []
         # work running between phases: `draining` awaits each of these settlers, in order
         self.in_flight: list[Callable[[TrainingContext], Awaitable[None]]] = []
-        self.data_states: dict[int, dict[str, Any]] = {}  # async: data position right after rollout r's prompts
+        # the data position right after rollout r's prompts, for the last trained rollout and any rolled out since
+        self.data_states: dict[int, dict[str, Any]] = {}
         self.resumed = False                           # init restored a checkpoint (--load)
         self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
@@ -181,6 +182,15 @@ class TrainingContext(PhaseContext):
         return (c.save_interval is not None and done % c.save_interval == 0) or not self.rollouts_left()
 
     # -- helpers for phases ---------------------------------------------------------------------
+    def note_data_position(self, rollout_id: int, state: dict[str, Any]) -> None:
+        """Keep the executor's position right after rollout `rollout_id`'s prompts (what a checkpoint of
+        that rollout holds). The position of the last trained rollout is kept until a later one is
+        trained: a stop that lets the next rollout finish before it drains saves the last *trained*
+        rollout, whose position the executor has moved past."""
+        self.data_states[rollout_id] = state
+        for r in [r for r in self.data_states if r < self.next_rollout - 1]:
+            del self.data_states[r]
+
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         """Merge metrics into the rollout's row; the row is written when the rollout is trained."""
         self.last_metrics.update(metrics)

@@ -10,6 +10,7 @@ from typing import Any
 
 from miles.phases.context import TrainingContext
 from miles.phases.engines import with_engine_restarts
+from miles.rollout.executor import PROMPTS_KEY
 
 
 async def rollout(ctx: TrainingContext) -> str:
@@ -21,14 +22,15 @@ async def rollout(ctx: TrainingContext) -> str:
         return samples, await metrics
 
     samples_ref, metrics = await with_engine_restarts(ctx, attempt)
+    prompts = metrics.pop(PROMPTS_KEY, None)
     ctx.batch_ref = samples_ref
     ctx.last_metrics = {}
     ctx.record(ctx.rollout_id, metrics)
     ctx.tracer.emit("rollout_done", rollout_id=ctx.rollout_id, reward_mean=metrics["reward_mean"],
-                    samples=int(metrics["num_samples"]))
-    # the data position a checkpoint of this rollout holds: a stop that cuts the next rollout short has
-    # the executor past that one's prompts already, and its save must not take the live position
-    ctx.data_states = {ctx.rollout_id: await ctx.c.executor.handle.state_dict.remote()}
+                    samples=int(metrics["num_samples"]), prompts=prompts)
+    # the data position a checkpoint of this rollout holds (the last trained one's is kept: a stop now
+    # saves that one, and the executor has moved past its prompts)
+    ctx.note_data_position(ctx.rollout_id, await ctx.c.executor.handle.state_dict.remote())
     if ctx.cfg.debug_rollout_data_path:
         await _save_debug_data(ctx, samples_ref, metrics)
     return "next"

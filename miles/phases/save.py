@@ -2,11 +2,12 @@
 
 The checkpoint under --save holds the trainer (its optimizer state unless --no-save-optim), the data
 position, the HF export (unless --no-save-hf) and PPO's critic; a critic with a store of its own (--critic-save elsewhere) is saved there instead,
-and with --critic-save alone only the critic is saved. The data position is the one recorded right
-after the saved rollout's prompts were drawn (`ctx.data_states`, which the async machine fills: by
-now its executor has already served the next rollout's prompts); with none recorded (sync) the
-executor's live position is that one. --save-hf PATH also exports the HF model to PATH, outside the
-checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
+and with --critic-save alone only the critic is saved. The data position is the one the rollout
+phase recorded right after the saved rollout's prompts were drawn (`ctx.note_data_position`): by
+the time a checkpoint is written the executor may be past the next rollout's prompts too (the async
+machine's rollout generated ahead; a stop that let the next rollout finish before it drained). Only
+a machine whose executor draws nothing (train_only) records none; its live position is the one.
+--save-hf PATH also exports the HF model to PATH, outside the checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
 reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/phases/checkpoint_io.py).
 A save the disk has no room for removes its partial folder and fails the run naming the folder and the
 space left (DiskFull, exit 1), or with --save-retries N goes on without that checkpoint N times.
@@ -142,7 +143,7 @@ async def _run_parts(ctx: TrainingContext, rid: int) -> tuple[list, dict[str, An
     trainer, save_hf, optimizer = ctx.c.trainer, ctx.cfg.checkpoint.save_hf, ctx.cfg.checkpoint.save_optimizer
     critic = ctx.c.critic if ctx.c.critic is not None and ctx.c.critic_store is None else None
     position = ctx.data_states.get(rid)
-    if position is None:                       # nothing drawn since rollout rid: the live position is its
+    if position is None:                       # nothing drawn (train_only): the live position is its
         position = await ctx.c.executor.handle.state_dict.remote()
     parts = [(trainer, "save", TRAINER_DIR, {"optimizer": optimizer})]
     if save_hf:

@@ -76,6 +76,19 @@ EVAL_SEED_OFFSET = 7           # an eval at step r does not replay rollout r's s
 SEED_RANGE = 2**31             # seeds stay non-negative 32-bit ints
 
 
+# generate_split's metrics carry the rollout's prompts under this key; the rollout phase takes them out of
+# the row and into the trace (`rollout_done`'s `prompts`)
+PROMPTS_KEY = "prompts"
+
+
+def trained_prompts(samples: Sequence[Sample]) -> list[int]:
+    """The dataset row (`Prompt.index`) of each group of a rollout, in group order: which prompts it trains."""
+    rows: dict[int, int] = {}
+    for s in samples:
+        rows.setdefault(s.group, s.prompt.index)
+    return list(rows.values())
+
+
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -430,7 +443,7 @@ class RolloutExecutor:
         """`generate` as (samples, metrics): as a two-return Ray call the samples go from the object
         store straight to the trainer while the driver reads only the metrics."""
         batch = await self.generate(rollout_id)
-        return batch.samples, batch.metrics
+        return batch.samples, {**batch.metrics, PROMPTS_KEY: trained_prompts(batch.samples)}
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval dataset once: mean reward, truncation and pass@k for k in {1, n} (every k <= n

@@ -1,6 +1,6 @@
 """`kill -9` of the driver mid-rollout: nothing the run started outlives it for long (and, before the
 kill, nothing of its local cluster listened beyond loopback), its Ray session folder is removed with
-the logs kept, and `--load` resumes from the last complete checkpoint with the per-step metrics of an
+the logs kept, and `--load` resumes from the last complete checkpoint with the per-step prompts and metrics of an
 uninterrupted run."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from miles.runtime import read_trace, with_disposer
 from miles.runtime.procs import pid_running
 from miles.tracking.metrics import untimed
 from tests.conftest import base_flags
+from tests.faults.test_fault_matrix import trained_steps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,3 +90,10 @@ def test_kill_9_mid_rollout_then_resume_matches_uninterrupted(ray_cluster, tiny_
     got, want = train_rows(resumed), train_rows(full)
     assert sorted(got) == [3, 4, 5]
     assert all(got[s] == want[s] for s in got)
+    # each prompt trained exactly as often as in the uninterrupted run: the killed run's steps 0-2 (which
+    # checkpoint 2 holds) and the resumed run's 3-5 are the full run's, prompt for prompt
+    full_steps = trained_steps(full.run_dir)
+    trained = {**{s: v for s, v in trained_steps(tmp_path / "killed").items() if s <= 2},
+               **trained_steps(resumed.run_dir)}
+    assert {s: p for s, (p, _) in trained.items()} == {s: p for s, (p, _) in full_steps.items()}
+    assert all(len(p) == 4 for p, _ in full_steps.values())

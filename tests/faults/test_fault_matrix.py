@@ -21,18 +21,21 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 import ray
 
+from miles.checkpoint.checkpointer import read_data_position
 from miles.checkpoint.store import CheckpointStore
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.runtime.procs import pid_running
 from miles.tracetools.check import check_trace
+from miles.tracking.metrics import read_metrics, untimed
 from miles.cli.train import run_with_signals
 from tests.conftest import base_flags, miles_actors
 
@@ -55,6 +58,17 @@ FATAL = ("raise", "kill_trainer")     # faults that end the run: one run per sta
 HANG_IN = {"init": "hang_thread", "weight_sync": "hang_ray", "eval": "hang", "rollout": "hang_ray",
            "train": "hang_thread", "save": "hang", "draining": "hang"}
 STOP_TIMEOUT_S = 6.0
+N_ROLLOUT = 2
+# which visit of its state a fault fires on: the second where the state comes again, so that rollout 0
+# is trained (and, but in the stop cases, saved) when it fires and the resume has a checkpoint to start
+# from; init and draining come once
+VISIT = {"init": 1, "weight_sync": 2, "eval": 2, "rollout": 2, "train": 2, "save": 2, "draining": 1}
+# a stop case saves only after the last rollout: a stop before then saves the last trained rollout
+# itself (the stop's save), and the resume starts from that save's data position. Its `save` comes
+# once; a stop in train 0 lets the step finish (SIGINT) and saves it, with rollout 1 generating ahead
+# (async), which draining cancels
+STOP_SAVES = ["--save-interval", "2"]
+STOP_VISIT = {**VISIT, "train": 1, "save": 1}
 
 # CI (scripts/test.sh's default run) takes one fault of each cross product per state; the rest of the
 # product is marked `extended` (`bash scripts/test.sh -m extended` runs it). Chosen so that CI still
@@ -65,6 +79,14 @@ FATAL_IN_CI = {"init": "raise", "weight_sync": "kill_trainer", "eval": "raise", 
                "train": "kill_trainer", "save": "raise", "draining": "raise"}
 SIGNAL_IN_CI = {"init": "sigterm", "weight_sync": "sigterm", "eval": "sigint", "rollout": "sigint",
                 "train": "sigint", "save": "sigterm", "draining": "sigterm"}
+# Every case checks that its newest checkpoint holds the uninterrupted run's data position for that
+# rollout; every extended case also resumes from it and compares what the resume trains, step by step,
+# with the uninterrupted run; CI resumes one way out per state, where the resume has a rollout left to
+# train (a stop in rollout is the one that lost its prompts before, issue 59). In init nothing is
+# trained (no checkpoint: a rerun is a fresh start); in draining everything is trained and saved, and
+# the checkpoint's data position is the check (CI runs no resume there that would train nothing)
+RESUME_IN_CI = {"init": "signal", "weight_sync": "signal", "eval": "signal", "rollout": "signal",
+                "train": "fatal", "save": "fatal", "draining": None}
 
 
 def matrix_params(kinds, in_ci: dict[str, str]) -> list:
@@ -73,12 +95,75 @@ def matrix_params(kinds, in_ci: dict[str, str]) -> list:
             for state in STATES for kind in kinds]
 
 
-def matrix_flags(task, tmp_path, fault: str | list[str]):
+def matrix_flags(task, tmp_path, fault: str | list[str] | None, *, run: str = "run"):
     # 2 rollouts, saving and evaluating after each: every state of sync is visited
-    return base_flags(task, tmp_path / "run", num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2,
+    return base_flags(task, tmp_path / run, num_rollout=N_ROLLOUT, rollout_batch_size=2, n_samples_per_prompt=2,
                       rollout_max_response_len=3, save=tmp_path / "ckpt", save_interval=1,
                       eval_prompt_data=["arith", task["eval"]], eval_interval=1, teardown_timeout=20,
-                      inject_fault=[fault] if isinstance(fault, str) else fault)
+                      inject_fault=[fault] if isinstance(fault, str) else fault or None)
+
+
+def at_visit(state: str, kind: str, *, stop: bool = False) -> str:
+    """The --inject-fault of `kind` in `state`, on the visit VISIT (a stop case: STOP_VISIT) names."""
+    return f"{state}:{kind}:{(STOP_VISIT if stop else VISIT)[state]}"
+
+
+# -- exactly-once training data: each case's resume trains what the uninterrupted run trained ------------
+
+@dataclass
+class Uninterrupted:
+    """An uninterrupted run of the matrix's flags: its checkpoints (one per rollout) and, per step, the
+    prompts trained (the dataset rows, from the trace's `rollout_done`) and the untimed metrics."""
+
+    ckpt: Path
+    steps: dict[int, tuple[list[int], dict]]
+
+
+def trained_steps(run_dir: Path) -> dict[int, tuple[list[int], dict]]:
+    """Each step a run trained: (its prompts, its untimed metrics row)."""
+    prompts = {e.rollout_id: e.get("prompts") for e in read_trace(run_dir).of("rollout_done")}
+    rows = {r["step"]: untimed(r) for r in read_metrics(run_dir) if r.get("kind") == "train"}
+    return {step: (prompts[step], row) for step, row in rows.items()}
+
+
+def uninterrupted(run_dir: Path, ckpt: Path) -> Uninterrupted:
+    steps = trained_steps(run_dir)
+    assert sorted(steps) == list(range(N_ROLLOUT)), steps
+    assert [r for r, _ in CheckpointStore(ckpt).list()] == list(range(N_ROLLOUT))
+    assert all(len(p) == 2 for p, _ in steps.values())       # --rollout-batch-size prompts a step
+    return Uninterrupted(ckpt, steps)
+
+
+def assert_resume_trains_as_uninterrupted(task, tmp_path, reference: Uninterrupted, *, resume: bool,
+                                          machine: str = "sync", extra=(), same_metrics: bool = True) -> None:
+    """After the case's run (tmp_path / "run"), whatever way it ended: its newest checkpoint holds the
+    data position the uninterrupted run had after the same rollout, and (`resume`) a run with --load
+    from it trains exactly the rollouts after it, each on the prompts the uninterrupted run trained
+    at that step (and, `same_metrics`, with the same untimed metrics). So each prompt is trained as
+    often as in the uninterrupted run. Without a checkpoint, a rerun is a fresh start: the
+    uninterrupted run itself."""
+    first = trained_steps(tmp_path / "run")
+    for step, (prompts, _) in first.items():          # what the case's run trained, it trained on the right prompts
+        assert prompts == reference.steps[step][0], (step, prompts, reference.steps[step][0])
+    latest = CheckpointStore(tmp_path / "ckpt").latest()
+    if latest is None:
+        return
+    rid, path = latest
+    assert rid in first, (rid, sorted(first))           # a checkpoint is of a rollout this run trained
+    assert read_data_position(path) == read_data_position(CheckpointStore(reference.ckpt).path_for(rid)), rid
+    if not resume:
+        return
+    cfg, _ = parse_flags([*matrix_flags(task, tmp_path, None, run="resumed"), "--load", str(tmp_path / "ckpt"),
+                          *extra])
+    asyncio.run(with_disposer(train, cfg, machine=machine))
+    resumed = read_trace(tmp_path / "resumed")
+    assert resumed.of("resumed")[0].rollout_id == rid
+    got = trained_steps(tmp_path / "resumed")
+    assert sorted(got) == list(range(rid + 1, N_ROLLOUT)), sorted(got)
+    for step, (prompts, row) in got.items():
+        assert prompts == reference.steps[step][0], (step, prompts, reference.steps[step][0])
+        if same_metrics:
+            assert row == reference.steps[step][1], step
 
 
 def leftover_actor_processes(trace) -> list[str]:
@@ -161,12 +246,28 @@ def run_in_process(task, tmp_path, faults, *, machine="sync", extra=()):
         return exc
 
 
+def resumes(state: str, case: str, kind: str, in_ci: dict[str, str], resume_in_ci: dict[str, str | None]) -> bool:
+    """Whether this case runs its resume: every extended case does; in CI, the one way out per state
+    `resume_in_ci` names ("fatal" or "signal"; None: none)."""
+    return in_ci.get(state) != kind or resume_in_ci[state] == case
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_task, tmp_path_factory):
+    """The uninterrupted run the resumes are held to, and CI's teardown case: both failing teardowns
+    registered in every state, met only after the last rollout was trained and saved (the teardown
+    test asserts on this same run). Returns (its folder, what it raised, its Uninterrupted)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    raised = run_in_process(tiny_task, root, teardown_faults_flags(TEARDOWN_IN_CI))
+    return root, raised, uninterrupted(root / "run", root / "ckpt")
+
+
 @pytest.mark.parametrize("state,fault", matrix_params(FATAL, FATAL_IN_CI))
-def test_fatal_fault_in_each_state(ray_cluster, tiny_task, tmp_path, state, fault):
+def test_fatal_fault_in_each_state(ray_cluster, tiny_task, tmp_path, reference, state, fault):
     outcome, error_type = EXPECTED[fault]
     if fault == "kill_trainer" and state == "draining":
         outcome, error_type = "ok", None              # nothing uses the trainer after draining starts
-    raised = run_in_process(tiny_task, tmp_path, [f"{state}:{fault}"])
+    raised = run_in_process(tiny_task, tmp_path, [at_visit(state, fault)])
     trace = assert_clean_end(tmp_path / "run", outcome=outcome, error_type=error_type, ckpt=tmp_path / "ckpt")
     assert trace.of("fault_injected")[0].get("state") == state
     if outcome == "ok":
@@ -175,6 +276,8 @@ def test_fatal_fault_in_each_state(ray_cluster, tiny_task, tmp_path, state, faul
         assert error_type in type(raised).__name__ or error_type in str(raised)
     if fault == "raise":
         assert trace.of("error")[0].state == state
+    assert_resume_trains_as_uninterrupted(tiny_task, tmp_path, reference[2],
+                                          resume=resumes(state, "fatal", fault, FATAL_IN_CI, RESUME_IN_CI))
 
 
 def test_engine_killed_in_every_state_is_restarted_each_time(ray_cluster, tiny_task, tmp_path):
@@ -195,7 +298,8 @@ def test_engine_killed_in_every_state_is_restarted_each_time(ray_cluster, tiny_t
 TEARDOWN_ERROR = {"teardown_raise": "InjectedFault", "teardown_hang": "TeardownTimeout"}
 # CI registers both failing teardowns in every state of one run (the disposer meets a raise and a hang
 # interleaved, 14 failures); each kind alone is the same path and extended
-TEARDOWN_FAULTS = [pytest.param(("teardown_raise", "teardown_hang"), id="teardown_raise+teardown_hang"),
+TEARDOWN_IN_CI = ("teardown_raise", "teardown_hang")
+TEARDOWN_FAULTS = [pytest.param(TEARDOWN_IN_CI, id="teardown_raise+teardown_hang"),
                    *(pytest.param((k,), id=k, marks=pytest.mark.extended) for k in TEARDOWN_ERROR)]
 
 
@@ -215,20 +319,27 @@ def assert_failed_teardowns(raised, trace, faults: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("faults", TEARDOWN_FAULTS)
-def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, tmp_path, faults):
-    raised = run_in_process(tiny_task, tmp_path, teardown_faults_flags(faults))
+def test_teardowns_registered_in_every_state_that_fail(ray_cluster, tiny_task, tmp_path, request, faults):
+    if faults == TEARDOWN_IN_CI:                      # the run the resumes are held to (`reference`)
+        tmp_path, raised, _ = request.getfixturevalue("reference")
+    else:
+        raised = run_in_process(tiny_task, tmp_path, teardown_faults_flags(faults))
     trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="ExceptionGroup", ckpt=tmp_path / "ckpt")
     assert_failed_teardowns(raised, trace, faults)
 
 
 @pytest.mark.parametrize("state,sig", matrix_params(["sigint", "sigterm"], SIGNAL_IN_CI))
-def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, state, sig):
+def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path, reference, state, sig):
     # the CLI's own signal path (miles.cli.train.run_with_signals) in this process: the injected
     # signal reaches its handlers exactly as a signal to a `miles train` process would. With SIGINT
     # the phase finishes, then the run drains; with SIGTERM the phase also hangs (one way per state)
-    # and the stop's budget (--stop-timeout) cuts it: the time from the signal to the run's end is bounded
-    faults = [f"{state}:{sig}"] + ([f"{state}:{HANG_IN[state]}"] if sig == "sigterm" else [])
-    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), "--stop-timeout", str(STOP_TIMEOUT_S)])
+    # and the stop's budget (--stop-timeout) cuts it: the time from the signal to the run's end is bounded.
+    # No periodic save before the last rollout's: the stop's own save is the one the resume starts from
+    faults = [at_visit(state, sig, stop=True)]
+    if sig == "sigterm":
+        faults.append(at_visit(state, HANG_IN[state], stop=True))
+    cfg, _ = parse_flags([*matrix_flags(tiny_task, tmp_path, faults), *STOP_SAVES,
+                          "--stop-timeout", str(STOP_TIMEOUT_S)])
     # the hard exit (os._exit at --stop-timeout) would end pytest too: here it waits, the bound is checked below
     code = run_with_signals(cfg, "sync", prog="miles train", hard_exit_s=10 * STOP_TIMEOUT_S)
     hung_draining = sig == "sigterm" and state == "draining"     # draining itself cut: it did not finish
@@ -241,6 +352,8 @@ def test_signal_to_the_driver_drains_and_exits(ray_cluster, tiny_task, tmp_path,
     if sig == "sigterm":
         assert [(e.state, e.get("reason")) for e in trace.of("phase_timeout")] == [(state, "stop")]
         assert signal_to_end_s(trace) < STOP_TIMEOUT_S
+    assert_resume_trains_as_uninterrupted(tiny_task, tmp_path, reference[2],
+                                          resume=resumes(state, "signal", sig, SIGNAL_IN_CI, RESUME_IN_CI))
 
 
 # extended (CI budget): its path is covered by default tests: SIGINT in rollout through the CLI's signal path, exit

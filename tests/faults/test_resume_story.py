@@ -69,6 +69,10 @@ def test_a_resume_takes_a_dead_runs_lock_skips_a_corrupt_checkpoint_loudly_and_i
     second = read_trace(run_dir / "trace.2.jsonl")
     assert second.of("lock_taken_over")[0].get("holder")["run_id"] == "killed"
     assert [e.rollout_id for e in second.of("metrics")] == [1, 2]
+    # resumed from checkpoint 0, the second run trains rollout 1 again, on the prompts the first one did
+    first_prompts = {e.rollout_id: e.get("prompts") for e in read_trace(run_dir / "trace.jsonl").of("rollout_done")}
+    again = {e.rollout_id: e.get("prompts") for e in second.of("rollout_done")}
+    assert again[1] == first_prompts[1] and len(again[1]) == 2 and again[2] != again[1]
     assert trace_main(["check", str(run_dir)]) == 0
     assert capsys.readouterr().out.count("conforms to machine sync") == 2
     assert miles_actors() == []
