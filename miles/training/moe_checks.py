@@ -41,9 +41,10 @@ _BUILT = "built: qwen3_moe (Qwen3-MoE) on the embedded engine and the torch trai
 def read_config(model_path: str) -> dict[str, Any] | None:
     path = Path(model_path) / "config.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        hf = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return None
+    return hf if isinstance(hf, dict) else None      # another shape: the model checks name it
 
 
 def moe_kind(hf: dict[str, Any] | None) -> str | None:
