@@ -301,15 +301,6 @@ def verifier_pool() -> VerifierPool:
         return _POOL
 
 
-def verifier_problem() -> str | None:
-    """Why the verifier cannot run in this environment (its package is missing), else None."""
-    import importlib.util
-
-    if importlib.util.find_spec("math_verify") is None:
-        return f"the package {VERIFIER_PACKAGE} is not installed: pip install {VERIFIER_PACKAGE}"
-    return None
-
-
 # ---- the rules of each reward type --------------------------------------------------------------
 
 async def math_score(response: str, label: str) -> float:

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 from miles.config import ConfigError, RunConfig
 from miles.config.checks import check
 from miles.config.miles_flags import rm_type_problem
+from miles.config.packages import missing_package
 from miles.rollout import math_grading
 from miles.rollout.math_grading import MATH_REL_TOL, extract_answer, last_boxed, parse_number  # noqa: F401
 from miles.runtime.threads import in_daemon_thread
@@ -390,5 +391,5 @@ def _verifier_installed(cfg: RunConfig, problems: list[str]) -> None:
     verified = (*VERIFIED_REWARDS, *BOXED_REWARDS)
     used = [t for t in (None if cfg.rollout.custom_rm_path else cfg.rollout.rm_type,
                         *(d.rm_type for d in cfg.eval.datasets)) if t in verified]
-    if used and (problem := math_grading.verifier_problem()) is not None:
-        problems.append(f"--rm-type {used[0]} grades answers with math-verify, and {problem}")
+    if used and (missing := missing_package(f"--rm-type {used[0]}", "math_verify", math_grading.VERIFIER_PACKAGE)):
+        problems.append(f"{missing} (its grader)")

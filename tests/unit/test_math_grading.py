@@ -220,6 +220,7 @@ def test_a_missing_verifier_stops_the_run_before_it_starts(monkeypatch):
     assert problems("deepscaler") == []
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
-    assert problems("deepscaler") == ["--rm-type deepscaler grades answers with math-verify, and the package "
-                                      "math-verify is not installed: pip install math-verify"]
+    assert problems("deepscaler") == ["--rm-type deepscaler needs the 'math-verify' package (module 'math_verify'), "
+                                      f"which is not installed in this Python ({sys.prefix}): pip install math-verify "
+                                      "(its grader)"]
     assert problems("f1") == [] and problems("math", custom="m:f") == []
