@@ -11,6 +11,9 @@ import json
 import os
 import random
 import stat
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,24 @@ def tiny_task(tmp_path_factory):
     model = make_tiny_model(root / "model")
     train, eval_ = write_addition_task(root)
     return {"model": model, "train": str(train), "eval": str(eval_), "root": root}
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str, covered_by: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's `size=`, e.g. "200k") mounted at `folder`, unmounted after; the test is
+    skipped with the reason where this process may not mount one (`covered_by`: the test that covers the
+    logic there)."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip(f"mounting a tmpfs needs root; {covered_by} covers the logic")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); {covered_by} covers the logic")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def world_writable(root: Path) -> list[str]:

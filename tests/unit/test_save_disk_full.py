@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from miles.checkpoint.checkpointer import DiskFull, is_disk_full, save_atomically
 from miles.checkpoint.resume import classify_load_folder
 from miles.checkpoint.store import CheckpointStore, verify
+from tests.conftest import small_tmpfs
 
 MIB = 1 << 20
 
@@ -22,17 +22,8 @@ MIB = 1 << 20
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs; skipped with the reason when this process may not mount one."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; test_an_injected_enospc_* covers the logic")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); test_an_injected_enospc_* covers the logic")
-    try:
+    with small_tmpfs(tmp_path / "disk", "2m", "test_an_injected_enospc_*") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def write_bytes(n: int):
