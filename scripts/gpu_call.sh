@@ -11,6 +11,8 @@
 # GPU's free or used memory, alone; GPUS_S) together are the whole of tests/gpu. bgscale:W starts scale:W in a
 # session of its own and waits BG_WAIT_S for it; waitscale:W (the next call, the machine still warm) waits WAIT_S more
 # and brings its results back: a workload longer than one call's 10 minutes.
+# script:NAME runs scripts/bench/NAME.py --out $OUT/NAME.json with ARGS_NAME and S_NAME (dots and dashes as _); basebench runs
+# the colocated bench on bench-base/miles (git archive of an older tree) then on this tree, one after the other.
 # The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
 #   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
 set -u
@@ -73,6 +75,14 @@ for step in "$@"; do
     gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
     tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
+    script:*) n=${step#script:}; k=${n//[.-]/_}; av=ARGS_$k; sv=S_$k   # script:moe_rollout_gpu runs scripts/bench/moe_rollout_gpu.py
+        timeout ${!sv:-300} python3 scripts/bench/$n.py --out $OUT/$n.json ${!av:-} > $OUT/$n.log 2>&1; echo "rc=$?"; tail -c 4000 $OUT/$n.log ;;
+    basebench) # the colocated bench on the tree BASE_TREE names (`git archive BASE miles machines scripts | tar -x -C bench-base`, untracked), then on this tree
+        for side in base head; do [ $side = base ] && dir=$PWD/bench-base || dir=$PWD
+          (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${BASEBENCH_S:-150} python3 scripts/bench/grpo_step_gpu.py --skip-trl --miles-iters ${BASEBENCH_ITERS:-9} \
+            --side-timeout-s $((${BASEBENCH_S:-150} - 10)) --out /tmp/bb-$side > $OUT/basebench-$side.json 2> $OUT/basebench-$side.log)
+          echo "--- $side rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})" $OUT/basebench-$side.json 2>&1 | tail -3
+        done ;;
     enginecaps) timeout ${CAPS_S:-150} python3 scripts/bench/engine_caps.py --prompts 256 --max-cap 512 --distinct 64 \
         --out $OUT/engine_caps.json > /tmp/caps.log 2>&1; echo "rc=$?"; tail -c 2500 /tmp/caps.log ;;
   esac
