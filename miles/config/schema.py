@@ -316,7 +316,7 @@ class TrainConfig:
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
     offload_chunk_mb: int | None = None  # --offload-train-disk-chunk-mb: MiB of fp32 parameters a streamed step moves at once
     mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
-    # float16 loss scaling (--fp16; miles.training.loss_scale): Megatron-LM's flags and defaults, but the
+    # float16 loss scaling (--fp16; miles.training.torch.loss_scale): Megatron-LM's flags and defaults, but the
     # start is torch's GradScaler's 2^16: Megatron-LM's 2^32 skips the first ~18 steps, a rollout's update each
     loss_scale: float | None = None     # --loss-scale: a fixed scale (None: dynamic)
     initial_loss_scale: float = 2.0 ** 16  # --initial-loss-scale: the dynamic scale's start (Megatron-LM's: 2^32)
@@ -335,7 +335,7 @@ class TrainConfig:
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
     attn_implementation: str | None = None  # --attn-implementation: miles' FSDP attention kernel; no effect here
     megatron_to_hf_mode: str | None = None  # --megatron-to-hf-mode raw | bridge: accepted with megatron, no effect
-    # LoRA (the torch trainer on one process: miles/training/lora.py); rank 0: the whole model trains
+    # LoRA (the torch trainer on one process: miles/training/torch/lora.py); rank 0: the whole model trains
     lora_rank: int = 0                  # --lora-rank: the adapters' rank r
     lora_alpha: float = 16.0            # --lora-alpha: the adapters' scale is alpha / r
     lora_dropout: float = 0.0           # --lora-dropout: dropout on the adapters' input in the training forwards

@@ -501,7 +501,7 @@ def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
 
 @check
 def _lora(cfg: RunConfig, problems: list[str]) -> None:
-    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/lora.py); what it cannot take."""
+    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/torch/lora.py); what it cannot take."""
     t, a = cfg.train, cfg.algorithm
     if t.lora_rank < 0:
         problems.append(f"--lora-rank {t.lora_rank}: must be >= 0 (0 trains the whole model)")

@@ -162,7 +162,7 @@ def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task,
     """--actor-num-gpus-per-node 2 on the CPU: the policy and PPO's critic each run as 2 FSDP ranks
     (gloo); the critic learns, and its checkpoint is the one-process critic's folder."""
     from miles.config import AlgorithmConfig, TrainConfig
-    from miles.training.critic import Critic
+    from miles.training.torch.critic import Critic
 
     torch.set_num_threads(1)
     result = run(base_flags(tiny_task, tmp_path / "run", custom_rm_path=ones_reward, lr=1e-2, num_rollout=2,

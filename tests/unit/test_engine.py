@@ -6,7 +6,7 @@ from miles.algorithms import logprobs_from_logits
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Generation, Prompt, Sample, SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, make_tiny_model

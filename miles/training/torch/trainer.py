@@ -3,10 +3,10 @@
 Precision: the parameters (the master weights) and the optimizer state are always float32. The
 forward runs under autocast in the compute dtype: bfloat16 on CUDA ("auto"), float32 on CPU, or
 what `dtype` says. Gradients land in float32 on the parameters. In float16 (--fp16) the backward
-is loss-scaled and an overflow step skipped (the shell's `miles.training.loss_scale`). With
+is loss-scaled and an overflow step skipped (the shell's `miles.training.torch.loss_scale`). With
 --trainer-weight-shadows the decoder's Linear weights are cast once per micro-batch loop instead of
 at every forward, and their gradients folded into the float32 ones by hooks: the same numbers
-(`miles.training.shadows`).
+(`miles.training.torch.shadows`).
 
 One rollout is trained in two calls. `prepare_rollout(samples, rollout_id, values)` packs the samples
 (`make_train_batch`), computes the trainer's logprobs (current weights, no grad), the reference
@@ -21,7 +21,7 @@ over micro-batches of `train.micro_batch_size` samples, or with --use-dynamic-ba
 padded rows x longest with --no-pack-sequences); it prepares the rollout itself when nothing was
 prepared. Metric `tokens_computed_per_real` is the padding's cost (1.0 packed). On CUDA without
 --max-tokens-per-gpu, micro-batches are capped by a budget planned from the free memory
-(`miles.training.memory_plan`, metric `memory_token_budget`). Every micro-batch term is reduced
+(`miles.training.torch.memory_plan`, metric `memory_token_budget`). Every micro-batch term is reduced
 with the *global* batch's count (tokens, or sequences for the seq-mean reductions) as the
 denominator, so the accumulated gradient equals the gradient of the reduction over the whole
 global batch.
@@ -33,7 +33,7 @@ decided once, by `miles.training.terms.PolicyObjective` (shared with the megatro
 never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
-chunk by chunk, never as [B, T, V] logits (`miles.training.forward`). On every device, when a
+chunk by chunk, never as [B, T, V] logits (`miles.training.torch.forward`). On every device, when a
 rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
 logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
 them is skipped: they are, by construction, the step's own logprobs before its update, so the
@@ -44,7 +44,7 @@ refuses the rest). `--recompute-activations` checkpoints every layer's activatio
 Memory for a colocated engine: `offload`/`onload` (the shell) move the optimizer state to host
 memory and back; `weight_bucket*` hand the weights out as CUDA IPC buckets (miles.weights.transport).
 
-LoRA (--lora-rank R, `miles.training.lora`): the base model frozen, adapters on the selected Linear
+LoRA (--lora-rank R, `miles.training.torch.lora`): the base model frozen, adapters on the selected Linear
 layers, only the adapters in AdamW. Everything that leaves the trainer for the engines (`weights`, the
 buckets, `weights_checksum`, the HF export) is the merged model, W + (alpha/R) B A, under the base's
 names; a checkpoint holds the adapters (PEFT's layout) and their optimizer state, never the base (it is
@@ -71,16 +71,16 @@ from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training import lora
-from miles.training.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.training.torch.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.moe import TrainerMoe
-from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
+from miles.training.torch.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
 from miles.training.protocol import STEP_GRAD_NORMS
 from miles.training.rng import rng_state, set_rng_state
-from miles.training.shell import OPTIMIZER_FILE, OptimizedModel
+from miles.training.torch.shell import OPTIMIZER_FILE, OptimizedModel
 from miles.training.terms import PolicyObjective, TermSums
-from miles.training.threads import cpu_threads
-from miles.training.throughput import peak_tflops, throughput_metrics
+from miles.training.torch.threads import cpu_threads
+from miles.training.torch.throughput import peak_tflops, throughput_metrics
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -129,7 +129,7 @@ def save_train_data(template: str, rollout_id: int, batch: TrainBatch, rank: int
 class Trainer(OptimizedModel):
     role, state_file, lr_hint = "trainer", STATE_FILE, "--lr"
     decouples_lr = True
-    rank = 0            # its data-parallel rank (miles.training.fsdp.rank.FSDPRank sets its own)
+    rank = 0            # its data-parallel rank (miles.training.torch.fsdp.rank.FSDPRank sets its own)
     world_size = 1      # ranks training together (the CPU ranks of one machine share its cores)
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
@@ -238,7 +238,7 @@ class Trainer(OptimizedModel):
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Train on one rollout's samples (prepared by `prepare_rollout` for this rollout id, or here);
         returns metrics averaged over its optimizer steps, with the rollout's mismatch metrics and what
-        the steps achieved (`tflops`, `mfu`: miles.training.throughput)."""
+        the steps achieved (`tflops`, `mfu`: miles.training.torch.throughput)."""
         self._live()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -399,7 +399,7 @@ class Trainer(OptimizedModel):
     # --- weights and state ---------------------------------------------------------------------
     def _engine_weights(self) -> Mapping[str, Tensor]:
         """The weights the engines load, under HF names (tied aliases once): the live tensors, or under
-        LoRA the merged ones, each computed when read (`miles.training.lora.MergedWeights`)."""
+        LoRA the merged ones, each computed when read (`miles.training.torch.lora.MergedWeights`)."""
         live = model_weights(self._live())
         return live if self._adapters is None else lora.MergedWeights(live, self._adapters)
 
@@ -515,7 +515,7 @@ class Trainer(OptimizedModel):
                              "saved with")
 
     def _load_sharded(self, path: Path, *, optimizer: bool = True, rng: bool = True, step: bool = True) -> None:
-        """A sharded checkpoint (`miles.training.fsdp.checkpoint`), resharded onto this trainer's ranks
+        """A sharded checkpoint (`miles.training.torch.fsdp.checkpoint`), resharded onto this trainer's ranks
         (one, without a process group, or any number); the parts as in `load`."""
         from safetensors.torch import load_file
 

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from miles.training.shards import around, local, step_shards
+from miles.training.torch.shards import around, local, step_shards
 
 DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
 

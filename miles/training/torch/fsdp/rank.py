@@ -1,5 +1,5 @@
 """One rank of the torch trainer on N ranks: the one-process `Trainer`, its model sharded with FSDP2
-(`miles.training.fsdp.sharding`), data parallel over each global batch.
+(`miles.training.torch.fsdp.sharding`), data parallel over each global batch.
 
 Every rank receives the whole rollout and packs the same [B, T] batch, so each computes the global
 batch's normalizers itself. A rank runs only its contiguous share of the rows (`rank_rows`), in
@@ -18,7 +18,7 @@ its gradient is reduce-scattered like the others. On CUDA the decoder layers are
 after `fully_shard` as on the one-process trainer (--no-trainer-compile turns it off), and there is
 no autocast: FSDP's mixed-precision policy casts each unit's parameters to bf16 once per gather.
 
-A plain class; `miles.training.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
+A plain class; `miles.training.torch.fsdp.group.FSDPTrainer` makes one Ray actor of it per rank.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch
-from miles.training.fsdp.buckets import GatheredWeights
-from miles.training.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
-from miles.training.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, join_group,
+from miles.training.torch.fsdp.buckets import GatheredWeights
+from miles.training.torch.fsdp.checkpoint import is_sharded_checkpoint, load_full, rng_file, save_sharded
+from miles.training.torch.fsdp.sharding import (Root, all_reduce_sum, bucket_names, decoder_layers, full_tensor, join_group,
                                           padded_count, rank_rows, reshard_all, shard_model, sum_over_ranks)
-from miles.training.microbatch import HostRows, take_rows
+from miles.training.torch.microbatch import HostRows, take_rows
 from miles.training.rng import rng_state, set_rng_state
-from miles.training.shell import OPTIMIZER_FILE
+from miles.training.torch.shell import OPTIMIZER_FILE
 from miles.training.terms import TermSums
-from miles.training.trainer import REF_FILE, STATE_FILE, Trainer
+from miles.training.torch.trainer import REF_FILE, STATE_FILE, Trainer
 from miles.weights.hf import model_weights, resolve_device
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
 
@@ -217,7 +217,7 @@ class FSDPRank(DataParallelRank, Trainer):
 
     def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
         """The buckets of the weights cast to `dtype` (planned once, from the shards' global shapes;
-        `miles.training.fsdp.buckets`); CUDA IPC buffers on CUDA, host bytes elsewhere."""
+        `miles.training.torch.fsdp.buckets`); CUDA IPC buffers on CUDA, host bytes elsewhere."""
         if self._sender is None:
             self._sender = BucketSender(lambda: GatheredWeights(model_weights(self._live()), dtype), dtype=dtype,
                                         bucket_bytes=bucket_bytes, ipc=self.device.type == "cuda")
@@ -253,7 +253,7 @@ class FSDPRank(DataParallelRank, Trainer):
 
     # --- checkpoint ----------------------------------------------------------------------------------
     def save(self, path: str | Path, optimizer: bool = True) -> None:
-        """This rank's part of the sharded checkpoint (`miles.training.fsdp.checkpoint`) in `path`."""
+        """This rank's part of the sharded checkpoint (`miles.training.torch.fsdp.checkpoint`) in `path`."""
         import torch.distributed as dist
         from safetensors.torch import save_file
 
@@ -282,7 +282,7 @@ class FSDPRank(DataParallelRank, Trainer):
     def _load_whole(self, path: Path, *, optimizer: bool, rng: bool, step: bool) -> None:
         from safetensors.torch import load_file
 
-        from miles.training.trainer import MODEL_FILE, RNG_FILE
+        from miles.training.torch.trainer import MODEL_FILE, RNG_FILE
 
         with_optimizer = self._saved_with_optimizer(path)
         needed = (MODEL_FILE, RNG_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if with_optimizer else ())

@@ -5,7 +5,7 @@ index, so the plan is deterministic), and consecutive rows go into one micro-bat
 rows x longest row <= the budget: what a right-padded micro-batch costs in memory and compute is its
 padded size, and sorting keeps the padding small. A row longer than the budget gets a micro-batch
 of its own (it cannot be split). Which rows share a micro-batch does not change the loss: every
-micro-batch term is divided by the global batch's normalizer (miles.training.trainer), so the
+micro-batch term is divided by the global batch's normalizer (miles.training.torch.trainer), so the
 accumulated gradient is the same for any partition of the rows.
 
 Packed (the default with a token budget; `miles.training.packing`): the budget bounds a micro-batch's

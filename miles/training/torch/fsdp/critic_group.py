@@ -7,7 +7,7 @@ The composition root makes `FSDPCritic` an actor like the one-process critic; it
 (`miles.training.ranks.RankGroup`, named `critic-rank-<r>` beside the policy's `trainer-rank-<r>`) in
 the run's placement (`rank_options`) or, on the CPU, `world_size` ranks; every call goes to all
 ranks, and the answer is rank 0's (the ranks agree on values and metrics). Its checkpoints are the
-one-process critic's folder (see `miles.training.fsdp.critic_rank`).
+one-process critic's folder (see `miles.training.torch.fsdp.critic_rank`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class FSDPCritic:
                  world_size: int | None = None, namespace: str | None = None):
         """`train` is the run's with lr = --critic-lr, as for the one-process critic; `rank_options` one
         dict of Ray actor options per rank (on GPUs), else `world_size` ranks."""
-        from miles.training.fsdp.critic_rank import FSDPCriticRank
+        from miles.training.torch.fsdp.critic_rank import FSDPCriticRank
 
         options = rank_actor_options(device, rank_options, world_size)
         self._group = RankGroup(FSDPCriticRank, options, model_path, train=train, algorithm=algorithm,

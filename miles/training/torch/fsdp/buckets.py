@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from miles.training.fsdp.sharding import full_tensor
+from miles.training.torch.fsdp.sharding import full_tensor
 from miles.weights.transport import WeightBucket
 
 

@@ -8,7 +8,7 @@ a GPU share each) or, on the CPU, `world_size` ranks; every call goes to all ran
 rank 0's (the ranks agree on metrics). Weights leave bucket by bucket: the ranks gather one bucket of
 whole tensors at a time (`DEFAULT_BUCKET_BYTES` of float32), rank 0 copies it to the host, so no rank
 ever holds the whole model on its device; colocated on GPUs, the CUDA IPC buckets are gathered the
-same way in the engines' dtype, one copy per rank's GPU (`miles.training.fsdp.buckets`). Checkpoints are sharded (`miles.training.fsdp.checkpoint`);
+same way in the engines' dtype, one copy per rank's GPU (`miles.training.torch.fsdp.buckets`). Checkpoints are sharded (`miles.training.torch.fsdp.checkpoint`);
 the HF export is the one-process trainer's format.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.fsdp.buckets import merge_rank_buckets
+from miles.training.torch.fsdp.buckets import merge_rank_buckets
 from miles.training.ranks import RankGroup, rank_actor_options
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
@@ -38,7 +38,7 @@ class FSDPTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
                  device: str = "auto", dtype: str = "auto", rank_options: Sequence[Mapping[str, Any]] | None = None,
                  world_size: int | None = None, namespace: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        from miles.training.fsdp.rank import FSDPRank
+        from miles.training.torch.fsdp.rank import FSDPRank
 
         options = rank_actor_options(device, rank_options, world_size)
         self._model_path, self._bucket_bytes = model_path, bucket_bytes
@@ -62,7 +62,7 @@ class FSDPTrainer:
         self._group.all("release_cached_memory")
 
     def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-        """The CUDA IPC transport's buckets (`miles.training.fsdp.buckets`): the weights cast to `dtype`
+        """The CUDA IPC transport's buckets (`miles.training.torch.fsdp.buckets`): the weights cast to `dtype`
         in buffers of at most `bucket_bytes`, planned once on every rank."""
         return self._group.all("weight_bucket_count", dtype, bucket_bytes)[0]
 
@@ -97,7 +97,7 @@ class FSDPTrainer:
 
     def offload(self) -> int:
         """Every rank's optimizer state shards to its host memory, the gradients dropped (--offload-train);
-        the bytes all ranks gave up. Each later step streams the shards (`miles.training.offload`)."""
+        the bytes all ranks gave up. Each later step streams the shards (`miles.training.torch.offload`)."""
         return sum(self._group.all("offload"))
 
     def onload(self) -> int:

@@ -4,15 +4,15 @@ What lives here, once: the seeding, the device and the autocast compute dtype, A
 run's betas (with --decoupled-lr the input embedding and output layer in groups of their own), the
 learning-rate and weight-decay schedules by optimizer step, the finite-gradient
 step (clip, refuse a non-finite norm before it reaches a weight, set the rate, step; under float16
-the loss scaling of `miles.training.loss_scale`: the gradients unscaled before the clip, and a
+the loss scaling of `miles.training.torch.loss_scale`: the gradients unscaled before the clip, and a
 non-finite norm is an overflow whose step is skipped, not an error), the
 micro-batches of a global batch (--micro-batch-size rows, or with --use-dynamic-batch-size token-budget
 groups of at most --max-tokens-per-gpu tokens, packed into one row when the model packs; on CUDA without
---max-tokens-per-gpu a budget planned from the free memory: `miles.training.microbatch`,
-`miles.training.memory_plan`), the optimizer state and step count on disk (written on a thread of its own from a CPU snapshot with
+--max-tokens-per-gpu a budget planned from the free memory: `miles.training.torch.microbatch`,
+`miles.training.torch.memory_plan`), the optimizer state and step count on disk (written on a thread of its own from a CPU snapshot with
 --async-save: `miles.checkpoint.background`), the optimizer state's move to host memory while a colocated engine
 needs the GPU (`offload`, --offload-train; from then on each step streams it through the GPU a chunk
-at a time: `miles.training.offload`), and the disposal. What a model computes (policy loss, value loss) and
+at a time: `miles.training.torch.offload`), and the disposal. What a model computes (policy loss, value loss) and
 what else it saves are the subclass's.
 """
 
@@ -30,14 +30,14 @@ from torch import Tensor, nn
 from miles.checkpoint.background import BackgroundWrites
 from miles.config import TrainConfig
 from miles.training.batch import TrainBatch
-from miles.training.loss_scale import loss_scaler
-from miles.training.memory_plan import cuda_token_budget
-from miles.training.microbatch import HostRows, padded_tokens, plan_micro_batches, take_rows
+from miles.training.torch.loss_scale import loss_scaler
+from miles.training.torch.memory_plan import cuda_token_budget
+from miles.training.torch.microbatch import HostRows, padded_tokens, plan_micro_batches, take_rows
 from miles.training.packing import to_device
 from miles.training.rng import seed_everything
-from miles.training.offload import DEFAULT_CHUNK_BYTES, HostOffload
-from miles.training.shadows import weight_shadows
-from miles.training.shards import clip_grad_norm, local, step_shards
+from miles.training.torch.offload import DEFAULT_CHUNK_BYTES, HostOffload
+from miles.training.torch.shadows import weight_shadows
+from miles.training.torch.shards import clip_grad_norm, local, step_shards
 from miles.training.schedule import lr_schedule, wd_schedule
 from miles.weights.hf import resolve_device, resolve_dtype
 
@@ -156,7 +156,7 @@ class OptimizedModel:
     def _shadowed(self, model: nn.Module, *, grads: bool):
         """The context of a micro-batch loop over `model`: with --trainer-weight-shadows its decoder's
         Linear weights in the compute dtype, cast once for the loop, with --gradient-accumulation-fusion
-        their weight gradients added up by the matmuls too (`miles.training.shadows`)."""
+        their weight gradients added up by the matmuls too (`miles.training.torch.shadows`)."""
         t = self._train_cfg
         if not t.shadows:
             return contextlib.nullcontext()
@@ -257,7 +257,7 @@ class OptimizedModel:
         raise NotImplementedError
 
     def _plan_memory(self, host: HostRows) -> int:
-        """The token budget the free CUDA memory allows now (`miles.training.memory_plan`)."""
+        """The token budget the free CUDA memory allows now (`miles.training.torch.memory_plan`)."""
         self._memory_budget = cuda_token_budget(
             optimizer=self._optimizer, device=self.device, compute_bytes=torch.finfo(self.compute_dtype).bits // 8,
             recompute=self._train_cfg.recompute_activations, min_tokens=max(host.lengths),

@@ -39,9 +39,9 @@ from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.packing import Pack, use_packing
 from miles.training.protocol import STEP_GRAD_NORMS
-from miles.training.shell import OptimizedModel
+from miles.training.torch.shell import OptimizedModel
 from miles.training.terms import TermSums
-from miles.training.threads import cpu_threads
+from miles.training.torch.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
@@ -121,7 +121,7 @@ class Critic(OptimizedModel):
         self._packed = use_packing(train, self._model.lm, device=self.device)
         if restore is not None:          # the backbone came from the folder already; head, optimizer, steps
             self._load_state(restore)
-        # on the CPU inside a Ray actor, the cores its process may use (the trainer's rule: miles.training.threads);
+        # on the CPU inside a Ray actor, the cores its process may use (the trainer's rule: miles.training.torch.threads);
         # the critic and the trainer take turns in the train phase, so each may use them all
         threads = cpu_threads(self.device, share=self.world_size)
         log.info("critic_ready", backbone=backbone, restored=str(restore) if restore else None, device=str(self.device),

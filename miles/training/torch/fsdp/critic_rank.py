@@ -1,5 +1,5 @@
 """One rank of PPO's critic on N ranks: the one-process `Critic`, its `ValueModel` sharded with FSDP2
-(`miles.training.fsdp.sharding`), data parallel over each global batch, as `FSDPRank` is the policy's.
+(`miles.training.torch.fsdp.sharding`), data parallel over each global batch, as `FSDPRank` is the policy's.
 
 Every rank receives the whole rollout, its old values and its returns, and packs the same [B, T]
 batch, so each computes the global batch's token count (the loss's normalizer) itself. A rank runs
@@ -21,7 +21,7 @@ reads the whole files on every rank and keeps its shards (`load_full`). Rank 0's
 the whole weights and AdamW state while it saves (three float32 copies of the model), and every
 rank's while it loads.
 
-A plain class; `miles.training.fsdp.critic_group.FSDPCritic` makes one Ray actor of it per rank.
+A plain class; `miles.training.torch.fsdp.critic_group.FSDPCritic` makes one Ray actor of it per rank.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch
-from miles.training.critic import HEAD_FILE, Critic
-from miles.training.fsdp.checkpoint import load_full, whole_optimizer_state
-from miles.training.fsdp.rank import DataParallelRank
-from miles.training.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, reshard_all,
+from miles.training.torch.critic import HEAD_FILE, Critic
+from miles.training.torch.fsdp.checkpoint import load_full, whole_optimizer_state
+from miles.training.torch.fsdp.rank import DataParallelRank
+from miles.training.torch.fsdp.sharding import (all_reduce_sum, decoder_layers, full_tensor, reshard_all,
                                           shard_model, sum_over_ranks)
-from miles.training.shell import OPTIMIZER_FILE
+from miles.training.torch.shell import OPTIMIZER_FILE
 from miles.training.terms import TermSums
 from miles.types import Sample
 from miles.weights.hf import load_causal_lm, model_weights
