@@ -28,7 +28,7 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.training.moe_checks",    # mixture-of-experts checkpoints and flags
     "miles.training.protocol",      # the trainers' specs: names, critic, model parallelism, each backend's checks
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
-    "miles.phases.faults",          # --inject-fault
+    "miles.api.faults",          # --inject-fault
     "miles.tracking.sinks",         # metrics sinks whose package is not installed
 )
 

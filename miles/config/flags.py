@@ -500,7 +500,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
        help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
-       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
+       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/api/faults.py; a wrong one lists them)"),
 )
 
 # -- miles flags a single-node user reaches for; the ones refused are in miles_flags.py -------------

@@ -580,11 +580,11 @@ class RunConfig:
     dump_details: str | None = None     # --dump-details DIR: both debug dumps under DIR (debug_*_data_path)
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
-    inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+    inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/api/faults.py)
     start_rollout_id: int | None = None  # --start-rollout-id: the first rollout id (overrides the checkpoint's)
     debug_train_only: bool = False      # --debug-train-only: no engines; needs --load-debug-rollout-data
     ci_test: bool = False               # --ci-test: weight-sync, logprob and reference checks fail the run
-    # miles' CI gates (miles/phases/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
+    # miles' CI gates (miles/tracking/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
     ci_metric_checker_key: str | None = None        # --ci-metric-checker-key: an eval metric some eval must reach...
     ci_metric_checker_threshold: float | None = None  # --ci-metric-checker-threshold: ...at least this value
     ci_save_grad_norm: str | None = None    # --ci-save-grad-norm: each optimizer step's gradient norm to this file

@@ -2,7 +2,7 @@
 where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
-checkpoint folders reach the driver (miles.phases.checkpoint_io) → the backends (picked once the
+checkpoint folders reach the driver (miles.checkpoint.folders) → the backends (picked once the
 cluster's GPUs are known: they decide --device auto) → placement (the GPU plan and its placement
 group) → the engine fleet (if the engine's spec has one: SGLang's router) → engines → trainer →
 critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
@@ -38,19 +38,19 @@ from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
 from miles.config.schema import parse_opd_teachers
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
-from miles.phases.background_save import BackgroundSave
-from miles.phases.checkpoint_io import SAVE_GROUP, pick_folders
-from miles.phases.ci_gates import CICheckFailed
+from miles.checkpoint.background_save import BackgroundSave
+from miles.checkpoint.folders import SAVE_GROUP, pick_folders
+from miles.tracking.ci_gates import CICheckFailed
 from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
-from miles.phases.engines import make_engine
-from miles.phases.engine_reason import engine_reason
-from miles.phases.health import start_health_monitor
-from miles.phases.megatron_resume import resume_from_megatron
-from miles.phases.memory import trainer_offloads
-from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
+from miles.rollout.supervision import make_engine
+from miles.rollout.engines.reason import engine_reason
+from miles.rollout.health import start_health_monitor
+from miles.checkpoint.megatron_resume import resume_from_megatron
+from miles.cluster.memory import trainer_offloads
+from miles.data.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
                                        first_row_keys, label_warnings, model_shapes)
-from miles.phases.watch import ci_check_model_hash
+from miles.tracking.watch import ci_check_model_hash
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import check_hooks
@@ -531,7 +531,7 @@ def _hash_before_start(ctx: TrainingContext, folder: LoadFolder | None) -> None:
 
 async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
     """The sha256 of every file the load reads, each checked where it is read: `trainer/` (and
-    `critic/`) in their actors, or here when the folders travel through Ray (checkpoint_io);
+    `critic/`) in their actors, or here when the folders travel through Ray (miles.checkpoint.folders);
     `rollout.json` here."""
     readers = [(ctx.c.trainer, TRAINER_DIR)]
     if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.rollout.supervision import with_engine_restarts
 from miles.rollout.executor import PROMPTS_KEY
 
 

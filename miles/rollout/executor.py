@@ -28,7 +28,7 @@ them (`Trainer.prepare_rollout`); their samples leave here with advantage 0. Abo
 samples are left out of their group's statistics (advantage 0; the trainer does not train on them).
 
 Every engine call is bounded by `--engine-generate-timeout`: past it, `EngineUnresponsive` names the
-engine, and the phase kills, restarts and retries (`miles.phases.engines`).
+engine, and the phase kills, restarts and retries (`miles.rollout.supervision`).
 """
 
 from __future__ import annotations

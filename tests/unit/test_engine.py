@@ -215,7 +215,7 @@ def test_max_context_len_caps_each_response_by_its_prompt(engine):
 
 
 def test_memory_release_is_a_no_op_on_the_cpu_and_the_run_s_hand_off_sequence_works(engine):
-    # the run's sequence (miles.phases.memory): release every tag, resume "weights" before the push,
+    # the run's sequence (miles.cluster.memory): release every tag, resume "weights" before the push,
     # then the rest; on the CPU there is nothing to give back, and answers and health stay as they were
     before = engine.generate(PROMPTS, GREEDY)
     engine.release_memory(("weights", "kv_cache", "cuda_graph"))

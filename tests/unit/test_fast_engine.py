@@ -356,7 +356,7 @@ def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
 
 
 def test_memory_tags_the_fast_engine_does_not_hold_released_are_no_ops(model_path):
-    # the run's hand-off (miles.phases.memory): release every tag, resume "weights" before the push
+    # the run's hand-off (miles.cluster.memory): release every tag, resume "weights" before the push
     # (they never left: nothing to do), then the KV cache and the graphs after it
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     engine.release_memory(("weights",))

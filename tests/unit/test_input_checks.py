@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
-from miles.phases.input_checks import (check_checkpoint_fits, check_user_functions, first_row_keys, label_warnings,
+from miles.data.input_checks import (check_checkpoint_fits, check_user_functions, first_row_keys, label_warnings,
                                        model_shapes, safetensors_shapes)
 from miles.rollout.rewards import import_reward_fn, math_reward
 from miles.user_code import display_name

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
-from miles.training import lora
+from miles.training.torch import lora
 from miles.training.batch import make_train_batch
 from miles.training.torch.trainer import Trainer
 from miles.weights.checksum import state_dict_checksum

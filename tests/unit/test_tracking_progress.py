@@ -64,7 +64,7 @@ def test_resume_counts_from_the_checkpoint():
 
 
 def test_a_resume_that_starts_something_fresh_says_what():
-    from miles.phases.megatron_resume import FRESH_NOTE
+    from miles.checkpoint.megatron_resume import FRESH_NOTE
 
     line, = ProgressModel().update(ev("resumed", 1.0, rollout_id=7, next_rollout=8, path="ckpt/iter_0000007",
                                       format="megatron_torch_dist", note=FRESH_NOTE))

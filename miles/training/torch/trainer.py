@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
-from miles.training import lora
+from miles.training.torch import lora
 from miles.training.torch.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
 from miles.training.moe import TrainerMoe
 from miles.training.torch.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file

@@ -7,7 +7,7 @@ then every `--rollout-health-check-interval` seconds, each engine is asked `heal
 `--rollout-health-check-timeout` (the process is stuck), or when it reports a call that has made no
 progress for that long (a decode loop that stopped). A hung engine is killed: the call in flight
 on it then fails as for a dead actor, and the phase running it restarts the engine within the
-restart budget and retries (`miles.phases.engines.with_engine_restarts`); an engine killed between
+restart budget and retries (`miles.rollout.supervision.with_engine_restarts`); an engine killed between
 phases is restarted by the next phase that calls it. A probe that raises (the engine cannot vouch
 for itself) counts as hung too. Once the run's teardown has begun, nothing is reported or killed:
 engines go on purpose then. Trace events: `engine_unhealthy` (engine, reason) then

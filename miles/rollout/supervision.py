@@ -9,10 +9,10 @@ ran past --engine-generate-timeout (`EngineUnresponsive`), that engine is hung: 
 that is not an engine (the trainer) is not restartable: the failure goes on to the fail route. Past
 the budget, RestartBudgetExceeded does the same. (An SGLang engine whose server dies ends its own
 actor, so a dead server takes this path too.) Hung engines between calls are the health monitor's
-(`miles.phases.health`).
+(`miles.rollout.health`).
 
 A restarted engine is put in the memory state the others are in (`ctx.engines_released`, kept by
-miles.phases.memory).
+miles.cluster.memory).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ SGLang server or a test), and with --colocate on GPUs; the trainer offloads on G
 whose spec does not declare `SupportsMemoryRelease` keep theirs; a trainer whose spec does not declare
 `SupportsOffload` keeps its optimizer state. `ctx.engines_released` holds the tags the engines have released,
 so that a resume asks for exactly those and a restarted engine is put in the same state
-(miles.phases.engines). Each hand-off is a trace event with its duration.
+(miles.rollout.supervision). Each hand-off is a trace event with its duration.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import asyncio
 import time
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.rollout.supervision import with_engine_restarts
 from miles.rollout.protocol import MEMORY_TAGS, SupportsMemoryRelease
 from miles.training.protocol import SupportsCachedMemoryRelease, SupportsOffload
 
