@@ -1,6 +1,7 @@
-"""What `init` checks on the driver before any actor starts, beyond loading the data: the model's
-weight files, a --load checkpoint against the model, the user's functions, and what a new user gets
-wrong without an error (a reward that needs labels and no --label-key).
+"""What `init` checks on the driver before any actor starts (`check_inputs`): the tokenizer, the prompt
+or SFT files and the eval sets, the model's weight files, a --load checkpoint against the model (its
+sha256 too: `miles.checkpoint.restore.hash_before_start`), the user's functions and the reward services,
+and what a new user gets wrong without an error (a reward that needs labels and no --label-key).
 
 Errors are `ConfigError`s naming the input and the fix (exit 2, before anything starts); what is
 probably wrong but may be meant is a warning (`init` traces it and the progress display shows it).
@@ -13,9 +14,28 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
 
-from miles.config import ConfigError, RunConfig
+from miles.checkpoint.resume import check_load_folder
+from miles.checkpoint.restore import hash_before_start
+from miles.config import ConfigError, EvalDataset, RunConfig
+from miles.config.schema import parse_opd_teachers
+from miles.data.prompts import load_prompts
+from miles.data.sft import load_sft_data
+from miles.rollout.evals import load_eval_function
+from miles.rollout.filters import load_filter
+from miles.rollout.generation import load_generate_function, load_rollout_function
+from miles.rollout.hooks import check_hooks
+from miles.rollout.partial import check_partial_rollout
+from miles.rollout.remote_reward import check_reachable
+from miles.rollout.rewards import REMOTE_RM, load_reward_fn
+from miles.rollout.scoring import Rewards
+from miles.rollout.tools import load_tool_kit, load_tool_specs
+from miles.weights.hf import load_tokenizer
+
+if TYPE_CHECKING:
+    from miles.phases.context import TrainingContext
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 LABEL_KEYS = ("label", "answer", "solution", "ground_truth", "target", "reference", "output")   # what a label is called
@@ -80,8 +100,8 @@ def model_shapes(folder: str | Path, flag: str) -> dict[str, tuple[int, ...]] | 
 
 def check_checkpoint_fits(cfg: RunConfig, model: dict[str, tuple[int, ...]] | None) -> None:
     """The checkpoint --load resumes from holds weights of --hf-checkpoint's shapes. The candidates are
-    `_resume`'s (init.py): newest first, incomplete ones passed over, and so is one whose weights file
-    fails its sha256 (corrupt, not another model: `_resume` skips it too, unless --no-verify-load).
+    `miles.checkpoint.restore.resume`'s: newest first, incomplete ones passed over, and so is one whose
+    weights file fails its sha256 (corrupt, not another model: `resume` skips it too, unless --no-verify-load).
     Files are hashed here only when their header already looks wrong."""
     from miles.checkpoint.checkpointer import TRAINER_DIR
     from miles.checkpoint.store import CheckpointStore
@@ -202,3 +222,81 @@ def check_context_len(cfg: RunConfig, prompts: list[Any], source: str, *, evalua
         raise ConfigError(f"{source}: {len(long)} of {len(prompts)} prompts (rows {rows}) have "
                           f"{flag} {limit} tokens or more, leaving no room for a response; raise "
                           f"it or drop them with {drop} {limit - 1}")
+
+
+async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
+    """The user's generate / rollout / tool functions import and have the right signatures; the
+    rewards exist (the per-sample types the data names too) and their services answer, as do the OPD
+    teacher servers (--opd-type sglang)."""
+    g = cfg.generate
+    if g.generate_function_path:
+        load_generate_function(g.generate_function_path)
+    if g.rollout_function_path:
+        load_rollout_function(g.rollout_function_path)
+    if cfg.eval.function_path:
+        load_eval_function(cfg.eval.function_path)
+    if g.execute_tool_function_path:
+        load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
+                      timeout_s=g.tool_timeout_s)
+    rewards = Rewards(cfg.rollout)
+    rewards.check_prompts(prompts)
+    try:
+        await rewards.check_services()
+    finally:
+        await rewards.close()
+    if cfg.algorithm.opd_from_servers:       # --opd-type sglang: every teacher server answers before anything starts
+        for name, url in parse_opd_teachers(cfg.algorithm.opd_teacher_urls).items():
+            await check_reachable(url, timeout_s=10.0, attempts=cfg.rollout.rm_max_retries + 1,
+                                  backoff_s=cfg.rollout.rm_retry_backoff_s, flag="--opd-teacher-urls",
+                                  what=f"the server of teacher {name!r}",
+                                  why_needed="--opd-type sglang asks it for every trained sample's logprobs")
+
+
+async def check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
+    """Everything that can be wrong with the input, found before any actor exists."""
+    cfg = ctx.cfg
+    folder = check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start,
+                               step=cfg.checkpoint.ckpt_step, exit_on_missing=cfg.checkpoint.exit_on_missing)
+    hash_before_start(ctx, folder)
+    check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
+    try:
+        tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
+    sft_responses = None
+    tools = load_tool_specs(cfg.generate.tool_specs_path) if cfg.generate.tool_specs_path else None
+    if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
+        prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
+    else:
+        prompts = load_prompts(cfg.data, tokenizer, tools=tools)
+    check_context_len(cfg, prompts, f"--prompt-data {cfg.data.prompt_data}")
+    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer, tools) for d in cfg.eval.sets()}
+    r = cfg.rollout
+    # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
+    reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
+    await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
+    if cfg.rollout.dynamic_sampling_filter_path:
+        load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    check_hooks(cfg.rollout, cfg.eval.log_function_path)
+    check_partial_rollout(cfg.rollout)
+    check_user_functions(cfg)
+    for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
+                       ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
+        if size is not None and size > len(prompts):
+            raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
+    warnings = label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)) if reward_fn else []
+    for warning in warnings:
+        ctx.tracer.emit("warning", code="label_key", message=warning)
+    ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
+    return tokenizer, prompts, eval_sets, sft_responses
+
+
+def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:
+    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's, long ones dropped by
+    --eval-max-prompt-len (else --max-prompt-len)."""
+    keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
+    if cfg.eval.max_prompt_len is not None:            # --eval-max-prompt-len: the evals' own limit
+        keys["max_prompt_len"] = cfg.eval.max_prompt_len
+    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer, tools=tools)
+    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})", evaluation=True)
+    return prompts

@@ -165,7 +165,7 @@ def test_a_custom_reward_that_takes_a_label_without_a_label_key_is_a_warning(tmp
 
 def test_eval_prompts_have_their_own_length_limit_and_context_cap(model, tmp_path):
     from miles.config import EvalDataset
-    from miles.phases.init import _eval_prompts
+    from miles.data.input_checks import _eval_prompts
     from miles.weights.hf import load_tokenizer
 
     tok = load_tokenizer(model)

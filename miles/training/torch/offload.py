@@ -17,7 +17,7 @@ is element-wise, so a chunk's update does not depend on the others), and a round
 machine without CUDA the same code runs with host "device" tensors: the copies still happen, which is
 what the CPU tests check.
 
-A load while offloaded (a resume: miles.phases.init offloads first) ends with the state in the host
+A load while offloaded (a resume: miles.checkpoint.restore offloads first) ends with the state in the host
 buffers whichever way it came: `load_state_dict` here fills them directly (the one-process file), and
 any `optimizer.load_state_dict` (torch's, which DCP's sharded and whole-file loads under FSDP call)
 is followed by a hook that copies what it put on the device into them, so the first rollout after a

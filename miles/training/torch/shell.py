@@ -320,7 +320,7 @@ class OptimizedModel:
     def _load_optimizer(self, path: Path, *, optimizer: bool = True, step: bool = True) -> None:
         """Optimizer state and step count, each when `path` holds it and it is asked for (--no-load-optim:
         not the state, a fresh optimizer; --finetune: neither). Offloaded (the run offloads before it
-        resumes: miles.phases.init), the state goes to the host buffers, never whole on the device."""
+        resumes: miles.checkpoint.restore), the state goes to the host buffers, never whole on the device."""
         if optimizer and (path / OPTIMIZER_FILE).is_file():
             if self._host is not None and self._host.holds_state:
                 saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
