@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.checkpoint.megatron_format import MegatronCheckpoint
-from miles.tracking.watch import ci_check_model_hash
+from miles.metrics.watch import ci_check_model_hash
 
 if TYPE_CHECKING:
     from miles.phases.context import TrainingContext

@@ -17,8 +17,8 @@ from miles.checkpoint.megatron_resume import resume_from_megatron
 from miles.checkpoint.resume import LoadFolder, classify_load_folder, pick_step, refuse_fresh_start, skipped_line
 from miles.checkpoint.store import manifest_files, verify_files
 from miles.cluster.memory import trainer_offloads
-from miles.tracking.ci_gates import CICheckFailed
-from miles.tracking.watch import ci_check_model_hash
+from miles.metrics.ci_gates import CICheckFailed
+from miles.metrics.watch import ci_check_model_hash
 
 if TYPE_CHECKING:
     from miles.phases.context import TrainingContext

@@ -29,7 +29,7 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.training.protocol",      # the trainers' specs: names, critic, model parallelism, each backend's checks
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
     "miles.api.faults",          # --inject-fault
-    "miles.tracking.sinks",         # metrics sinks whose package is not installed
+    "miles.metrics.sinks",         # metrics sinks whose package is not installed
 )
 
 CHECKS: dict[str, Check] = {}       # "module:function" -> check, in registration order

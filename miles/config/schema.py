@@ -584,7 +584,7 @@ class RunConfig:
     start_rollout_id: int | None = None  # --start-rollout-id: the first rollout id (overrides the checkpoint's)
     debug_train_only: bool = False      # --debug-train-only: no engines; needs --load-debug-rollout-data
     ci_test: bool = False               # --ci-test: weight-sync, logprob and reference checks fail the run
-    # miles' CI gates (miles/tracking/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
+    # miles' CI gates (miles/metrics/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
     ci_metric_checker_key: str | None = None        # --ci-metric-checker-key: an eval metric some eval must reach...
     ci_metric_checker_threshold: float | None = None  # --ci-metric-checker-threshold: ...at least this value
     ci_save_grad_norm: str | None = None    # --ci-save-grad-norm: each optimizer step's gradient norm to this file

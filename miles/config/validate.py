@@ -950,7 +950,7 @@ GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save
 
 @check
 def _ci_gates(cfg: RunConfig, problems: list[str]) -> None:
-    """miles' CI gates (miles/tracking/ci_gates.py): the metric and model-hash ones work under --ci-test, as in miles."""
+    """miles' CI gates (miles/metrics/ci_gates.py): the metric and model-hash ones work under --ci-test, as in miles."""
     key, threshold = cfg.ci_metric_checker_key, cfg.ci_metric_checker_threshold
     if (key is None) != (threshold is None):
         problems.append("--ci-metric-checker-key and --ci-metric-checker-threshold go together: give both")

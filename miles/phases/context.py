@@ -17,7 +17,7 @@ import ray
 
 from miles.config import RunConfig
 from miles.checkpoint.folders import Folders, SharedFolders
-from miles.tracking.ci_gates import CIGates
+from miles.metrics.ci_gates import CIGates
 from miles.runtime import Disposer, PhaseContext, Tracer
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from miles.rollout.prefetch import Prefetcher
     from miles.rollout.protocol import Engine, EngineFleet, EngineSpec
     from miles.runtime.supervisor import RestartBudget
-    from miles.tracking.sinks import Tracker
+    from miles.metrics.sinks import Tracker
     from miles.training.protocol import CriticBackend, TrainBackendSpec, TrainerBackend
 
 
@@ -123,7 +123,7 @@ class TrainingContext(PhaseContext):
         self.resumed = False                           # init restored a checkpoint (--load)
         self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
-        self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.tracking.ci_gates)
+        self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.metrics.ci_gates)
 
     def rollout_of(self, state: str) -> int | None:
         """A rollout phase makes the next rollout; every other phase works on the last one."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from miles.phases.context import TrainingContext
 from miles.rollout.supervision import with_engine_restarts
-from miles.tracking.watch import ci_after_eval
+from miles.metrics.watch import ci_after_eval
 
 
 async def evaluate(ctx: TrainingContext) -> str:

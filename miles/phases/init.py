@@ -49,7 +49,7 @@ from miles.rollout.protocol import SupportsWeightBuckets
 from miles.rollout.supervision import make_engine
 from miles.runtime.machine import import_object
 from miles.runtime.procs import usable_cores
-from miles.tracking.sinks import Tracker, open_sinks
+from miles.metrics.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave
 from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
 

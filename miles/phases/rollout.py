@@ -39,7 +39,7 @@ async def rollout(ctx: TrainingContext) -> str:
 async def _save_debug_data(ctx: TrainingContext, samples_ref: Any, metrics: dict[str, Any]) -> None:
     """--save-debug-rollout-data (or --dump-details): the samples come to the driver (a debugging cost, off
     by default)."""
-    from miles.tracking.rollout_data import rollout_data_path, save_rollout_data
+    from miles.rollout.debug_data import rollout_data_path, save_rollout_data
 
     path = rollout_data_path(ctx.cfg.debug_rollout_data_path, ctx.rollout_id)
     save_rollout_data(path, ctx.rollout_id, await samples_ref, metrics)

@@ -28,7 +28,7 @@ from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, Disk
                                            hf_copy_path, publish_folder, save_atomically, write_data_position)
 from miles.checkpoint.background_save import commit_when_written, start_parts
 from miles.phases.context import TrainingContext
-from miles.tracking.watch import ci_save_model_hash
+from miles.metrics.watch import ci_save_model_hash
 
 
 async def save(ctx: TrainingContext) -> str:

@@ -11,7 +11,7 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.cluster.memory import to_trainer
-from miles.tracking.watch import ci_after_train, ci_checks, watch_reward_variance
+from miles.metrics.watch import ci_after_train, ci_checks, watch_reward_variance
 
 
 async def train(ctx: TrainingContext) -> str:

@@ -176,7 +176,7 @@ class TrainerBackend(Protocol):
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Optimizer steps on one rollout; returns its metrics, and under `STEP_GRAD_NORMS` the list of
-        each step's gradient norm (the driver takes it out of the row: miles.tracking.ci_gates)."""
+        each step's gradient norm (the driver takes it out of the row: miles.metrics.ci_gates)."""
         ...
 
     def weights(self) -> dict[str, torch.Tensor]:

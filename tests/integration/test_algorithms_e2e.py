@@ -20,7 +20,7 @@ from miles.cli.train import main as train_main
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
-from miles.tracking.metrics import read_metrics
+from miles.metrics.jsonl import read_metrics
 from tests.conftest import base_flags
 
 pytestmark = pytest.mark.ray

@@ -1,6 +1,6 @@
 """Why the run's engine is the one it is: the `engine_picked` event's family and reason, and its
 start-up line
-(miles.tracking.progress). Read on the driver from the checkpoint's config (no weights loaded)."""
+(miles.metrics.progress). Read on the driver from the checkpoint's config (no weights loaded)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import pytest
 
 from miles.runtime import Disposer, PhaseContext, Runner, Tracer, builtin_machines, load_machine, read_trace
 from miles.runtime.machine import FAIL, MachineDef
-from miles.tracetools import build_timeline, check_trace, covering_paths, guard_values, simple_paths
-from miles.tracetools.paths import Step
+from miles.traceview import build_timeline, check_trace, covering_paths, guard_values, simple_paths
+from miles.traceview.paths import Step
 
 
 class ScriptedFault(RuntimeError):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from miles.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, RunConfig
-from miles.tracking.rollout_data import load_rollout_data, rollout_data_path, save_rollout_data
+from miles.rollout.debug_data import load_rollout_data, rollout_data_path, save_rollout_data
 from miles.types import Prompt, Sample
 
 

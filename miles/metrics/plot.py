@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from miles.tracking.metrics import read_metrics
+from miles.metrics.jsonl import read_metrics
 
 Series = dict[str, tuple[list[int], list[float]]]      # label -> (rollout ids, values)
 

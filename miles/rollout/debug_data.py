@@ -5,7 +5,7 @@ A saved rollout is one `.pt` file (`torch.save` of plain lists and dicts, read b
 advantage, ...) and the executor's metrics. Saving them lets a training step be replayed without
 engines (`--machine train_only`), and a rollout be looked at sample by sample:
 
-    python -c "from miles.tracking.rollout_data import load_rollout_data as l; print(l('d/rollout_3.pt').samples[0])"
+    python -c "from miles.rollout.debug_data import load_rollout_data as l; print(l('d/rollout_3.pt').samples[0])"
 
 PATH is a template with `{rollout_id}` (miles' convention, `dump/{rollout_id}.pt`), or a folder, in
 which case files are `PATH/rollout_<id>.pt`.

@@ -1,7 +1,7 @@
 """The metrics file: one JSONL line per trained rollout and per eval, `<run_dir>/metrics.jsonl`.
 
 It is the run's record of its numbers (`miles plot`, `read_metrics`, the demo's summary read it); the
-other sinks (TensorBoard, W&B, in `miles.tracking.sinks`) are views of the same rows. Library code
+other sinks (TensorBoard, W&B, in `miles.metrics.sinks`) are views of the same rows. Library code
 prints nothing: `console_line` is what the CLI's plain progress lines show.
 """
 

@@ -94,7 +94,7 @@ def configure_process_logging(context: LogContext, *, stderr: TextIO | None = No
     # module-level `log = structlog.get_logger().bind(role=...)`, imported when Ray unpickles the
     # actor class, before this runs) holds the default list itself, not a lookup of it. The level
     # filter and the file are in the chain for the same reason: such a logger keeps its old wrapper
-    # class and logger. tests/unit/test_tracking_logs.py pins this.
+    # class and logger. tests/unit/test_metrics_logs.py pins this.
     structlog.get_config()["processors"][:] = chain
     structlog.configure(cache_logger_on_first_use=False)
     return path

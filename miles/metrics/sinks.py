@@ -25,7 +25,7 @@ from typing import Any, Iterator, Protocol
 from miles.config import ConfigError, RunConfig, TrackingConfig
 from miles.config.checks import check
 from miles.config.packages import missing_package
-from miles.tracking.metrics import MetricsWriter
+from miles.metrics.jsonl import MetricsWriter
 
 EXTRAS = {"use_tensorboard": ("tensorboard", "--use-tensorboard", "tensorboard"),
           "use_wandb": ("wandb", "--use-wandb", "wandb"),

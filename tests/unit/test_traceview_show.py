@@ -8,10 +8,10 @@ import traceback
 from pathlib import Path
 
 from miles.runtime import load_machine, read_trace
-from miles.tracetools import build_timeline, check_trace, diff_traces
+from miles.traceview import build_timeline, check_trace, diff_traces
 from miles.cli.trace import main
-from miles.tracetools.render import fmt_s
-from miles.tracetools.timeline import exception_chain
+from miles.traceview.render import fmt_s
+from miles.traceview.timeline import exception_chain
 from tests.stub_phases import make_stub_run, stub_phase
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "traces"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from miles.tracking.progress import Expected, Progress, ProgressModel
+from miles.metrics.progress import Expected, Progress, ProgressModel
 
 
 def ev(event, mono, **fields):

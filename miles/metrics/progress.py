@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from miles.tracking.metrics import console_line
+from miles.metrics.jsonl import console_line
 
 MILESTONES = ("init", "draining", "shutdown")       # states a plain log line announces
 STEP_WINDOW = 5                                      # step times the ETA averages over

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles.runtime import load_machine, read_trace
-from miles.tracetools import check_trace
+from miles.traceview import check_trace
 from miles.cli.trace import main
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "traces"

@@ -3,7 +3,7 @@
 Like xstate's `getSimplePaths`: every walk from the initial state to a final state that visits no
 state twice, one edge per distinct (source, trigger, destination). `guard_values` says which guard
 answers make the runner take a given edge, so a scripted context can drive the runner along a path
-(`tests/unit/test_tracetools_paths.py` does, then checks each trace).
+(`tests/unit/test_traceview_paths.py` does, then checks each trace).
 """
 
 from __future__ import annotations

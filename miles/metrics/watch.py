@@ -1,6 +1,6 @@
 """Checks the driver makes on each trained rollout's metrics: a run that cannot learn (every group's
 rewards equal, rollout after rollout), and --ci-test's checks, which fail the run; and the phases'
-calls into miles' CI gates (miles.tracking.ci_gates: the eval metric, gradient norms, the model hash).
+calls into miles' CI gates (miles.metrics.ci_gates: the eval metric, gradient norms, the model hash).
 
 Every group with one reward has GRPO advantage 0 everywhere: the loss is 0 and nothing is learned.
 One such rollout happens; `ZERO_VARIANCE_ROLLOUTS` in a row is a run training on nothing (a reward
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from miles.tracking.ci_gates import CICheckFailed, check_model_hash, write_model_hash
+from miles.metrics.ci_gates import CICheckFailed, check_model_hash, write_model_hash
 from miles.phases.context import TrainingContext
 
 ZERO_VARIANCE_ROLLOUTS = 3

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from miles.config import ConfigError, TrackingConfig
-from miles.tracking.metrics import MetricsWriter, read_metrics, untimed
-from miles.tracking.sinks import Tracker, WandbSink, open_sinks, scalars, tracking_problems
+from miles.metrics.jsonl import MetricsWriter, read_metrics, untimed
+from miles.metrics.sinks import Tracker, WandbSink, open_sinks, scalars, tracking_problems
 
 
 class Recorder:
@@ -169,7 +169,7 @@ def test_use_mlflow_without_mlflow_is_a_config_problem_naming_the_install(monkey
 
 
 def test_mlflow_sink_logs_one_run_with_params_and_metrics_and_ends_it(tmp_path, monkeypatch):
-    from miles.tracking.sinks import MlflowSink
+    from miles.metrics.sinks import MlflowSink
 
     calls = []
 

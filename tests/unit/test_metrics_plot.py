@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from miles.cli import main as miles_main
-from miles.tracking.plot import eval_series, panels, step_times, train_series
+from miles.metrics.plot import eval_series, panels, step_times, train_series
 
 
 def write_run(run_dir, rows, trace=()):

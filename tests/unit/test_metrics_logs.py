@@ -9,7 +9,7 @@ import json
 import pytest
 import structlog
 
-from miles.tracking.logs import LogContext, context_for_actor, logged_actor_class, process_logging
+from miles.metrics.logs import LogContext, context_for_actor, logged_actor_class, process_logging
 
 
 EARLY = structlog.get_logger().bind(role="early")     # bound at import, as the components' modules do
@@ -136,7 +136,7 @@ def test_process_logging_restores_the_configuration_and_makes_no_dir_until_a_lin
 
 
 def test_the_tee_prints_one_short_line(tmp_path):
-    from miles.tracking.logs import configure_process_logging
+    from miles.metrics.logs import configure_process_logging
 
     err = io.StringIO()
     configure_process_logging(LogContext(run_id="r", log_dir=str(tmp_path), role="x"), stderr=err)

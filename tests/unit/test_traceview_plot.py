@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from miles.runtime import load_machine, read_trace
-from miles.tracetools import build_timeline
+from miles.traceview import build_timeline
 from miles.cli.trace import main as trace_main
-from miles.tracetools.diagram import graph, layers, to_mermaid
-from miles.tracetools.gantt import MAX_ROLLOUT_BARS, merge_bars, plot_timeline
+from miles.traceview.diagram import graph, layers, to_mermaid
+from miles.traceview.gantt import MAX_ROLLOUT_BARS, merge_bars, plot_timeline
 from miles.cli.machine import main as machine_main
 from tests.stub_phases import make_stub_run
 
