@@ -117,11 +117,6 @@ class RayCluster:
         """Whether the cluster authenticates its clients with a token (Ray >= 2.60)."""
         return token_auth_enabled()
 
-    def alive_actors(self) -> list[str]:
-        """Names of this run's live named actors (what a leak check looks at)."""
-        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a.get("namespace") == self.namespace)
-
     def dispose(self) -> None:
         """Close what this run opened: stop the local cluster it started, or drop its connection.
         A cluster this run started but other runs in this process still use is left to them (Ray

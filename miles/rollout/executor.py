@@ -185,10 +185,6 @@ class RolloutExecutor:
         if self._teacher is not None:
             await self._teacher.close()
 
-    async def check_rewards(self) -> None:
-        """Start-up check, on the driver: every reward service the run posts to answers."""
-        await self._rewards.check_services()
-
     def progress(self) -> list[dict[str, Any]]:
         """What each running rollout and eval is doing: samples to make, generated, scored, the engine
         and reward calls still running and the oldest's age (`miles.rollout.meter`). The driver asks
