@@ -43,7 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample
 
 HERE = Path(__file__).resolve().parent

@@ -1,7 +1,7 @@
 """Builds the tool-use example's base model: a small Llama warm-started with miles' own SFT on a
 teacher that calls the calculator on 30% of the problems and guesses (wrongly) on the rest.
 
-The SFT is `miles.training.trainer.Trainer` with `loss_type="sft_loss"`, in this process (no Ray),
+The SFT is `miles.training.torch.trainer.Trainer` with `loss_type="sft_loss"`, in this process (no Ray),
 on multi-turn samples: the teacher's tool call (trained), the tool turn (`<tool_response>...`, not
 trained: built by miles' `ToolKit.turn_ids` from the chat template, exactly what RL appends) and the
 final answer (trained). So the base model can call the calculator and copy its answer, but at
@@ -38,7 +38,7 @@ from tools import calc, execute  # noqa: E402
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig  # noqa: E402
 from miles.rollout.tools import ToolKit  # noqa: E402
-from miles.training.trainer import Trainer  # noqa: E402
+from miles.training.torch.trainer import Trainer  # noqa: E402
 from miles.types import Prompt, Sample  # noqa: E402
 
 

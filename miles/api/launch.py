@@ -16,7 +16,7 @@ import yaml
 
 from miles.config import RunConfig, as_dict
 from miles.phases.context import TrainingContext
-from miles.phases.faults import parse_fault, with_faults
+from miles.api.faults import parse_fault, with_faults
 from miles.runtime import Disposer, Runner, Tracer, load_machine
 from miles.runtime.runlock import FolderLock, describe_holder, lock_folders, run_folders
 from miles.runtime.files import WriteFailed

@@ -1,5 +1,5 @@
 """Checkpoint writes that finish on a thread of their own while the trainer trains on (--async-save),
-the actor's half; the driver's half is `miles.phases.background_save`.
+the actor's half; the driver's half is `miles.checkpoint.background_save`.
 
 A background save is two steps. The snapshot happens in the actor's call (`Trainer.save(path,
 background=True)`): every tensor the checkpoint holds is copied to the CPU, so the next optimizer

@@ -2,7 +2,7 @@
 disk, for clusters whose nodes share no filesystem with the driver (--no-shared-fs).
 
 Two sides, plain functions on local paths:
-- the actor's side, run inside the actor's process (`miles.phases.checkpoint_io` calls them there): a
+- the actor's side, run inside the actor's process (`miles.checkpoint.folders` calls them there): a
   scratch folder on the actor's node, the listing of a folder (every file's size and sha256), a chunk
   of a file read or written at an offset;
 - the driver's side: `FileReceiver` writes a file's chunks as they arrive and checks the whole against

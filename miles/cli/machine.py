@@ -14,8 +14,8 @@ from typing import Sequence
 
 from miles.runtime.machine import MachineDefinitionError, builtin_machines, load_machine
 
-from miles.tracetools.diagram import render_png, to_mermaid
-from miles.tracetools.paths import covering_paths, unreachable_edges
+from miles.traceview.diagram import render_png, to_mermaid
+from miles.traceview.paths import covering_paths, unreachable_edges
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from miles.tracking.plot import plot_runs, read_metrics
+from miles.metrics.plot import plot_runs, read_metrics
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,11 +17,11 @@ from typing import Sequence
 from miles.runtime.machine import MachineDef, MachineDefinitionError, builtin_machines, load_machine
 from miles.runtime.trace import Trace, read_trace, resolve_trace_path, segment_paths
 
-from miles.tracetools.check import check_trace
-from miles.tracetools.diff import diff_traces, state_sequence
-from miles.tracetools.render import write_blocks
-from miles.tracetools.report import check_blocks, diff_blocks, show_blocks
-from miles.tracetools.timeline import build_timeline
+from miles.traceview.check import check_trace
+from miles.traceview.diff import diff_traces, state_sequence
+from miles.traceview.render import write_blocks
+from miles.traceview.report import check_blocks, diff_blocks, show_blocks
+from miles.traceview.timeline import build_timeline
 
 OK, FOUND, BAD_INPUT = 0, 1, 2
 
@@ -98,7 +98,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from miles.tracetools.gantt import plot_timeline
+    from miles.traceview.gantt import plot_timeline
 
     trace = load(args.run)
     if not trace.events:

@@ -183,7 +183,7 @@ def run_with_signals(cfg, machine: str, *, prog: str, until_exit: bool = False, 
     if isinstance(locks, int):
         return locks
     from miles.api.launch import train      # torch and Ray load only once the flags are known good
-    from miles.tracking.logs import LogContext, process_logging
+    from miles.metrics.logs import LogContext, process_logging
 
     cfg, progress = _with_progress(cfg, run_id)
     stops = SignalStop(prog, cfg.reliability.stop_timeout_s, hard_exit_s)
@@ -294,7 +294,7 @@ def _with_progress(cfg, run_id: str):
     listener; with progress on, the trace's `auto` console is off (the display shows the states)."""
     from dataclasses import replace
 
-    from miles.tracking.progress import Expected, Progress
+    from miles.metrics.progress import Expected, Progress
 
     progress = Progress.for_terminal(cfg.tracking.progress, run_dir=cfg.trace.run_dir or f"runs/{run_id}",
                                      expected=Expected.of(cfg))

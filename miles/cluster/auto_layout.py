@@ -8,7 +8,7 @@ as with the flag), and the trace's `placement` event and the start-up line say s
 user named (any of the flags below, or a cluster they attached to) is theirs: if it does not fit,
 that stays an error before any actor starts.
 
-On the CPU an engine decodes on one thread (`miles/training/threads.py` says why), so with one engine
+On the CPU an engine decodes on one thread (`miles/training/torch/threads.py` says why), so with one engine
 every core but one idles through the rollout. A CPU run that does not give --rollout-num-engines (nor
 --rollout-num-gpus) on a machine of two or more cores gets two engines, each decoding a contiguous
 part of the batch with its own seed (the rollout phase of the demo-shaped run went from 0.13 s to

@@ -79,7 +79,7 @@ class RayCluster:
               placement: dict[str, Any] | None = None, needs: Mapping[str, str] | None = None,
               env_vars: Mapping[str, str] | None = None, **kwargs: Any) -> "ActorResource":
         """Start `cls` as a named, owner-bound actor in the run's namespace; with a log_dir, its
-        structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.tracking.logs).
+        structlog lines go to `<log_dir>/<name>.jsonl` with the run's context (miles.metrics.logs).
         `placement`: the GPUs it asks for and where (PlacementGroupResource.options; its `resources`, if
         any, already hold --ray-actor-resources). `needs`: flag → a path on the driver's disk the actor
         reads (a model folder), which must exist at that path on the actor's node too. `concurrency_groups`:
@@ -101,7 +101,7 @@ class RayCluster:
         if self.shipment is None:     # user files given by a relative path (reward.py:fn) are the driver's
             cls = in_driver_cwd(cls, os.getcwd())
         if self.log_dir is not None:
-            from miles.tracking.logs import context_for_actor, logged_actor_class
+            from miles.metrics.logs import context_for_actor, logged_actor_class
             cls = logged_actor_class(cls, context_for_actor(name, run_id=self.run_id, log_dir=self.log_dir,
                                                             level=self.log_level))
         remote = ray.remote(concurrency_groups=dict(concurrency_groups)) if concurrency_groups else ray.remote
@@ -116,11 +116,6 @@ class RayCluster:
     def token_auth(self) -> bool:
         """Whether the cluster authenticates its clients with a token (Ray >= 2.60)."""
         return token_auth_enabled()
-
-    def alive_actors(self) -> list[str]:
-        """Names of this run's live named actors (what a leak check looks at)."""
-        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a.get("namespace") == self.namespace)
 
     def dispose(self) -> None:
         """Close what this run opened: stop the local cluster it started, or drop its connection.

@@ -25,7 +25,7 @@ shipped folder. Packages are content-addressed: a node unpacks the same one once
 Not shipped, by design: models and data. Prompt and eval files are read by the driver and reach the
 actors as values; a model folder (`--hf-checkpoint`, `--critic-load`) is read by the actors and must
 be at the same path on every node where they run, as in miles; an actor that does not find it there
-says so, with its node (`RayCluster.actor`). Checkpoints: `miles.phases.checkpoint_io`.
+says so, with its node (`RayCluster.actor`). Checkpoints: `miles.checkpoint.folders`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.training.moe_checks",    # mixture-of-experts checkpoints and flags
     "miles.training.protocol",      # the trainers' specs: names, critic, model parallelism, each backend's checks
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
-    "miles.phases.faults",          # --inject-fault
-    "miles.tracking.sinks",         # metrics sinks whose package is not installed
+    "miles.api.faults",             # --inject-fault
+    "miles.metrics.sinks",          # metrics sinks whose package is not installed
 )
 
 CHECKS: dict[str, Check] = {}       # "module:function" -> check, in registration order

@@ -79,7 +79,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("device", "model", "device", str, "where engines and trainers run", ("auto", "cpu", "cuda")),
     _f("dtype", "model", "dtype", str, "the compute dtype of trainers and engines (auto: fp32 on CPU, bf16 on GPU); "
        "the trainers keep float32 master weights and AdamW state either way. float16 (--fp16) scales the loss "
-       "(--initial-loss-scale & co.; miles/training/loss_scale.py) and skips the steps whose gradients overflow; the "
+       "(--initial-loss-scale & co.; miles/training/torch/loss_scale.py) and skips the steps whose gradients overflow; the "
        "torch backend only, PPO's critic too. fp32, bf16, fp16 are taken for the long names",
        ("auto", "float32", "bfloat16", "float16")),
     # data
@@ -313,7 +313,7 @@ FLAGS: tuple[Flag, ...] = (
        "row with per-sample attention (rows x longest row with --no-pack-sequences; rows whose padding adds at "
        "most 3% run unpacked). Not given, on CUDA: "
        "micro-batches are capped at floor(0.8 x (free memory - gradients, optimizer state, weight copies, logprob "
-       "chunks) / activation bytes per token) padded tokens (miles/training/memory_plan.py states the rule)"),
+       "chunks) / activation bytes per token) padded tokens (miles/training/torch/memory_plan.py states the rule)"),
     _f("no-pack-sequences", "train", "pack_sequences", kind="false",
        help="with --use-dynamic-batch-size: right-padded rows per micro-batch instead of one packed row"),
     _f("recompute-activations", "train", "recompute_activations", kind="true",
@@ -326,7 +326,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("trainer-weight-shadows", "train", "weight_shadows", kind="true",
        help="torch trainer with a compute dtype below float32 (bf16 on CUDA): cast the decoder's Linear weights "
             "once per optimizer step instead of once per micro-batch, and add their gradients into the float32 "
-            "ones as each backward makes them (the same numbers as autocast; miles/training/shadows.py). Opt-in: "
+            "ones as each backward makes them (the same numbers as autocast; miles/training/torch/shadows.py). Opt-in: "
             "0.6-0.9%% of a step on the GPU (docs/performance.md); FSDP ranks (several trainer GPUs) gather bf16 "
             "weights once a step already and ignore it"),
     _f("gradient-accumulation-fusion", "train", "grad_accum_fusion", kind="true",
@@ -334,7 +334,7 @@ FLAGS: tuple[Flag, ...] = (
             "Linear's weight gradient is added into its float32 gradient by the weight-gradient matmul itself "
             "(cuBLAS with a float32 output on CUDA), not rounded to bf16 and added by a kernel of its own "
             "(Megatron-LM's gradient-accumulation fusion; more exact than autocast's sums, so not its numbers "
-            "to the bit; miles/training/shadows.py). Opt-in: 3.6%% off a 1.7B step on an H100, the colocated "
+            "to the bit; miles/training/torch/shadows.py). Opt-in: 3.6%% off a 1.7B step on an H100, the colocated "
             "Qwen3-4B x 4k-token step at MFU 0.457 on an H200 against 0.430 without it (docs/performance.md); FSDP ranks ignore it, as they do the shadows; Megatron-LM's "
             "--no-gradient-accumulation-fusion leaves it off"),
     _f("optimizer-cpu-offload", "train", "optimizer_cpu_offload", kind="true",
@@ -500,7 +500,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("debug-rollout-only", "run", "debug_rollout_only", kind="true",
        help="generate and score rollouts without a trainer; weights stay the initial ones (picks --machine rollout_only)"),
     _f("inject-fault", "run", "inject_faults", kind="list",
-       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/phases/faults.py; a wrong one lists them)"),
+       help="rehearse a failure: STATE:KIND[:VISIT] (the kinds: miles/api/faults.py; a wrong one lists them)"),
 )
 
 # -- miles flags a single-node user reaches for; the ones refused are in miles_flags.py -------------

@@ -316,7 +316,7 @@ class TrainConfig:
     optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload: AdamW's state in host memory from the first step on
     offload_chunk_mb: int | None = None  # --offload-train-disk-chunk-mb: MiB of fp32 parameters a streamed step moves at once
     mfu_peak_tflops: float | None = None  # --mfu-peak-tflops: the peak the `mfu` train metric divides by
-    # float16 loss scaling (--fp16; miles.training.loss_scale): Megatron-LM's flags and defaults, but the
+    # float16 loss scaling (--fp16; miles.training.torch.loss_scale): Megatron-LM's flags and defaults, but the
     # start is torch's GradScaler's 2^16: Megatron-LM's 2^32 skips the first ~18 steps, a rollout's update each
     loss_scale: float | None = None     # --loss-scale: a fixed scale (None: dynamic)
     initial_loss_scale: float = 2.0 ** 16  # --initial-loss-scale: the dynamic scale's start (Megatron-LM's: 2^32)
@@ -335,7 +335,7 @@ class TrainConfig:
     save_debug_train_data: str | None = None  # --save-debug-train-data: each rollout's packed train batch to this path
     attn_implementation: str | None = None  # --attn-implementation: miles' FSDP attention kernel; no effect here
     megatron_to_hf_mode: str | None = None  # --megatron-to-hf-mode raw | bridge: accepted with megatron, no effect
-    # LoRA (the torch trainer on one process: miles/training/lora.py); rank 0: the whole model trains
+    # LoRA (the torch trainer on one process: miles/training/torch/lora.py); rank 0: the whole model trains
     lora_rank: int = 0                  # --lora-rank: the adapters' rank r
     lora_alpha: float = 16.0            # --lora-alpha: the adapters' scale is alpha / r
     lora_dropout: float = 0.0           # --lora-dropout: dropout on the adapters' input in the training forwards
@@ -580,11 +580,11 @@ class RunConfig:
     dump_details: str | None = None     # --dump-details DIR: both debug dumps under DIR (debug_*_data_path)
     load_debug_rollout_data: str | None = None  # --load-debug-rollout-data: train on saved rollouts (machine train_only)
     debug_rollout_only: bool = False    # --debug-rollout-only: roll out without training (machine rollout_only)
-    inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/phases/faults.py)
+    inject_faults: tuple[str, ...] = ()  # --inject-fault STATE:KIND[:VISIT] (miles/api/faults.py)
     start_rollout_id: int | None = None  # --start-rollout-id: the first rollout id (overrides the checkpoint's)
     debug_train_only: bool = False      # --debug-train-only: no engines; needs --load-debug-rollout-data
     ci_test: bool = False               # --ci-test: weight-sync, logprob and reference checks fail the run
-    # miles' CI gates (miles/phases/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
+    # miles' CI gates (miles/metrics/ci_gates.py); the metric and model-hash ones work under --ci-test, as in miles
     ci_metric_checker_key: str | None = None        # --ci-metric-checker-key: an eval metric some eval must reach...
     ci_metric_checker_threshold: float | None = None  # --ci-metric-checker-threshold: ...at least this value
     ci_save_grad_norm: str | None = None    # --ci-save-grad-norm: each optimizer step's gradient norm to this file

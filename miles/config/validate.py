@@ -501,7 +501,7 @@ def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
 
 @check
 def _lora(cfg: RunConfig, problems: list[str]) -> None:
-    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/lora.py); what it cannot take."""
+    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/torch/lora.py); what it cannot take."""
     t, a = cfg.train, cfg.algorithm
     if t.lora_rank < 0:
         problems.append(f"--lora-rank {t.lora_rank}: must be >= 0 (0 trains the whole model)")
@@ -950,7 +950,7 @@ GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save
 
 @check
 def _ci_gates(cfg: RunConfig, problems: list[str]) -> None:
-    """miles' CI gates (miles/phases/ci_gates.py): the metric and model-hash ones work under --ci-test, as in miles."""
+    """miles' CI gates (miles/metrics/ci_gates.py): the metric and model-hash ones work under --ci-test, as in miles."""
     key, threshold = cfg.ci_metric_checker_key, cfg.ci_metric_checker_threshold
     if (key is None) != (threshold is None):
         problems.append("--ci-metric-checker-key and --ci-metric-checker-threshold go together: give both")

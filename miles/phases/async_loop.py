@@ -21,8 +21,8 @@ import ray
 from miles.phases import init as sync_init
 from miles.phases import weights as sync_weights_phase
 from miles.phases.context import TrainingContext
-from miles.phases.engines import restart_unresponsive, with_engine_restarts
-from miles.phases.watch import ci_after_eval
+from miles.rollout.supervision import restart_unresponsive, with_engine_restarts
+from miles.metrics.watch import ci_after_eval
 from miles.rollout.evals import EvalDispatcher
 from miles.rollout.executor import PROMPTS_KEY
 from miles.rollout.prefetch import Prefetcher

@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 import ray
 
 from miles.config import RunConfig
-from miles.phases.checkpoint_io import Folders, SharedFolders
-from miles.phases.ci_gates import CIGates
+from miles.checkpoint.folders import Folders, SharedFolders
+from miles.metrics.ci_gates import CIGates
 from miles.runtime import Disposer, PhaseContext, Tracer
 
 if TYPE_CHECKING:
     from miles.checkpoint.store import CheckpointStore
     from miles.cluster.placement import RunPlacement
     from miles.cluster.ray_cluster import ActorResource, RayCluster
-    from miles.phases.background_save import BackgroundSave
+    from miles.checkpoint.background_save import BackgroundSave
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
     from miles.rollout.protocol import Engine, EngineFleet, EngineSpec
     from miles.runtime.supervisor import RestartBudget
-    from miles.tracking.sinks import Tracker
+    from miles.metrics.sinks import Tracker
     from miles.training.protocol import CriticBackend, TrainBackendSpec, TrainerBackend
 
 
@@ -123,7 +123,7 @@ class TrainingContext(PhaseContext):
         self.resumed = False                           # init restored a checkpoint (--load)
         self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
-        self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.phases.ci_gates)
+        self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.metrics.ci_gates)
 
     def rollout_of(self, state: str) -> int | None:
         """A rollout phase makes the next rollout; every other phase works on the last one."""

@@ -18,8 +18,8 @@ import ray
 from miles.config import ConfigError, RunConfig
 from miles.phases.context import TrainingContext
 from miles.phases.rollout import rollout
-from miles.phases.watch import watch_reward_variance
-from miles.tracking.rollout_data import load_rollout_data, rollout_data_path
+from miles.metrics.watch import watch_reward_variance
+from miles.rollout.debug_data import load_rollout_data, rollout_data_path
 
 MACHINES = {"load_debug_rollout_data": ("train_only", "--load-debug-rollout-data"),
             "debug_rollout_only": ("rollout_only", "--debug-rollout-only")}

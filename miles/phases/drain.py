@@ -22,7 +22,7 @@ import time
 
 from miles.phases.context import TrainingContext
 from miles.phases.save import save_checkpoint, settle_background_save
-from miles.phases.watch import ci_at_end
+from miles.metrics.watch import ci_at_end
 
 END_MARGIN_S = 1.0          # of draining's budget, kept for what follows the save (the metrics flush)
 CANCEL_GRACE_S = 1.0        # a save past its budget gets this long to abort its temporary folder

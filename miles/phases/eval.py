@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
-from miles.phases.watch import ci_after_eval
+from miles.rollout.supervision import with_engine_restarts
+from miles.metrics.watch import ci_after_eval
 
 
 async def evaluate(ctx: TrainingContext) -> str:

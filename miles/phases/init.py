@@ -2,12 +2,15 @@
 where it is created, so whatever `init` made before failing is torn down too.
 
 Order: metrics sinks → what an attached cluster gets shipped (miles.cluster.shipping) → Ray → how
-checkpoint folders reach the driver (miles.phases.checkpoint_io) → the backends (picked once the
+checkpoint folders reach the driver (miles.checkpoint.folders) → the backends (picked once the
 cluster's GPUs are known: they decide --device auto) → placement (the GPU plan and its placement
 group) → the engine fleet (if the engine's spec has one: SGLang's router) → engines → trainer →
-critic (ppo) → executor → weight transport → checkpoint resume. Input is checked on the driver
-(tokenizer, prompt or SFT files, reward and filter imports, the GPU plan against the cluster) before
-any actor starts; the config itself was checked before Ray started (miles.config.checks).
+critic (ppo) → executor → weight transport → checkpoint resume (miles.checkpoint.restore). Input is
+checked on the driver (miles.data.input_checks: tokenizer, prompt or SFT files, reward and filter
+imports) and the GPU plan against the cluster before any actor starts; the config itself was checked
+before Ray started (miles.config.checks). The one change to `ctx.cfg` after that is `_place`'s, before
+any component exists: on a one-GPU cluster a run that named no layout gets --colocate
+(miles.cluster.auto_layout), which needs the cluster's GPUs, known only once Ray is up.
 `pick_backends` is the one place an implementation is chosen: the engine's spec from
 `--rollout-engine` (miles.rollout.engines.registry) and the trainer's from `--train-backend`
 (miles.training.protocol); the phases then ask the specs what the backends can do.
@@ -24,54 +27,31 @@ from typing import Any
 
 import ray
 
-from miles.checkpoint.checkpointer import CRITIC_DIR, ROLLOUT_FILE, TRAINER_DIR, read_data_position
-from miles.checkpoint.megatron_format import megatron_checkpoint_info
-from miles.checkpoint.resume import (LoadFolder, check_load_folder, classify_load_folder, pick_step,
-                                     refuse_fresh_start, skipped_line)
-from miles.checkpoint.store import CheckpointStore, manifest_files, verify_files
+from miles.checkpoint.background_save import BackgroundSave
+from miles.checkpoint.folders import SAVE_GROUP, pick_folders
+from miles.checkpoint.restore import resume
+from miles.checkpoint.store import CheckpointStore
 from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
                                      check_cluster, cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
-from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
-from miles.config.schema import parse_opd_teachers
-from miles.data.prompts import load_prompts
-from miles.data.sft import load_sft_data
-from miles.phases.background_save import BackgroundSave
-from miles.phases.checkpoint_io import SAVE_GROUP, pick_folders
-from miles.phases.ci_gates import CICheckFailed
+from miles.config import ConfigError, RunConfig, as_dict
+from miles.data.input_checks import check_inputs
 from miles.phases.context import Backends, IpcWeights, TrainingContext
 from miles.phases.debug import check_debug_flags
-from miles.phases.engines import make_engine
-from miles.phases.engine_reason import engine_reason
-from miles.phases.health import start_health_monitor
-from miles.phases.megatron_resume import resume_from_megatron
-from miles.phases.memory import trainer_offloads
-from miles.phases.input_checks import (check_checkpoint_fits, check_context_len, check_user_functions,
-                                       first_row_keys, label_warnings, model_shapes)
-from miles.phases.watch import ci_check_model_hash
-from miles.rollout.executor import RolloutExecutor
-from miles.rollout.filters import load_filter
-from miles.rollout.hooks import check_hooks
-from miles.rollout.partial import check_engines, check_partial_rollout
-from miles.rollout.generation import load_generate_function, load_rollout_function
-from miles.rollout.evals import load_eval_function
+from miles.rollout.engines.reason import engine_reason
 from miles.rollout.engines.registry import ENGINES
+from miles.rollout.executor import RolloutExecutor
+from miles.rollout.health import start_health_monitor
+from miles.rollout.partial import check_engines
 from miles.rollout.protocol import SupportsWeightBuckets
-from miles.rollout.remote_reward import check_reachable
-from miles.rollout.rewards import REMOTE_RM, load_reward_fn
-from miles.rollout.scoring import Rewards
-from miles.rollout.tools import load_tool_kit, load_tool_specs
+from miles.rollout.supervision import make_engine
 from miles.runtime.machine import import_object
 from miles.runtime.procs import usable_cores
-from miles.tracking.sinks import Tracker, open_sinks
+from miles.metrics.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave
 from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
-from miles.weights.hf import load_tokenizer
-
-
-MAX_TRACED_PROBLEMS = 10       # a checkpoint_skipped event names at most this many bad files
 
 
 def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
@@ -118,7 +98,7 @@ def _check_declared(b: Backends) -> None:
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
     check_debug_flags(cfg, ctx.tracer.machine)
-    tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
+    tokenizer, prompts, eval_sets, sft_responses = await check_inputs(ctx)
     if cfg.dump_details:        # as miles: the tokenizer beside the dumps, to read their token ids
         tokenizer.save_pretrained(Path(cfg.dump_details) / "tokenizer")
     add = partial(ctx.disposer.add, timeout=cfg.trace.teardown_timeout_s)
@@ -173,7 +153,7 @@ async def init(ctx: TrainingContext) -> str:
         ctx.c.critic_store = CheckpointStore(critic_save, keep_last=cfg.checkpoint.keep_last)
         ctx.c.critic_store.cleanup_partial()
     if cfg.checkpoint.load:
-        await _resume(ctx)
+        await resume(ctx)
     if cfg.start_rollout_id is not None:            # miles' --start-rollout-id wins over the checkpoint's
         ctx.start_rollout = ctx.next_rollout = cfg.start_rollout_id
         ctx.tracer.emit("start_rollout_set", next_rollout=ctx.next_rollout)
@@ -353,84 +333,6 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
                 dtype=cfg.model.dtype)
 
 
-async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
-    """The user's generate / rollout / tool functions import and have the right signatures; the
-    rewards exist (the per-sample types the data names too) and their services answer, as do the OPD
-    teacher servers (--opd-type sglang)."""
-    g = cfg.generate
-    if g.generate_function_path:
-        load_generate_function(g.generate_function_path)
-    if g.rollout_function_path:
-        load_rollout_function(g.rollout_function_path)
-    if cfg.eval.function_path:
-        load_eval_function(cfg.eval.function_path)
-    if g.execute_tool_function_path:
-        load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
-                      timeout_s=g.tool_timeout_s)
-    rewards = Rewards(cfg.rollout)
-    rewards.check_prompts(prompts)
-    try:
-        await rewards.check_services()
-    finally:
-        await rewards.close()
-    if cfg.algorithm.opd_from_servers:       # --opd-type sglang: every teacher server answers before anything starts
-        for name, url in parse_opd_teachers(cfg.algorithm.opd_teacher_urls).items():
-            await check_reachable(url, timeout_s=10.0, attempts=cfg.rollout.rm_max_retries + 1,
-                                  backoff_s=cfg.rollout.rm_retry_backoff_s, flag="--opd-teacher-urls",
-                                  what=f"the server of teacher {name!r}",
-                                  why_needed="--opd-type sglang asks it for every trained sample's logprobs")
-
-
-async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list], dict[int, tuple[int, ...]] | None]:
-    """Everything that can be wrong with the input, found before any actor exists."""
-    cfg = ctx.cfg
-    folder = check_load_folder(cfg.checkpoint.load, allow_fresh_start=cfg.checkpoint.allow_fresh_start,
-                               step=cfg.checkpoint.ckpt_step, exit_on_missing=cfg.checkpoint.exit_on_missing)
-    _hash_before_start(ctx, folder)
-    check_checkpoint_fits(cfg, model_shapes(cfg.model.hf_checkpoint, "--hf-checkpoint"))
-    try:
-        tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot load its tokenizer: {exc}") from exc
-    sft_responses = None
-    tools = load_tool_specs(cfg.generate.tool_specs_path) if cfg.generate.tool_specs_path else None
-    if cfg.algorithm.loss_type == "sft_loss":      # rollouts read the data's responses instead of generating
-        prompts, sft_responses = load_sft_data(cfg.data, tokenizer)
-    else:
-        prompts = load_prompts(cfg.data, tokenizer, tools=tools)
-    check_context_len(cfg, prompts, f"--prompt-data {cfg.data.prompt_data}")
-    eval_sets = {d.name: _eval_prompts(cfg, d, tokenizer, tools) for d in cfg.eval.sets()}
-    r = cfg.rollout
-    # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
-    reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
-    await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
-    if cfg.rollout.dynamic_sampling_filter_path:
-        load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    check_hooks(cfg.rollout, cfg.eval.log_function_path)
-    check_partial_rollout(cfg.rollout)
-    check_user_functions(cfg)
-    for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
-                       ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
-        if size is not None and size > len(prompts):
-            raise ConfigError(f"{flag} {size} is larger than the {len(prompts)} prompts of {cfg.data.prompt_data}")
-    warnings = label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)) if reward_fn else []
-    for warning in warnings:
-        ctx.tracer.emit("warning", code="label_key", message=warning)
-    ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
-    return tokenizer, prompts, eval_sets, sft_responses
-
-
-def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:
-    """An eval dataset's prompts, read with its own keys (--eval-config) or the run's, long ones dropped by
-    --eval-max-prompt-len (else --max-prompt-len)."""
-    keys = {k: getattr(d, k) for k in ("input_key", "label_key", "metadata_key") if getattr(d, k) is not None}
-    if cfg.eval.max_prompt_len is not None:            # --eval-max-prompt-len: the evals' own limit
-        keys["max_prompt_len"] = cfg.eval.max_prompt_len
-    prompts = load_prompts(replace(cfg.data, prompt_data=d.path, **keys), tokenizer, tools=tools)
-    check_context_len(cfg, prompts, f"eval dataset {d.name} ({d.path})", evaluation=True)
-    return prompts
-
-
 async def _plan_rollouts(ctx: TrainingContext) -> None:
     if ctx.cfg.num_rollout is not None:
         ctx.num_rollout = ctx.cfg.num_rollout
@@ -439,103 +341,3 @@ async def _plan_rollouts(ctx: TrainingContext) -> None:
         ctx.num_rollout = per_epoch * (ctx.cfg.num_epoch or 1)
     ctx.tracer.emit("plan", num_rollout=ctx.num_rollout)
 
-
-async def _resume(ctx: TrainingContext) -> None:
-    """Restore trainer (weights, optimizer, RNG), data position and counters from the newest checkpoint
-    under --load that checks out: complete (manifest, sizes) and, unless --no-verify-load, every file
-    the load reads matching its sha256, checked where it is read. Each one passed over is traced and
-    said (`checkpoint_skipped`: which, why, which is tried instead); with none left the run is refused
-    (miles.checkpoint.resume) unless the folder had nothing yet or --allow-fresh-start. --ckpt-step N
-    takes rollout N's checkpoint only (no fallback, no fresh start)."""
-    step = ctx.cfg.checkpoint.ckpt_step
-    root, allow = ctx.cfg.checkpoint.load, ctx.cfg.checkpoint.allow_fresh_start and step is None
-    if (megatron := megatron_checkpoint_info(root)) is not None:    # miles' saves / converter (megatron backend)
-        return await resume_from_megatron(ctx, megatron)     # --ckpt-step was checked against it at start-up
-    folder = pick_step(classify_load_folder(root), step)
-    found: dict[Path, list[str]] = {}
-    for i, c in enumerate(folder.candidates):
-        problems = list(c.problems)
-        verified = not problems and ctx.cfg.reliability.verify_load
-        if verified:                        # hashed before Ray started (`_hash_before_start`), else where read
-            problems = (list(ctx.load_checked[c.path]) if c.path in ctx.load_checked
-                        else await _verify_where_read(ctx, c.path))
-        if problems:
-            found[c.path] = problems
-            ctx.tracer.emit("checkpoint_skipped", rollout_id=c.rollout_id, path=str(c.path), check="sha256" if verified
-                            else "manifest and sizes", problems=problems[:MAX_TRACED_PROBLEMS],
-                            message=skipped_line(c, problems, list(folder.candidates[i + 1:])))
-            continue
-        await _load_checkpoint(ctx, c.path)
-        await ci_check_model_hash(ctx, c.path)
-        finetune = ctx.cfg.checkpoint.finetune      # the weights alone: the run starts over from them
-        ctx.start_rollout = ctx.next_rollout = 0 if finetune else c.rollout_id + 1
-        ctx.resumed = True
-        ctx.weight_version = 0              # the engines hold the disk weights until the first sync
-        ctx.tracer.emit("resumed", rollout_id=c.rollout_id, path=str(c.path), next_rollout=ctx.next_rollout,
-                        verified=verified, **_fresh_parts(ctx.cfg.checkpoint.load_parts()))
-        return
-    if not (folder.starts_fresh or allow):
-        raise refuse_fresh_start(folder, found)
-    if ctx.ci.model_hash_checked:
-        raise CICheckFailed(f"--ci-check-model-hash: --load {root} held no checkpoint to load, so there are no "
-                            "loaded weights to check; point --load at a run saved with --ci-save-model-hash")
-    # --load X --save X before X holds anything: the auto-resume launch script's first run
-    reason = folder.reason or "nothing loadable, and --allow-fresh-start"
-    ctx.tracer.emit("resume_skipped", reason=reason, root=root)
-
-
-async def _load_checkpoint(ctx: TrainingContext, path: Path) -> None:
-    """The trainer's (and critic's) folder, the parts --no-load-optim / --no-load-rng / --finetune leave
-    (`CheckpointConfig.load_parts`), and the data position unless --finetune."""
-    parts = ctx.cfg.checkpoint.load_parts()
-    if trainer_offloads(ctx):
-        # offloaded first (a fresh optimizer: nothing moves), so the load puts the optimizer state
-        # straight into host memory instead of whole on a GPU the colocated engines already share
-        await ctx.c.trainer.handle.offload.remote()
-    await ctx.c.folders.load(ctx.c.trainer, "load", path / TRAINER_DIR, **parts)
-    if not ctx.cfg.checkpoint.finetune:
-        await ctx.c.executor.handle.load_state_dict.remote(read_data_position(path))
-    # a critic kept under --critic-save comes back through --critic-load instead
-    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-        await ctx.c.folders.load(ctx.c.critic, "load", path / CRITIC_DIR, **parts)
-
-
-def _fresh_parts(parts: dict[str, bool]) -> dict:
-    """The `resumed` event's `fresh`: what the resume did not take from the checkpoint (none: no field)."""
-    names = {"optimizer": "optimizer", "rng": "rng", "step": "step_count_and_data_position"}
-    fresh = [names[k] for k, taken in parts.items() if not taken]
-    return {"fresh": fresh} if fresh else {}
-
-
-def _hash_before_start(ctx: TrainingContext, folder: LoadFolder | None) -> None:
-    """--load's checkpoints that pass the cheap check, hashed here before anything starts, newest first
-    until one checks out (the sha256 of every file the load reads against its manifest): when none
-    does, the run is refused now (exit 2), not after Ray and the actors have started. What each one
-    hashed to is kept (`ctx.load_checked`): `_resume` reads it instead of hashing again. The driver
-    reads what the actors load: the same path on a shared filesystem, or the copy it sends them."""
-    cfg = ctx.cfg
-    if folder is None or folder.kind != "miles" or folder.starts_fresh or not cfg.reliability.verify_load:
-        return
-    for c in folder.candidates:
-        if c.problems:
-            continue
-        files = {**manifest_files(c.path, f"{TRAINER_DIR}/"), **manifest_files(c.path, ROLLOUT_FILE)}
-        if cfg.algorithm.needs_critic and (c.path / CRITIC_DIR).is_dir():
-            files.update(manifest_files(c.path, f"{CRITIC_DIR}/"))
-        ctx.load_checked[c.path] = verify_files(c.path, files)
-        if not ctx.load_checked[c.path]:
-            return
-    if not (cfg.checkpoint.allow_fresh_start and cfg.checkpoint.ckpt_step is None):
-        raise refuse_fresh_start(folder, ctx.load_checked)
-
-
-async def _verify_where_read(ctx: TrainingContext, path: Path) -> list[str]:
-    """The sha256 of every file the load reads, each checked where it is read: `trainer/` (and
-    `critic/`) in their actors, or here when the folders travel through Ray (checkpoint_io);
-    `rollout.json` here."""
-    readers = [(ctx.c.trainer, TRAINER_DIR)]
-    if ctx.c.critic is not None and (path / CRITIC_DIR).is_dir():
-        readers.append((ctx.c.critic, CRITIC_DIR))
-    found = await asyncio.gather(*(ctx.c.folders.verify(actor, path, manifest_files(path, f"{folder}/"))
-                                   for actor, folder in readers))
-    return [p for problems in found for p in problems] + verify_files(path, manifest_files(path, ROLLOUT_FILE))

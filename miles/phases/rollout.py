@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
+from miles.rollout.supervision import with_engine_restarts
 from miles.rollout.executor import PROMPTS_KEY
 
 
@@ -39,7 +39,7 @@ async def rollout(ctx: TrainingContext) -> str:
 async def _save_debug_data(ctx: TrainingContext, samples_ref: Any, metrics: dict[str, Any]) -> None:
     """--save-debug-rollout-data (or --dump-details): the samples come to the driver (a debugging cost, off
     by default)."""
-    from miles.tracking.rollout_data import rollout_data_path, save_rollout_data
+    from miles.rollout.debug_data import rollout_data_path, save_rollout_data
 
     path = rollout_data_path(ctx.cfg.debug_rollout_data_path, ctx.rollout_id)
     save_rollout_data(path, ctx.rollout_id, await samples_ref, metrics)

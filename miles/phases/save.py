@@ -8,12 +8,12 @@ the time a checkpoint is written the executor may be past the next rollout's pro
 machine's rollout generated ahead; a stop that let the next rollout finish before it drained). Only
 a machine whose executor draws nothing (train_only) records none; its live position is the one.
 --save-hf PATH also exports the HF model to PATH, outside the checkpoints (and with no --save, alone). Layout: miles/checkpoint/checkpointer.py. The actors' folders
-reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/phases/checkpoint_io.py).
+reach the driver in place or through Ray, as `ctx.c.folders` does it (miles/checkpoint/folders.py).
 A save the disk has no room for removes its partial folder and fails the run naming the folder and the
 space left (DiskFull, exit 1), or with --save-retries N goes on without that checkpoint N times.
 With --async-save (and a trainer that can: `SupportsBackgroundSave`) the checkpoint under --save is
 a background one: the phase takes the snapshots and a task commits the folder when its files are
-written (miles/phases/background_save.py); the save before it is settled first. A stop's save is
+written (miles/checkpoint/background_save.py); the save before it is settled first. A stop's save is
 always synchronous.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from miles.checkpoint.checkpointer import (CRITIC_DIR, HF_DIR, TRAINER_DIR, DiskFull, abort_checkpoint, begin_checkpoint,
                                            hf_copy_path, publish_folder, save_atomically, write_data_position)
-from miles.phases.background_save import commit_when_written, start_parts
+from miles.checkpoint.background_save import commit_when_written, start_parts
 from miles.phases.context import TrainingContext
-from miles.phases.watch import ci_save_model_hash
+from miles.metrics.watch import ci_save_model_hash
 
 
 async def save(ctx: TrainingContext) -> str:
@@ -48,7 +48,7 @@ async def save_checkpoint(ctx: TrainingContext, *, background: bool) -> None:
         except DiskFull as exc:
             _go_on_without(ctx, exc)           # within --save-retries; else the run fails (exit 1)
             return
-    folders = ctx.c.folders                    # in place, or through Ray (miles.phases.checkpoint_io)
+    folders = ctx.c.folders                    # in place, or through Ray (miles.checkpoint.folders)
     if ctx.c.critic_store is not None:
         critic, optimizer = ctx.c.critic, ctx.cfg.checkpoint.save_optimizer
         critic_path = await save_atomically(
@@ -113,7 +113,7 @@ async def _save_run(ctx: TrainingContext, rid: int) -> Path:
 
 async def _start_background_run(ctx: TrainingContext, rid: int, t0: float) -> Path:
     """`_save_run`'s parts as a background save: each actor's snapshot now, the commit by the pending
-    save's task once their files are written (miles/phases/background_save.py); returns the path the
+    save's task once their files are written (miles/checkpoint/background_save.py); returns the path the
     checkpoint will have."""
     parts, position, manifest = await _run_parts(ctx, rid)
     store, folders = ctx.c.store, ctx.c.folders

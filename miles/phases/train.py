@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from miles.phases.context import TrainingContext
-from miles.phases.memory import to_trainer
-from miles.phases.watch import ci_after_train, ci_checks, watch_reward_variance
+from miles.cluster.memory import to_trainer
+from miles.metrics.watch import ci_after_train, ci_checks, watch_reward_variance
 
 
 async def train(ctx: TrainingContext) -> str:

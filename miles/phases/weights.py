@@ -6,7 +6,7 @@ engine loads it). With IPC the driver walks the buckets: the trainer fills bucke
 its handle, every engine copies it, then the trainer frees it, so the extra GPU memory is one
 bucket. (SGLang loads the object-store copy from disk: `SGLangEngine.update_weights`.) Engines that
 released their weights while the trainer trained (SGLang) take them back before the push; after
-it, the rest of the GPU memory goes to the engines for the rollout (miles.phases.memory).
+it, the rest of the GPU memory goes to the engines for the rollout (miles.cluster.memory).
 
 After the push every engine is asked which version it holds (cheap, always): an engine that did
 not take the update fails the run, named. With --check-weight-update-equal (or --ci-test) the
@@ -26,8 +26,8 @@ import asyncio
 import time
 
 from miles.phases.context import TrainingContext
-from miles.phases.engines import with_engine_restarts
-from miles.phases.memory import resume_engine_weights, to_engines
+from miles.rollout.supervision import with_engine_restarts
+from miles.cluster.memory import resume_engine_weights, to_engines
 
 
 class WeightSyncMismatch(RuntimeError):

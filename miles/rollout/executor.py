@@ -28,7 +28,7 @@ them (`Trainer.prepare_rollout`); their samples leave here with advantage 0. Abo
 samples are left out of their group's statistics (advantage 0; the trainer does not train on them).
 
 Every engine call is bounded by `--engine-generate-timeout`: past it, `EngineUnresponsive` names the
-engine, and the phase kills, restarts and retries (`miles.phases.engines`).
+engine, and the phase kills, restarts and retries (`miles.rollout.supervision`).
 """
 
 from __future__ import annotations
@@ -184,10 +184,6 @@ class RolloutExecutor:
         await self._rewards.close()
         if self._teacher is not None:
             await self._teacher.close()
-
-    async def check_rewards(self) -> None:
-        """Start-up check, on the driver: every reward service the run posts to answers."""
-        await self._rewards.check_services()
 
     def progress(self) -> list[dict[str, Any]]:
         """What each running rollout and eval is doing: samples to make, generated, scored, the engine

@@ -157,7 +157,7 @@ class SupportsWeightBuckets(Protocol):
 class SupportsMemoryRelease(Protocol):
     """Frees GPU memory while the trainer trains (--offload-rollout, --colocate) and takes it back; each
     engine frees what it can of `tags` and ignores the rest (FastEngine keeps its weights, SGLang frees
-    them too); idempotent. miles.phases.memory says when."""
+    them too); idempotent. miles.cluster.memory says when."""
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
 

@@ -154,11 +154,6 @@ class Tracer:
         with self._lock:
             self._listeners.append(fn)
 
-    def remove_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        with self._lock:
-            if fn in self._listeners:
-                self._listeners.remove(fn)
-
     def emit(self, event: str, **fields: Any) -> int:
         """Write one event; returns its seq. `error=` may be an exception (it is rendered)."""
         if isinstance(fields.get("error"), BaseException):
@@ -206,10 +201,6 @@ class Tracer:
             return None
         return {"what": "the trace's last events", "error": str(self.write_error), "from_seq": self.broke_at,
                 "last_seq": self._seq, "path": str(self.path)}
-
-    @property
-    def last_seq(self) -> int:
-        return self._seq
 
     def close(self) -> None:
         """Close the file. The tracer is the run's; the listeners belong to whoever added them."""

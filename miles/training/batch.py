@@ -26,7 +26,7 @@ from miles.types import Sample
 @dataclass(frozen=True)
 class HostLayout:
     """What the step needs to know of a micro-batch, worked out on the host before the step's first
-    forward (`miles.training.microbatch.take_rows` with the batch's `HostRows`): read from the device
+    forward (`miles.training.torch.microbatch.take_rows` with the batch's `HostRows`): read from the device
     inside the loop, each of these would make the host wait for the GPU to finish the work queued so
     far, leaving it idle until the next launch."""
 

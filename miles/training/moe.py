@@ -291,7 +291,7 @@ class TrainerMoe:
         return replay
 
     def wrap(self, forward: Callable) -> Callable:
-        """`forward` (miles.training.forward's) with this model's routing set up before and read after."""
+        """`forward` (miles.training.torch.forward's) with this model's routing set up before and read after."""
         def routed_forward(model, mb, entropy, entropy_grad):
             if model is not self.model:          # the reference or the teacher: their own routers
                 return forward(model, mb, entropy, entropy_grad)

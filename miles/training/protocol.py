@@ -111,14 +111,14 @@ class TrainBackendSpec:
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(
-        trainer="miles.training.trainer:Trainer", critic="miles.training.critic:Critic",
-        check="miles.training.memory_plan:startup_problems",
+        trainer="miles.training.torch.trainer:Trainer", critic="miles.training.torch.critic:Critic",
+        check="miles.training.torch.memory_plan:startup_problems",
         capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets, SupportsBackgroundSave),
         opd_types=("megatron", "sglang"),
         # FSDP2 data parallel, the policy's ranks and PPO's critic's side by side on the trainer GPUs
-        many_ranks=TrainBackendSpec(trainer="miles.training.fsdp.group:FSDPTrainer",
-                                    critic="miles.training.fsdp.critic_group:FSDPCritic",
-                                    check="miles.training.memory_plan:startup_problems",
+        many_ranks=TrainBackendSpec(trainer="miles.training.torch.fsdp.group:FSDPTrainer",
+                                    critic="miles.training.torch.fsdp.critic_group:FSDPCritic",
+                                    check="miles.training.torch.memory_plan:startup_problems",
                                     ranked=True, capabilities=(SupportsOffload, SupportsCachedMemoryRelease,
                                                                   SupportsWeightBuckets))),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
@@ -176,7 +176,7 @@ class TrainerBackend(Protocol):
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Optimizer steps on one rollout; returns its metrics, and under `STEP_GRAD_NORMS` the list of
-        each step's gradient norm (the driver takes it out of the row: miles.phases.ci_gates)."""
+        each step's gradient norm (the driver takes it out of the row: miles.metrics.ci_gates)."""
         ...
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -61,11 +61,6 @@ def _host_weights_from_bytes(names: list[str], dtypes: list[str], shapes: list[t
                 for n, d, s, a in zip(names, dtypes, shapes, arrays)}
 
 
-def choose_transport(*, colocate: bool, device_type: str) -> str:
-    """cuda_ipc when engines share the trainer's GPUs, else the object store."""
-    return "cuda_ipc" if colocate and device_type == "cuda" else "object_store"
-
-
 @dataclass(frozen=True)
 class TensorMeta:
     name: str                 # HF name (miles.weights.hf.model_weights)
@@ -301,14 +296,3 @@ class WeightReceiver:
             self._pending = None
             raise ValueError(f"weight bucket {bucket.index} of version {bucket.version} does not fit the engine: "
                              + "; ".join(problems[:3]))
-
-
-def load_weight_buckets(named: Mapping[str, Tensor], buckets) -> int:
-    """Load a whole version's buckets, in order, into `named`; returns the version."""
-    receiver = WeightReceiver(named)
-    version = None
-    for bucket in buckets:
-        version = receiver.load(bucket)
-    if version is None:
-        raise ValueError("the buckets did not complete a weight version (last bucket missing)")
-    return version

@@ -18,7 +18,7 @@ version); medians over the timed rollouts, each timed in its two calls:
 Variants (--variants, in this order by default):
   torch   the unsharded trainer as a one-GPU CUDA run gets it (chunked hidden-state logprobs,
           compiled decoder layers, autocast to bf16)
-  fsdp    one FSDP2 rank (miles.training.fsdp.rank.FSDPRank, NCCL world of 1 on CUDA, gloo on the
+  fsdp    one FSDP2 rank (miles.training.torch.fsdp.rank.FSDPRank, NCCL world of 1 on CUDA, gloo on the
           CPU): fully_shard per decoder layer and a root, bf16 params / fp32 reduce on CUDA, the same
           chunked logprobs (inside the root's forward) and compiled layers as torch (what each of N
           ranks runs; a one-GPU run itself trains with the one-process trainer)
@@ -169,13 +169,13 @@ def make(variant: str, model: str, args):
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
     if base.startswith("fsdp") and base[4:] in ("", "2", "4"):
-        from miles.training.fsdp.rank import FSDPRank
+        from miles.training.torch.fsdp.rank import FSDPRank
 
         rank = FSDPRank(model, rank=0, world_size=1, layers_per_unit=int(base[4:] or 1),
                         sync_every_micro_batch=sync_each, **kw)
         rank.setup("127.0.0.1", free_port())
         return rank
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     if sync_each:
         raise SystemExit(f"--variants: {variant!r}: only an fsdp variant can end in -sync")

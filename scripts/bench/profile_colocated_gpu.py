@@ -51,7 +51,7 @@ def fake_samples(n: int, prompt_len: int, response_len: int, vocab: int, seed: i
 
 def profile_train(model: Path, a: argparse.Namespace) -> dict:
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     t = Trainer(str(model), train=TrainConfig(lr=1e-6, micro_batch_size=64, global_batch_size=256,
                                               use_dynamic_batch_size=True, max_tokens_per_gpu=a.max_tokens),

@@ -149,7 +149,7 @@ def make(backend: str, model: str, args):
     train = TrainConfig(lr=1e-5, micro_batch_size=args.micro_batch_size, global_batch_size=args.samples)
     rollout_cfg = RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8, max_response_len=args.response_len)
     if backend in ("torch", "torch-plain"):
-        from miles.training.trainer import Trainer
+        from miles.training.torch.trainer import Trainer
         plain = {"hidden_forward": False, "skip_old_logprobs": False} if backend == "torch-plain" else {}
         return Trainer(model, train=train, algorithm=AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3"), rollout=rollout_cfg, device=DEVICE, **plain)
     if backend != "megatron":

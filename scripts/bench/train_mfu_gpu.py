@@ -15,10 +15,10 @@ memory plan sees what it sees in the colocated run.
 Variants (--variants, comma-separated NAME:key=value;key=value): budget (tokens per micro-batch;
 "plan": none given, the memory plan's), recompute (0/1), pack (0/1), offload (0/1: the optimizer
 state to host memory after the warm-up, streamed by each step, as --offload-train does), fsdp (0/1: the
-trainer as one FSDP2 rank, `miles.training.fsdp.rank.FSDPRank` in a world of one: bf16 parameters
+trainer as one FSDP2 rank, `miles.training.torch.fsdp.rank.FSDPRank` in a world of one: bf16 parameters
 gathered once a step and kept across its micro-batches, no autocast, whole float32 gradients
 accumulated by FSDP; what each of N ranks runs), shadow (0/1: --trainer-weight-shadows, the decoder's
-Linear weights cast to bf16 once a step instead of once a micro-batch; `miles.training.shadows`), fused
+Linear weights cast to bf16 once a step instead of once a micro-batch; `miles.training.torch.shadows`), fused
 (0/1: --gradient-accumulation-fusion, which implies the shadows: the weight gradients summed into the
 float32 ones by the matmuls).
 
@@ -77,7 +77,7 @@ def parse_variants(text: str) -> dict[str, dict]:
 
 def make_trainer(model: str, v: dict, args):
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     budget = None if v["budget"] == "plan" else v["budget"]
     train = TrainConfig(lr=1e-6, micro_batch_size=args.samples, global_batch_size=args.samples,
@@ -88,7 +88,7 @@ def make_trainer(model: str, v: dict, args):
               rollout=RolloutConfig(batch_size=args.samples // 8, n_samples_per_prompt=8,
                                     max_response_len=args.response_len), device=args.device)
     if v["fsdp"]:
-        from miles.training.fsdp.rank import FSDPRank
+        from miles.training.torch.fsdp.rank import FSDPRank
 
         rank = FSDPRank(model, rank=0, world_size=1, **kw)
         rank.setup("127.0.0.1", free_port())      # its world of one; dispose() destroys it

@@ -22,7 +22,7 @@ from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
 from miles.runtime.procs import pid_running
-from miles.tracking.metrics import untimed
+from miles.metrics.jsonl import untimed
 from tests.conftest import base_flags
 from tests.faults.test_fault_matrix import trained_steps
 

@@ -34,8 +34,8 @@ from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.runtime.procs import pid_running
-from miles.tracetools.check import check_trace
-from miles.tracking.metrics import read_metrics, untimed
+from miles.traceview.check import check_trace
+from miles.metrics.jsonl import read_metrics, untimed
 from miles.cli.train import run_with_signals
 from tests.conftest import base_flags, miles_actors
 

@@ -18,8 +18,8 @@ from miles.api.launch import train
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
-from miles.tracetools.check import check_trace
-from miles.training.trainer import Trainer
+from miles.traceview.check import check_trace
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
 from tests.tiny_model import make_tiny_model
 

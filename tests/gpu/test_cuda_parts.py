@@ -11,7 +11,7 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
 from tests.tiny_model import make_tiny_model
 

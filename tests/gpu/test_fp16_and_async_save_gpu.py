@@ -17,7 +17,7 @@ import torch
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.rollout.engines.fast.engine import FastEngine
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import SamplingParams
 from tests.gpu.test_cuda_parts import samples_from
 from tests.tiny_model import make_tiny_model

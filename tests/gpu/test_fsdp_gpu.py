@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES, sample
 
@@ -57,7 +57,7 @@ def run(trainer, rollouts: int = 3) -> list:
 @pytest.mark.parametrize("dtype,compiled,rel,atol", [("float32", False, 1e-4, 1e-5), ("float32", True, 1e-4, 1e-5),
                                                      ("bfloat16", True, 0.1, 1e-2)])
 def test_one_fsdp_rank_trains_like_the_unsharded_trainer(model_path, tmp_path, dtype, compiled, rel, atol):
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
 
     plain = Trainer(model_path, **kwargs(dtype, compiled))
     want = run(plain)
@@ -95,7 +95,7 @@ class RankSender:
         self.rank, self.num_buckets = rank, rank.weight_bucket_count(dtype, bucket_bytes)
 
     def bucket(self, index: int, version: int):
-        from miles.training.fsdp.buckets import merge_rank_buckets
+        from miles.training.torch.fsdp.buckets import merge_rank_buckets
 
         return merge_rank_buckets([self.rank.weight_bucket(index, version)])
 
@@ -109,7 +109,7 @@ def test_one_fsdp_rank_syncs_a_colocated_engine_over_cuda_ipc(model_path, tmp_pa
     step between them, and no bucket outlives its release."""
     import torch.multiprocessing as mp
 
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
     from tests.gpu.test_weight_ipc import engine_process, push
 
     ctx = mp.get_context("spawn")
@@ -144,9 +144,9 @@ def test_one_fsdp_critic_rank_trains_like_the_one_process_critic(model_path, dty
     """PPO's critic on one NCCL rank against the one-process critic on CUDA (its CUDA paths: the
     sharded backbone under autocast, the token-budget micro-batches packed, the shell's step on the
     local shards): the same values, value loss, gradient norm and weights, two rollouts."""
-    from miles.training.critic import Critic
-    from miles.training.fsdp.critic_rank import FSDPCriticRank
-    from miles.training.fsdp.sharding import full_tensor
+    from miles.training.torch.critic import Critic
+    from miles.training.torch.fsdp.critic_rank import FSDPCriticRank
+    from miles.training.torch.fsdp.sharding import full_tensor
     from miles.weights.hf import model_weights
     from tests.unit.test_fsdp_critic import ALGO, METRICS, returns
 

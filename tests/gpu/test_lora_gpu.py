@@ -19,7 +19,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.runtime import read_trace, with_disposer
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES
 

@@ -90,7 +90,7 @@ def megatron_rank(cfg, base: str = BASE):
 
 
 def torch_trainer(cfg, base: str = BASE):
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     train, algorithm, rollout = cfg
     return Trainer(base, train=train, algorithm=algorithm, rollout=rollout, device="cuda")

@@ -17,9 +17,9 @@ import torch
 
 from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.training.batch import TrainBatch
-from miles.training.forward import compile_decoder_layers, hidden_forward
-from miles.training.memory_plan import HEADROOM, activation_bytes_per_token
-from miles.training.microbatch import HostRows, take_rows
+from miles.training.torch.forward import compile_decoder_layers, hidden_forward
+from miles.training.torch.memory_plan import HEADROOM, activation_bytes_per_token
+from miles.training.torch.microbatch import HostRows, take_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from miles.training.offload import HostOffload
+from miles.training.torch.offload import HostOffload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

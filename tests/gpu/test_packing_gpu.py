@@ -13,7 +13,7 @@ import torch
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
 from miles.training.packing import _varlen_once, attention_path, packed_attention
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.unit.test_packing import per_sample_attention
 from tests.unit.test_trainer import sample
 
@@ -91,7 +91,7 @@ def test_packed_step_under_recompute_matches_the_padded_one(monkeypatch, compile
     """Where the packed-under-recompute disagreement lives: packed under recompute with eager layers (what
     --no-trainer-compile gives) against the padded step, and with compiled layers, where the trainer's
     rule (RECOMPUTE_ON_CUDA) is lifted here to pack anyway."""
-    import miles.training.trainer as trainer_module
+    import miles.training.torch.trainer as trainer_module
     from miles.training.packing import enable_packing
 
     def pack_anyway(train, *models, device=None):
@@ -110,7 +110,7 @@ def test_packed_step_under_recompute_matches_the_padded_one(monkeypatch, compile
 
 def test_without_a_token_budget_cuda_plans_one_from_free_memory():
     """No --max-tokens-per-gpu on CUDA: each train call plans a budget from the free memory
-    (miles.training.memory_plan), reports it, and trains; the first call reserves the optimizer
+    (miles.training.torch.memory_plan), reports it, and trains; the first call reserves the optimizer
     state that does not exist yet, so the second call's budget is not smaller."""
     data = samples(n=64)
     t = Trainer(QWEN3, train=TrainConfig(lr=1e-3, micro_batch_size=64),

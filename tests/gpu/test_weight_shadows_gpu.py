@@ -12,8 +12,8 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.shadows import accumulate_weight_grad, shadowable
-from miles.training.trainer import Trainer
+from miles.training.torch.shadows import accumulate_weight_grad, shadowable
+from miles.training.torch.trainer import Trainer
 from tests.gpu.test_packing_gpu import QWEN3, samples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

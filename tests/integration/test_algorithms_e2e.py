@@ -20,7 +20,7 @@ from miles.cli.train import main as train_main
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
-from miles.tracking.metrics import read_metrics
+from miles.metrics.jsonl import read_metrics
 from tests.conftest import base_flags
 
 pytestmark = pytest.mark.ray
@@ -162,7 +162,7 @@ def test_ppo_with_the_policy_and_the_critic_on_two_ranks(ray_cluster, tiny_task,
     """--actor-num-gpus-per-node 2 on the CPU: the policy and PPO's critic each run as 2 FSDP ranks
     (gloo); the critic learns, and its checkpoint is the one-process critic's folder."""
     from miles.config import AlgorithmConfig, TrainConfig
-    from miles.training.critic import Critic
+    from miles.training.torch.critic import Critic
 
     torch.set_num_threads(1)
     result = run(base_flags(tiny_task, tmp_path / "run", custom_rm_path=ones_reward, lr=1e-2, num_rollout=2,

@@ -17,9 +17,9 @@ import pytest
 from miles.checkpoint.store import CheckpointStore
 from miles.config.flags import parse_flags
 from miles.api.launch import prepare_run
-from miles.phases.faults import InjectedFault
+from miles.api.faults import InjectedFault
 from miles.runtime import load_machine, read_trace, with_disposer
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 

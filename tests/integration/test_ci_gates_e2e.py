@@ -11,7 +11,7 @@ import pytest
 
 from miles.checkpoint.store import CheckpointStore
 from miles.cli.train import main as train_main
-from miles.phases.ci_gates import MODEL_HASH_FILE
+from miles.metrics.ci_gates import MODEL_HASH_FILE
 from miles.runtime import read_trace
 from tests.conftest import base_flags, miles_actors
 from tests.integration.test_main_job import run

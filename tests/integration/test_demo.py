@@ -11,7 +11,7 @@ import pytest
 from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime import read_trace, with_disposer
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 from miles.runtime import load_machine
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    from miles.tracking.metrics import read_metrics, untimed
+    from miles.metrics.jsonl import read_metrics, untimed
     return [untimed(r) for r in read_metrics(run_dir) if r.get("kind") == "train"]
 
 

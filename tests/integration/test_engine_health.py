@@ -14,7 +14,7 @@ from miles.api.launch import train
 from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.runtime.procs import pid_running
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 from tests.conftest import base_flags, miles_actors
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

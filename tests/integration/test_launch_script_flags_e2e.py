@@ -11,7 +11,7 @@ import yaml
 
 from miles.cli.train import main as train_main
 from miles.runtime import read_trace
-from miles.tracking.rollout_data import load_rollout_data
+from miles.rollout.debug_data import load_rollout_data
 from tests.conftest import base_flags, miles_actors
 from tests.integration.test_main_job import run
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from miles.checkpoint.store import CheckpointStore
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.runtime import read_trace
-from miles.tracking.metrics import untimed
+from miles.metrics.jsonl import untimed
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import load_causal_lm, model_weights
 from tests.conftest import base_flags

@@ -14,7 +14,7 @@ from miles.config.flags import parse_flags
 from miles.api.launch import train
 from miles.runtime.procs import usable_cores
 from miles.runtime import read_trace, with_disposer
-from miles.tracking.metrics import untimed
+from miles.metrics.jsonl import untimed
 from miles.cli.train import main as train_main
 from tests.conftest import base_flags, miles_actors
 

@@ -19,7 +19,7 @@ from miles.api.launch import train
 from miles.config.flags import parse_flags
 from miles.rollout.rewards import deepscaler_reward
 from miles.runtime import with_disposer
-from miles.tracking.rollout_data import load_rollout_data
+from miles.rollout.debug_data import load_rollout_data
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math"

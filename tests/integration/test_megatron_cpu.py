@@ -164,7 +164,7 @@ def hf_weights(results: list[dict], model: str) -> dict[str, torch.Tensor]:
 
 # --- the reference: the torch trainer ------------------------------------------------------------
 def torch_trainer_run(model: str, cfg, rollouts) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     train, algorithm, rollout = cfg
     trainer = Trainer(model, train=train, algorithm=algorithm, rollout=rollout, device="cpu")

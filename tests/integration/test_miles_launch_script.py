@@ -20,8 +20,8 @@ from miles.config.flags import FLAGS
 from miles.config.megatron_flags import SETS
 from miles.config.miles_flags import fate
 from miles.runtime import read_trace
-from miles.tracking.metrics import read_metrics
-from miles.tracking.rollout_data import load_rollout_data
+from miles.metrics.jsonl import read_metrics
+from miles.rollout.debug_data import load_rollout_data
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from miles.runtime import load_machine, read_trace
-from miles.tracetools.check import check_trace
-from miles.tracking.metrics import read_metrics
+from miles.traceview.check import check_trace
+from miles.metrics.jsonl import read_metrics
 from tests.conftest import base_flags, small_tmpfs
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]   # a whole run more: out of CI's budget

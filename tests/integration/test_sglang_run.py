@@ -19,7 +19,7 @@ import pytest
 from miles.api.launch import train
 from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 from tests.conftest import base_flags, miles_actors
 from tests.fakes import fake_state, sglang_processes
 

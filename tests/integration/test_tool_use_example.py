@@ -13,7 +13,7 @@ import pytest
 from miles.api.launch import train
 from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import torch
 from miles.api.launch import train
 from miles.config.flags import parse_flags
 from miles.runtime import load_machine, read_trace, with_disposer
-from miles.tracetools.check import check_trace
+from miles.traceview.check import check_trace
 from tests.conftest import base_flags
 
 pytestmark = pytest.mark.ray

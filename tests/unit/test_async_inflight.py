@@ -210,8 +210,8 @@ def test_update_weights_interval_belongs_to_async_and_bounds_the_eval_interval()
 
 def test_work_in_flight_gets_its_own_lanes_with_versions_and_outcomes(tmp_path):
     from miles.runtime import read_trace
-    from miles.tracetools.gantt import lanes_of, plot_timeline
-    from miles.tracetools.timeline import build_timeline
+    from miles.traceview.gantt import lanes_of, plot_timeline
+    from miles.traceview.timeline import build_timeline
 
     t = Tracer(tmp_path / "trace.jsonl", run_id="r", machine="async")
     t.emit("run_start", state="init", states=["init", "rollout", "train", "draining", "shutdown"])

@@ -3,7 +3,7 @@ and the checkpoint is committed only once every part is written.
 
 The trainer's and critic's halves run on the real classes (the files of a background save taken
 before a step equal a synchronous save's taken at the same point, although the write runs after the
-step); the driver's half (`miles.phases.background_save`) on a real store with parts that finish,
+step); the driver's half (`miles.checkpoint.background_save`) on a real store with parts that finish,
 fail or hang as a test says.
 """
 
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from miles.checkpoint.background import BackgroundWrites
 from miles.checkpoint.checkpointer import DiskFull, begin_checkpoint
 from miles.checkpoint.store import CheckpointStore
-from miles.phases.background_save import BackgroundSave, commit_when_written, start_parts
+from miles.checkpoint.background_save import BackgroundSave, commit_when_written, start_parts
 from tests.unit.test_trainer import SAMPLES, model_path, trainer  # noqa: F401  (model_path: the fixture)
 
 

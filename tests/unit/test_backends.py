@@ -180,8 +180,8 @@ def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):
 
 
 def test_engine_picked_names_the_family_and_why(models, tmp_path):
-    from miles.phases.engine_reason import engine_reason
-    from miles.tracking.progress import ProgressModel
+    from miles.rollout.engines.reason import engine_reason
+    from miles.metrics.progress import ProgressModel
     from tests.tiny_model import make_tiny_family
 
     qwen3 = make_tiny_family(tmp_path / "qwen3", "qwen3")

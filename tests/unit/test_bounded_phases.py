@@ -14,7 +14,7 @@ from miles.config.schema import ReliabilityConfig
 from miles.config.flags import FLAGS, parse_flags
 from miles.rollout.executor import RolloutExecutor
 from miles.runtime import load_machine
-from miles.tracking.progress import ProgressModel, waiting_line
+from miles.metrics.progress import ProgressModel, waiting_line
 from tests.unit.test_executor_algorithms import PROMPTS, Digits
 from tests.unit.test_executor_eval_config import Recording
 

@@ -18,7 +18,7 @@ from miles.config.schema import USER_FUNCTION_FLAGS
 from tests.tiny_model import make_tiny_model
 
 CONFIG = Path(miles.__file__).parent / "config"
-ABOVE_CONFIG = ("miles.rollout", "miles.training", "miles.tracking", "miles.phases", "miles.cluster", "miles.api",
+ABOVE_CONFIG = ("miles.rollout", "miles.training", "miles.metrics", "miles.phases", "miles.cluster", "miles.api",
                 "miles.cli", "miles.checkpoint", "miles.weights", "miles.data")
 
 

@@ -1,5 +1,5 @@
 """Checkpoint folders between an actor's node and the driver's disk when they share no filesystem
-(miles.checkpoint.transfer, miles.phases.checkpoint_io.CopiedFolders), and the shared case's guard.
+(miles.checkpoint.transfer, miles.checkpoint.folders.CopiedFolders), and the shared case's guard.
 
 The actor is a fake of one layer: `handle.__ray_call__.remote(fn, *args)` runs `fn(actor, *args)` in
 this process, `handle.<method>.remote(...)` calls the method, as Ray would in the actor's process. Its
@@ -17,7 +17,7 @@ import pytest
 from miles.checkpoint import transfer
 from miles.checkpoint.checkpointer import save_atomically
 from miles.checkpoint.store import CheckpointStore, verify
-from miles.phases.checkpoint_io import CopiedFolders, SharedFolders
+from miles.checkpoint.folders import CopiedFolders, SharedFolders
 
 
 class _Method:

@@ -1,4 +1,4 @@
-"""miles' CI gates (miles/phases/ci_gates.py): the eval metric gate, the gradient-norm record and check,
+"""miles' CI gates (miles/metrics/ci_gates.py): the eval metric gate, the gradient-norm record and check,
 the model hash, and their start-up checks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
-from miles.phases.ci_gates import (MODEL_HASH_FILE, CICheckFailed, CIGates, GradNormRecord, MetricGate,
+from miles.metrics.ci_gates import (MODEL_HASH_FILE, CICheckFailed, CIGates, GradNormRecord, MetricGate,
                                    check_model_hash, metric_name, write_model_hash)
 from miles.training.protocol import STEP_GRAD_NORMS
 from tests.unit.test_tracking_flags import base

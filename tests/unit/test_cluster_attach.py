@@ -9,7 +9,7 @@ from miles.cluster.placement import PlacementRequest, check_actor_resources, pla
 from miles.cluster.ray_cluster import checking_paths, driver_path
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
-from miles.phases.checkpoint_io import CopiedFolders, SharedFolders, pick_folders
+from miles.checkpoint.folders import CopiedFolders, SharedFolders, pick_folders
 
 
 @pytest.fixture

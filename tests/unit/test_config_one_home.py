@@ -15,7 +15,7 @@ import torch
 from miles.config import AlgorithmConfig, DataConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.phases.init import trainer_options
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample
 from tests.tiny_model import make_tiny_model
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.threads import pick_cpu_threads
-from miles.training.trainer import Trainer
+from miles.training.torch.threads import pick_cpu_threads
+from miles.training.torch.trainer import Trainer
 from tests.unit.test_trainer import SAMPLES
 
 MODEL = "examples/arithmetic/base_model"

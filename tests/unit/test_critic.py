@@ -6,9 +6,9 @@ import torch
 
 from miles.checkpoint.store import CheckpointStore
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.critic import CRITIC_DIR, Critic, resolve_critic_source
+from miles.training.torch.critic import CRITIC_DIR, Critic, resolve_critic_source
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample
 from tests.tiny_model import make_tiny_model
 

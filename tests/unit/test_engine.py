@@ -6,7 +6,7 @@ from miles.algorithms import logprobs_from_logits
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Generation, Prompt, Sample, SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import EOS_ID, make_tiny_model
@@ -215,7 +215,7 @@ def test_max_context_len_caps_each_response_by_its_prompt(engine):
 
 
 def test_memory_release_is_a_no_op_on_the_cpu_and_the_run_s_hand_off_sequence_works(engine):
-    # the run's sequence (miles.phases.memory): release every tag, resume "weights" before the push,
+    # the run's sequence (miles.cluster.memory): release every tag, resume "weights" before the push,
     # then the rest; on the CPU there is nothing to give back, and answers and health stay as they were
     before = engine.generate(PROMPTS, GREEDY)
     engine.release_memory(("weights", "kv_cache", "cuda_graph"))

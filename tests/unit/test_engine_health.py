@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from miles.config import RolloutConfig, TraceConfig
-from miles.phases.health import HealthMonitor
+from miles.rollout.health import HealthMonitor
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.rollout.engines.fast.engine import FastEngine
 from miles.rollout.engines.registry import ENGINES

@@ -2,7 +2,7 @@
 
 from miles.config import ConfigError
 from miles.runtime.trace import error_record, error_summary, root_cause
-from miles.tracetools.report import _error_line
+from miles.traceview.report import _error_line
 
 
 class Wrapper(Exception):

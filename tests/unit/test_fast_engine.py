@@ -356,7 +356,7 @@ def test_release_and_resume_memory_leave_outputs_unchanged(model_path):
 
 
 def test_memory_tags_the_fast_engine_does_not_hold_released_are_no_ops(model_path):
-    # the run's hand-off (miles.phases.memory): release every tag, resume "weights" before the push
+    # the run's hand-off (miles.cluster.memory): release every tag, resume "weights" before the push
     # (they never left: nothing to do), then the KV cache and the graphs after it
     engine = FastEngine(model_path, device="cpu", max_batch_size=3)
     engine.release_memory(("weights",))
@@ -382,12 +382,12 @@ def test_tokenizer_accessors_and_dispose(model_path):
 def test_supports_names_what_it_cannot_run(tmp_path):
     base = dict(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=64)
-    assert FastEngine.supports(Qwen2Config(**base)) is None
-    assert FastEngine.supports(LlamaConfig(**base)) is None
-    assert "sliding-window" in FastEngine.supports(Qwen2Config(**base, use_sliding_window=True, max_window_layers=0))
-    assert "'dynamic'" in FastEngine.supports(LlamaConfig(**base, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    assert "mlp_bias" in FastEngine.supports(LlamaConfig(**base, mlp_bias=True))
-    assert "gelu" in FastEngine.supports(LlamaConfig(**base, hidden_act="gelu"))
+    assert fast_model.supports(Qwen2Config(**base)) is None
+    assert fast_model.supports(LlamaConfig(**base)) is None
+    assert "sliding-window" in fast_model.supports(Qwen2Config(**base, use_sliding_window=True, max_window_layers=0))
+    assert "'dynamic'" in fast_model.supports(LlamaConfig(**base, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert "mlp_bias" in fast_model.supports(LlamaConfig(**base, mlp_bias=True))
+    assert "gelu" in fast_model.supports(LlamaConfig(**base, hidden_act="gelu"))
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not implemented.*use EmbeddedEngine"):

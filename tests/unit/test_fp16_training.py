@@ -12,8 +12,8 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.critic import Critic
-from miles.training.trainer import STATE_FILE, Trainer
+from miles.training.torch.critic import Critic
+from miles.training.torch.trainer import STATE_FILE, Trainer
 from miles.weights.hf import model_weights
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES
@@ -128,7 +128,7 @@ def test_an_fsdp_rank_skips_overflows_and_checkpoints_its_scaler(model_path, tmp
     all-reduced gradient norm's, the same on every rank."""
     import torch.distributed as dist
 
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
     from tests.unit.test_fsdp_ranks import free_port
 
     def rank(**train) -> FSDPRank:

@@ -17,7 +17,7 @@ from tests.unit.test_trainer import host_held
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, ck: str):
     torch.set_num_threads(1)
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
 
     t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=True,
                  **configs(**RANKS_TRAIN, optimizer_cpu_offload=True))

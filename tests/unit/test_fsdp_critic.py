@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from miles.config import AlgorithmConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.critic import HEAD_FILE, Critic
+from miles.training.torch.critic import HEAD_FILE, Critic
 from miles.weights.hf import model_weights
 from tests.tiny_model import PAD_ID, make_tiny_family
 from tests.unit.test_fsdp_ranks import ROLLOUT, end_rank_process, free_port, model_path  # noqa: F401 (the fixture)
@@ -50,8 +50,8 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, init
     """One rank runs `script`: ("train", rollout_id), ("save", folder), ("load", folder); writes what
     each train returned to out/rank_<r>.pt."""
     torch.set_num_threads(1)
-    from miles.training.fsdp.critic_rank import FSDPCriticRank
-    from miles.training.fsdp.sharding import full_tensor
+    from miles.training.torch.fsdp.critic_rank import FSDPCriticRank
+    from miles.training.torch.fsdp.sharding import full_tensor
 
     c = FSDPCriticRank(model, rank=rank, world_size=world_size, init_from=init_from, **configs(**train))
     c.setup("127.0.0.1", port)

@@ -28,11 +28,11 @@ def ctx(gpus_per_node: int, use_gpus: bool) -> SimpleNamespace:
 
 
 def test_one_rank_is_the_one_process_trainer_and_more_are_the_fsdp_group():
-    assert TRAIN_BACKENDS["torch"].for_ranks(1).trainer == "miles.training.trainer:Trainer"
+    assert TRAIN_BACKENDS["torch"].for_ranks(1).trainer == "miles.training.torch.trainer:Trainer"
     many = TRAIN_BACKENDS["torch"].for_ranks(2)
-    assert many.trainer == "miles.training.fsdp.group:FSDPTrainer" and many.ranked
-    assert TRAIN_BACKENDS["torch"].for_ranks(1).critic == "miles.training.critic:Critic"
-    assert many.critic == "miles.training.fsdp.critic_group:FSDPCritic"
+    assert many.trainer == "miles.training.torch.fsdp.group:FSDPTrainer" and many.ranked
+    assert TRAIN_BACKENDS["torch"].for_ranks(1).critic == "miles.training.torch.critic:Critic"
+    assert many.critic == "miles.training.torch.fsdp.critic_group:FSDPCritic"
     assert TRAIN_BACKENDS["megatron"].for_ranks(4) is TRAIN_BACKENDS["megatron"]
 
 
@@ -66,7 +66,7 @@ def test_fsdp_is_torch_and_takes_several_ranks(tiny_task):
 def test_a_backend_without_ranks_is_still_refused_more_than_one(tiny_task, monkeypatch):
     from miles.training import protocol
 
-    monkeypatch.setitem(protocol.TRAIN_BACKENDS, "torch", protocol.TrainBackendSpec(trainer="miles.training.trainer:Trainer"))
+    monkeypatch.setitem(protocol.TRAIN_BACKENDS, "torch", protocol.TrainBackendSpec(trainer="miles.training.torch.trainer:Trainer"))
     with pytest.raises(ConfigError, match="--actor-num-gpus-per-node 2: the torch trainer runs on one GPU"):
         parse_flags(["--hf-checkpoint", tiny_task["model"], "--prompt-data", tiny_task["train"], "--rollout-batch-size",
                      "2", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "2"])

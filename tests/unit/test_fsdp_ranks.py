@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES, sample
 
@@ -93,7 +93,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
     metrics and the whole weights after each train to out/rank_<r>.pt. `hidden`: the chunked
     hidden-state logprobs (CUDA's path) in place of the logits; `options`: more `FSDPRank` arguments."""
     torch.set_num_threads(1)
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
 
     t = FSDPRank(model, rank=rank, world_size=world_size, hidden_forward=hidden, **configs(**RANKS_TRAIN), **options)
     t.setup("127.0.0.1", port)

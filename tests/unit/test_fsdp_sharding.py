@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.training.fsdp.sharding import bucket_names, rank_rows
+from miles.training.torch.fsdp.sharding import bucket_names, rank_rows
 
 
 def test_rank_rows_split_the_rows_contiguously_and_cover_them_once():
@@ -23,7 +23,7 @@ def test_buckets_hold_at_most_the_byte_budget_unless_one_tensor_is_larger():
 
 
 def test_a_merged_bucket_offers_every_ranks_ipc_copy_and_keeps_rank_0s_bytes():
-    from miles.training.fsdp.buckets import merge_rank_buckets
+    from miles.training.torch.fsdp.buckets import merge_rank_buckets
     from miles.weights.transport import WeightBucket
 
     ipc = [WeightBucket(index=0, count=1, version=3, metas=(), ipc=("h", r), device_uuid=f"gpu-{r}") for r in range(3)]
@@ -42,8 +42,8 @@ def test_decoder_layers_compiled_after_fully_shard_give_the_eager_gradients(tmp_
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from miles.training.forward import compile_decoder_layers
-    from miles.training.fsdp.sharding import shard_model
+    from miles.training.torch.forward import compile_decoder_layers
+    from miles.training.torch.fsdp.sharding import shard_model
     from miles.weights.hf import load_causal_lm
     from tests.tiny_model import make_tiny_model
     from tests.unit.test_fsdp_ranks import free_port
@@ -76,7 +76,7 @@ def test_a_rank_uses_the_process_group_it_finds_and_refuses_one_of_another_shape
     import torch.distributed as dist
 
     from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
     from tests.tiny_model import make_tiny_model
     from tests.unit.test_fsdp_ranks import free_port
 
@@ -104,7 +104,7 @@ def test_layers_grouped_into_units_give_the_per_layer_gradients(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from miles.training.fsdp.sharding import shard_model
+    from miles.training.torch.fsdp.sharding import shard_model
     from miles.weights.hf import load_causal_lm
     from tests.tiny_model import make_tiny_model
     from tests.unit.test_fsdp_ranks import free_port

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
-from miles.phases.input_checks import (check_checkpoint_fits, check_user_functions, first_row_keys, label_warnings,
+from miles.data.input_checks import (check_checkpoint_fits, check_user_functions, first_row_keys, label_warnings,
                                        model_shapes, safetensors_shapes)
 from miles.rollout.rewards import import_reward_fn, math_reward
 from miles.user_code import display_name
@@ -165,7 +165,7 @@ def test_a_custom_reward_that_takes_a_label_without_a_label_key_is_a_warning(tmp
 
 def test_eval_prompts_have_their_own_length_limit_and_context_cap(model, tmp_path):
     from miles.config import EvalDataset
-    from miles.phases.init import _eval_prompts
+    from miles.data.input_checks import _eval_prompts
     from miles.weights.hf import load_tokenizer
 
     tok = load_tokenizer(model)

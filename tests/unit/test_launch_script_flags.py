@@ -16,7 +16,7 @@ from miles.config.flags import parse_flags
 from miles.phases.debug import check_debug_flags
 from miles.phases.init import trainer_options
 from miles.rollout.executor import eval_sampling_params
-from miles.tracking.sinks import WandbSink
+from miles.metrics.sinks import WandbSink
 from tests.unit.test_tracking_flags import base
 
 KEY = "0123456789abcdef0123456789abcdef01234567"

@@ -74,7 +74,7 @@ def test_the_deep_checks_findings_are_listed_too_and_a_skip_names_the_next_one(t
     assert json.loads((tmp_path / "iter_0000000" / "manifest.json").read_text())["rollout_id"] == 0
 
 
-# ---- the sha256 check before Ray starts (miles.phases.init._hash_before_start) -------------------
+# ---- the sha256 check before Ray starts (miles.checkpoint.restore.hash_before_start) -------------------
 
 def trainer_checkpoint(store: CheckpointStore, rollout_id: int) -> None:
     with store.saving(rollout_id) as tmp:
@@ -112,7 +112,7 @@ def ctx_for(tmp_path):
 
 
 def test_checkpoints_that_all_fail_their_sha256_are_refused_before_ray_starts(tmp_path, ctx_for):
-    from miles.phases.init import _hash_before_start
+    from miles.checkpoint.restore import hash_before_start
     ckpt = tmp_path / "ckpt"
     store = CheckpointStore(ckpt)
     for i in range(3):
@@ -120,7 +120,7 @@ def test_checkpoints_that_all_fail_their_sha256_are_refused_before_ray_starts(tm
     flip(ckpt / "iter_0000002" / "trainer" / "model.safetensors")
     flip(ckpt / "iter_0000001" / "hf" / "export.bin")             # a file the load does not read
     ctx = ctx_for(ckpt)
-    _hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
+    hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
     newest, second = ckpt / "iter_0000002", ckpt / "iter_0000001"
     assert ctx.load_checked == {newest: [f"{newest / 'trainer' / 'model.safetensors'} does not match its sha256 "
                                          "in the manifest"], second: []}     # stops at the first that checks out
@@ -128,15 +128,15 @@ def test_checkpoints_that_all_fail_their_sha256_are_refused_before_ray_starts(tm
         flip(ckpt / f"iter_000000{i}" / "trainer" / "model.safetensors")
     ctx = ctx_for(ckpt)
     with pytest.raises(UnusableLoadFolder) as refused:
-        _hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
+        hash_before_start(ctx, check_load_folder(str(ckpt), allow_fresh_start=False))
     lines = str(refused.value).splitlines()
     assert lines[0].startswith(f"--load {ckpt}: none of its 3 checkpoints can be loaded")
     assert [line.split(":")[0] for line in lines[1:]] == ["  iter_0000002", "  iter_0000001", "  iter_0000000"]
     assert all("does not match its sha256 in the manifest" in line for line in lines[1:])
     allowed = ctx_for(ckpt, allow_fresh_start=True)
-    _hash_before_start(allowed, check_load_folder(str(ckpt), allow_fresh_start=True))    # said later, not refused
+    hash_before_start(allowed, check_load_folder(str(ckpt), allow_fresh_start=True))    # said later, not refused
     assert len(allowed.load_checked) == 3 and all(allowed.load_checked.values())
     unverified = ctx_for(ckpt)
     object.__setattr__(unverified.cfg.reliability, "verify_load", False)                # --no-verify-load
-    _hash_before_start(unverified, check_load_folder(str(ckpt), allow_fresh_start=False))
+    hash_before_start(unverified, check_load_folder(str(ckpt), allow_fresh_start=False))
     assert unverified.load_checked == {}

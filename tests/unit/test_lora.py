@@ -1,4 +1,4 @@
-"""LoRA (miles/training/lora.py and the torch trainer under --lora-rank): the module, the target selection,
+"""LoRA (miles/training/torch/lora.py and the torch trainer under --lora-rank): the module, the target selection,
 the merged weights the engines get, PEFT's file layout, checkpoints, and the flags' checks."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
-from miles.training import lora
+from miles.training.torch import lora
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import load_causal_lm, model_weights
 from tests.tiny_model import make_tiny_model
@@ -230,7 +230,7 @@ def test_miles_lora_options_not_taken_are_refused_with_the_ones_that_are(tmp_pat
 
 
 def test_the_memory_plan_counts_no_gradients_moments_or_reference_copy_under_lora(tmp_path, model_path):
-    from miles.training.memory_plan import startup_problems
+    from miles.training.torch.memory_plan import startup_problems
 
     def need(*extra: str) -> str:
         cfg, _ = parse_flags(flags(tmp_path, "--hf-checkpoint", model_path, "--device", "cuda", "--use-kl-loss", *extra))

@@ -1,4 +1,4 @@
-"""Megatron-LM's loss-scale rule (miles.training.loss_scale), step by step."""
+"""Megatron-LM's loss-scale rule (miles.training.torch.loss_scale), step by step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import torch
 
 from miles.config import TrainConfig
-from miles.training.loss_scale import NO_SCALING, LossScaler, loss_scaler
+from miles.training.torch.loss_scale import NO_SCALING, LossScaler, loss_scaler
 
 
 def run(scaler: LossScaler, overflows: str) -> list[float]:

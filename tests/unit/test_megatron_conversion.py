@@ -12,10 +12,15 @@ import torch
 
 from miles.config import ConfigError
 from miles.training.megatron.conversion import (
-    EMBEDDING, OUTPUT, ModelSpec, hf_to_mcore, mcore_to_hf, merge_tp, model_spec, pack_qkv, padded_vocab, shard_tensor,
+    EMBEDDING, OUTPUT, ModelSpec, hf_to_mcore, mcore_to_hf, merge_tensor, model_spec, pack_qkv, padded_vocab, shard_tensor,
     shard_tp, spec_problems, stage_weights, te_names, tp_problems, unpack_qkv, unstage_weights,
 )
 from miles.weights.hf import model_weights
+
+
+def merge_tp(shards, spec: ModelSpec) -> dict:
+    """The inverse of `shard_tp` over a model's weights (the worker merges one tensor at a time: `merge_tensor`)."""
+    return {n: merge_tensor(n, [s[n] for s in shards], spec) for n in shards[0]}
 
 
 def tiny(family: str, *, tied: bool, vocab: int = 33, heads: int = 4, kv: int = 2, layers: int = 2):

@@ -12,9 +12,9 @@ import torch
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
 from miles.training.batch import TrainBatch
-from miles.training.forward import hidden_forward, logits_forward
-from miles.training.memory_plan import (HEADROOM, activation_bytes_per_token, plan_token_budget, reserve_bytes)
-from miles.training.microbatch import plan_micro_batches
+from miles.training.torch.forward import hidden_forward, logits_forward
+from miles.training.torch.memory_plan import (HEADROOM, activation_bytes_per_token, plan_token_budget, reserve_bytes)
+from miles.training.torch.microbatch import plan_micro_batches
 
 
 def saved_bytes_per_token(model, forward, tokens=(96, 192)) -> float:
@@ -128,7 +128,7 @@ def gpu_run(tmp_path_factory):
 
 
 def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_that_make_room(gpu_run):
-    from miles.training.memory_plan import parameter_count, startup_problems
+    from miles.training.torch.memory_plan import parameter_count, startup_problems
 
     from transformers import AutoConfig
 
@@ -179,7 +179,7 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
 
 
 def test_validate_runs_the_start_up_check_with_this_machines_gpu_memory(tmp_path, monkeypatch):
-    import miles.training.memory_plan as plan
+    import miles.training.torch.memory_plan as plan
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.training.batch import make_train_batch
-from miles.training.microbatch import (HostRows, fixed_size_groups, padded_tokens, plan_micro_batches, take_rows,
+from miles.training.torch.microbatch import (HostRows, fixed_size_groups, padded_tokens, plan_micro_batches, take_rows,
                                        token_budget_groups)
 from miles.types import Prompt, Sample
 

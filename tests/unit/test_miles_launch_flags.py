@@ -256,7 +256,7 @@ def test_log_probs_chunk_size_is_the_chunked_logprob_paths_rows(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
-    from miles.training.forward import pick_forward
+    from miles.training.torch.forward import pick_forward
     from tests.tiny_model import make_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"))

@@ -16,7 +16,7 @@ from miles.config.flags import parse_flags
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.training.batch import make_train_batch
 from miles.training.moe import load_balancing_loss, z_loss
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
 from tests.tiny_model import make_tiny_family
 from tests.unit.test_fast_engine import EOS_ID, PROMPTS, forward_logprobs, reference_greedy
@@ -352,7 +352,7 @@ FSDP_TRAIN = dict(lr=1e-2, micro_batch_size=1, global_batch_size=2, use_rollout_
 
 
 def _moe_rank_main(rank: int, world_size: int, port: int, model: str, out: str):
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
     from tests.unit.test_fsdp_ranks import end_rank_process
 
     torch.set_num_threads(1)

@@ -196,7 +196,7 @@ def test_real_trajectories_line_up_with_the_trainers_recomputation(tool_model, t
     from miles.rollout.engines.embedded.engine import EmbeddedEngine
     from miles.rollout.engines.fast.engine import FastEngine
     from miles.training.batch import make_train_batch
-    from miles.training.trainer import Trainer
+    from miles.training.torch.trainer import Trainer
 
     (tmp_path / "gen.py").write_text(GEN)
     monkeypatch.chdir(tmp_path)

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from miles.training.offload import HostOffload
-from miles.training.shards import local
+from miles.training.torch.offload import HostOffload
+from miles.training.torch.shards import local
 
 torch.set_num_threads(1)
 
@@ -212,7 +212,7 @@ def _sharded_resume_rank(folder: str, rank: int, world: int, port: int, out) -> 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from miles.training.fsdp.checkpoint import load_full, load_sharded, save_sharded
+    from miles.training.torch.fsdp.checkpoint import load_full, load_sharded, save_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -9,9 +9,9 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.microbatch import plan_micro_batches, take_rows
+from miles.training.torch.microbatch import plan_micro_batches, take_rows
 from miles.training.packing import Pack, enable_packing, pack_groups, packed_attention
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.unit.test_trainer import sample
 
 MODELS = ("examples/arithmetic/base_model", "examples/arithmetic/base_model_qwen3",
@@ -194,7 +194,7 @@ def test_compiled_layers_compile_in_the_first_rollout_only(packed):
     # each new kind of shape change recompiled, past dynamo's recompile limit on the packed path)
     from torch._dynamo.testing import CompileCounter
 
-    from miles.training.forward import compile_decoder_layers
+    from miles.training.torch.forward import compile_decoder_layers
 
     torch._dynamo.reset()
     try:

@@ -107,7 +107,7 @@ def test_one_gpu_and_no_layout_flags_colocate_and_a_named_layout_stays_as_given(
     from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
     from miles.cluster.placement import placement_request
     from miles.config.flags import parse_flags
-    from miles.tracking.progress import ProgressModel
+    from miles.metrics.progress import ProgressModel
 
     def cfg_of(*flags):
         example = Path(__file__).resolve().parents[2] / "examples/arithmetic/grpo.yaml"
@@ -138,7 +138,7 @@ def test_a_cpu_run_without_an_engine_count_gets_two_engines_and_a_named_count_is
     from miles.cluster.auto_layout import AUTO_ENGINES_REASON, auto_num_engines
     from miles.cluster.placement import placement_request
     from miles.config.flags import parse_flags
-    from miles.tracking.progress import ProgressModel
+    from miles.metrics.progress import ProgressModel
 
     def cfg_of(*flags):
         example = Path(__file__).resolve().parents[2] / "examples/arithmetic/grpo.yaml"

@@ -28,8 +28,8 @@ from miles.cluster.local import LocalCluster
 from miles.runtime import Tracer, read_trace
 from miles.runtime.files import (RUN_UMASK, LineFile, WriteFailed, free_space, is_disk_full, restrict_umask,
                                  restricted_umask)
-from miles.tracking.logs import LogContext, process_logging
-from miles.tracking.metrics import MetricsWriter, read_metrics
+from miles.metrics.logs import LogContext, process_logging
+from miles.metrics.jsonl import MetricsWriter, read_metrics
 from tests.conftest import world_writable
 from tests.stub_phases import make_stub_run, stub_phase
 
@@ -254,13 +254,13 @@ def test_the_run_umask_takes_group_and_world_write_and_keeps_a_stricter_one():
 
 def test_a_saved_rollout_that_does_not_fit_names_the_file_and_leaves_no_partial(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
-    from miles.tracking.rollout_data import save_rollout_data
+    from miles.rollout.debug_data import save_rollout_data
 
     def full(obj, f, *a, **k):
         Path(f).write_bytes(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
     monkeypatch.setattr(torch, "save", full)
-    monkeypatch.setattr("miles.tracking.rollout_data.free_space", lambda p: 0)     # what that message means
+    monkeypatch.setattr("miles.rollout.debug_data.free_space", lambda p: 0)     # what that message means
     with pytest.raises(WriteFailed) as failed:
         save_rollout_data(tmp_path / "rollouts" / "rollout_3.pt", 3, [], {})
     assert str(failed.value).startswith(f"cannot write the saved rollout (--save-debug-rollout-data) "

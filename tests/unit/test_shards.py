@@ -1,4 +1,4 @@
-"""The optimizer step and gradient clipping on local shards (`miles.training.shards`): the same
+"""The optimizer step and gradient clipping on local shards (`miles.training.torch.shards`): the same
 result as torch's calls on whole tensors, on a plain model and on an FSDP2 model over 2 gloo ranks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from miles.training.shards import clip_grad_norm, step_shards
+from miles.training.torch.shards import clip_grad_norm, step_shards
 
 
 def model_and_optimizer(seed: int = 0):

@@ -9,8 +9,8 @@ from miles.config.flags import parse_flags
 from miles.config.schema import ConfigError
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.training.batch import make_train_batch, split
-from miles.training.shards import local
-from miles.training.trainer import Trainer
+from miles.training.torch.shards import local
+from miles.training.torch.trainer import Trainer
 from miles.types import Prompt, Sample, SamplingParams
 from tests.tiny_model import make_tiny_model
 
@@ -188,9 +188,9 @@ def sharded_checkpoint(t: Trainer, ck):
     import json
     import warnings
 
-    from miles.training.fsdp.checkpoint import rng_file, save_sharded
+    from miles.training.torch.fsdp.checkpoint import rng_file, save_sharded
     from miles.training.rng import rng_state
-    from miles.training.trainer import STATE_FILE
+    from miles.training.torch.trainer import STATE_FILE
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -402,7 +402,7 @@ def test_a_sharded_checkpoints_optimizer_state_is_refused_by_decoupled_groups_an
 
 def test_the_offload_chunk_size_is_the_streamed_steps_chunk(model_path):
     """--offload-train-disk-chunk-mb sets how many MiB of parameters a streamed step moves at a time."""
-    from miles.training.offload import DEFAULT_CHUNK_BYTES
+    from miles.training.torch.offload import DEFAULT_CHUNK_BYTES
 
     plain, chunked = trainer(model_path), trainer(model_path, offload_chunk_mb=3)
     plain.offload(), chunked.offload()

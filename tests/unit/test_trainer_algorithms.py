@@ -8,7 +8,7 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.trainer import REF_FILE, Trainer
+from miles.training.torch.trainer import REF_FILE, Trainer
 from miles.types import Prompt, Sample
 from tests.tiny_model import make_tiny_model
 

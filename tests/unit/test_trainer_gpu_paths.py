@@ -7,7 +7,7 @@ import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import make_train_batch
-from miles.training.trainer import Trainer
+from miles.training.torch.trainer import Trainer
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES, sample
 
@@ -128,7 +128,7 @@ def test_trainer_compile_flag_compiles_each_decoder_layer_in_place(model_path, t
     from transformers import AutoModelForCausalLM
 
     from miles.config.flags import parse_flags
-    from miles.training.forward import compile_decoder_layers
+    from miles.training.torch.forward import compile_decoder_layers
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')

@@ -13,7 +13,7 @@ from miles.algorithms import token_mean
 from miles.algorithms.kl import kl_k3
 from miles.training.batch import make_train_batch
 from miles.training.terms import _unbiased_kl_term
-from miles.training.trainer import OPTIMIZER_FILE, STATE_FILE
+from miles.training.torch.trainer import OPTIMIZER_FILE, STATE_FILE
 from tests.unit.test_trainer_algorithms import SAMPLES, model_path, trainer, with_rollout_logprobs  # noqa: F401
 
 

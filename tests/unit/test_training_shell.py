@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from miles.config import TrainConfig
-from miles.training.critic import Critic
-from miles.training.shell import OptimizedModel
-from miles.training.trainer import Trainer
+from miles.training.torch.critic import Critic
+from miles.training.torch.shell import OptimizedModel
+from miles.training.torch.trainer import Trainer
 
 
 class Linear(OptimizedModel):
@@ -87,7 +87,7 @@ def test_the_scheduled_weight_decay_is_what_adamw_applies():
 
 def test_a_model_without_decoupled_groups_refuses_a_decoupled_rate():
     # the critic and the FSDP ranks are such models (decouples_lr False); the one-process policy is not
-    from miles.training.fsdp.rank import FSDPRank
+    from miles.training.torch.fsdp.rank import FSDPRank
     assert (Trainer.decouples_lr, Critic.decouples_lr, FSDPRank.decouples_lr) == (True, False, False)
 
     class LinearLM(Linear):

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from miles.config import AlgorithmConfig, DataConfig, ModelConfig, RolloutConfig, RunConfig
-from miles.phases.watch import ZERO_VARIANCE_ROLLOUTS, CICheckFailed, ci_checks, watch_reward_variance
+from miles.metrics.watch import ZERO_VARIANCE_ROLLOUTS, CICheckFailed, ci_checks, watch_reward_variance
 
 
 class Events:

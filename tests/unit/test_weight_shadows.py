@@ -1,5 +1,5 @@
 """--trainer-weight-shadows: the decoder's Linear weights cast to the compute dtype once a step
-(`miles.training.shadows`) give autocast's numbers to the bit, on the policy and the critic, over
+(`miles.training.torch.shadows`) give autocast's numbers to the bit, on the policy and the critic, over
 several steps; the float32 masters are back in place after every loop, error or not; a compiled
 layer does not recompile for each step's new shadows. --gradient-accumulation-fusion: the weight
 gradients add up in float32 inside the matmuls, nearer the exact sums than autocast's, through
@@ -17,10 +17,10 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.config.flags import parse_flags
 from miles.config.schema import ConfigError
 from miles.training.batch import make_train_batch
-from miles.training.critic import Critic
-from miles.training.forward import compile_decoder_layers
-from miles.training.shadows import FusedWgradLinear, accumulate_weight_grad, shadowable, weight_shadows
-from miles.training.trainer import Trainer
+from miles.training.torch.critic import Critic
+from miles.training.torch.forward import compile_decoder_layers
+from miles.training.torch.shadows import FusedWgradLinear, accumulate_weight_grad, shadowable, weight_shadows
+from miles.training.torch.trainer import Trainer
 from tests.unit.test_trainer import sample
 
 QWEN3 = "examples/arithmetic/base_model_qwen3"

@@ -5,8 +5,8 @@ import torch
 
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import model_weights
-from miles.weights.transport import (ALIGN, BucketSender, WeightReceiver, bucket_views, choose_transport,
-                                     fill_bucket, load_weight_buckets, plan_buckets)
+from miles.weights.transport import (ALIGN, BucketSender, WeightReceiver, bucket_views,
+                                     fill_bucket, plan_buckets)
 from tests.tiny_model import make_tiny_model
 
 
@@ -106,18 +106,15 @@ def test_receiver_rejects_out_of_order_wrong_shapes_and_missing_tensors():
     assert (bad["b"] == 0).all()                              # nothing of the bad bucket was copied
     extra = dict(target, extra=torch.zeros(1))
     with pytest.raises(ValueError, match="1 tensors were not sent"):
-        load_weight_buckets(extra, [sender.bucket(i, 2) for i in range(sender.num_buckets)])
-    assert load_weight_buckets(target, [sender.bucket(i, 3) for i in range(sender.num_buckets)]) == 3
+        receiver = WeightReceiver(extra)
+        for i in range(sender.num_buckets):
+            receiver.load(sender.bucket(i, 2))
+    receiver = WeightReceiver(target)
+    assert [receiver.load(sender.bucket(i, 3)) for i in range(sender.num_buckets)][-1] == 3
     retried = WeightReceiver(target)                          # a sync that starts again from bucket 0
     retried.load(sender.bucket(0, 4))
     assert [retried.load(sender.bucket(i, 4)) for i in range(sender.num_buckets)][-1] == 4
     assert all(torch.equal(target[k], w[k]) for k in w)
-
-
-def test_transport_choice():
-    assert choose_transport(colocate=True, device_type="cuda") == "cuda_ipc"
-    assert choose_transport(colocate=False, device_type="cuda") == "object_store"
-    assert choose_transport(colocate=True, device_type="cpu") == "object_store"
 
 
 def test_ipc_needs_cuda_weights():

@@ -335,10 +335,6 @@ def shard_tp(mc: Mapping[str, Tensor], spec: ModelSpec, tp: int, rank: int) -> d
     return {n: shard_tensor(n, t, spec, tp, rank) for n, t in mc.items()}
 
 
-def merge_tp(shards: list[Mapping[str, Tensor]], spec: ModelSpec) -> dict[str, Tensor]:
-    return {n: merge_tensor(n, [s[n] for s in shards], spec) for n in shards[0]}
-
-
 # --- pipeline stages --------------------------------------------------------------------------------
 def _layer_index(name: str) -> int:
     return int(name[len(LAYER):].split(".", 1)[0])

@@ -277,7 +277,7 @@ class MegatronWorker:
 
     def release_cached_memory(self) -> None:
         """Return the CUDA blocks the allocator keeps cached (the last step's activations) to the
-        device, for a colocated engine to take (miles.phases.memory)."""
+        device, for a colocated engine to take (miles.cluster.memory)."""
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -391,7 +391,7 @@ class MegatronWorker:
             sharded[name] = replace(entry, key=other)
         loaded = dist_checkpointing.load({"model": sharded}, str(dist_dir))
         _load_strict(gpt, loaded["model"], self.rank)
-        # Megatron-LM's optimizer state is in its own gradient-bucket layout: not read (miles.phases.megatron_resume)
+        # Megatron-LM's optimizer state is in its own gradient-bucket layout: not read (miles.checkpoint.megatron_resume)
         log.info("megatron_checkpoint_loaded", rank=self.rank, path=str(dist_dir), tensors=len(loaded["model"]),
                  optimizer="fresh", optimizer_state_in_checkpoint=any(k.startswith("optimizer.") for k in saved))
 

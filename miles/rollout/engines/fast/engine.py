@@ -143,11 +143,6 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
                  length_aware_attention=self._forward.length_aware)
 
-    @staticmethod
-    def supports(config) -> str | None:
-        """None when FastEngine can run this HF config; else why not (the caller falls back)."""
-        return supports(config)
-
     def _load(self, model_path: str, seed: int) -> None:
         # load on the CPU and copy fused tensors to the device: the device never holds two copies
         model = load_causal_lm(model_path, device=torch.device("cpu"), dtype=self.dtype)

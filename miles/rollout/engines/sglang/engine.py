@@ -24,7 +24,7 @@ flags) in its own process group, waits for `/health_generate`, and then speaks S
 A dead server is found by a watchdog thread (and by any request that cannot reach it). The engine
 then kills what is left of the server's group; with `exit_with_server` (set by the composition root
 for engine actors) it also ends its own process, so the run sees a dead engine actor and its restart
-machinery (miles.phases.engines) starts a new engine, with a new server, within the restart budget.
+machinery (miles.rollout.supervision) starts a new engine, with a new server, within the restart budget.
 The server, in turn, is started with PR_SET_PDEATHSIG: it dies if the engine's process is killed.
 
 SGLang has no checksum that a trainer can reproduce (its `/weights_checker` hashes its own fused,

@@ -42,7 +42,7 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     c, g = cfg.cluster, cfg.sglang
     return {"sglang": SGLangEngineConfig(
         tp_size=c.rollout_num_gpus_per_engine, server_args=tuple(g.server_args),
-        memory_saver=c.offloads_rollout,     # release/resume_memory_occupation need it (miles.phases.memory)
+        memory_saver=c.offloads_rollout,     # release/resume_memory_occupation need it (miles.cluster.memory)
         startup_timeout_s=g.startup_timeout_s, request_timeout_s=g.router_request_timeout_s,
         max_concurrency=cfg.generate.server_concurrency)}
 
