@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from miles.rollout.engines.registry import ENGINES
+
 if TYPE_CHECKING:
     from miles.config import RunConfig
 
@@ -46,7 +48,7 @@ def auto_num_engines(cfg: RunConfig, *, use_gpus: bool, cores: int) -> int | Non
     """The engine count the rule above picks for a run that gave none, else None (the run's own:
     --rollout-num-engines, or --rollout-num-gpus / GPUs per engine, or one)."""
     if (use_gpus or cfg.rollout.num_engines is not None or cfg.cluster.rollout_num_gpus is not None
-            or cfg.rollout.engine == "sglang" or cores < CPU_ENGINES):
+            or not ENGINES[cfg.rollout.engine].on_cpu or cores < CPU_ENGINES):
         return None
     return CPU_ENGINES
 

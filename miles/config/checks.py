@@ -1,8 +1,10 @@
 """The check registry: every rule a run's config must pass, each written once, all run by
 `miles.config.validate.validate` before Ray starts (a bad config exits 2 in its first second).
 
-A check is `fn(cfg: RunConfig, problems: list[str]) -> None`: it appends one line per problem, naming
-the flag, the value and the fix. Config's own rules (`miles.config.validate`) and each backend's and
+A check is `fn(cfg: RunConfig, problems: list[str]) -> None` (`Check`): it appends one line per problem,
+naming the flag, the value and the fix. An engine's or a train backend's own check (`EngineSpec.check`,
+`TrainBackendSpec.check`) is the same kind of callable, run by its registry's shared check; `lazy`
+makes one whose module is heavy. Config's own rules (`miles.config.validate`) and each backend's and
 concern's (the engines and trainers, the rewards, the GPU plan, the fault injector, the tracking
 sinks) register with `@check` in their own module. `CONTRIBUTORS` names those modules by import path,
 as a machine names its phases: `run_checks` imports them when it runs, so `miles.config` imports
@@ -31,6 +33,16 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.phases.faults",          # --inject-fault
     "miles.tracking.sinks",         # metrics sinks whose package is not installed
 )
+
+def lazy(path: str) -> Check:
+    """The check "module:function", its module imported when it first runs: a spec's `check` that sits
+    beside heavy code (torch) stays a `Check` without loading that code on every parse."""
+    def run(cfg: RunConfig, problems: list[str]) -> None:
+        module, _, name = path.partition(":")
+        getattr(importlib.import_module(module), name)(cfg, problems)
+    run.__qualname__ = run.__name__ = path
+    return run
+
 
 CHECKS: dict[str, Check] = {}       # "module:function" -> check, in registration order
 

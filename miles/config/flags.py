@@ -31,7 +31,7 @@ from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_a
                           refused_in)
 from .validate import validate
 from .schema import (
-    ATTN_IMPLEMENTATIONS, EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE,
+    ATTN_IMPLEMENTATIONS, ENGINE_NAMES,
     MEGATRON_TO_HF_MODES, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
     OPD_TYPES, USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
@@ -153,10 +153,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
     # rollout: the engine's limits and switches (FastEngine: --rollout-engine fast, or embedded on CUDA)
     _f("rollout-max-batch-size", "rollout", "max_batch_size", int,
-       f"sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
-       f"{FAST_MAX_BATCH_SIZE} for FastEngine, {EMBEDDED_MAX_BATCH_SIZE} for EmbeddedEngine)"),
+       "sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
+       "{engines[fast][max_batch_size]} for FastEngine, {engines[embedded][max_batch_size]} for EmbeddedEngine)"),
     _f("rollout-mem-fraction", "rollout", "mem_fraction", float,
-       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded"),
+       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded "
+       "(default: {engines[fast][mem_fraction]})"),
     _f("disable-cuda-graph", "rollout", "cuda_graph", kind="false",
        help="FastEngine: run decode steps eagerly, not as captured CUDA graphs (debugging)"),
     _f("disable-torch-compile", "rollout", "torch_compile", kind="false",
@@ -165,7 +166,7 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
     _f("rollout-chunked-prefill-size", "rollout", "chunked_prefill_size", int,
        f"FastEngine: a prompt longer than this is prefilled in pieces of this many tokens, one piece per decode "
-       f"step of the running sequences (SGLang's --chunked-prefill-size; default: {FAST_CHUNKED_PREFILL_SIZE})"),
+       "step of the running sequences (SGLang's --chunked-prefill-size; default: {engines[fast][chunked_prefill_size]})"),
     # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
@@ -760,8 +761,25 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return build_parser(prog)
 
 
+def engine_defaults() -> dict[str, Any]:
+    """{engine name: its spec's `defaults`}, which the help of the engines' flags quotes as
+    `{engines[fast][max_batch_size]}`. The defaults live on the engines' specs; the registry is imported
+    here by name, when help is shown (as `checks.run_checks` imports its contributors), so config
+    imports nothing above it."""
+    import importlib
+
+    registry = importlib.import_module("miles.rollout.engines.registry")
+    return {name: spec.defaults for name, spec in registry.ENGINES.items()}
+
+
+def help_text(f: Flag) -> str:
+    """The flag's help as written, an engine's default it quotes filled in from the engine's spec."""
+    return f.help.format_map({"engines": engine_defaults()}) if "{engines[" in f.help else f.help
+
+
 def help_line(f: Flag) -> str:
     """The flag's help with its default; a help that states its default itself keeps its wording."""
+    f = replace(f, help=help_text(f))
     if f.name in REQUIRED:
         return f"{f.help} (required)"
     if "default" in f.help:
@@ -1074,4 +1092,4 @@ def config_from_flags(argv: Sequence[str]) -> RunConfig:
 if __name__ == "__main__":      # the "coming from miles" table of docs/coming-from-miles.md
     from .miles_flags import markdown
 
-    print(markdown({f.name: f.help for f in FLAGS}), end="")
+    print(markdown({f.name: help_text(f) for f in FLAGS}), end="")

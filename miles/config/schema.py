@@ -41,17 +41,6 @@ def parse_opd_teachers(entries: tuple[str, ...]) -> dict[str, str]:
         teachers[name] = url
     return teachers
 
-# sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
-# vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
-# past that, so 256 rows cost little more per step than 64 (an H200 bench: 256 requests in one batch),
-# and RL rollouts bring hundreds of requests per call. EmbeddedEngine keeps its 64 (the CPU path).
-EMBEDDED_MAX_BATCH_SIZE = 64
-FAST_MAX_BATCH_SIZE = 256
-# FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
-# left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
-FAST_MEM_FRACTION = 0.5
-FAST_CHUNKED_PREFILL_SIZE = 8192   # FastEngine prefills longer prompts in pieces of this many tokens
-
 # every function a run loads by path: flag -> (config section, field). What actors import, so what a run on
 # an attached cluster ships; a config file's relative file paths are read relative to the file
 USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
@@ -164,7 +153,7 @@ class RolloutConfig:
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
     # the engine's limits and switches (each engine's spec says which it reads: its options)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
-    mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
+    mem_fraction: float | None = None   # --rollout-mem-fraction: the KV cache's share of free GPU memory (None: the engine's)
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
@@ -601,6 +590,12 @@ class RunConfig:
     def has_critic(self) -> bool:
         """The run makes PPO's critic (not when it only rolls out)."""
         return self.algorithm.needs_critic and not self.debug_rollout_only
+
+    @property
+    def trainer_gpus(self) -> int | None:
+        """The trainer's GPUs where known before Ray starts (--device cuda: one per trainer rank), else
+        None (a CPU run, or --device auto, whose placement plan answers at init)."""
+        return self.cluster.trainer_ranks if self.model.on_gpus else None
 
     @property
     def user_function_paths(self) -> dict[str, str]:

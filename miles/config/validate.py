@@ -80,7 +80,7 @@ def _ranges(cfg: RunConfig, problems: list[str]) -> None:
                         "cannot be; >= 0 with --debug-rollout-only)")
     if not 0 < r.top_p <= 1:
         problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
-    if not 0 < r.mem_fraction < 1:
+    if r.mem_fraction is not None and not 0 < r.mem_fraction < 1:
         problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
                         "free after the weights that the KV cache takes")
     if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
@@ -376,15 +376,12 @@ def _skipped_old_pass(cfg: RunConfig, problems: list[str]) -> None:
                         f"right only for one optimizer step per rollout, not {steps} (global batch "
                         f"{t.global_batch(n)} of {n} samples): add --use-rollout-logprobs, or drop "
                         "--global-batch-size / --num-steps-per-rollout")
-    if t.backend == "megatron":
-        problems.append(f"{flag} is not supported by --train-backend megatron yet (it always computes the old "
-                        "logprobs); use --train-backend torch or drop it")
 
 
 @check
 def _skipped_weight_sync(cfg: RunConfig, problems: list[str]) -> None:
     """--debug-skip-weight-update: the engines keep the initial weights, so nothing may compare them with the
-    trainer's, and no engine may drop its weights (only a sync gives them back)."""
+    trainer's (no engine may drop its weights either: the engines' registry checks that)."""
     if not cfg.debug_skip_weight_update:
         return
     checks = [f for f, on in (("--check-weight-update-equal", cfg.check_weight_update_equal),
@@ -393,10 +390,6 @@ def _skipped_weight_sync(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--debug-skip-weight-update keeps the engines on the initial weights, which "
                         f"{' and '.join(checks)} compare(s) with the trainer's (checksums, logprobs) and would fail "
                         "after the first step: drop one of them")
-    if cfg.rollout.engine == "sglang" and cfg.cluster.offloads_rollout:
-        problems.append("--debug-skip-weight-update with --rollout-engine sglang and --offload / --offload-rollout "
-                        "/ --colocate: the servers release their weights while the trainer trains and only a weight "
-                        "sync gives them back; drop the offload flags or --debug-skip-weight-update")
 
 
 @check
@@ -480,7 +473,8 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
-    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the one-process torch trainer's policy only."""
+    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the policy's only (the backends that refuse it
+    say so on their spec: `TrainBackendSpec.refuses`)."""
     t = cfg.train
     if t.decoupled_lr is None:
         if t.decoupled_min_lr is not None:
@@ -494,14 +488,12 @@ def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.algorithm.needs_critic:
         problems.append("--decoupled-lr: the critic (--advantage-estimator ppo) takes one rate, --critic-lr, for "
                         "all its parameters here; drop --decoupled-lr or use another estimator")
-    if t.backend == "torch" and cfg.cluster.trainer_ranks > 1:
-        problems.append(f"--decoupled-lr: not supported yet on the torch trainer's FSDP ranks ({cfg.cluster.trainer_ranks} "
-                        "trainer GPUs), whose checkpoints keep one AdamW group; train on one GPU or drop it")
 
 
 @check
 def _lora(cfg: RunConfig, problems: list[str]) -> None:
-    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/lora.py); what it cannot take."""
+    """LoRA (--lora-rank R, miles/training/lora.py): what it cannot take (the backends that refuse it say so
+    on their spec: `TrainBackendSpec.refuses`)."""
     t, a = cfg.train, cfg.algorithm
     if t.lora_rank < 0:
         problems.append(f"--lora-rank {t.lora_rank}: must be >= 0 (0 trains the whole model)")
@@ -526,12 +518,7 @@ def _lora(cfg: RunConfig, problems: list[str]) -> None:
                         "models); drop it")
     if len(targets) > 1 and {"all-linear", "all_linear", "all"} & set(targets):
         problems.append(f"--target-modules {t.target_modules}: all-linear takes every decoder Linear; give it alone")
-    refused = [(t.backend == "megatron", "--train-backend megatron",
-                "LoRA trains on the torch trainer here; use --train-backend torch"),
-               (t.backend == "torch" and cfg.cluster.trainer_ranks > 1,
-                f"{cfg.cluster.trainer_ranks} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
-                "the torch trainer's FSDP ranks do not shard adapters yet; train on one GPU (1 x 1)"),
-               (t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
+    refused = [(t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
                (t.grad_accum_fusion, "--gradient-accumulation-fusion", "the adapted Linear layers run their own "
                 "matmuls; drop it"),
                (a.needs_critic, "--advantage-estimator ppo", "PPO's critic is not set up for LoRA yet; use grpo, "
@@ -940,9 +927,6 @@ def _launch_script_switches(cfg: RunConfig, problems: list[str]) -> None:
                         "here)")
     if t.megatron_to_hf_mode is not None and t.megatron_to_hf_mode not in MEGATRON_TO_HF_MODES:
         problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: use raw or bridge")
-    elif t.megatron_to_hf_mode is not None and t.backend != "megatron":
-        problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: converts Megatron weights for the engines; "
-                        f"--train-backend {t.backend} trains the HF weights as they are: drop it")
 
 
 GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save/load-grad-norm paths may hold

@@ -86,3 +86,30 @@ def test_derived_facts_are_config_properties(base):
     given = replace(cfg, **{s: replace(getattr(cfg, s), **{f: paths[flag] for flag, (s2, f) in USER_FUNCTION_FLAGS.items()
                                                              if s2 == s}) for s in {s for s, _ in USER_FUNCTION_FLAGS.values()}})
     assert given.user_function_paths == paths
+
+
+def _compared_names(names: set[str], root: Path, allowed: tuple[str, ...]) -> list[str]:
+    """file:line of each comparison with an engine's or a backend's name (`x == "fast"`, `x in ("torch", ...)`)
+    outside `allowed` (the --opd-type values, which share two of the names, are the OPD flag's own)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith(allowed):
+            continue
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Compare):
+                continue
+            consts = [c.value for e in (node.left, *node.comparators)
+                      for c in ast.walk(e) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+            if set(consts) & names and "opd_type" not in ast.get_source_segment(text, node):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_no_engine_or_backend_name_is_compared_outside_its_package_and_its_registry():
+    from miles.rollout.engines.registry import ENGINES
+    from miles.training.protocol import TRAIN_BACKENDS
+
+    owners = ("miles/rollout/engines/", "miles/training/megatron/", "miles/training/protocol.py")
+    assert _compared_names(set(ENGINES) | set(TRAIN_BACKENDS), CONFIG.parent, owners) == []

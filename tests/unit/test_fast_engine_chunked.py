@@ -121,8 +121,8 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     from inspect import signature
 
     from miles.config.flags import parse_flags
-    from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, ConfigError
-    from miles.rollout.engines.fast.spec import options
+    from miles.config.schema import ConfigError
+    from miles.rollout.engines.fast.spec import CHUNKED_PREFILL_SIZE, options
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
@@ -133,7 +133,7 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     assert options(cfg)["chunked_prefill_size"] == 512
     default, _ = parse_flags(base)
     assert "chunked_prefill_size" not in options(default)    # the engine's own default
-    assert signature(FastEngine).parameters["chunked_prefill_size"].default == FAST_CHUNKED_PREFILL_SIZE == 8192
+    assert signature(FastEngine).parameters["chunked_prefill_size"].default == CHUNKED_PREFILL_SIZE == 8192
     with pytest.raises(ConfigError, match="--rollout-chunked-prefill-size 0: must be a positive integer"):
         parse_flags(base + ["--rollout-chunked-prefill-size", "0"])
     sglang = [a if a != "fast" else "sglang" for a in base]

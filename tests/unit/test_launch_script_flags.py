@@ -175,8 +175,8 @@ def test_megatron_to_hf_mode_is_a_megatron_backend_note(tmp_path):
                     if "--megatron-to-hf-mode" in p]
         assert problems == []
     assert problems_of(tmp_path, "--megatron-to-hf-mode", "raw") == [
-        "--megatron-to-hf-mode raw: converts Megatron weights for the engines; --train-backend torch trains the HF "
-        "weights as they are: drop it"]
+        "--megatron-to-hf-mode raw with --train-backend torch: it converts Megatron weights for the engines; the torch "
+        "trainer trains the HF weights as they are: drop it"]
     (tmp_path / "run.yaml").write_text("megatron-to-hf-mode: mbridge\n")
     problems = problems_of(tmp_path, "--config", str(tmp_path / "run.yaml"))
     assert "--megatron-to-hf-mode mbridge: use raw or bridge" in problems

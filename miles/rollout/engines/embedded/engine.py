@@ -38,7 +38,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
+from miles.rollout.engines.embedded.spec import MAX_BATCH_SIZE
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.training.moe import Routing, engine_routed, router_modules
@@ -59,7 +59,7 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
+                 max_batch_size: int = MAX_BATCH_SIZE):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = resolve_device(device)
