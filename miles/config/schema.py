@@ -62,6 +62,14 @@ USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+# the call shape of the user functions whose signature the driver checks (miles.phases.input_checks), as
+# their flags' help and their checks say it: stated here once
+USER_FUNCTION_SIGNATURES: dict[str, str] = {
+    "--custom-loss-function-path": "fn(logprobs, batch, reduce) -> loss or (loss, metrics)",
+    "--custom-tis-function-path": "fn(train_logprobs, rollout_logprobs, mask)",
+}
+
+
 class ConfigError(ValueError):
     """Bad configuration or input. `problems` lists each one; the CLI exits with code 2."""
 
@@ -73,6 +81,12 @@ class ConfigError(ValueError):
 # --dtype's names (and their short forms) -> the dtype; miles.weights.hf.resolve_dtype maps these to torch's
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+
+
+def trainer_ranks(actor_num_nodes: int, actor_num_gpus_per_node: int) -> int:
+    """The one rule of the trainer's ranks (`ClusterConfig.trainer_ranks`, the placement's request):
+    --actor-num-nodes x --actor-num-gpus-per-node, one per trainer GPU (or CPU process)."""
+    return actor_num_nodes * actor_num_gpus_per_node
 
 
 def uses_gpus(device: str, cluster_gpus: int) -> bool:
@@ -476,7 +490,7 @@ class ClusterConfig:
     @property
     def trainer_ranks(self) -> int:
         """The trainer's ranks: one per trainer GPU, or as many CPU processes on a CPU run."""
-        return self.actor_num_nodes * self.actor_num_gpus_per_node
+        return trainer_ranks(self.actor_num_nodes, self.actor_num_gpus_per_node)
 
     @property
     def offloads_rollout(self) -> bool:

@@ -13,11 +13,13 @@ from pathlib import Path
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.runtime.machine import STATES, MachineDef
+from miles.types import sampling_problems
 
 from .checks import check, run_checks
 from .packages import missing_package
+
 from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES,
-                     USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
+                     USER_FUNCTION_FLAGS, USER_FUNCTION_SIGNATURES, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -75,16 +77,15 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
 @check
 def _ranges(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
-    if r.temperature < 0 or (r.temperature == 0 and not cfg.debug_rollout_only):
+    trains_greedy = r.temperature <= 0 and not cfg.debug_rollout_only    # the trainer divides by it (miles.algorithms)
+    if trains_greedy:
         problems.append(f"--rollout-temperature {r.temperature}: must be > 0 to train on the rollouts (greedy ones "
                         "cannot be; >= 0 with --debug-rollout-only)")
-    if not 0 < r.top_p <= 1:
-        problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
+    problems += sampling_problems(temperature=None if trains_greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  names=("--rollout-temperature", "--rollout-top-p", "--rollout-top-k"))
     if r.mem_fraction is not None and not 0 < r.mem_fraction < 1:
         problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
                         "free after the weights that the KV cache takes")
-    if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
-        problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.eval.min_new_tokens < 0:
         problems.append(f"--eval-min-new-tokens {cfg.eval.min_new_tokens}: must be >= 0 (0: responses may stop at once)")
     if cfg.train.lr <= 0:
@@ -859,7 +860,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "has none (a custom loss reduces with its `reduce` argument); drop it")
     if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
         problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
-                        "is fn(logprobs, batch, reduce) -> loss, by import path")
+                        f"is {USER_FUNCTION_SIGNATURES['--custom-loss-function-path']}, by import path")
     if d.chat_template_path and not Path(d.chat_template_path).is_file():
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
     for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),
@@ -891,20 +892,10 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
         where = f"--eval-config dataset {d.name!r}"
         if d.n_samples_per_prompt is not None and d.n_samples_per_prompt < 1:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
-        if d.temperature is not None and d.temperature < 0:
-            problems.append(f"{where}: temperature {d.temperature} must be >= 0")
-        problems += [f"{where}: {p}" for p in _sampling_problems(d.top_p, d.top_k, "top_p", "top_k")]
-    problems += [f"--eval-{p}" for p in _sampling_problems(e.top_p, e.top_k, "top-p", "top-k")]
-
-
-def _sampling_problems(top_p: float | None, top_k: int | None, p_name: str, k_name: str) -> list[str]:
-    """An eval top-p / top-k the engines take: top-p in (0, 1], top-k -1 (off) or >= 1 (None: not given)."""
-    out = []
-    if top_p is not None and not 0 < top_p <= 1:
-        out.append(f"{p_name} {top_p}: must be in (0, 1]")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        out.append(f"{k_name} {top_k}: must be -1 (off) or >= 1")
-    return out
+        problems += [f"{where}: {p}" for p in sampling_problems(temperature=d.temperature, top_p=d.top_p,
+                                                                  top_k=d.top_k)]
+    problems += sampling_problems(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                                  names=("--eval-temperature", "--eval-top-p", "--eval-top-k"))
 
 
 @check

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles.config import ConfigError, RunConfig
+from miles.config.schema import USER_FUNCTION_SIGNATURES
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 LABEL_KEYS = ("label", "answer", "solution", "ground_truth", "target", "reference", "output")   # what a label is called
@@ -131,11 +132,10 @@ def check_user_functions(cfg: RunConfig) -> None:
     from miles.user_code import check_signature, import_user_function
 
     a = cfg.algorithm
-    for flag, path, shape in (
-            ("--custom-loss-function-path", a.custom_loss_function_path, "fn(logprobs, batch, reduce)"),
-            ("--custom-tis-function-path", a.custom_tis_function_path, "fn(train_logprobs, rollout_logprobs, mask)")):
+    for flag, path in (("--custom-loss-function-path", a.custom_loss_function_path),
+                       ("--custom-tis-function-path", a.custom_tis_function_path)):
         if path:
-            check_signature(import_user_function(path, flag), flag, path, 3, shape)
+            check_signature(import_user_function(path, flag), flag, path, 3, USER_FUNCTION_SIGNATURES[flag])
     if a.pg_loss_reducer_path:
         from miles.training.pg_reducer import load_reducer
         load_reducer(a.pg_loss_reducer_path)

@@ -122,9 +122,10 @@ class TokenizerAccessors:
 
     @property
     def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
-        pad = self.tokenizer.pad_token_id
-        return self.eos_token_id if pad is None else pad
+        """The tokenizer's pad id, or EOS when it has none (`miles.weights.hf.pad_id`)."""
+        from miles.weights.hf import pad_id
+
+        return pad_id(self.tokenizer)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -113,3 +113,44 @@ def test_no_engine_or_backend_name_is_compared_outside_its_package_and_its_regis
 
     owners = ("miles/rollout/engines/", "miles/training/megatron/", "miles/training/protocol.py")
     assert _compared_names(set(ENGINES) | set(TRAIN_BACKENDS), CONFIG.parent, owners) == []
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--rollout-temperature", "-0.5"], "--rollout-temperature -0.5: must be > 0 to train on the rollouts"),
+    (["--rollout-temperature", "-0.5", "--debug-rollout-only"], "--rollout-temperature -0.5: must be >= 0 (0: greedy)"),
+    (["--rollout-top-p", "1.5"], "--rollout-top-p 1.5: must be in (0, 1]"),
+    (["--eval-top-p", "0"], "--eval-top-p 0.0: must be in (0, 1]"),
+    (["--eval-temperature", "-1"], "--eval-temperature -1.0: must be >= 0 (0: greedy)"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu 0: must be a positive integer"),
+])
+def test_a_sampling_or_token_budget_rule_fires_once_with_one_message_naming_the_flag(base, extra, line):
+    with pytest.raises(ConfigError) as err:
+        parse_flags(base + extra)
+    flag = line.split()[0]
+    assert [p for p in err.value.problems if flag in p] == [p for p in err.value.problems if p.startswith(line)]
+    assert len([p for p in err.value.problems if p.startswith(line)]) == 1, err.value.problems
+
+
+def test_the_engines_and_trainers_rely_on_the_parsed_config_for_the_rules_stated_once():
+    """The math takes any temperature the config let through; the token-budget groupers any budget; the
+    pad id is one function; the embedded engine checks a call's params with the one sampling rule."""
+    import torch
+
+    from miles.algorithms.entropy import entropy_from_logits
+    from miles.training.microbatch import token_budget_groups
+    from miles.training.packing import pack_groups
+    from miles.types import SamplingParams, sampling_problems
+    from miles.weights.hf import pad_id
+    from miles.rollout.engines.embedded.engine import _param_problems
+
+    assert entropy_from_logits(torch.zeros(1, 2, 3), 0.5).shape == (1, 2)
+    assert token_budget_groups([3, 2], 4) == [[0], [1]] and pack_groups([3, 1], 4) == [[0, 1]]
+
+    class Tok:
+        eos_token_id, pad_token_id = 7, None
+    assert pad_id(Tok()) == 7
+    Tok.pad_token_id = 0
+    assert pad_id(Tok()) == 0
+    bad = SamplingParams(temperature=-1.0, top_p=2.0)
+    assert _param_problems(bad) == sampling_problems(temperature=-1.0, top_p=2.0) == [
+        "temperature -1.0: must be >= 0 (0: greedy)", "top_p 2.0: must be in (0, 1]"]
