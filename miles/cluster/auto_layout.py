@@ -65,11 +65,11 @@ def auto_colocate(cfg: RunConfig, *, use_gpus: bool, cluster_gpus: float, starte
 
 def _machine_takes(cfg: RunConfig, machine: str) -> bool:
     from miles.config import ConfigError
-    from miles.config.validate import validate_for_machine
+    from miles.config.validate import validate
     from miles.runtime.machine import MachineDefinitionError, load_machine
 
     try:
-        validate_for_machine(cfg, load_machine(machine))
+        validate(cfg, machine=load_machine(machine))
     except (ConfigError, MachineDefinitionError):
         return False
     return True

@@ -10,12 +10,19 @@ sinks) register with `@check` in their own module. `CONTRIBUTORS` names those mo
 as a machine names its phases: `run_checks` imports them when it runs, so `miles.config` imports
 nothing of the code that reads it, and each contributor keeps its check beside the code it protects.
 A contributor's module must stay light to import (no torch, no Ray): it is loaded on every parse.
+
+A rule that needs a fact known only later names it as a keyword-only parameter: `fn(cfg, problems, *,
+machine)` runs once the lifecycle machine is picked (`validate(cfg, machine=MachineDef)`, before the run
+dir exists), `fn(cfg, problems, *, num_engines)` once the placement knows the engine count (init, before
+any actor). `run_checks(cfg, **facts)` runs the checks that need exactly the facts given: parse time
+runs those that need none. One registry, one entry point (`miles.config.validate.validate`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable
+import inspect
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from .schema import RunConfig
@@ -45,20 +52,26 @@ def lazy(path: str) -> Check:
 
 
 CHECKS: dict[str, Check] = {}       # "module:function" -> check, in registration order
+NEEDS: dict[str, frozenset[str]] = {}   # "module:function" -> the later facts it needs (its keyword-only parameters)
 
 
 def check(fn: Check) -> Check:
     """Register `fn` (a decorator). Registering the same function again replaces it, so a module
     reloaded by a test does not run its checks twice."""
-    CHECKS[f"{fn.__module__}:{fn.__qualname__}"] = fn
+    key = f"{fn.__module__}:{fn.__qualname__}"
+    CHECKS[key] = fn
+    NEEDS[key] = frozenset(name for name, p in inspect.signature(fn).parameters.items()
+                           if p.kind is inspect.Parameter.KEYWORD_ONLY)
     return fn
 
 
-def run_checks(cfg: RunConfig) -> list[str]:
-    """Every registered check's problems, config's own first, then the contributors', in order."""
+def run_checks(cfg: RunConfig, **facts: Any) -> list[str]:
+    """The problems of every registered check that needs exactly `facts` (none: the parse-time checks),
+    config's own first, then the contributors', in order."""
     for module in CONTRIBUTORS:
         importlib.import_module(module)
     problems: list[str] = []
-    for fn in list(CHECKS.values()):
-        fn(cfg, problems)
+    for key, fn in list(CHECKS.items()):
+        if NEEDS[key] == set(facts):
+            fn(cfg, problems, **facts)
     return problems

@@ -9,6 +9,7 @@ import json
 import math
 import string
 from pathlib import Path
+from typing import Any
 
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
@@ -22,9 +23,11 @@ from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_
                      USER_FUNCTION_FLAGS, USER_FUNCTION_SIGNATURES, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every registered check (config's below, then the contributors' of `miles.config.checks`)."""
-    problems = run_checks(cfg)
+def validate(cfg: RunConfig, **facts: Any) -> None:
+    """Every registered check (config's below, then the contributors' of `miles.config.checks`) that needs
+    exactly `facts`: none at parse time; `machine=MachineDef` once the machine is picked (prepare_run),
+    `num_engines=N` once the placement counts the engines (init)."""
+    problems = run_checks(cfg, **facts)
     if problems:
         raise ConfigError(problems)
 
@@ -757,17 +760,55 @@ def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
 PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
 
 
-def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:
-    """What the chosen machine adds to `validate`: the async machine trains one step off-policy."""
+@check
+def _machine(cfg: RunConfig, problems: list[str], *, machine: MachineDef) -> None:
+    """What the chosen machine adds: the async machine trains one step off-policy; --phase-timeout names
+    its states."""
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
-    problems = _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    problems += _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
     problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
                  f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
                  for state in cfg.reliability.phase_timeout_overrides
                  if state not in machine.states or machine.states[state].final]
-    if problems:
-        raise ConfigError(problems)
+
+
+# the half runs for debugging (miles.phases.debug): the flag -> (the machine it runs on, the flag's name)
+DEBUG_MACHINES = {"load_debug_rollout_data": ("train_only", "--load-debug-rollout-data"),
+                  "debug_rollout_only": ("rollout_only", "--debug-rollout-only")}
+
+
+@check
+def _debug_flags(cfg: RunConfig, problems: list[str], *, machine: MachineDef) -> None:
+    """A debug flag needs its machine, and its machine needs the flag."""
+    name = machine.name
+    given = [(machine_for, flag) for field, (machine_for, flag) in DEBUG_MACHINES.items() if getattr(cfg, field)]
+    if len(given) > 1:
+        problems.append("--load-debug-rollout-data and --debug-rollout-only exclude each other: "
+                        "one trains without engines, the other rolls out without a trainer")
+    for machine_for, flag in given:
+        if name != machine_for:
+            problems.append(f"{flag} runs on --machine {machine_for}, not {name!r} (miles train picks it "
+                            "when --machine is not given)")
+    for field, (machine_for, flag) in DEBUG_MACHINES.items():
+        if name == machine_for and not getattr(cfg, field):
+            problems.append(f"--machine {machine_for} needs {flag}")
+    if cfg.debug_rollout_data_path and name == "async":     # its rollouts come from the prefetcher
+        flag = "--save-debug-rollout-data" if cfg.save_debug_rollout_data else "--dump-details"
+        problems.append(f"{flag} is not supported by --machine async yet; use sync")
+    if cfg.debug_rollout_only and (cfg.checkpoint.load or cfg.checkpoint.save):
+        problems.append("--debug-rollout-only has no trainer to --save or --load; drop those flags")
+
+
+@check
+def _partial_rollout_engines(cfg: RunConfig, problems: list[str], *, num_engines: int) -> None:
+    """Once the placement knows the engine count: an engine answers a call's requests together, so what
+    an abort can cut short (--partial-rollout, miles.rollout.partial) is a whole engine call, one per
+    engine and round."""
+    if cfg.rollout.partial_rollout and num_engines < 2:
+        problems.append(f"--partial-rollout cuts short the engine calls still running once the batch is full, "
+                        f"and this run has {num_engines} engine: a round is one call, never cut short. Give "
+                        "--rollout-num-engines 2 or more (on GPUs: --rollout-num-gpus), or drop --partial-rollout")
 
 
 def _async_problems(cfg: RunConfig) -> list[str]:

@@ -35,6 +35,7 @@ from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlace
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, EvalDataset, RunConfig, as_dict
+from miles.config.validate import validate
 from miles.config.schema import parse_opd_teachers
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
@@ -42,7 +43,6 @@ from miles.phases.background_save import BackgroundSave
 from miles.phases.checkpoint_io import SAVE_GROUP, pick_folders
 from miles.phases.ci_gates import CICheckFailed
 from miles.phases.context import Backends, IpcWeights, TrainingContext
-from miles.phases.debug import check_debug_flags
 from miles.phases.engines import make_engine
 from miles.phases.engine_reason import engine_reason
 from miles.phases.health import start_health_monitor
@@ -54,7 +54,7 @@ from miles.phases.watch import ci_check_model_hash
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.filters import load_filter
 from miles.rollout.hooks import check_hooks
-from miles.rollout.partial import check_engines, check_partial_rollout
+from miles.rollout.partial import check_partial_rollout
 from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.evals import load_eval_function
 from miles.rollout.engines.registry import ENGINES, engine_to_run
@@ -100,7 +100,6 @@ def _check_declared(b: Backends) -> None:
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
-    check_debug_flags(cfg, ctx.tracer.machine)
     tokenizer, prompts, eval_sets, sft_responses = await _check_inputs(ctx)
     if cfg.dump_details:        # as miles: the tokenizer beside the dumps, to read their token ids
         tokenizer.save_pretrained(Path(cfg.dump_details) / "tokenizer")
@@ -288,7 +287,7 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         ctx.cfg = cfg = auto
         plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
     if plan.engines:
-        check_engines(cfg.rollout, plan.num_engines)
+        validate(cfg, num_engines=plan.num_engines)     # the checks that wait for the engine count
     check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
         problems: list[str] = []

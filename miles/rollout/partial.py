@@ -23,7 +23,7 @@ at most `num_groups` groups of the buffer and removes them from it (a group it r
 is removed here); a group it removes and does not return is dropped (a staleness policy).
 
 Each round makes one engine call per engine (an engine answers a call's requests together), so a
-run needs two engines or more (`check_engines`): with one, nothing would ever be cut short.
+run needs two engines or more (`miles.config.validate`, once the placement counts them): with one, nothing would ever be cut short.
 
 The buffer is part of the executor's checkpointed state (`rollout.json`, with the data position), so
 a resumed run continues the same groups; miles keeps it in memory only and a resume drops it.
@@ -64,15 +64,6 @@ def check_partial_rollout(rollout: RolloutConfig) -> None:
     """Start-up check, on the driver: --buffer-filter-path imports and takes four arguments."""
     if rollout.buffer_filter_path:
         load_buffer_filter(rollout.buffer_filter_path)
-
-
-def check_engines(rollout: RolloutConfig, num_engines: int) -> None:
-    """Start-up check, once the placement knows the engine count: an engine answers a call's requests
-    together, so what an abort can cut short is a whole engine call, one per engine and round."""
-    if rollout.partial_rollout and num_engines < 2:
-        raise ConfigError(f"--partial-rollout cuts short the engine calls still running once the batch is full, "
-                          f"and this run has {num_engines} engine: a round is one call, never cut short. Give "
-                          "--rollout-num-engines 2 or more (on GPUs: --rollout-num-gpus), or drop --partial-rollout")
 
 
 class PartialBuffer:

@@ -154,3 +154,22 @@ def test_the_engines_and_trainers_rely_on_the_parsed_config_for_the_rules_stated
     bad = SamplingParams(temperature=-1.0, top_p=2.0)
     assert _param_problems(bad) == sampling_problems(temperature=-1.0, top_p=2.0) == [
         "temperature -1.0: must be >= 0 (0: greedy)", "top_p 2.0: must be in (0, 1]"]
+
+
+def test_checks_that_wait_for_a_later_fact_run_with_it_and_only_with_it(base):
+    """validate_for_machine, check_debug_flags and check_engines are registry checks now: each names the
+    fact it waits for (the machine, the engine count) and runs through the one entry point, `validate`."""
+    from miles.config.checks import NEEDS
+    from miles.config.validate import validate
+    from miles.runtime.machine import load_machine
+
+    run_checks(parse_flags(base)[0])            # loads the contributors
+    assert {key.rpartition(":")[2]: needs for key, needs in NEEDS.items() if needs} == {
+        "_machine": {"machine"}, "_debug_flags": {"machine"}, "_partial_rollout_engines": {"num_engines"}}
+    cfg = parse_flags(base + ["--debug-rollout-only"])[0]     # parses: the machine is not known yet
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, machine=load_machine("sync"))
+    assert err.value.problems == ["--debug-rollout-only runs on --machine rollout_only, not 'sync' (miles train "
+                                  "picks it when --machine is not given)"]
+    validate(cfg, machine=load_machine("rollout_only"))
+    validate(cfg, num_engines=1)                # no --partial-rollout

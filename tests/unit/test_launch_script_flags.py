@@ -13,7 +13,6 @@ import pytest
 
 from miles.config import ConfigError, EvalConfig, EvalDataset, RolloutConfig, as_dict
 from miles.config.flags import parse_flags
-from miles.phases.debug import check_debug_flags
 from miles.phases.init import trainer_options
 from miles.rollout.executor import eval_sampling_params
 from miles.tracking.sinks import WandbSink
@@ -84,9 +83,12 @@ def test_dump_details_sets_both_dumps_as_miles_and_an_explicit_flag_wins_for_its
 
 
 def test_dump_details_is_refused_where_its_rollouts_are_not_saved_yet(tmp_path):
+    from miles.config.validate import validate
+    from miles.runtime.machine import load_machine
+
     with pytest.raises(ConfigError, match=r"--dump-details is not supported by --machine async yet; use sync"):
-        check_debug_flags(cfg_of(tmp_path, "--dump-details", "dd"), "async")
-    check_debug_flags(cfg_of(tmp_path, "--dump-details", "dd"), "sync")
+        validate(cfg_of(tmp_path, "--dump-details", "dd"), machine=load_machine("async"))
+    validate(cfg_of(tmp_path, "--dump-details", "dd"), machine=load_machine("sync"))
 
 
 # -- --use-fault-tolerance ----------------------------------------------------------------------------
