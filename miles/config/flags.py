@@ -30,10 +30,11 @@ from .megatron_flags import ALIASES as MEGATRON_ALIASES, dest as megatron_dest, 
 from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
                           refused_in)
 from .validate import validate
+from .user_functions import signature
 from .schema import (
     ATTN_IMPLEMENTATIONS, ENGINE_NAMES,
     MEGATRON_TO_HF_MODES, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
-    OPD_TYPES, USER_FUNCTION_FLAGS, USER_FUNCTION_SIGNATURES, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
+    OPD_TYPES, USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
     TrackingConfig, TrainConfig,
 )
@@ -524,7 +525,7 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("opsm-delta", "algorithm", "opsm_delta", float,
        "--use-opsm's threshold on a sequence's mean old - current logprob (a KL estimate); default 1e-4"),
     _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
-       f"--loss-type custom_loss: {USER_FUNCTION_SIGNATURES['--custom-loss-function-path']}, by import path"),
+       f"--loss-type custom_loss: {signature('--custom-loss-function-path')}, by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
        "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
     _f("custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path", str,

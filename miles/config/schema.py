@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Collection, Mapping
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
+from miles.config.user_functions import USER_FUNCTIONS
 
 # the names --rollout-engine and --train-backend take; the registries behind them (miles.rollout.engines.registry.ENGINES,
 # miles.training.protocol.TRAIN_BACKENDS) have exactly these keys
@@ -41,33 +42,10 @@ def parse_opd_teachers(entries: tuple[str, ...]) -> dict[str, str]:
         teachers[name] = url
     return teachers
 
-# every function a run loads by path: flag -> (config section, field). What actors import, so what a run on
-# an attached cluster ships; a config file's relative file paths are read relative to the file
-USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
-    "--custom-rm-path": ("rollout", "custom_rm_path"),
-    "--dynamic-sampling-filter-path": ("rollout", "dynamic_sampling_filter_path"),
-    "--rollout-sample-filter-path": ("rollout", "sample_filter_path"),
-    "--rollout-all-samples-process-path": ("rollout", "all_samples_process_path"),
-    "--buffer-filter-path": ("rollout", "buffer_filter_path"),
-    "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
-    "--custom-rollout-log-function-path": ("rollout", "log_function_path"),
-    "--custom-eval-rollout-log-function-path": ("eval", "log_function_path"),
-    "--eval-function-path": ("eval", "function_path"),
-    "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
-    "--rollout-function-path": ("generate", "rollout_function_path"),
-    "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
-    "--custom-loss-function-path": ("algorithm", "custom_loss_function_path"),
-    "--custom-tis-function-path": ("algorithm", "custom_tis_function_path"),
-    "--custom-pg-loss-reducer-function-path": ("algorithm", "pg_loss_reducer_path"),
-}
-
-
-# the call shape of the user functions whose signature the driver checks (miles.phases.input_checks), as
-# their flags' help and their checks say it: stated here once
-USER_FUNCTION_SIGNATURES: dict[str, str] = {
-    "--custom-loss-function-path": "fn(logprobs, batch, reduce) -> loss or (loss, metrics)",
-    "--custom-tis-function-path": "fn(train_logprobs, rollout_logprobs, mask)",
-}
+# every function a run loads by path: flag -> (config section, field), from the one table
+# (miles.config.user_functions). What actors import, so what a run on an attached cluster ships; a config
+# file's relative file paths are read relative to the file
+USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {f.flag: (f.section, f.field) for f in USER_FUNCTIONS}
 
 
 class ConfigError(ValueError):

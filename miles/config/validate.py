@@ -18,9 +18,10 @@ from miles.types import sampling_problems
 
 from .checks import check, run_checks
 from .packages import missing_package
+from .user_functions import signature
 
 from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES,
-                     USER_FUNCTION_FLAGS, USER_FUNCTION_SIGNATURES, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
+                     USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
 
 def validate(cfg: RunConfig, **facts: Any) -> None:
@@ -901,7 +902,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "has none (a custom loss reduces with its `reduce` argument); drop it")
     if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
         problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
-                        f"is {USER_FUNCTION_SIGNATURES['--custom-loss-function-path']}, by import path")
+                        f"is {signature('--custom-loss-function-path')}, by import path")
     if d.chat_template_path and not Path(d.chat_template_path).is_file():
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
     for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),

@@ -52,11 +52,6 @@ from miles.phases.input_checks import (check_checkpoint_fits, check_context_len,
                                        first_row_keys, label_warnings, model_shapes)
 from miles.phases.watch import ci_check_model_hash
 from miles.rollout.executor import RolloutExecutor
-from miles.rollout.filters import load_filter
-from miles.rollout.hooks import check_hooks
-from miles.rollout.partial import check_partial_rollout
-from miles.rollout.generation import load_generate_function, load_rollout_function
-from miles.rollout.evals import load_eval_function
 from miles.rollout.engines.registry import ENGINES, engine_to_run
 from miles.rollout.protocol import SupportsWeightBucketLoad
 from miles.rollout.remote_reward import check_reachable
@@ -337,17 +332,11 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
 
 
 async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
-    """The user's generate / rollout / tool functions import and have the right signatures; the
-    rewards exist (the per-sample types the data names too) and their services answer, as do the OPD
-    teacher servers (--opd-type sglang)."""
+    """The tool functions import and have the right signatures (the other user functions:
+    check_user_functions); the rewards exist (the per-sample types the data names too) and their
+    services answer, as do the OPD teacher servers (--opd-type sglang)."""
     g = cfg.generate
-    if g.generate_function_path:
-        load_generate_function(g.generate_function_path)
-    if g.rollout_function_path:
-        load_rollout_function(g.rollout_function_path)
-    if cfg.eval.function_path:
-        load_eval_function(cfg.eval.function_path)
-    if g.execute_tool_function_path:
+    if g.execute_tool_function_path:     # with its specs and parser (the other user functions: check_user_functions)
         load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
                       timeout_s=g.tool_timeout_s)
     rewards = Rewards(cfg.rollout)
@@ -386,12 +375,8 @@ async def _check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list
     r = cfg.rollout
     # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
     reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
+    check_user_functions(cfg)          # every one of miles.config.user_functions, by its loader
     await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
-    if cfg.rollout.dynamic_sampling_filter_path:
-        load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    check_hooks(cfg.rollout, cfg.eval.log_function_path)
-    check_partial_rollout(cfg.rollout)
-    check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
         if size is not None and size > len(prompts):

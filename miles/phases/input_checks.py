@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles.config import ConfigError, RunConfig
-from miles.config.schema import USER_FUNCTION_SIGNATURES
+from miles.config.user_functions import USER_FUNCTIONS
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 LABEL_KEYS = ("label", "answer", "solution", "ground_truth", "target", "reference", "output")   # what a label is called
@@ -127,18 +127,14 @@ def _fails_sha256(cfg: RunConfig, path: Path, name: str) -> bool:
 
 
 def check_user_functions(cfg: RunConfig) -> None:
-    """Import the custom loss, TIS and policy-loss reducer functions here, so a bad one fails before the
-    trainer starts."""
-    from miles.user_code import check_signature, import_user_function
+    """Every user function the run sets, imported by its loader and checked to take its arguments here, on
+    the driver, so a bad one fails before any actor starts (the table: miles.config.user_functions)."""
+    from miles.runtime.machine import import_object
 
-    a = cfg.algorithm
-    for flag, path in (("--custom-loss-function-path", a.custom_loss_function_path),
-                       ("--custom-tis-function-path", a.custom_tis_function_path)):
-        if path:
-            check_signature(import_user_function(path, flag), flag, path, 3, USER_FUNCTION_SIGNATURES[flag])
-    if a.pg_loss_reducer_path:
-        from miles.training.pg_reducer import load_reducer
-        load_reducer(a.pg_loss_reducer_path)
+    for fn in USER_FUNCTIONS:
+        path = getattr(getattr(cfg, fn.section), fn.field)
+        if path and fn.loader:
+            import_object(fn.loader)(path)
 
 
 def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys: list[str] | None) -> list[str]:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from miles.config import ConfigError, RolloutConfig
 from miles.rollout.hooks import HookContext
 from miles.types import Prompt, Sample
+from miles.config.user_functions import signature
 from miles.user_code import check_signature, display_name, import_user_function
 
 BUFFER_FILTER_FLAG = "--buffer-filter-path"
@@ -56,14 +57,8 @@ def pop_first(ctx: HookContext, rollout_id: int, buffer: list[list[Sample]], num
 
 def load_buffer_filter(path: str) -> BufferFilter:
     fn = import_user_function(path, BUFFER_FILTER_FLAG)
-    check_signature(fn, BUFFER_FILTER_FLAG, path, 4, "fn(ctx, rollout_id, buffer, num_groups) -> list[list[Sample]]")
+    check_signature(fn, BUFFER_FILTER_FLAG, path, 4, signature(BUFFER_FILTER_FLAG))
     return fn
-
-
-def check_partial_rollout(rollout: RolloutConfig) -> None:
-    """Start-up check, on the driver: --buffer-filter-path imports and takes four arguments."""
-    if rollout.buffer_filter_path:
-        load_buffer_filter(rollout.buffer_filter_path)
 
 
 class PartialBuffer:
