@@ -122,8 +122,11 @@ def test_no_engine_or_backend_name_is_compared_outside_its_package_and_its_regis
     (["--eval-top-p", "0"], "--eval-top-p 0.0: must be in (0, 1]"),
     (["--eval-temperature", "-1"], "--eval-temperature -1.0: must be >= 0 (0: greedy)"),
     (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu 0: must be a positive integer"),
+    (["--rollout-mem-fraction", "1.5"], "--rollout-mem-fraction 1.5: must be in (0, 1)"),
+    (["--rollout-max-batch-size", "0"], "--rollout-max-batch-size 0: must be a positive integer"),
+    (["--rollout-chunked-prefill-size", "0"], "--rollout-chunked-prefill-size 0: must be a positive integer"),
 ])
-def test_a_sampling_or_token_budget_rule_fires_once_with_one_message_naming_the_flag(base, extra, line):
+def test_a_sampling_engine_or_token_budget_rule_fires_once_with_one_message_naming_the_flag(base, extra, line):
     with pytest.raises(ConfigError) as err:
         parse_flags(base + extra)
     flag = line.split()[0]

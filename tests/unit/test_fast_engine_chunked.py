@@ -25,11 +25,6 @@ def unchunked(model_path):
     return FastEngine(model_path, device="cpu", max_batch_size=3)
 
 
-def test_chunked_prefill_size_must_be_positive(model_path):
-    with pytest.raises(ValueError, match="chunked_prefill_size must be >= 1, got 0"):
-        FastEngine(model_path, device="cpu", chunked_prefill_size=0)
-
-
 @pytest.mark.parametrize("size", [1, 3, 4])
 def test_greedy_equals_the_unchunked_engine_and_a_full_forward_loop(model_path, unchunked, size):
     # more requests than slots, long and short mixed: pieces of some run while others decode,

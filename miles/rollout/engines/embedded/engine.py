@@ -60,8 +60,6 @@ class EngineDisposedError(RuntimeError):
 class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  max_batch_size: int = MAX_BATCH_SIZE):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size

@@ -98,10 +98,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         from transformers import AutoConfig
 
         self._init_guard()
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        # the options' ranges are the config's rules (miles.config.validate), checked once, at parse time
         self.chunked_prefill_size = chunked_prefill_size
         reason = supports(AutoConfig.from_pretrained(model_path))
         if reason:
