@@ -527,7 +527,7 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
        f"--loss-type custom_loss: {signature('--custom-loss-function-path')}, by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
-       "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+       f"--use-tis: {signature('--custom-tis-function-path')}, by import path"),
     _f("custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path", str,
        "miles' get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x): "
        "reduces the policy loss only (KL, entropy keep --loss-agg-mode's), then divided by the global batch's "

@@ -56,7 +56,8 @@ USER_FUNCTIONS: tuple[UserFunction, ...] = (
     UserFunction("--custom-loss-function-path", "algorithm", "custom_loss_function_path",
                  "miles.training.terms:load_custom_loss", "fn(logprobs, batch, reduce) -> loss or (loss, metrics)"),
     UserFunction("--custom-tis-function-path", "algorithm", "custom_tis_function_path",
-                 "miles.training.terms:load_custom_tis", "fn(train_logprobs, rollout_logprobs, mask)"),
+                 "miles.training.terms:load_custom_tis",
+                 "fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics)"),
     UserFunction("--custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path",
                  "miles.training.pg_reducer:load_reducer",
                  "get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> "
