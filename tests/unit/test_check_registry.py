@@ -176,3 +176,23 @@ def test_checks_that_wait_for_a_later_fact_run_with_it_and_only_with_it(base):
                                   "picks it when --machine is not given)"]
     validate(cfg, machine=load_machine("rollout_only"))
     validate(cfg, num_engines=1)                # no --partial-rollout
+
+
+@pytest.mark.parametrize("extra, flag, line", [
+    (["--lora-rank", "8", "--train-backend", "megatron"], "--lora-rank",
+     "--lora-rank 8 with --train-backend megatron: LoRA trains on the torch trainer here; use --train-backend torch"),
+    (["--lora-rank", "8", "--actor-num-gpus-per-node", "2", "--device", "cpu"], "--lora-rank",
+     "--lora-rank 8 with --train-backend torch on 2 trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node): "
+     "the torch trainer's FSDP ranks do not shard adapters yet; train on one GPU (1 x 1)"),
+    (["--skip-actor-forward-only", "--use-rollout-logprobs", "--train-backend", "megatron"], "--skip-actor-forward-only",
+     "--skip-actor-forward-only with --train-backend megatron: not supported yet (it always computes the old logprobs); "
+     "use --train-backend torch or drop it"),
+    (["--megatron-to-hf-mode", "bridge"], "--megatron-to-hf-mode",
+     "--megatron-to-hf-mode bridge with --train-backend torch: it converts Megatron weights for the engines; the torch "
+     "trainer trains the HF weights as they are: drop it"),
+])
+def test_a_backend_refusal_on_its_spec_fires_once_with_one_message(base, extra, flag, line):
+    """What a backend refuses is on its spec (`TrainBackendSpec.refuses`); the one shared check says it, once."""
+    with pytest.raises(ConfigError) as err:
+        parse_flags(base + extra)
+    assert [p for p in err.value.problems if p.startswith(flag)] == [line], err.value.problems
