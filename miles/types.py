@@ -40,6 +40,23 @@ class SamplingParams:
     min_new_tokens: int = 0         # EOS and stop_token_ids are barred before this many tokens (SGLang's)
 
 
+def sampling_problems(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                      names: tuple[str, str, str] = ("temperature", "top_p", "top_k")) -> list[str]:
+    """THE rule of the sampling knobs, for every place that takes them (the flags, the eval datasets, a
+    generate call's `SamplingParams`): temperature >= 0 (0 is greedy), top-p in (0, 1], top-k -1 (off)
+    or >= 1; None is not given. `names` are what the messages call them (the flags: "--rollout-top-p").
+    A run that trains on its rollouts needs temperature > 0 besides: `miles.config.validate` says so."""
+    out = []
+    t, p, k = names
+    if temperature is not None and temperature < 0:
+        out.append(f"{t} {temperature}: must be >= 0 (0: greedy)")
+    if top_p is not None and not 0 < top_p <= 1:
+        out.append(f"{p} {top_p}: must be in (0, 1]")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        out.append(f"{k} {top_k}: must be -1 (off) or >= 1")
+    return out
+
+
 @dataclass
 class Generation:
     """What an engine returns for one request."""

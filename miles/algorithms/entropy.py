@@ -23,11 +23,6 @@ from torch import Tensor
 _CHUNK_ROWS = 1024  # rows of V logits per step: 1024 x 152k vocab x 4 bytes ≈ 620 MB peak per temporary
 
 
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
-
-
 def shift_right(x: Tensor) -> Tensor:
     """[B, T] values computed from logits[:, t] → aligned to tokens[:, t + 1]; position 0 gets 0."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
@@ -43,7 +38,6 @@ def _entropy_rows(z: Tensor) -> Tensor:
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, *, chunk_rows: int = _CHUNK_ROWS) -> Tensor:
     """Entropy of softmax(logits / temperature) at every position: [B, T, V] → [B, T] float32,
     aligned to tokens like `logprobs_from_logits` (position 0 = 0.0)."""
-    _check_temperature(temperature)
     b, t, v = logits.shape
     flat = logits.reshape(b * t, v)
     parts = [_entropy_rows(flat[i:i + chunk_rows] / temperature) for i in range(0, b * t, chunk_rows)]
@@ -63,7 +57,6 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
 
     logits [B, T, V] (any float dtype), tokens [B, T] int64 → [B, T] float32.
     """
-    _check_temperature(temperature)
     if logits.shape[:2] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} must share [B, T]")
     b, t, v = logits.shape

@@ -165,8 +165,6 @@ def linear_logprobs_entropy(hidden: Tensor, weight: Tensor, target: Tensor, temp
     backward recomputes each chunk's logits instead of keeping them. `matmul_dtype` defaults to
     hidden's dtype.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {temperature}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

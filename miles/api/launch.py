@@ -21,7 +21,7 @@ from miles.runtime import Disposer, Runner, Tracer, load_machine
 from miles.runtime.runlock import FolderLock, describe_holder, lock_folders, run_folders
 from miles.runtime.files import WriteFailed
 from miles.runtime.trace import new_run_id, next_segment_path
-from miles.config.validate import validate_for_machine
+from miles.config.validate import validate
 
 
 @dataclass
@@ -49,7 +49,7 @@ def prepare_run(cfg: RunConfig, *, machine: str = "sync", run_id: str | None = N
     for lock in locks or ():                     # first registered: released last, after everything else
         disposer.add(lock)
     definition = load_machine(machine)
-    validate_for_machine(cfg, definition)        # before the run dir exists: bad input starts nothing
+    validate(cfg, machine=definition)           # before the run dir exists: bad input starts nothing
     handlers = definition.resolve_phases()       # so is a phase that does not import (a missing package)
     run_id = run_id or new_run_id()
     if locks is None:

@@ -71,12 +71,16 @@ def _is_dist(folder: Path) -> bool:
 
 
 def megatron_load_problems(backend: str, load: str | None, ref_load: str | None) -> list[str]:
-    """--load / --ref-load naming a Megatron checkpoint: the megatron backend reads it; the others cannot."""
-    problems = []
+    """--load / --ref-load naming a Megatron checkpoint: a backend whose spec reads them
+    (`TrainBackendSpec.megatron_checkpoints`) takes it; the others cannot."""
+    from miles.training.protocol import TRAIN_BACKENDS
+
+    spec, problems = TRAIN_BACKENDS.get(backend), []
+    readers = " / ".join(name for name, s in TRAIN_BACKENDS.items() if s.megatron_checkpoints)
     for flag, path in (("--load", load), ("--ref-load", ref_load)):
-        if path and backend != "megatron" and megatron_checkpoint_info(path) is not None:
+        if path and spec is not None and not spec.megatron_checkpoints and megatron_checkpoint_info(path) is not None:
             problems.append(f"{flag} {path} is a Megatron torch_dist checkpoint, which --train-backend {backend} "
-                            "cannot read: use --train-backend megatron, or start from the HF weights with "
+                            f"cannot read: use --train-backend {readers}, or start from the HF weights with "
                             f"--hf-checkpoint (and drop {flag})")
     return problems
 

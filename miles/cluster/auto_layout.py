@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from miles.rollout.engines.registry import ENGINES
+
 if TYPE_CHECKING:
     from miles.config import RunConfig
 
@@ -46,7 +48,7 @@ def auto_num_engines(cfg: RunConfig, *, use_gpus: bool, cores: int) -> int | Non
     """The engine count the rule above picks for a run that gave none, else None (the run's own:
     --rollout-num-engines, or --rollout-num-gpus / GPUs per engine, or one)."""
     if (use_gpus or cfg.rollout.num_engines is not None or cfg.cluster.rollout_num_gpus is not None
-            or cfg.rollout.engine == "sglang" or cores < CPU_ENGINES):
+            or not ENGINES[cfg.rollout.engine].on_cpu or cores < CPU_ENGINES):
         return None
     return CPU_ENGINES
 
@@ -63,11 +65,11 @@ def auto_colocate(cfg: RunConfig, *, use_gpus: bool, cluster_gpus: float, starte
 
 def _machine_takes(cfg: RunConfig, machine: str) -> bool:
     from miles.config import ConfigError
-    from miles.config.validate import validate_for_machine
+    from miles.config.validate import validate
     from miles.runtime.machine import MachineDefinitionError, load_machine
 
     try:
-        validate_for_machine(cfg, load_machine(machine))
+        validate(cfg, machine=load_machine(machine))
     except (ConfigError, MachineDefinitionError):
         return False
     return True

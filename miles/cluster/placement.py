@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Mapping
 from miles.cluster.auto_layout import auto_num_engines
 from miles.config import ConfigError
 from miles.config.checks import check
+from miles.config.schema import trainer_ranks
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -60,6 +61,10 @@ class PlacementRequest:
     has_trainer: bool = True            # False with --debug-rollout-only
     has_critic: bool = False            # --advantage-estimator ppo
     has_engines: bool = True            # False with --load-debug-rollout-data
+
+    @property
+    def trainer_ranks(self) -> int:
+        return trainer_ranks(self.actor_num_nodes, self.actor_num_gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ def _problems(r: PlacementRequest) -> list[str]:
     if gpus % r.rollout_num_gpus_per_engine:
         problems.append(f"--rollout-num-gpus {gpus} is not a multiple of --rollout-num-gpus-per-engine "
                         f"{r.rollout_num_gpus_per_engine}")
-    trainer_gpus = r.actor_num_nodes * r.actor_num_gpus_per_node
+    trainer_gpus = r.trainer_ranks
     if r.colocate and r.has_trainer and gpus > trainer_gpus:
         problems.append(f"--colocate puts the engines on the trainer's {trainer_gpus} GPU(s) "
                         f"(--actor-num-nodes x --actor-num-gpus-per-node), but the rollout asks for {gpus}; "
@@ -167,7 +172,7 @@ def plan_placement(r: PlacementRequest) -> PlacementPlan:
     problems = _problems(r)
     if problems:
         raise ConfigError(problems)
-    trainer_gpus = r.actor_num_nodes * r.actor_num_gpus_per_node if r.has_trainer else 0
+    trainer_gpus = r.trainer_ranks if r.has_trainer else 0
     per_engine = r.rollout_num_gpus_per_engine
     num_engines = rollout_gpus(r) // per_engine if r.has_engines else 0
     colocated = r.colocate and r.has_trainer

@@ -30,8 +30,9 @@ from .megatron_flags import ALIASES as MEGATRON_ALIASES, dest as megatron_dest, 
 from .miles_flags import (PASSTHROUGH_PREFIX, VALUE_ALIASES, fate, miles_value_aliases, refusal_line, refusal_lines,
                           refused_in)
 from .validate import validate
+from .user_functions import signature
 from .schema import (
-    ATTN_IMPLEMENTATIONS, EMBEDDED_MAX_BATCH_SIZE, ENGINE_NAMES, FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE,
+    ATTN_IMPLEMENTATIONS, ENGINE_NAMES,
     MEGATRON_TO_HF_MODES, ROUTER_POLICIES, TRAIN_BACKEND_NAMES,
     OPD_TYPES, USER_FUNCTION_FLAGS, AlgorithmConfig, CheckpointConfig, ClusterConfig, ConfigError, DataConfig, EvalConfig,
     GenerateConfig, ModelConfig, ReliabilityConfig, RolloutConfig, RunConfig, SGLangConfig, TraceConfig,
@@ -153,10 +154,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("overlong-penalty-factor", "rollout", "overlong_penalty_factor", float, "DAPO overlong penalty at the max length"),
     # rollout: the engine's limits and switches (FastEngine: --rollout-engine fast, or embedded on CUDA)
     _f("rollout-max-batch-size", "rollout", "max_batch_size", int,
-       f"sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
-       f"{FAST_MAX_BATCH_SIZE} for FastEngine, {EMBEDDED_MAX_BATCH_SIZE} for EmbeddedEngine)"),
+       "sequences one engine decodes at once; the rest of a call's requests wait their turn (default: "
+       "{engines[fast][max_batch_size]} for FastEngine, {engines[embedded][max_batch_size]} for EmbeddedEngine)"),
     _f("rollout-mem-fraction", "rollout", "mem_fraction", float,
-       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded"),
+       "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded "
+       "(default: {engines[fast][mem_fraction]})"),
     _f("disable-cuda-graph", "rollout", "cuda_graph", kind="false",
        help="FastEngine: run decode steps eagerly, not as captured CUDA graphs (debugging)"),
     _f("disable-torch-compile", "rollout", "torch_compile", kind="false",
@@ -165,7 +167,7 @@ FLAGS: tuple[Flag, ...] = (
        help="FastEngine: decode attention by the stock SDPA call, not the length-aware Triton kernel"),
     _f("rollout-chunked-prefill-size", "rollout", "chunked_prefill_size", int,
        f"FastEngine: a prompt longer than this is prefilled in pieces of this many tokens, one piece per decode "
-       f"step of the running sequences (SGLang's --chunked-prefill-size; default: {FAST_CHUNKED_PREFILL_SIZE})"),
+       "step of the running sequences (SGLang's --chunked-prefill-size; default: {engines[fast][chunked_prefill_size]})"),
     # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
@@ -523,9 +525,9 @@ MILES_COMPAT_FLAGS: tuple[Flag, ...] = (
     _f("opsm-delta", "algorithm", "opsm_delta", float,
        "--use-opsm's threshold on a sequence's mean old - current logprob (a KL estimate); default 1e-4"),
     _f("custom-loss-function-path", "algorithm", "custom_loss_function_path", str,
-       "--loss-type custom_loss: fn(logprobs, batch, reduce) -> loss or (loss, metrics), by import path"),
+       f"--loss-type custom_loss: {signature('--custom-loss-function-path')}, by import path"),
     _f("custom-tis-function-path", "algorithm", "custom_tis_function_path", str,
-       "--use-tis: fn(train_logprobs, rollout_logprobs, mask) -> weights or (weights, metrics), by import path"),
+       f"--use-tis: {signature('--custom-tis-function-path')}, by import path"),
     _f("custom-pg-loss-reducer-function-path", "algorithm", "pg_loss_reducer_path", str,
        "miles' get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x): "
        "reduces the policy loss only (KL, entropy keep --loss-agg-mode's), then divided by the global batch's "
@@ -760,8 +762,25 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return build_parser(prog)
 
 
+def engine_defaults() -> dict[str, Any]:
+    """{engine name: its spec's `defaults`}, which the help of the engines' flags quotes as
+    `{engines[fast][max_batch_size]}`. The defaults live on the engines' specs; the registry is imported
+    here by name, when help is shown (as `checks.run_checks` imports its contributors), so config
+    imports nothing above it."""
+    import importlib
+
+    registry = importlib.import_module("miles.rollout.engines.registry")
+    return {name: spec.defaults for name, spec in registry.ENGINES.items()}
+
+
+def help_text(f: Flag) -> str:
+    """The flag's help as written, an engine's default it quotes filled in from the engine's spec."""
+    return f.help.format_map({"engines": engine_defaults()}) if "{engines[" in f.help else f.help
+
+
 def help_line(f: Flag) -> str:
     """The flag's help with its default; a help that states its default itself keeps its wording."""
+    f = replace(f, help=help_text(f))
     if f.name in REQUIRED:
         return f"{f.help} (required)"
     if "default" in f.help:
@@ -1074,4 +1093,4 @@ def config_from_flags(argv: Sequence[str]) -> RunConfig:
 if __name__ == "__main__":      # the "coming from miles" table of docs/coming-from-miles.md
     from .miles_flags import markdown
 
-    print(markdown({f.name: f.help for f in FLAGS}), end="")
+    print(markdown({f.name: help_text(f) for f in FLAGS}), end="")

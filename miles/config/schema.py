@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Collection, Mapping
 
 from miles.algorithms.names import AdvantageEstimator, KlLossType, LossAggMode, LossType
+from miles.config.user_functions import USER_FUNCTIONS
 
 # the names --rollout-engine and --train-backend take; the registries behind them (miles.rollout.engines.registry.ENGINES,
 # miles.training.protocol.TRAIN_BACKENDS) have exactly these keys
@@ -41,36 +42,10 @@ def parse_opd_teachers(entries: tuple[str, ...]) -> dict[str, str]:
         teachers[name] = url
     return teachers
 
-# sequences one engine decodes at once when --rollout-max-batch-size is not given. FastEngine: 256,
-# vLLM's max_num_seqs default; a decode step of a 0.5B-7B model is bound by reading the weights well
-# past that, so 256 rows cost little more per step than 64 (an H200 bench: 256 requests in one batch),
-# and RL rollouts bring hundreds of requests per call. EmbeddedEngine keeps its 64 (the CPU path).
-EMBEDDED_MAX_BATCH_SIZE = 64
-FAST_MAX_BATCH_SIZE = 256
-# FastEngine's KV cache: this share of the GPU memory free once its weights are loaded (the rest is
-# left to activations and to what shares the GPU, such as the trainer on a one-GPU machine)
-FAST_MEM_FRACTION = 0.5
-FAST_CHUNKED_PREFILL_SIZE = 8192   # FastEngine prefills longer prompts in pieces of this many tokens
-
-# every function a run loads by path: flag -> (config section, field). What actors import, so what a run on
-# an attached cluster ships; a config file's relative file paths are read relative to the file
-USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
-    "--custom-rm-path": ("rollout", "custom_rm_path"),
-    "--dynamic-sampling-filter-path": ("rollout", "dynamic_sampling_filter_path"),
-    "--rollout-sample-filter-path": ("rollout", "sample_filter_path"),
-    "--rollout-all-samples-process-path": ("rollout", "all_samples_process_path"),
-    "--buffer-filter-path": ("rollout", "buffer_filter_path"),
-    "--custom-reward-post-process-path": ("rollout", "reward_post_process_path"),
-    "--custom-rollout-log-function-path": ("rollout", "log_function_path"),
-    "--custom-eval-rollout-log-function-path": ("eval", "log_function_path"),
-    "--eval-function-path": ("eval", "function_path"),
-    "--custom-generate-function-path": ("generate", "custom_generate_function_path"),
-    "--rollout-function-path": ("generate", "rollout_function_path"),
-    "--generate-execute-tool-function-path": ("generate", "execute_tool_function_path"),
-    "--custom-loss-function-path": ("algorithm", "custom_loss_function_path"),
-    "--custom-tis-function-path": ("algorithm", "custom_tis_function_path"),
-    "--custom-pg-loss-reducer-function-path": ("algorithm", "pg_loss_reducer_path"),
-}
+# every function a run loads by path: flag -> (config section, field), from the one table
+# (miles.config.user_functions). What actors import, so what a run on an attached cluster ships; a config
+# file's relative file paths are read relative to the file
+USER_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {f.flag: (f.section, f.field) for f in USER_FUNCTIONS}
 
 
 class ConfigError(ValueError):
@@ -84,6 +59,12 @@ class ConfigError(ValueError):
 # --dtype's names (and their short forms) -> the dtype; miles.weights.hf.resolve_dtype maps these to torch's
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+
+
+def trainer_ranks(actor_num_nodes: int, actor_num_gpus_per_node: int) -> int:
+    """The one rule of the trainer's ranks (`ClusterConfig.trainer_ranks`, the placement's request):
+    --actor-num-nodes x --actor-num-gpus-per-node, one per trainer GPU (or CPU process)."""
+    return actor_num_nodes * actor_num_gpus_per_node
 
 
 def uses_gpus(device: str, cluster_gpus: int) -> bool:
@@ -164,7 +145,7 @@ class RolloutConfig:
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response tokens at most
     # the engine's limits and switches (each engine's spec says which it reads: its options)
     max_batch_size: int | None = None   # --rollout-max-batch-size: sequences one engine decodes at once (None: its own)
-    mem_fraction: float = FAST_MEM_FRACTION  # --rollout-mem-fraction: the KV cache's share of free GPU memory
+    mem_fraction: float | None = None   # --rollout-mem-fraction: the KV cache's share of free GPU memory (None: the engine's)
     cuda_graph: bool = True             # --disable-cuda-graph: decode steps run eagerly
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
@@ -487,7 +468,7 @@ class ClusterConfig:
     @property
     def trainer_ranks(self) -> int:
         """The trainer's ranks: one per trainer GPU, or as many CPU processes on a CPU run."""
-        return self.actor_num_nodes * self.actor_num_gpus_per_node
+        return trainer_ranks(self.actor_num_nodes, self.actor_num_gpus_per_node)
 
     @property
     def offloads_rollout(self) -> bool:
@@ -601,6 +582,12 @@ class RunConfig:
     def has_critic(self) -> bool:
         """The run makes PPO's critic (not when it only rolls out)."""
         return self.algorithm.needs_critic and not self.debug_rollout_only
+
+    @property
+    def trainer_gpus(self) -> int | None:
+        """The trainer's GPUs where known before Ray starts (--device cuda: one per trainer rank), else
+        None (a CPU run, or --device auto, whose placement plan answers at init)."""
+        return self.cluster.trainer_ranks if self.model.on_gpus else None
 
     @property
     def user_function_paths(self) -> dict[str, str]:

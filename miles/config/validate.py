@@ -9,20 +9,26 @@ import json
 import math
 import string
 from pathlib import Path
+from typing import Any
 
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.runtime.machine import STATES, MachineDef
+from miles.types import sampling_problems
 
 from .checks import check, run_checks
 from .packages import missing_package
+from .user_functions import signature
+
 from .schema import (ATTN_IMPLEMENTATIONS, DTYPES, ENGINE_NAMES, MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES,
                      USER_FUNCTION_FLAGS, ConfigError, RunConfig, TrainConfig, parse_opd_teachers)
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every registered check (config's below, then the contributors' of `miles.config.checks`)."""
-    problems = run_checks(cfg)
+def validate(cfg: RunConfig, **facts: Any) -> None:
+    """Every registered check (config's below, then the contributors' of `miles.config.checks`) that needs
+    exactly `facts`: none at parse time; `machine=MachineDef` once the machine is picked (prepare_run),
+    `num_engines=N` once the placement counts the engines (init)."""
+    problems = run_checks(cfg, **facts)
     if problems:
         raise ConfigError(problems)
 
@@ -75,16 +81,15 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
 @check
 def _ranges(cfg: RunConfig, problems: list[str]) -> None:
     r = cfg.rollout
-    if r.temperature < 0 or (r.temperature == 0 and not cfg.debug_rollout_only):
+    trains_greedy = r.temperature <= 0 and not cfg.debug_rollout_only    # the trainer divides by it (miles.algorithms)
+    if trains_greedy:
         problems.append(f"--rollout-temperature {r.temperature}: must be > 0 to train on the rollouts (greedy ones "
                         "cannot be; >= 0 with --debug-rollout-only)")
-    if not 0 < r.top_p <= 1:
-        problems.append(f"--rollout-top-p {r.top_p}: must be in (0, 1]")
-    if not 0 < r.mem_fraction < 1:
+    problems += sampling_problems(temperature=None if trains_greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  names=("--rollout-temperature", "--rollout-top-p", "--rollout-top-k"))
+    if r.mem_fraction is not None and not 0 < r.mem_fraction < 1:
         problems.append(f"--rollout-mem-fraction {r.mem_fraction}: must be in (0, 1), the share of the GPU memory "
                         "free after the weights that the KV cache takes")
-    if cfg.eval.temperature is not None and cfg.eval.temperature < 0:
-        problems.append(f"--eval-temperature {cfg.eval.temperature}: must be >= 0")
     if cfg.eval.min_new_tokens < 0:
         problems.append(f"--eval-min-new-tokens {cfg.eval.min_new_tokens}: must be >= 0 (0: responses may stop at once)")
     if cfg.train.lr <= 0:
@@ -376,15 +381,12 @@ def _skipped_old_pass(cfg: RunConfig, problems: list[str]) -> None:
                         f"right only for one optimizer step per rollout, not {steps} (global batch "
                         f"{t.global_batch(n)} of {n} samples): add --use-rollout-logprobs, or drop "
                         "--global-batch-size / --num-steps-per-rollout")
-    if t.backend == "megatron":
-        problems.append(f"{flag} is not supported by --train-backend megatron yet (it always computes the old "
-                        "logprobs); use --train-backend torch or drop it")
 
 
 @check
 def _skipped_weight_sync(cfg: RunConfig, problems: list[str]) -> None:
     """--debug-skip-weight-update: the engines keep the initial weights, so nothing may compare them with the
-    trainer's, and no engine may drop its weights (only a sync gives them back)."""
+    trainer's (no engine may drop its weights either: the engines' registry checks that)."""
     if not cfg.debug_skip_weight_update:
         return
     checks = [f for f, on in (("--check-weight-update-equal", cfg.check_weight_update_equal),
@@ -393,10 +395,6 @@ def _skipped_weight_sync(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--debug-skip-weight-update keeps the engines on the initial weights, which "
                         f"{' and '.join(checks)} compare(s) with the trainer's (checksums, logprobs) and would fail "
                         "after the first step: drop one of them")
-    if cfg.rollout.engine == "sglang" and cfg.cluster.offloads_rollout:
-        problems.append("--debug-skip-weight-update with --rollout-engine sglang and --offload / --offload-rollout "
-                        "/ --colocate: the servers release their weights while the trainer trains and only a weight "
-                        "sync gives them back; drop the offload flags or --debug-skip-weight-update")
 
 
 @check
@@ -480,7 +478,8 @@ def _lr_schedule(cfg: RunConfig, problems: list[str]) -> None:
 
 
 def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
-    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the one-process torch trainer's policy only."""
+    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's): the policy's only (the backends that refuse it
+    say so on their spec: `TrainBackendSpec.refuses`)."""
     t = cfg.train
     if t.decoupled_lr is None:
         if t.decoupled_min_lr is not None:
@@ -494,14 +493,12 @@ def _decoupled_lr(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.algorithm.needs_critic:
         problems.append("--decoupled-lr: the critic (--advantage-estimator ppo) takes one rate, --critic-lr, for "
                         "all its parameters here; drop --decoupled-lr or use another estimator")
-    if t.backend == "torch" and cfg.cluster.trainer_ranks > 1:
-        problems.append(f"--decoupled-lr: not supported yet on the torch trainer's FSDP ranks ({cfg.cluster.trainer_ranks} "
-                        "trainer GPUs), whose checkpoints keep one AdamW group; train on one GPU or drop it")
 
 
 @check
 def _lora(cfg: RunConfig, problems: list[str]) -> None:
-    """LoRA (--lora-rank R): the torch trainer on one process (miles/training/torch/lora.py); what it cannot take."""
+    """LoRA (--lora-rank R, miles/training/torch/lora.py): what it cannot take (the backends that refuse it say so
+    on their spec: `TrainBackendSpec.refuses`)."""
     t, a = cfg.train, cfg.algorithm
     if t.lora_rank < 0:
         problems.append(f"--lora-rank {t.lora_rank}: must be >= 0 (0 trains the whole model)")
@@ -526,12 +523,7 @@ def _lora(cfg: RunConfig, problems: list[str]) -> None:
                         "models); drop it")
     if len(targets) > 1 and {"all-linear", "all_linear", "all"} & set(targets):
         problems.append(f"--target-modules {t.target_modules}: all-linear takes every decoder Linear; give it alone")
-    refused = [(t.backend == "megatron", "--train-backend megatron",
-                "LoRA trains on the torch trainer here; use --train-backend torch"),
-               (t.backend == "torch" and cfg.cluster.trainer_ranks > 1,
-                f"{cfg.cluster.trainer_ranks} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node)",
-                "the torch trainer's FSDP ranks do not shard adapters yet; train on one GPU (1 x 1)"),
-               (t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
+    refused = [(t.weight_shadows, "--trainer-weight-shadows", "the adapted Linear layers run their own matmuls; drop it"),
                (t.grad_accum_fusion, "--gradient-accumulation-fusion", "the adapted Linear layers run their own "
                 "matmuls; drop it"),
                (a.needs_critic, "--advantage-estimator ppo", "PPO's critic is not set up for LoRA yet; use grpo, "
@@ -769,17 +761,55 @@ def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
 PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
 
 
-def validate_for_machine(cfg: RunConfig, machine: MachineDef) -> None:
-    """What the chosen machine adds to `validate`: the async machine trains one step off-policy."""
+@check
+def _machine(cfg: RunConfig, problems: list[str], *, machine: MachineDef) -> None:
+    """What the chosen machine adds: the async machine trains one step off-policy; --phase-timeout names
+    its states."""
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
-    problems = _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    problems += _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
     problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
                  f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
                  for state in cfg.reliability.phase_timeout_overrides
                  if state not in machine.states or machine.states[state].final]
-    if problems:
-        raise ConfigError(problems)
+
+
+# the half runs for debugging (miles.phases.debug): the flag -> (the machine it runs on, the flag's name)
+DEBUG_MACHINES = {"load_debug_rollout_data": ("train_only", "--load-debug-rollout-data"),
+                  "debug_rollout_only": ("rollout_only", "--debug-rollout-only")}
+
+
+@check
+def _debug_flags(cfg: RunConfig, problems: list[str], *, machine: MachineDef) -> None:
+    """A debug flag needs its machine, and its machine needs the flag."""
+    name = machine.name
+    given = [(machine_for, flag) for field, (machine_for, flag) in DEBUG_MACHINES.items() if getattr(cfg, field)]
+    if len(given) > 1:
+        problems.append("--load-debug-rollout-data and --debug-rollout-only exclude each other: "
+                        "one trains without engines, the other rolls out without a trainer")
+    for machine_for, flag in given:
+        if name != machine_for:
+            problems.append(f"{flag} runs on --machine {machine_for}, not {name!r} (miles train picks it "
+                            "when --machine is not given)")
+    for field, (machine_for, flag) in DEBUG_MACHINES.items():
+        if name == machine_for and not getattr(cfg, field):
+            problems.append(f"--machine {machine_for} needs {flag}")
+    if cfg.debug_rollout_data_path and name == "async":     # its rollouts come from the prefetcher
+        flag = "--save-debug-rollout-data" if cfg.save_debug_rollout_data else "--dump-details"
+        problems.append(f"{flag} is not supported by --machine async yet; use sync")
+    if cfg.debug_rollout_only and (cfg.checkpoint.load or cfg.checkpoint.save):
+        problems.append("--debug-rollout-only has no trainer to --save or --load; drop those flags")
+
+
+@check
+def _partial_rollout_engines(cfg: RunConfig, problems: list[str], *, num_engines: int) -> None:
+    """Once the placement knows the engine count: an engine answers a call's requests together, so what
+    an abort can cut short (--partial-rollout, miles.rollout.partial) is a whole engine call, one per
+    engine and round."""
+    if cfg.rollout.partial_rollout and num_engines < 2:
+        problems.append(f"--partial-rollout cuts short the engine calls still running once the batch is full, "
+                        f"and this run has {num_engines} engine: a round is one call, never cut short. Give "
+                        "--rollout-num-engines 2 or more (on GPUs: --rollout-num-gpus), or drop --partial-rollout")
 
 
 def _async_problems(cfg: RunConfig) -> list[str]:
@@ -872,7 +902,7 @@ def _miles_compat(cfg: RunConfig, problems: list[str]) -> None:
                         "has none (a custom loss reduces with its `reduce` argument); drop it")
     if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
         problems.append("--loss-type custom_loss and --custom-loss-function-path go together: the loss function "
-                        "is fn(logprobs, batch, reduce) -> loss, by import path")
+                        f"is {signature('--custom-loss-function-path')}, by import path")
     if d.chat_template_path and not Path(d.chat_template_path).is_file():
         problems.append(f"--chat-template-path {d.chat_template_path}: no such file")
     for flag, value in (("--keep-last-checkpoints", c.keep_last), ("--rollout-max-context-len", r.max_context_len),
@@ -904,20 +934,10 @@ def _eval_sets(cfg: RunConfig, problems: list[str]) -> None:
         where = f"--eval-config dataset {d.name!r}"
         if d.n_samples_per_prompt is not None and d.n_samples_per_prompt < 1:
             problems.append(f"{where}: n_samples_per_eval_prompt {d.n_samples_per_prompt} must be >= 1")
-        if d.temperature is not None and d.temperature < 0:
-            problems.append(f"{where}: temperature {d.temperature} must be >= 0")
-        problems += [f"{where}: {p}" for p in _sampling_problems(d.top_p, d.top_k, "top_p", "top_k")]
-    problems += [f"--eval-{p}" for p in _sampling_problems(e.top_p, e.top_k, "top-p", "top-k")]
-
-
-def _sampling_problems(top_p: float | None, top_k: int | None, p_name: str, k_name: str) -> list[str]:
-    """An eval top-p / top-k the engines take: top-p in (0, 1], top-k -1 (off) or >= 1 (None: not given)."""
-    out = []
-    if top_p is not None and not 0 < top_p <= 1:
-        out.append(f"{p_name} {top_p}: must be in (0, 1]")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        out.append(f"{k_name} {top_k}: must be -1 (off) or >= 1")
-    return out
+        problems += [f"{where}: {p}" for p in sampling_problems(temperature=d.temperature, top_p=d.top_p,
+                                                                  top_k=d.top_k)]
+    problems += sampling_problems(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                                  names=("--eval-temperature", "--eval-top-p", "--eval-top-k"))
 
 
 @check
@@ -940,9 +960,6 @@ def _launch_script_switches(cfg: RunConfig, problems: list[str]) -> None:
                         "here)")
     if t.megatron_to_hf_mode is not None and t.megatron_to_hf_mode not in MEGATRON_TO_HF_MODES:
         problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: use raw or bridge")
-    elif t.megatron_to_hf_mode is not None and t.backend != "megatron":
-        problems.append(f"--megatron-to-hf-mode {t.megatron_to_hf_mode}: converts Megatron weights for the engines; "
-                        f"--train-backend {t.backend} trains the HF weights as they are: drop it")
 
 
 GRAD_NORM_FIELDS = ("role", "rollout_id", "step_id")     # what miles' --ci-save/load-grad-norm paths may hold

@@ -21,13 +21,9 @@ from miles.checkpoint.resume import check_load_folder
 from miles.checkpoint.restore import hash_before_start
 from miles.config import ConfigError, EvalDataset, RunConfig
 from miles.config.schema import parse_opd_teachers
+from miles.config.user_functions import USER_FUNCTIONS
 from miles.data.prompts import load_prompts
 from miles.data.sft import load_sft_data
-from miles.rollout.evals import load_eval_function
-from miles.rollout.filters import load_filter
-from miles.rollout.generation import load_generate_function, load_rollout_function
-from miles.rollout.hooks import check_hooks
-from miles.rollout.partial import check_partial_rollout
 from miles.rollout.remote_reward import check_reachable
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
 from miles.rollout.scoring import Rewards
@@ -146,19 +142,14 @@ def _fails_sha256(cfg: RunConfig, path: Path, name: str) -> bool:
 
 
 def check_user_functions(cfg: RunConfig) -> None:
-    """Import the custom loss, TIS and policy-loss reducer functions here, so a bad one fails before the
-    trainer starts."""
-    from miles.user_code import check_signature, import_user_function
+    """Every user function the run sets, imported by its loader and checked to take its arguments here, on
+    the driver, so a bad one fails before any actor starts (the table: miles.config.user_functions)."""
+    from miles.runtime.machine import import_object
 
-    a = cfg.algorithm
-    for flag, path, shape in (
-            ("--custom-loss-function-path", a.custom_loss_function_path, "fn(logprobs, batch, reduce)"),
-            ("--custom-tis-function-path", a.custom_tis_function_path, "fn(train_logprobs, rollout_logprobs, mask)")):
-        if path:
-            check_signature(import_user_function(path, flag), flag, path, 3, shape)
-    if a.pg_loss_reducer_path:
-        from miles.training.pg_reducer import load_reducer
-        load_reducer(a.pg_loss_reducer_path)
+    for fn in USER_FUNCTIONS:
+        path = getattr(getattr(cfg, fn.section), fn.field)
+        if path and fn.loader:
+            import_object(fn.loader)(path)
 
 
 def label_warnings(cfg: RunConfig, reward_fn: Callable[..., Any], first_row_keys: list[str] | None) -> list[str]:
@@ -225,17 +216,11 @@ def check_context_len(cfg: RunConfig, prompts: list[Any], source: str, *, evalua
 
 
 async def _check_generation_and_rewards(cfg: RunConfig, prompts: list) -> None:
-    """The user's generate / rollout / tool functions import and have the right signatures; the
-    rewards exist (the per-sample types the data names too) and their services answer, as do the OPD
-    teacher servers (--opd-type sglang)."""
+    """The tool functions import and have the right signatures (the other user functions:
+    check_user_functions); the rewards exist (the per-sample types the data names too) and their
+    services answer, as do the OPD teacher servers (--opd-type sglang)."""
     g = cfg.generate
-    if g.generate_function_path:
-        load_generate_function(g.generate_function_path)
-    if g.rollout_function_path:
-        load_rollout_function(g.rollout_function_path)
-    if cfg.eval.function_path:
-        load_eval_function(cfg.eval.function_path)
-    if g.execute_tool_function_path:
+    if g.execute_tool_function_path:     # with its specs and parser (the other user functions: check_user_functions)
         load_tool_kit(g.execute_tool_function_path, specs_path=g.tool_specs_path, parser=g.tool_call_parser,
                       timeout_s=g.tool_timeout_s)
     rewards = Rewards(cfg.rollout)
@@ -274,12 +259,8 @@ async def check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list]
     r = cfg.rollout
     # what label_warnings reads (a reward service, remote_rm, gets the label as it is, or None)
     reward_fn = load_reward_fn(r.rm_type, r.custom_rm_path) if r.custom_rm_path or r.rm_type != REMOTE_RM else None
+    check_user_functions(cfg)          # every one of miles.config.user_functions, by its loader
     await _check_generation_and_rewards(cfg, [*prompts, *(p for ps in eval_sets.values() for p in ps)])
-    if cfg.rollout.dynamic_sampling_filter_path:
-        load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    check_hooks(cfg.rollout, cfg.eval.log_function_path)
-    check_partial_rollout(cfg.rollout)
-    check_user_functions(cfg)
     for flag, size in (("--rollout-batch-size", cfg.rollout.batch_size),
                        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size)):
         if size is not None and size > len(prompts):

@@ -7,51 +7,28 @@
   phase reads rollout r from PATH instead of generating it; `train` and `save` are the usual ones.
   Replaying the rollouts of a run that trained on them gives the same losses, step for step.
 
-`miles train` picks the machine from the flag; `check_debug_flags` refuses a machine that does not
-fit (a `sync` run cannot train from disk: it would still start engines and sync weights).
+`miles train` picks the machine from the flag; the config's checks (`miles.config.validate`, run with
+the machine) refuse a machine that does not fit (a `sync` run cannot train from disk: it would still start engines and sync weights).
 """
 
 from __future__ import annotations
 
 import ray
 
-from miles.config import ConfigError, RunConfig
+from miles.config import RunConfig
+from miles.config.validate import DEBUG_MACHINES
 from miles.phases.context import TrainingContext
 from miles.phases.rollout import rollout
 from miles.metrics.watch import watch_reward_variance
 from miles.rollout.debug_data import load_rollout_data, rollout_data_path
 
-MACHINES = {"load_debug_rollout_data": ("train_only", "--load-debug-rollout-data"),
-            "debug_rollout_only": ("rollout_only", "--debug-rollout-only")}
+MACHINES = DEBUG_MACHINES        # the flag -> (its machine, the flag's name); its rules: miles.config.validate
 
 
 def debug_machine(cfg: RunConfig) -> str | None:
     """The machine a debug flag implies (None: no debug flag)."""
     picked = [machine for field, (machine, _) in MACHINES.items() if getattr(cfg, field)]
     return picked[0] if len(picked) == 1 else None
-
-
-def check_debug_flags(cfg: RunConfig, machine: str) -> None:
-    """A debug flag needs its machine, and its machine needs the flag."""
-    problems = []
-    given = [(machine_for, flag) for field, (machine_for, flag) in MACHINES.items() if getattr(cfg, field)]
-    if len(given) > 1:
-        problems.append("--load-debug-rollout-data and --debug-rollout-only exclude each other: "
-                        "one trains without engines, the other rolls out without a trainer")
-    for machine_for, flag in given:
-        if machine != machine_for:
-            problems.append(f"{flag} runs on --machine {machine_for}, not {machine!r} (miles train picks it "
-                            "when --machine is not given)")
-    for field, (machine_for, flag) in MACHINES.items():
-        if machine == machine_for and not getattr(cfg, field):
-            problems.append(f"--machine {machine_for} needs {flag}")
-    if cfg.debug_rollout_data_path and machine == "async":     # its rollouts come from the prefetcher
-        flag = "--save-debug-rollout-data" if cfg.save_debug_rollout_data else "--dump-details"
-        problems.append(f"{flag} is not supported by --machine async yet; use sync")
-    if cfg.debug_rollout_only and (cfg.checkpoint.load or cfg.checkpoint.save):
-        problems.append("--debug-rollout-only has no trainer to --save or --load; drop those flags")
-    if problems:
-        raise ConfigError(problems)
 
 
 async def load_rollout(ctx: TrainingContext) -> str:

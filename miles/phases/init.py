@@ -37,21 +37,19 @@ from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlace
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, RunConfig, as_dict
+from miles.config.validate import validate
 from miles.data.input_checks import check_inputs
 from miles.phases.context import Backends, IpcWeights, TrainingContext
-from miles.phases.debug import check_debug_flags
 from miles.rollout.engines.reason import engine_reason
-from miles.rollout.engines.registry import ENGINES
+from miles.rollout.engines.registry import ENGINES, engine_to_run
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.health import start_health_monitor
-from miles.rollout.partial import check_engines
-from miles.rollout.protocol import SupportsWeightBuckets
+from miles.rollout.protocol import SupportsWeightBucketLoad
 from miles.rollout.supervision import make_engine
 from miles.runtime.machine import import_object
 from miles.runtime.procs import usable_cores
 from miles.metrics.sinks import Tracker, open_sinks
-from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave
-from miles.training.protocol import SupportsWeightBuckets as TrainerWeightBuckets
+from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave, SupportsWeightBucketExport
 
 
 def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
@@ -59,7 +57,7 @@ def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
     names, and that --rollout-engine fast can run the model). `cluster_gpus`: the GPUs of the run's
     cluster, which decide --device auto (`ModelConfig.uses_gpus`)."""
     train_spec = TRAIN_BACKENDS[cfg.train.backend].for_ranks(cfg.cluster.trainer_ranks)
-    name, refused = pick_engine(cfg, on_gpus=cfg.model.uses_gpus(cluster_gpus))
+    name, refused = engine_to_run(cfg, on_gpus=cfg.model.uses_gpus(cluster_gpus))
     engine_spec = ENGINES[name]
     backends = Backends(engine=import_object(engine_spec.engine), trainer=import_object(train_spec.trainer),
                         critic=import_object(train_spec.critic) if cfg.algorithm.needs_critic and train_spec.critic
@@ -67,22 +65,6 @@ def pick_backends(cfg: RunConfig, *, cluster_gpus: int = 0) -> Backends:
                         engine_options=engine_spec.options(cfg), fast_path_refused=refused)
     _check_declared(backends)
     return backends
-
-
-def pick_engine(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
-    """The ENGINES name the run uses, and why the preferred one was refused (None: taken, or none).
-
-    On GPUs an engine whose spec prefers another gives way to it for the models it implements
-    (`embedded` becomes FastEngine; else it stays EmbeddedEngine, as on CPU). `fast` asked outright is
-    FastEngine anywhere (CPU too: eager, what CI tests).
-    """
-    asked = cfg.rollout.engine
-    preferred = ENGINES[asked].prefer_on_gpus
-    if preferred is None or not on_gpus:
-        return asked, None
-    refuses = ENGINES[preferred].refuses
-    refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
-    return (asked, refused) if refused else (preferred, None)
 
 
 def _check_declared(b: Backends) -> None:
@@ -97,7 +79,6 @@ def _check_declared(b: Backends) -> None:
 
 async def init(ctx: TrainingContext) -> str:
     cfg = ctx.cfg
-    check_debug_flags(cfg, ctx.tracer.machine)
     tokenizer, prompts, eval_sets, sft_responses = await check_inputs(ctx)
     if cfg.dump_details:        # as miles: the tokenizer beside the dumps, to read their token ids
         tokenizer.save_pretrained(Path(cfg.dump_details) / "tokenizer")
@@ -285,10 +266,11 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         ctx.cfg = cfg = auto
         plan = plan_placement(placement_request(cfg, use_gpus=use_gpus, cores=cores))
     if plan.engines:
-        check_engines(cfg.rollout, plan.num_engines)
+        validate(cfg, num_engines=plan.num_engines)     # the checks that wait for the engine count
     check = ctx.backends.train_spec.check
     if check and plan.bundles and plan.trainers:     # validate could not know the trainer's GPUs with --device auto
-        problems = import_object(check)(cfg, len(plan.trainers))
+        problems: list[str] = []
+        check(replace(cfg, model=replace(cfg.model, device="cuda")), problems)   # the GPUs the plan gave it
         if problems:
             raise ConfigError(problems)
     place = RunPlacement(plan)
@@ -311,7 +293,7 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
     the object store (`ctx.c.ipc_weights` stays None)."""
     cfg, b = ctx.cfg, ctx.backends
     if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
-            and b.engine_spec.supports(SupportsWeightBuckets) and b.train_spec.supports(TrainerWeightBuckets)):
+            and b.engine_spec.supports(SupportsWeightBucketLoad) and b.train_spec.supports(SupportsWeightBucketExport)):
         ctx.tracer.emit("weight_transport", transport="object_store")
         return
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()

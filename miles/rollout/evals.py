@@ -30,6 +30,7 @@ from math import comb
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from miles.config import EvalConfig, RolloutConfig
+from miles.config.user_functions import signature
 from miles.rollout.background import Job, cancel_jobs, start_job
 from miles.rollout.generation import number_groups
 from miles.runtime.trace import Tracer
@@ -101,8 +102,7 @@ class EvalFunctionError(RuntimeError):
 
 def load_eval_function(path: str) -> EvalFunction:
     """--eval-function-path: imported and checked to be `async fn(ctx, rollout_id)` (a ConfigError otherwise)."""
-    return import_async_function(path, EVAL_FUNCTION_FLAG, 2,
-                                 "async fn(ctx, rollout_id) -> {dataset: groups} or ({dataset: groups}, metrics)")
+    return import_async_function(path, EVAL_FUNCTION_FLAG, 2, signature(EVAL_FUNCTION_FLAG))
 
 
 def check_eval_output(fn: EvalFunction, out: Any) -> tuple[dict[str, list[list[Sample]]], dict[str, float]]:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from miles.algorithms import group_reward_std
+from miles.config.user_functions import signature
 from miles.user_code import check_signature, import_user_function
 from miles.types import Sample
 
@@ -31,5 +32,5 @@ def load_filter(path: str) -> GroupFilter:
     """The filter at `path` (module:function or file.py:function); ConfigError naming the flag otherwise."""
     flag = "--dynamic-sampling-filter-path"
     fn = import_user_function(path, flag)
-    check_signature(fn, flag, path, 1, "filter(group: list[Sample]) -> bool")
+    check_signature(fn, flag, path, 1, signature(flag))
     return fn

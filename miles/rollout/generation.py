@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from miles.config import ConfigError, GenerateConfig, RolloutConfig
+from miles.config.user_functions import signature
 from miles.types import Generation, Prompt, Sample, SamplingParams
 from miles.user_code import CustomArgsAccess, import_async_function
 
@@ -329,12 +330,14 @@ def check_outcome(samples: list[Sample]) -> None:
 
 def load_generate_function(path: str) -> GenerateFn:
     """--custom-generate-function-path: imported and checked to be `async fn(ctx, sample, sampling_params)`."""
-    return import_async_function(path, "--custom-generate-function-path", 3, "async fn(ctx, sample, sampling_params) -> Sample")
+    flag = "--custom-generate-function-path"
+    return import_async_function(path, flag, 3, signature(flag))
 
 
 def load_rollout_function(path: str) -> Callable[..., Awaitable[list[list[Sample]]]]:
     """--rollout-function-path: imported and checked to be `async fn(ctx, rollout_id)`."""
-    return import_async_function(path, "--rollout-function-path", 2, "async fn(ctx, rollout_id) -> list[list[Sample]]")
+    flag = "--rollout-function-path"
+    return import_async_function(path, flag, 2, signature(flag))
 
 
 # ---- a whole rollout -------------------------------------------------------------------------------

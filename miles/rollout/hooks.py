@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.types import Sample
+from miles.config.user_functions import signature
 from miles.user_code import CustomArgsAccess, check_signature, display_name, import_user_function
 
 SAMPLE_FILTER_FLAG = "--rollout-sample-filter-path"
@@ -76,32 +77,27 @@ def _load(flag: str, path: str, shape: str) -> Callable[..., object]:
 
 
 def load_sample_filter(path: str) -> GroupsHook:
-    return _load(SAMPLE_FILTER_FLAG, path, "fn(ctx, groups: list[list[Sample]]) -> None")
+    return _load(SAMPLE_FILTER_FLAG, path, signature(SAMPLE_FILTER_FLAG))
 
 
 def load_all_samples_process(path: str) -> GroupsHook:
-    return _load(ALL_SAMPLES_FLAG, path, "fn(ctx, all_groups: list[list[Sample]]) -> None")
+    return _load(ALL_SAMPLES_FLAG, path, signature(ALL_SAMPLES_FLAG))
 
 
 def load_reward_post_process(path: str) -> RewardPostProcess:
-    return _load(REWARD_POST_PROCESS_FLAG, path, "fn(ctx, samples: list[Sample]) -> (raw_rewards, rewards)")
+    return _load(REWARD_POST_PROCESS_FLAG, path, signature(REWARD_POST_PROCESS_FLAG))
 
 
 def load_rollout_log(path: str) -> RolloutLog:
     fn = import_user_function(path, ROLLOUT_LOG_FLAG)
-    check_signature(fn, ROLLOUT_LOG_FLAG, path, 4, "fn(ctx, samples, metrics: dict, rollout_time_s) -> bool | None")
+    check_signature(fn, ROLLOUT_LOG_FLAG, path, 4, signature(ROLLOUT_LOG_FLAG))
     return fn
 
 
 def load_eval_log(path: str) -> EvalLog:
     fn = import_user_function(path, EVAL_LOG_FLAG)
-    check_signature(fn, EVAL_LOG_FLAG, path, 3, "fn(ctx, data: dict[str, list[Sample]], metrics: dict) -> bool | None")
+    check_signature(fn, EVAL_LOG_FLAG, path, 3, signature(EVAL_LOG_FLAG))
     return fn
-
-
-def check_hooks(rollout: RolloutConfig, eval_log_path: str | None = None) -> None:
-    """Start-up check, on the driver: each hook set imports and takes its arguments (ConfigError otherwise)."""
-    RolloutHooks.from_config(rollout, eval_log_path)
 
 
 def group(samples: list[Sample], n: int) -> list[list[Sample]]:

@@ -23,7 +23,7 @@ at most `num_groups` groups of the buffer and removes them from it (a group it r
 is removed here); a group it removes and does not return is dropped (a staleness policy).
 
 Each round makes one engine call per engine (an engine answers a call's requests together), so a
-run needs two engines or more (`check_engines`): with one, nothing would ever be cut short.
+run needs two engines or more (`miles.config.validate`, once the placement counts them): with one, nothing would ever be cut short.
 
 The buffer is part of the executor's checkpointed state (`rollout.json`, with the data position), so
 a resumed run continues the same groups; miles keeps it in memory only and a resume drops it.
@@ -37,6 +37,7 @@ from typing import Any, Callable
 from miles.config import ConfigError, RolloutConfig
 from miles.rollout.hooks import HookContext
 from miles.types import Prompt, Sample
+from miles.config.user_functions import signature
 from miles.user_code import check_signature, display_name, import_user_function
 
 BUFFER_FILTER_FLAG = "--buffer-filter-path"
@@ -56,23 +57,8 @@ def pop_first(ctx: HookContext, rollout_id: int, buffer: list[list[Sample]], num
 
 def load_buffer_filter(path: str) -> BufferFilter:
     fn = import_user_function(path, BUFFER_FILTER_FLAG)
-    check_signature(fn, BUFFER_FILTER_FLAG, path, 4, "fn(ctx, rollout_id, buffer, num_groups) -> list[list[Sample]]")
+    check_signature(fn, BUFFER_FILTER_FLAG, path, 4, signature(BUFFER_FILTER_FLAG))
     return fn
-
-
-def check_partial_rollout(rollout: RolloutConfig) -> None:
-    """Start-up check, on the driver: --buffer-filter-path imports and takes four arguments."""
-    if rollout.buffer_filter_path:
-        load_buffer_filter(rollout.buffer_filter_path)
-
-
-def check_engines(rollout: RolloutConfig, num_engines: int) -> None:
-    """Start-up check, once the placement knows the engine count: an engine answers a call's requests
-    together, so what an abort can cut short is a whole engine call, one per engine and round."""
-    if rollout.partial_rollout and num_engines < 2:
-        raise ConfigError(f"--partial-rollout cuts short the engine calls still running once the batch is full, "
-                          f"and this run has {num_engines} engine: a round is one call, never cut short. Give "
-                          "--rollout-num-engines 2 or more (on GPUs: --rollout-num-gpus), or drop --partial-rollout")
 
 
 class PartialBuffer:

@@ -24,7 +24,18 @@ everything the run needs to know about the engine without importing it:
   actor runs its coroutine calls concurrently on its event loop);
 - `tensor_parallel`: one engine may span GPUs (--rollout-num-gpus-per-engine > 1);
 - `refuses(hf_checkpoint)`: why the engine cannot run a model (None: it can);
-- `prefer_on_gpus`: the engine that replaces this one on GPUs for the models it does not refuse.
+- `prefer_on_gpus`: the engine that replaces this one on GPUs for the models it does not refuse;
+- `defaults`: its constructor's defaults for the options a flag may leave unset (--rollout-max-batch-size,
+  --rollout-mem-fraction, ...): the engine's constructor and the flags' help read them here;
+- `weights_on_release`: where its weights are while a colocated trainer trains (`SupportsMemoryRelease`):
+  "kept" on the GPU (the memory plan counts them), "host" (moved to host memory, back on resume) or
+  "dropped" (freed; only a weight sync brings them back);
+- `on_cpu`: it runs on the CPU too (a CPU run may start several);
+- `routing_replay`: it records the experts each token was routed to (--use-rollout-routing-replay).
+
+A rule about engines is stated once, in terms of these attributes (the shared checks in the registry,
+the memory plan, the placement): no module outside an engine's package and the registry compares an
+engine's name. A new engine is its package, its spec and one `ENGINES` line.
 
 `--rollout-engine embedded` is the embedded engine wherever it can be fast: on GPUs it is FastEngine
 (our own forward, KV cache, CUDA graphs) for the models FastEngine implements, and EmbeddedEngine
@@ -34,13 +45,14 @@ engine actor gets its GPUs from the run's placement (miles.cluster.placement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
     from miles.config import RunConfig
+    from miles.config.checks import Check
     from miles.types import Generation, SamplingParams
     from miles.weights.transport import WeightBucket
 
@@ -110,9 +122,10 @@ class TokenizerAccessors:
 
     @property
     def pad_token_id(self) -> int:
-        """The tokenizer's pad id, or EOS when it has none (padding is masked out either way)."""
-        pad = self.tokenizer.pad_token_id
-        return self.eos_token_id if pad is None else pad
+        """The tokenizer's pad id, or EOS when it has none (`miles.weights.hf.pad_id`)."""
+        from miles.weights.hf import pad_id
+
+        return pad_id(self.tokenizer)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -145,8 +158,8 @@ class EngineFleet(Protocol):
 # -- optional abilities: an engine's spec declares the ones its class implements ----------------------
 
 @runtime_checkable
-class SupportsWeightBuckets(Protocol):
-    """Weights in CUDA IPC buckets (colocated on GPUs); without it weights go through the object store."""
+class SupportsWeightBucketLoad(Protocol):
+    """Loads weights from CUDA IPC buckets (colocated on GPUs); without it weights go through the object store."""
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a weight update (miles.weights.transport)."""
@@ -192,13 +205,17 @@ class EngineSpec:
     options: Callable[[RunConfig], dict[str, Any]]          # constructor options from the config
     capabilities: tuple[type, ...] = ()                     # the Supports* Protocols the class implements
     fleet: str | None = None                                # "module:function" -> EngineFleet
-    check: Callable[[RunConfig, list[str]], None] | None = None   # its own flags, before Ray starts
+    check: Check | None = None                              # its own flags, before Ray starts
     actor_threads: int | None = None
     tensor_parallel: bool = False
     # hf_checkpoint -> None when the engine implements that model, else why not (None: every model)
     refuses: Callable[[str], str | None] | None = None
     # on GPUs, this engine gives way to that one (a name in ENGINES) for the models it does not refuse
     prefer_on_gpus: str | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)   # constructor option -> its default
+    weights_on_release: str = "host"                        # "kept" | "host" | "dropped" (see the module docstring)
+    on_cpu: bool = True
+    routing_replay: bool = True
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities

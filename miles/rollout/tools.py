@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Awaitable
 
 from miles.config import ConfigError
+from miles.config.user_functions import signature
 
 ToolExecutor = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -157,7 +158,7 @@ def load_tool_kit(execute_path: str, *, specs_path: str | None, parser: str, tim
     """The run's ToolKit from its flags; every problem a ConfigError naming the flag."""
     from miles.user_code import import_async_function
 
-    execute = import_async_function(execute_path, "--generate-execute-tool-function-path", 2,
-                          "async fn(name, arguments) -> str")
+    flag = "--generate-execute-tool-function-path"
+    execute = import_async_function(execute_path, flag, 2, signature(flag))
     specs = load_tool_specs(specs_path) if specs_path else None
     return ToolKit(execute=execute, parser=parser, specs=specs, timeout_s=timeout_s)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.checks import check
+from miles.rollout.engines.registry import ENGINES
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -79,12 +80,15 @@ def _moe(cfg: RunConfig, problems: list[str]) -> None:
     if kind != "built":
         problems.append(f"--hf-checkpoint {ckpt}: {kind}")
         return
-    if t.backend != "torch":
-        problems.append(f"--train-backend {t.backend} with --hf-checkpoint {ckpt} (Qwen3-MoE): megatron-core MoE "
-                        "(expert parallelism, its router) is not built yet; use --train-backend torch")
-    if cfg.rollout.engine == "sglang" and t.use_rollout_routing_replay:
-        problems.append("--use-rollout-routing-replay with --rollout-engine sglang: SGLang's routed-experts capture "
-                        "is not wired into the samples yet; use --rollout-engine embedded")
+    from miles.training.protocol import TRAIN_BACKENDS   # here: its checks register after this module's
+
+    backend, engine = TRAIN_BACKENDS.get(t.backend), ENGINES.get(cfg.rollout.engine)   # unknown: config's check
+    if backend is not None and "moe" in backend.refuses:
+        problems.append(f"--train-backend {t.backend} with --hf-checkpoint {ckpt} (Qwen3-MoE): {backend.refuses['moe']}")
+    if engine is not None and not engine.routing_replay and t.use_rollout_routing_replay:
+        problems.append(f"--use-rollout-routing-replay with --rollout-engine {cfg.rollout.engine}: the engine's "
+                        "routed-experts capture is not wired into the samples yet; use --rollout-engine "
+                        f"{' / '.join(n for n, e in ENGINES.items() if e.routing_replay)}")
     if t.compile_layers is True:
         problems.append(f"--trainer-compile with --hf-checkpoint {ckpt} (Qwen3-MoE): compiled MoE layers are not built "
                         "yet (the routing hooks run eager); drop it")

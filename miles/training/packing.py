@@ -44,8 +44,6 @@ def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Row indices of each packed micro-batch: first-fit decreasing on the rows' real tokens, each
     group's sum <= max_tokens (a row longer than the budget gets a group of its own; rows are never
     split). Deterministic (ties by row index); every index appears exactly once."""
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     room: list[int] = []

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from miles.config.user_functions import signature
 from miles.user_code import check_signature, display_name, import_user_function
 
 FLAG = "--custom-pg-loss-reducer-function-path"
@@ -35,8 +36,7 @@ GetReducer = Callable[[list[int], list[int], list[Tensor], bool], Callable[[Tens
 def load_reducer(path: str) -> GetReducer:
     """The user's reducer factory, checked to take miles' four arguments; ConfigError naming the flag."""
     fn = import_user_function(path, FLAG)
-    check_signature(fn, FLAG, path, 4, "get_reducer(total_lengths, response_lengths, loss_masks, "
-                    "calculate_per_token_loss) -> reducer(x) -> Tensor")
+    check_signature(fn, FLAG, path, 4, signature(FLAG))
     return fn
 
 

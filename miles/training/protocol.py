@@ -5,7 +5,7 @@ The composition root (`miles/phases/init.py:pick_backends`) picks the classes on
 makes them Ray actors; nothing else names a backend. A new backend (Megatron) is a module of its own
 implementing `TrainerBackend` (and `CriticBackend` if it trains PPO's critic), plus one
 `TRAIN_BACKENDS` entry; its heavy imports stay in its module, which loads only when a run picks it.
-Its optional abilities (`SupportsOffload`, `SupportsCachedMemoryRelease`, `SupportsWeightBuckets`,
+Its optional abilities (`SupportsOffload`, `SupportsCachedMemoryRelease`, `SupportsWeightBucketExport`,
 `SupportsBackgroundSave`)
 are declared on its spec; the phases ask the spec, never the class. The checks every backend shares
 (a critic for PPO, model parallelism) and each backend's own (`check`) are registered with
@@ -20,14 +20,14 @@ Constructors, for every backend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from miles.config import RunConfig
+from miles.config.checks import Check, lazy
 from miles.config.checks import check as register_check
-from miles.config.schema import OPD_TYPES, TRAIN_BACKEND_NAMES
-from miles.runtime.machine import import_object
+from miles.config.schema import MEGATRON_TO_HF_MODES, OPD_TYPES, TRAIN_BACKEND_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class SupportsCachedMemoryRelease(Protocol):
 
 
 @runtime_checkable
-class SupportsWeightBuckets(Protocol):
+class SupportsWeightBucketExport(Protocol):
     """Hands its weights out in CUDA IPC buckets of the engines' dtype (colocated on GPUs)."""
 
     def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int) -> int: ...
@@ -86,9 +86,10 @@ class SupportsBackgroundSave(Protocol):
 class TrainBackendSpec:
     trainer: str                    # "module:Class" of the policy trainer (a TrainerBackend)
     critic: str | None = None       # "module:Class" of PPO's critic (a CriticBackend); None: no PPO here
-    # "module:function" (RunConfig, trainer GPUs or None when not known yet -> list of problems), run by
-    # validate and again by init once the placement plan says how many GPUs the trainer has; before any actor
-    check: str | None = None
+    # its own checks, a `Check` as an engine spec's (`lazy("module:function")` for a heavy module); it reads
+    # the trainer's GPUs as `cfg.trainer_gpus` (None until known). Run by validate and again by init with
+    # the placement's answer for --device auto; before any actor
+    check: Check | None = None
     model_parallel: bool = False    # reads --tensor/--pipeline/--context-parallel-size and --sequence-parallel
     # the trainer actor starts one rank actor per trainer GPU itself: init gives it no GPU and passes
     # `rank_options`, the Ray options of each trainer placement of the run's plan (on GPUs); the critic
@@ -99,6 +100,9 @@ class TrainBackendSpec:
     many_ranks: TrainBackendSpec | None = None
     # the --opd-type values it trains with (on-policy distillation: the teacher's logprobs in the advantages)
     opd_types: tuple[str, ...] = ()
+    megatron_checkpoints: bool = False   # reads a Megatron torch_dist checkpoint as --load / --ref-load
+    # what it refuses: a FEATURES name -> why, and the fix (the shared check says it with the flag)
+    refuses: dict[str, str] = field(default_factory=dict)
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities
@@ -108,22 +112,47 @@ class TrainBackendSpec:
         return self.many_ranks if ranks > 1 and self.many_ranks is not None else self
 
 
+# the optional features a backend may refuse (`TrainBackendSpec.refuses`): name -> (the flag as the run gave it,
+# or None when the run does not use the feature); a run's MoE model is moe_checks' to find (it reads the model)
+FEATURES: dict[str, Callable[[RunConfig], str | None]] = {
+    "lora": lambda cfg: f"--lora-rank {cfg.train.lora_rank}" if cfg.train.lora_rank > 0 else None,
+    "decoupled_lr": lambda cfg: f"--decoupled-lr {cfg.train.decoupled_lr}" if cfg.train.decoupled_lr is not None
+    else None,
+    "skip_old_logprobs": lambda cfg: "--skip-actor-forward-only" if cfg.algorithm.skip_actor_forward_only else None,
+    "megatron_to_hf_mode": lambda cfg: f"--megatron-to-hf-mode {cfg.train.megatron_to_hf_mode}"
+    if cfg.train.megatron_to_hf_mode in MEGATRON_TO_HF_MODES else None,
+}
+_TORCH_REFUSES = {"megatron_to_hf_mode": "it converts Megatron weights for the engines; the torch trainer trains the "
+                                          "HF weights as they are: drop it"}
+
 # --train-backend NAME -> its classes, imported only when a run picks it
 TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(
         trainer="miles.training.torch.trainer:Trainer", critic="miles.training.torch.critic:Critic",
-        check="miles.training.torch.memory_plan:startup_problems",
-        capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBuckets, SupportsBackgroundSave),
-        opd_types=("megatron", "sglang"),
+        check=lazy("miles.training.torch.memory_plan:check"),
+        capabilities=(SupportsOffload, SupportsCachedMemoryRelease, SupportsWeightBucketExport, SupportsBackgroundSave),
+        opd_types=OPD_TYPES, refuses=_TORCH_REFUSES,
         # FSDP2 data parallel, the policy's ranks and PPO's critic's side by side on the trainer GPUs
         many_ranks=TrainBackendSpec(trainer="miles.training.torch.fsdp.group:FSDPTrainer",
                                     critic="miles.training.torch.fsdp.critic_group:FSDPCritic",
-                                    check="miles.training.torch.memory_plan:startup_problems",
+                                    check=lazy("miles.training.torch.memory_plan:check"),
                                     ranked=True, capabilities=(SupportsOffload, SupportsCachedMemoryRelease,
-                                                                  SupportsWeightBuckets))),
+                                                                  SupportsWeightBucketExport),
+                                    refuses={**_TORCH_REFUSES,
+                                             "lora": "the torch trainer's FSDP ranks do not shard adapters yet; train "
+                                                     "on one GPU (1 x 1)",
+                                             "decoupled_lr": "not supported yet on the torch trainer's FSDP ranks, "
+                                                             "whose checkpoints keep one AdamW group; train on one GPU "
+                                                             "or drop it"})),
     "megatron": TrainBackendSpec(trainer="miles.training.megatron.group:MegatronTrainer",
-                                 check="miles.training.megatron.checks:run_problems", model_parallel=True,
-                                 ranked=True, capabilities=(SupportsCachedMemoryRelease,)),
+                                 check=lazy("miles.training.megatron.checks:check"), model_parallel=True,
+                                 megatron_checkpoints=True,
+                                 ranked=True, capabilities=(SupportsCachedMemoryRelease,),
+                                 refuses={"lora": "LoRA trains on the torch trainer here; use --train-backend torch",
+                                          "skip_old_logprobs": "not supported yet (it always computes the old "
+                                                               "logprobs); use --train-backend torch or drop it",
+                                          "moe": "megatron-core MoE (expert parallelism, its router) is not built "
+                                                 "yet; use --train-backend torch"}),
 }
 assert tuple(TRAIN_BACKENDS) == TRAIN_BACKEND_NAMES, "the flag's choices are the registry's names"
 
@@ -160,10 +189,15 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node "
                         f"{c.actor_num_gpus_per_node}: the {t.backend} trainer runs on one GPU; use 1 x 1, or --train-backend "
                         f"{' / '.join(n for n, s in TRAIN_BACKENDS.items() if s.ranked)}")
+    where = f"--train-backend {t.backend}" + (f" on {c.trainer_ranks} trainer ranks (--actor-num-nodes x "
+                                              "--actor-num-gpus-per-node)" if spec is not one else "")
+    for feature, given in FEATURES.items():
+        flag = given(cfg)
+        if flag is not None and feature in spec.refuses:
+            problems.append(f"{flag} with {where}: {spec.refuses[feature]}")
     if spec.check:
         # the trainer's GPUs are known here only for --device cuda; init checks again with its placement plan
-        gpus = c.actor_num_nodes * c.actor_num_gpus_per_node if cfg.model.on_gpus else None
-        problems.extend(import_object(spec.check)(cfg, gpus))
+        spec.check(cfg, problems)
 
 
 class TrainerBackend(Protocol):

@@ -31,7 +31,8 @@ from miles.algorithms import (LOSS_REDUCTIONS, NORMALIZER_COUNTS, entropy_from_l
 from miles.config import AlgorithmConfig, RolloutConfig
 from miles.training.batch import TrainBatch
 from miles.training.pg_reducer import GetReducer, load_reducer, miles_reduction
-from miles.user_code import display_name, import_user_function, install_custom_args
+from miles.config.user_functions import signature
+from miles.user_code import check_signature, display_name, import_user_function, install_custom_args
 
 # --use-opsm's metric: the share of the step's response tokens masked out of the policy loss
 OPSM_KEYS = ("opsm_clipfrac",)
@@ -78,6 +79,22 @@ def _unbiased_kl_term(estimator: Callable, reduce: Callable, logprobs: Tensor, m
     return reduce(ratio * estimator(logprobs, mb.ref_logprobs), mb.loss_mask, normalizer=normalizer), {}
 
 
+def load_custom_loss(path: str) -> Callable:
+    """--custom-loss-function-path, imported and checked to take three arguments (ConfigError naming the flag)."""
+    return _load_checked(path, "--custom-loss-function-path", 3)
+
+
+def load_custom_tis(path: str) -> Callable:
+    """--custom-tis-function-path, imported and checked to take three arguments (ConfigError naming the flag)."""
+    return _load_checked(path, "--custom-tis-function-path", 3)
+
+
+def _load_checked(path: str, flag: str, num_args: int) -> Callable:
+    fn = import_user_function(path, flag)
+    check_signature(fn, flag, path, num_args, signature(flag))
+    return fn
+
+
 def _custom_term(loss_fn: Callable, reduce: Callable, logprobs: Tensor, mb: TrainBatch, normalizer: float):
     """--custom-loss-function-path: loss_fn(logprobs [B, T], micro-batch, reduce) -> loss or (loss,
     metrics); reduce(per_token [B, T], mask) is --loss-agg-mode over the global batch, so micro-batch
@@ -107,7 +124,7 @@ def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tu
         policy: Term = partial(_sft_term, reduce)
     elif algorithm.loss_type == "custom_loss":
         path = algorithm.custom_loss_function_path
-        policy = partial(_custom_term, import_user_function(path, "--custom-loss-function-path"), reduce)
+        policy = partial(_custom_term, load_custom_loss(path), reduce)
     else:
         name = "gspo" if algorithm.advantage_estimator == "gspo" else "ppo"
         clip = dict(eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
@@ -128,7 +145,7 @@ def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], 
     if not algorithm.use_tis:
         return None
     if algorithm.custom_tis_function_path:
-        custom = import_user_function(algorithm.custom_tis_function_path, "--custom-tis-function-path")
+        custom = load_custom_tis(algorithm.custom_tis_function_path)
 
         def by_path(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
             out = custom(train_lp, rollout_lp, mask)

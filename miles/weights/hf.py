@@ -52,6 +52,12 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def pad_id(tokenizer) -> int:
+    """THE padding id of every trainer and engine: the tokenizer's pad id, or EOS when it has none
+    (padding is masked out either way)."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
 def model_weights(model: nn.Module) -> dict[str, Tensor]:
     """The live tensors (not copies) of `model` under HF names, tied aliases dropped."""
     seen: set[int] = set()

@@ -13,7 +13,7 @@ from miles.config import (
 from miles.rollout.evals import EvalDispatcher
 from miles.rollout.prefetch import Prefetcher
 from miles.runtime import Tracer, load_machine
-from miles.config.validate import validate_for_machine
+from miles.config.validate import validate
 
 
 class FakeExecutor:
@@ -172,7 +172,7 @@ def cfg(**run) -> RunConfig:
 
 def problems(config: RunConfig, machine: str) -> list[str]:
     try:
-        validate_for_machine(config, load_machine(machine))
+        validate(config, machine=load_machine(machine))
     except ConfigError as exc:
         return exc.problems
     return []

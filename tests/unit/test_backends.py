@@ -118,7 +118,7 @@ def test_embedded_on_cuda_is_the_fast_engine_for_models_it_implements(models):
     # --device cuda is read as written (the driver needs no GPU to pick): selection runs on CPU here
     picked = pick_backends(engine_cfg(models["qwen2"], device="cuda"))
     assert picked.engine.__name__ == "FastEngine" and picked.engine_name == "fast"
-    assert picked.engine_options == dict(mem_fraction=0.5, cuda_graph=True, torch_compile=True, attention_kernel=True)
+    assert picked.engine_options == dict(cuda_graph=True, torch_compile=True, attention_kernel=True)   # its defaults
     picked = pick_backends(engine_cfg(models["qwen2"], device="cuda:1", max_batch_size=512, mem_fraction=0.8,
                                       cuda_graph=False, torch_compile=False, attention_kernel=False))
     assert picked.engine_options == dict(max_batch_size=512, mem_fraction=0.8, cuda_graph=False,
@@ -137,23 +137,29 @@ def test_device_auto_follows_the_clusters_gpus(models):
 
 def test_rollout_engine_fast_runs_anywhere_but_validate_refuses_models_it_does_not_implement(models):
     picked = pick_backends(engine_cfg(models["qwen2"], engine="fast"))              # CPU: eager, as CI runs it
-    assert picked.engine.__name__ == "FastEngine" and picked.engine_options["mem_fraction"] == 0.5
+    assert picked.engine.__name__ == "FastEngine" and "mem_fraction" not in picked.engine_options   # the engine's
     with pytest.raises(ConfigError, match=r"--rollout-engine fast cannot run --hf-checkpoint .*gpt2.*: "
                                           r"model_type 'gpt2' is not implemented.*use --rollout-engine embedded"):
         validate(engine_cfg(models["gpt2"], engine="fast", device="cuda"))
 
 
-def test_engine_defaults_live_in_one_place():
+def test_engine_defaults_live_on_the_engine_spec_and_the_help_quotes_them():
     import inspect
 
+    from miles.config.flags import FLAGS, help_line
     from miles.rollout.engines.embedded.engine import EmbeddedEngine
     from miles.rollout.engines.fast.engine import FastEngine
-    from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+    from miles.rollout.engines.registry import ENGINES
 
     fast, embedded = (inspect.signature(c).parameters for c in (FastEngine, EmbeddedEngine))
-    assert fast["max_batch_size"].default == FAST_MAX_BATCH_SIZE == 256
-    assert embedded["max_batch_size"].default == EMBEDDED_MAX_BATCH_SIZE == 64
-    assert fast["mem_fraction"].default == RolloutConfig(n_samples_per_prompt=8, batch_size=1).mem_fraction == FAST_MEM_FRACTION
+    for name, params in (("fast", fast), ("embedded", embedded)):
+        assert ENGINES[name].defaults and all(params[k].default == v for k, v in ENGINES[name].defaults.items())
+    assert ENGINES["fast"].defaults["max_batch_size"] == 256 and ENGINES["embedded"].defaults["max_batch_size"] == 64
+    assert RolloutConfig(n_samples_per_prompt=8, batch_size=1).mem_fraction is None     # the engine's default
+    helps = {f.name: help_line(f) for f in FLAGS}
+    assert "(default: 256 for FastEngine, 64 for EmbeddedEngine)" in helps["rollout-max-batch-size"]
+    assert "(default: 0.5)" in helps["rollout-mem-fraction"]
+    assert "default: 8192)" in helps["rollout-chunked-prefill-size"]
 
 
 def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):
@@ -171,7 +177,7 @@ def test_engine_flags_parse_and_bad_values_are_reported_together(tmp_path):
     assert (r.engine, r.max_batch_size, r.mem_fraction, r.cuda_graph, r.torch_compile, r.attention_kernel) == \
            ("fast", 128, 0.7, False, False, False)
     default, _ = parse_flags(base)
-    assert (default.rollout.max_batch_size, default.rollout.mem_fraction, default.rollout.cuda_graph) == (None, 0.5, True)
+    assert (default.rollout.max_batch_size, default.rollout.mem_fraction, default.rollout.cuda_graph) == (None, None, True)
     for fraction in ("0", "1", "1.5", "-0.2"):
         with pytest.raises(ConfigError) as err:
             parse_flags(base + ["--rollout-mem-fraction", fraction, "--rollout-max-batch-size", "0"])

@@ -50,7 +50,12 @@ def cfg(**run):
 
 
 def test_debug_flags_pick_their_machine_and_refuse_others():
-    from miles.phases.debug import check_debug_flags, debug_machine
+    from miles.config.validate import validate
+    from miles.phases.debug import debug_machine
+    from miles.runtime.machine import load_machine
+
+    def check_debug_flags(config, machine):        # the registry's checks that take the machine
+        validate(config, machine=load_machine(machine))
 
     assert debug_machine(cfg()) is None
     assert debug_machine(cfg(load_debug_rollout_data="d")) == "train_only"

@@ -25,11 +25,6 @@ def unchunked(model_path):
     return FastEngine(model_path, device="cpu", max_batch_size=3)
 
 
-def test_chunked_prefill_size_must_be_positive(model_path):
-    with pytest.raises(ValueError, match="chunked_prefill_size must be >= 1, got 0"):
-        FastEngine(model_path, device="cpu", chunked_prefill_size=0)
-
-
 @pytest.mark.parametrize("size", [1, 3, 4])
 def test_greedy_equals_the_unchunked_engine_and_a_full_forward_loop(model_path, unchunked, size):
     # more requests than slots, long and short mixed: pieces of some run while others decode,
@@ -121,8 +116,8 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     from inspect import signature
 
     from miles.config.flags import parse_flags
-    from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, ConfigError
-    from miles.rollout.engines.fast.spec import options
+    from miles.config.schema import ConfigError
+    from miles.rollout.engines.fast.spec import CHUNKED_PREFILL_SIZE, options
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
@@ -133,7 +128,7 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     assert options(cfg)["chunked_prefill_size"] == 512
     default, _ = parse_flags(base)
     assert "chunked_prefill_size" not in options(default)    # the engine's own default
-    assert signature(FastEngine).parameters["chunked_prefill_size"].default == FAST_CHUNKED_PREFILL_SIZE == 8192
+    assert signature(FastEngine).parameters["chunked_prefill_size"].default == CHUNKED_PREFILL_SIZE == 8192
     with pytest.raises(ConfigError, match="--rollout-chunked-prefill-size 0: must be a positive integer"):
         parse_flags(base + ["--rollout-chunked-prefill-size", "0"])
     sglang = [a if a != "fast" else "sglang" for a in base]

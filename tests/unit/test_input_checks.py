@@ -204,3 +204,30 @@ def test_ckpt_step_picks_one_checkpoint_and_exit_on_missing_checkpoint_refuses_a
         check_load_folder(str(tmp_path / "empty"), allow_fresh_start=False, exit_on_missing=True)
     with pytest.raises(ConfigError, match="--ckpt-step has no effect without --load DIR"):
         parse_flags(base(tmp_path) + ["--ckpt-step", "1"])
+
+
+def test_every_user_function_of_the_table_is_checked_by_the_one_driver_loop_naming_its_flag(tmp_path):
+    """miles.config.user_functions is the one table: each row's field is its flag's, and the driver's one loop
+    (check_user_functions) loads each set function with the row's loader, which refuses a function of the
+    wrong shape once, naming the flag and the table's signature."""
+    from dataclasses import replace
+
+    from miles.config.flags import BY_DEST
+    from miles.config.schema import USER_FUNCTION_FLAGS
+    from miles.config.user_functions import USER_FUNCTIONS
+
+    assert list(USER_FUNCTION_FLAGS) == [f.flag for f in USER_FUNCTIONS]
+    bad = write(tmp_path / "bad.py", "def f():\n    return None\n\nasync def g():\n    return None\n")
+    cfg, _ = parse_flags(base(tmp_path))
+    for fn in USER_FUNCTIONS:
+        assert fn.flag[2:].replace("-", "_") in BY_DEST and hasattr(getattr(cfg, fn.section), fn.field)
+        if fn.loader is None:
+            continue
+        path = f"{bad}:{'g' if fn.signature.startswith('async') else 'f'}"
+        given = replace(cfg, **{fn.section: replace(getattr(cfg, fn.section), **{fn.field: path})})
+        with pytest.raises(ConfigError) as err:
+            check_user_functions(given)
+        (problem,) = err.value.problems
+        assert problem.startswith(f"{fn.flag} {path}"), problem
+        if fn.flag != "--custom-rm-path":         # a reward's shape depends on @group_reward (miles.rollout.rewards)
+            assert fn.signature in problem, problem

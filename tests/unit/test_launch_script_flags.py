@@ -13,7 +13,6 @@ import pytest
 
 from miles.config import ConfigError, EvalConfig, EvalDataset, RolloutConfig, as_dict
 from miles.config.flags import parse_flags
-from miles.phases.debug import check_debug_flags
 from miles.phases.init import trainer_options
 from miles.rollout.executor import eval_sampling_params
 from miles.metrics.sinks import WandbSink
@@ -84,9 +83,12 @@ def test_dump_details_sets_both_dumps_as_miles_and_an_explicit_flag_wins_for_its
 
 
 def test_dump_details_is_refused_where_its_rollouts_are_not_saved_yet(tmp_path):
+    from miles.config.validate import validate
+    from miles.runtime.machine import load_machine
+
     with pytest.raises(ConfigError, match=r"--dump-details is not supported by --machine async yet; use sync"):
-        check_debug_flags(cfg_of(tmp_path, "--dump-details", "dd"), "async")
-    check_debug_flags(cfg_of(tmp_path, "--dump-details", "dd"), "sync")
+        validate(cfg_of(tmp_path, "--dump-details", "dd"), machine=load_machine("async"))
+    validate(cfg_of(tmp_path, "--dump-details", "dd"), machine=load_machine("sync"))
 
 
 # -- --use-fault-tolerance ----------------------------------------------------------------------------
@@ -175,8 +177,8 @@ def test_megatron_to_hf_mode_is_a_megatron_backend_note(tmp_path):
                     if "--megatron-to-hf-mode" in p]
         assert problems == []
     assert problems_of(tmp_path, "--megatron-to-hf-mode", "raw") == [
-        "--megatron-to-hf-mode raw: converts Megatron weights for the engines; --train-backend torch trains the HF "
-        "weights as they are: drop it"]
+        "--megatron-to-hf-mode raw with --train-backend torch: it converts Megatron weights for the engines; the torch "
+        "trainer trains the HF weights as they are: drop it"]
     (tmp_path / "run.yaml").write_text("megatron-to-hf-mode: mbridge\n")
     problems = problems_of(tmp_path, "--config", str(tmp_path / "run.yaml"))
     assert "--megatron-to-hf-mode mbridge: use raw or bridge" in problems

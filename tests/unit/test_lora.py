@@ -201,7 +201,7 @@ def test_the_lora_flags_parse_with_miles_names(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--lora-rank", "8", "--train-backend", "megatron"], "--lora-rank 8 with --train-backend megatron"),
-    (["--lora-rank", "8", "--actor-num-gpus-per-node", "2"], "--lora-rank 8 with 2 trainer ranks"),
+    (["--lora-rank", "8", "--actor-num-gpus-per-node", "2"], "--lora-rank 8 with --train-backend torch on 2 trainer ranks"),
     (["--lora-rank", "8", "--trainer-weight-shadows"], "--lora-rank 8 with --trainer-weight-shadows"),
     (["--lora-rank", "8", "--advantage-estimator", "ppo"], "--lora-rank 8 with --advantage-estimator ppo"),
     (["--lora-rank", "8", "--decoupled-lr", "1e-5"], "--lora-rank 8 with --decoupled-lr"),

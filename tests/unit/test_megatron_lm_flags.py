@@ -292,7 +292,8 @@ def test_the_weight_decay_and_decoupled_rate_flags_parse_and_are_checked(tmp_pat
              "--decoupled-lr 1e-05 / --decoupled-min-lr 0.0001: need 0 <= decoupled-min-lr <= decoupled-lr"),
             (["--decoupled-lr", "1e-5", "--advantage-estimator", "ppo"], "--decoupled-lr: the critic"),
             (["--decoupled-lr", "1e-5", "--actor-num-gpus-per-node", "2"],
-             "--decoupled-lr: not supported yet on the torch trainer's FSDP ranks (2 trainer GPUs)")):
+             "--decoupled-lr 1e-05 with --train-backend torch on 2 trainer ranks (--actor-num-nodes x "
+             "--actor-num-gpus-per-node): not supported yet on the torch trainer's FSDP ranks")):
         with pytest.raises(ConfigError) as info:
             parse_flags(run + extra)
         assert any(p.startswith(problem) for p in info.value.problems), info.value.problems

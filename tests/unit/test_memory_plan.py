@@ -190,3 +190,21 @@ def test_validate_runs_the_start_up_check_with_this_machines_gpu_memory(tmp_path
         parse_flags(flags)
     monkeypatch.setattr(plan, "gpu_memory_bytes", lambda: 80 * 2 ** 30)
     assert parse_flags(flags)[0].model.device == "cuda"
+
+
+def test_the_plan_counts_the_weights_of_the_engine_that_runs_not_the_one_asked(gpu_run):
+    """The default `embedded` is FastEngine on a GPU for the models FastEngine implements (init's swap); its
+    weights stay on the GPU while a colocated trainer trains, so the plan counts them as for `fast` asked
+    outright (the bug: it asked whether the *asked* engine was "fast" and counted none)."""
+    from miles.rollout.engines.registry import ENGINES, engine_to_run
+    from miles.training.torch.memory_plan import startup_problems
+
+    embedded = gpu_run("--recompute-activations", "--rollout-engine", "embedded")
+    assert embedded.rollout.engine == "embedded" and engine_to_run(embedded, on_gpus=True) == ("fast", None)
+    assert ENGINES["fast"].weights_on_release == "kept"
+    (problem,) = startup_problems(embedded, 1, gpu_bytes=H200)
+    assert "engine weights 15.3" in problem and "--rollout-engine sglang (it releases its weights" in problem
+    assert problem == startup_problems(gpu_run("--recompute-activations"), 1, gpu_bytes=H200)[0]
+    # an engine that drops its weights while the trainer trains adds none (the moments still do not fit)
+    (sglang,) = startup_problems(gpu_run("--recompute-activations", "--rollout-engine", "sglang"), 1, gpu_bytes=H200)
+    assert "engine weights" not in sglang and "--rollout-engine sglang" not in sglang

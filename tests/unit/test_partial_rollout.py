@@ -12,7 +12,7 @@ from miles.config import AlgorithmConfig, ConfigError, EvalConfig, RolloutConfig
 from miles.config.flags import parse_flags
 from miles.rollout.executor import RolloutExecutor
 from miles.rollout.hooks import HookContext
-from miles.rollout.partial import BufferFilterError, PartialBuffer, check_engines, load_buffer_filter
+from miles.rollout.partial import BufferFilterError, PartialBuffer, load_buffer_filter
 from miles.types import Generation, Prompt, Sample
 from tests.unit.test_executor_algorithms import Digits
 from tests.unit.test_tracking_flags import base
@@ -239,8 +239,15 @@ def test_partial_rollout_with_a_generate_function_is_refused(tmp_path):
 
 def test_a_run_of_one_engine_is_refused_at_start_up():
     # one engine answers a round in one call: nothing would ever be cut short and buffered
-    cfg = RolloutConfig(batch_size=1, partial_rollout=True)
-    with pytest.raises(ConfigError, match="--partial-rollout cuts short .* this run has 1 engine"):
-        check_engines(cfg, 1)
-    check_engines(cfg, 2)
-    check_engines(RolloutConfig(batch_size=1), 1)
+    from miles.config import DataConfig, ModelConfig, RunConfig
+    from miles.config.validate import validate
+
+    def run(rollout):
+        return RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(prompt_data="p"), rollout=rollout)
+    cfg = run(RolloutConfig(batch_size=1, partial_rollout=True))
+    with pytest.raises(ConfigError) as err:          # the registry's checks that take the engine count
+        validate(cfg, num_engines=1)
+    (problem,) = err.value.problems
+    assert problem.startswith("--partial-rollout cuts short") and "this run has 1 engine" in problem
+    validate(cfg, num_engines=2)
+    validate(run(RolloutConfig(batch_size=1)), num_engines=1)

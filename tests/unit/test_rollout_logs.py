@@ -10,7 +10,7 @@ from miles.config import ConfigError, EvalConfig, RolloutConfig
 from miles.config.flags import parse_flags
 from miles.rollout.engines.sglang.api import sampling_params
 from miles.rollout.executor import category_shares
-from miles.rollout.hooks import LOOP_METRICS, HookError, check_hooks, load_eval_log, load_rollout_log
+from miles.rollout.hooks import LOOP_METRICS, HookError, RolloutHooks, load_eval_log, load_rollout_log
 from miles.types import Prompt, Sample, SamplingParams
 from tests.unit.test_executor_eval_config import Recording, executor
 from tests.unit.test_validate_algorithms import base  # noqa: F401  (the fixture: a minimal run's flags)
@@ -158,7 +158,7 @@ def test_sglang_gets_min_new_tokens_when_set():
     assert "min_new_tokens" not in sampling_params(SamplingParams(), None)
 
 
-def test_the_start_up_check_loads_the_eval_log_function_too():
-    check_hooks(RolloutConfig(batch_size=1, log_function_path=f"{HERE}:add_longest"), f"{HERE}:eval_per_set")
+def test_the_hooks_load_the_eval_log_function_too():
+    RolloutHooks.from_config(RolloutConfig(batch_size=1, log_function_path=f"{HERE}:add_longest"), f"{HERE}:eval_per_set")
     with pytest.raises(ConfigError, match=r"--custom-eval-rollout-log-function-path 'no_such_module:f'"):
-        check_hooks(RolloutConfig(batch_size=1), "no_such_module:f")
+        RolloutHooks.from_config(RolloutConfig(batch_size=1), "no_such_module:f")

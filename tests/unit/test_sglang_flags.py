@@ -6,7 +6,7 @@ import pytest
 
 from miles.config import ConfigError
 from miles.config.flags import parse_flags
-from miles.config.validate import validate_for_machine
+from miles.config.validate import validate
 from miles.runtime import load_machine
 
 
@@ -82,8 +82,8 @@ def test_an_unknown_flag_is_still_an_error(base, capsys):
 def test_offload_rollout_is_refused_by_the_async_machine(base):
     cfg, _ = parse_flags([*base, "--rollout-engine", "sglang", "--offload-rollout", "--use-tis"])
     with pytest.raises(ConfigError, match="--offload-rollout cannot be used with the async machine"):
-        validate_for_machine(cfg, load_machine("async"))
-    validate_for_machine(cfg, load_machine("sync"))
+        validate(cfg, machine=load_machine("async"))
+    validate(cfg, machine=load_machine("sync"))
 
 
 def test_tensor_parallel_engines_get_their_gpus_in_one_bundle_and_too_many_is_an_error(base):

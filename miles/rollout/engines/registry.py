@@ -1,5 +1,8 @@
-"""`--rollout-engine NAME` -> the engine's spec (`miles.rollout.protocol.EngineSpec`), and the checks
-every engine shares: what the picked engine can take (tensor parallelism) and each engine's own flags.
+"""`--rollout-engine NAME` -> the engine's spec (`miles.rollout.protocol.EngineSpec`), the engine a run
+actually gets (`engine_to_run`), and the checks every engine shares, stated once in terms of the specs'
+attributes: what the picked engine can take (tensor parallelism, a skipped weight sync) and each
+engine's own flags (`EngineSpec.check`). Outside an engine's package, this is the one module that names
+engines.
 
 The spec modules are light (no torch, no Ray): this registry loads on every parse of the flags, to
 check them before Ray starts. An engine's class loads only when a run picks it.
@@ -23,11 +26,33 @@ ENGINES: dict[str, EngineSpec] = {
 assert tuple(ENGINES) == ENGINE_NAMES, "the flag's choices are the registry's names"
 
 
+def engine_to_run(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
+    """The ENGINES name the run uses, and why the preferred one was refused (None: taken, or none).
+
+    On GPUs an engine whose spec prefers another gives way to it for the models it implements
+    (`embedded` becomes FastEngine; else it stays EmbeddedEngine, as on CPU). `fast` asked outright is
+    FastEngine anywhere (CPU too: eager, what CI tests). Everything that depends on the engine that runs
+    (the composition root, the memory plan) asks here, never the asked name.
+    """
+    asked = cfg.rollout.engine
+    preferred = ENGINES[asked].prefer_on_gpus
+    if preferred is None or not on_gpus:
+        return asked, None
+    refuses = ENGINES[preferred].refuses
+    refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
+    return (asked, refused) if refused else (preferred, None)
+
+
 @check
 def _engines(cfg: RunConfig, problems: list[str]) -> None:
     for engine in ENGINES.values():             # each checks its own flags, picked or not
         if engine.check is not None:
             engine.check(cfg, problems)
+    if cfg.debug_skip_weight_update and cfg.cluster.offloads_rollout and cfg.rollout.engine in ENGINES \
+            and ENGINES[cfg.rollout.engine].weights_on_release == "dropped":
+        problems.append(f"--debug-skip-weight-update with --rollout-engine {cfg.rollout.engine} and --offload / "
+                        "--offload-rollout / --colocate: its engines drop their weights while the trainer trains and "
+                        "only a weight sync gives them back; drop the offload flags or --debug-skip-weight-update")
     spec, n = ENGINES.get(cfg.rollout.engine), cfg.cluster.rollout_num_gpus_per_engine   # unknown: config's check
     if spec is not None and n != 1 and not spec.tensor_parallel:
         one = " and ".join(name for name, s in ENGINES.items() if not s.tensor_parallel)

@@ -1,7 +1,7 @@
 """What makes a run unfit for the megatron backend, found on the driver before any actor starts:
 megatron-core not installed, a model this backend cannot convert, parallel sizes that do not fit
 the model, the batch or the trainer's GPUs, a GPU-memory flag of the torch trainer this backend does
-not have. `run_problems` is the backend's `check` in `TRAIN_BACKENDS` (validate runs it, init again
+not have. `check` (`run_problems`) is the backend's `check` in `TRAIN_BACKENDS` (validate runs it, init again
 with the placement plan's trainer GPUs); the group checks the same again with the ranks it was
 given (`group_problems`).
 """
@@ -107,6 +107,11 @@ def unsupported_features(cfg: RunConfig) -> list[str]:
     ) if on]
     return [f"{flag}: not supported by --train-backend megatron yet ({why[flag]}); drop it or use "
             f"--train-backend torch" for flag in used]
+
+
+def check(cfg: RunConfig, problems: list[str]) -> None:
+    """The backend's `check` (`TrainBackendSpec.check`): `run_problems` on the trainer's GPUs."""
+    problems += run_problems(cfg, cfg.trainer_gpus)
 
 
 def run_problems(cfg: RunConfig, trainer_gpus: int | None = None) -> list[str]:

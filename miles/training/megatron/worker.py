@@ -49,7 +49,7 @@ from miles.training.rng import rng_state, seed_everything, set_rng_state
 from miles.training.schedule import lr_schedule, wd_schedule
 from miles.training.terms import PolicyObjective, TermSums
 from miles.types import Sample
-from miles.weights.hf import load_tokenizer, resolve_dtype
+from miles.weights.hf import load_tokenizer, pad_id, resolve_dtype
 
 log = structlog.get_logger().bind(role="megatron-rank")
 
@@ -104,7 +104,7 @@ class MegatronWorker:
         self.spec = model_spec(json.loads((Path(self._model_path) / "config.json").read_text()))
         self.layers = self.layout.stage_layers(self.coords.pp, self.spec.num_layers)
         tokenizer = load_tokenizer(self._model_path)
-        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.pad_id = pad_id(tokenizer)
         self._policy = self._build(self._model_path, train=self._train_cfg)
         if self._objective.uses_reference:
             self._ref = self._build(self._ref_load or self._model_path, train=None)

@@ -44,7 +44,7 @@ from miles.training.terms import TermSums
 from miles.training.torch.threads import cpu_threads
 from miles.types import Sample
 from miles.weights.checksum import state_dict_to_cpu
-from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, pad_id
 
 log = structlog.get_logger().bind(role="critic")
 
@@ -114,7 +114,7 @@ class Critic(OptimizedModel):
         backbone, restore = resolve_critic_source(init_from or model_path)
         self._model = ValueModel(load_causal_lm(backbone, device=self.device, dtype=torch.float32)).to(self.device)
         self._tokenizer = tokenizer = load_tokenizer(backbone)
-        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.pad_id = pad_id(tokenizer)
         self._start_optimizer(self._model)
         # the policy's micro-batching (the shell's): with --use-dynamic-batch-size token-budget groups, packed
         # into one row when the backbone can pack

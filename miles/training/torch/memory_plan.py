@@ -48,6 +48,12 @@ before any actor starts, and names the flags that make room.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+from miles.rollout.engines.registry import ENGINES, engine_to_run
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 HEADROOM = 0.8
 COMPILED_LAYER_SHARE = 0.75
@@ -195,6 +201,11 @@ def gpu_memory_bytes() -> int | None:
         return None
 
 
+def check(cfg: RunConfig, problems: list[str]) -> None:
+    """The torch backend's `check` (`TrainBackendSpec.check`): `startup_problems` on the trainer's GPUs."""
+    problems += startup_problems(cfg, cfg.trainer_gpus)
+
+
 def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | None = None) -> list[str]:
     """The torch trainer's check of a GPU run's memory plan (the backend spec's `check`): one problem
     naming the flags to change when a step cannot fit on a trainer GPU, else none. Runs only where the
@@ -226,7 +237,8 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     # --offload-train streams the policy's moments (not with PPO's critic, as in miles); --optimizer-cpu-offload
     # every optimizer's, the critic's too
     streamed = (c.offloads_train and not a.needs_critic) or t.optimizer_cpu_offload
-    engine_keeps = c.colocate and r.engine == "fast"
+    # the engine that runs (a GPU run's `embedded` is FastEngine for the models it implements), as init picks it
+    engine_keeps = c.colocate and ENGINES[engine_to_run(cfg, on_gpus=True)[0]].weights_on_release == "kept"
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
                      # LoRA: gradients and moments of the adapters alone (~0), the initial-policy reference the
                      # policy itself with its adapters off
@@ -247,7 +259,8 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
          a.needs_critic and not t.optimizer_cpu_offload),
         ("--recompute-activations", not t.recompute_activations),
         ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
-        ("--rollout-engine sglang (it releases its weights while the trainer trains)", engine_keeps),
+        (f"--rollout-engine {' / '.join(n for n, e in ENGINES.items() if e.weights_on_release == 'dropped')} (it "
+         "releases its weights while the trainer trains)", engine_keeps),
         ("--opd-type sglang --opd-teacher-urls (the teacher scores on its own servers, not in the trainer)",
          teacher > 0),
         ("more trainer GPUs (--actor-num-gpus-per-node N shards the model)", True)) if missing]

@@ -32,8 +32,6 @@ from miles.training.packing import Pack, pack_groups, to_device, worth_packing
 def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Row indices of each micro-batch: longest rows first, each micro-batch's rows x longest <= max_tokens
     (one row alone may exceed it). Every index appears exactly once."""
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     for i in order:

@@ -83,7 +83,7 @@ from miles.training.torch.threads import cpu_threads
 from miles.training.torch.throughput import peak_tflops, throughput_metrics
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
-from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights
+from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, pad_id
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer")
@@ -146,8 +146,7 @@ class Trainer(OptimizedModel):
         self._model = load_causal_lm(model_path, device=self.device, dtype=torch.float32)
         self._model_path = model_path
         self._tokenizer = load_tokenizer(model_path)
-        pad = self._tokenizer.pad_token_id
-        self.pad_id = self._tokenizer.eos_token_id if pad is None else pad
+        self.pad_id = pad_id(self._tokenizer)
         self._lora_spec = lora.LoraSpec.from_train(train)
         self._ref = self._make_reference(algorithm)
         self._teacher = self._make_teacher(algorithm)

@@ -38,11 +38,11 @@ import structlog
 import torch
 from torch import Tensor
 
-from miles.config.schema import EMBEDDED_MAX_BATCH_SIZE
+from miles.rollout.engines.embedded.spec import MAX_BATCH_SIZE
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.training.moe import Routing, engine_routed, router_modules
-from miles.types import Generation, SamplingParams
+from miles.types import Generation, SamplingParams, sampling_problems
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
                               resolve_dtype)
@@ -59,9 +59,7 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+                 max_batch_size: int = MAX_BATCH_SIZE):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
@@ -356,13 +354,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tu
 
 
 def _param_problems(params: SamplingParams) -> list[str]:
-    problems = []
-    if params.temperature < 0:
-        problems.append(f"temperature must be >= 0 (0: greedy), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        problems.append(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k != -1 and params.top_k < 1:
-        problems.append(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
+    # a call's own params (a custom generate function builds them): the one rule of the sampling knobs
+    problems = sampling_problems(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.max_new_tokens < 1:
         problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if params.min_new_tokens < 0:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
-                                    SupportsWeightBuckets)
+                                    SupportsWeightBucketLoad)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
+
+
+# sequences it decodes at once when --rollout-max-batch-size is not given (the CPU path's batch)
+MAX_BATCH_SIZE = 64
 
 
 def options(cfg: RunConfig) -> dict[str, Any]:
@@ -20,6 +24,8 @@ def options(cfg: RunConfig) -> dict[str, Any]:
 # two threads: health and abort are answered while a generate call runs (the engine guards its model);
 # memory release: a colocated run outside the fast path gives the trainer the GPU while it trains
 SPEC = EngineSpec(engine="miles.rollout.engines.embedded.engine:EmbeddedEngine", options=options,
-                  capabilities=(SupportsWeightBuckets, SupportsHealth, SupportsAbort, SupportsMemoryRelease),
+                  capabilities=(SupportsWeightBucketLoad, SupportsHealth, SupportsAbort, SupportsMemoryRelease),
                   actor_threads=2,
-                  prefer_on_gpus="fast")      # our own forward, where it implements the model
+                  prefer_on_gpus="fast",      # our own forward, where it implements the model
+                  defaults={"max_batch_size": MAX_BATCH_SIZE},
+                  weights_on_release="host")  # release_memory moves the model to host memory

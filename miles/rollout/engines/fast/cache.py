@@ -46,8 +46,6 @@ def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_pe
     max_context_len None: as many as fit, capped at the model's limit. Raises ValueError, naming
     the flags, when the asked-for cache or the workspace left beside it does not fit.
     """
-    if not 0.0 < mem_fraction < 1.0:
-        raise ValueError(f"--rollout-mem-fraction (mem_fraction) must be in (0, 1), got {mem_fraction}")
     budget = int(free_bytes * mem_fraction)
     if free_bytes - budget < workspace_bytes:
         raise ValueError(

@@ -60,7 +60,7 @@ from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapsh
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
                                                  make_sampler, race, stop_table)
-from miles.config.schema import FAST_CHUNKED_PREFILL_SIZE, FAST_MAX_BATCH_SIZE, FAST_MEM_FRACTION
+from miles.rollout.engines.fast.spec import CHUNKED_PREFILL_SIZE, MAX_BATCH_SIZE, MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
 from miles.weights.checksum import state_dict_checksum
@@ -82,10 +82,10 @@ RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 
 class FastEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = FAST_MAX_BATCH_SIZE, mem_fraction: float = FAST_MEM_FRACTION,
+                 max_batch_size: int = MAX_BATCH_SIZE, mem_fraction: float = MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
-                 chunked_prefill_size: int = FAST_CHUNKED_PREFILL_SIZE):
+                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -98,10 +98,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         from transformers import AutoConfig
 
         self._init_guard()
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        # the options' ranges are the config's rules (miles.config.validate), checked once, at parse time
         self.chunked_prefill_size = chunked_prefill_size
         reason = supports(AutoConfig.from_pretrained(model_path))
         if reason:

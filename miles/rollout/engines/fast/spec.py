@@ -6,10 +6,21 @@ from typing import TYPE_CHECKING, Any
 
 from miles.rollout.engines.embedded.spec import options as embedded_options
 from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
-                                    SupportsWeightBuckets)
+                                    SupportsWeightBucketLoad)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
+
+
+# sequences one engine decodes at once when --rollout-max-batch-size is not given: 256, vLLM's max_num_seqs
+# default; a decode step of a 0.5B-7B model is bound by reading the weights well past that, so 256 rows cost
+# little more per step than 64 (an H200 bench: 256 requests in one batch), and RL rollouts bring hundreds of
+# requests per call
+MAX_BATCH_SIZE = 256
+# the KV cache: this share of the GPU memory free once its weights are loaded (the rest is left to
+# activations and to what shares the GPU, such as the trainer on a one-GPU machine)
+MEM_FRACTION = 0.5
+CHUNKED_PREFILL_SIZE = 8192   # longer prompts are prefilled in pieces of this many tokens
 
 
 def options(cfg: RunConfig) -> dict[str, Any]:
@@ -19,8 +30,10 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     their context cap (--rollout-max-context-len, --eval-max-context-len: the engine caps each response
     by it) or their prompt limit + their longest response, whichever is smaller."""
     r = cfg.rollout
-    out = {**embedded_options(cfg), "mem_fraction": r.mem_fraction, "cuda_graph": r.cuda_graph,
-           "torch_compile": r.torch_compile, "attention_kernel": r.attention_kernel}
+    out = {**embedded_options(cfg), "cuda_graph": r.cuda_graph, "torch_compile": r.torch_compile,
+           "attention_kernel": r.attention_kernel}
+    if r.mem_fraction is not None:
+        out["mem_fraction"] = r.mem_fraction
     if r.chunked_prefill_size is not None:
         out["chunked_prefill_size"] = r.chunked_prefill_size
     context_len = _context_len(cfg)
@@ -72,5 +85,9 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
 
 # two threads: health and abort are answered while a generate call runs (the engine guards its model)
 SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
-                  capabilities=(SupportsWeightBuckets, SupportsMemoryRelease, SupportsHealth, SupportsAbort),
-                  actor_threads=2, refuses=refusal)
+                  capabilities=(SupportsWeightBucketLoad, SupportsMemoryRelease, SupportsHealth, SupportsAbort),
+                  actor_threads=2, refuses=refusal,
+                  defaults={"max_batch_size": MAX_BATCH_SIZE, "mem_fraction": MEM_FRACTION,
+                            "chunked_prefill_size": CHUNKED_PREFILL_SIZE},
+                  weights_on_release="kept",  # updates copy into them in place (the captured graphs stay valid)
+                  routing_replay=False)       # no MoE model here (its experts and routing capture: docs/moe.md)

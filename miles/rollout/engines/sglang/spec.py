@@ -81,4 +81,7 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
 # own requests); the fleet owns the router in front of several servers
 SPEC = EngineSpec(engine="miles.rollout.engines.sglang.engine:SGLangEngine", options=options, check=check,
                   fleet="miles.rollout.engines.sglang.fleet:make_fleet", tensor_parallel=True,
-                  capabilities=(SupportsMemoryRelease, SupportsHealth, SupportsAbort))
+                  capabilities=(SupportsMemoryRelease, SupportsHealth, SupportsAbort),
+                  weights_on_release="dropped",   # the servers free them; only a weight sync brings them back
+                  on_cpu=False,                   # GPU servers
+                  routing_replay=False)           # its routed-experts capture is not wired into the samples yet
