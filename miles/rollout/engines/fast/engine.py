@@ -429,9 +429,12 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
             watch.finish(tokens, lengths, reasons)
+        t_routed = time.perf_counter()
         routed = out.routed_to_host(lengths) or [None] * len(prompts)
+        t_routed = time.perf_counter() - t_routed
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
-                               prefill_pieces=call.pieces, seconds=time.perf_counter() - t0)
+                               prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
+                               routing_to_host_seconds=t_routed)
         return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
 
