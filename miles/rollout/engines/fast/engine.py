@@ -1,4 +1,4 @@
-"""The embedded engine's fast path: our own Llama/Qwen2/Qwen3 forward, a KV cache allocated once, continuous
+"""The embedded engine's fast path: our own Llama/Qwen2/Qwen3/Qwen3-MoE forward, a KV cache allocated once, continuous
 batching, device-side sampling and CUDA-graph decode steps. Same interface as `EmbeddedEngine`.
 
 One `generate` call queues all its requests. A request takes a free cache slot (lowest first): a
@@ -35,6 +35,14 @@ requests end with "abort" and what they generated).
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
 and on CPU everything runs eagerly in float32 (that is what CI tests).
+
+A mixture-of-experts model (Qwen3-MoE, `miles.rollout.engines.fast.moe`): each sampled token's experts,
+per MoE layer, are those of the position whose logits sampled it (the embedded engine's convention):
+the prefill's last prompt position for the first token, then each decode step's, which the step (a
+captured graph or not) writes into a static buffer and `advance` files beside the token.
+`Generation.routed_experts` carries them. The experts run as grouped matmuls where the kernel is
+usable (CUDA, Hopper, bf16), else as a per-expert loop, which is not capturable: decode then runs
+eagerly on CUDA (logged).
 
 Randomness and results follow `EmbeddedEngine`'s contract (see its module docstring): the same
 seed, weights, prompts, params and engine settings give the same samples.

@@ -20,7 +20,8 @@ The numerics follow transformers' Llama/Qwen2/Qwen3 modules (RMSNorm in float32 
 cos/sin in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's
 to float rounding. The families differ only in optional pieces, each present or absent per model:
 q/k/v and o biases (Qwen2, Llama with attention_bias), per-head RMSNorm of q and k before RoPE
-(Qwen3's q_norm/k_norm), an untied lm_head, and RoPE scaling (Llama 3's `llama3`).
+(Qwen3's q_norm/k_norm), an untied lm_head, and RoPE scaling (Llama 3's `llama3`). Qwen3-MoE is Qwen3
+with experts in its sparse layers: their router and experts are `miles.rollout.engines.fast.moe`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def supports(config) -> str | None:
 
         other_moe = moe_kind(config.to_dict())
         if other_moe not in ("dense", "built"):     # another MoE family: named, with what it has that is not built
-            return f"{other_moe}; the fast engine runs Qwen3-MoE (qwen3_moe) of the MoE families"
+            return other_moe
         return f"model_type {kind!r} is not implemented (fast path: {', '.join(FAMILIES)})"
     moe_reason = supports_moe(config)
     if moe_reason:
