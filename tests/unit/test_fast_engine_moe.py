@@ -289,3 +289,14 @@ def test_run_config_with_rollout_engine_fast_accepts_qwen3_moe_with_r3(moe_path,
                           "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rollout-max-response-len", "8",
                           "--rollout-engine", "fast", "--use-rollout-routing-replay"])
     assert cfg.rollout.engine == "fast" and cfg.train.use_rollout_routing_replay
+
+
+def test_expert_ids_past_255_are_recorded_whole(tmp_path):
+    # the outputs keep ids in one byte up to 256 experts, in two bytes past that
+    path = make_tiny_family(tmp_path / "wide", "qwen3_moe", num_experts=300, num_experts_per_tok=4, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    gens = FastEngine(path, device="cpu").generate(PROMPTS, GREEDY)
+    assert max(e for g in gens for tok in g.routed_experts for layer in tok for e in layer) > 255
+    for prompt, g in zip(PROMPTS, gens):
+        want = hf_routing(model, prompt + g.response_ids)[len(prompt) - 1:-1]
+        assert g.routed_experts == want.tolist()

@@ -430,7 +430,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
             moe = self._weights.moe
             out = CallOutputs(len(prompts), max(caps), self.device,
-                              None if moe is None else (len(moe.layers), moe.top_k))
+                              None if moe is None else (len(moe.layers), moe.top_k, moe.n_experts))
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
             call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens)
             steps = self._run(call, epoch)
