@@ -300,3 +300,12 @@ def test_expert_ids_past_255_are_recorded_whole(tmp_path):
     for prompt, g in zip(PROMPTS, gens):
         want = hf_routing(model, prompt + g.response_ids)[len(prompt) - 1:-1]
         assert g.routed_experts == want.tolist()
+
+
+def test_an_expert_layout_other_than_gate_up_rows_is_refused_by_name(moe_path):
+    from miles.rollout.engines.fast.model import Arch, pack_weights
+
+    model = AutoModelForCausalLM.from_pretrained(moe_path)
+    model.model.layers[2].mlp.experts.is_transposed = True
+    with pytest.raises(ValueError, match="model.layers.2.mlp.experts stores its weights transposed"):
+        pack_weights(model, Arch.from_config(model.config), torch.device("cpu"))

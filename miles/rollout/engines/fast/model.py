@@ -37,8 +37,8 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
-from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, experts_loop, pack_moe_layer, route,
-                                            supports_moe)
+from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, check_layout, experts_loop, pack_moe_layer,
+                                            route, supports_moe)
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
@@ -164,6 +164,8 @@ def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
 
     layers = [_pack_layer(src, named, f"model.layers.{i}.", arch, device) for i in range(arch.n_layers)]
     moe = MoeArch.from_config(model.config)
+    if moe is not None:
+        check_layout(model, moe)
     moe_layers = None if moe is None else [
         pack_moe_layer(src, named, f"model.layers.{i}.", moe, arch.hidden, device) if i in moe.layers else None
         for i in range(arch.n_layers)]

@@ -90,6 +90,17 @@ class MoeLayerWeights:
     down: Tensor        # [E, H, I]     mlp.experts.down_proj
 
 
+def check_layout(model, moe: MoeArch) -> None:
+    """Raises ValueError unless transformers keeps this model's experts as `pack_moe_layer` reads them:
+    [gate; up] concatenated along the output rows, not transposed (transformers 5's Qwen3-MoE)."""
+    for i in moe.layers:
+        experts = model.model.layers[i].mlp.experts
+        if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+            raise ValueError(f"model.layers.{i}.mlp.experts stores its weights transposed or gate/up interleaved "
+                             f"(this transformers' layout); the fast forward reads [E, 2I, H] with gate rows then "
+                             f"up rows; use the EmbeddedEngine")
+
+
 def pack_moe_layer(src: dict[str, Tensor], named: dict[str, Tensor], prefix: str, moe: MoeArch, hidden: int,
                    device: torch.device) -> MoeLayerWeights:
     """The sparse layer `prefix` ("model.layers.{i}.")'s router and experts on `device`, registered under
