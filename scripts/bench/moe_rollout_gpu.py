@@ -232,7 +232,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, help="cut the model to this many layers (default: the shape's 48)")
     p.add_argument("--hf-generate-prompts", type=int, default=32, help="0: skip transformers generate")
-    p.add_argument("--hf-new-tokens", type=int, default=256)
+    p.add_argument("--hf-new-tokens", type=int, default=128)
     p.add_argument("--bandwidth", type=float, help="bytes/s (default: from the device name)")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-compile", action="store_true")
@@ -258,15 +258,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:      # the engine reads the config and the tokenizer from a folder
         model.config.save_pretrained(tmp)
         _tokenizer().save_pretrained(tmp)
-        run_fast(model, tmp, prompts, args, report, bw)
+        try:
+            run_fast(model, tmp, prompts, args, report, bw)
+        except BaseException as e:
+            report["fast_error"] = repr(e)[:2000]
+            print(save(report, args.out))     # what was measured before the failure
+            raise
+    save(report, args.out)      # what the fast engine measured stays, whatever generate does next
     if args.hf_generate_prompts:
-        run_hf_generate(model, prompts, args, report)
-        report["fast_vs_generate_tok_s"] = round(report["fast"]["tok_s"] / report["generate"]["tok_s"], 1)
+        try:
+            run_hf_generate(model, prompts, args, report)
+            report["fast_vs_generate_tok_s"] = round(report["fast"]["tok_s"] / report["generate"]["tok_s"], 1)
+        except Exception as e:  # noqa: BLE001 - the reason it could not run goes into the report
+            report["generate"] = {"error": repr(e)[:1000]}
     report["total_s"] = round(time.perf_counter() - t_start, 1)
+    print(save(report, args.out))
+
+
+def save(report: dict, out: str | None) -> str:
     text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    if out:
+        Path(out).write_text(text)
+    return text
 
 
 if __name__ == "__main__":
