@@ -309,3 +309,49 @@ def test_an_expert_layout_other_than_gate_up_rows_is_refused_by_name(moe_path):
     model.model.layers[2].mlp.experts.is_transposed = True
     with pytest.raises(ValueError, match="model.layers.2.mlp.experts stores its weights transposed"):
         pack_weights(model, Arch.from_config(model.config), torch.device("cpu"))
+
+
+def load_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "moe_rollout_gpu.py"
+    spec = importlib.util.spec_from_file_location("moe_rollout_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchs_bandwidth_bound_counts_the_experts_each_decode_step_touched():
+    from miles.types import Generation
+
+    bench = load_bench()
+    # 2 sequences x 3 tokens, 2 MoE layers, top-2 of 4 experts. Token 0 came from the prefill (not a decode
+    # step); decode step 0 made token 1, step 1 token 2
+    a = [[[0, 1], [2, 3]], [[0, 1], [0, 1]], [[3, 2], [1, 0]]]
+    b = [[[3, 2], [3, 2]], [[1, 2], [0, 1]], [[3, 2], [2, 3]]]
+    gens = [Generation([5, 6, 7], [0.0] * 3, "length", 0, r) for r in (a, b)]
+    counts = dict(expert_bytes=10, non_expert_bytes=1000, kv_bytes_per_position=1)
+    got = bench.bound(gens, prompt_len=4, n_experts=4, counts=counts, bw=1.0)
+    # step 0: layer 0 {0, 1, 2}, layer 1 {0, 1}: 5 experts; step 1: layer 0 {2, 3}, layer 1 {0, 1, 2, 3}: 6
+    experts = (5 + 6) * 10
+    kv = 2 * (4 + 1) + 2 * (4 + 2)           # both sequences' positions so far, at each step
+    assert got["decode_steps"] == 2 and got["mean_distinct_experts_per_layer"] == 2.8
+    assert got["bound_s"] == pytest.approx(experts + kv + 2 * 1000, rel=1e-3)     # 3 significant digits
+
+
+def test_the_bench_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    bench = load_bench()
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["moe_rollout_gpu.py", "--tiny", "--prompts", "3", "--prompt-len", "5",
+                                      "--new-tokens", "6", "--hf-generate-prompts", "2", "--hf-new-tokens", "3",
+                                      "--out", str(out)])
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    bench.main()
+    report = json.loads(out.read_text())
+    assert report["prompts_run"] == 3 and report["fast"]["tokens"] == 3 * 6 and report["fast"]["decode_steps"] == 5
+    assert report["fast_engine"]["moe_experts"] == "loop" and report["generate"]["tokens"] == 2 * 3
+    assert report["fast"]["bound_s"] > 0 and 0 < report["fast"]["mean_distinct_experts_per_layer"] <= 8
