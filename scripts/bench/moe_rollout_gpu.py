@@ -171,7 +171,8 @@ def run_fast(model, path: str, prompts: list[list[int]], args, report: dict, bw:
 
     context = args.prompt_len + args.new_tokens
     a = model.config
-    kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * torch.empty((), dtype=model.dtype).element_size()
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * elem
     fraction, n, note = mem_plan(args, kv, context)
     prompts = prompts[:n]
     log(f"FastEngine: {n} prompts, mem_fraction {fraction:.2f} ({note})")
@@ -179,7 +180,8 @@ def run_fast(model, path: str, prompts: list[list[int]], args, report: dict, bw:
     engine = FastEngine(path, model=model, device=DEVICE, max_batch_size=n, mem_fraction=fraction,
                         context_len=context, cuda_graph=not args.no_cuda_graph, torch_compile=not args.no_compile)
     counts = byte_counts(engine)
-    report["fast_engine"] = dict(construct_s=round(time.perf_counter() - t0, 1), warm_up_s=round(engine.compile_seconds, 1),
+    report["fast_engine"] = dict(construct_s=round(time.perf_counter() - t0, 1),
+                                 warm_up_s=round(engine.compile_seconds, 1),
                                  moe_experts=engine.moe_experts, compiled=engine._forward.compiled,
                                  cuda_graph=engine._graphs.enabled, length_aware_attention=engine._forward.length_aware,
                                  slots=engine.max_batch_size, max_len=engine.max_len,
@@ -216,7 +218,8 @@ def run_hf_generate(model, prompts: list[list[int]], args, report: dict) -> None
     with torch.inference_mode():
         model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=2, **kw)     # warm-up
         torch.manual_seed(0)
-        out, secs = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), min_new_tokens=args.hf_new_tokens,
+        out, secs = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                 min_new_tokens=args.hf_new_tokens,
                                                  max_new_tokens=args.hf_new_tokens, **kw))
     tokens = (out.shape[1] - ids.shape[1]) * len(ids)
     report["generate"] = dict(prompts=len(ids), new_tokens=args.hf_new_tokens, tokens=tokens, seconds=round(secs, 2),
