@@ -214,7 +214,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._forward.experts = fast_moe.experts_grouped
             return "grouped"
         self._forward.experts = fast_moe.experts_loop
-        log.info("moe_experts_loop", reason=reason)
+        if self.device.type == "cuda":      # on the CPU the loop is the path, nothing to say
+            log.info("moe_experts_loop", reason=reason)
         return "loop"
 
     def _set_buckets(self) -> None:
