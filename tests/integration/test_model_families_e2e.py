@@ -83,23 +83,25 @@ def test_family_learns_arithmetic_and_its_export_is_the_engine_s_model(ray_clust
 
 
 @pytest.mark.extended   # whole runs (CI budget): bash scripts/test.sh -m extended; the parts are tests/unit/test_moe.py
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_qwen3_moe_learns_arithmetic_with_rollout_routing_replay(ray_cluster, tmp_path, ranks):
+@pytest.mark.parametrize("ranks,engine", [(1, "embedded"), (2, "embedded"), (1, "fast")])
+def test_qwen3_moe_learns_arithmetic_with_rollout_routing_replay(ray_cluster, tmp_path, ranks, engine):
     """Qwen3-MoE (examples/arithmetic/base_model_qwen3_moe) on the embedded engine and the torch trainer (one
-    process, or 2 FSDP2 ranks over gloo), R3 on, with the load-balancing and z losses: the recipe's bar,
-    every response token replayed, and the HF export is the engine's model."""
+    process, or 2 FSDP2 ranks over gloo), or on the fast engine (its own MoE forward and routing capture,
+    eager on the CPU), R3 on, with the load-balancing and z losses: the recipe's bar, every response token
+    replayed, and the HF export is the engine's model."""
     cfg, _ = parse_flags(["--config", str(EXAMPLE / "grpo.yaml"), "--hf-checkpoint", str(EXAMPLE / "base_model_qwen3_moe"),
                           "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ck"), "--save-interval", "40",
                           "--trace-console", "off", "--check-weight-update-equal", "--use-rollout-routing-replay",
                           "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4",
-                          "--actor-num-gpus-per-node", str(ranks)])
+                          "--actor-num-gpus-per-node", str(ranks), "--rollout-engine", engine])
     result = asyncio.run(with_disposer(train, cfg))
     trace, after = assert_learns_arithmetic(result)
     trains = [r for r in result.metrics if "moe/routing_replayed" in r]
     assert len(trains) == 40
     assert all(r["moe/routing_replayed"] == 1.0 and r["moe/moe_aux_loss"] > 0 and r["moe/moe_z_loss"] > 0 for r in trains)
     picked, = trace.of("engine_picked")
-    assert picked.get("family") == "qwen3_moe"
+    assert picked.get("family") == "qwen3_moe" and picked.get("cls") == {"embedded": "EmbeddedEngine",
+                                                                        "fast": "FastEngine"}[engine]
     last_sync = trace.of("weights_synced")[-1]
 
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""Qwen3-MoE on the embedded engine and the torch trainer (CPU): the engine's parity with transformers and
+"""Qwen3-MoE on the embedded engine and the torch trainer (CPU; the fast engine's own tests: test_fast_engine_moe.py): the engine's parity with transformers and
 its routing record, rollout routing replay (R3) and the old pass's replay, the router losses against
 numbers derived by hand, the routing metrics, weight sync / checkpoint / HF export, two FSDP2 ranks
 against one process, and the start-up refusals of what is not built (miles/training/moe.py,
@@ -144,8 +144,11 @@ def perturb_routers(model, scale: float, seed: int = 0) -> None:
             w.add_(torch.randn(w.shape, generator=g) * scale)
 
 
-def test_r3_routes_every_response_token_as_the_engine_did_per_layer(moe_path):
-    engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
+@pytest.mark.parametrize("engine_cls", ["embedded", "fast"])
+def test_r3_routes_every_response_token_as_the_engine_did_per_layer(moe_path, engine_cls):
+    from miles.rollout.engines.fast.engine import FastEngine
+
+    engine = (EmbeddedEngine if engine_cls == "embedded" else FastEngine)(moe_path, device="cpu", seed=0)
     prompts = PROMPTS * 2
     gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
     samples = samples_of(prompts, gens)
@@ -297,8 +300,6 @@ def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
 
     problems = problems_of(argv(moe_path, data, "--train-backend", "megatron"))
     assert any("megatron-core MoE" in p and "use --train-backend torch" in p for p in problems)
-    problems = problems_of(argv(moe_path, data, "--rollout-engine", "fast"))
-    assert any("--rollout-engine fast" in p and "qwen3_moe" in p and "--rollout-engine embedded" in p for p in problems)
     problems = problems_of(argv(moe_path, data, "--trainer-compile"))
     assert any(p.startswith("--trainer-compile with --hf-checkpoint") for p in problems)
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))

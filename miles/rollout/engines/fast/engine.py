@@ -1,4 +1,4 @@
-"""The embedded engine's fast path: our own Llama/Qwen2/Qwen3 forward, a KV cache allocated once, continuous
+"""The embedded engine's fast path: our own Llama/Qwen2/Qwen3/Qwen3-MoE forward, a KV cache allocated once, continuous
 batching, device-side sampling and CUDA-graph decode steps. Same interface as `EmbeddedEngine`.
 
 One `generate` call queues all its requests. A request takes a free cache slot (lowest first): a
@@ -35,6 +35,14 @@ requests end with "abort" and what they generated).
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
 and on CPU everything runs eagerly in float32 (that is what CI tests).
+
+A mixture-of-experts model (Qwen3-MoE, `miles.rollout.engines.fast.moe`): each sampled token's experts,
+per MoE layer, are those of the position whose logits sampled it (the embedded engine's convention):
+the prefill's last prompt position for the first token, then each decode step's, which the step (a
+captured graph or not) writes into a static buffer and `advance` files beside the token.
+`Generation.routed_experts` carries them. The experts run as grouped matmuls where the kernel is
+usable (CUDA, Hopper, bf16), else as a per-expert loop, which is not capturable: decode then runs
+eagerly on CUDA (logged).
 
 Randomness and results follow `EmbeddedEngine`'s contract (see its module docstring): the same
 seed, weights, prompts, params and engine settings give the same samples.
@@ -78,6 +86,7 @@ SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the 
 STOP_WINDOW = 2 * CHECK_EVERY
 PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
+GROUPED_TOLERANCE = 0.05  # relative max difference of the grouped experts from the loop's at start-up (bf16 sums)
 
 
 class FastEngine(EngineGuard, TokenizerAccessors):
@@ -85,7 +94,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  max_batch_size: int = MAX_BATCH_SIZE, mem_fraction: float = MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
-                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE):
+                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, model=None):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -94,7 +103,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         `torch_compile` / `attention_kernel` (the length-aware decode
         attention): CUDA only, off for debugging or comparison; `chunked_prefill_size`: a prompt
         longer than this is prefilled in pieces of this many tokens, one piece per decode step
-        of the other sequences (SGLang's --chunked-prefill-size)."""
+        of the other sequences (SGLang's --chunked-prefill-size); `model`: the HF model already built
+        (in the engine's dtype, on its device or the CPU) instead of loading it from `model_path`, which
+        still gives the config and the tokenizer (benchmarks build random large models on the GPU)."""
         from transformers import AutoConfig
 
         self._init_guard()
@@ -106,7 +117,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
-        self._load(model_path, seed)
+        self._load(model_path, seed, model)
         cuda = self.device.type == "cuda"
         free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.dtype)
         if context_len is not None and max_context_len is None:
@@ -130,6 +141,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                                                                         self.device))
         self._set_buckets()
         self._use_compiled(self._forward.compiled)
+        self.moe_experts = self._pick_experts() if self._weights.moe is not None else None
+        if cuda_graph and cuda and self.moe_experts == "loop":
+            log.warning("moe_decode_eager", reason="the experts' per-expert loop reads its group sizes on the host "
+                        "(not capturable); decode steps run eagerly, without CUDA graphs")
+            cuda_graph = False
         self._graphs = DecodeGraphs(self._decode_forward, enabled=cuda_graph and cuda)
         self._cache: KVCache | None = None
         self.last_stats: dict = {}       # of the last generate call: decode steps, graphs, prefills, seconds
@@ -138,11 +154,14 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
                  slots=max_batch_size, max_len=self.max_len, kv_cache_gib=round(self._cache.nbytes / GiB, 2),
                  cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
-                 length_aware_attention=self._forward.length_aware)
+                 length_aware_attention=self._forward.length_aware, moe_experts=self.moe_experts)
 
-    def _load(self, model_path: str, seed: int) -> None:
+    def _load(self, model_path: str, seed: int, model=None) -> None:
         # load on the CPU and copy fused tensors to the device: the device never holds two copies
-        model = load_causal_lm(model_path, device=torch.device("cpu"), dtype=self.dtype)
+        if model is None:
+            model = load_causal_lm(model_path, device=torch.device("cpu"), dtype=self.dtype)
+        elif model.dtype != self.dtype:
+            raise ValueError(f"the model given is {model.dtype}, the engine's dtype {self.dtype}")
         self._tokenizer = load_tokenizer(model_path)
         self._eos_ids = _eos_ids(model, self._tokenizer)
         self.arch = Arch.from_config(model.config)
@@ -162,7 +181,34 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         sampling = rows * self.arch.vocab * (elem + 4 * 4)
         tokens = max(PREFILL_TOKENS, self.chunked_prefill_size)
         prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        moe = self._weights.moe
+        if moe is not None:     # the experts' sorted copies of each (token, expert) pair: input, gate+up, output
+            prefill += tokens * moe.top_k * (3 * moe.intermediate + 3 * self.arch.hidden) * elem + \
+                tokens * moe.n_experts * 4
         return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
+
+    def _pick_experts(self) -> str:
+        """"grouped" (one torch._grouped_mm per projection, capturable) where it runs and agrees with the
+        per-expert loop on a probe through the first MoE layer; else "loop" (logged)."""
+        from miles.rollout.engines.fast import moe as fast_moe
+
+        w = self._weights
+        reason = fast_moe.grouped_eligible(self.device, self.dtype, w.moe, self.arch.hidden)
+        if reason is None:
+            first = next(layer for layer in w.moe_layers if layer is not None)
+            try:
+                err = fast_moe.grouped_matches_loop(first, w.moe)
+                if not err < GROUPED_TOLERANCE:
+                    reason = f"a probe's grouped result differs from the loop's by {err:.3g} (relative)"
+            except Exception as e:  # noqa: BLE001 - a kernel that does not run here leaves the loop, which is correct
+                reason = f"torch._grouped_mm failed: {repr(e)[:500]}"
+        if reason is None:
+            self._forward.experts = fast_moe.experts_grouped
+            return "grouped"
+        self._forward.experts = fast_moe.experts_loop
+        if self.device.type == "cuda":      # on the CPU the loop is the path, nothing to say
+            log.info("moe_experts_loop", reason=reason)
+        return "loop"
 
     def _set_buckets(self) -> None:
         """Decode batch buckets, and span buckets: one (the whole slot) when the attention kernel
@@ -238,7 +284,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         expected = self._cache.nbytes if cuda else 0
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
         self._graphs.clear()
-        self._cache = self._logits = self._noise = None
+        self._cache = self._logits = self._noise = self._forward.decode_routed = None
         # a full gc.collect() costs ~0.4 s in a process full of compiled code: run it only when dropping
         # the references did not free the cache (something in a reference cycle still holds it)
         collected = cuda and before - torch.cuda.memory_allocated(self.device) < expected
@@ -266,8 +312,12 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
                                            device=self.device)
                 self._noise = torch.empty((rows, a.vocab), dtype=torch.float32, device=self.device)
+                moe = self._weights.moe
+                if moe is not None:    # each decode step's experts, per slot and MoE layer (a graph writes it)
+                    self._forward.decode_routed = torch.zeros((max(self._batch_buckets[-1], rows), len(moe.layers),
+                                                               moe.top_k), dtype=torch.int16, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
-            self._cache = self._logits = self._noise = None
+            self._cache = self._logits = self._noise = self._forward.decode_routed = None
             raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
                              f"does not fit in the memory free now; free memory first (a colocated trainer?) "
                              f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
@@ -371,17 +421,23 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         with torch.inference_mode():  # every tensor a step sees is an inference tensor: one set of compiled guards
             sampler = make_sampler(params, self._noise, gen, fused_greedy=self._greedy, fused_race=self._race)
             is_stop = stop_table(self._eos_ids | set(params.stop_token_ids), self._vocab_size, self.device)
-            out = CallOutputs(len(prompts), max(caps), self.device)
+            moe = self._weights.moe
+            out = CallOutputs(len(prompts), max(caps), self.device,
+                              None if moe is None else (len(moe.layers), moe.top_k, moe.n_experts))
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
             call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens)
             steps = self._run(call, epoch)
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
             watch.finish(tokens, lengths, reasons)
+        t_routed = time.perf_counter()
+        routed = out.routed_to_host(lengths) or [None] * len(prompts)
+        t_routed = time.perf_counter() - t_routed
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
-                               prefill_pieces=call.pieces, seconds=time.perf_counter() - t0)
-        return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version)
-                for t, lp, n, r in zip(tokens, logprobs, lengths, reasons)]
+                               prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
+                               routing_to_host_seconds=t_routed)
+        return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
+                for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
 
     def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
@@ -440,8 +496,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         if call.min_new_tokens:
             bar_stops(logits, st.ngen[:b] < call.min_new_tokens, call.is_stop)
         tokens, logprobs = call.sampler(logits)
+        routed = None if self._forward.decode_routed is None else self._forward.decode_routed[:b]
         still, n = advance(tokens, logprobs, st.active[:b], st.req[:b], st.ngen[:b], call.out, call.is_stop,
-                           call.cap_table)
+                           call.cap_table, routed)
         st.pos[:b] += still
         st.active[:b] = still
         st.ngen[:b] = n
@@ -479,7 +536,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             rows.append(([self.pad_token_id], len(call.prompts), self._scratch))
         ids, lens, reqs, slots = self._prefill_inputs(rows)
         call.prefills += 1
-        self._first_tokens(self._forward.prefill(ids, lens, slots, self._cache.layers), reqs, slots, lens, call)
+        logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
+        self._first_tokens(logits, reqs, slots, lens, call, self._forward.prefill_routed)
 
     def _piece(self, table: _Slots, step: int, call: _Call) -> None:
         """Prefill the next piece of the first long prompt being filled: its queries attend to the
@@ -503,18 +561,23 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             return
         table.filling.popleft()
         # the sampler sees two rows, the second (the scratch slot's) a copy: its kernels keep no size-1 dim
-        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call)
+        routed = self._forward.prefill_routed
+        if routed is not None:
+            routed = routed.expand(2, *routed.shape[1:])
+        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call, routed)
         table.start(slot, len(prompt), step, req, call.caps[req])
 
-    def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call) -> None:
-        """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot."""
+    def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call,
+                      routed: Tensor | None = None) -> None:
+        """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot
+        (`routed` [rows, MoE layers, k]: an MoE model's experts of each row's last prompt position)."""
         st = self._state
         st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
         if call.min_new_tokens:     # a first token is never a stop under min_new_tokens >= 1
             bar_stops(logits, torch.ones_like(reqs, dtype=torch.bool), call.is_stop)
         tokens, logprobs = call.sampler(logits)
         still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
-                           call.is_stop, call.cap_table)
+                           call.is_stop, call.cap_table, routed)
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
     def _prefill_inputs(self, rows: list[tuple[list[int], int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

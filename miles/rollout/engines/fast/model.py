@@ -20,7 +20,8 @@ The numerics follow transformers' Llama/Qwen2/Qwen3 modules (RMSNorm in float32 
 cos/sin in float32 then cast, residual adds in the model dtype), so an fp32 forward agrees with HF's
 to float rounding. The families differ only in optional pieces, each present or absent per model:
 q/k/v and o biases (Qwen2, Llama with attention_bias), per-head RMSNorm of q and k before RoPE
-(Qwen3's q_norm/k_norm), an untied lm_head, and RoPE scaling (Llama 3's `llama3`).
+(Qwen3's q_norm/k_norm), an untied lm_head, and RoPE scaling (Llama 3's `llama3`). Qwen3-MoE is Qwen3
+with experts in its sparse layers: their router and experts are `miles.rollout.engines.fast.moe`'s.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
+from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, check_layout, experts_loop, pack_moe_layer,
+                                            route, supports_moe)
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def rope_type(config) -> str:
@@ -53,10 +56,15 @@ def supports(config) -> str | None:
     """None when the fast forward implements this HF config; else the reason it does not."""
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
-        if kind == "qwen3_moe":
-            return ("model_type 'qwen3_moe' (mixture-of-experts) is not built in the fast engine yet (its grouped-matmul "
-                    "experts and routing capture: docs/moe.md)")
+        from miles.training.moe_checks import moe_kind
+
+        other_moe = moe_kind(config.to_dict())
+        if other_moe not in ("dense", "built"):     # another MoE family: named, with what it has that is not built
+            return other_moe
         return f"model_type {kind!r} is not implemented (fast path: {', '.join(FAMILIES)})"
+    moe_reason = supports_moe(config)
+    if moe_reason:
+        return moe_reason
     if rope_type(config) not in STATIC_ROPE_TYPES:
         return f"RoPE type {rope_type(config)!r} is not implemented (fast path: {', '.join(STATIC_ROPE_TYPES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -130,6 +138,9 @@ class PackedWeights:
     inv_freq: Tensor                # [head_dim / 2] float32
     rope_scale: float               # cos/sin multiplier (1.0 but for scaled RoPE types)
     named: dict[str, Tensor]        # HF name -> live tensor or view (what model_weights gives)
+    moe: MoeArch | None = None      # a mixture-of-experts model's expert shapes and routing (None: dense)
+    # per decoder layer, its router and experts (None for a dense layer, whose MLP is in `layers`)
+    moe_layers: list[MoeLayerWeights | None] | None = None
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -152,6 +163,12 @@ def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
         return t
 
     layers = [_pack_layer(src, named, f"model.layers.{i}.", arch, device) for i in range(arch.n_layers)]
+    moe = MoeArch.from_config(model.config)
+    if moe is not None:
+        check_layout(model, moe)
+    moe_layers = None if moe is None else [
+        pack_moe_layer(src, named, f"model.layers.{i}.", moe, arch.hidden, device) if i in moe.layers else None
+        for i in range(arch.n_layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = take("lm_head.weight") if "lm_head.weight" in src else embed
     norm = take("model.norm.weight")
@@ -162,7 +179,7 @@ def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
     rotary = model.model.rotary_emb
     return PackedWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                          inv_freq=rotary.inv_freq.detach().to(device, torch.float32),
-                         rope_scale=float(rotary.attention_scaling), named=named)
+                         rope_scale=float(rotary.attention_scaling), named=named, moe=moe, moe_layers=moe_layers)
 
 
 def _fuse(src: dict[str, Tensor], named: dict[str, Tensor], names: list[str], device) -> Tensor | None:
@@ -277,6 +294,16 @@ def out_mlp(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, 
     return x + F.linear(F.silu(gate) * up, down_w)
 
 
+def out_moe_route(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, router: Tensor,
+                  arch: Arch, moe: MoeArch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A sparse layer's `out_mlp` up to its experts: x [T, H], o [T, heads * head_dim] -> (x after the
+    attention's residual, its normed h [T, H], the routing weights [T, k] and experts [T, k])."""
+    x = x + F.linear(o, o_w, o_b)
+    h = rms_norm(x, ln2, arch.eps)
+    weights, ids = route(h, router, moe)
+    return x, h, weights, ids
+
+
 def final_logits(x: Tensor, w: PackedWeights, arch: Arch, out: Tensor | None = None) -> Tensor:
     """Logits [n, V] in the model dtype (as HF computes them) of hidden states x [n, H]."""
     h = rms_norm(x, w.norm, arch.eps)
@@ -327,13 +354,30 @@ class Forward:
 
     def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False):
         self.arch, self.weights, self.length_aware = arch, weights, length_aware
+        # a mixture-of-experts model (miles.rollout.engines.fast.moe): its experts' implementation (the
+        # engine picks the grouped one where it runs), the static [slots, MoE layers, k] buffer each decode
+        # step writes its experts into (graph-captured: the engine reads it after the step), and the last
+        # prefill's experts of each row's last position [n, MoE layers, k]
+        self.experts = experts_loop
+        self.decode_routed: Tensor | None = None
+        self.prefill_routed: Tensor | None = None
         self.use_compiled(compiled)
 
     def use_compiled(self, compiled: bool) -> None:
-        pieces = (decode_qkv, prefill_qkv, out_mlp)
+        pieces = (decode_qkv, prefill_qkv, out_mlp, out_moe_route)
         if compiled:
             pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype) for f in pieces)
-        (self._decode_qkv, self._prefill_qkv, self._out_mlp), self.compiled = pieces, compiled
+        (self._decode_qkv, self._prefill_qkv, self._out_mlp, self._out_moe_route), self.compiled = pieces, compiled
+
+    def _mlp(self, i: int, x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor,
+             gate_up_w: Tensor | None, down_w: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Layer i's output projection, residual and MLP (dense, or its experts): -> (x after the layer,
+        the experts each token was routed to [T, k], None for a dense layer)."""
+        sparse = None if self.weights.moe_layers is None else self.weights.moe_layers[i]
+        if sparse is None:
+            return self._out_mlp(x, o, o_w, o_b, ln2, gate_up_w, down_w, self.arch), None
+        x, h, weights, ids = self._out_moe_route(x, o, o_w, o_b, ln2, sparse.router, self.arch, self.weights.moe)
+        return x + self.experts(h, ids, weights, sparse), ids
 
     def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
                out: Tensor) -> None:
@@ -345,7 +389,9 @@ class Forward:
         cos, sin = rope_cos_sin(pos, w.inv_freq, w.rope_scale, x.dtype)
         if not self.length_aware:
             mask = additive_mask(torch.arange(span, device=pos.device) <= pos[:, None], x.dtype)[:, None, None, :]
-        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+        moe_layer = 0
+        for i, ((ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc)) in enumerate(
+                zip(w.layers, layers)):
             if self.compiled:
                 _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc))
             q = self._decode_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, cos, sin, pos, a)
@@ -356,7 +402,11 @@ class Forward:
             o = o.reshape(b, a.q_size)
             if self.compiled:
                 _dynamic((x, 0), (o, 0))
-            x = self._out_mlp(x, o, o_w, o_b, ln2, gate_up_w, down_w, a)
+            x, ids = self._mlp(i, x, o, o_w, o_b, ln2, gate_up_w, down_w)
+            if ids is not None:
+                if self.decode_routed is not None:
+                    self.decode_routed[:b, moe_layer] = ids
+                moe_layer += 1
         final_logits(x, w, a, out=out)
 
     def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]],
@@ -383,7 +433,11 @@ class Forward:
             mask = additive_mask(valid, x.dtype)[:, None]   # [n, 1, P, P]: causal, not padding
         else:
             mask = causal_lower_right(p, span)
-        for (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc) in zip(w.layers, layers):
+        last = lens - 1
+        rows = torch.arange(n, device=ids.device)
+        routed = []
+        for i, ((ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc)) in enumerate(
+                zip(w.layers, layers)):
             if self.compiled:
                 _dynamic((x, 0), (x, 1), (slots, 0), (pos, 0), (pos, 1), (cos, 0), (cos, 1), (sin, 0), (sin, 1),
                          *_cache_dims(kc, vc))
@@ -395,5 +449,9 @@ class Forward:
             flat = x.view(n * p, a.hidden)
             if self.compiled:
                 _dynamic((flat, 0), (o, 0))
-            x = self._out_mlp(flat, o, o_w, o_b, ln2, gate_up_w, down_w, a).view(n, p, a.hidden)
-        return final_logits(x[torch.arange(n, device=ids.device), lens - 1], w, a)
+            flat, experts = self._mlp(i, flat, o, o_w, o_b, ln2, gate_up_w, down_w)
+            x = flat.view(n, p, a.hidden)
+            if experts is not None:     # the experts of each row's last position: the one its logits come from
+                routed.append(experts.view(n, p, -1)[rows, last])
+        self.prefill_routed = torch.stack(routed, dim=1) if routed else None
+        return final_logits(x[rows, last], w, a)

@@ -90,19 +90,22 @@ def bar_stops(logits: Tensor, rows: Tensor, is_stop: Tensor) -> None:
 
 
 def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen: Tensor,
-            out: CallOutputs, is_stop: Tensor, caps: Tensor) -> tuple[Tensor, Tensor]:
+            out: CallOutputs, is_stop: Tensor, caps: Tensor, routed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Record each active slot's sampled token; -> (still active [b] bool, tokens generated [b]).
 
     All inputs are per slot [b]: `req` the request a slot serves, `ngen` the tokens it has
     generated so far; `is_stop` is `stop_table`'s [V], `caps` each request's max_new_tokens
-    [requests + 1] (the last: the spare row's). Inactive slots write only to the outputs' spare
-    row, so their (garbage) samples never reach a request.
+    [requests + 1] (the last: the spare row's); `routed` [b, MoE layers, k] (a mixture-of-experts
+    model's) the experts of the position whose logits sampled each token. Inactive slots write only to
+    the outputs' spare row, so their (garbage) samples never reach a request.
     """
     spare = out.lengths.shape[0] - 1
     row = torch.where(active, req, spare)
     col = torch.where(active, ngen, 0)
     out.tokens[row, col] = tokens
     out.logprobs[row, col] = logprobs
+    if routed is not None:
+        out.routed[row, col] = routed.to(out.routed.dtype)
     n = ngen + active.long()
     out.lengths[row] = n
     stopped = active & is_stop[tokens]
@@ -114,14 +117,31 @@ def advance(tokens: Tensor, logprobs: Tensor, active: Tensor, req: Tensor, ngen:
 class CallOutputs:
     """Per-request results of one generate call, on the device, plus one spare row for idle slots."""
 
-    def __init__(self, n_requests: int, max_new_tokens: int, device: torch.device):
+    def __init__(self, n_requests: int, max_new_tokens: int, device: torch.device,
+                 routing: tuple[int, int, int] | None = None):
+        """`routing` (MoE layers, k, experts) of a mixture-of-experts model: each token's experts are kept too."""
         rows = n_requests + 1
         self.tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)
         self.logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.reason = torch.zeros(rows, dtype=torch.long, device=device)
+        # [requests + 1, max_new_tokens, MoE layers, k]: one byte an id for up to 256 experts (Qwen3-MoE: 128),
+        # an eighth of int64's (256 requests x 8,192 tokens of Qwen3-30B-A3B's 48 x 8: 0.8 GB)
+        if routing is None:
+            self.routed = None
+        else:
+            layers, k, experts = routing
+            self.routed = torch.zeros((rows, max_new_tokens, layers, k), device=device,
+                                      dtype=torch.uint8 if experts <= 256 else torch.int16)
 
     def to_host(self) -> tuple[list[list[int]], list[list[float]], list[int], list[int]]:
         """(tokens, logprobs, lengths, reasons) of the real requests: one device sync."""
         return (self.tokens[:-1].tolist(), self.logprobs[:-1].tolist(), self.lengths[:-1].tolist(),
                 self.reason[:-1].tolist())
+
+    def routed_to_host(self, lengths: list[int]) -> list[list[list[list[int]]]] | None:
+        """Each request's experts [its length][MoE layers][k] (Generation.routed_experts); None for a dense model."""
+        if self.routed is None:
+            return None
+        host = self.routed[:-1].cpu().numpy()     # one copy; numpy's tolist is far faster than a tensor's
+        return [host[i, :n].tolist() for i, n in enumerate(lengths)]

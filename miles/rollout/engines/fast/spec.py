@@ -1,4 +1,4 @@
-"""FastEngine's spec: our own Llama/Qwen2 forward, KV cache and CUDA graphs (eager on CPU)."""
+"""FastEngine's spec: our own Llama/Qwen2/Qwen3/Qwen3-MoE forward, KV cache and CUDA graphs (eager on CPU)."""
 
 from __future__ import annotations
 
