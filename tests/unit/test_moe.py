@@ -304,7 +304,7 @@ def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
     assert any(p.startswith("--trainer-compile with --hf-checkpoint") for p in problems)
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))
     assert any("--rollout-engine sglang: the engine's routed-experts capture" in p
-               and p.endswith("use --rollout-engine embedded") for p in problems)
+               and p.endswith("use --rollout-engine embedded / fast") for p in problems)
     dense = make_tiny_model(tmp_path / "dense")
     problems = problems_of(argv(dense, data, "--use-rollout-routing-replay", "--moe-aux-loss-coeff", "0.01"))
     assert any(p.startswith("--use-rollout-routing-replay, --moe-aux-loss-coeff: --hf-checkpoint") and

@@ -90,4 +90,4 @@ SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options
                   defaults={"max_batch_size": MAX_BATCH_SIZE, "mem_fraction": MEM_FRACTION,
                             "chunked_prefill_size": CHUNKED_PREFILL_SIZE},
                   weights_on_release="kept",  # updates copy into them in place (the captured graphs stay valid)
-                  routing_replay=False)       # no MoE model here (its experts and routing capture: docs/moe.md)
+                  routing_replay=True)        # Qwen3-MoE: each sampled token's experts (miles.rollout.engines.fast.moe)
