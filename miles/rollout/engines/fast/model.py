@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
+from miles.weights.fp8 import linear
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
@@ -135,9 +136,13 @@ class PackedWeights:
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
+def pack_weights(model, arch: Arch, device: torch.device, *, fp8: bool = False,
+                 fp8_source: dict[str, Tensor] | None = None) -> PackedWeights:
     """Fused copies of `model`'s weights on `device` (same dtype), plus HF-named views into them.
 
+    `fp8` (--rollout-quantization fp8): the decoder's Linear weights become `QuantWeight`s (e4m3 and
+    128 x 128 block scales, `miles.weights.fp8`), quantized from the model's, or taken as they are from
+    `fp8_source` (an FP8 checkpoint's tensors); their scales are named `<weight name>_scale_inv`.
     Raises ValueError naming any HF parameter this forward would not use (the model must not
     silently lose weights).
     """
@@ -152,6 +157,10 @@ def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
         return t
 
     layers = [_pack_layer(src, named, f"model.layers.{i}.", arch, device) for i in range(arch.n_layers)]
+    if fp8:
+        from miles.weights.fp8 import fp8_layer
+        layers = [fp8_layer(layer, f"model.layers.{i}.", src, fp8_source, named, device)
+                  for i, layer in enumerate(layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = take("lm_head.weight") if "lm_head.weight" in src else embed
     norm = take("model.norm.weight")
@@ -235,15 +244,15 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
                arch: Arch) -> Tensor:
     """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
     b = x.shape[0]
-    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+    q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = head_norm(q.view(b, arch.n_heads, arch.head_dim), q_norm, arch.eps)
     k = head_norm(k.view(b, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
     q = apply_rope(q, cos[:, None], sin[:, None])
     k = apply_rope(k, cos[:, None], sin[:, None])
     rows = torch.arange(b, device=x.device)
-    kc[rows, :, pos] = k
-    vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim)
+    kc[rows, :, pos] = k.to(kc.dtype)     # an FP8 cache (--kv-cache-dtype fp8_e4m3) stores e4m3, scale 1
+    vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim).to(vc.dtype)
     # the query heads that share a KV head become that head's "query positions": plain multi-head
     # attention with no K/V repeat, reading the cache once
     return q.view(b, arch.n_kv_heads, arch.group, arch.head_dim)
@@ -256,7 +265,7 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     every query head; K/V of row i written at positions pos[i] of cache slot slots[i]. cos, sin
     [n, P, head_dim] are pos's RoPE."""
     n, p = x.shape[:2]
-    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+    q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = head_norm(q.view(n, p, arch.n_heads, arch.head_dim), q_norm, arch.eps)
     k = head_norm(k.view(n, p, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
@@ -264,17 +273,17 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     # advanced indices on dims 0 and 2 put their [n, P] dims first: [n, P, kv_heads, head_dim]
-    kc[slots[:, None], :, pos] = k.transpose(1, 2)
-    vc[slots[:, None], :, pos] = v.transpose(1, 2)
+    kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)
+    vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
     return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
 
 
 def out_mlp(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, gate_up_w: Tensor,
             down_w: Tensor, arch: Arch) -> Tensor:
     """x [T, H] (residual stream), o [T, heads * head_dim] (attention output) -> x after the layer."""
-    x = x + F.linear(o, o_w, o_b)
-    gate, up = F.linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w)
+    x = x + linear(o, o_w, o_b)
+    gate, up = linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down_w)
 
 
 def final_logits(x: Tensor, w: PackedWeights, arch: Arch, out: Tensor | None = None) -> Tensor:
@@ -389,7 +398,7 @@ class Forward:
                          *_cache_dims(kc, vc))
             q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, pos, cos, sin, a)
             if starts is not None:   # this piece's K/V is in the cache now, after the earlier pieces'
-                k, v = (c[slots, :, :span].repeat_interleave(a.group, dim=1) for c in (kc, vc))
+                k, v = (c[slots, :, :span].to(x.dtype).repeat_interleave(a.group, dim=1) for c in (kc, vc))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)
             flat = x.view(n * p, a.hidden)
