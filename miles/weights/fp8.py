@@ -194,8 +194,9 @@ def dequantize_state_dict(weights: Mapping[str, Tensor], dtype: torch.dtype) -> 
 
 class Fp8Weights(Mapping):
     """A lazy view of a weight mapping with its decoder Linear weights quantized (`quantize_state_dict`'s
-    names, order and dtypes), for the weight sync's bucket plan and fill: iterating gives meta tensors
-    of the right shapes and dtypes (the base is not read); indexing a weight quantizes the base's tensor
+    names, order and dtypes), for the weight sync's bucket plan and fill: `items()` gives meta tensors
+    of the right shapes and dtypes (the base is not read: what `plan_buckets` needs; `materialize()`
+    gives the tensors); indexing a weight quantizes the base's tensor
     (which for the FSDP trainer is a collective gather) cast to `dtype`, the engine's (so every trainer
 quantizes the same values), indexing its scale reuses that quantization.
     Every rank indexes the same names in the same order, so the collectives line up."""
@@ -229,6 +230,15 @@ quantizes the same values), indexing its scale reuses that quantization.
                 yield name, torch.empty(shape, dtype=FP8, device="meta")
             else:
                 yield name, torch.empty(shape, dtype=dtype, device="meta")
+
+    def materialize(self) -> dict[str, Tensor]:
+        """{name: tensor} of every entry (quantizing each Linear weight once), in order."""
+        return {name: self[name] for name in self}
+
+    def take_part(self, names: list[str]) -> None:
+        """Index `names` and keep nothing: a rank's share of the gathers behind a bucket another rank fills."""
+        for name in names:
+            _ = self[name]
 
     def _quantized(self, name: str) -> tuple[Tensor, Tensor]:
         if self._last is None or self._last[0] != name:
@@ -374,3 +384,16 @@ def as_quantized(weights: Mapping[str, Tensor], dtype: torch.dtype) -> Mapping[s
     if any(n.endswith(SCALE_SUFFIX) for n in weights):
         return weights
     return quantize_state_dict({n: t.detach().to(dtype) if t.is_floating_point() else t for n, t in weights.items()})
+
+
+def quantized_part(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The e4m3 Linear weights of an FP8 weight dict and their scales (the rest left out)."""
+    return {n: t for n, t in weights.items()
+            if is_quantized_name(n) or (n.endswith(SCALE_SUFFIX) and is_quantized_name(n[:-len(SCALE_SUFFIX)]))}
+
+
+def engine_quantization(quantization: str | None, hf_checkpoint: str | Path) -> str | None:
+    """--rollout-quantization resolved: "fp8" or None; unset (None) follows the checkpoint (FP8 stays FP8)."""
+    if quantization is None:
+        return "fp8" if is_fp8_checkpoint(hf_checkpoint) else None
+    return None if quantization == "none" else quantization

@@ -24,6 +24,15 @@ assert tuple(ENGINES) == ENGINE_NAMES, "the flag's choices are the registry's na
 
 
 @check
+def _precision(cfg: RunConfig, problems: list[str]) -> None:
+    """--kv-cache-dtype fp8_e4m3 needs an engine with its own KV cache (fast; SGLang's servers take it too)."""
+    r = cfg.rollout
+    if r.kv_cache_dtype != "auto" and r.engine == "embedded" and cfg.model.device == "cpu":
+        problems.append(f"--kv-cache-dtype {r.kv_cache_dtype}: the embedded engine keeps transformers' KV cache in "
+                        "--dtype; use --rollout-engine fast (its own cache, FP8 emulated on the CPU) or drop the flag")
+
+
+@check
 def _engines(cfg: RunConfig, problems: list[str]) -> None:
     for engine in ENGINES.values():             # each checks its own flags, picked or not
         if engine.check is not None:

@@ -109,8 +109,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
         self.chunked_prefill_size = chunked_prefill_size
-        if quantization not in (None, "fp8"):
-            raise ValueError(f"quantization {quantization!r}: use None or 'fp8'")
+        if quantization not in (None, "none", "fp8"):
+            raise ValueError(f"quantization {quantization!r}: use 'fp8', 'none' or None (as the checkpoint is stored)")
+        quantization = fp8.engine_quantization(quantization, model_path)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
         self.quantization, self.kv_cache_dtype_name = quantization, kv_cache_dtype
