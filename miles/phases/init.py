@@ -338,7 +338,8 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
     from miles.phases.weights import fp8_engines
 
     fp8 = fp8_engines(ctx)          # FP8 engines: the buckets carry e4m3 Linear weights and their scales
-    count = await ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size, fp8)
+    count = await (ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size, True) if fp8
+                   else ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size))
     ctx.c.ipc_weights = IpcWeights(ctx.c.trainer.handle, count)
     add(ctx.c.ipc_weights)
     ctx.tracer.emit("weight_transport", transport="cuda_ipc", buckets=count, dtype=str(dtype), fp8=fp8,

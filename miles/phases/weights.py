@@ -80,7 +80,8 @@ def fp8_engines(ctx: TrainingContext) -> bool:
 
 async def _push_object_store(ctx: TrainingContext, version: int) -> None:
     fp8_dtype = await ctx.c.engines[0].handle.weights_dtype.remote() if fp8_engines(ctx) else None
-    weights = ctx.c.trainer.handle.weights.remote(fp8_dtype)
+    trainer = ctx.c.trainer.handle
+    weights = trainer.weights.remote(fp8_dtype) if fp8_dtype is not None else trainer.weights.remote()
     await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
 
 
@@ -94,7 +95,9 @@ async def _push_ipc(ctx: TrainingContext, ipc: IpcWeights, version: int) -> None
 
 async def _expected_checksum(ctx: TrainingContext) -> str:
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()   # compare in the engines' dtype (bf16 on GPU)
-    return await ctx.c.trainer.handle.weights_checksum.remote(dtype, fp8_engines(ctx))
+    if fp8_engines(ctx):        # what an FP8 engine holds: the trainer's weights quantized as its buckets carry them
+        return await ctx.c.trainer.handle.weights_checksum.remote(dtype, True)
+    return await ctx.c.trainer.handle.weights_checksum.remote(dtype)
 
 
 async def _read_back(ctx: TrainingContext, version: int, checksum: str | None, *, when: str) -> None:
