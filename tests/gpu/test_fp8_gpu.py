@@ -57,7 +57,9 @@ def _greedy(quantization, kv_cache_dtype, prompts, max_new_tokens=8, **kw):
                         kv_cache_dtype=kv_cache_dtype, **kw)
     try:
         gens = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        return [g.response_ids for g in gens], dict(engine.last_stats), engine
+        paths = dict(graphs=engine._graphs.enabled, compiled=engine._forward.compiled,
+                     length_aware=engine._forward.length_aware)
+        return [g.response_ids for g in gens], dict(engine.last_stats), paths
     finally:
         engine.dispose()
 
@@ -76,10 +78,10 @@ def bf16_answers(prompts):
 
 @pytest.mark.parametrize("quantization,kv", [("fp8", "auto"), (None, "fp8_e4m3"), ("fp8", "fp8_e4m3")])
 def test_fast_engine_fp8_greedy_agrees_with_bf16(prompts, bf16_answers, quantization, kv):
-    answers, stats, engine = _greedy(quantization, kv, prompts)
+    answers, stats, paths = _greedy(quantization, kv, prompts)
     assert stats["fp8_kernel"] == (fp8.kernel() if quantization else None)
     assert stats["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv != "auto" else "torch.bfloat16")
-    assert engine._graphs.enabled and engine._forward.compiled, "CUDA graphs / torch.compile fell back"
+    assert paths["graphs"] and paths["compiled"], "CUDA graphs / torch.compile fell back (see the log)"
     same = sum(a == b for a, b in zip(answers, bf16_answers)) / len(answers)
     print(f"{quantization} kv={kv}: greedy answers equal to bf16's on {same:.1%} ({stats['fp8_kernel']})")
     assert same >= 0.9
@@ -87,8 +89,8 @@ def test_fast_engine_fp8_greedy_agrees_with_bf16(prompts, bf16_answers, quantiza
 
 def test_fp8_kv_cache_with_attention_kernel(prompts, bf16_answers):
     """The length-aware Triton kernel reads the e4m3 cache (its check against SDPA passed, so it ran)."""
-    answers, _, engine = _greedy(None, "fp8_e4m3", prompts)
-    assert engine._forward.length_aware, "the attention kernel was refused for the FP8 cache"
+    answers, _, paths = _greedy(None, "fp8_e4m3", prompts)
+    assert paths["length_aware"], "the attention kernel was refused for the FP8 cache (see the log)"
     sdpa, _, _ = _greedy(None, "fp8_e4m3", prompts, attention_kernel=False)
     assert sum(a == b for a, b in zip(answers, sdpa)) / len(answers) >= 0.95
 

@@ -175,6 +175,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             source = fp8.read_checkpoint_tensors(model_path)
         self._weights = pack_weights(model, self.arch, self.device, fp8=self.quantization == "fp8",
                                      fp8_source=source)
+        if self.quantization == "fp8" and self.device.type == "cuda":
+            torch.cuda.empty_cache()   # the bf16 copies it replaced: the KV cache plan reads the driver's free memory
         del model
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
