@@ -283,3 +283,23 @@ def test_help_recommends_tis_and_startup_warns_without_it(tmp_path, capsys):
     assert "--use-tis" in fp8_warning(cfg)
     assert fp8_warning(parse_flags(base(tmp_path) + ["--rollout-quantization", "fp8", "--use-tis"])[0]) is None
     assert fp8_warning(parse_flags(base(tmp_path))[0]) is None
+
+
+def test_fp8_checkpoints_this_build_cannot_read_are_refused_before_start(tmp_path, fp8_checkpoint):
+    import shutil
+
+    other = tmp_path / "blocks64"
+    shutil.copytree(fp8_checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (other / "config.json").write_text(json.dumps(config))
+
+    def argv(model):
+        a = base(tmp_path)
+        a[a.index("--hf-checkpoint") + 1] = str(model)
+        return a
+
+    assert any("weight_block_size [64, 64]" in p for p in _problems(argv(other)))
+    assert any("megatron backend does not read FP8" in p
+               for p in _problems(argv(fp8_checkpoint) + ["--train-backend", "megatron"]))
+    assert parse_flags(argv(fp8_checkpoint))[0].model.hf_checkpoint == str(fp8_checkpoint)

@@ -120,6 +120,8 @@ class FSDPTrainer:
         path.mkdir(parents=True, exist_ok=True)
         config = AutoConfig.from_pretrained(self._model_path)
         config.dtype = torch.float32
+        if getattr(config, "quantization_config", None) is not None:   # an FP8 checkpoint's: the export is float32
+            del config.quantization_config
         config.save_pretrained(str(path))
         save_file({n: t.contiguous() for n, t in weights.items()}, str(path / HF_WEIGHTS_FILE), metadata={"format": "pt"})
         load_tokenizer(self._model_path).save_pretrained(str(path))
