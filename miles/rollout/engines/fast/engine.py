@@ -142,7 +142,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)
         self._snapshot = Snapshot(max_batch_size + 1, self.device)
-        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda,
+        variant = ("_fp8" if self.quantization == "fp8" else "") + ("_kv8" if self.cache_dtype != self.dtype else "")
+        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda, variant=variant,
                                 length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
                                                                                         self.device))
         self._set_buckets()

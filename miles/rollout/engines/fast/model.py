@@ -307,13 +307,14 @@ def _cache_dims(kc: Tensor, vc: Tensor) -> tuple[tuple[Tensor, int], ...]:
 COMPILE_BACKEND = "inductor"   # a unit test swaps in "eager": dynamo's guards and recompiles are the same
 
 
-def compile_for(fn, arch: Arch, dtype: torch.dtype):
-    """`torch.compile(fn, fullgraph=True)`, one per (fn, arch, dtype) in a process: see `_compile_isolated`."""
-    return _compile_isolated(fn, arch, dtype, COMPILE_BACKEND)
+def compile_for(fn, arch: Arch, dtype: torch.dtype, variant: str = ""):
+    """`torch.compile(fn, fullgraph=True)`, one per (fn, arch, dtype, variant) in a process: see
+    `_compile_isolated` (`variant`: FP8 weights or KV cache, whose inputs differ in structure or dtype)."""
+    return _compile_isolated(fn, arch, dtype, COMPILE_BACKEND, variant)
 
 
 @lru_cache(maxsize=None)
-def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str):
+def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str, variant: str = ""):
     # Dynamo keeps its compiled variants of a function, and counts them against recompile_limit
     # (8), per *code object*. Shared by every engine of a process, a piece gathers a variant per
     # model and dtype (qwen2 then llama, fp32 and bf16: each changes the guards) until the limit
@@ -323,7 +324,7 @@ def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str):
     # differ only in dims marked dynamic. torch >= 2.12 offers this as torch.compile(...,
     # isolate_recompiles=True); the copy works on every version we support.
     tag = (f"{str(dtype).removeprefix('torch.')}_{arch.n_layers}x{arch.hidden}_{arch.n_heads}q"
-           f"{arch.n_kv_heads}kv{arch.head_dim}_{arch.vocab}")
+           f"{arch.n_kv_heads}kv{arch.head_dim}_{arch.vocab}{variant}")
     name = f"{fn.__name__}__{tag}"
     copy = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
                               fn.__defaults__, fn.__closure__)
@@ -334,14 +335,15 @@ class Forward:
     """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled, and
     decode attention by the stock call over a span bucket or by the length-aware kernel."""
 
-    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False):
-        self.arch, self.weights, self.length_aware = arch, weights, length_aware
+    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False,
+                 variant: str = ""):
+        self.arch, self.weights, self.length_aware, self.variant = arch, weights, length_aware, variant
         self.use_compiled(compiled)
 
     def use_compiled(self, compiled: bool) -> None:
         pieces = (decode_qkv, prefill_qkv, out_mlp)
         if compiled:
-            pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype) for f in pieces)
+            pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype, self.variant) for f in pieces)
         (self._decode_qkv, self._prefill_qkv, self._out_mlp), self.compiled = pieces, compiled
 
     def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
