@@ -152,7 +152,7 @@ def test_fast_engine_fp8_emulation_agrees_with_its_unquantized_greedy_answers():
 
     prompts = _eval_prompts(100)
     answers, logprobs = {}, {}
-    for q, kv in ((None, "auto"), ("fp8", "auto"), (None, "fp8_e4m3"), ("fp8", "fp8_e4m3")):
+    for q, kv in ((None, "auto"), ("fp8", "auto"), ("fp8", "fp8_e4m3")):      # (None, "fp8_e4m3") too for the doc
         engine = FastEngine(str(DEMO), device="cpu", max_batch_size=256, max_context_len=32, quantization=q,
                             kv_cache_dtype=kv)
         answers[(q, kv)], logprobs[(q, kv)] = _greedy_answers(engine, prompts)
