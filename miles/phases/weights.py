@@ -74,8 +74,8 @@ def fp8_engines(ctx: TrainingContext) -> bool:
     from miles.weights.fp8 import engine_quantization
 
     cfg = ctx.cfg
-    return ctx.backends.engine_name != "sglang" and \
-        engine_quantization(cfg.rollout.quantization, cfg.model.hf_checkpoint) == "fp8"
+    engine = ctx.backends.engine_name if ctx.backends is not None else cfg.rollout.engine
+    return engine != "sglang" and engine_quantization(cfg.rollout.quantization, cfg.model.hf_checkpoint) == "fp8"
 
 
 async def _push_object_store(ctx: TrainingContext, version: int) -> None:
