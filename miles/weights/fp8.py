@@ -92,7 +92,7 @@ def on_grid(w: Tensor, block: int = BLOCK) -> bool:
 def quantize_activations(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Tensor]:
     """x [M, K] (K a multiple of `group`) -> (e4m3 [M, K], float32 scales [M, K/group]), per token and group."""
     m, k = x.shape
-    xg = x.float().view(m, k // group, group)
+    xg = x.float().reshape(m, k // group, group)
     scale = xg.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
     return (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k), scale
 
