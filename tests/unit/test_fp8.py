@@ -259,6 +259,9 @@ def test_flags_and_their_sglang_spellings(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         parse_flags(base(tmp_path) + ["--kv-cache-dtype", "fp8_e5m2"])
     assert exit_info.value.code == 2
+    (tmp_path / "run.yaml").write_text("kv-cache-dtype: fp8_e5m2\nrollout-quantization: int4\n")
+    assert {p.split(":")[0] for p in _problems(base(tmp_path) + ["--config", str(tmp_path / "run.yaml")])} >= \
+        {"--kv-cache-dtype fp8_e5m2", "--rollout-quantization int4"}
 
 
 def test_sglang_servers_get_the_flags_as_theirs(tmp_path):

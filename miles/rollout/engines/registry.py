@@ -38,6 +38,11 @@ def _quantization_config(path: str) -> dict:
 def _precision(cfg: RunConfig, problems: list[str]) -> None:
     """--kv-cache-dtype fp8_e4m3 needs an engine with its own KV cache (fast; SGLang's servers take it too)."""
     r = cfg.rollout
+    # the flags' choices, for values from a --config file (argparse checks the command line's)
+    if r.quantization not in (None, "none", "fp8"):
+        problems.append(f"--rollout-quantization {r.quantization}: use fp8 or none")
+    if r.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        problems.append(f"--kv-cache-dtype {r.kv_cache_dtype}: use auto or fp8_e4m3 (scale 1; docs/fp8.md)")
     q = _quantization_config(cfg.model.hf_checkpoint)
     if q and (q.get("quant_method") != "fp8" or q.get("weight_block_size") != [128, 128]):
         problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: quantization_config {q.get('quant_method')!r} with "
