@@ -113,11 +113,22 @@ def linear(x: Tensor, w: Tensor | QuantWeight, b: Tensor | None = None) -> Tenso
     """F.linear(x, w, b) for a plain weight; the FP8 product for a QuantWeight (see the module)."""
     if not isinstance(w, QuantWeight):
         return F.linear(x, w, b)
-    if _KERNEL == "scaled_mm_blockwise" and x.shape[-1] % BLOCK == 0 and (_PAD_OK or x.shape[-1] % (4 * BLOCK) == 0):
-        out = _blockwise(x.reshape(-1, x.shape[-1]), w.weight, w.scale, x.dtype, _API)
-        out = out.view(*x.shape[:-1], w.weight.shape[0])
-        return out if b is None else out + b
+    return _PRODUCT(x, w, b)
+
+
+def _dequant_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
     return F.linear(x, dequantize_blocks(w.weight, w.scale, x.dtype), b)
+
+
+def _gemm_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
+    k = x.shape[-1]
+    if k % BLOCK or not (_PAD_OK or k % (4 * BLOCK) == 0):     # a shape the probed GEMM does not take
+        return _dequant_product(x, w, b)
+    out = _blockwise(x.reshape(-1, k), w.weight, w.scale, x.dtype, _API).view(*x.shape[:-1], w.weight.shape[0])
+    return out if b is None else out + b
+
+
+_PRODUCT = _dequant_product     # select_kernel's choice
 
 
 def _blockwise(x: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str | None) -> Tensor:
@@ -141,8 +152,8 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Pick the FP8 product for this process (module docstring) and return `kernel()`. The block-scaled
     GEMM is taken only on CUDA >= 9.0 in bf16/fp16, and only when a probe of it agrees with the
     dequantized product (relative error under 3%: activation quantization's own error is ~1-2%)."""
-    global _KERNEL, _API, _PAD_OK
-    _KERNEL, _API, _PAD_OK = "dequant_matmul", None, False
+    global _KERNEL, _API, _PAD_OK, _PRODUCT
+    _KERNEL, _API, _PAD_OK, _PRODUCT = "dequant_matmul", None, False, _dequant_product
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return kernel()
     if torch.cuda.get_device_capability(device) < (9, 0):
@@ -151,6 +162,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
     for api in apis:
         if _probe(device, dtype, api, k=512):
             _KERNEL, _API, _PAD_OK = "scaled_mm_blockwise", api, _probe(device, dtype, api, k=384)
+            _PRODUCT = _gemm_product
             break
     return kernel()
 
