@@ -4,7 +4,8 @@
 # stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
 # megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
 # wgrad (wgrad_accum_gpu.py: the float32 gradient accumulation fused into the matmul or not), mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), enginecaps (engine_caps.py at
-# the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
+# the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fp8 (fp8_rollout_gpu.py:
+# bf16, FP8 weights, FP8 KV, both; FP8_ARGS adds arguments, FP8_S bounds it), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
 # (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
 # SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
 # files make go to $OUT. gpuP (tests/gpu in three parallel lanes, GPUP_S bounds each) and gpuS (the files that read the
@@ -27,7 +28,7 @@ LANE1="tests/gpu/test_megatron_gpu.py tests/gpu/test_fp16_and_async_save_gpu.py 
 LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py tests/gpu/test_moe_gpu.py"
 LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
        tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py
-       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py"
+       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py tests/gpu/test_fp8_gpu.py"
 # read the GPU's free or used memory, or fill it (the memory plan's 4B and 8B layer shapes): alone
 SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/test_memory_plan_gpu.py"
 collect_scale() {     # $1: the workload; its JSON, log, the run's logs and trace into $OUT
@@ -83,6 +84,8 @@ for step in "$@"; do
             --side-timeout-s $((${BASEBENCH_S:-150} - 10)) --out /tmp/bb-$side > $OUT/basebench-$side.json 2> $OUT/basebench-$side.log)
           echo "--- $side rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})" $OUT/basebench-$side.json 2>&1 | tail -3
         done ;;
+    fp8) timeout ${FP8_S:-570} python3 scripts/bench/fp8_rollout_gpu.py --out $OUT/fp8.json ${FP8_ARGS:-} > /tmp/fp8.log 2>&1
+        echo "rc=$?"; cp /tmp/fp8.log $OUT/; tail -c 2500 /tmp/fp8.log; cat $OUT/fp8.json 2>/dev/null | tail -c 5000 ;;
     enginecaps) timeout ${CAPS_S:-150} python3 scripts/bench/engine_caps.py --prompts 256 --max-cap 512 --distinct 64 \
         --out $OUT/engine_caps.json > /tmp/caps.log 2>&1; echo "rc=$?"; tail -c 2500 /tmp/caps.log ;;
   esac

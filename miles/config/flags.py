@@ -168,6 +168,15 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-chunked-prefill-size", "rollout", "chunked_prefill_size", int,
        f"FastEngine: a prompt longer than this is prefilled in pieces of this many tokens, one piece per decode "
        "step of the running sequences (SGLang's --chunked-prefill-size; default: {engines[fast][chunked_prefill_size]})"),
+    _f("rollout-quantization", "rollout", "quantization", str,
+       "the engines' weights: fp8 = the decoder's Linear weights in float8 e4m3 with 128x128 block scales (FP8 GEMMs "
+       "on Hopper, emulated elsewhere; docs/fp8.md), synced from the bf16/fp32 trainer as FP8; none = --dtype "
+       "(default: as --hf-checkpoint is stored: an FP8 checkpoint stays FP8). Also spelled --sglang-quantization fp8. "
+       "Add --use-tis: it corrects for the train/rollout gap FP8 widens", ("none", "fp8")),
+    _f("kv-cache-dtype", "rollout", "kv_cache_dtype", str,
+       "FastEngine's KV cache: auto (the compute dtype) or fp8_e4m3 (scale 1, half the bytes: more sequences and "
+       "faster long answers; docs/fp8.md); SGLang's flag, also spelled --sglang-kv-cache-dtype. Add --use-tis",
+       ("auto", "fp8_e4m3")),
     # -- custom and multi-turn rollouts, tools, remote rewards, engine health ------------------------
     _f("custom-generate-function-path", "generate", "custom_generate_function_path", str,
        "generate each sample with async fn(ctx, sample, sampling_params) -> Sample (module:fn or file.py:fn); "
@@ -960,6 +969,7 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None, *,
         elif flag.kind == "eval_config":
             value = load_eval_config(str(value), problems)
         sections[flag.section][flag.field] = value
+    _own_engine_precision(sections, problems)
     for name in REQUIRED:
         flag = next(f for f in FLAGS if f.name == name)
         if flag.field not in sections[flag.section]:
@@ -970,6 +980,41 @@ def build_config(values: dict[str, Any], problems: list[str] | None = None, *,
     cfg = _schedule_defaults(RunConfig(**built, **sections["run"]))
     validate(cfg)
     return cfg
+
+
+# SGLang's spellings of the rollout precision (miles' launch scripts pass --sglang-quantization fp8): for the
+# embedded and fast engines they are --rollout-quantization / --kv-cache-dtype; SGLang servers keep them as they are
+_SGLANG_PRECISION = {"--quantization": ("quantization", ("fp8",), "--rollout-quantization"),
+                     "--kv-cache-dtype": ("kv_cache_dtype", ("auto", "fp8_e4m3"), "--kv-cache-dtype")}
+
+
+def _own_engine_precision(sections: dict[str, dict[str, Any]], problems: list[str]) -> None:
+    import importlib
+
+    rollout, sglang = sections["rollout"], sections["sglang"]
+    if not sglang.get("server_args"):
+        return
+    engines = importlib.import_module("miles.rollout.engines.registry").ENGINES   # by name: config imports nothing above
+    engine = engines.get(rollout.get("engine", "embedded"))
+    if engine is None or engine.quantizes_own_weights:      # an unknown name: the flag's choices say so
+        return
+    args, kept = list(sglang["server_args"]), []
+    while args:
+        flag = args.pop(0)
+        if flag not in _SGLANG_PRECISION:
+            kept.append(flag)
+            continue
+        field, values, own = _SGLANG_PRECISION[flag]
+        value = args.pop(0) if args and not args[0].startswith("--") else None
+        if value not in values:
+            problems.append(f"--sglang{flag[1:]} {value}: the {rollout.get('engine', 'embedded')} engine takes "
+                            f"{' or '.join(values)} there (its own flag: {own}); other values need --rollout-engine "
+                            f"sglang")
+        elif rollout.get(field, value) != value:
+            problems.append(f"--sglang{flag[1:]} {value} contradicts {own} {rollout[field]}; give one of them")
+        else:
+            rollout[field] = value
+    sglang["server_args"] = tuple(kept)
 
 
 CUSTOM_CONFIG_FLAG = "--custom-config-path"

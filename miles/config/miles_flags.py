@@ -54,8 +54,9 @@ REFUSED: dict[str, str] = {
                                     "checksum of all of them: drop it",
     "check-weight-update-skip-list": "weights --check-weight-update-equal skips; here it compares a checksum of "
                                      "all of them: drop it",
-    "check-weight-update-allow-quant-error": f"tolerance for quantized engines in the weight check; {NOT_YET} "
-                                             "(engines hold exact copies here)",
+    "check-weight-update-allow-quant-error": "tolerance for quantized engines in the weight check; here an FP8 "
+                                             "engine (--rollout-quantization fp8) is checked exactly against the "
+                                             "trainer's quantized weights (the same e4m3 bytes, scales): drop it",
     # -- placement and engines --------------------------------------------------------------------
     "critic-num-nodes": f"nodes for the critic; {NOT_YET}: PPO's critic runs on the trainer's GPUs, one rank beside "
                         "each policy rank (--actor-num-nodes x --actor-num-gpus-per-node): drop it",
@@ -135,9 +136,9 @@ REFUSED: dict[str, str] = {
     "offload-rollout-level": f"what engine memory is offloaded; {NOT_YET}: --offload-rollout frees the KV cache",
     "offload-train-target": f"offload the trainer to cpu or disk; {NOT_YET}: --offload-train moves it to host memory",
     "offload-train-disk-dir": f"the trainer's disk-offload folder; {NOT_YET}: --offload-train moves it to host memory",
-    **{f"extra-high-precision-layers-{side}": f"{side} weight names left unquantized when miles quantizes the weights "
-                                               f"it sends to FP8/INT4 engines; {NOT_YET}: the engines get the trainer's "
-                                               f"weights in --dtype: drop it" for side in ("hf", "megatron")},
+    **{f"extra-high-precision-layers-{side}": f"{side} weights kept unquantized for FP8 engines; here "
+                                               f"--rollout-quantization fp8 quantizes only the decoder's Linear "
+                                               f"weights, a fixed rule (docs/fp8.md): drop it" for side in ("hf", "megatron")},
     "stream-optimizer-state-to-disk": f"streams optimizer state to disk; {NOT_YET}",
     "rematerialize-param-from-master-weight": f"rebuilds bf16 params from fp32 master weights; {NOT_YET}",
     # -- checkpoints and eval --------------------------------------------------------------------------

@@ -150,6 +150,10 @@ class RolloutConfig:
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
     chunked_prefill_size: int | None = None  # --rollout-chunked-prefill-size: FastEngine's prefill piece (None: its own)
+    # --rollout-quantization (miles' --fp8-rollout; SGLang's --quantization): fp8 = the engines' decoder Linear
+    # weights in e4m3 with 128x128 block scales; none; None: as --hf-checkpoint is stored (an FP8 one stays FP8)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"        # --kv-cache-dtype: FastEngine's KV cache, auto (the compute dtype) | fp8_e4m3
     # rewards beyond --rm-type / --custom-rm-path
     rm_url: str | None = None           # --rm-url: the reward service --rm-type remote_rm posts to
     rm_timeout_s: float = 30.0          # --rm-timeout: seconds per remote reward request

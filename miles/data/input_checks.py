@@ -268,8 +268,24 @@ async def check_inputs(ctx: TrainingContext) -> tuple[Any, list, dict[str, list]
     warnings = label_warnings(cfg, reward_fn, first_row_keys(cfg.data.prompt_data)) if reward_fn else []
     for warning in warnings:
         ctx.tracer.emit("warning", code="label_key", message=warning)
+    if warning := fp8_warning(cfg):
+        ctx.tracer.emit("warning", code="fp8_without_tis", message=warning)
     ctx.tracer.emit("inputs_checked", prompts=len(prompts), eval_sets={k: len(v) for k, v in eval_sets.items()})
     return tokenizer, prompts, eval_sets, sft_responses
+
+
+def fp8_warning(cfg: RunConfig) -> str | None:
+    """FP8 rollout (weights or KV cache) without an off-policy correction: say so once at start-up."""
+    from miles.weights.fp8 import engine_quantization
+
+    r, a = cfg.rollout, cfg.algorithm
+    on = [f for f, v in (("--rollout-quantization fp8", engine_quantization(r.quantization, cfg.model.hf_checkpoint)),
+                         (f"--kv-cache-dtype {r.kv_cache_dtype}", r.kv_cache_dtype != "auto")) if v]
+    if not on or a.use_tis or a.custom_tis_function_path:
+        return None
+    return (f"{' and '.join(on)} samples from a model that differs from the trainer's (bf16/fp32) one, and no "
+            "correction is on: add --use-tis (truncated importance sampling; or an MIS rule through "
+            "--custom-tis-function-path); the gap shows as logprob_diff_rollout and train_rollout_k3_kl")
 
 
 def _eval_prompts(cfg: RunConfig, d: EvalDataset, tokenizer: Any, tools: list | None) -> list:

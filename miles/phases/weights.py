@@ -68,8 +68,23 @@ async def _skip_sync(ctx: TrainingContext) -> str:
     return "next"
 
 
+def fp8_engines(ctx: TrainingContext) -> bool:
+    """Whether the engines hold FP8 weights that the trainer quantizes for them (--rollout-quantization fp8 or
+    an FP8 checkpoint, on our engines; SGLang's servers load the plain weights and quantize them themselves)."""
+    from miles.weights.fp8 import engine_quantization
+
+    from miles.rollout.engines.registry import ENGINES
+
+    cfg = ctx.cfg
+    spec = ctx.backends.engine_spec if ctx.backends is not None else ENGINES[cfg.rollout.engine]
+    return not spec.quantizes_own_weights and \
+        engine_quantization(cfg.rollout.quantization, cfg.model.hf_checkpoint) == "fp8"
+
+
 async def _push_object_store(ctx: TrainingContext, version: int) -> None:
-    weights = ctx.c.trainer.handle.weights.remote()
+    fp8_dtype = await ctx.c.engines[0].handle.weights_dtype.remote() if fp8_engines(ctx) else None
+    trainer = ctx.c.trainer.handle
+    weights = trainer.weights.remote(fp8_dtype) if fp8_dtype is not None else trainer.weights.remote()
     await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
 
 
@@ -83,6 +98,8 @@ async def _push_ipc(ctx: TrainingContext, ipc: IpcWeights, version: int) -> None
 
 async def _expected_checksum(ctx: TrainingContext) -> str:
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()   # compare in the engines' dtype (bf16 on GPU)
+    if fp8_engines(ctx):        # what an FP8 engine holds: the trainer's weights quantized as its buckets carry them
+        return await ctx.c.trainer.handle.weights_checksum.remote(dtype, True)
     return await ctx.c.trainer.handle.weights_checksum.remote(dtype)
 
 

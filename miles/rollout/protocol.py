@@ -216,6 +216,9 @@ class EngineSpec:
     weights_on_release: str = "host"                        # "kept" | "host" | "dropped" (see the module docstring)
     on_cpu: bool = True
     routing_replay: bool = True
+    # its servers load the trainer's plain weights and quantize them from their own precision flags
+    # (SGLang's --quantization / --kv-cache-dtype, passed as they are): the trainer never quantizes for it
+    quantizes_own_weights: bool = False
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities

@@ -64,7 +64,7 @@ class SupportsCachedMemoryRelease(Protocol):
 class SupportsWeightBucketExport(Protocol):
     """Hands its weights out in CUDA IPC buckets of the engines' dtype (colocated on GPUs)."""
 
-    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int) -> int: ...
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int, fp8: bool = False) -> int: ...
 
     def weight_bucket(self, index: int, version: int) -> object: ...
 
@@ -213,12 +213,14 @@ class TrainerBackend(Protocol):
         each step's gradient norm (the driver takes it out of the row: miles.metrics.ci_gates)."""
         ...
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The weights under HF names, on the CPU: what engines load."""
+    def weights(self, fp8_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The weights under HF names, on the CPU: what engines load (`fp8_dtype`: the Linear weights
+        quantized for FP8 engines of that dtype, `miles.weights.fp8`)."""
         ...
 
-    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
-        """Checksum of the weights (cast to `dtype` when given, to compare with an engine's)."""
+    def weights_checksum(self, dtype: torch.dtype | None = None, fp8: bool = False) -> str:
+        """Checksum of the weights (cast to `dtype` when given, to compare with an engine's; `fp8`: as an
+        FP8 engine of that dtype holds them)."""
         ...
 
     def save(self, path: str | Path, *, optimizer: bool = True) -> None:

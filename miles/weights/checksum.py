@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from miles.weights.fp8 import keeps_dtype
+
 
 def state_dict_checksum(state_dict: Mapping[str, Tensor], *, dtype: torch.dtype | None = None) -> str:
     """sha256 hex digest over (name, dtype, shape, bytes) of every tensor, names sorted.
@@ -23,7 +25,7 @@ def state_dict_checksum(state_dict: Mapping[str, Tensor], *, dtype: torch.dtype 
     h = hashlib.sha256()
     for name in sorted(state_dict):
         t = state_dict[name].detach()
-        if dtype is not None and t.is_floating_point():
+        if dtype is not None and t.is_floating_point() and not keeps_dtype(name, t):   # FP8 weights and scales stay
             t = t.to(dtype)
         t = t.to("cpu").contiguous()
         # the header is NUL-separated, so no (name, shape) pair can run into the next one

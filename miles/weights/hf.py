@@ -39,11 +39,34 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_causal_lm(path: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """`AutoModelForCausalLM` from an HF folder, on `device` in `dtype`, in eval mode (no dropout:
-    train-side logprobs must be those of the distribution the engine samples from)."""
+    train-side logprobs must be those of the distribution the engine samples from). An FP8 block-quantized
+    checkpoint (`miles.weights.fp8`) is dequantized into `dtype` (what the trainer trains; an FP8 engine
+    takes its e4m3 tensors as they are)."""
     from transformers import AutoModelForCausalLM
 
+    from miles.weights import fp8
+
+    if fp8.is_fp8_checkpoint(path):
+        return _load_fp8_checkpoint(path, dtype).to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
+
+
+def _load_fp8_checkpoint(path: str, dtype: torch.dtype) -> nn.Module:
+    """The model of an FP8 checkpoint with its weights dequantized into `dtype` (transformers' own FP8
+    loader needs a GPU and keeps FP8 modules; the trainer wants plain Linear weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.weights import fp8
+
+    config = AutoConfig.from_pretrained(path)
+    config.quantization_config = None
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stored = fp8.dequantize_state_dict(fp8.read_checkpoint_tensors(path), dtype)
+    live = model_weights(model)
+    copy_checked(live, {n: t for n, t in stored.items() if n in live})   # a tied lm_head may be stored twice
+    return model
 
 
 def load_tokenizer(path: str):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from miles.weights.fp8 import keeps_dtype
+
 TRANSPORTS = ("object_store", "cuda_ipc")
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2   # miles' --update-weight-buffer-size default
 ALIGN = 256   # bytes: every tensor starts at a multiple, so a view in any dtype is aligned (as cudaMalloc's)
@@ -104,7 +106,8 @@ def plan_buckets(weights: Mapping[str, Tensor], *, dtype: torch.dtype, bucket_by
     metas: list[TensorMeta] = []
     end = 0
     for name, t in weights.items():
-        meta = TensorMeta(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, 0)
+        # FP8 weights (miles.weights.fp8.Fp8Weights) travel as e4m3 bytes with float32 scales
+        meta = TensorMeta(name, tuple(t.shape), dtype if t.is_floating_point() and not keeps_dtype(name, t) else t.dtype, 0)
         start = _aligned(end)
         if metas and start + meta.nbytes > bucket_bytes:
             plans.append(BucketPlan(tuple(metas), end))

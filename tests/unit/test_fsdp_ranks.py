@@ -102,8 +102,10 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
     for action, arg in script:
         if action == "train":
             results.append((t.train(ROLLOUT, arg), t.weights()))
-        elif action == "buckets":
-            torch.save(take_buckets(t, arg), Path(out) / f"buckets_{rank}.pt")
+        elif action in ("buckets", "fp8_buckets"):
+            torch.save(take_buckets(t, arg, fp8=action == "fp8_buckets"), Path(out) / f"buckets_{rank}.pt")
+        elif action == "fp8_checksum":
+            torch.save(t.weights_checksum(torch.bfloat16, fp8=True), Path(out) / f"checksum_{rank}.pt")
         elif arg is None:
             getattr(t, action)()
         else:
@@ -113,13 +115,13 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, out: str, scri
     end_rank_process()
 
 
-def take_buckets(t, bucket_bytes: int) -> list[dict[str, torch.Tensor] | None]:
-    """The weight buckets (in bf16, an engine's dtype) as the weight sync takes them: each bucket's
-    tensors, or None where the rank handed out no bytes."""
+def take_buckets(t, bucket_bytes: int, fp8: bool = False) -> list[dict[str, torch.Tensor] | None]:
+    """The weight buckets (in bf16, an engine's dtype; `fp8`: for FP8 engines) as the weight sync takes
+    them: each bucket's tensors, or None where the rank handed out no bytes."""
     from miles.weights.transport import bucket_views
 
     out = []
-    for i in range(t.weight_bucket_count(torch.bfloat16, bucket_bytes)):
+    for i in range(t.weight_bucket_count(torch.bfloat16, bucket_bytes, fp8)):
         b = t.weight_bucket(i, 1)
         out.append(None if b is None else {n: v.clone() for n, v in bucket_views(b.metas, b.open()).items()})
         t.release_weight_buckets(i)
@@ -226,3 +228,27 @@ def test_four_ranks_resume_the_two_rank_checkpoint(one_rank, two_ranks, model_pa
 def test_four_ranks_take_the_one_rank_steps(one_rank, model_path, tmp_path):
     for got in run_ranks(4, model_path, tmp_path, [("train", 0), ("train", 1)]):
         assert_same(got, one_rank[0][:2])
+
+
+def test_two_ranks_quantize_fp8_buckets_after_each_gather(model_path, tmp_path):
+    """--rollout-quantization fp8 on 2 ranks: the buckets carry the decoder's Linear weights as e4m3 plus
+    float32 scales (rank 0's bytes; the other rank takes part in the gathers only), equal to quantizing the
+    one-process trainer's weights cast to bf16, and the checksum the weight check compares is theirs."""
+    from miles.weights import fp8
+    from miles.weights.checksum import state_dict_checksum
+
+    run_ranks(2, model_path, tmp_path, [("fp8_buckets", BUCKET_BYTES), ("fp8_checksum", None)])
+    buckets = [torch.load(tmp_path / f"buckets_{r}.pt") for r in range(2)]
+    assert buckets[1] == [None] * len(buckets[0]) and len(buckets[0]) > 1
+    sent = {n: t for b in buckets[0] for n, t in b.items()}
+    one = Trainer(model_path, **configs())
+    want = fp8.quantize_state_dict({n: t.detach().to(torch.bfloat16) for n, t in one.weights().items()})
+    assert list(sent) == list(want)
+    for name, t in want.items():
+        got = sent[name]
+        assert got.dtype == t.dtype, name
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dtype == fp8.FP8 else torch.equal(got, t)
+    assert {t.dtype for t in sent.values()} == {torch.bfloat16, fp8.FP8, torch.float32}
+    checksums = {torch.load(tmp_path / f"checksum_{r}.pt") for r in range(2)}
+    assert checksums == {state_dict_checksum(want)} == {one.weights_checksum(torch.bfloat16, fp8=True)}
+    one.dispose()

@@ -305,6 +305,10 @@ def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))
     assert any("--rollout-engine sglang: the engine's routed-experts capture" in p
                and p.endswith("use --rollout-engine embedded / fast") for p in problems)
+    problems = problems_of(argv(moe_path, data, "--rollout-quantization", "fp8"))
+    assert [p for p in problems if "FP8 experts are not built" in p] == [
+        f"--rollout-quantization fp8 with --hf-checkpoint {moe_path} (Qwen3-MoE): FP8 experts are not built yet "
+        "(docs/fp8.md); drop it (--kv-cache-dtype fp8_e4m3 works with MoE models)"]
     dense = make_tiny_model(tmp_path / "dense")
     problems = problems_of(argv(dense, data, "--use-rollout-routing-replay", "--moe-aux-loss-coeff", "0.01"))
     assert any(p.startswith("--use-rollout-routing-replay, --moe-aux-loss-coeff: --hf-checkpoint") and

@@ -43,6 +43,40 @@ def engine_to_run(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
     return (asked, refused) if refused else (preferred, None)
 
 
+def _quantization_config(path: str) -> dict:
+    """config.json's quantization_config ({} if none; json only: this module loads on every parse)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+@check
+def _precision(cfg: RunConfig, problems: list[str]) -> None:
+    """--kv-cache-dtype fp8_e4m3 needs an engine with its own KV cache (fast; SGLang's servers take it too)."""
+    r = cfg.rollout
+    # the flags' choices, for values from a --config file (argparse checks the command line's)
+    if r.quantization not in (None, "none", "fp8"):
+        problems.append(f"--rollout-quantization {r.quantization}: use fp8 or none")
+    if r.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        problems.append(f"--kv-cache-dtype {r.kv_cache_dtype}: use auto or fp8_e4m3 (scale 1; docs/fp8.md)")
+    q = _quantization_config(cfg.model.hf_checkpoint)
+    if q and (q.get("quant_method") != "fp8" or q.get("weight_block_size") != [128, 128]):
+        problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: quantization_config {q.get('quant_method')!r} with "
+                        f"weight_block_size {q.get('weight_block_size')}: only FP8 checkpoints with 128x128 blocks "
+                        "(Qwen3-FP8's layout) are read here; use the bf16 checkpoint with --rollout-quantization fp8")
+    if cfg.train.backend == "megatron" and q.get("quant_method") == "fp8":
+        problems.append(f"--hf-checkpoint {cfg.model.hf_checkpoint} is FP8 (quantization_config fp8): the megatron "
+                        "backend does not read FP8 checkpoints; use --train-backend torch (it dequantizes them) or "
+                        "a bf16 checkpoint with --rollout-quantization fp8")
+    if r.kv_cache_dtype != "auto" and r.engine == "embedded" and cfg.model.device == "cpu":
+        problems.append(f"--kv-cache-dtype {r.kv_cache_dtype}: the embedded engine keeps transformers' KV cache in "
+                        "--dtype; use --rollout-engine fast (its own cache, FP8 emulated on the CPU) or drop the flag")
+
+
 @check
 def _engines(cfg: RunConfig, problems: list[str]) -> None:
     for engine in ENGINES.values():             # each checks its own flags, picked or not

@@ -26,6 +26,7 @@ from miles.training.megatron.conversion import mcore_to_hf, model_spec
 from miles.training.ranks import RankGroup, ranks_use_gpus
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
+from miles.weights.fp8 import Fp8Weights
 
 log = structlog.get_logger().bind(role="trainer", backend="megatron")
 
@@ -75,15 +76,18 @@ class MegatronTrainer:
         """Every rank returns its cached CUDA blocks (before colocated engines take their KV cache back)."""
         self._all("release_cached_memory")
 
-    def weights(self) -> dict[str, Tensor]:
-        """The weights under HF names on the CPU, in the parameters' dtype (bf16 on GPUs)."""
+    def weights(self, fp8_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The weights under HF names on the CPU, in the parameters' dtype (bf16 on GPUs); `fp8_dtype`: the
+        Linear weights quantized for FP8 engines of that dtype (`miles.weights.fp8`)."""
         merged: dict[str, Tensor] = {}
         for stage in self._all("stage_weights"):
             merged.update(stage)
-        return mcore_to_hf(merged, self._spec)
+        out = mcore_to_hf(merged, self._spec)
+        return out if fp8_dtype is None else Fp8Weights(out, fp8_dtype).materialize()
 
-    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
-        return state_dict_checksum(self.weights(), dtype=dtype)
+    def weights_checksum(self, dtype: torch.dtype | None = None, fp8: bool = False) -> str:
+        weights = self.weights()
+        return state_dict_checksum(Fp8Weights(weights, dtype) if fp8 else weights, dtype=dtype)
 
     def save(self, path: str | Path, *, optimizer: bool = True) -> None:
         """Every rank's part of a megatron dist checkpoint into the folder `path`; the run's store commits

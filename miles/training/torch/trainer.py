@@ -82,6 +82,7 @@ from miles.training.terms import PolicyObjective, TermSums
 from miles.training.torch.threads import cpu_threads
 from miles.training.torch.throughput import peak_tflops, throughput_metrics
 from miles.types import Sample
+from miles.weights import fp8 as fp8_weights
 from miles.weights.checksum import state_dict_checksum, state_dict_to_cpu
 from miles.weights.hf import load_causal_lm, load_tokenizer, load_weights, model_weights, pad_id
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
@@ -402,16 +403,22 @@ class Trainer(OptimizedModel):
         live = model_weights(self._live())
         return live if self._adapters is None else lora.MergedWeights(live, self._adapters)
 
-    def weights(self) -> dict[str, Tensor]:
-        """CPU float32 copies of the weights under HF names (tied aliases once): what engines load."""
+    def weights(self, fp8_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """CPU float32 copies of the weights under HF names (tied aliases once): what engines load. With
+        `fp8_dtype` (FP8 engines of that dtype, --rollout-quantization fp8): the decoder's Linear weights
+        quantized here (e4m3 + `_scale_inv`, `miles.weights.fp8`), so FP8 bytes cross the object store."""
+        if fp8_dtype is not None:
+            return HostWeights(state_dict_to_cpu(fp8_weights.Fp8Weights(self._engine_weights(), fp8_dtype).materialize()))
         return HostWeights(state_dict_to_cpu(self._engine_weights()))
 
-    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            fp8: bool = False) -> int:
         """Buckets of the CUDA IPC transport (made once): the weights cast to `dtype` in flat buffers
-        of at most `bucket_bytes`. Call before `weight_bucket`."""
+        of at most `bucket_bytes` (`fp8`: the Linear weights quantized on this GPU as each bucket is
+        filled, e4m3 + scales). Call before `weight_bucket`."""
         if self._sender is None:
-            self._sender = BucketSender(self._engine_weights, dtype=dtype, bucket_bytes=bucket_bytes,
-                                        ipc=True)
+            weights = (lambda: fp8_weights.Fp8Weights(self._engine_weights(), dtype)) if fp8 else self._engine_weights
+            self._sender = BucketSender(weights, dtype=dtype, bucket_bytes=bucket_bytes, ipc=True)
         return self._sender.num_buckets
 
     def weight_bucket(self, index: int, version: int) -> WeightBucket:
@@ -424,8 +431,11 @@ class Trainer(OptimizedModel):
         if self._sender is not None:
             self._sender.release(index)
 
-    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
-        """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine)."""
+    def weights_checksum(self, dtype: torch.dtype | None = None, fp8: bool = False) -> str:
+        """Checksum of the weights; with `dtype`, of the weights cast to it (to compare with a bf16 engine);
+        with `fp8` too, of what an FP8 engine of that dtype holds (the quantized buckets' contents)."""
+        if fp8:
+            return state_dict_checksum(fp8_weights.Fp8Weights(self._engine_weights(), dtype), dtype=dtype)
         return state_dict_checksum(self._engine_weights(), dtype=dtype)
 
     def save(self, path: str | Path, *, optimizer: bool = True, background: bool = False) -> None:

@@ -43,9 +43,10 @@ from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.training.moe import Routing, engine_routed, router_modules
 from miles.types import Generation, SamplingParams, sampling_problems
+from miles.weights import fp8
 from miles.weights.checksum import state_dict_checksum
-from miles.weights.hf import (load_causal_lm, load_tokenizer, load_weights, model_weights, resolve_device,
-                              resolve_dtype)
+from miles.weights.hf import (copy_checked, load_causal_lm, load_tokenizer, load_weights, model_weights,
+                              resolve_device, resolve_dtype)
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine")
@@ -59,11 +60,25 @@ class EngineDisposedError(RuntimeError):
 
 class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_batch_size: int = MAX_BATCH_SIZE):
+                 max_batch_size: int = MAX_BATCH_SIZE, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
+        """`quantization` (--rollout-quantization): "fp8" emulates FP8 weights (the decoder's Linear weights
+        are held as e4m3 with 128 x 128 block scales, and the model computes with their dequantized
+        values, in --dtype), "none" does not, None follows the checkpoint (an FP8 one stays FP8).
+        `kv_cache_dtype`: "auto" only (transformers' cache; FastEngine has the FP8 one)."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the embedded engine keeps transformers' KV cache "
+                             "in its dtype; FastEngine (--rollout-engine fast) has the FP8 cache")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         self._model = load_causal_lm(model_path, device=self.device, dtype=self.dtype)
+        self._fp8: dict[str, Tensor] | None = None    # e4m3 weights and scales the model computes with (dequantized)
+        if fp8.engine_quantization(quantization, model_path) == "fp8":
+            stored = fp8.read_checkpoint_tensors(model_path) if fp8.is_fp8_checkpoint(model_path) else \
+                fp8.quantize_state_dict(model_weights(self._model))     # an FP8 checkpoint's tensors as they are
+            self._fp8 = {n: t.to(self.device) for n, t in fp8.quantized_part(stored).items()}
+            self._apply_fp8(self._fp8)
         self._tokenizer = load_tokenizer(model_path)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
@@ -78,7 +93,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         self._routing = Routing(self._model) if router_modules(self._model) else None
         self._init_guard()
         self._weights_on_host = False        # release_memory moved them off the GPU
-        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype))
+        log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
+                 quantization="fp8 (emulated: dequantized weights)" if self._fp8 is not None else None)
 
     # --- tokenizer accessors -------------------------------------------------------------------
     @property
@@ -96,7 +112,12 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         Names and shapes are checked strictly before anything is copied (ValueError naming them).
         """
         with self._holding():
-            load_weights(self._live_model(), state_dict)
+            if self._fp8 is None:
+                load_weights(self._live_model(), state_dict)
+            else:       # FP8 bytes and scales as sent, or quantized here from plain weights; then dequantized
+                state_dict = fp8.as_quantized(state_dict, self.dtype)
+                copy_checked(self._held(), state_dict)
+                self._apply_fp8(state_dict)
             self._version = int(version)
         log.info("weights_updated", version=self._version)
 
@@ -105,8 +126,10 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         model's tensors by name; the version is set when the version's last bucket is in (returned)."""
         with self._holding():       # not under a generate running on the health thread's side
             if self._receiver is None:
-                self._receiver = WeightReceiver(model_weights(self._live_model()))
+                self._receiver = WeightReceiver(self._held())
             version = self._receiver.load(bucket)
+            if self._fp8 is not None:
+                self._apply_fp8({m.name: None for m in bucket.metas})
             if version is not None:
                 self._version = version
         if version is not None:
@@ -117,7 +140,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to
         `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
         with self._holding():
-            return state_dict_checksum(model_weights(self._live_model()))
+            return state_dict_checksum(self._held())
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (bfloat16 on CUDA by default)."""
@@ -259,6 +282,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
             model = self._live_model()
             if "weights" in tags and not self._weights_on_host:
                 model.to("cpu")
+                if self._fp8 is not None:
+                    self._fp8 = {n: t.to("cpu") for n, t in self._fp8.items()}
                 self._weights_on_host = True
                 self._receiver = None       # its views are of the tensors that just moved
         gc.collect()                        # a reference cycle may still hold the last call's cache
@@ -273,8 +298,28 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
             model = self._live_model()
             if "weights" in tags and self._weights_on_host:
                 model.to(self.device)
+                if self._fp8 is not None:
+                    self._fp8 = {n: t.to(self.device) for n, t in self._fp8.items()}
                 self._weights_on_host = False
                 self._receiver = None
+
+    def _held(self) -> dict[str, Tensor]:
+        """The weights the engine holds under HF names: the model's, with FP8 emulation the e4m3 Linear
+        weights and their `_scale_inv` in place of the dequantized ones."""
+        live = model_weights(self._live_model())
+        if self._fp8 is None:
+            return live
+        return {**{n: t for n, t in live.items() if not fp8.is_quantized_name(n)}, **self._fp8}
+
+    @torch.no_grad()
+    def _apply_fp8(self, names) -> None:
+        """Dequantize into the model's Linear weights each FP8 weight whose scale is among `names` (a
+        bucket's scale follows its weight, in the same bucket or the next)."""
+        live = model_weights(self._live_model())
+        for name in names:
+            if name.endswith(fp8.SCALE_SUFFIX):
+                weight = name[:-len(fp8.SCALE_SUFFIX)]
+                live[weight].copy_(fp8.dequantize_blocks(self._fp8[weight], self._fp8[name], live[weight].dtype))
 
     def _live_model(self):
         if self._model is None:

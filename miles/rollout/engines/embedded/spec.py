@@ -16,9 +16,15 @@ MAX_BATCH_SIZE = 64
 
 
 def options(cfg: RunConfig) -> dict[str, Any]:
-    """--rollout-max-batch-size when given (else the engine's own default)."""
+    """--rollout-max-batch-size when given (else the engine's own default); --rollout-quantization and
+    --kv-cache-dtype when given (the embedded engine emulates FP8 weights and refuses an FP8 KV cache)."""
     r = cfg.rollout
-    return {} if r.max_batch_size is None else {"max_batch_size": r.max_batch_size}
+    out: dict[str, Any] = {} if r.max_batch_size is None else {"max_batch_size": r.max_batch_size}
+    if r.quantization is not None:
+        out["quantization"] = r.quantization
+    if r.kv_cache_dtype != "auto":
+        out["kv_cache_dtype"] = r.kv_cache_dtype
+    return out
 
 
 # two threads: health and abort are answered while a generate call runs (the engine guards its model);

@@ -48,14 +48,15 @@ def _kernel():
         for start in range(0, n_keys, BLOCK):
             keys = start + n
             valid = keys < n_keys
-            k = tl.load(k_base + keys[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            # an FP8 cache (--kv-cache-dtype fp8_e4m3) is read as e4m3 and widened here, in registers
+            k = tl.load(k_base + keys[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + keys[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_base + keys[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / total[:, None]
@@ -98,16 +99,19 @@ def sdpa_decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale:
                           mask: Tensor) -> Tensor:
     """The stock call: slots 0..B-1 over their first `span` positions, `mask` [B, 1, 1, span] additive."""
     b = q.shape[0]
-    return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, scale=scale)
+    k, v = kc[:b, :, :span], vc[:b, :, :span]
+    if k.dtype != q.dtype:      # an FP8 cache: widened to the compute dtype (a copy of the span; the kernel avoids it)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def matches_sdpa(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_len: int, tol: float = 2e-2) -> bool:
+                 max_len: int, tol: float = 2e-2, cache_dtype: torch.dtype | None = None) -> bool:
     """Run the kernel and the stock call on random data of the engine's shapes; True when they agree."""
     gen = torch.Generator(device=device).manual_seed(0)
     b, slots = 5, 7
     q = torch.randn((b, kv_heads, group, head_dim), generator=gen, device=device).to(dtype)
-    kc, vc = (torch.randn((slots, kv_heads, max_len, head_dim), generator=gen, device=device).to(dtype)
+    kc, vc = (torch.randn((slots, kv_heads, max_len, head_dim), generator=gen, device=device).to(cache_dtype or dtype)
               for _ in range(2))
     pos = torch.tensor([0, 1, max_len // 3, max_len - 2, max_len - 1][:b], device=device)
     valid = torch.arange(max_len, device=device) <= pos[:, None]

@@ -71,6 +71,7 @@ from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Samp
 from miles.rollout.engines.fast.spec import CHUNKED_PREFILL_SIZE, MAX_BATCH_SIZE, MEM_FRACTION
 from miles.rollout.protocol import MEMORY_TAGS, TokenizerAccessors
 from miles.types import Generation, SamplingParams
+from miles.weights import fp8
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import copy_checked, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from miles.weights.transport import WeightBucket, WeightReceiver
@@ -87,6 +88,7 @@ STOP_WINDOW = 2 * CHECK_EVERY
 PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
 RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 GROUPED_TOLERANCE = 0.05  # relative max difference of the grouped experts from the loop's at start-up (bf16 sums)
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}   # --kv-cache-dtype (None: the model's dtype)
 
 
 class FastEngine(EngineGuard, TokenizerAccessors):
@@ -94,7 +96,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  max_batch_size: int = MAX_BATCH_SIZE, mem_fraction: float = MEM_FRACTION,
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
-                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, model=None):
+                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", model=None):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -105,21 +108,31 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         longer than this is prefilled in pieces of this many tokens, one piece per decode step
         of the other sequences (SGLang's --chunked-prefill-size); `model`: the HF model already built
         (in the engine's dtype, on its device or the CPU) instead of loading it from `model_path`, which
-        still gives the config and the tokenizer (benchmarks build random large models on the GPU)."""
+        still gives the config and the tokenizer (benchmarks build random large models on the GPU);
+        `quantization` "fp8" (--rollout-quantization):
+        the decoder's Linear weights in e4m3 with 128 x 128 block scales (`miles.weights.fp8`; an FP8
+        checkpoint loads as it is); `kv_cache_dtype` "fp8_e4m3" (--kv-cache-dtype): K/V stored in e4m3
+        with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention."""
         from transformers import AutoConfig
 
         self._init_guard()
         # the options' ranges are the config's rules (miles.config.validate), checked once, at parse time
         self.chunked_prefill_size = chunked_prefill_size
+        quantization = fp8.engine_quantization(quantization, model_path)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        self.quantization, self.kv_cache_dtype_name = quantization, kv_cache_dtype
         reason = supports(AutoConfig.from_pretrained(model_path))
         if reason:
             raise ValueError(f"FastEngine cannot run {model_path}: {reason}; use EmbeddedEngine")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
+        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
+        self.fp8_kernel = fp8.select_kernel(self.device, self.dtype) if quantization == "fp8" else None
         self._load(model_path, seed, model)
         cuda = self.device.type == "cuda"
-        free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.dtype)
+        free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.cache_dtype)
         if context_len is not None and max_context_len is None:
             needed = context_len if self._max_positions is None else min(context_len, self._max_positions)
             slots = plan_slots(free_bytes=free, mem_fraction=mem_fraction, max_slots=max_batch_size,
@@ -136,7 +149,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)
         self._snapshot = Snapshot(max_batch_size + 1, self.device)
-        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda,
+        variant = ("_fp8" if self.quantization == "fp8" else "") + ("_kv8" if self.cache_dtype != self.dtype else "")
+        self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda, variant=variant,
                                 length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
                                                                                         self.device))
         self._set_buckets()
@@ -154,7 +168,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
                  slots=max_batch_size, max_len=self.max_len, kv_cache_gib=round(self._cache.nbytes / GiB, 2),
                  cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
-                 length_aware_attention=self._forward.length_aware, moe_experts=self.moe_experts)
+                 length_aware_attention=self._forward.length_aware, moe_experts=self.moe_experts,
+                 quantization=quantization, fp8_kernel=self.fp8_kernel, kv_cache_dtype=str(self.cache_dtype))
 
     def _load(self, model_path: str, seed: int, model=None) -> None:
         # load on the CPU and copy fused tensors to the device: the device never holds two copies
@@ -166,7 +181,13 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._eos_ids = _eos_ids(model, self._tokenizer)
         self.arch = Arch.from_config(model.config)
         self._vocab_size, self._max_positions = self.arch.vocab, self.arch.max_positions
-        self._weights = pack_weights(model, self.arch, self.device)
+        source = None
+        if fp8.is_fp8_checkpoint(model_path) and self.quantization == "fp8":   # its e4m3 weights as they are
+            source = fp8.read_checkpoint_tensors(model_path)
+        self._weights = pack_weights(model, self.arch, self.device, fp8=self.quantization == "fp8",
+                                     fp8_source=source)
+        if self.quantization == "fp8" and self.device.type == "cuda":
+            torch.cuda.empty_cache()   # the bf16 copies it replaced: the KV cache plan reads the driver's free memory
         del model
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
@@ -243,7 +264,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         a = self.arch
         try:
             ok = fast_attention.matches_sdpa(a.n_kv_heads, a.group, a.head_dim, self.dtype, self.device,
-                                             self.max_len)
+                                             self.max_len, cache_dtype=self.cache_dtype)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build leaves the stock attention call
             log.warning("attention_kernel_failed", error=repr(e)[:2000], fallback="sdpa")
             return False
@@ -307,7 +328,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         a, rows = self.arch, self.max_batch_size + 1
         try:
             self._cache = KVCache(layers=a.n_layers, slots=rows, kv_heads=a.n_kv_heads, max_len=self.max_len,
-                                  head_dim=a.head_dim, dtype=self.dtype, device=self.device)
+                                  head_dim=a.head_dim, dtype=self.cache_dtype, device=self.device)
             with torch.inference_mode():  # like every tensor a step makes (one set of compiled guards)
                 self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
                                            device=self.device)
@@ -337,6 +358,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
         with self._holding(), torch.inference_mode():      # the engine's tensors may be inference tensors
+            if self.quantization == "fp8":
+                state_dict = fp8.as_quantized(state_dict, self.dtype)
             copy_checked(self._live_weights().named, state_dict)
             self._version = int(version)
         log.info("weights_updated", version=self._version)
@@ -435,7 +458,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         t_routed = time.perf_counter() - t_routed
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
-                               routing_to_host_seconds=t_routed)
+                               routing_to_host_seconds=t_routed, fp8_kernel=self.fp8_kernel,
+                               kv_cache_dtype=str(self.cache_dtype))
         return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
 

@@ -39,6 +39,7 @@ from torch.nn.attention.bias import causal_lower_right
 from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
 from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, check_layout, experts_loop, pack_moe_layer,
                                             route, supports_moe)
+from miles.weights.fp8 import linear
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length: we take them (and
 # the cos/sin scale) from the HF module itself, so each is exactly what transformers computes
@@ -146,9 +147,13 @@ class PackedWeights:
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
+def pack_weights(model, arch: Arch, device: torch.device, *, fp8: bool = False,
+                 fp8_source: dict[str, Tensor] | None = None) -> PackedWeights:
     """Fused copies of `model`'s weights on `device` (same dtype), plus HF-named views into them.
 
+    `fp8` (--rollout-quantization fp8): the decoder's Linear weights become `QuantWeight`s (e4m3 and
+    128 x 128 block scales, `miles.weights.fp8`), quantized from the model's, or taken as they are from
+    `fp8_source` (an FP8 checkpoint's tensors); their scales are named `<weight name>_scale_inv`.
     Raises ValueError naming any HF parameter this forward would not use (the model must not
     silently lose weights).
     """
@@ -163,6 +168,13 @@ def pack_weights(model, arch: Arch, device: torch.device) -> PackedWeights:
         return t
 
     layers = [_pack_layer(src, named, f"model.layers.{i}.", arch, device) for i in range(arch.n_layers)]
+    if fp8:
+        from miles.weights.fp8 import fp8_layer
+        if MoeArch.from_config(model.config) is not None:
+            raise ValueError("FP8 weights for a mixture-of-experts model: its experts in FP8 are not built yet "
+                             "(docs/fp8.md); serve it in --dtype")
+        layers = [fp8_layer(layer, f"model.layers.{i}.", src, fp8_source, named, device)
+                  for i, layer in enumerate(layers)]
     moe = MoeArch.from_config(model.config)
     if moe is not None:
         check_layout(model, moe)
@@ -252,15 +264,15 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
                arch: Arch) -> Tensor:
     """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
     b = x.shape[0]
-    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+    q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = head_norm(q.view(b, arch.n_heads, arch.head_dim), q_norm, arch.eps)
     k = head_norm(k.view(b, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
     q = apply_rope(q, cos[:, None], sin[:, None])
     k = apply_rope(k, cos[:, None], sin[:, None])
     rows = torch.arange(b, device=x.device)
-    kc[rows, :, pos] = k
-    vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim)
+    kc[rows, :, pos] = k.to(kc.dtype)     # an FP8 cache (--kv-cache-dtype fp8_e4m3) stores e4m3, scale 1
+    vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim).to(vc.dtype)
     # the query heads that share a KV head become that head's "query positions": plain multi-head
     # attention with no K/V repeat, reading the cache once
     return q.view(b, arch.n_kv_heads, arch.group, arch.head_dim)
@@ -273,7 +285,7 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     every query head; K/V of row i written at positions pos[i] of cache slot slots[i]. cos, sin
     [n, P, head_dim] are pos's RoPE."""
     n, p = x.shape[:2]
-    q, k, v = F.linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
+    q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
     q = head_norm(q.view(n, p, arch.n_heads, arch.head_dim), q_norm, arch.eps)
     k = head_norm(k.view(n, p, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
@@ -281,17 +293,17 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     # advanced indices on dims 0 and 2 put their [n, P] dims first: [n, P, kv_heads, head_dim]
-    kc[slots[:, None], :, pos] = k.transpose(1, 2)
-    vc[slots[:, None], :, pos] = v.transpose(1, 2)
+    kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)
+    vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
     return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
 
 
 def out_mlp(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, gate_up_w: Tensor,
             down_w: Tensor, arch: Arch) -> Tensor:
     """x [T, H] (residual stream), o [T, heads * head_dim] (attention output) -> x after the layer."""
-    x = x + F.linear(o, o_w, o_b)
-    gate, up = F.linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w)
+    x = x + linear(o, o_w, o_b)
+    gate, up = linear(rms_norm(x, ln2, arch.eps), gate_up_w).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down_w)
 
 
 def out_moe_route(x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor, router: Tensor,
@@ -325,13 +337,14 @@ def _cache_dims(kc: Tensor, vc: Tensor) -> tuple[tuple[Tensor, int], ...]:
 COMPILE_BACKEND = "inductor"   # a unit test swaps in "eager": dynamo's guards and recompiles are the same
 
 
-def compile_for(fn, arch: Arch, dtype: torch.dtype):
-    """`torch.compile(fn, fullgraph=True)`, one per (fn, arch, dtype) in a process: see `_compile_isolated`."""
-    return _compile_isolated(fn, arch, dtype, COMPILE_BACKEND)
+def compile_for(fn, arch: Arch, dtype: torch.dtype, variant: str = ""):
+    """`torch.compile(fn, fullgraph=True)`, one per (fn, arch, dtype, variant) in a process: see
+    `_compile_isolated` (`variant`: FP8 weights or KV cache, whose inputs differ in structure or dtype)."""
+    return _compile_isolated(fn, arch, dtype, COMPILE_BACKEND, variant)
 
 
 @lru_cache(maxsize=None)
-def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str):
+def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str, variant: str = ""):
     # Dynamo keeps its compiled variants of a function, and counts them against recompile_limit
     # (8), per *code object*. Shared by every engine of a process, a piece gathers a variant per
     # model and dtype (qwen2 then llama, fp32 and bf16: each changes the guards) until the limit
@@ -341,7 +354,7 @@ def _compile_isolated(fn, arch: Arch, dtype: torch.dtype, backend: str):
     # differ only in dims marked dynamic. torch >= 2.12 offers this as torch.compile(...,
     # isolate_recompiles=True); the copy works on every version we support.
     tag = (f"{str(dtype).removeprefix('torch.')}_{arch.n_layers}x{arch.hidden}_{arch.n_heads}q"
-           f"{arch.n_kv_heads}kv{arch.head_dim}_{arch.vocab}")
+           f"{arch.n_kv_heads}kv{arch.head_dim}_{arch.vocab}{variant}")
     name = f"{fn.__name__}__{tag}"
     copy = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
                               fn.__defaults__, fn.__closure__)
@@ -352,8 +365,9 @@ class Forward:
     """Embedding -> layers -> logits over a KV cache, with the layer pieces eager or compiled, and
     decode attention by the stock call over a span bucket or by the length-aware kernel."""
 
-    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False):
-        self.arch, self.weights, self.length_aware = arch, weights, length_aware
+    def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False,
+                 variant: str = ""):
+        self.arch, self.weights, self.length_aware, self.variant = arch, weights, length_aware, variant
         # a mixture-of-experts model (miles.rollout.engines.fast.moe): its experts' implementation (the
         # engine picks the grouped one where it runs), the static [slots, MoE layers, k] buffer each decode
         # step writes its experts into (graph-captured: the engine reads it after the step), and the last
@@ -366,7 +380,7 @@ class Forward:
     def use_compiled(self, compiled: bool) -> None:
         pieces = (decode_qkv, prefill_qkv, out_mlp, out_moe_route)
         if compiled:
-            pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype) for f in pieces)
+            pieces = tuple(compile_for(f, self.arch, self.weights.embed.dtype, self.variant) for f in pieces)
         (self._decode_qkv, self._prefill_qkv, self._out_mlp, self._out_moe_route), self.compiled = pieces, compiled
 
     def _mlp(self, i: int, x: Tensor, o: Tensor, o_w: Tensor, o_b: Tensor | None, ln2: Tensor,
@@ -443,7 +457,7 @@ class Forward:
                          *_cache_dims(kc, vc))
             q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, pos, cos, sin, a)
             if starts is not None:   # this piece's K/V is in the cache now, after the earlier pieces'
-                k, v = (c[slots, :, :span].repeat_interleave(a.group, dim=1) for c in (kc, vc))
+                k, v = (c[slots, :, :span].to(x.dtype).repeat_interleave(a.group, dim=1) for c in (kc, vc))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)
             flat = x.view(n * p, a.hidden)

@@ -41,10 +41,21 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     """The server's options: tensor parallel size, the --sglang-* pass-through, timeouts, concurrency."""
     c, g = cfg.cluster, cfg.sglang
     return {"sglang": SGLangEngineConfig(
-        tp_size=c.rollout_num_gpus_per_engine, server_args=tuple(g.server_args),
+        tp_size=c.rollout_num_gpus_per_engine, server_args=tuple(g.server_args) + _precision_args(cfg),
         memory_saver=c.offloads_rollout,     # release/resume_memory_occupation need it (miles.cluster.memory)
         startup_timeout_s=g.startup_timeout_s, request_timeout_s=g.router_request_timeout_s,
         max_concurrency=cfg.generate.server_concurrency)}
+
+
+def _precision_args(cfg: RunConfig) -> tuple[str, ...]:
+    """--rollout-quantization fp8 / --kv-cache-dtype fp8_e4m3 as SGLang's server flags (unless passed as those)."""
+    r, given = cfg.rollout, set(cfg.sglang.server_args)
+    out: tuple[str, ...] = ()
+    if r.quantization == "fp8" and "--quantization" not in given:
+        out += ("--quantization", "fp8")
+    if r.kv_cache_dtype != "auto" and "--kv-cache-dtype" not in given:
+        out += ("--kv-cache-dtype", r.kv_cache_dtype)
+    return out
 
 
 def check(cfg: RunConfig, problems: list[str]) -> None:
@@ -84,4 +95,5 @@ SPEC = EngineSpec(engine="miles.rollout.engines.sglang.engine:SGLangEngine", opt
                   capabilities=(SupportsMemoryRelease, SupportsHealth, SupportsAbort),
                   weights_on_release="dropped",   # the servers free them; only a weight sync brings them back
                   on_cpu=False,                   # GPU servers
-                  routing_replay=False)           # its routed-experts capture is not wired into the samples yet
+                  routing_replay=False,           # its routed-experts capture is not wired into the samples yet
+                  quantizes_own_weights=True)     # --sglang-quantization / --sglang-kv-cache-dtype: its servers'

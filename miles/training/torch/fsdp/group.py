@@ -27,6 +27,7 @@ from miles.training.torch.fsdp.buckets import merge_rank_buckets
 from miles.training.ranks import RankGroup, rank_actor_options
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
+from miles.weights.fp8 import Fp8Weights
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, HostWeights, WeightBucket
 
 log = structlog.get_logger().bind(role="trainer", backend="torch")
@@ -61,10 +62,11 @@ class FSDPTrainer:
     def release_cached_memory(self) -> None:
         self._group.all("release_cached_memory")
 
-    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            fp8: bool = False) -> int:
         """The CUDA IPC transport's buckets (`miles.training.torch.fsdp.buckets`): the weights cast to `dtype`
-        in buffers of at most `bucket_bytes`, planned once on every rank."""
-        return self._group.all("weight_bucket_count", dtype, bucket_bytes)[0]
+        in buffers of at most `bucket_bytes`, planned once on every rank (`fp8`: FP8 Linear weights)."""
+        return self._group.all("weight_bucket_count", dtype, bucket_bytes, fp8)[0]
 
     def weight_bucket(self, index: int, version: int) -> WeightBucket:
         """Bucket `index` of the current weights, gathered by every rank; its IPC copies (one per rank's
@@ -74,18 +76,20 @@ class FSDPTrainer:
     def release_weight_buckets(self, index: int | None = None) -> None:
         self._group.all("release_weight_buckets", index)
 
-    def weights(self) -> dict[str, Tensor]:
+    def weights(self, fp8_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The whole weights under HF names on the CPU (float32), gathered bucket by bucket; to the
-        engines as `HostWeights` (numpy bytes, out of band), as the one-process trainer's."""
+        engines as `HostWeights` (numpy bytes, out of band), as the one-process trainer's. `fp8_dtype`:
+        the Linear weights quantized for FP8 engines of that dtype (`Trainer.weights`)."""
         if self._buckets is None:
             self._buckets = self._group.all("weight_buckets", self._bucket_bytes)[0]
         out: dict[str, Tensor] = HostWeights()
         for names in self._buckets:
             out.update(self._group.all("gathered_weights", names)[0])
-        return out
+        return out if fp8_dtype is None else HostWeights(Fp8Weights(out, fp8_dtype).materialize())
 
-    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
-        return state_dict_checksum(self.weights(), dtype=dtype)
+    def weights_checksum(self, dtype: torch.dtype | None = None, fp8: bool = False) -> str:
+        weights = self.weights()
+        return state_dict_checksum(Fp8Weights(weights, dtype) if fp8 else weights, dtype=dtype)
 
     def save(self, path: str | Path, *, optimizer: bool = True) -> None:
         """Every rank's shards into the folder `path`; the run's store commits it."""
@@ -116,6 +120,8 @@ class FSDPTrainer:
         path.mkdir(parents=True, exist_ok=True)
         config = AutoConfig.from_pretrained(self._model_path)
         config.dtype = torch.float32
+        if getattr(config, "quantization_config", None) is not None:   # an FP8 checkpoint's: the export is float32
+            del config.quantization_config
         config.save_pretrained(str(path))
         save_file({n: t.contiguous() for n, t in weights.items()}, str(path / HF_WEIGHTS_FILE), metadata={"format": "pt"})
         load_tokenizer(self._model_path).save_pretrained(str(path))

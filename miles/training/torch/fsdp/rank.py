@@ -42,6 +42,7 @@ from miles.training.rng import rng_state, set_rng_state
 from miles.training.torch.shell import OPTIMIZER_FILE
 from miles.training.terms import TermSums
 from miles.training.torch.trainer import REF_FILE, STATE_FILE, Trainer
+from miles.weights.fp8 import Fp8Weights
 from miles.weights.hf import model_weights, resolve_device
 from miles.weights.transport import DEFAULT_BUCKET_BYTES, BucketSender, HostWeights, WeightBucket
 
@@ -86,6 +87,7 @@ class DataParallelRank:
 
 
 class FSDPRank(DataParallelRank, Trainer):
+    _fp8_sync = False       # weight_bucket_count(fp8=True): the buckets carry FP8 Linear weights
     decouples_lr = False    # its checkpoints (DCP, and the whole state by name) keep one AdamW group
 
     def __init__(self, model_path: str, *, train: TrainConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig,
@@ -215,21 +217,29 @@ class FSDPRank(DataParallelRank, Trainer):
             del whole
         return out
 
-    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    def weight_bucket_count(self, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            fp8: bool = False) -> int:
         """The buckets of the weights cast to `dtype` (planned once, from the shards' global shapes;
-        `miles.training.torch.fsdp.buckets`); CUDA IPC buffers on CUDA, host bytes elsewhere."""
+        `miles.training.torch.fsdp.buckets`); CUDA IPC buffers on CUDA, host bytes elsewhere. `fp8`: the Linear
+        weights quantized on this rank's GPU after their gather (e4m3 + scales, `miles.weights.fp8`)."""
         if self._sender is None:
-            self._sender = BucketSender(lambda: GatheredWeights(model_weights(self._live()), dtype), dtype=dtype,
-                                        bucket_bytes=bucket_bytes, ipc=self.device.type == "cuda")
+            self._fp8_sync = fp8
+            self._sender = BucketSender(self._bucket_weights(dtype), dtype=dtype, bucket_bytes=bucket_bytes,
+                                        ipc=self.device.type == "cuda")
         return self._sender.num_buckets
+
+    def _bucket_weights(self, dtype: torch.dtype):
+        def weights():
+            gathered = GatheredWeights(model_weights(self._live()), dtype)
+            return Fp8Weights(gathered, dtype) if self._fp8_sync else gathered
+        return weights
 
     def weight_bucket(self, index: int, version: int) -> WeightBucket | None:
         """Bucket `index` filled with the current weights (a collective): this rank's IPC copy on CUDA;
         off CUDA rank 0's bytes, None on the other ranks (which only take part in the gathers)."""
         if self._sender.ipc or self.rank == 0:
             return self._sender.bucket(index, version)
-        GatheredWeights(model_weights(self._live()), self._sender.dtype).take_part(
-            [m.name for m in self._sender.plans[index].metas])
+        self._bucket_weights(self._sender.dtype)().take_part([m.name for m in self._sender.plans[index].metas])
         return None
 
     def weights(self) -> dict[str, Tensor]:
@@ -246,10 +256,11 @@ class FSDPRank(DataParallelRank, Trainer):
     def _set_reference(self, weights: dict[str, Tensor]) -> None:
         load_full(self._ref, weights)
 
-    def weights_checksum(self, dtype: torch.dtype | None = None) -> str:
+    def weights_checksum(self, dtype: torch.dtype | None = None, fp8: bool = False) -> str:
         from miles.weights.checksum import state_dict_checksum
 
-        return state_dict_checksum(self.weights(), dtype=dtype)
+        weights = self.weights()
+        return state_dict_checksum(Fp8Weights(weights, dtype) if fp8 else weights, dtype=dtype)
 
     # --- checkpoint ----------------------------------------------------------------------------------
     def save(self, path: str | Path, optimizer: bool = True) -> None:

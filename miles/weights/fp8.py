@@ -1,0 +1,416 @@
+"""FP8 weights for rollout: 128 x 128 block quantization to float8 e4m3, its inverse, and an FP8 linear.
+
+The layout is that of Qwen3-FP8 and DeepSeek-V3 checkpoints (`quantization_config` with
+`quant_method: fp8`, `weight_block_size: [128, 128]`): a Linear weight W [N, K] is stored as
+`weight` (float8_e4m3fn [N, K]) and `weight_scale_inv` (float32 [ceil(N/128), ceil(K/128)]), with
+W ~= weight * scale_inv block by block; scale_inv = amax(|block|) / 448 (e4m3's largest finite value),
+so each block's largest entry lands on +-448 and no entry overflows.
+
+`linear(x, w, b)` is F.linear for a plain tensor and the FP8 product for a `QuantWeight`. Which FP8
+product runs is chosen once per process (`select_kernel`) and reported by `kernel()`:
+- `scaled_mm_blockwise`: CUDA with FP8 GEMMs (capability >= 9.0, Hopper), a cuBLAS block-scaled GEMM
+  through `torch.nn.functional.scaled_mm` (torch >= 2.10) or `torch._scaled_mm` (which infers the
+  recipe from the scales' shapes): the activations quantized at run time per token and 128-column
+  group (BlockWise1x128), the weight's 128 x 128 scales as they are (BlockWise128x128). It is used
+  only after a probe on the device agrees with the dequantized product.
+- `dequant_matmul`: everywhere else (CPU, older GPUs, a torch without block scales): the weight is
+  dequantized to the compute dtype and multiplied there. On the CPU this is the emulation: the
+  weights are exactly the FP8 grid's values, the activations are not quantized, so the quality cost
+  of FP8 weights is real and measurable without an FP8 GEMM.
+
+Pure tensor math: no miles imports, used by the engines (fast and embedded), the weight sync and the
+FP8 checkpoint reader/writer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0            # torch.finfo(torch.float8_e4m3fn).max
+BLOCK = 128                # weight blocks are BLOCK x BLOCK; activation groups 1 x BLOCK
+SCALE_SUFFIX = "_scale_inv"   # HF's name of a weight's block scales: "<...>.weight" + SCALE_SUFFIX
+KERNELS = ("scaled_mm_blockwise", "dequant_matmul")
+# the decoder's Linear weights that are quantized (HF names); embeddings, norms, lm_head, routers stay
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+class QuantWeight(NamedTuple):
+    """A Linear weight in FP8: e4m3 values [N, K] and float32 block scales [ceil(N/B), ceil(K/B)]."""
+    weight: Tensor
+    scale: Tensor
+
+
+def is_quantized_name(name: str) -> bool:
+    return QUANTIZED.match(name) is not None
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def quantize_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """W [N, K] -> (e4m3 [N, K], float32 scale_inv [ceil(N/B), ceil(K/B)]), scale_inv = amax / 448 per
+    block (an all-zero block gets scale 1 and zeros). Computed in float32 on W's device."""
+    if w.dim() != 2:
+        raise ValueError(f"block quantization takes a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    nb, kb = _blocks(n, block), _blocks(k, block)
+    wf = F.pad(w.detach().float(), (0, kb * block - k, 0, nb * block - n))
+    tiles = wf.view(nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
+
+
+def dequantize_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> Tensor:
+    """(e4m3 [N, K], scale_inv [ceil(N/B), ceil(K/B)]) -> W [N, K] in `dtype` (product in float32)."""
+    n, k = q.shape
+    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (q.float() * s).to(dtype)
+
+
+def round_to_grid(w: Tensor, block: int = BLOCK) -> Tensor:
+    """dequant(quant(W)) in W's dtype: W rounded to its FP8 block grid (the CPU emulation's weights)."""
+    return dequantize_blocks(*quantize_blocks(w, block), dtype=w.dtype, block=block)
+
+
+def on_grid(w: Tensor, block: int = BLOCK) -> bool:
+    """Whether W is already on its own FP8 block grid (round_to_grid leaves it unchanged)."""
+    return bool(torch.equal(round_to_grid(w, block), w))
+
+
+def quantize_activations(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """x [M, K] (K a multiple of `group`) -> (e4m3 [M, K], float32 scales [M, K/group]), per token and group."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group, group)
+    scale = xg.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k), scale
+
+
+# --- the FP8 linear -------------------------------------------------------------------------------
+
+_KERNEL = "dequant_matmul"      # set once by select_kernel; read by linear() (compiled code guards on it)
+_API = None                     # "F.scaled_mm" | "torch._scaled_mm" for scaled_mm_blockwise
+_PAD_OK = False                 # the GEMM also took K blocks padded to a multiple of 4 (K = 384 in the probe)
+
+
+def kernel() -> str:
+    """The FP8 product `linear` runs in this process (`KERNELS`), with the API used when it is a GEMM."""
+    return _KERNEL if _API is None else f"{_KERNEL} ({_API})"
+
+
+def linear(x: Tensor, w: Tensor | QuantWeight, b: Tensor | None = None) -> Tensor:
+    """F.linear(x, w, b) for a plain weight; the FP8 product for a QuantWeight (see the module)."""
+    if not isinstance(w, QuantWeight):
+        return F.linear(x, w, b)
+    return _PRODUCT(x, w, b)
+
+
+def _dequant_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
+    return F.linear(x, dequantize_blocks(w.weight, w.scale, x.dtype), b)
+
+
+def _gemm_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
+    k = x.shape[-1]
+    if k % BLOCK or not (_PAD_OK or k % (4 * BLOCK) == 0):     # a shape the probed GEMM does not take
+        return _dequant_product(x, w, b)
+    out = _blockwise(x.reshape(-1, k), w.weight, w.scale, x.dtype, _API).view(*x.shape[:-1], w.weight.shape[0])
+    return out if b is None else out + b
+
+
+_PRODUCT = _dequant_product     # select_kernel's choice
+
+
+def _blockwise(x: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str | None) -> Tensor:
+    """x [M, K] @ dequant(q, scale).T by cuBLAS's block-scaled FP8 GEMM. cuBLAS wants the activation
+    scales outer-dim-major with M a multiple of 4, and the weight's K blocks a multiple of 4."""
+    m = x.shape[0]
+    x = F.pad(x, (0, 0, 0, (-m) % 4))       # no branch on M: one compiled graph for every batch size
+    a, a_scale = quantize_activations(x)
+    a_scale = a_scale.t().contiguous().t()
+    kb = scale.shape[1]
+    s = F.pad(scale, (0, 4 - kb % 4)) if kb % 4 else scale
+    if api == "F.scaled_mm":
+        out = F.scaled_mm(a, q.t(), a_scale, F.ScalingType.BlockWise1x128, s.t(), F.ScalingType.BlockWise128x128,
+                          output_dtype=dtype)
+    else:
+        out = torch._scaled_mm(a, q.t(), scale_a=a_scale, scale_b=s.t(), out_dtype=dtype)
+    return out[:m]
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """Pick the FP8 product for this process (module docstring) and return `kernel()`. The block-scaled
+    GEMM is taken only on CUDA >= 9.0 in bf16/fp16, and only when a probe of it agrees with the
+    dequantized product (relative error under 3%: activation quantization's own error is ~1-2%)."""
+    global _KERNEL, _API, _PAD_OK, _PRODUCT
+    _KERNEL, _API, _PAD_OK, _PRODUCT = "dequant_matmul", None, False, _dequant_product
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return kernel()
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return kernel()
+    apis = (["F.scaled_mm"] if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") else []) + ["torch._scaled_mm"]
+    for api in apis:
+        if _probe(device, dtype, api, k=512):
+            _KERNEL, _API, _PAD_OK = "scaled_mm_blockwise", api, _probe(device, dtype, api, k=384)
+            _PRODUCT = _gemm_product
+            break
+    return kernel()
+
+
+def _probe(device: torch.device, dtype: torch.dtype, api: str, k: int) -> bool:
+    """Whether `_blockwise` by `api` runs and agrees with the dequantized product on a 37 x k x 384 case."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((37, k), generator=gen, device=device).to(dtype)
+    q, s = quantize_blocks(torch.randn((384, k), generator=gen, device=device) * 0.05)
+    want = F.linear(x.float(), dequantize_blocks(q, s))
+    try:
+        got = _blockwise(x, q, s, dtype, api).float()
+        torch.cuda.synchronize(device)
+    except Exception:   # noqa: BLE001 - an API or layout this torch/cuBLAS lacks: the caller falls back
+        return False
+    return bool(((got - want).norm() / want.norm()).item() < 3e-2)
+
+
+# --- HF names: a weight dict with FP8 Linear weights ------------------------------------------------
+
+def quantize_state_dict(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """{name: tensor} -> the same with every decoder Linear weight as e4m3 plus its `<name>_scale_inv`
+    (right after it); the rest unchanged. What an FP8 engine holds and an FP8 checkpoint stores."""
+    out: dict[str, Tensor] = {}
+    for name, t in weights.items():
+        if is_quantized_name(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize_blocks(t)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantize_state_dict(weights: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """The inverse: e4m3 weights with scales -> `dtype` weights, the scales dropped; others cast to `dtype`
+    when floating point."""
+    out: dict[str, Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        if t.dtype == FP8:
+            out[name] = dequantize_blocks(t, weights[name + SCALE_SUFFIX], dtype)
+        else:
+            out[name] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+class Fp8Weights(Mapping):
+    """A lazy view of a weight mapping with its decoder Linear weights quantized (`quantize_state_dict`'s
+    names, order and dtypes), for the weight sync's bucket plan and fill: `items()` gives meta tensors
+    of the right shapes and dtypes (the base is not read: what `plan_buckets` needs; `materialize()`
+    gives the tensors); indexing a weight quantizes the base's tensor
+    (which for the FSDP trainer is a collective gather) cast to `dtype`, the engine's (so every trainer
+quantizes the same values), indexing its scale reuses that quantization.
+    Every rank indexes the same names in the same order, so the collectives line up."""
+
+    def __init__(self, base: Mapping[str, Tensor], dtype: torch.dtype):
+        self._base, self.dtype = base, dtype      # quantized from the weights cast to the engine's dtype
+        self._last: tuple[str, Tensor, Tensor] | None = None
+
+    def _names(self) -> Iterator[tuple[str, str | None]]:
+        for name in self._base:
+            yield name, None
+            if is_quantized_name(name):
+                yield name + SCALE_SUFFIX, name
+
+    def __iter__(self):
+        return (n for n, _ in self._names())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._names())
+
+    def items(self):
+        shapes = {}
+        for name, t in self._base.items():      # a dict's items(): its values as stored (no gather)
+            shapes[name] = (tuple(t.shape), t.dtype)
+        for name, of in self._names():
+            shape, dtype = shapes[of or name]
+            if of is not None:
+                yield name, torch.empty((_blocks(shape[0], BLOCK), _blocks(shape[1], BLOCK)), dtype=torch.float32,
+                                        device="meta")
+            elif is_quantized_name(name):
+                yield name, torch.empty(shape, dtype=FP8, device="meta")
+            else:
+                yield name, torch.empty(shape, dtype=dtype, device="meta")
+
+    def materialize(self) -> dict[str, Tensor]:
+        """{name: tensor} of every entry (quantizing each Linear weight once), in order."""
+        return {name: self[name] for name in self}
+
+    def take_part(self, names: list[str]) -> None:
+        """Index `names` and keep nothing: a rank's share of the gathers behind a bucket another rank fills."""
+        for name in names:
+            _ = self[name]
+
+    def _quantized(self, name: str) -> tuple[Tensor, Tensor]:
+        if self._last is None or self._last[0] != name:
+            q, s = quantize_blocks(self._base[name].detach().to(self.dtype))
+            self._last = (name, q, s)
+        return self._last[1], self._last[2]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name.endswith(SCALE_SUFFIX) and is_quantized_name(name[:-len(SCALE_SUFFIX)]):
+            return self._quantized(name[:-len(SCALE_SUFFIX)])[1]
+        if is_quantized_name(name):
+            return self._quantized(name)[0]
+        return self._base[name]
+
+
+# --- FP8 checkpoints ---------------------------------------------------------------------------------
+
+def quantization_config(block: int = BLOCK) -> dict:
+    """The `quantization_config` of an FP8 block-quantized HF checkpoint (Qwen3-FP8's)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [block, block]}
+
+
+def checkpoint_block(config) -> int | None:
+    """The block size of an FP8 block-quantized checkpoint's config (HF config object or dict), else None.
+    Raises ValueError for an FP8 config this build does not read (not 128 x 128 blocks)."""
+    q = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    if not q:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        raise ValueError(f"quantization_config quant_method {q.get('quant_method')!r}: only FP8 block-quantized "
+                         "checkpoints (quant_method fp8, weight_block_size [128, 128]) are read here")
+    size = q.get("weight_block_size")
+    if size != [BLOCK, BLOCK]:
+        raise ValueError(f"quantization_config weight_block_size {size}: only [{BLOCK}, {BLOCK}] blocks are read here "
+                         "(per-tensor FP8 checkpoints are not)")
+    return BLOCK
+
+
+def is_fp8_checkpoint(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and checkpoint_block(json.loads(cfg.read_text())) is not None
+
+
+def read_checkpoint_tensors(path: str | Path) -> dict[str, Tensor]:
+    """Every tensor of an HF folder's safetensors files, as stored (e4m3 weights with their scales)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no .safetensors files")
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """An FP8 block-quantized copy of the HF folder `src` at `dst`: its decoder Linear weights as e4m3
+    with `weight_scale_inv`, the rest in the source dtype, and config.json's `quantization_config`
+    (tokenizer and other files copied). Written into a temp folder and renamed: never half-written."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; write the FP8 checkpoint to a new folder")
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
+    try:
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"] = quantization_config()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tensors = quantize_state_dict(read_checkpoint_tensors(src))
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+# --- the fast engine's fused FP8 weights ---------------------------------------------------------------
+
+def fuse(parts: Mapping[str, tuple[Tensor, Tensor]], named: dict[str, Tensor], device) -> QuantWeight:
+    """One QuantWeight of the row-wise concatenation of `parts` ({HF weight name: (e4m3, scale_inv)}),
+    each part's weight and scales registered in `named` as views (so updates copy into them in place).
+    Every part but the last must have a multiple of BLOCK rows (its scale rows then concatenate)."""
+    names = list(parts)
+    for n in names[:-1]:
+        if parts[n][0].shape[0] % BLOCK:
+            raise ValueError(f"FP8 weights: {n} has {parts[n][0].shape[0]} rows, not a multiple of {BLOCK}; "
+                             f"the fused projection's block scales cannot be shared (use --rollout-quantization "
+                             f"none for this model)")
+    weight = torch.cat([parts[n][0].to(device) for n in names]).contiguous()
+    scale = torch.cat([parts[n][1].to(device, torch.float32) for n in names]).contiguous()
+    row = srow = 0
+    for n in names:
+        q, s = parts[n]
+        named[n] = weight[row:row + q.shape[0]]
+        named[n + SCALE_SUFFIX] = scale[srow:srow + s.shape[0]]
+        row, srow = row + q.shape[0], srow + s.shape[0]
+    return QuantWeight(weight, scale)
+
+
+def fp8_layer(layer: tuple, prefix: str, src: Mapping[str, Tensor], source: Mapping[str, Tensor] | None,
+              named: dict[str, Tensor], device) -> tuple:
+    """A fast-engine layer tuple (`miles.rollout.engines.fast.model.LayerWeights`) with its q/k/v, o,
+    gate/up and down weights as QuantWeights: quantized from `src` (the model's weights, HF names), or
+    taken from `source` (an FP8 checkpoint's e4m3 weights and scales) when given."""
+    ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w = layer
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+
+    def part(name: str) -> tuple[Tensor, Tensor]:
+        if source is not None:
+            return source[name], source[name + SCALE_SUFFIX]
+        return quantize_blocks(src[name].to(device))
+
+    def fused(names: list[str]) -> QuantWeight:
+        return fuse({n: part(n) for n in names}, named, device)
+
+    return (ln1, fused([attn + f"{p}_proj.weight" for p in "qkv"]), qkv_b, q_norm, k_norm,
+            fused([attn + "o_proj.weight"]), o_b, ln2, fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+            fused([mlp + "down_proj.weight"]))
+
+
+def keeps_dtype(name: str, t: Tensor) -> bool:
+    """Tensors of an FP8 weight dict that keep their dtype when the rest is cast to the engine's: the e4m3
+    weights and their float32 scales."""
+    return t.dtype == FP8 or name.endswith(SCALE_SUFFIX)
+
+
+def as_quantized(weights: Mapping[str, Tensor], dtype: torch.dtype) -> Mapping[str, Tensor]:
+    """What an FP8 engine loads: `weights` as they are when they carry scales (a quantized sync or
+    checkpoint), else quantized here from the weights cast to the engine's `dtype` (a trainer that sent
+    plain weights: the same values a quantizing trainer would send)."""
+    if any(n.endswith(SCALE_SUFFIX) for n in weights):
+        return weights
+    return quantize_state_dict({n: t.detach().to(dtype) if t.is_floating_point() else t for n, t in weights.items()})
+
+
+def quantized_part(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The e4m3 Linear weights of an FP8 weight dict and their scales (the rest left out)."""
+    return {n: t for n, t in weights.items()
+            if is_quantized_name(n) or (n.endswith(SCALE_SUFFIX) and is_quantized_name(n[:-len(SCALE_SUFFIX)]))}
+
+
+def engine_quantization(quantization: str | None, hf_checkpoint: str | Path) -> str | None:
+    """--rollout-quantization resolved: "fp8" or None; unset (None) follows the checkpoint (FP8 stays FP8)."""
+    if quantization is None:
+        return "fp8" if is_fp8_checkpoint(hf_checkpoint) else None
+    return None if quantization == "none" else quantization
