@@ -110,10 +110,6 @@ REQUIRED: dict[str, MegatronFlag] = {
                                                "engine's)", required=0.0),
     "hidden-dropout": MegatronFlag("float", "hidden dropout; dropout is off here (logprobs must match the engine's)",
                                    required=0.0),
-    "expert-model-parallel-size": MegatronFlag("int", "expert parallelism; not built here (Qwen3-MoE trains on one rank: "
-                                                                  "docs/moe.md)", required=1),
-    "expert-tensor-parallel-size": MegatronFlag("int", "expert tensor parallelism; not built here (docs/moe.md)",
-                                                required=1),
     "optimizer": MegatronFlag("str", "Megatron's optimizer; here always AdamW (Megatron's adam)", required="adam"),
     "tokenizer-type": MegatronFlag("str", "Megatron-LM's tokenizer kind; here the tokenizer is --hf-checkpoint's "
                                           "(AutoTokenizer)", required="HuggingFaceTokenizer"),

@@ -47,6 +47,7 @@ IMPLEMENTED = parse("""
     micro-batch-size= global-batch-size= recompute-activations
     moe-router-load-balancing-type* moe-router-dtype= moe-aux-loss-coeff* moe-z-loss-coeff=
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
+    expert-model-parallel-size= expert-tensor-parallel-size=
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
     exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload async-save
@@ -59,7 +60,7 @@ SCRIPTS = parse("""
     qk-layernorm rotary-base= rotary-percent= use-rotary-position-embeddings position-embedding-type= use-rope-scaling
     rotary-scaling-factor= rope-scaling-factor= rope-type= max-position-embeddings= normalization= norm-epsilon= swiglu
     disable-bias-linear add-qkv-bias untie-embeddings-and-output-weights vocab-size= padded-vocab-size=
-    attention-dropout= hidden-dropout= expert-model-parallel-size= expert-tensor-parallel-size= optimizer=
+    attention-dropout= hidden-dropout= optimizer=
     recompute-granularity= recompute-method= recompute-num-layers= tokenizer-type=
     overlap-grad-reduce overlap-param-gather no-gradient-accumulation-fusion use-flash-attn no-masked-softmax-fusion
     no-bias-swiglu-fusion no-bias-dropout-fusion no-bias-gelu-fusion no-rope-fusion tp-comm-overlap

@@ -150,6 +150,8 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
         ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
         ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
         ("--context-parallel-size", t.context_parallel_size, 1),
+        ("--expert-model-parallel-size", t.expert_model_parallel_size, 1),
+        ("--expert-tensor-parallel-size", t.expert_tensor_parallel_size, 1),
         ("--sequence-parallel", t.sequence_parallel, False),
         ("--decoder-first-pipeline-num-layers", t.first_pipeline_stage_layers, None),
         ("--decoder-last-pipeline-num-layers", t.last_pipeline_stage_layers, None)) if v != default]

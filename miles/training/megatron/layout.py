@@ -38,6 +38,8 @@ class ParallelLayout:
     sequence_parallel: bool = False
     first_stage_layers: int | None = None   # --decoder-first-pipeline-num-layers (None: an even share)
     last_stage_layers: int | None = None    # --decoder-last-pipeline-num-layers
+    ep: int = 1                             # --expert-model-parallel-size: a MoE layer's experts split over EP ranks
+    etp: int = 1                            # --expert-tensor-parallel-size (1: each expert whole on its rank)
 
     @property
     def dp(self) -> int:
