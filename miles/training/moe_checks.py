@@ -1,7 +1,8 @@
 """Which mixture-of-experts families this build runs, and the start-up checks of an MoE run (light: read
 from --hf-checkpoint's config.json, no torch). A family is one line of `MOE_FAMILIES` here plus one
 module per path it runs on (the embedded engine and the torch trainer run transformers' model through
-`miles.training.moe`; the fast engine and the megatron backend have none yet: refused below, by name).
+`miles.training.moe`; the megatron backend megatron-core's MoE layers, `miles.training.megatron`; the
+fast engine has none yet: refused below, by name).
 docs/moe.md says what is built."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ _OTHER_MOE_FIELDS = {
     "topk_method": "DeepSeek's grouped routing with an expert bias", "n_routed_experts": "routed experts",
     "num_local_experts": "experts", "num_experts": "experts", "moe_intermediate_size": "experts",
 }
-_BUILT = "built: qwen3_moe (Qwen3-MoE) on the embedded engine and the torch trainer, docs/moe.md"
+_BUILT = ("built: qwen3_moe (Qwen3-MoE) on the embedded engine, the torch trainer and --train-backend megatron, "
+          "docs/moe.md")
 
 
 def read_config(model_path: str) -> dict[str, Any] | None:
@@ -79,9 +81,9 @@ def _moe(cfg: RunConfig, problems: list[str]) -> None:
     if kind != "built":
         problems.append(f"--hf-checkpoint {ckpt}: {kind}")
         return
-    if t.backend != "torch":
-        problems.append(f"--train-backend {t.backend} with --hf-checkpoint {ckpt} (Qwen3-MoE): megatron-core MoE "
-                        "(expert parallelism, its router) is not built yet; use --train-backend torch")
+    if t.backend not in ("torch", "megatron"):
+        problems.append(f"--train-backend {t.backend} with --hf-checkpoint {ckpt} (Qwen3-MoE): not built; use "
+                        "--train-backend torch or megatron")
     if cfg.rollout.engine == "sglang" and t.use_rollout_routing_replay:
         problems.append("--use-rollout-routing-replay with --rollout-engine sglang: SGLang's routed-experts capture "
                         "is not wired into the samples yet; use --rollout-engine embedded")
