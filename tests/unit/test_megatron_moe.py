@@ -195,13 +195,17 @@ def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, flags):
 
 @needs_megatron
 @pytest.mark.slow
-def test_without_replay_the_old_pass_routes_by_its_own_top_k(tmp_path):
+def test_without_r3_the_old_pass_routes_by_its_own_top_k_and_the_steps_replay_it(tmp_path):
+    # --use-routing-replay alone: the old pass routes by the router's own top-k (recorded); the two steps
+    # replay it, so half the forwards that see the rollout's tokens run replayed experts, as on the torch trainer
     model = moe_model(tmp_path / "m")
     cfg = configs(use_routing_replay=True)
-    want, _ = torch_run(model, cfg, [0])
+    want = torch_run(model, cfg, [0])[0][0]
     results = run_ranks(1, model, cfg, tmp_path / "run", [0])
     got = results[0]["metrics"][0]
-    assert got["moe/routing_replayed"] == 0.0 and got["moe/routing_mismatch"] == pytest.approx(want["moe/routing_mismatch"])
+    for k in ("moe/routing_replayed", "moe/routing_mismatch", "moe/router_entropy", "logprob_diff_rollout", "loss"):
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+    assert got["moe/routing_replayed"] == 0.5
     old, given = results[0]["old"][0]
     has = given[..., 0, 0] >= 0
     assert not torch.equal(old[has].sort(-1).values, given[has].sort(-1).values)     # its own, not the rollout's
