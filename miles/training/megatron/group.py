@@ -53,7 +53,7 @@ class MegatronTrainer:
                                 rollout=rollout, device_type="cuda" if on_gpu else "cpu", dtype=dtype,
                                 namespace=namespace)
         log.info("trainer_ready", model=model_path, ranks=layout.world_size, tp=layout.tp, pp=layout.pp,
-                 cp=layout.cp, dp=layout.dp, gpus=on_gpu)
+                 cp=layout.cp, dp=layout.dp, ep=layout.ep, gpus=on_gpu)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._group.all(method, *args, **kwargs)

@@ -32,7 +32,7 @@ class RankModel:
     use_te: bool
 
 
-def moe_options(spec: ModelSpec, layout: ParallelLayout, train: TrainConfig | None, *, on_cpu: bool) -> dict:
+def moe_options(spec: ModelSpec, layout: ParallelLayout, train: TrainConfig | None) -> dict:
     """megatron-core's MoE options for a Qwen3-MoE spec ({} for a dense one).
 
     Qwen3-MoE's router: softmax over the experts, top-k, divided by the top-k's sum when `norm_topk_prob`.
@@ -43,14 +43,15 @@ def moe_options(spec: ModelSpec, layout: ParallelLayout, train: TrainConfig | No
     off: megatron's grouped GEMM kernels are CUDA only, and per-expert weights are what conversion.py
     names); tokens reach the expert-parallel ranks by megatron's all-to-all dispatcher (gloo on the CPU).
     The router losses are megatron's own (`moe_aux_loss_coeff` with the load-balancing type, `moe_z_loss_coeff`),
-    `moe_router_dtype` fp32 its router in float32; routing replay uses its RouterReplay (`moe_enable_routing_replay`)."""
+    `moe_router_dtype` fp32 its router in float32; routing replay goes through the routers' `router_replay`
+    hook (`miles.training.megatron.moe`)."""
     if not spec.is_moe:
         return {}
     options = dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
                    moe_layer_freq=spec.moe_layer_pattern(), moe_router_pre_softmax=not spec.norm_topk_prob,
                    moe_router_score_function="softmax", moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
                    expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-                   moe_enable_routing_replay=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     if train is not None:
         kind = train.moe_router_load_balancing_type
         if train.moe_aux_loss_coeff > 0 and kind != "none":
@@ -71,7 +72,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.
 
     recompute_options = dict(recompute_granularity="full", recompute_method="uniform",
                              recompute_num_layers=1) if recompute else {}
-    return TransformerConfig(**recompute_options, **moe_options(spec, layout, train, on_cpu=on_cpu),
+    return TransformerConfig(**recompute_options, **moe_options(spec, layout, train),
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
