@@ -87,12 +87,13 @@ def make_samples(rollout_id: int, n: int = 8, routed: bool = True):
     return out
 
 
-def rank_body(worker, rollouts):
+def rank_body(worker, rollouts, checkpoint: str | None = None):
     """Train `rollouts`; the metrics, this rank's stage weights, and per rollout the old pass's routing and
-    the batch's rollout experts (to compare)."""
+    the batch's rollout experts (to compare). With `checkpoint`: saved there after the first rollout, loaded
+    back after the last (`resumed`: the stage weights then)."""
     from miles.training.batch import make_train_batch
 
-    metrics, old = [], []
+    metrics, old, saved = [], [], None
     for r in rollouts:
         samples = make_samples(r)
         worker.prepare_rollout(samples, r)
@@ -100,10 +101,17 @@ def rank_body(worker, rollouts):
         old.append((None if batch.old_routed_experts is None else batch.old_routed_experts.clone(),
                     make_train_batch(samples, worker.pad_id).routed_experts))
         metrics.append(worker.train(samples, r))
-    return {"metrics": metrics, "stage": worker.stage_weights(), "old": old}
+        if checkpoint and r == rollouts[0]:
+            worker.save(checkpoint)
+            saved = worker.stage_weights()
+    out = {"metrics": metrics, "stage": worker.stage_weights(), "old": old, "saved": saved}
+    if checkpoint:
+        worker.load(checkpoint)
+        out["resumed"] = worker.stage_weights()
+    return out
 
 
-def run_rank(rank, world, port, model, cfg, rollouts, out_dir):
+def run_rank(rank, world, port, model, cfg, rollouts, out_dir, checkpoint=None):
     from miles.training.megatron.worker import MegatronWorker
 
     try:
@@ -111,7 +119,7 @@ def run_rank(rank, world, port, model, cfg, rollouts, out_dir):
         worker = MegatronWorker(model, train=train, algorithm=algorithm, rollout=rollout, rank=rank, world_size=world,
                                 device_type="cpu")
         worker.setup("127.0.0.1", port)
-        result = rank_body(worker, rollouts)
+        result = rank_body(worker, rollouts, checkpoint)
         worker.dispose()
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
@@ -119,13 +127,14 @@ def run_rank(rank, world, port, model, cfg, rollouts, out_dir):
         raise
 
 
-def run_ranks(world: int, model: str, cfg, out_dir: Path, rollouts) -> list[dict]:
+def run_ranks(world: int, model: str, cfg, out_dir: Path, rollouts, checkpoint: str | None = None) -> list[dict]:
     from tests.integration.test_megatron_cpu import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, model, cfg, rollouts, str(out_dir))) for r in range(world)]
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, model, cfg, rollouts, str(out_dir), checkpoint))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -171,9 +180,16 @@ def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, flags):
     model = moe_model(tmp_path / "m")
     cfg = configs(expert_model_parallel_size=ep, **flags)
     want, want_w = torch_run(model, cfg, [0, 1])
-    results = run_ranks(ep, model, cfg, tmp_path / "run", [0, 1])
+    checkpoint = str(tmp_path / "ckpt") if flags is ROUTER_LOSSES else None     # the experts' dist checkpoint shards
+    results = run_ranks(ep, model, cfg, tmp_path / "run", [0, 1], checkpoint)
     got = results[0]["metrics"]
     assert_same_training(got, want, hf_weights(results, model), want_w)
+    if checkpoint:       # saved after rollout 0, loaded after rollout 1: rollout 0's weights again, every expert
+        saved, resumed = results[0]["saved"], results[0]["resumed"]
+        assert sorted(saved) == sorted(resumed) and any(EXPERT in n for n in saved)
+        assert all(torch.equal(saved[n], resumed[n]) for n in saved)
+        assert not torch.equal(saved[f"decoder.layers.2.{EXPERT}3.linear_fc1.weight"],
+                               results[0]["stage"][f"decoder.layers.2.{EXPERT}3.linear_fc1.weight"])
     moe_keys = [k for k in want[0] if k.startswith("moe/")]
     expected = {"moe/router_entropy", "moe/routing_mismatch", "moe/routing_replayed", "moe/layer1/tokens_per_expert_max"}
     assert expected | ({"moe/moe_aux_loss", "moe/moe_z_loss"} if flags is ROUTER_LOSSES else set()) <= set(moe_keys)
