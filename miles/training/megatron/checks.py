@@ -80,6 +80,10 @@ def moe_layout_problems(spec, train: TrainConfig, layout: ParallelLayout) -> lis
     if layout.sequence_parallel:
         problems.append("--sequence-parallel with a Qwen3-MoE model: the routing replay and metrics see whole rows "
                         "here; drop it")
+    elif layout.tp > 1:
+        problems.append(f"--tensor-model-parallel-size {layout.tp} with a Qwen3-MoE model: megatron-core's MoE layer "
+                        "trains under tensor parallelism only with --sequence-parallel, which MoE runs here do not "
+                        "take yet; use --expert-model-parallel-size (and data parallelism) instead")
     if layout.pp > 1 and train.recompute_activations and (train.use_rollout_routing_replay or train.use_routing_replay):
         problems.append("--recompute-activations with --pipeline-model-parallel-size > 1 and routing replay: a "
                         "recomputed layer would route as another micro-batch; drop one of them")
