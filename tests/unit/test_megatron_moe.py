@@ -169,7 +169,9 @@ R3 = dict(use_rollout_routing_replay=True, use_routing_replay=True)
 
 @needs_megatron
 @pytest.mark.slow
-@pytest.mark.parametrize("ep,flags", [(1, R3), (2, R3), (1, ROUTER_LOSSES), (2, ROUTER_LOSSES)],
+# CI budget: the one-rank router-loss case is extended (its EP 2 twin, in CI, checks the same and more)
+@pytest.mark.parametrize("ep,flags", [(1, R3), (2, R3), pytest.param(1, ROUTER_LOSSES, marks=pytest.mark.extended),
+                                      (2, ROUTER_LOSSES)],
                          ids=["r3-one-rank", "r3-ep2", "router-losses-one-rank", "router-losses-ep2"])
 def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, flags):
     """The logprobs (logprob_diff_rollout), the loss and its gradient (grad_norm), the weights after two
@@ -211,6 +213,7 @@ def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, flags):
 
 @needs_megatron
 @pytest.mark.slow
+@pytest.mark.extended      # CI budget
 def test_without_r3_the_old_pass_routes_by_its_own_top_k_and_the_steps_replay_it(tmp_path):
     # --use-routing-replay alone: the old pass routes by the router's own top-k (recorded); the two steps
     # replay it, so half the forwards that see the rollout's tokens run replayed experts, as on the torch trainer
