@@ -169,21 +169,25 @@ R3 = dict(use_rollout_routing_replay=True, use_routing_replay=True)
 
 @needs_megatron
 @pytest.mark.slow
-# CI budget: the one-rank router-loss case is extended (its EP 2 twin, in CI, checks the same and more)
-@pytest.mark.parametrize("ep,flags", [(1, R3), (2, R3), pytest.param(1, ROUTER_LOSSES, marks=pytest.mark.extended),
-                                      (2, ROUTER_LOSSES)],
-                         ids=["r3-one-rank", "r3-ep2", "router-losses-one-rank", "router-losses-ep2"])
-def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, flags):
+# CI budget: the one-rank router-loss case and PP 2 are extended (the EP 2 router-loss twin, in CI, checks the
+# same and more)
+@pytest.mark.parametrize("ep,pp,flags", [(1, 1, R3), (2, 1, R3),
+                                         pytest.param(1, 1, ROUTER_LOSSES, marks=pytest.mark.extended),
+                                         (2, 1, ROUTER_LOSSES), pytest.param(1, 2, R3, marks=pytest.mark.extended)],
+                         ids=["r3-one-rank", "r3-ep2", "router-losses-one-rank", "router-losses-ep2", "r3-pp2"])
+def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, pp, flags):
     """The logprobs (logprob_diff_rollout), the loss and its gradient (grad_norm), the weights after two
-    rollouts, the routing metrics and the router losses: the torch trainer's, on one rank and with the
-    experts split over 2 expert-parallel ranks (data-parallel ranks too: each runs half the rows)."""
+    rollouts, the routing metrics and the router losses: the torch trainer's, on one rank, with the
+    experts split over 2 expert-parallel ranks (data-parallel ranks too: each runs half the rows), and over
+    2 pipeline stages (layers 0-1 and 2: one MoE layer each; a token's "any layer differs" spans both)."""
     from tests.integration.test_megatron_cpu import assert_same_training, hf_weights
 
     model = moe_model(tmp_path / "m")
-    cfg = configs(expert_model_parallel_size=ep, **flags)
+    stages = dict(pipeline_model_parallel_size=2, first_pipeline_stage_layers=2) if pp > 1 else {}
+    cfg = configs(expert_model_parallel_size=ep, **stages, **flags)
     want, want_w = torch_run(model, cfg, [0, 1])
     checkpoint = str(tmp_path / "ckpt") if flags is ROUTER_LOSSES else None     # the experts' dist checkpoint shards
-    results = run_ranks(ep, model, cfg, tmp_path / "run", [0, 1], checkpoint)
+    results = run_ranks(ep * pp, model, cfg, tmp_path / "run", [0, 1], checkpoint)
     got = results[0]["metrics"]
     assert_same_training(got, want, hf_weights(results, model), want_w)
     if checkpoint:       # saved after rollout 0, loaded after rollout 1: rollout 0's weights again, every expert

@@ -90,9 +90,12 @@ class MegatronRouting:
         """slot -> [b, T, k] the experts each position used in the last forward (this stage's MoE layers)."""
         return {slot: _from_router_order(rec[1], self._b) for slot, rec in self._records.items()}
 
-    def stats(self, real: Tensor, rollout: Tensor | None, replayed: bool) -> dict[str, float]:
+    def stats(self, real: Tensor, rollout: Tensor | None,
+              replayed: bool) -> tuple[dict[str, float], tuple[Tensor, Tensor] | None]:
         """The last forward's routing counts, as the torch trainer's `RoutingStats.raw` keys (this stage's
-        layers; every layer's keys present): `real` [b, T] bool, `rollout` [b, T, L, k] (-1: none)."""
+        layers; every layer's keys present): `real` [b, T] bool, `rollout` [b, T, L, k] (-1: none). With a
+        rollout, also the per-token flags (any of this stage's layers had the rollout's routing; any differed),
+        [real tokens] int8 each: a token's "any layer" spans the pipeline stages (`token_counts`)."""
         out = {f"tokens/{i}/{e}": 0.0 for i in range(self.num_layers) for e in range(self.num_experts)}
         out.update(entropy=0.0, compared=0.0, differ=0.0, compared_tokens=0.0, differ_tokens=0.0, replayed=0.0,
                    positions=0.0)
@@ -116,10 +119,29 @@ class MegatronRouting:
                     out["replayed"] += float(has.sum())
                 any_has = has if any_has is None else any_has | has
                 any_differ = differ if any_differ is None else any_differ | differ
-        if any_has is not None:
-            out["compared_tokens"] = float(any_has.sum())
-            out["differ_tokens"] = float(any_differ.sum())
-        return out
+        if ref is None:
+            return out, None
+        n = int(mask.sum())
+        zeros = torch.zeros(n, dtype=torch.int8, device=mask.device)
+        flags = (zeros, zeros) if any_has is None else (any_has.to(torch.int8), any_differ.to(torch.int8))
+        return out, flags
+
+
+def token_counts(flags: list[tuple[Tensor, Tensor]], group, count: bool) -> tuple[float, float]:
+    """(tokens with rollout routing in any MoE layer, tokens where any layer's own top-k differs) from this
+    rank's per-forward flags, OR-ed over the pipeline stages of `group` (every stage walks the same
+    micro-batches in the same order; None: one stage); (0, 0) unless `count`."""
+    import torch.distributed as dist
+
+    if not flags:
+        return 0.0, 0.0
+    has = torch.cat([f[0] for f in flags]).int()
+    differ = torch.cat([f[1] for f in flags]).int()
+    if group is not None:
+        both = torch.stack([has, differ])
+        dist.all_reduce(both, group=group)
+        has, differ = both[0], both[1]
+    return (float((has > 0).sum()), float((differ > 0).sum())) if count else (0.0, 0.0)
 
 
 def add_raw(total: dict[str, float] | None, one: dict[str, float]) -> dict[str, float]:

@@ -98,6 +98,7 @@ class MegatronWorker:
         self._split: ContextSplit | None = None      # this rank's CP place, with CP > 1
         self._routing = None                         # an MoE policy's routing (miles.training.megatron.moe)
         self._routing_raw: dict[str, float] | None = None   # the rollout's routing counts on this rank
+        self._token_flags: list[tuple[Tensor, Tensor]] = []  # per forward: which tokens any layer compared / differed
         self._ep_rank = 0
 
     # --- setup -----------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class MegatronWorker:
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         metrics: dict[str, float] = {}
         if self._routing is not None:
-            self._routing_raw = None
+            self._routing_raw, self._token_flags = None, []
         if not self._objective.is_sft:
             train_lp = self._logprobs(self._live(), batch)
             ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
@@ -265,8 +266,10 @@ class MegatronWorker:
             mb, replayed = pending.pop()
             if counts and mb.attention_mask.any():
                 from miles.training.megatron.moe import add_raw
-                self._routing_raw = add_raw(self._routing_raw, routing.stats(mb.attention_mask, mb.routed_experts,
-                                                                             replayed))
+                raw, flags = routing.stats(mb.attention_mask, mb.routed_experts, replayed)
+                self._routing_raw = add_raw(self._routing_raw, raw)
+                if flags is not None:
+                    self._token_flags.append(flags)
             if old is not None and counts:
                 start = first_row + index[id(mb)] * t.micro_batch_size
                 n = min(mb.tokens.shape[0], rows.stop - start)
@@ -354,11 +357,20 @@ class MegatronWorker:
         """The rollout's routing metrics (the torch trainer's `moe/...`), summed over the counting ranks."""
         import torch.distributed as dist
 
+        from megatron.core import parallel_state
+
+        from miles.training.megatron.moe import token_counts
         from miles.training.moe import RoutingStats
 
         layers, experts = len(self.spec.moe_layers), self.spec.num_experts
         empty = RoutingStats().raw(layers, experts)
-        raw = self._routing_raw or {k: 0.0 for k in empty}
+        raw = dict(self._routing_raw or {k: 0.0 for k in empty})
+        # a token's "any layer" over every stage: OR-ed over the pipeline group, counted on the first stage
+        counts = self.coords.tp == 0 and self.coords.cp == 0
+        group = parallel_state.get_pipeline_model_parallel_group() if self.layout.pp > 1 and counts else None
+        raw["compared_tokens"], raw["differ_tokens"] = token_counts(self._token_flags, group,
+                                                                    count=self.coords.pp == 0)
+        self._token_flags = []
         keys = sorted(empty)
         v = torch.tensor([raw[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(v)
