@@ -100,11 +100,14 @@ def rank_body(worker, rollouts, checkpoint: str | None = None):
         batch = worker._prepared[1]
         old.append((None if batch.old_routed_experts is None else batch.old_routed_experts.clone(),
                     make_train_batch(samples, worker.pad_id).routed_experts))
+        if r == rollouts[0]:                # the old-logprob pass, per token, before any step
+            first_logprobs = (batch.old_logprobs.clone(), batch.loss_mask.clone())
         metrics.append(worker.train(samples, r))
         if checkpoint and r == rollouts[0]:
             worker.save(checkpoint)
             saved = worker.stage_weights()
-    out = {"metrics": metrics, "stage": worker.stage_weights(), "old": old, "saved": saved}
+    out = {"metrics": metrics, "stage": worker.stage_weights(), "old": old, "saved": saved,
+           "logprobs": first_logprobs}
     if checkpoint:
         worker.load(checkpoint)
         out["resumed"] = worker.stage_weights()
@@ -147,11 +150,19 @@ def run_ranks(world: int, model: str, cfg, out_dir: Path, rollouts, checkpoint: 
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def torch_run(model: str, cfg, rollouts) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def torch_run(model: str, cfg, rollouts, logprobs: list | None = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The torch trainer's metrics and final weights; into `logprobs` its [B, T] logprobs of the first
+    rollout's batch before any step (R3 replayed as in its old-logprob pass)."""
+    from miles.training.batch import make_train_batch
     from miles.training.trainer import Trainer
 
     train, algorithm, rollout = cfg
     trainer = Trainer(model, train=train, algorithm=algorithm, rollout=rollout, device="cpu")
+    if logprobs is not None:
+        samples = make_samples(rollouts[0])
+        with torch.no_grad():
+            logprobs.append(trainer._logprobs(trainer._model, make_train_batch(samples, trainer.pad_id)))
+        trainer._moe.stats = type(trainer._moe.stats)()     # this extra forward is not the rollout's: uncounted
     metrics = [trainer.train(make_samples(r), r) for r in rollouts]
     return metrics, trainer.weights()
 
@@ -185,10 +196,16 @@ def test_megatron_moe_trains_like_the_torch_trainer(tmp_path, ep, pp, flags):
     model = moe_model(tmp_path / "m")
     stages = dict(pipeline_model_parallel_size=2, first_pipeline_stage_layers=2) if pp > 1 else {}
     cfg = configs(expert_model_parallel_size=ep, **stages, **flags)
-    want, want_w = torch_run(model, cfg, [0, 1])
+    torch_logprobs: list = []
+    want, want_w = torch_run(model, cfg, [0, 1], torch_logprobs)
     checkpoint = str(tmp_path / "ckpt") if flags is ROUTER_LOSSES else None     # the experts' dist checkpoint shards
     results = run_ranks(ep * pp, model, cfg, tmp_path / "run", [0, 1], checkpoint)
     got = results[0]["metrics"]
+    # per token: megatron's old-logprob pass equals the torch trainer's on every response token
+    mine, mask = results[0]["logprobs"]
+    theirs = torch_logprobs[0][:, :mine.shape[1]]
+    assert int(mask.sum()) > 10
+    assert torch.allclose(mine[mask], theirs[mask], rtol=0, atol=2e-5), float((mine[mask] - theirs[mask]).abs().max())
     assert_same_training(got, want, hf_weights(results, model), want_w)
     if checkpoint:       # saved after rollout 0, loaded after rollout 1: rollout 0's weights again, every expert
         saved, resumed = results[0]["saved"], results[0]["resumed"]
