@@ -380,6 +380,11 @@ FLAGS: tuple[Flag, ...] = (
        "megatron: the last pipeline stage's layers (the others split the rest evenly)"),
     _f("context-parallel-size", "train", "context_parallel_size", int,
        "megatron: context-parallel ranks; each takes 2 of the 2N chunks of every sequence (padded to a multiple of 2N)"),
+    _f("expert-model-parallel-size", "train", "expert_model_parallel_size", int,
+       "megatron: ranks each MoE layer's experts are split over (must divide the experts and the data x context "
+       "parallel ranks)"),
+    _f("expert-tensor-parallel-size", "train", "expert_tensor_parallel_size", int,
+       "megatron: tensor-parallel ranks per expert; 1 (each expert whole on its expert-parallel rank) is built"),
     _f("sequence-parallel", "train", "sequence_parallel", kind="true",
        help="megatron: split norms' and dropouts' activations along the sequence over the TP ranks"),
     # checkpoint

@@ -63,6 +63,8 @@ def megatron_problems(given: dict[str, Any], hf_checkpoint: str | None) -> list[
     hf = hf.get("text_config", hf)      # multimodal configs keep the language model's apart
     for name, value in checked.items():
         expected = hf_value(name, hf)
+        if name == "moe-layer-freq" and expected is not None:
+            value = moe_layer_pattern(value, len(expected)) or value
         if not _same(value, expected):
             shown = "given" if value is True else value
             problems.append(f"--{name} {shown} differs from --hf-checkpoint's config.json ({CHECKED[name].hf}: "
@@ -78,6 +80,7 @@ def hf_value(name: str, hf: dict[str, Any]) -> Any:
     rope = hf.get("rope_parameters") or {}          # transformers >= 5 keeps RoPE's values here
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
     theta = hf.get("rope_theta", rope.get("rope_theta"))
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)   # transformers 5: num_local_experts
     table = {
         "num-layers": hf.get("num_hidden_layers"),
         "hidden-size": hf.get("hidden_size"),
@@ -104,8 +107,46 @@ def hf_value(name: str, hf: dict[str, Any]) -> Any:
         "untie-embeddings-and-output-weights": not hf.get("tie_word_embeddings", True),
         "vocab-size": hf.get("vocab_size"),
         "padded-vocab-size": hf.get("vocab_size"),
+        "num-experts": num_experts or None,
+        "moe-router-topk": hf.get("num_experts_per_tok") if num_experts else None,
+        "moe-ffn-hidden-size": hf.get("moe_intermediate_size") if num_experts else None,
+        "moe-layer-freq": _hf_moe_layers(hf) if num_experts else None,
+        "moe-router-pre-softmax": bool(num_experts) and not hf.get("norm_topk_prob", True),
     }
     return table[name]
+
+
+def _hf_moe_layers(hf: dict[str, Any]) -> list[int]:
+    """1 / 0 per layer: MoE or dense, as transformers' Qwen3-MoE picks them (decoder_sparse_step, mlp_only_layers)."""
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or [])
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(int(hf.get("num_hidden_layers") or 0))]
+
+
+def moe_layer_pattern(value: Any, num_layers: int) -> list[int] | None:
+    """Megatron-LM's --moe-layer-freq as 1 / 0 per layer: N (every Nth layer from the first: i % N == 0) or a
+    list, written out ("[1, 1, 0]") or as list arithmetic ("([1]*3+[0])*12"); None when it is neither."""
+    import ast
+
+    try:
+        n = int(value)
+        return [int(i % n == 0) for i in range(num_layers)] if n > 0 else None
+    except (TypeError, ValueError):
+        pass
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError("not list arithmetic")
+    try:
+        out = ev(ast.parse(str(value).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    return [int(x) for x in out] if isinstance(out, list) else None
 
 
 def _same(given: Any, expected: Any) -> bool:

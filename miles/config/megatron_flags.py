@@ -67,6 +67,13 @@ CHECKED: dict[str, MegatronFlag] = {
     "untie-embeddings-and-output-weights": _check(None, "tie_word_embeddings false", "an LM head of its own"),
     "vocab-size": _check("int", "vocab_size", "vocabulary size"),
     "padded-vocab-size": _check("int", "vocab_size", "padded vocabulary size"),
+    # mixture of experts (Qwen3-MoE: docs/moe.md)
+    "num-experts": _check("int", "num_experts", "experts per MoE layer"),
+    "moe-router-topk": _check("int", "num_experts_per_tok", "experts each token is routed to"),
+    "moe-ffn-hidden-size": _check("int", "moe_intermediate_size", "each expert's MLP hidden size"),
+    "moe-layer-freq": _check("str", "the MoE layers of decoder_sparse_step and mlp_only_layers",
+                             "which layers are MoE (N: every Nth from the first; or a list of 1 / 0 per layer)"),
+    "moe-router-pre-softmax": _check(None, "norm_topk_prob false", "the top-k's probabilities not renormalised"),
 }
 
 _KERNELS = "tunes Megatron-LM's kernels; here the backend picks its own: no effect"
@@ -102,6 +109,15 @@ ACCEPTED: dict[str, MegatronFlag] = {
                                        "split in order: no effect on the loss"),
     "train-memory-margin-bytes": MegatronFlag("int", "miles: memory kept free for the trainer; here the trainer "
                                                      "takes what it needs: no effect"),
+    "moe-grouped-gemm": MegatronFlag(None, "one grouped GEMM for a layer's experts; --train-backend megatron runs "
+                                           "megatron-core's per-expert MLPs (SequentialMLP): no effect"),
+    "moe-token-dispatcher-type": MegatronFlag("str", "how tokens reach the expert-parallel ranks (allgather | "
+                                                     "alltoall | flex); --train-backend megatron uses alltoall: no effect"),
+    "moe-permute-fusion": MegatronFlag(None, _KERNELS),
+    "moe-token-drop-policy": MegatronFlag("str", "which tokens an expert over capacity drops; here experts have no "
+                                                 "capacity (no token is dropped): no effect"),
+    "moe-router-bias-update-rate": MegatronFlag("float", "the expert bias's update rate; the expert bias "
+                                                         "(--moe-router-enable-expert-bias) is not built: no effect"),
 }
 
 # accepted with exactly one value (another value is a problem naming what to use)
@@ -110,11 +126,9 @@ REQUIRED: dict[str, MegatronFlag] = {
                                                "engine's)", required=0.0),
     "hidden-dropout": MegatronFlag("float", "hidden dropout; dropout is off here (logprobs must match the engine's)",
                                    required=0.0),
-    "expert-model-parallel-size": MegatronFlag("int", "expert parallelism; not built here (Qwen3-MoE trains on one rank: "
-                                                                  "docs/moe.md)", required=1),
-    "expert-tensor-parallel-size": MegatronFlag("int", "expert tensor parallelism; not built here (docs/moe.md)",
-                                                required=1),
     "optimizer": MegatronFlag("str", "Megatron's optimizer; here always AdamW (Megatron's adam)", required="adam"),
+    "moe-router-score-function": MegatronFlag("str", "the MoE router's score function; Qwen3-MoE's is a softmax",
+                                              required="softmax"),
     "tokenizer-type": MegatronFlag("str", "Megatron-LM's tokenizer kind; here the tokenizer is --hf-checkpoint's "
                                           "(AutoTokenizer)", required="HuggingFaceTokenizer"),
     # full recomputation of every layer is --recompute-activations (miles.config.megatron_arch sets it)

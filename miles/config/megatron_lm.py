@@ -47,6 +47,7 @@ IMPLEMENTED = parse("""
     micro-batch-size= global-batch-size= recompute-activations
     moe-router-load-balancing-type* moe-router-dtype= moe-aux-loss-coeff* moe-z-loss-coeff=
     tensor-model-parallel-size= pipeline-model-parallel-size= context-parallel-size= sequence-parallel
+    expert-model-parallel-size= expert-tensor-parallel-size=
     decoder-first-pipeline-num-layers= decoder-last-pipeline-num-layers=
     save= save-interval= save-retain-interval= no-save-optim no-load-optim no-load-rng finetune load= ckpt-step=
     exit-on-missing-checkpoint eval-interval= tensorboard-dir= wandb-project= optimizer-cpu-offload async-save
@@ -59,7 +60,7 @@ SCRIPTS = parse("""
     qk-layernorm rotary-base= rotary-percent= use-rotary-position-embeddings position-embedding-type= use-rope-scaling
     rotary-scaling-factor= rope-scaling-factor= rope-type= max-position-embeddings= normalization= norm-epsilon= swiglu
     disable-bias-linear add-qkv-bias untie-embeddings-and-output-weights vocab-size= padded-vocab-size=
-    attention-dropout= hidden-dropout= expert-model-parallel-size= expert-tensor-parallel-size= optimizer=
+    attention-dropout= hidden-dropout= optimizer=
     recompute-granularity= recompute-method= recompute-num-layers= tokenizer-type=
     overlap-grad-reduce overlap-param-gather no-gradient-accumulation-fusion use-flash-attn no-masked-softmax-fusion
     no-bias-swiglu-fusion no-bias-dropout-fusion no-bias-gelu-fusion no-rope-fusion tp-comm-overlap
@@ -67,6 +68,8 @@ SCRIPTS = parse("""
     attention-softmax-in-fp32 transformer-impl= attention-backend= cp-comm-type* bf16 accumulate-allreduce-grads-in-fp32
     use-distributed-optimizer distributed-backend= distributed-timeout-minutes= ckpt-format= seq-length=
     make-vocab-size-divisible-by= calculate-per-token-loss fp16
+    num-experts= moe-router-topk= moe-ffn-hidden-size= moe-layer-freq= moe-router-pre-softmax moe-router-score-function=
+    moe-grouped-gemm moe-token-dispatcher-type= moe-permute-fusion moe-token-drop-policy= moe-router-bias-update-rate=
 """)
 # in miles.config.miles_flags.MEGATRON_REFUSED (one line each): none since --fp16 and --async-save were built
 SCRIPTS_REFUSED: dict[str, str] = {}
@@ -161,17 +164,18 @@ ALIASES: dict[str, tuple[str, str]] = {
 _DENSE = "this build trains dense models with full attention in bf16, fp16 or fp32 (docs/coming-from-miles.md): "
 _DECODER = "this build trains decoder-only causal LMs from --hf-checkpoint"
 FAMILIES: dict[str, Group] = {
-    "MoE": Group("Megatron-LM's mixture-of-experts layers (expert parallelism, its router variants); this build "
-                 "trains Qwen3-MoE from --hf-checkpoint on the torch trainer (docs/moe.md: R3, --moe-aux-loss-coeff, "
-                 "--moe-z-loss-coeff, --moe-router-dtype fp32); drop the flag", parse("""
-        num-experts= moe-layer-freq= moe-ffn-hidden-size= moe-shared-expert-intermediate-size= moe-shared-expert-overlap
-        moe-grouped-gemm moe-use-legacy-grouped-gemm moe-layer-recompute moe-extended-tp moe-use-upcycling
-        moe-router-fusion moe-router-score-function= moe-router-topk=
-        moe-router-pre-softmax moe-router-num-groups= moe-router-group-topk= moe-router-topk-scaling-factor=
-        moe-router-enable-expert-bias moe-router-bias-update-rate= moe-router-force-load-balancing
+    "MoE": Group("Megatron-LM's mixture-of-experts variants beyond Qwen3-MoE's softmax top-k router (shared experts, "
+                 "expert bias, grouped routing, capacity and token dropping, upcycling, DeepEP); this build trains "
+                 "Qwen3-MoE from --hf-checkpoint on the torch trainer and --train-backend megatron (docs/moe.md: "
+                 "--num-experts & co. checked against its config.json, R3, --moe-aux-loss-coeff, --moe-z-loss-coeff, "
+                 "--moe-router-dtype fp32, --expert-model-parallel-size); drop the flag", parse("""
+        moe-shared-expert-intermediate-size= moe-shared-expert-overlap
+        moe-use-legacy-grouped-gemm moe-layer-recompute moe-extended-tp moe-use-upcycling
+        moe-router-fusion moe-router-num-groups= moe-router-group-topk= moe-router-topk-scaling-factor=
+        moe-router-enable-expert-bias moe-router-force-load-balancing
         moe-router-padding-for-fp8 moe-input-jitter-eps= moe-per-layer-logging
-        moe-token-dispatcher-type= moe-enable-deepep moe-deepep-num-sms= moe-permute-fusion moe-expert-capacity-factor=
-        moe-pad-expert-input-to-capacity moe-token-drop-policy= moe-apply-probs-on-input moe-upcycling-granularity=
+        moe-enable-deepep moe-deepep-num-sms= moe-expert-capacity-factor=
+        moe-pad-expert-input-to-capacity moe-apply-probs-on-input moe-upcycling-granularity=
         moe-pad-experts-for-cuda-graph-inference overlap-moe-expert-parallel-comm delay-wgrad-compute
         freeze-e-score-correction-bias
     """)),       # no "moe-" prefix: --moe-aux-loss-coeff & co. are implemented (docs/moe.md);

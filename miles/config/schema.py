@@ -314,6 +314,8 @@ class TrainConfig:
     first_pipeline_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: an even split)
     last_pipeline_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers
     context_parallel_size: int = 1         # --context-parallel-size
+    expert_model_parallel_size: int = 1    # --expert-model-parallel-size: ranks a MoE layer's experts split over
+    expert_tensor_parallel_size: int = 1   # --expert-tensor-parallel-size: 1 only (each expert whole on its rank)
     sequence_parallel: bool = False        # --sequence-parallel
     num_steps_per_rollout: int | None = None  # --num-steps-per-rollout: optimizer steps per rollout (sets the global batch)
     use_dynamic_global_batch_size: bool = False  # --use-dynamic-global-batch-size: one step of whatever a rollout gives

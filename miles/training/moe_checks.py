@@ -2,7 +2,7 @@
 from --hf-checkpoint's config.json, no torch). A family is one line of `MOE_FAMILIES` here plus one
 module per path it runs on (the embedded engine and the torch trainer run transformers' model through
 `miles.training.moe`; the fast engine its own forward, `miles.rollout.engines.fast.moe`; the megatron
-backend has none yet: refused below, by name).
+backend megatron-core's MoE layers, `miles.training.megatron`; other families are refused below, by name).
 docs/moe.md says what is built."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ _OTHER_MOE_FIELDS = {
     "topk_method": "DeepSeek's grouped routing with an expert bias", "n_routed_experts": "routed experts",
     "num_local_experts": "experts", "num_experts": "experts", "moe_intermediate_size": "experts",
 }
-_BUILT = "built: qwen3_moe (Qwen3-MoE) on the embedded and fast engines and the torch trainer, docs/moe.md"
+_BUILT = ("built: qwen3_moe (Qwen3-MoE) on the embedded and fast engines, the torch trainer and --train-backend "
+          "megatron, docs/moe.md")
 
 
 def read_config(model_path: str) -> dict[str, Any] | None:

@@ -150,9 +150,7 @@ TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
                                  ranked=True, capabilities=(SupportsCachedMemoryRelease,),
                                  refuses={"lora": "LoRA trains on the torch trainer here; use --train-backend torch",
                                           "skip_old_logprobs": "not supported yet (it always computes the old "
-                                                               "logprobs); use --train-backend torch or drop it",
-                                          "moe": "megatron-core MoE (expert parallelism, its router) is not built "
-                                                 "yet; use --train-backend torch"}),
+                                                               "logprobs); use --train-backend torch or drop it"}),
 }
 assert tuple(TRAIN_BACKENDS) == TRAIN_BACKEND_NAMES, "the flag's choices are the registry's names"
 
@@ -179,6 +177,8 @@ def _train_backend(cfg: RunConfig, problems: list[str]) -> None:
         ("--tensor-model-parallel-size", t.tensor_model_parallel_size, 1),
         ("--pipeline-model-parallel-size", t.pipeline_model_parallel_size, 1),
         ("--context-parallel-size", t.context_parallel_size, 1),
+        ("--expert-model-parallel-size", t.expert_model_parallel_size, 1),
+        ("--expert-tensor-parallel-size", t.expert_tensor_parallel_size, 1),
         ("--sequence-parallel", t.sequence_parallel, False),
         ("--decoder-first-pipeline-num-layers", t.first_pipeline_stage_layers, None),
         ("--decoder-last-pipeline-num-layers", t.last_pipeline_stage_layers, None)) if v != default]

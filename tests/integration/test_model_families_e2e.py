@@ -15,7 +15,7 @@ test_custom_config_env_eval_e2e.py. The Qwen3 torch run uses 2 ranks (FSDP2 over
 its export is made from them; the other three run on one rank.
 
 Qwen3-MoE (base_model_qwen3_moe) runs the recipe with rollout routing replay (R3) and the router losses,
-on one process and on 2 FSDP2 ranks (extended too; docs/moe.md).
+on one process, on 2 FSDP2 ranks and on --train-backend megatron (extended too; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -83,16 +83,19 @@ def test_family_learns_arithmetic_and_its_export_is_the_engine_s_model(ray_clust
 
 
 @pytest.mark.extended   # whole runs (CI budget): bash scripts/test.sh -m extended; the parts are tests/unit/test_moe.py
-@pytest.mark.parametrize("ranks,engine", [(1, "embedded"), (2, "embedded"), (1, "fast")])
-def test_qwen3_moe_learns_arithmetic_with_rollout_routing_replay(ray_cluster, tmp_path, ranks, engine):
+@pytest.mark.parametrize("backend,ranks,engine", [("torch", 1, "embedded"), ("torch", 2, "embedded"), ("torch", 1, "fast"),
+                                                  pytest.param("megatron", 1, "embedded", marks=NEEDS_MEGATRON)],
+                         ids=["torch", "torch-fsdp2", "torch-fast", "megatron"])
+def test_qwen3_moe_learns_arithmetic_with_rollout_routing_replay(ray_cluster, tmp_path, backend, ranks, engine):
     """Qwen3-MoE (examples/arithmetic/base_model_qwen3_moe) on the embedded engine and the torch trainer (one
-    process, or 2 FSDP2 ranks over gloo), or on the fast engine (its own MoE forward and routing capture,
-    eager on the CPU), R3 on, with the load-balancing and z losses: the recipe's bar, every response token
-    replayed, and the HF export is the engine's model."""
+    process, or 2 FSDP2 ranks over gloo) or megatron-core's MoE layers (--train-backend megatron), or on the
+    fast engine (its own MoE forward and routing capture, eager on the CPU), R3 on, with the load-balancing
+    and z losses: the recipe's bar, every response token replayed, and the HF export is the engine's model
+    (tests/unit/test_megatron_moe.py has the megatron parts, EP 2 among them)."""
     cfg, _ = parse_flags(["--config", str(EXAMPLE / "grpo.yaml"), "--hf-checkpoint", str(EXAMPLE / "base_model_qwen3_moe"),
                           "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ck"), "--save-interval", "40",
                           "--trace-console", "off", "--check-weight-update-equal", "--use-rollout-routing-replay",
-                          "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4",
+                          "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4", "--train-backend", backend,
                           "--actor-num-gpus-per-node", str(ranks), "--rollout-engine", engine])
     result = asyncio.run(with_disposer(train, cfg))
     trace, after = assert_learns_arithmetic(result)

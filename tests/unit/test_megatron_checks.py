@@ -63,7 +63,8 @@ def test_unsupported_architecture(task, megatron_installed, tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_flags(argv)
     assert err.value.problems == ["architecture ['GPT2LMHeadModel'] is not supported by --train-backend megatron; "
-                                  "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (or use --train-backend torch)"]
+                                  "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM (or use "
+                                  "--train-backend torch)"]
 
 
 def test_layout_problems_come_together(task, megatron_installed):

@@ -58,8 +58,8 @@ def test_each_fate_is_one_line_saying_what_it_does_and_what_to_use():
 
 def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
     argv = base(tmp_path) + ["--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
-                             "--num-experts", "8", "--moe-router-topk", "2", "--no-true-on-policy-mode",
-                             "--critic-num-gpus-per-node=2", "--expert-model-parallel-size", "2", "--lr", "-1"]
+                             "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "1.0", "--no-true-on-policy-mode",
+                             "--critic-num-gpus-per-node=2", "--attention-dropout", "0.1", "--lr", "-1"]
     with pytest.raises(ConfigError) as info:
         parse_flags(argv)
     problems = info.value.problems
@@ -68,11 +68,10 @@ def test_refused_flags_stop_the_run_with_one_line_each(tmp_path):
                                                      "--no-true-on-policy-mode", "--critic-num-gpus-per-node"]
     assert "offload the trainer to cpu or disk; not supported yet: --offload-train moves it to host memory" in refused[0]
     # a refused Megatron family is one line for all of its flags
-    assert [p for p in problems if p.startswith("--num-experts, --moe-router-topk are miles flags this build does "
-                                                "not take: MoE: Megatron-LM's mixture-of-experts layers")]
+    assert [p for p in problems if p.startswith("--moe-router-enable-expert-bias, --moe-expert-capacity-factor are miles "
+                                                "flags this build does not take: MoE: Megatron-LM's mixture-of-experts")]
     # a Megatron flag with one possible value here names it
-    assert any(p.startswith("--expert-model-parallel-size 2: expert parallelism; not built here")
-               for p in problems)
+    assert any(p.startswith("--attention-dropout 0.1: attention dropout; dropout is off here") for p in problems)
     assert any(p.startswith("--lr -1") for p in problems)       # reported together with the other problems
 
 

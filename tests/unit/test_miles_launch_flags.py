@@ -316,3 +316,86 @@ def test_the_no_offload_forms_and_the_chunk_size_are_miles(tmp_path):
     assert cfg.train.offload_chunk_mb == 256 and cfg.cluster.offloads_train
     problems = problems_of(command(tmp_path, "", base + "--offload-train-disk-chunk-mb 0", QWEN3_4B_CONFIG))
     assert problems == ["--offload-train-disk-chunk-mb 0: must be a positive integer"]
+
+
+# --- mixture of experts: miles' Qwen3-30B-A3B scripts (radixark/miles scripts/models/qwen3-30B-A3B.sh, with
+# MODEL_ARGS_ROTARY_BASE=1000000, the model's rope_theta; and scripts/run-qwen3-30B-A3B.sh) ---------------
+QWEN3_30B_A3B_MODEL = (
+    "--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 32 --num-query-groups 4 "
+    "--kv-channels 128 --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --normalization RMSNorm "
+    "--position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 1.0 --swiglu "
+    "--untie-embeddings-and-output-weights --vocab-size 151936 --rotary-base 1000000 "
+    "--moe-ffn-hidden-size 768 --moe-router-score-function softmax --moe-token-dispatcher-type alltoall "
+    "--moe-router-topk 8 --moe-layer-freq [" + ",".join(["1"] * 48) + "] --num-experts 128 --moe-grouped-gemm "
+    "--moe-token-drop-policy probs --moe-router-dtype fp32 --moe-permute-fusion --moe-aux-loss-coeff 0")
+RUN_QWEN3_30B_A3B = (
+    "--hf-checkpoint {model} --ref-load {model}_torch_dist --load {out}/ckpt --save {out}/ckpt --save-interval 20 "
+    "--prompt-data {data} --input-key prompt --label-key label --apply-chat-template "
+    "--apply-chat-template-kwargs '{{\"enable_thinking\":false}}' --rollout-shuffle --rm-type math --num-rollout 3000 "
+    "--rollout-batch-size 32 --n-samples-per-prompt 8 --rollout-max-response-len 8192 --rollout-temperature 0.8 "
+    "--global-batch-size 256 --balance-data "
+    "--eval-interval 20 --eval-prompt-data aime {data} --n-samples-per-eval-prompt 16 --eval-max-response-len 16384 "
+    "--eval-top-p 0.7 "
+    "--tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 1 --context-parallel-size 1 "
+    "--expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1 --use-dynamic-batch-size --max-tokens-per-gpu 20480 "
+    "--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00 "
+    "--eps-clip 0.2 --eps-clip-high 0.28 "
+    "--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 "
+    "--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer "
+    "--rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 --sglang-cuda-graph-bs 1 2 4 8 "
+    + " ".join(str(n) for n in range(16, 257, 8)) + " "
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 "
+    "--attention-backend flash --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate")
+# Qwen/Qwen3-30B-A3B config.json (the architecture's keys)
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "vocab_size": 151936,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def test_the_qwen3_30b_a3b_scripts_parse_with_the_moe_architecture_checked(tmp_path):
+    problems = problems_of(command(tmp_path, QWEN3_30B_A3B_MODEL, RUN_QWEN3_30B_A3B + " --train-backend megatron",
+                                   QWEN3_30B_A3B_CONFIG))
+    assert refused_flags(problems) == []                   # every flag of both scripts has its fate here
+    assert not [p for p in problems if "differs from --hf-checkpoint" in p], problems
+    # what stays is this build's own checks of the values, each naming its flag: the engines (SGLang's flags
+    # without --rollout-engine sglang, 8 GPUs per engine), the missing checkpoint folder, and what
+    # --train-backend megatron does not do yet (token-budget micro-batches, optimizer offload, sequence parallelism)
+    named = {p.split(" ", 1)[0].rstrip(":,") for p in problems}
+    assert named == {"--rollout-num-gpus-per-engine", "--sglang-<flag>", "--ref-load", "--use-dynamic-batch-size",
+                     "--max-tokens-per-gpu", "--optimizer-cpu-offload", "--sequence-parallel"}, problems
+    cfg_argv = command(tmp_path, QWEN3_30B_A3B_MODEL, "", QWEN3_30B_A3B_CONFIG,
+                       "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 "
+                       "--n-samples-per-prompt 8 --train-backend megatron --expert-model-parallel-size 8")
+    cfg, _ = parse_flags(cfg_argv)
+    assert (cfg.train.moe_router_dtype, cfg.train.moe_aux_loss_coeff, cfg.train.expert_model_parallel_size) == \
+        ("fp32", 0.0, 8)
+
+
+@pytest.mark.parametrize("flag,value,hf", [
+    ("--num-experts", "64", "num_experts: 128"), ("--moe-router-topk", "4", "num_experts_per_tok: 8"),
+    ("--moe-ffn-hidden-size", "1536", "moe_intermediate_size: 768"),
+    ("--moe-layer-freq", "2", "[1, 0, 1, 0"),                        # every 2nd layer; the model's are all MoE
+    ("--moe-layer-freq", "([0]+[1]*3)*12", "[1, 1, 1, 1"),           # list arithmetic, as Megatron-LM evaluates it
+    ("--moe-router-pre-softmax", None, "norm_topk_prob false: no"),  # the model renormalises its top-k
+])
+def test_a_wrong_moe_architecture_flag_exits_2_naming_both_values(tmp_path, flag, value, hf):
+    extra = f"{flag} {value}" if value else flag
+    argv = command(tmp_path, "", "", QWEN3_30B_A3B_CONFIG,
+                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 "
+                   "--n-samples-per-prompt 8 " + extra)
+    problems = [p for p in problems_of(argv) if "differs from --hf-checkpoint" in p]
+    assert len(problems) == 1 and problems[0].startswith(flag) and hf in problems[0], problems
+
+
+def test_moe_flags_against_a_dense_model_and_a_sigmoid_router_are_named(tmp_path):
+    argv = command(tmp_path, "", "", QWEN3_4B_CONFIG,
+                   "--hf-checkpoint {model} --prompt-data {data} --rollout-batch-size 2 --num-rollout 1 "
+                   "--n-samples-per-prompt 8 --num-experts 8 --moe-router-score-function sigmoid")
+    problems = problems_of(argv)
+    assert any(p.startswith("--num-experts 8 differs") and "num_experts: not set" in p for p in problems), problems
+    assert any(p.startswith("--moe-router-score-function sigmoid") and "only softmax" in p for p in problems), problems

@@ -298,8 +298,14 @@ def test_the_moe_flags_parse_on_a_qwen3_moe(moe_path, data):
 def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
     from tests.tiny_model import make_tiny_model
 
-    problems = problems_of(argv(moe_path, data, "--train-backend", "megatron"))
-    assert any("megatron-core MoE" in p and "use --train-backend torch" in p for p in problems)
+    problems = problems_of(argv(moe_path, data, "--train-backend", "megatron", "--context-parallel-size", "2",
+                                "--expert-model-parallel-size", "3", "--tensor-model-parallel-size", "2"))
+    assert any(p.startswith("--tensor-model-parallel-size 2 with a Qwen3-MoE model") for p in problems), problems
+    assert any(p.startswith("--context-parallel-size with a Qwen3-MoE model") for p in problems), problems
+    assert any(p.startswith("--expert-model-parallel-size 3 does not divide the model's") for p in problems), problems
+    problems = problems_of(argv(moe_path, data, "--expert-model-parallel-size", "2"))       # the torch trainer
+    assert any(p.startswith("--expert-model-parallel-size 2: --train-backend torch does not split models")
+               for p in problems), problems
     problems = problems_of(argv(moe_path, data, "--trainer-compile"))
     assert any(p.startswith("--trainer-compile with --hf-checkpoint") for p in problems)
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))

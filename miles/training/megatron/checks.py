@@ -9,12 +9,13 @@ given (`group_problems`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.packages import install_line, installed
-from miles.training.megatron.conversion import model_spec, spec_problems, tp_problems
+from miles.training.megatron.conversion import ep_problems, model_spec, spec_problems, tp_problems
 from miles.training.megatron.layout import ParallelLayout, batch_problems, layout_problems
 
 if TYPE_CHECKING:
@@ -30,11 +31,15 @@ def missing_megatron() -> list[str]:
 
 
 def requested_layout(train: TrainConfig, world_size: int | None = None) -> ParallelLayout:
-    """The layout of `world_size` trainer ranks; without it, one model replica (data parallel 1)."""
+    """The layout of `world_size` trainer ranks; without it, the fewest that hold one model: TP x PP x CP,
+    or with expert parallelism PP x lcm(TP x CP, EP) (the EP ranks of a stage are its tensor-, context- and
+    data-parallel ranks: EP 2 on TP 1 takes two data-parallel ranks)."""
     tp, pp, cp = train.tensor_model_parallel_size, train.pipeline_model_parallel_size, train.context_parallel_size
-    return ParallelLayout(world_size or tp * pp * cp, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel,
+    ep, etp = train.expert_model_parallel_size, train.expert_tensor_parallel_size
+    fewest = pp * math.lcm(tp * cp, max(ep, 1) * max(etp, 1))
+    return ParallelLayout(world_size or fewest, tp=tp, pp=pp, cp=cp, sequence_parallel=train.sequence_parallel,
                           first_stage_layers=train.first_pipeline_stage_layers,
-                          last_stage_layers=train.last_pipeline_stage_layers)
+                          last_stage_layers=train.last_pipeline_stage_layers, ep=ep, etp=etp)
 
 
 def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: ParallelLayout,
@@ -52,9 +57,36 @@ def group_problems(hf_config: dict[str, Any], train: TrainConfig, layout: Parall
     model = spec_problems(hf_config)
     problems += model
     if not model and not problems:
-        problems += tp_problems(model_spec(hf_config), layout.tp)
+        spec = model_spec(hf_config)
+        problems += tp_problems(spec, layout.tp) + ep_problems(spec, layout.ep, layout.etp)
+        problems += moe_layout_problems(spec, train, layout)
     if not problems:
         problems += batch_problems(layout, rollout_samples, train.global_batch(rollout_samples), train.micro_batch_size)
+    return problems
+
+
+def moe_layout_problems(spec, train: TrainConfig, layout: ParallelLayout) -> list[str]:
+    """What of a Qwen3-MoE run this backend does not do on this layout (empty for a dense model)."""
+    if not spec.is_moe:
+        return []
+    problems = []
+    if (layout.world_size // layout.pp) % (layout.ep * layout.etp):
+        problems.append(f"--expert-model-parallel-size {layout.ep}: the {layout.world_size // layout.pp} ranks of a "
+                        f"pipeline stage are not a multiple of EP x expert TP = {layout.ep * layout.etp}; give the "
+                        "trainer a multiple of that many GPUs per stage")
+    if layout.cp > 1:
+        problems.append("--context-parallel-size with a Qwen3-MoE model: the routing replay and metrics see whole "
+                        "rows here; drop it (context parallelism trains dense models)")
+    if layout.sequence_parallel:
+        problems.append("--sequence-parallel with a Qwen3-MoE model: the routing replay and metrics see whole rows "
+                        "here; drop it")
+    elif layout.tp > 1:
+        problems.append(f"--tensor-model-parallel-size {layout.tp} with a Qwen3-MoE model: megatron-core's MoE layer "
+                        "trains under tensor parallelism only with --sequence-parallel, which MoE runs here do not "
+                        "take yet; use --expert-model-parallel-size (and data parallelism) instead")
+    if layout.pp > 1 and train.recompute_activations and (train.use_rollout_routing_replay or train.use_routing_replay):
+        problems.append("--recompute-activations with --pipeline-model-parallel-size > 1 and routing replay: a "
+                        "recomputed layer would route as another micro-batch; drop one of them")
     return problems
 
 

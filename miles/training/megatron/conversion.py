@@ -1,4 +1,5 @@
-"""HF <-> megatron-core weights for the Llama (Llama 3 included), Qwen2 and Qwen3 families, as pure tensor functions.
+"""HF <-> megatron-core weights for the Llama (Llama 3 included), Qwen2, Qwen3 and Qwen3-MoE families, as pure
+tensor functions.
 
 Names on the megatron side are GPTModel's with the local layer spec (the Transformer Engine spec
 fuses the two norms into the following linear layer: `te_names` renames them). Layer indices are
@@ -13,6 +14,12 @@ global here; a pipeline stage renumbers its own (`stage_weights`).
     layers.i.post_attention_layernorm.weight             decoder.layers.i.pre_mlp_layernorm.weight
     layers.i.mlp.{gate,up}_proj.weight                   decoder.layers.i.mlp.linear_fc1.weight
     layers.i.mlp.down_proj.weight                        decoder.layers.i.mlp.linear_fc2.weight
+    Qwen3-MoE's MoE layers (the others are dense, as above):
+    layers.i.mlp.gate.weight                             decoder.layers.i.mlp.router.weight
+    layers.i.mlp.experts.gate_up_proj [E, 2I, H]         decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight
+      (on disk: experts.e.{gate,up}_proj.weight)           (= [gate_e; up_e], one per expert e)
+    layers.i.mlp.experts.down_proj [E, H, I]             decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
+      (on disk: experts.e.down_proj.weight)
     model.norm.weight                                    decoder.final_layernorm.weight
     lm_head.weight (absent when tied)                    output_layer.weight (absent when tied, one stage)
 
@@ -23,6 +30,13 @@ run of G / TP whole groups. The gated MLP's fc1 is [gate; up]; its TP shard r is
 layer are split by vocabulary rows, padded with zero rows to a multiple of TP (the padded logits
 are cut off before any softmax). Every conversion is reshapes, slices and concatenations of the
 same values: HF -> megatron -> HF is bit-exact.
+
+Qwen3-MoE: transformers 5 keeps a layer's experts as two 3-D parameters (what `model_weights` and the
+weight sync name) and saves them one tensor per expert (`save_pretrained`'s conversion); `hf_to_mcore`
+reads either, `mcore_to_hf` gives the 3-D form and `per_expert_names` the saved one. In the full
+megatron dict `local_experts.e` counts every expert; an expert-parallel rank r of EP holds experts
+r E / EP .. (r + 1) E / EP - 1, renumbered from 0 (`shard_ep` / `merge_ep`), as megatron's SequentialMLP
+numbers its local experts.
 
 Qwen3's per-head q/k RMSNorm (over head_dim, before RoPE) is megatron's `qk_layernorm`; its head_dim,
 which need not be hidden / heads, is `kv_channels`. Llama 3's `llama3` RoPE scaling is not what
@@ -45,13 +59,15 @@ from torch import Tensor
 
 from miles.config import ConfigError
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 QK_NORMS = {"q_norm.weight": "q_layernorm.weight", "k_norm.weight": "k_layernorm.weight"}   # HF -> megatron
 LAYER = "decoder.layers."
 EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
 # local-spec name -> Transformer Engine spec name (the norm fused into the next linear layer)
+ROUTER, EXPERT = "mlp.router.weight", "mlp.experts.local_experts."      # an MoE layer's (SequentialMLP's)
 TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
@@ -60,7 +76,7 @@ TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_we
 class ModelSpec:
     """What megatron needs to know of an HF Llama/Qwen2/Qwen3 config.json."""
 
-    family: str                 # "llama" | "qwen2" | "qwen3"
+    family: str                 # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -75,6 +91,20 @@ class ModelSpec:
     max_position_embeddings: int
     qk_norm: bool = False       # Qwen3: per-head RMSNorm of q and k (megatron's qk_layernorm)
     llama3_rope: tuple[float, float, float, int] | None = None   # factor, low/high freq factors, original context
+    # Qwen3-MoE: the MoE layers' indices (the others are dense MLPs of ffn_hidden_size), experts, top-k
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    top_k: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron-core's `moe_layer_freq` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(i in self.moe_layers) for i in range(self.num_layers)]
 
     @property
     def heads_per_group(self) -> int:
@@ -147,10 +177,29 @@ def spec_problems(cfg: Mapping[str, Any]) -> list[str]:
                         "supported by the megatron backend (Qwen2's q/k/v biases are)")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window: sliding-window attention is not supported by the megatron backend")
+    if _family(cfg) == "qwen3_moe" and not _num_experts(cfg):
+        problems.append("a Qwen3-MoE config.json without num_experts: the megatron backend needs its expert count")
     heads, kv = cfg.get("num_attention_heads", 0), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0)
     if not heads or heads % kv:
         problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     return problems
+
+
+def _num_experts(cfg: Mapping[str, Any]) -> int:
+    """transformers 5 writes Qwen3-MoE's num_experts as num_local_experts."""
+    return int(next((cfg[f] for f in ("num_experts", "num_local_experts") if cfg.get(f)), 0))
+
+
+def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's MoE layers as transformers picks them: not in mlp_only_layers and (i + 1) a multiple of
+    decoder_sparse_step."""
+    experts = _num_experts(cfg)
+    if _family(cfg) != "qwen3_moe" or not experts:
+        return {}
+    step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(moe_layers=layers, num_experts=experts, moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                top_k=int(cfg["num_experts_per_tok"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
 
 
 def model_spec(cfg: Mapping[str, Any]) -> ModelSpec:
@@ -166,8 +215,8 @@ def model_spec(cfg: Mapping[str, Any]) -> ModelSpec:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", rope_theta=float(_rope(cfg)[0]), norm_eps=float(cfg["rms_norm_eps"]),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096), qk_norm=family == "qwen3",
-        llama3_rope=_llama3_rope(cfg))
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096), qk_norm=family in ("qwen3", "qwen3_moe"),
+        llama3_rope=_llama3_rope(cfg), **_moe_fields(cfg))
 
 
 def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
@@ -178,6 +227,21 @@ def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
         if n % tp:
             problems.append(f"--tensor-model-parallel-size {tp} does not divide the model's {what} {n}; "
                             f"use a TP size that divides it")
+    return problems
+
+
+def ep_problems(spec: ModelSpec, ep: int, etp: int) -> list[str]:
+    """Why `spec`'s experts cannot be split over `ep` expert-parallel ranks of `etp` (empty: they can)."""
+    if (ep, etp) == (1, 1):
+        return []
+    if not spec.is_moe:
+        return [f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: the model has no "
+                "experts (a dense model); drop them"]
+    problems = []
+    if spec.num_experts % ep:
+        problems.append(f"--expert-model-parallel-size {ep} does not divide the model's {spec.num_experts} experts")
+    if etp != 1:
+        problems.append(f"--expert-tensor-parallel-size {etp}: each expert whole on its rank only (1) is built")
     return problems
 
 
@@ -210,7 +274,8 @@ def _hf_layer(i: int) -> str:
 def hf_to_mcore(hf: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
     """HF weights (as `miles.weights.hf.model_weights` or model.safetensors name them) -> full
     (unsharded) megatron-core weights, global layer indices. Tied: no output_layer.weight."""
-    _check_names(hf, expected_hf_names(spec), "HF")
+    fused = not spec.moe_layers or _hf_layer(spec.moe_layers[0]) + "mlp.experts.gate_up_proj" in hf
+    _check_names(hf, expected_hf_names(spec, fused=fused), "HF")
     out = {EMBEDDING: hf["model.embed_tokens.weight"], FINAL_NORM: hf["model.norm.weight"]}
     if not spec.tied:
         out[OUTPUT] = hf["lm_head.weight"]
@@ -228,6 +293,17 @@ def hf_to_mcore(hf: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
                 out[m + "self_attention." + ours] = hf[attn + theirs]
         out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        if i in spec.moe_layers:
+            out[m + ROUTER] = hf[h + "mlp.gate.weight"]
+            fused = h + "mlp.experts.gate_up_proj" in hf
+            for e in range(spec.num_experts):
+                x = f"{h}mlp.experts.{e}."
+                out[f"{m}{EXPERT}{e}.linear_fc1.weight"] = (
+                    hf[h + "mlp.experts.gate_up_proj"][e] if fused
+                    else torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]]))
+                out[f"{m}{EXPERT}{e}.linear_fc2.weight"] = (hf[h + "mlp.experts.down_proj"][e] if fused
+                                                            else hf[x + "down_proj.weight"])
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     return out
@@ -251,6 +327,12 @@ def mcore_to_hf(mc: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
                 out[attn + theirs] = mc[m + "self_attention." + ours]
         out[attn + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
         out[h + "post_attention_layernorm.weight"] = mc[m + "pre_mlp_layernorm.weight"]
+        if i in spec.moe_layers:
+            out[h + "mlp.gate.weight"] = mc[m + ROUTER]
+            experts = range(spec.num_experts)
+            out[h + "mlp.experts.gate_up_proj"] = torch.stack([mc[f"{m}{EXPERT}{e}.linear_fc1.weight"] for e in experts])
+            out[h + "mlp.experts.down_proj"] = torch.stack([mc[f"{m}{EXPERT}{e}.linear_fc2.weight"] for e in experts])
+            continue
         gate, up = mc[m + "mlp.linear_fc1.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
         out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
@@ -260,12 +342,34 @@ def mcore_to_hf(mc: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
     return out
 
 
-def expected_hf_names(spec: ModelSpec) -> list[str]:
+def per_expert_names(hf: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
+    """`mcore_to_hf`'s 3-D experts as transformers saves them: experts.e.{gate,up,down}_proj.weight (views)."""
+    out = dict(hf)
+    for i in spec.moe_layers:
+        x = _hf_layer(i) + "mlp.experts."
+        gate_up, down = out.pop(x + "gate_up_proj"), out.pop(x + "down_proj")
+        for e in range(spec.num_experts):
+            out[f"{x}{e}.gate_proj.weight"], out[f"{x}{e}.up_proj.weight"] = gate_up[e].chunk(2)
+            out[f"{x}{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def _hf_mlp_names(spec: ModelSpec, i: int, *, fused: bool) -> list[str]:
+    h = _hf_layer(i) + "mlp."
+    if i not in spec.moe_layers:
+        return [h + "gate_proj.weight", h + "up_proj.weight", h + "down_proj.weight"]
+    if fused:
+        return [h + "gate.weight", h + "experts.gate_up_proj", h + "experts.down_proj"]
+    return [h + "gate.weight"] + [f"{h}experts.{e}.{p}_proj.weight" for e in range(spec.num_experts)
+                                  for p in ("gate", "up", "down")]
+
+
+def expected_hf_names(spec: ModelSpec, *, fused: bool = True) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
         h = _hf_layer(i)
         names += [h + "input_layernorm.weight", h + "post_attention_layernorm.weight", h + "self_attn.o_proj.weight",
-                  h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight", h + "mlp.down_proj.weight"]
+                  *_hf_mlp_names(spec, i, fused=fused)]
         names += [f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"
                   for kind in (("weight", "bias") if spec.qkv_bias else ("weight",))]
         names += [h + "self_attn." + n for n in QK_NORMS] if spec.qk_norm else []
@@ -274,11 +378,14 @@ def expected_hf_names(spec: ModelSpec) -> list[str]:
 
 def expected_mcore_names(spec: ModelSpec) -> list[str]:
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+                 "pre_mlp_layernorm.weight"]
     per_layer += ["self_attention.linear_qkv.bias"] if spec.qkv_bias else []
     per_layer += ["self_attention." + n for n in QK_NORMS.values()] if spec.qk_norm else []
+    dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    moe = [ROUTER] + [f"{EXPERT}{e}.linear_fc{j}.weight" for e in range(spec.num_experts) for j in (1, 2)]
     names = [EMBEDDING, FINAL_NORM] + ([] if spec.tied else [OUTPUT])
-    return names + [f"{LAYER}{i}.{n}" for i in range(spec.num_layers) for n in per_layer]
+    return names + [f"{LAYER}{i}.{n}" for i in range(spec.num_layers)
+                    for n in per_layer + (moe if i in spec.moe_layers else dense)]
 
 
 def _check_names(given: Mapping[str, Tensor], expected: list[str], side: str) -> None:
@@ -298,6 +405,8 @@ def is_tp_split(name: str) -> bool:
 
 def _split_dim(name: str) -> int | None:
     """The dimension a TP shard of `name` splits (None: every rank holds all of it)."""
+    if EXPERT in name:
+        return None          # experts are whole on their expert-parallel rank (expert TP 1)
     if name in (EMBEDDING, OUTPUT) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
@@ -333,6 +442,41 @@ def merge_tensor(name: str, shards: list[Tensor], spec: ModelSpec) -> Tensor:
 
 def shard_tp(mc: Mapping[str, Tensor], spec: ModelSpec, tp: int, rank: int) -> dict[str, Tensor]:
     return {n: shard_tensor(n, t, spec, tp, rank) for n, t in mc.items()}
+
+
+# --- expert-parallel shards -------------------------------------------------------------------------
+def _expert_of(name: str) -> tuple[str, int, str] | None:
+    """(prefix, expert index, rest) of an expert's weight name, else None."""
+    if EXPERT not in name:
+        return None
+    head, tail = name.split(EXPERT, 1)
+    index, rest = tail.split(".", 1)
+    return head + EXPERT, int(index), rest
+
+
+def shard_ep(mc: Mapping[str, Tensor], spec: ModelSpec, ep: int, rank: int) -> dict[str, Tensor]:
+    """Expert-parallel rank `rank`'s part of megatron weights: its E / EP experts, numbered from 0; the
+    rest (attention, router, dense layers) whole on every rank."""
+    per = spec.num_experts // ep
+    out = {}
+    for n, t in mc.items():
+        parts = _expert_of(n)
+        if parts is None:
+            out[n] = t
+        elif rank * per <= parts[1] < (rank + 1) * per:
+            out[f"{parts[0]}{parts[1] - rank * per}.{parts[2]}"] = t
+    return out
+
+
+def merge_ep(shards: list[Mapping[str, Tensor]], spec: ModelSpec) -> dict[str, Tensor]:
+    """Inverse of `shard_ep`: the EP ranks' weights, in rank order -> every expert, globally numbered."""
+    per = spec.num_experts // len(shards)
+    out = {n: t for n, t in shards[0].items() if _expert_of(n) is None}
+    for rank, shard in enumerate(shards):
+        for n, t in shard.items():
+            if (parts := _expert_of(n)) is not None:
+                out[f"{parts[0]}{parts[1] + rank * per}.{parts[2]}"] = t
+    return out
 
 
 # --- pipeline stages --------------------------------------------------------------------------------
@@ -376,6 +520,9 @@ def te_names(mc: Mapping[str, Tensor], to_te: bool) -> dict[str, Tensor]:
     renames = dict(pairs)
     out = {}
     for n, t in mc.items():
+        if n.endswith(".pre_mlp_layernorm.weight") and n[:-len("pre_mlp_layernorm.weight")] + ROUTER in mc:
+            out[n] = t          # an MoE layer keeps its own pre-MLP norm in the Transformer Engine spec
+            continue
         for old, new in renames.items():
             if n.startswith(LAYER) and n.endswith("." + old):
                 n = n[: -len(old)] + new

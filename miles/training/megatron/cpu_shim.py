@@ -31,7 +31,7 @@ import torch
 MEGATRON_MODULES = ("megatron.core", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
                     "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
                     "megatron.core.transformer.module")
-MEGATRON_PACKAGES = ("megatron.core.dist_checkpointing",)
+MEGATRON_PACKAGES = ("megatron.core.dist_checkpointing", "megatron.core.transformer.moe")
 _FACTORIES = ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like")
 _applied = False
 
@@ -58,6 +58,14 @@ class _NoStream:
     def wait_event(self, *_): pass
     def wait_stream(self, *_): pass
     def synchronize(self): pass
+    def record_event(self, *_): return _NoEvent()
+
+
+class _NoEvent:
+    def record(self, *_): pass
+    def synchronize(self): pass
+    def wait(self, *_): pass
+    def query(self): return True
 
 
 class _StandIn(types.ModuleType):
@@ -75,7 +83,9 @@ class _StandIn(types.ModuleType):
 def _cpu_torch() -> types.ModuleType:
     cuda = _StandIn(torch.cuda, {"current_device": lambda: "cpu", "synchronize": lambda *a, **k: None,
                                   "current_stream": lambda *a, **k: _NoStream(),
-                                  "default_stream": lambda *a, **k: _NoStream()})
+                                  "default_stream": lambda *a, **k: _NoStream(),
+                                  "Stream": lambda *a, **k: _NoStream(), "Event": lambda *a, **k: _NoEvent(),
+                                  "stream": lambda *a, **k: contextlib.nullcontext()})
     return _StandIn(torch, {"cuda": cuda, **{name: _on_cpu(getattr(torch, name)) for name in _FACTORIES}})
 
 
@@ -113,4 +123,17 @@ def apply() -> None:
     # activation recomputation saves and restores the CUDA RNG state around each layer: nothing to keep
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _host_split_sizes()
     _applied = True
+
+
+def _host_split_sizes() -> None:
+    """The MoE all-to-all dispatcher copies its split sizes from the GPU to host numpy arrays
+    (`maybe_move_tensor_to_cpu(..., as_numpy=True)`, which skips tensors already on the CPU): on the CPU
+    they stayed tensors, which `all_to_all_single` refuses as split sizes. Make them numpy there too."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host

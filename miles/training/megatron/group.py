@@ -22,7 +22,7 @@ from torch import Tensor
 
 from miles.config import AlgorithmConfig, ConfigError, RolloutConfig, TrainConfig
 from miles.training.megatron.checks import group_problems, read_hf_config, requested_layout
-from miles.training.megatron.conversion import mcore_to_hf, model_spec
+from miles.training.megatron.conversion import mcore_to_hf, model_spec, per_expert_names
 from miles.training.ranks import RankGroup, ranks_use_gpus
 from miles.types import Sample
 from miles.weights.checksum import state_dict_checksum
@@ -54,7 +54,7 @@ class MegatronTrainer:
                                 rollout=rollout, device_type="cuda" if on_gpu else "cpu", dtype=dtype,
                                 namespace=namespace)
         log.info("trainer_ready", model=model_path, ranks=layout.world_size, tp=layout.tp, pp=layout.pp,
-                 cp=layout.cp, dp=layout.dp, gpus=on_gpu)
+                 cp=layout.cp, dp=layout.dp, ep=layout.ep, gpus=on_gpu)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._group.all(method, *args, **kwargs)
@@ -108,6 +108,8 @@ class MegatronTrainer:
         from miles.weights.hf import load_tokenizer
 
         weights = self.weights()
+        if self._spec.is_moe:          # one tensor per expert, as save_pretrained writes them
+            weights = per_expert_names(weights, self._spec)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         config = AutoConfig.from_pretrained(self._model_path)

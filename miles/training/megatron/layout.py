@@ -2,8 +2,9 @@
 pipeline stage holds, which rows of a batch a data-parallel rank trains, how long sequences are
 padded, and which positions a context-parallel rank holds.
 
-Ranks are numbered in megatron-core's default order ("tp-cp-ep-dp-pp", expert parallelism 1), the
-tensor-parallel rank varying fastest:
+Ranks are numbered in megatron-core's default order ("tp-cp-ep-dp-pp"), the tensor-parallel rank
+varying fastest (an MoE model's experts are split over EP of a stage's TP x CP x DP ranks, megatron's
+expert grid; the dense layers' coordinates below do not depend on EP):
 
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)),   DP = world / (TP * CP * PP)
 
@@ -38,6 +39,8 @@ class ParallelLayout:
     sequence_parallel: bool = False
     first_stage_layers: int | None = None   # --decoder-first-pipeline-num-layers (None: an even share)
     last_stage_layers: int | None = None    # --decoder-last-pipeline-num-layers
+    ep: int = 1                             # --expert-model-parallel-size: a MoE layer's experts split over EP ranks
+    etp: int = 1                            # --expert-tensor-parallel-size (1: each expert whole on its rank)
 
     @property
     def dp(self) -> int:

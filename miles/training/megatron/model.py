@@ -32,15 +32,47 @@ class RankModel:
     use_te: bool
 
 
+def moe_options(spec: ModelSpec, layout: ParallelLayout, train: TrainConfig | None) -> dict:
+    """megatron-core's MoE options for a Qwen3-MoE spec ({} for a dense one).
+
+    Qwen3-MoE's router: softmax over the experts, top-k, divided by the top-k's sum when `norm_topk_prob`.
+    With `norm_topk_prob` that is megatron's default order (top-k of the logits, softmax over those k:
+    the same k experts, since softmax keeps the order, and the same renormalised weights); without it
+    `moe_router_pre_softmax` (softmax over all, the top-k's probabilities as they are). No scaling factor,
+    no expert bias, no capacity (no token is dropped). The experts are a SequentialMLP (grouped GEMM
+    off: megatron's grouped GEMM kernels are CUDA only, and per-expert weights are what conversion.py
+    names); tokens reach the expert-parallel ranks by megatron's all-to-all dispatcher (gloo on the CPU).
+    The router losses are megatron's own (`moe_aux_loss_coeff` with the load-balancing type, `moe_z_loss_coeff`),
+    `moe_router_dtype` fp32 its router in float32; routing replay goes through the routers' `router_replay`
+    hook (`miles.training.megatron.moe`)."""
+    if not spec.is_moe:
+        return {}
+    options = dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+                   moe_layer_freq=spec.moe_layer_pattern(), moe_router_pre_softmax=not spec.norm_topk_prob,
+                   moe_router_score_function="softmax", moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
+                   expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    if train is not None:
+        kind = train.moe_router_load_balancing_type
+        if train.moe_aux_loss_coeff > 0 and kind != "none":
+            options.update(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=train.moe_aux_loss_coeff)
+        if train.moe_z_loss_coeff:
+            options["moe_z_loss_coeff"] = train.moe_z_loss_coeff
+        if train.moe_router_dtype:
+            options["moe_router_dtype"] = train.moe_router_dtype
+    return options
+
+
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, *, dtype: torch.dtype, on_cpu: bool,
-                       recompute: bool = False):
+                       recompute: bool = False, train: TrainConfig | None = None):
     """`recompute` (--recompute-activations): every transformer layer's activations are recomputed
-    in the backward (megatron's full, uniform, one layer per unit: what the torch trainer does)."""
+    in the backward (megatron's full, uniform, one layer per unit: what the torch trainer does).
+    `train`: the MoE router's losses and precision (`moe_options`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recompute_options = dict(recompute_granularity="full", recompute_method="uniform",
                              recompute_num_layers=1) if recompute else {}
-    return TransformerConfig(**recompute_options,
+    return TransformerConfig(**recompute_options, **moe_options(spec, layout, train),
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
@@ -63,13 +95,24 @@ def build_gpt(spec: ModelSpec, layout: ParallelLayout, config, *, pp_rank: int) 
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     use_te = installed("transformer_engine")
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm) if use_te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm))
+    if spec.is_moe and not use_te:
+        _moe_without_te()
+    if spec.is_moe:       # a spec per layer: MoE or dense, as moe_layer_freq says
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                                pp_rank=pp_rank)
+        layer_specs = layer_spec.layer_specs
+    else:
+        layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm) if use_te
+                      else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm))
+        layer_specs = [layer_spec]
     if layout.cp > 1 and not use_te:
         # megatron's local DotProductAttention refuses CP > 1 (its CP attention is Transformer Engine's)
         from miles.training.megatron.context_parallel import GatheredKVAttention
 
-        layer_spec.submodules.self_attention.submodules.core_attention = GatheredKVAttention
+        for one in layer_specs:
+            one.submodules.self_attention.submodules.core_attention = GatheredKVAttention
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab(spec, layout.tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pp_rank == 0, post_process=pp_rank == layout.pp - 1,
@@ -83,6 +126,19 @@ def build_gpt(spec: ModelSpec, layout: ParallelLayout, config, *, pp_rank: int) 
         rope = model.rotary_pos_emb
         rope.inv_freq = llama3_inv_freq(spec).to(rope.inv_freq.device)
     return model, use_te
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.19's MoE utilities test `te_general_gemm is not None` (and the fused kernels) but
+    define those names only when Transformer Engine imports: without it, the router's linear layer
+    raises NameError. Define them as absent (torch's matmul then runs, as megatron intends)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def wrap(model: torch.nn.Module, config, *, train: TrainConfig | None, distributed_optimizer: bool):

@@ -28,12 +28,13 @@ LossFn = Callable[[TrainBatch, Tensor], Tensor]
 
 
 def _pad(mb: TrainBatch, rows: int, width: int, pad_id: int) -> TrainBatch:
-    """`mb` grown to [rows, width]: pad tokens, every mask False, zeros elsewhere."""
+    """`mb` grown to [rows, width]: pad tokens, every mask False, no routed experts (-1), zeros elsewhere."""
     def grow(t: Tensor, fill) -> Tensor:
-        out = t.new_full((rows, width), fill)
+        out = t.new_full((rows, width, *t.shape[2:]), fill)
         out[:t.shape[0], :t.shape[1]] = t
         return out
-    return replace(mb, **{f.name: grow(getattr(mb, f.name), pad_id if f.name == "tokens" else 0)
+    fills = {"tokens": pad_id, "routed_experts": -1, "old_routed_experts": -1}
+    return replace(mb, **{f.name: grow(getattr(mb, f.name), fills.get(f.name, 0))
                           for f in fields(mb) if isinstance(getattr(mb, f.name), Tensor)})
 
 
@@ -49,29 +50,60 @@ def micro_batches(batch: TrainBatch, layout: ParallelLayout, size: int, pad_id: 
 
 
 def run_schedule(module: torch.nn.Module, micro: list[TrainBatch], loss_fn: LossFn, *, forward_only: bool,
-                 bf16: bool, split: ContextSplit | None = None) -> None:
+                 bf16: bool, split: ContextSplit | None = None, before_forward: Callable[[TrainBatch], None] | None = None,
+                 router_loss_share: float | None = None) -> None:
     """Forward (and, unless `forward_only`, backward) every micro-batch through this rank's stage;
     on the last stage `loss_fn(mb, logits)` receives each micro-batch's logits. With context
     parallelism (`split`) the rank feeds its positions of every row (the rotary table megatron
-    slices for it) and the logits are those positions' [b, T / CP, V]."""
+    slices for it) and the logits are those positions' [b, T / CP, V]. `before_forward(mb)` runs before
+    each micro-batch's forward on every stage (MoE routing replay, `miles.training.megatron.moe`).
+
+    `router_loss_share`: an MoE model's router losses (megatron's aux and z losses, which it backpropagates
+    through its MoEAuxLossAutoScaler) count this share each (1 / the step's micro-batches on every rank: their
+    mean, as on the torch trainer), over the micro-batch's real tokens (megatron's `padding_mask`: padding
+    is routed but neither counted nor in the losses). megatron scales them by the real tokens and by the
+    schedule's loss scale, expecting finalize_model_grads to divide by the step's tokens; miles' losses are
+    already the global batch's shares, so the scale is set to the share over this micro-batch's real tokens."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    current: list[TrainBatch] = []
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        current[:] = [mb]
+        if before_forward is not None:
+            before_forward(mb)
         b, t = mb.tokens.shape
         positions = torch.arange(t, device=mb.tokens.device) if split is None else split.positions(t, mb.tokens.device)
         tokens = mb.tokens if split is None else split.local(mb.tokens)
         positions = positions.expand(b, -1)
         extra = {"fp32_output": False} if bf16 else {}     # bf16 logits: miles upcasts them row chunk by chunk
+        if router_loss_share is not None:       # MoE: the router losses and counts leave the padding out
+            extra["padding_mask"] = mb.attention_mask == 0
         out = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
         return out, partial(_megatron_loss, loss_fn, mb)
 
     # the full width: megatron divides it by CP (and by TP under sequence parallelism) for the stages' shapes
     widths = {mb.tokens.shape for mb in micro}
     rows, width = max(s[0] for s in widths), max(s[1] for s in widths)
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[module],
-                                num_microbatches=len(micro), seq_length=width, micro_batch_size=rows,
-                                forward_only=forward_only)
+    schedule = partial(get_forward_backward_func(), forward_step_func=forward_step, data_iterator=iter(micro),
+                       model=[module], num_microbatches=len(micro), seq_length=width, micro_batch_size=rows,
+                       forward_only=forward_only)
+    if router_loss_share is None or forward_only:
+        schedule()
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    megatrons = MoEAuxLossAutoScaler.set_loss_scale
+
+    def share(scale: Tensor) -> None:
+        tokens = int(current[0].attention_mask.sum())
+        megatrons(torch.full_like(scale, router_loss_share / tokens if tokens else 0.0))
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(share)
+    try:
+        schedule()
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(megatrons)
 
 
 def _megatron_loss(loss_fn: LossFn, mb: TrainBatch, logits: Tensor):

@@ -41,8 +41,8 @@ from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.megatron import steps
 from miles.training.megatron.checks import requested_layout
 from miles.training.megatron.context_parallel import ContextSplit, token_terms
-from miles.training.megatron.conversion import (TE_RENAMES, hf_to_mcore, is_tp_split, merge_tensor, model_spec,
-                                                shard_tp, stage_weights, te_names, unstage_weights)
+from miles.training.megatron.conversion import (EXPERT, TE_RENAMES, hf_to_mcore, is_tp_split, merge_ep, merge_tensor,
+                                                model_spec, shard_ep, shard_tp, stage_weights, te_names, unstage_weights)
 from miles.training.megatron.model import RankModel
 from miles.training.protocol import STEP_GRAD_NORMS
 from miles.training.rng import rng_state, seed_everything, set_rng_state
@@ -96,6 +96,10 @@ class MegatronWorker:
         self._num_steps = 0
         self._distributed = False
         self._split: ContextSplit | None = None      # this rank's CP place, with CP > 1
+        self._routing = None                         # an MoE policy's routing (miles.training.megatron.moe)
+        self._routing_raw: dict[str, float] | None = None   # the rollout's routing counts on this rank
+        self._token_flags: list[tuple[Tensor, Tensor]] = []  # per forward: which tokens any layer compared / differed
+        self._ep_rank = 0
 
     # --- setup -----------------------------------------------------------------------------------
     def setup(self, master_addr: str, master_port: int) -> None:
@@ -106,6 +110,9 @@ class MegatronWorker:
         tokenizer = load_tokenizer(self._model_path)
         self.pad_id = pad_id(tokenizer)
         self._policy = self._build(self._model_path, train=self._train_cfg)
+        if self.spec.is_moe:
+            from miles.training.megatron.moe import MegatronRouting
+            self._routing = MegatronRouting(self._policy.gpt, self.spec)
         if self._objective.uses_reference:
             self._ref = self._build(self._ref_load or self._model_path, train=None)
         log.info("rank_ready", rank=self.rank, coords=vars(self.coords), layers=[self.layers.start, self.layers.stop],
@@ -127,7 +134,10 @@ class MegatronWorker:
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.layout.tp,
                                                  pipeline_model_parallel_size=self.layout.pp,
-                                                 context_parallel_size=self.layout.cp)
+                                                 context_parallel_size=self.layout.cp,
+                                                 expert_model_parallel_size=self.layout.ep,
+                                                 expert_tensor_parallel_size=self.layout.etp)
+        self._ep_rank = parallel_state.get_expert_model_parallel_rank()
         if self.layout.cp > 1:
             group = parallel_state.get_context_parallel_group()
             if group.rank() != self.coords.cp:      # the layout's arithmetic and megatron's groups must agree
@@ -142,7 +152,7 @@ class MegatronWorker:
         from miles.training.megatron.model import build_gpt, transformer_config, wrap
 
         config = transformer_config(self.spec, self.layout, dtype=self.dtype, on_cpu=self.device.type == "cpu",
-                                    recompute=train is not None and train.recompute_activations)
+                                    recompute=train is not None and train.recompute_activations, train=train)
         gpt, use_te = build_gpt(self.spec, self.layout, config, pp_rank=self.coords.pp)
         # megatron makes its linear layers on the GPU but the local spec's norms (torch.nn.RMSNorm) on
         # the CPU; DDP's buffers move a policy's, nothing moves a frozen reference's
@@ -159,7 +169,8 @@ class MegatronWorker:
         """This rank's stage and TP shard of full megatron weights into `gpt`, strictly."""
         stage = stage_weights(full, self.spec, self.layers, first=self.coords.pp == 0,
                               last=self.coords.pp == self.layout.pp - 1)
-        shard = shard_tp(stage, self.spec, self.layout.tp, self.coords.tp)
+        shard = shard_tp(shard_ep(stage, self.spec, self.layout.ep, self._ep_rank) if self.spec.is_moe else stage,
+                         self.spec, self.layout.tp, self.coords.tp)
         result = gpt.load_state_dict(te_names(shard, to_te=True) if use_te else shard, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
@@ -173,6 +184,8 @@ class MegatronWorker:
             raise ValueError("the megatron backend has no critic: PPO's values cannot be used here")
         batch = make_train_batch(samples, self.pad_id).to(self.device)
         metrics: dict[str, float] = {}
+        if self._routing is not None:
+            self._routing_raw, self._token_flags = None, []
         if not self._objective.is_sft:
             train_lp = self._logprobs(self._live(), batch)
             ref_lp = None if self._ref is None else self._logprobs(self._ref, batch)
@@ -187,6 +200,8 @@ class MegatronWorker:
         self._prepared = None
         results = [self._step(gb) for gb in split(batch, self._train_cfg.global_batch(batch.size))]
         metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        if self._routing is not None:
+            metrics.update(self._routing_metrics(results))
         metrics.update(prepared_metrics, num_steps=len(results), train_tokens=batch.num_tokens)
         if self._ref_interval and (rollout_id + 1) % self._ref_interval == 0:
             self._refresh_reference()
@@ -207,8 +222,14 @@ class MegatronWorker:
         rows, local = self._local_rows(batch)
         size = self._train_cfg.micro_batch_size
         pieces: list[tuple[range, Tensor]] = []
+        policy = model is self._policy and self._routing is not None
+        old = torch.zeros((*batch.tokens.shape, len(self.spec.moe_layers), self.spec.top_k), dtype=torch.long,
+                          device=self.device) if policy and self._train_cfg.use_routing_replay else None
+        before, after = (None, None)
         if len(rows):
             micro = steps.micro_batches(local, self.layout, size, self.pad_id)
+            if policy:
+                before, after = self._routed(micro, training=False, old=old, first_row=rows.start, rows=rows)
             starts = iter(range(rows.start, rows.stop, size))
 
             def collect(mb: TrainBatch, logits: Tensor) -> Tensor:
@@ -219,8 +240,52 @@ class MegatronWorker:
                 pieces.append((range(start, min(start + size, rows.stop)), lp))
                 return lp.sum() * 0.0
             steps.run_schedule(model.module, micro, collect, forward_only=True, bf16=self.dtype == torch.bfloat16,
-                               split=self._split)
+                               split=self._split, before_forward=before)
+            if after is not None:
+                after()
+        if old is not None:      # every stage's layers, every data-parallel rank's rows (+1: 0 is "none")
+            import torch.distributed as dist
+            dist.all_reduce(old)
+            batch.old_routed_experts = old - 1
         return steps.gather_rows(pieces, tuple(batch.tokens.shape), self.owner, self.device)
+
+    def _routed(self, micro: list[TrainBatch], *, training: bool, old: Tensor | None = None, first_row: int = 0,
+                rows: range | None = None):
+        """(before each micro-batch's forward, after the last) for the policy's MoE routing: the replayed
+        experts set (R3: the rollout's; in a training forward under --use-routing-replay the old pass's where
+        R3 has none), the routing counted into the rollout's metrics (TP 0 / CP 0 ranks: each position once),
+        and the old pass's experts written into `old` (+1) at the micro-batch's rows."""
+        routing, t = self._routing, self._train_cfg
+        counts = self.coords.tp == 0 and self.coords.cp == 0
+        index = {id(mb): i for i, mb in enumerate(micro)}
+        pending: list[tuple[TrainBatch, bool]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            mb, replayed = pending.pop()
+            if counts and mb.attention_mask.any():
+                from miles.training.megatron.moe import add_raw
+                raw, flags = routing.stats(mb.attention_mask, mb.routed_experts, replayed)
+                self._routing_raw = add_raw(self._routing_raw, raw)
+                if flags is not None:
+                    self._token_flags.append(flags)
+            if old is not None and counts:
+                start = first_row + index[id(mb)] * t.micro_batch_size
+                n = min(mb.tokens.shape[0], rows.stop - start)
+                w = min(mb.tokens.shape[1], old.shape[1])
+                for slot, applied in routing.applied().items():
+                    old[start:start + n, :w, slot] = applied[:n, :w] + 1
+
+        def before(mb: TrainBatch) -> None:
+            flush()
+            replay = mb.routed_experts if t.use_rollout_routing_replay else None
+            if training and t.use_routing_replay and mb.old_routed_experts is not None:
+                prior = mb.old_routed_experts
+                replay = prior if replay is None else torch.where(replay[..., :1] >= 0, replay, prior)
+            routing.begin(mb.tokens.shape[0], replay)
+            pending.append((mb, replay is not None))
+        return before, flush
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
@@ -241,14 +306,77 @@ class MegatronWorker:
             return loss
         _, local = self._local_rows(batch)
         micro = steps.micro_batches(local, self.layout, self._train_cfg.micro_batch_size, self.pad_id)
+        before, after, share = None, None, None
+        if self._routing is not None:
+            before, after = self._routed(micro, training=True)
+            size = self._train_cfg.micro_batch_size      # the step's micro-batches over every data-parallel rank
+            share = 1.0 / sum(-(-len(self.layout.dp_rows(r, batch.size)) // size) for r in range(self.layout.dp))
         steps.run_schedule(model.module, micro, loss_fn, forward_only=False, bf16=self.dtype == torch.bfloat16,
-                           split=self._split)
+                           split=self._split, before_forward=before, router_loss_share=share)
+        if after is not None:
+            after()
+        router_losses = self._router_losses(len(micro)) if self._routing is not None else {}
         from megatron.core.distributed import finalize_model_grads
         finalize_model_grads([model.module])          # sums over DP x CP; tied embeddings across stages
         grad_norm, lr, wd = self._optimizer_step(model.optimizer)
         terms = steps.sum_over_owners(sums.floats(), LOSS_KEYS + self._objective.metric_keys, self.owner, self.device)
         scheduled = {"weight_decay": wd} if self._train_cfg.weight_decay_incr_style != "constant" else {}
-        return {**terms, "grad_norm": grad_norm, "lr": lr, **scheduled, "step_time_s": time.perf_counter() - start}
+        return {**terms, **router_losses, "grad_norm": grad_norm, "lr": lr, **scheduled,
+                "step_time_s": time.perf_counter() - start}
+
+    # --- MoE -------------------------------------------------------------------------------------
+    def _router_loss_names(self) -> dict[str, tuple[str, float]]:
+        """metric name -> (megatron's tracker name, coefficient) of the router losses this run trains with."""
+        t = self._train_cfg
+        out = {}
+        if t.moe_aux_loss_coeff > 0 and t.moe_router_load_balancing_type != "none":
+            tracker = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+            out["moe_aux_loss"] = (tracker[t.moe_router_load_balancing_type], t.moe_aux_loss_coeff)
+        if t.moe_z_loss_coeff:
+            out["moe_z_loss"] = ("z_loss", t.moe_z_loss_coeff)
+        return out
+
+    def _router_losses(self, micro_batches: int) -> dict[str, float]:
+        """The step's router losses, mean per micro-batch over every rank's micro-batches (megatron's tracker:
+        this rank's layers; summed over the TP 0 / CP 0 ranks of every stage and data-parallel rank)."""
+        import torch.distributed as dist
+
+        from miles.training.megatron.moe import tracked_router_losses
+
+        names = self._router_loss_names()
+        values = tracked_router_losses({tracker: coeff for tracker, coeff in names.values()})
+        counts = self.coords.tp == 0 and self.coords.cp == 0
+        first_stage = self.coords.pp == 0
+        v = torch.tensor([values[tracker] if counts else 0.0 for tracker, _ in names.values()]
+                         + [float(micro_batches) if counts and first_stage else 0.0], dtype=torch.float64)
+        dist.all_reduce(v)
+        total = max(float(v[-1]), 1.0)
+        return {f"moe/{name}": float(x) / total for name, x in zip(names, v[:-1].tolist())}
+
+    def _routing_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
+        """The rollout's routing metrics (the torch trainer's `moe/...`), summed over the counting ranks."""
+        import torch.distributed as dist
+
+        from megatron.core import parallel_state
+
+        from miles.training.megatron.moe import token_counts
+        from miles.training.moe import RoutingStats
+
+        layers, experts = len(self.spec.moe_layers), self.spec.num_experts
+        empty = RoutingStats().raw(layers, experts)
+        raw = dict(self._routing_raw or {k: 0.0 for k in empty})
+        # a token's "any layer" over every stage: OR-ed over the pipeline group, counted on the first stage
+        counts = self.coords.tp == 0 and self.coords.cp == 0
+        group = parallel_state.get_pipeline_model_parallel_group() if self.layout.pp > 1 and counts else None
+        raw["compared_tokens"], raw["differ_tokens"] = token_counts(self._token_flags, group,
+                                                                    count=self.coords.pp == 0)
+        self._token_flags = []
+        keys = sorted(empty)
+        v = torch.tensor([raw[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(v)
+        summed = dict(zip(keys, v.tolist()))
+        self._routing_raw = None
+        return RoutingStats.from_raw(summed, layers, experts).metrics()
 
     def _optimizer_step(self, optimizer) -> tuple[float, float, float]:
         """Set the step's rate and weight decay, step; (gradient norm, rate, weight decay). As megatron-core's
@@ -290,7 +418,7 @@ class MegatronWorker:
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def stage_weights(self) -> dict[str, Tensor]:
-        """This pipeline stage's full (TP-gathered) megatron weights, global layer indices, on the CPU,
+        """This pipeline stage's full (TP- and EP-gathered) megatron weights, global layer indices, on the CPU,
         from data-parallel rank 0's TP rank 0; {} from every other rank. Every rank must call it."""
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -298,6 +426,16 @@ class MegatronWorker:
         model = self._live()
         local = {n: t for n, t in model.gpt.state_dict().items() if not n.endswith("_extra_state")}
         local = te_names(local, to_te=False) if model.use_te else local
+        if self.layout.ep > 1:        # the expert-parallel ranks (data-parallel ones) hold the experts between them
+            group = parallel_state.get_expert_model_parallel_group()
+            experts = {n: t for n, t in local.items() if EXPERT in n}
+            gathered = {}
+            for name, t in sorted(experts.items()):
+                shards = [torch.empty_like(t) for _ in range(self.layout.ep)]
+                dist.all_gather(shards, t.contiguous(), group=group)
+                gathered[name] = shards
+            merged = merge_ep([{n: s[r] for n, s in gathered.items()} for r in range(self.layout.ep)], self.spec)
+            local = {**{n: t for n, t in local.items() if EXPERT not in n}, **merged}
         if self.coords.dp != 0 or self.coords.cp != 0:
             return {}
         if self.layout.tp > 1:
