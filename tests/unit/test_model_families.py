@@ -82,4 +82,4 @@ def test_the_fast_path_takes_both_families_and_names_what_it_refuses(family):
 def test_an_unknown_architecture_is_refused_by_name():
     from transformers import GPT2Config
 
-    assert supports(GPT2Config()) == "model_type 'gpt2' is not implemented (fast path: llama, qwen2, qwen3)"
+    assert supports(GPT2Config()) == "model_type 'gpt2' is not implemented (fast path: llama, qwen2, qwen3, qwen3_moe)"
