@@ -30,6 +30,7 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
     "miles.phases.faults",          # --inject-fault
     "miles.tracking.sinks",         # metrics sinks whose package is not installed
+    "miles.rollout.producer",       # --fully-async: the engine must swap weights in flight
 )
 
 CHECKS: dict[str, Check] = {}       # "module:function" -> check, in registration order
