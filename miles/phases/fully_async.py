@@ -124,7 +124,7 @@ async def rollout(ctx: TrainingContext) -> str:
                     in_flight=sorted(producer.in_flight))
     # the position a checkpoint of step r holds: the iterator past every prompt drawn, the groups still
     # buffered, the tickets in flight (generated again on resume); r's own groups are out of it
-    ctx.note_data_position(r, {"iterator": producer.iterator_state, PRODUCER_KEY: producer.state_dict()})
+    ctx.note_data_position(r, {"iterator": producer.iterator_state, PRODUCER_KEY: producer.note(r)})
     return "next"
 
 

@@ -171,6 +171,7 @@ class Producer:
         self._paused = False
         self._since = time.monotonic()
         self.failure: BaseException | None = None
+        self._snapshots: dict[int, dict[str, Any]] = {}     # step -> the position `note` gave for it
 
     # -- the loops ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -339,11 +340,18 @@ class Producer:
                 t.exception()                  # retrieved: the loop traced its own failure
         self._tasks = []
         buffered = [g.ticket for g in self.buffer.groups]
+        unused = sorted({*buffered, *in_flight, *(t for t, _, _ in self.retry)})
+        snap = self._snapshots.get(saved_rollout) if saved_rollout is not None else None
+        if snap is None:
+            fate = {"dropped_tickets": unused, "why": "no checkpoint holds them"}
+        else:
+            held = sorted({g["ticket"] for g in snap["buffer"]} | {t for t, _, _ in snap["regenerate"]})
+            fate = {"checkpoint": saved_rollout, "held_tickets": held,       # buffered or to regenerate in it
+                    "redrawn_from": snap["next_ticket"],     # tickets from here are drawn again from its data position
+                    "dropped_tickets": []}
         self._tracer.emit("producer_drained", buffered_tickets=buffered, in_flight_tickets=in_flight,
-                          retry_tickets=[t for t, _, _ in self.retry], saved_rollout=saved_rollout,
-                          fate="in the checkpoint of rollout %s (the position saved after its groups were taken)"
-                          % saved_rollout if saved_rollout is not None else "dropped: no checkpoint holds them",
-                          dropped_total=self.stats.dropped, retried_total=self.stats.retried)
+                          retry_tickets=[t for t, _, _ in self.retry], next_ticket=self.next_ticket,
+                          dropped_total=self.stats.dropped, retried_total=self.stats.retried, **fate)
 
     async def dispose(self) -> None:
         await self.settle(saved_rollout=None)
@@ -354,6 +362,14 @@ class Producer:
             t.cancel()
 
     # -- checkpoint ---------------------------------------------------------------------------------
+    def note(self, step: int) -> dict[str, Any]:
+        """`state_dict` as the position of step `step` (just taken); kept to account for the groups at a drain."""
+        state = self.state_dict()
+        self._snapshots[step] = state
+        for old in [k for k in self._snapshots if k < step - 1]:
+            del self._snapshots[old]
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: what a checkpoint of the step just taken holds (see the module docstring)."""
         return {"next_ticket": self.next_ticket,
