@@ -219,7 +219,7 @@ class Producer:
             self.in_flight[ticket] = (row, attempts, engine)
         tickets = [t for t, _, _ in work]
         version = self._version()
-        self._tracer.emit("producer_submit", engine=engine, tickets=tickets, weight_version=version)
+        seq = self._tracer.emit("producer_submit", engine=engine, tickets=tickets, weight_version=version)
         t0 = time.monotonic()
         try:
             groups = await self._generate(engine, [row for _, row, _ in work], self._seed + tickets[0])
@@ -239,9 +239,10 @@ class Producer:
             self.stats.produced += 1
         if cut:
             self.retry.extendleft(reversed(cut))
-            self._tracer.emit("producer_cut", engine=engine, tickets=[t for t, _, _ in cut], reason="aborted mid-generation: its prompt "
+            self._tracer.emit("producer_cut", engine=engine, tickets=[t for t, _, _ in cut], cause=seq, reason="aborted mid-generation: its prompt "
                               "is generated again (a checkpoint lists it to regenerate)")
-        self._tracer.emit("producer_groups", engine=engine, tickets=tickets, duration_s=round(time.monotonic() - t0, 6),
+        self._tracer.emit("producer_groups", engine=engine, tickets=tickets, cause=seq,
+                          duration_s=round(time.monotonic() - t0, 6),
                           versions=sorted({v for s in (s for g in groups for s in g)
                                            for v in s.metadata.get("weight_versions", [s.weight_version])}),
                           buffered=len(self.buffer))
