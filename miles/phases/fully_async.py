@@ -132,22 +132,26 @@ async def _take(ctx: TrainingContext, r: int) -> Taken:
     """The producer's groups; an engine that died or hung under it is restarted (within the budget), the
     prompts it held are generated again, and the producer goes on."""
     producer: Producer = ctx.c.producer
+    idle_retries = 0
     while True:
         try:
             return await producer.take(ctx.cfg.rollout.batch_size, r)
         except (ray.exceptions.RayActorError, EngineUnresponsive) as exc:
             ctx.tracer.emit("producer_retry", rollout_id=r, error={"type": type(exc).__name__, "message": str(exc)[:500]})
-            await producer.settle(saved_rollout=None)
+            await producer.settle(saved_rollout=None, final=False)
             producer.failure = None
             if isinstance(exc, EngineUnresponsive):
                 if not await restart_unresponsive(ctx, exc):
                     raise
             else:
                 dead = await dead_engines(ctx)
-                if not dead:
-                    raise
                 for i in dead:
                     await restart_engine(ctx, i, cause=exc)
+                # none dead now: the engine under the failed call was restarted since (by a weight push or
+                # an eval); a failure again with every engine alive is not an engine's death
+                idle_retries = 0 if dead else idle_retries + 1
+                if idle_retries > 1:
+                    raise
             producer.start()
 
 

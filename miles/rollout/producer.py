@@ -317,10 +317,11 @@ class Producer:
         self._changed.set()
         self._tracer.emit("producer_resumed", buffered=len(self.buffer))
 
-    async def settle(self, *, saved_rollout: int | None) -> None:
+    async def settle(self, *, saved_rollout: int | None, final: bool = True) -> None:
         """`draining`: stop the loops, abort the engine calls running (none is left running), and say what
         becomes of the groups buffered and in flight: held by the checkpoint of `saved_rollout` (its
-        position lists them), or dropped."""
+        position lists them), or dropped. Not `final` (an engine restart): the loops stop the same way,
+        their groups stay (buffered, or to generate again), and `start` goes on."""
         if self._stopping and not self._tasks:
             return
         self._stopping = True
@@ -341,6 +342,10 @@ class Producer:
                 t.exception()                  # retrieved: the loop traced its own failure
         self._tasks = []
         buffered = [g.ticket for g in self.buffer.groups]
+        if not final:
+            self._tracer.emit("producer_stopped", buffered_tickets=buffered, in_flight_tickets=in_flight,
+                              retry_tickets=[t for t, _, _ in self.retry], reason="an engine restart")
+            return
         unused = sorted({*buffered, *in_flight, *(t for t, _, _ in self.retry)})
         snap = self._snapshots.get(saved_rollout) if saved_rollout is not None else None
         if snap is None:
