@@ -91,6 +91,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
                             version=version)
     if not producer.running and not ctx.stop_requested.is_set():
         producer.start()
+        ctx.fa_trainer_busy_s, ctx.fa_step_t0 = 0.0, time.monotonic()    # the idle fractions count from here
     return "next"
 
 

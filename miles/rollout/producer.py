@@ -176,6 +176,8 @@ class Producer:
     # -- the loops ----------------------------------------------------------------------------------
     def start(self) -> None:
         self._stopping = False
+        self._since = time.monotonic()
+        self.stats.busy_s = [0.0] * self._num_engines
         self._tasks = [asyncio.ensure_future(self._loop(i)) for i in range(self._num_engines)]
         self._tracer.emit("producer_start", engines=self._num_engines, capacity=self.buffer.capacity,
                           per_call_groups=self._per_call, bound=self.buffer.bound, handler=self.buffer.handler,
