@@ -58,7 +58,7 @@ from miles.rollout.partial import check_engines, check_partial_rollout
 from miles.rollout.generation import load_generate_function, load_rollout_function
 from miles.rollout.evals import load_eval_function
 from miles.rollout.engines.registry import ENGINES
-from miles.rollout.protocol import SupportsWeightBuckets
+from miles.rollout.protocol import SupportsInFlightWeightSwap, SupportsWeightBuckets
 from miles.rollout.remote_reward import check_reachable
 from miles.rollout.rewards import REMOTE_RM, load_reward_fn
 from miles.rollout.scoring import Rewards
@@ -100,6 +100,9 @@ def pick_engine(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
     preferred = ENGINES[asked].prefer_on_gpus
     if preferred is None or not on_gpus:
         return asked, None
+    if cfg.fully_async and not ENGINES[preferred].supports(SupportsInFlightWeightSwap):
+        return asked, (f"--fully-async swaps weights under the requests in flight, which the {preferred} engine "
+                       "does not implement yet (docs/fully-async.md)")
     refuses = ENGINES[preferred].refuses
     refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
     return (asked, refused) if refused else (preferred, None)

@@ -318,3 +318,13 @@ def test_miles_train_picks_the_fully_async_machine(BASE, monkeypatch):
     monkeypatch.setattr(cli, "_lock_run_folders", lambda *a: [])
     cli.main([*BASE, "--fully-async"], default_machine="async", prog="scripts/train_async.py")
     assert seen["machine"] == "fully_async"
+
+
+def test_on_gpus_fully_async_stays_on_the_embedded_engine(BASE):
+    from miles.phases.init import pick_engine
+
+    cfg, _ = parse_flags([*BASE, "--fully-async"])
+    name, why = pick_engine(cfg, on_gpus=True)
+    assert name == "embedded" and "--fully-async" in why and "fast" in why
+    plain, _ = parse_flags(BASE)
+    assert pick_engine(plain, on_gpus=True)[0] == "fast"      # the tiny Qwen2 is one the fast engine implements
