@@ -38,8 +38,8 @@ REFUSED: dict[str, str] = {
     # -- driver, async and fault tolerance ---------------------------------------------------------
     "custom-async-data-buffer-path": f"fully-async: a custom sample buffer; {_FULLY_ASYNC}",
     "rollout-submission-granularity": f"fully-async: submit groups or samples; {_FULLY_ASYNC}",
-    "pause-generation-mode": f"how generation pauses for a weight update; {NOT_YET}: a weight sync waits "
-                             "for the rollout in flight",
+    "pause-generation-mode": "how generation pauses for a weight update; here a sync or async weight sync "
+                             "waits for the rollout, --fully-async pauses requests in place: drop it",
     "ft-components": f"which parts fault tolerance covers; {_FT}",
     "control-server-port": f"FastAPI control server for fault-tolerance cells; {NOT_YET}",
     "mini-ft-controller-enable": f"suspends and resumes unhealthy train cells; {NOT_YET}",
