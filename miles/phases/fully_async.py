@@ -103,7 +103,7 @@ async def rollout(ctx: TrainingContext) -> str:
     taken = await _take(ctx, r)
     waited = time.monotonic() - t0
     samples_ref, metrics = ctx.c.executor.handle.assemble_split.options(num_returns=2).remote(
-        r, [g.samples for g in taken.groups])
+        r, [g.samples for g in taken.groups], sum(g.gen_s for g in taken.groups))
     metrics = dict(await metrics)
     prompts = metrics.pop(PROMPTS_KEY, None)
     ctx.rollout_id, ctx.batch_ref = r, samples_ref

@@ -480,14 +480,16 @@ class RolloutExecutor:
         await self._rewards.score(samples, n)
         return group(samples, n)
 
-    async def assemble_split(self, rollout_id: int, groups: list[list[Sample]]) -> tuple[list[Sample], dict[str, float]]:
+    async def assemble_split(self, rollout_id: int, groups: list[list[Sample]],
+                             gen_s: float = 0.0) -> tuple[list[Sample], dict[str, float]]:
         """A fully-async step's batch from the groups the producer made: renumbered, then what every
-        rollout gets (hooks, shaping, advantages, metrics), as `generate_split` returns it."""
+        rollout gets (hooks, shaping, advantages, metrics), as `generate_split` returns it. `gen_s`: the
+        engine time the groups took (their shares of their calls), for gen_time_s and gen_tokens_per_s."""
         for index, g in enumerate(groups):
             for s in g:
                 s.group = index
         samples = [s for g in groups for s in g]
-        batch = await self._finish(rollout_id, samples, {}, None, time.monotonic())
+        batch = await self._finish(rollout_id, samples, {}, None, time.monotonic() - gen_s)
         return batch.samples, {**batch.metrics, PROMPTS_KEY: trained_prompts(batch.samples)}
 
     async def abort_engines(self) -> None:

@@ -69,6 +69,7 @@ class Group:
     ticket: int
     samples: list[Sample]
     attempts: int = 1                     # 2+: generated again after a staleness retry or a resume
+    gen_s: float = 0.0                    # its share of its engine call's time (the call's / its groups)
     done_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -237,7 +238,7 @@ class Producer:
             if any(s.finish_reason == "abort" for s in samples):     # an abort cut it (a drain): again later
                 cut.append((ticket, row, attempts - 1))
                 continue
-            self.buffer.put(Group(ticket, samples, attempts))
+            self.buffer.put(Group(ticket, samples, attempts, gen_s=(time.monotonic() - t0) / len(work)))
             self.stats.produced += 1
         if cut:
             self.retry.extendleft(reversed(cut))

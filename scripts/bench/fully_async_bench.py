@@ -12,6 +12,8 @@ Per machine, from its trace and metrics:
                          (sync: the rollout phases; async: the rollout generating ahead; fully_async:
                          the producer's engine calls, per engine)
   trainer_idle_fraction  1 - the train phases' time / the loop's time
+  train_s_per_step       the train phase's mean duration (on a CPU it shows what the engines generating
+                         beside the trainer cost it: they share the cores)
 and speedup_vs_sync: each machine's trained tokens per second over sync's (the issue's goal: fully_async
 >= 1.5x). With --repeat K each machine runs K times in rotating order; the medians are compared.
 
@@ -113,6 +115,7 @@ def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
             "response_len_max": max(r["response_len_max"] for r in rows),
             "engine_idle_fraction": round(1 - statistics.fmean(engine_busy), 3),
             "trainer_idle_fraction": round(1 - _busy(phases["train"], init_end, drain_start) / loop, 3),
+            "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"]), 4),
             "staleness_max": max(r.get("staleness_max", 0) for r in rows),
             "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
 
