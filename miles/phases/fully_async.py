@@ -53,7 +53,7 @@ async def init(ctx: TrainingContext) -> str:
         version=lambda: ctx.weight_version)
     state = await executor.fully_async_state.remote() if ctx.resumed else None
     if state is not None:
-        producer.load_state_dict(state)
+        producer.load_state_dict(state, step=ctx.start_rollout - 1)
     ctx.c.producer = producer
     ctx.disposer.add(producer, timeout=cfg.trace.teardown_timeout_s, force=producer.force)
     ctx.in_flight.insert(0, _drain_producer)
@@ -184,5 +184,7 @@ async def _drain_producer(ctx: TrainingContext) -> None:
     they are counted as dropped in the trace."""
     last = ctx.next_rollout - 1
     will_save = ctx.stop_requested.is_set() and ctx.failure is None and ctx.cfg.checkpoint.saves
-    held = last if (ctx.saved_rollout == last or will_save) and last >= ctx.start_rollout else None
+    in_checkpoint = (ctx.saved_rollout == last or will_save) and last >= ctx.start_rollout
+    loaded = ctx.resumed and last == ctx.start_rollout - 1        # nothing trained since the --load
+    held = last if in_checkpoint or loaded else None
     await ctx.c.producer.settle(saved_rollout=held)

@@ -388,7 +388,11 @@ class Producer:
                 + [[t, row, a] for t, (row, a, _) in sorted(self.in_flight.items())],
                 "dropped_total": self.stats.dropped, "retried_total": self.stats.retried}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], step: int | None = None) -> None:
+        """Restore the position of a checkpoint (of step `step`: a drain before any new step says its
+        groups are still held by that checkpoint)."""
+        if step is not None:
+            self._snapshots[step] = state
         self.next_ticket = int(state["next_ticket"])
         self.buffer.groups = deque(Group(int(g["ticket"]), [_sample_from(s) for s in g["samples"]], int(g["attempts"]))
                                    for g in state["buffer"])

@@ -225,7 +225,7 @@ def test_state_dict_round_trips_the_buffer_and_regenerates_what_was_in_flight():
         ex2, tr2 = FakeExecutor([5]), Events()
         ex2.offset = ex.offset
         q = producer(ex2, tr2, capacity=4, concurrent=2, engines=1)
-        q.load_state_dict(state)
+        q.load_state_dict(state, step=0)
         assert [g.ticket for g in q.buffer.groups] == buffered
         assert q.buffer.groups[0].samples[0].prompt == p.buffer.groups[0].samples[0].prompt
         q.start()
@@ -328,3 +328,24 @@ def test_on_gpus_fully_async_stays_on_the_embedded_engine(BASE):
     assert name == "embedded" and "--fully-async" in why and "fast" in why
     plain, _ = parse_flags(BASE)
     assert pick_engine(plain, on_gpus=True)[0] == "fast"      # the tiny Qwen2 is one the fast engine implements
+
+
+def test_a_producer_drained_right_after_a_resume_says_the_loaded_checkpoint_still_holds_its_groups():
+    async def go():
+        ex, tr = FakeExecutor([0]), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1)
+        p.start()
+        await p.take(1, step=3)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        state = json.loads(json.dumps(p.note(3)))
+        await p.settle(saved_rollout=3)
+        q = producer(FakeExecutor([4]), Events(), capacity=4, concurrent=2, engines=1)
+        q.load_state_dict(state, step=3)
+        await q.settle(saved_rollout=3)            # init failed after the load: nothing trained since
+        drained = q._tracer.of("producer_drained")[-1]
+        held = sorted({g["ticket"] for g in state["buffer"]} | {t for t, _, _ in state["regenerate"]})
+        assert held and drained["checkpoint"] == 3 and drained["held_tickets"] == held
+        assert drained["dropped_tickets"] == []
+
+    asyncio.run(go())
