@@ -68,6 +68,9 @@ class Generation:
     # a mixture-of-experts model's routing: per response token, per MoE layer, the top-k experts of the position
     # whose logits sampled it (miles.training.moe); None for a dense model
     routed_experts: list[list[list[int]]] | None = None
+    # per token, the weight version whose forward gave its logits, when the weights were swapped during the
+    # call (--fully-async: SupportsInFlightWeightSwap); None: every token is `weight_version`'s
+    token_versions: list[int] | None = None
 
 
 # completed: the trajectory ended on its own (EOS, no further tool call); truncated: it ran out of

@@ -5,6 +5,10 @@ up to N steps). The lifecycle is machines/async.yaml; what the seed wrote inline
     asyncio.run(with_disposer(train, args))
 is `miles.cli.train.run_with_signals`, which adds the CLI's signal handling and exit codes.
 The policy loss needs an off-policy correction here: --use-tis or --use-rollout-logprobs.
+
+With --fully-async (as in miles) it runs machines/fully_async.yaml instead: a rollout producer that
+never stops, a buffer of finished groups, --max-weight-staleness, and weight pushes that pause the
+requests in flight at a token boundary (docs/fully-async.md).
 """
 
 import sys

@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None, *, default_machine: str = "sync", pr
     from miles.phases.debug import debug_machine      # --load-debug-rollout-data / --debug-rollout-only pick theirs
 
     # the hard deadline stays armed until the process is gone: exiting (joining threads) is part of the bound
-    return run_with_signals(cfg, machine or debug_machine(cfg) or default_machine, prog=prog, until_exit=True,
+    return run_with_signals(cfg, machine or debug_machine(cfg) or ("fully_async" if cfg.fully_async else None)
+                            or default_machine, prog=prog, until_exit=True,
                             run_id=run_id, locks=locks)
 
 

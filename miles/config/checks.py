@@ -39,6 +39,7 @@ CONTRIBUTORS: tuple[str, ...] = (
     "miles.cluster.placement",      # the GPU plan (known for --device cuda; init checks --device auto's)
     "miles.api.faults",             # --inject-fault
     "miles.metrics.sinks",          # metrics sinks whose package is not installed
+    "miles.rollout.producer",       # --fully-async: the engine must swap weights in flight
 )
 
 def lazy(path: str) -> Check:

@@ -506,6 +506,20 @@ FLAGS: tuple[Flag, ...] = (
        "bytes of one weight bucket when weights travel by CUDA IPC (--colocate on GPUs)"),
     _f("update-weights-interval", "run", "update_weights_interval", int,
        "async machine: push the trainer's weights to the engines every N rollouts (staleness up to N)"),
+    _f("fully-async", "run", "fully_async", kind="true",
+       help="a rollout producer generates groups continuously into a bounded buffer; the trainer takes the next "
+            "--rollout-batch-size groups; weight pushes pause the requests in flight at a token boundary instead "
+            "of waiting for them (picks --machine fully_async; docs/fully-async.md)"),
+    _f("max-weight-staleness", "run", "max_weight_staleness", int,
+       "fully async: a group whose oldest token is more than this many weight versions behind the step that "
+       "would train it goes to --async-unused-samples-handler (default: no bound)"),
+    _f("async-max-concurrent-samples", "run", "async_max_concurrent_samples", int,
+       "fully async: samples being generated at most, over all engines (default: one rollout batch)"),
+    _f("async-data-buffer-capacity-factor", "run", "async_data_buffer_capacity_factor", float,
+       "fully async: the buffer holds at most this x --rollout-batch-size groups, finished or in flight (2.0)"),
+    _f("async-unused-samples-handler", "run", "async_unused_samples_handler", str,
+       "fully async: what happens to a group past --max-weight-staleness: drop it, or retry (generate its "
+       "prompt again); either is counted", ("drop", "retry")),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
     _f("save-debug-rollout-data", "run", "save_debug_rollout_data", str,
        "write each rollout's samples and metrics to PATH, a template with {rollout_id} (else a folder: "

@@ -26,7 +26,7 @@ _OWN_ROUTER = "with --rollout-engine sglang the run starts its own sglang-router
 # --sglang-<flag> [VALUE] that is not refused below is SGLang's own server flag, passed to each server
 # as --<flag> [VALUE] (miles.config.flags.split_passthrough; miles exposes every ServerArgs field so)
 PASSTHROUGH_PREFIX = "sglang-"
-_FULLY_ASYNC = f"{NOT_YET}: --machine async overlaps rollout r+1 with training on r (--update-weights-interval N)"
+_FULLY_ASYNC = f"{NOT_YET}: --fully-async's producer takes the next groups oldest first, one request per engine call"
 _EVAL_FLEET = f"{NOT_YET}: evals run on the rollout engines (--machine async overlaps them with training)"
 _FT = f"{NOT_YET}: dead or hung engines are restarted by default (--engine-max-restarts, --rollout-health-check-*)"
 _AGENTIC = f"{NOT_YET}: multi-turn tool use is --generate-execute-tool-function-path (docs/agents.md)"
@@ -36,15 +36,10 @@ _WEIGHT_SYNC = f"{NOT_YET}: weights go to the engines through Ray's object store
 # flag (without dashes) -> "what it does in miles; what to use here"
 REFUSED: dict[str, str] = {
     # -- driver, async and fault tolerance ---------------------------------------------------------
-    "fully-async": f"a persistent rollout producer with a staleness filter; {_FULLY_ASYNC}",
-    "max-weight-staleness": f"the fully-async staleness bound; {_FULLY_ASYNC}",
-    "async-max-concurrent-samples": f"fully-async concurrency cap; {_FULLY_ASYNC}",
-    "async-data-buffer-capacity-factor": f"fully-async buffer size; {_FULLY_ASYNC}",
-    "async-unused-samples-handler": f"fully-async: retry or drop stale samples; {_FULLY_ASYNC}",
     "custom-async-data-buffer-path": f"fully-async: a custom sample buffer; {_FULLY_ASYNC}",
     "rollout-submission-granularity": f"fully-async: submit groups or samples; {_FULLY_ASYNC}",
-    "pause-generation-mode": f"how generation pauses for a weight update; {NOT_YET}: a weight sync waits "
-                             "for the rollout in flight",
+    "pause-generation-mode": "how generation pauses for a weight update; here a sync or async weight sync "
+                             "waits for the rollout, --fully-async pauses requests in place: drop it",
     "ft-components": f"which parts fault tolerance covers; {_FT}",
     "control-server-port": f"FastAPI control server for fault-tolerance cells; {NOT_YET}",
     "mini-ft-controller-enable": f"suspends and resumes unhealthy train cells; {NOT_YET}",

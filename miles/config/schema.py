@@ -562,6 +562,12 @@ class RunConfig:
     debug_skip_weight_update: bool = False  # --debug-skip-weight-update: no weight sync; engines keep the initial weights
     update_weight_buffer_size: int = 512 * 1024 ** 2  # --update-weight-buffer-size: bytes per weight bucket (CUDA IPC)
     update_weights_interval: int = 1    # --update-weights-interval: async pushes weights every N rollouts
+    # fully async (--fully-async, machine fully_async: miles/rollout/producer.py, docs/fully-async.md)
+    fully_async: bool = False           # --fully-async: a producer generates continuously into a buffer of groups
+    max_weight_staleness: int | None = None   # --max-weight-staleness: a group older than this many versions is not trained
+    async_max_concurrent_samples: int | None = None   # --async-max-concurrent-samples: samples in flight at most
+    async_data_buffer_capacity_factor: float = 2.0   # --async-data-buffer-capacity-factor: buffer = this x batch groups
+    async_unused_samples_handler: str = "drop"       # --async-unused-samples-handler: a stale group is dropped or retried
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path
     dump_details: str | None = None     # --dump-details DIR: both debug dumps under DIR (debug_*_data_path)

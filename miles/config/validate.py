@@ -759,15 +759,29 @@ def _engine_health(cfg: RunConfig, problems: list[str]) -> None:
 # -- checks that depend on the lifecycle machine ----------------------------------------------------
 
 PREFETCHING_PHASES = ("miles.phases.async_loop:rollout",)   # rollout r+1 generates while r trains
+PRODUCER_PHASES = ("miles.phases.fully_async:rollout",)     # a producer generates continuously (--fully-async)
+FULLY_ASYNC_FLAGS = (("--max-weight-staleness", "max_weight_staleness", None),
+                     ("--async-max-concurrent-samples", "async_max_concurrent_samples", None),
+                     ("--async-data-buffer-capacity-factor", "async_data_buffer_capacity_factor", 2.0),
+                     ("--async-unused-samples-handler", "async_unused_samples_handler", "drop"))
 
 
 @check
 def _machine(cfg: RunConfig, problems: list[str], *, machine: MachineDef) -> None:
-    """What the chosen machine adds: the async machine trains one step off-policy; --phase-timeout names
-    its states."""
+    """What the chosen machine adds: the async machine trains one step off-policy, the fully-async one up
+    to --max-weight-staleness steps; --phase-timeout names its states."""
     rollout = machine.states.get("rollout")
     off_policy = rollout is not None and rollout.phase in PREFETCHING_PHASES
-    problems += _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+    producer = rollout is not None and rollout.phase in PRODUCER_PHASES
+    if producer:
+        problems += _async_problems(cfg) + _fully_async_problems(cfg)
+    elif cfg.fully_async:
+        problems.append(f"--fully-async needs the fully_async machine (it picks it); machine {machine.name} has no "
+                        "rollout producer: drop --machine or --fully-async")
+    else:
+        problems += _async_problems(cfg) if off_policy else _on_policy_problems(cfg, machine.name)
+        problems += [f"{flag} {getattr(cfg, name)}: only --fully-async reads it; add --fully-async or drop it"
+                     for flag, name, default in FULLY_ASYNC_FLAGS if getattr(cfg, name) != default]
     problems += [f"--phase-timeout {state}=...: machine {machine.name} has no state {state!r} "
                  f"(its states: {', '.join(s for s, d in machine.states.items() if not d.final)})"
                  for state in cfg.reliability.phase_timeout_overrides
@@ -833,6 +847,43 @@ def _async_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"--eval-interval {cfg.eval.interval} is not a multiple of --update-weights-interval {n}: "
                         "an eval reads the engines' weights, which change only every "
                         f"{n} rollouts; use an --eval-interval that is a multiple of {n}")
+    return problems
+
+
+def _fully_async_problems(cfg: RunConfig) -> list[str]:
+    """The fully-async machine's own rules (docs/fully-async.md): the producer generates single-turn groups
+    of fresh prompts; the bounds must let it make progress."""
+    problems, r, a, n = [], cfg.rollout, cfg.algorithm, cfg.update_weights_interval
+    if not cfg.fully_async:
+        problems.append("the fully_async machine runs with --fully-async (which picks it): add --fully-async")
+    refused = [(flag, why) for flag, on, why in (
+        ("--partial-rollout", r.partial_rollout, "the producer never aborts a request: it pauses it for a weight "
+                                                 "swap and continues it"),
+        ("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path, "the producer makes groups one prompt "
+                                                                          "at a time; filter them with "
+                                                                          "--rollout-sample-filter-path"),
+        ("--rollout-function-path", cfg.generate.rollout_function_path, "the producer generates the groups itself"),
+        ("--custom-generate-function-path", cfg.generate.generate_function_path,
+         "the producer pauses single-turn engine calls; multi-turn generation is not paused at token boundaries "
+         "yet"),
+        ("--check-weight-update-equal/--ci-test", cfg.check_weights, "an engine's checksum waits for its requests "
+                                                                    "in flight, which a fully-async push does not"),
+        ("--debug-skip-weight-update", cfg.debug_skip_weight_update, "the staleness bound counts weight versions"),
+        ("--loss-type sft_loss", a.loss_type == "sft_loss", "SFT generates nothing")) if on]
+    problems += [f"{flag} cannot be used with --fully-async: {why}" for flag, why in refused]
+    bound = cfg.max_weight_staleness
+    if bound is not None and bound < n:
+        problems.append(f"--max-weight-staleness {bound} is below --update-weights-interval {n}: between two pushes "
+                        f"the engines' weights are up to {n - 1} version(s) behind the step, and a group that was "
+                        f"in flight at a push is one interval older; give --max-weight-staleness {n} or more")
+    cap = cfg.async_max_concurrent_samples
+    if cap is not None and cap < r.n_samples_per_prompt:
+        problems.append(f"--async-max-concurrent-samples {cap} is below --n-samples-per-prompt "
+                        f"{r.n_samples_per_prompt}: a group's samples are generated together; give at least "
+                        f"{r.n_samples_per_prompt}")
+    if not cfg.async_data_buffer_capacity_factor >= 1.0:
+        problems.append(f"--async-data-buffer-capacity-factor {cfg.async_data_buffer_capacity_factor}: the buffer "
+                        "must hold at least one --rollout-batch-size of groups; give 1.0 or more (miles: 2.0)")
     return problems
 
 

@@ -147,6 +147,8 @@ class RolloutExecutor:
         self._shape = (partial(overlong_penalty, max_len=rollout.max_response_len, buffer_len=rollout.overlong_buffer_len,
                                factor=rollout.overlong_penalty_factor) if rollout.overlong_buffer_len else None)
         self._pending: _Drawn | None = None     # drawn for a rollout not yet delivered
+        self._rows = {p.index: p for p in prompts}    # --fully-async: the producer names prompts by row
+        self._fully_async_state: dict[str, Any] | None = None
         self._buffer = PartialBuffer(rollout) if rollout.partial_rollout else None
         self._prompt_rows = {p.index: p for p in prompts} if rollout.partial_rollout else {}
         # --use-opd --opd-type sglang: the teacher servers score each rollout's trained samples
@@ -166,6 +168,7 @@ class RolloutExecutor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._iterator.load_state_dict(state["iterator"])
+        self._fully_async_state = state.get("fully_async")     # the producer's (--fully-async), read by the driver
         buffered = state.get("partial_buffer") or []
         if self._buffer is not None:
             self._buffer.load_state_dict(buffered, self._prompt_rows)
@@ -201,6 +204,11 @@ class RolloutExecutor:
     async def _generate(self, rollout_id: int) -> RolloutBatch:
         t0 = time.monotonic()
         samples, collect_metrics, generated = await self._collect(rollout_id)
+        return await self._finish(rollout_id, samples, collect_metrics, generated, t0)
+
+    async def _finish(self, rollout_id: int, samples: list[Sample], collect_metrics: dict[str, float],
+                      generated: list[list[Sample]] | None, t0: float) -> RolloutBatch:
+        """A rollout's collected samples -> its batch: the teacher, the hooks, shaping, advantages, metrics."""
         gen_s = time.monotonic() - t0
         if self._teacher is not None:
             collect_metrics.update(await self._teacher.score(samples))
@@ -434,6 +442,59 @@ class RolloutExecutor:
 
     async def _score(self, samples: list[Sample], *, n: int) -> None:
         await self._rewards.score(samples, n)
+
+    # -- fully async (--fully-async: miles.rollout.producer drives these) -----------------------------
+    def draw_prompts(self, k: int) -> tuple[list[Prompt], dict[str, Any]]:
+        """The next `k` prompts of the iterator, and its state after them (the producer keeps it)."""
+        prompts: list[Prompt] = []
+        while len(prompts) < k:
+            prompts += self._iterator.next_batch(k - len(prompts))
+        return prompts, self._iterator.state_dict()
+
+    async def generate_groups(self, engine: int, rows: list[int], seed: int) -> list[list[Sample]]:
+        """One engine call of `--n-samples-per-prompt` samples for each prompt row, scored: one group per
+        row. Each sample records every weight version that produced a token of it (`weight_versions`;
+        per token `token_versions` when the weights were swapped during the call)."""
+        n, c = self._cfg.n_samples_per_prompt, self._cfg
+        params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                max_new_tokens=c.max_response_len, seed=seed % SEED_RANGE, stop=c.stop,
+                                stop_token_ids=c.stop_token_ids, max_context_len=c.max_context_len)
+        samples = [new_sample(self._rows[r], i) for i, r in enumerate(rows) for _ in range(n)]
+        with self._meters.metering(f"producer engine-{engine}"):
+            _count(samples)
+            gens = await self._call_engine(engine, [list(s.prompt.prompt_ids) for s in samples], params)
+        for s, g in zip(samples, gens):
+            s.response_ids, s.rollout_logprobs, s.finish_reason = g.response_ids, g.logprobs, g.finish_reason
+            s.rollout_routed_experts = g.routed_experts
+            versions = g.token_versions
+            s.weight_version = g.weight_version if not versions else min(versions)
+            s.metadata["weight_versions"] = sorted(set(versions)) if versions else [g.weight_version]
+            if versions and len(set(versions)) > 1:
+                s.metadata["token_versions"] = list(versions)
+            s.status = {"length": "truncated", "abort": "aborted"}.get(g.finish_reason, "completed")  # type: ignore[assignment]
+            s.response_text = _before_stop(self._decode(g.response_ids), params.stop)
+        await self._rewards.score(samples, n)
+        return group(samples, n)
+
+    async def assemble_split(self, rollout_id: int, groups: list[list[Sample]],
+                             gen_s: float = 0.0) -> tuple[list[Sample], dict[str, float]]:
+        """A fully-async step's batch from the groups the producer made: renumbered, then what every
+        rollout gets (hooks, shaping, advantages, metrics), as `generate_split` returns it. `gen_s`: the
+        engine time the groups took (their shares of their calls), for gen_time_s and gen_tokens_per_s."""
+        for index, g in enumerate(groups):
+            for s in g:
+                s.group = index
+        samples = [s for g in groups for s in g]
+        batch = await self._finish(rollout_id, samples, {}, None, time.monotonic() - gen_s)
+        return batch.samples, {**batch.metrics, PROMPTS_KEY: trained_prompts(batch.samples)}
+
+    async def abort_engines(self) -> None:
+        """Every engine's running calls stop at their next step (the producer's drain)."""
+        await asyncio.gather(*(self._abort_engine(i) for i in range(len(self._engines))), return_exceptions=True)
+
+    def fully_async_state(self) -> dict[str, Any] | None:
+        """The producer's part of the position the run resumed from (None: a fresh start)."""
+        return self._fully_async_state
 
     async def generate_split(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """`generate` as (samples, metrics): as a two-return Ray call the samples go from the object

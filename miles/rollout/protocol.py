@@ -197,6 +197,16 @@ class SupportsAbort(Protocol):
     def abort(self) -> None: ...
 
 
+@runtime_checkable
+class SupportsInFlightWeightSwap(Protocol):
+    """Takes new weights while its generate calls run (--fully-async): the running requests pause at
+    their next token boundary, the weights are swapped, and they go on; each token records the version
+    whose forward gave its logits (`Generation.token_versions`). Answered beside a running generate,
+    as health. Returns what it paused: {"paused_requests": rows in flight, "waited_s": ...}."""
+
+    def swap_weights(self, state_dict: Any, version: int) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine, as the run sees it (see the module docstring)."""

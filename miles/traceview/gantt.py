@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from .render import fmt_s
-from .timeline import BACKGROUND_LANES, BackgroundSpan, PhaseSpan, Timeline
+from .timeline import BACKGROUND_LANES, BackgroundSpan, PhaseSpan, Timeline, engine_lanes
 
 MAX_ROLLOUT_BARS = 150
 WIDTH_IN, DPI = 12.0, 110
@@ -84,6 +84,7 @@ def plot_timeline(tl: Timeline, out: str | Path, *, title: str | None = None) ->
 def lanes_of(tl: Timeline) -> list[str]:
     """Top to bottom: the states the run visited, the kinds of work in flight it had, the teardown."""
     background = [lane for lane, _ in BACKGROUND_LANES.values() if any(b.lane == lane for b in tl.background)]
+    background += engine_lanes(tl.background)          # fully async: the producer's calls, per engine
     return [s for s in tl.states if any(sp.state == s for sp in tl.spans)] + background + ["teardown"]
 
 

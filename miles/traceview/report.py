@@ -11,7 +11,7 @@ from miles.runtime.trace import TraceEvent
 from .check import CheckReport
 from .diff import Divergence
 from .render import Block, Table, Text, fmt_s
-from .timeline import FailureView, Timeline
+from .timeline import FailureView, Timeline, engine_lanes
 
 HEAD_ROWS, TAIL_ROWS, MAX_ROWS = 20, 40, 200
 
@@ -21,6 +21,8 @@ def show_blocks(tl: Timeline, *, all_rows: bool = False) -> list[Block]:
     if tl.story:
         blocks.append(Text(tl.story, title="Resume and stop"))
     blocks.append(_timeline_table(tl, all_rows))
+    if engine_lanes(tl.background):
+        blocks.append(_lanes_text(tl))
     if tl.failure is not None:
         blocks.append(_failure_text(tl.failure))
     if tl.truncated and tl.outcome == "incomplete":
@@ -32,6 +34,35 @@ def show_blocks(tl: Timeline, *, all_rows: bool = False) -> list[Block]:
     blocks.append(_teardown_table(tl))
     blocks.append(_totals_table(tl))
     return blocks
+
+
+LANE_WIDTH = 72       # characters of the lanes chart
+
+
+def _lanes_text(tl: Timeline) -> Text:
+    """Fully async: one lane per engine (its producer calls) and one for the trainer (train phases), over
+    the run's time: '#' busy, '.' idle, 'x' a call cut by the drain; each lane's busy fraction."""
+    lanes = {lane: [(b.start_s, b.end_s, b.outcome) for b in tl.background if b.lane == lane]
+             for lane in engine_lanes(tl.background)}
+    lanes["trainer"] = [(s.start_s, s.end_s, s.outcome) for s in tl.spans if s.state == "train"]
+    every = [span for spans in lanes.values() for span in spans]
+    t0 = min(start for start, _, _ in every)          # from the producer's first call to the last span's end
+    total = max(max(end for _, end, _ in every) - t0, 1e-9)
+    lanes = {name: [(start - t0, end - t0, outcome) for start, end, outcome in spans] for name, spans in lanes.items()}
+    width = max(len(name) for name in lanes)
+    lines = []
+    for name, spans in lanes.items():
+        cells = ["."] * LANE_WIDTH
+        busy = 0.0
+        for start, end, outcome in spans:
+            busy += end - start
+            first, last = int(start / total * LANE_WIDTH), int(min(end / total, 1.0) * LANE_WIDTH - 1e-9)
+            for i in range(max(first, 0), max(min(last, LANE_WIDTH - 1), first) + 1):
+                cells[min(i, LANE_WIDTH - 1)] = "x" if outcome == "cancelled" else "#"
+        lines.append(f"{name:<{width}} |{''.join(cells)}| busy {100 * min(busy / total, 1.0):.0f}%")
+    lines.append(f"{'':<{width}}  {fmt_s(t0)}{'':{max(LANE_WIDTH - len(fmt_s(t0)) - len(fmt_s(t0 + total)), 1)}}"
+                 f"{fmt_s(t0 + total)} into the run")
+    return Text(lines, title="Lanes (fully async: engines and trainer)")
 
 
 def _headline(tl: Timeline) -> str:

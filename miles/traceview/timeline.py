@@ -64,6 +64,14 @@ class BackgroundSpan:
 
 # start event -> (lane, end event)
 BACKGROUND_LANES = {"prefetch_start": ("prefetch", "prefetch_end"), "eval_start": ("eval (bg)", "eval_end")}
+# fully async: each engine call of the rollout producer, in a lane per engine ("engine-0", ...), from its
+# `producer_submit` to the `producer_groups` (or `producer_cut`: aborted by a drain) that names it as cause
+ENGINE_CALL_START, ENGINE_CALL_ENDS = "producer_submit", ("producer_groups", "producer_cut")
+
+
+def engine_lanes(background: list[BackgroundSpan]) -> list[str]:
+    """The per-engine lanes of a fully-async run's producer, in engine order."""
+    return sorted({b.lane for b in background if b.lane.startswith("engine-")}, key=lambda s: int(s.split("-")[1]))
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,14 @@ def _background(events: list[TraceEvent], t0: float, last_mono: float) -> list[B
         spans.append(BackgroundSpan(BACKGROUND_LANES[s.event][0], s.rollout_id, s.get("weight_version"),
                                     s.mono - t0, max(stop - s.mono, 0.0),
                                     end.get("outcome", "ok") if end is not None else "open", seq))
+    calls = {e.seq: e for e in events if e.event == ENGINE_CALL_START}
+    call_ends = {e.cause: e for e in events if e.event in ENGINE_CALL_ENDS and e.cause in calls}
+    for seq, s in calls.items():
+        end = call_ends.get(seq)
+        stop = end.mono if end is not None else last_mono
+        outcome = "open" if end is None else ("cancelled" if end.event == "producer_cut" else "ok")
+        spans.append(BackgroundSpan(f"engine-{s.get('engine')}", None, s.get("weight_version"), s.mono - t0,
+                                    max(stop - s.mono, 0.0), outcome, seq))
     return spans
 
 

@@ -75,10 +75,11 @@ def test_a_missing_file_and_bad_base64_are_refused_naming_the_flag(tmp_path):
 
 def test_keys_a_run_cannot_take_are_refused_naming_the_key(tmp_path):
     f = tmp_path / "bad.yaml"
-    # --fully-async is a miles flag this build refuses; `rollout_id` would hide behind ctx.rollout_id
-    f.write_text("fully_async: true\nrollout_id: 3\nfine: 1\n")
+    # --custom-async-data-buffer-path is a miles flag this build refuses; `rollout_id` would hide behind ctx.rollout_id
+    f.write_text("custom_async_data_buffer_path: a.b\nrollout_id: 3\nfine: 1\n")
     problems = problems_of(base(tmp_path) + ["--custom-config-path", str(f)])
-    assert problems[0].startswith(f"--custom-config-path {f}: key 'fully_async' sets miles' --fully-async, which "
+    assert problems[0].startswith(f"--custom-config-path {f}: key 'custom_async_data_buffer_path' sets miles' "
+                                  "--custom-async-data-buffer-path, which "
                                   "this build does not take:")
     assert problems[1] == (f"--custom-config-path {f}: key 'rollout_id' would be hidden by ctx.rollout_id, which the "
                            "contexts of custom functions have themselves; rename the key")

@@ -245,3 +245,19 @@ def test_the_runner_names_a_rollout_phases_rollout_at_its_start(tmp_path):
     asyncio.run(runner.run())
     starts = [e for e in read_trace(tmp_path / "trace.jsonl").of("phase_start") if e.state == "rollout"]
     assert starts and all(e.rollout_id == 7 for e in starts)
+
+
+def test_a_fully_async_run_shows_a_lane_per_engine_and_one_for_the_trainer(capsys):
+    # a real 2-engine --fully-async run (tests/fixtures/traces/real-fully_async-ok.jsonl)
+    tl = timeline("real-fully_async-ok")
+    calls = [b for b in tl.background if b.lane.startswith("engine-")]
+    assert {b.lane for b in calls} == {"engine-0", "engine-1"} and all(b.outcome == "ok" for b in calls)
+    submits = read_trace(GOLDEN / "real-fully_async-ok.jsonl").of("producer_submit")
+    assert len(calls) == len(submits)
+    assert main(["show", str(GOLDEN / "real-fully_async-ok.jsonl")]) == 0
+    out = capsys.readouterr().out
+    lanes = out[out.index("Lanes"):].splitlines()
+    rows = {line.split()[0]: line for line in lanes if line.startswith(("engine-", "trainer"))}
+    assert set(rows) == {"engine-0", "engine-1", "trainer"}
+    assert all("#" in row and "busy" in row for row in rows.values())
+    assert check_trace(read_trace(GOLDEN / "real-fully_async-ok.jsonl"), load_machine("fully_async")).ok

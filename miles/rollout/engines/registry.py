@@ -16,7 +16,7 @@ from miles.config.schema import ENGINE_NAMES
 from miles.rollout.engines.embedded.spec import SPEC as EMBEDDED
 from miles.rollout.engines.fast.spec import SPEC as FAST
 from miles.rollout.engines.sglang.spec import SPEC as SGLANG
-from miles.rollout.protocol import EngineSpec
+from miles.rollout.protocol import EngineSpec, SupportsInFlightWeightSwap
 
 ENGINES: dict[str, EngineSpec] = {
     "embedded": EMBEDDED,   # transformers + torch sampling, CPU or GPU; FastEngine on GPUs for the models it implements
@@ -38,6 +38,9 @@ def engine_to_run(cfg: RunConfig, *, on_gpus: bool) -> tuple[str, str | None]:
     preferred = ENGINES[asked].prefer_on_gpus
     if preferred is None or not on_gpus:
         return asked, None
+    if cfg.fully_async and not ENGINES[preferred].supports(SupportsInFlightWeightSwap):
+        return asked, (f"--fully-async swaps weights under the requests in flight, which the {preferred} engine "
+                       "does not implement yet (docs/fully-async.md)")
     refuses = ENGINES[preferred].refuses
     refused = refuses(cfg.model.hf_checkpoint) if refuses is not None else None
     return (asked, refused) if refused else (preferred, None)

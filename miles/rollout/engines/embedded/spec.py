@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
-                                    SupportsWeightBucketLoad)
+from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsInFlightWeightSwap,
+                                    SupportsMemoryRelease, SupportsWeightBucketLoad)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -27,11 +27,13 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-# two threads: health and abort are answered while a generate call runs (the engine guards its model);
+# three threads: health, abort and an in-flight weight swap (--fully-async) are answered while a generate
+# call runs (the engine guards its model);
 # memory release: a colocated run outside the fast path gives the trainer the GPU while it trains
 SPEC = EngineSpec(engine="miles.rollout.engines.embedded.engine:EmbeddedEngine", options=options,
-                  capabilities=(SupportsWeightBucketLoad, SupportsHealth, SupportsAbort, SupportsMemoryRelease),
-                  actor_threads=2,
+                  capabilities=(SupportsWeightBucketLoad, SupportsHealth, SupportsAbort, SupportsMemoryRelease,
+                                SupportsInFlightWeightSwap),
+                  actor_threads=3,
                   prefer_on_gpus="fast",      # our own forward, where it implements the model
                   defaults={"max_batch_size": MAX_BATCH_SIZE},
                   weights_on_release="host")  # release_memory moves the model to host memory

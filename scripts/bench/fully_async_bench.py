@@ -1,0 +1,162 @@
+"""Benchmark (not a test): trained tokens per second of sync, async and fully_async on a long-tail workload.
+
+The three machines run the same flags, one after the other, on one local Ray cluster this script starts
+(async and fully_async add --use-tis; fully_async adds --fully-async and its bounds). The workload has a
+long tail: answers end at a stop token drawn with a small probability per token (--rollout-stop-token-ids,
+`--stop-ids` of them; the tiny model samples near-uniformly), so most answers are short and a few run to
+the cap (--rollout-max-response-len); the metrics record each run's response lengths (mean and max).
+Per machine, from its trace and metrics:
+  trained_tokens_per_s   response tokens of the trained samples / the loop's time (end of init to the
+                         start of draining)
+  engine_idle_fraction   1 - the engines' generating time / the loop's time, averaged over the engines
+                         (sync: the rollout phases; async: the rollout generating ahead; fully_async:
+                         the producer's engine calls, per engine)
+  trainer_idle_fraction  1 - the train phases' time / the loop's time
+  train_s_per_step       the train phase's mean duration (on a CPU it shows what the engines generating
+                         beside the trainer cost it: they share the cores)
+and speedup_vs_sync: each machine's trained tokens per second over sync's (the issue's goal: fully_async
+>= 1.5x). With --repeat K each machine runs K times in rotating order; the medians are compared.
+
+Usage:
+  python scripts/bench/fully_async_bench.py [--repeat K] [--device cpu|cuda] [--runs-dir DIR]
+      [--max-len N] [--stop-ids K] [--steps N] [--engines E] [-- extra miles flags ...]
+CPU by default (the tests' tiny model and addition task, built in a temp dir). `--device cuda` runs the
+same on the GPU machine (give --hf-checkpoint/--prompt-data after `--` for a real model; on one GPU
+pass the layout the code allows, e.g. `-- --rollout-num-gpus 1 --actor-num-gpus-per-node 1` with two
+GPUs, or one engine beside the trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MACHINES = ("sync", "async", "fully_async")
+
+
+def workload(root: Path, args: argparse.Namespace) -> list[str]:
+    from tests.conftest import write_addition_task
+    from tests.tiny_model import VOCAB_SIZE, make_tiny_model
+
+    model = make_tiny_model(root / "model")
+    train, _ = write_addition_task(root, n_train=512)
+    stop_ids = [VOCAB_SIZE - 1 - i for i in range(args.stop_ids)]     # rare letters: a geometric length
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--label-key", "label",
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--rollout-max-response-len", str(args.max_len),
+            "--rollout-stop-token-ids", *map(str, stop_ids), "--num-rollout", str(args.steps), "--lr", "1e-4",
+            "--global-batch-size", "64", "--micro-batch-size", "16", "--rollout-num-engines", str(args.engines),
+            "--rollout-max-batch-size", "16"]
+
+
+def machine_flags(machine: str) -> list[str]:
+    if machine == "async":
+        return ["--use-tis"]
+    if machine == "fully_async":
+        return ["--use-tis", "--fully-async", "--max-weight-staleness", "2", "--async-data-buffer-capacity-factor", "2"]
+    return []
+
+
+def run_machine(machine: str, flags: list[str], run_dir: Path) -> dict:
+    from miles.api.launch import train
+    from miles.config.flags import parse_flags
+    from miles.runtime import read_trace, with_disposer
+
+    cfg, _ = parse_flags([*flags, *machine_flags(machine), "--run-dir", str(run_dir), "--trace-console", "off"])
+    t0 = time.monotonic()
+    asyncio.run(with_disposer(train, cfg, machine=machine))
+    wall = time.monotonic() - t0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summarize(read_trace(run_dir), [r for r in rows if r.get("kind") == "train"], machine, wall)
+
+
+def _busy(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] the union of `spans` covers."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
+    init_end = next(e.mono for e in trace.of("phase_end") if e.state == "init")
+    drain_start = next(e.mono for e in trace.of("phase_start") if e.state == "draining")
+    loop = max(drain_start - init_end, 1e-9)
+    phases = {s: [(e.mono - e.duration_s, e.mono) for e in trace.of("phase_end") if e.state == s]
+              for s in ("rollout", "train")}
+    if machine == "sync":
+        engines = {"all": phases["rollout"]}
+    elif machine == "async":
+        engines = {"all": [(e.mono - e.duration_s, e.mono) for e in trace.of("prefetch_end")]}
+    else:
+        submits = {e.seq: e for e in trace.of("producer_submit")}
+        engines = {}
+        for e in trace.of("producer_groups", "producer_cut"):
+            s = submits.get(e.cause)
+            if s is not None:
+                engines.setdefault(s.get("engine"), []).append((s.mono, e.mono))
+    engine_busy = [_busy(spans, init_end, drain_start) / loop for spans in engines.values()] or [0.0]
+    trained = sum(r["gen_tokens"] for r in rows)
+    return {"machine": machine, "steps": len(rows), "wall_s": round(wall, 2), "loop_s": round(loop, 3),
+            "trained_tokens": trained, "trained_tokens_per_s": round(trained / loop, 2),
+            "response_len_mean": round(statistics.fmean(r["response_len_mean"] for r in rows), 2),
+            "response_len_max": max(r["response_len_max"] for r in rows),
+            "engine_idle_fraction": round(1 - statistics.fmean(engine_busy), 3),
+            "trainer_idle_fraction": round(1 - _busy(phases["train"], init_end, drain_start) / loop, 3),
+            "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"]), 4),
+            "staleness_max": max(r.get("staleness_max", 0) for r in rows),
+            "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per machine, rotating which goes first")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--max-len", type=int, default=96, help="the response cap (--rollout-max-response-len)")
+    p.add_argument("--stop-ids", type=int, default=1, help="stop token ids (more: shorter answers on average)")
+    p.add_argument("--steps", type=int, default=6, help="--num-rollout of each run")
+    p.add_argument("--engines", type=int, default=2, help="--rollout-num-engines")
+    p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
+    args, extra = p.parse_known_args()
+    extra = [f for f in extra if f != "--"]
+    import ray
+    import torch
+
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+    machines = args.machines.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.runs_dir or Path(tmp)
+        flags = [*workload(root / "task", args), "--device", args.device, *extra]
+        ray.init(include_dashboard=False, logging_level="WARNING", namespace="miles-bench")
+        try:
+            results = []
+            for i in range(args.repeat):
+                order = machines[i % len(machines):] + machines[:i % len(machines)]
+                results += [run_machine(m, flags, root / f"{m}-{i}") for m in order]
+        finally:
+            ray.shutdown()
+    median = {m: statistics.median(r["trained_tokens_per_s"] for r in results if r["machine"] == m) for m in machines}
+    base = median.get("sync")
+    out = {"flags": flags, "device": args.device, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+           "results": results, "median_trained_tokens_per_s": median,
+           "speedup_vs_sync": {m: round(v / base, 3) for m, v in median.items()} if base else None}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""--fully-async without Ray: the group buffer and its staleness bound, the producer's bookkeeping
+(tickets, capacity, retries, pause, drain, checkpoint state) on fake executor calls, and the config
+rules (miles/rollout/producer.py, miles/config/validate.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from miles.config import ConfigError
+from miles.config.flags import parse_flags
+from miles.config.validate import validate
+from miles.rollout.producer import Group, GroupBuffer, Producer, capacity_groups, concurrent_groups
+from miles.runtime import load_machine
+from miles.types import Prompt, Sample
+
+
+class Events:
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+
+    def emit(self, event: str, **fields) -> int:
+        self.events.append((event, fields))
+        return len(self.events)
+
+    def of(self, event: str) -> list[dict]:
+        return [f for e, f in self.events if e == event]
+
+
+def sample(row: int, versions: list[int], length: int = 3) -> Sample:
+    s = Sample(prompt=Prompt(row, f"p{row}", (5, 6)), group=0, response_ids=[7] * length,
+               rollout_logprobs=[-0.5] * length, finish_reason="stop", weight_version=min(versions))
+    s.metadata["weight_versions"] = sorted(set(versions))
+    return s
+
+
+def group(ticket: int, versions: list[int]) -> Group:
+    return Group(ticket, [sample(ticket, versions), sample(ticket, versions[:1])])
+
+
+# -- the buffer ------------------------------------------------------------------------------------
+
+def test_take_is_oldest_first_and_reports_each_groups_staleness():
+    b = GroupBuffer(capacity=8, bound=None, handler="drop")
+    for t, v in enumerate([0, 1, 1, 2]):
+        b.put(group(t, [v]))
+    taken = b.take(3, step=3)
+    assert [g.ticket for g in taken.groups] == [0, 1, 2] and taken.staleness == [3, 2, 2]
+    assert [g.ticket for g in b.groups] == [3]
+
+
+def test_a_group_past_the_bound_is_dropped_or_retried_never_taken():
+    for handler in ("drop", "retry"):
+        b = GroupBuffer(capacity=8, bound=1, handler=handler)
+        for t, v in enumerate([0, 1, 2, 2]):
+            b.put(group(t, [v]))
+        taken = b.take(2, step=2)           # ticket 0: staleness 2 > 1
+        assert [g.ticket for g in taken.groups] == [1, 2] and max(taken.staleness) <= 1
+        handled = taken.dropped if handler == "drop" else taken.retried
+        assert [g.ticket for g in handled] == [0]
+        assert (taken.retried if handler == "drop" else taken.dropped) == []
+
+
+def test_the_oldest_token_decides_staleness_and_mixed_tokens_are_counted():
+    g = Group(0, [sample(0, [1, 3], length=4), sample(0, [3], length=2)])
+    assert g.oldest == 1 and g.versions == [1, 3] and g.mixed_tokens == 4 and g.tokens == 6
+    b = GroupBuffer(capacity=4, bound=2, handler="drop")
+    b.put(g)
+    assert b.take(1, step=4).dropped == [g]         # 4 - 1 = 3 > 2, though most of it is version 3
+
+
+def test_groups_given_back_are_first_in_line():
+    b = GroupBuffer(capacity=8, bound=None, handler="drop")
+    for t in range(4):
+        b.put(group(t, [0]))
+    taken = b.take(2, step=0)
+    b.give_back(taken.groups)
+    assert [g.ticket for g in b.groups] == [0, 1, 2, 3]
+
+
+# -- the producer on fake executor calls -----------------------------------------------------------
+
+class FakeExecutor:
+    """draw: the next rows; generate: one group per row, made by `version`; a call can be held."""
+
+    def __init__(self, version: list[int], hold: asyncio.Event | None = None, hold_after: int | None = None):
+        self.offset, self.version, self.hold, self.hold_after = 0, version, hold, hold_after
+        self.calls: list[tuple[int, list[int]]] = []
+        self.aborted = 0
+
+    async def draw(self, k: int):
+        rows = list(range(self.offset, self.offset + k))
+        self.offset += k
+        return [Prompt(r, f"p{r}", (5,)) for r in rows], {"offset": self.offset}
+
+    async def generate(self, engine: int, rows: list[int], seed: int):
+        self.calls.append((engine, rows))
+        if self.hold_after is not None and len(self.calls) > self.hold_after:
+            self.hold = self.hold or asyncio.Event()
+        if self.hold is not None:
+            await self.hold.wait()
+        await asyncio.sleep(0)
+        out = [[sample(r, [self.version[0]]), sample(r, [self.version[0]])] for r in rows]
+        for s in (s for g in out for s in g):
+            s.finish_reason = "abort" if self.aborted else s.finish_reason     # what an aborted engine returns
+        return out
+
+    async def abort(self):
+        self.aborted += 1
+        if self.hold is not None:
+            self.hold.set()
+
+
+def producer(ex: FakeExecutor, tracer: Events, *, capacity=6, concurrent=4, engines=2, bound=None, handler="drop"):
+    return Producer(draw=ex.draw, generate=ex.generate, abort=ex.abort, num_engines=engines, capacity=capacity,
+                    concurrent_groups=concurrent, bound=bound, handler=handler, seed=0, tracer=tracer,
+                    version=lambda: ex.version[0])
+
+
+def test_the_producer_fills_the_buffer_to_capacity_and_the_trainer_takes_batches():
+    async def go():
+        ex, tr = FakeExecutor([0]), Events()
+        p = producer(ex, tr, capacity=6, concurrent=4)
+        p.start()
+        taken = await p.take(4, step=0)
+        assert [g.ticket for g in taken.groups] == [0, 1, 2, 3]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(p.buffer) + len(p.in_flight) <= 6       # capacity: finished and in flight together
+        assert len(p.buffer) == 6
+        assert all(len(rows) <= 2 for _, rows in ex.calls)   # 4 concurrent groups over 2 engines
+        await p.settle(saved_rollout=None)
+        assert not p.running
+        drained = tr.of("producer_drained")[-1]
+        assert drained["buffered_tickets"] == [4, 5, 6, 7, 8, 9] and drained["dropped_tickets"] == [4, 5, 6, 7, 8, 9]
+        # every ticket drawn is trained, buffered, or in flight: none lost
+        assert p.next_ticket == 10
+
+    asyncio.run(go())
+
+
+def test_a_retried_group_keeps_its_ticket_and_prompt_and_counts():
+    async def go():
+        version = [0]
+        ex, tr = FakeExecutor(version), Events()
+        p = producer(ex, tr, capacity=4, concurrent=4, engines=1, bound=1, handler="retry")
+        p.start()
+        first = await p.take(2, step=0)
+        assert [g.ticket for g in first.groups] == [0, 1]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        version[0] = 3                         # new groups come from version 3; 2 and 3 are stale at step 3
+        taken = await p.take(2, step=3)
+        assert [g.ticket for g in taken.retried][:2] == [2, 3]
+        assert all(s <= 1 for s in taken.staleness)
+        again = [g for g in taken.groups if g.attempts == 2]
+        assert {g.ticket for g in again} <= {2, 3}
+        assert all(g.samples[0].prompt.index == g.ticket for g in taken.groups)   # the same prompt again
+        assert {e["ticket"] for e in tr.of("group_retried")} >= {2, 3}
+        assert all("--max-weight-staleness 1" in e["reason"] for e in tr.of("group_retried"))
+        m = p.step_metrics(taken, 1.0)
+        assert m["fa/groups_retried"] >= 2 and m["fa/staleness_max"] <= 1
+        await p.settle(saved_rollout=None)
+
+    asyncio.run(go())
+
+
+def test_settle_aborts_the_calls_in_flight_and_none_is_left_running():
+    async def go():
+        hold = asyncio.Event()
+        ex, tr = FakeExecutor([0], hold), Events()
+        p = producer(ex, tr)
+        p.start()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert p.in_flight
+        p.note(7)                             # the position a checkpoint of step 7 holds
+        await p.settle(saved_rollout=7)
+        assert ex.aborted == 1 and not p.running
+        drained = tr.of("producer_drained")[-1]
+        assert drained["checkpoint"] == 7 and drained["held_tickets"] == [0, 1, 2, 3] and drained["dropped_tickets"] == []
+
+    asyncio.run(go())
+
+
+def test_a_take_cut_short_gives_its_groups_back():
+    async def go():
+        ex, tr = FakeExecutor([0], hold_after=1), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1)
+        p.start()
+        task = asyncio.ensure_future(p.take(4, step=0))    # 2 made, the next call hangs: it waits for more
+        for _ in range(10):
+            await asyncio.sleep(0)
+        await p.settle(saved_rollout=None)
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, RuntimeError)):
+            await task
+        assert [g.ticket for g in p.buffer.groups] == [0, 1]
+        assert [t for t, _, _ in p.retry] == [2, 3]          # the aborted call's prompts: to generate again
+        assert tr.of("producer_cut")[0]["tickets"] == [2, 3]
+
+    asyncio.run(go())
+
+
+def test_state_dict_round_trips_the_buffer_and_regenerates_what_was_in_flight():
+    async def go():
+        hold = asyncio.Event()
+        ex, tr = FakeExecutor([0]), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1)
+        p.start()
+        await p.take(1, step=0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        ex.hold = hold                        # the next call stays in flight
+        await p.take(1, step=0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        state = json.loads(json.dumps(p.state_dict()))      # it goes to rollout.json
+        buffered, in_flight = [g.ticket for g in p.buffer.groups], sorted(p.in_flight)
+        assert in_flight and state["regenerate"] and state["next_ticket"] == p.next_ticket
+        await p.settle(saved_rollout=0)
+
+        ex2, tr2 = FakeExecutor([5]), Events()
+        ex2.offset = ex.offset
+        q = producer(ex2, tr2, capacity=4, concurrent=2, engines=1)
+        q.load_state_dict(state, step=0)
+        assert [g.ticket for g in q.buffer.groups] == buffered
+        assert q.buffer.groups[0].samples[0].prompt == p.buffer.groups[0].samples[0].prompt
+        q.start()
+        taken = await q.take(len(buffered) + len(in_flight), step=5)
+        tickets = [g.ticket for g in taken.groups]
+        assert tickets == buffered + in_flight           # the buffer first, then the regenerated ones
+        assert ex2.calls[0][1][:len(in_flight)] == in_flight    # the same prompt rows, generated again first
+        await q.settle(saved_rollout=None)
+
+    asyncio.run(go())
+
+
+def test_pause_lets_the_calls_in_flight_finish_and_starts_no_new_one():
+    async def go():
+        ex, tr = FakeExecutor([0]), Events()
+        p = producer(ex, tr, capacity=8, concurrent=2, engines=2)
+        p.start()
+        await asyncio.sleep(0)
+        await p.pause()
+        assert not p.in_flight
+        n = len(ex.calls)
+        await p.take(min(2, len(p.buffer)), step=0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(ex.calls) == n
+        p.resume()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(ex.calls) > n
+        await p.settle(saved_rollout=None)
+
+    asyncio.run(go())
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def BASE(tiny_task):
+    return ["--hf-checkpoint", tiny_task["model"], "--prompt-data", tiny_task["train"], "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--use-tis", "--num-rollout", "2"]
+
+
+def problems(argv: list[str], machine: str = "fully_async") -> str:
+    try:
+        cfg, _ = parse_flags(argv)
+        validate(cfg, machine=load_machine(machine))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_fully_async_flags_parse_and_size_the_producer(BASE):
+    cfg, _ = parse_flags([*BASE, "--fully-async", "--max-weight-staleness", "2", "--async-max-concurrent-samples",
+                          "8", "--async-data-buffer-capacity-factor", "1.5", "--async-unused-samples-handler", "retry"])
+    assert (cfg.fully_async, cfg.max_weight_staleness, cfg.async_unused_samples_handler) == (True, 2, "retry")
+    assert capacity_groups(cfg) == 6 and concurrent_groups(cfg) == 2
+    assert problems([*BASE, "--fully-async", "--max-weight-staleness", "2"]) == ""
+
+
+@pytest.mark.parametrize("extra,machine,expected", [
+    (["--max-weight-staleness", "2"], "async", "--max-weight-staleness 2: only --fully-async reads it"),
+    (["--fully-async"], "async", "--fully-async needs the fully_async machine"),
+    ([], "fully_async", "add --fully-async"),
+    (["--fully-async", "--update-weights-interval", "2", "--max-weight-staleness", "1"], "fully_async",
+     "--max-weight-staleness 1 is below --update-weights-interval 2"),
+    (["--fully-async", "--async-max-concurrent-samples", "2"], "fully_async",
+     "--async-max-concurrent-samples 2 is below --n-samples-per-prompt 4"),
+    (["--fully-async", "--async-data-buffer-capacity-factor", "0.5"], "fully_async",
+     "--async-data-buffer-capacity-factor 0.5"),
+    (["--fully-async", "--partial-rollout", "--dynamic-sampling-filter-path", "a:b"], "fully_async",
+     "--partial-rollout cannot be used with --fully-async"),
+    (["--fully-async", "--check-weight-update-equal"], "fully_async", "cannot be used with --fully-async"),
+    (["--fully-async", "--colocate"], "fully_async", "--colocate cannot be used with the async machine"),
+])
+def test_what_fully_async_cannot_take_is_refused_by_flag(BASE, extra, machine, expected):
+    assert expected in problems([*BASE, *extra], machine)
+
+
+def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):
+    for engine in ("fast", "sglang"):
+        msg = problems([*BASE, "--fully-async", "--rollout-engine", engine])
+        assert f"--fully-async with --rollout-engine {engine}" in msg and "--rollout-engine embedded" in msg
+
+
+def test_miles_train_picks_the_fully_async_machine(BASE, monkeypatch):
+    import miles.cli.train as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "run_with_signals", lambda cfg, machine, **kw: seen.setdefault("machine", machine) and 0)
+    monkeypatch.setattr(cli, "_lock_run_folders", lambda *a: [])
+    cli.main([*BASE, "--fully-async"], default_machine="async", prog="scripts/train_async.py")
+    assert seen["machine"] == "fully_async"
+
+
+def test_on_gpus_fully_async_stays_on_the_embedded_engine(BASE):
+    from miles.rollout.engines.registry import engine_to_run
+
+    cfg, _ = parse_flags([*BASE, "--fully-async"])
+    name, why = engine_to_run(cfg, on_gpus=True)
+    assert name == "embedded" and "--fully-async" in why and "fast" in why
+    plain, _ = parse_flags(BASE)
+    assert engine_to_run(plain, on_gpus=True)[0] == "fast"      # the tiny Qwen2 is one the fast engine implements
+
+
+def test_a_producer_drained_right_after_a_resume_says_the_loaded_checkpoint_still_holds_its_groups():
+    async def go():
+        ex, tr = FakeExecutor([0]), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1)
+        p.start()
+        await p.take(1, step=3)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        state = json.loads(json.dumps(p.note(3)))
+        await p.settle(saved_rollout=3)
+        q = producer(FakeExecutor([4]), Events(), capacity=4, concurrent=2, engines=1)
+        q.load_state_dict(state, step=3)
+        await q.settle(saved_rollout=3)            # init failed after the load: nothing trained since
+        drained = q._tracer.of("producer_drained")[-1]
+        held = sorted({g["ticket"] for g in state["buffer"]} | {t for t, _, _ in state["regenerate"]})
+        assert held and drained["checkpoint"] == 3 and drained["held_tickets"] == held
+        assert drained["dropped_tickets"] == []
+
+    asyncio.run(go())
