@@ -162,14 +162,14 @@ def test_debug_train_only_replays_the_saved_rollouts_without_engines(folder, fir
 
 def test_miles_flags_this_build_refuses_stop_the_script_at_once(folder):
     done = launch(folder, "--offload-train-target", "cpu", "--sglang-router-ip", "10.0.0.1",
-                  "--num-experts", "8", "--balance-by-flops",
+                  "--moe-shared-expert-intermediate-size", "8", "--balance-by-flops",
                   "--use-rollout-indexer-replay", "--true-on-policy-mode",
                   "--run-dir", "refused", timeout=120)
     assert done.returncode == 2
     lines = [l.strip() for l in done.stderr.splitlines() if "miles flag this build does not take" in l
              or "miles flags this build does not take" in l]
     assert [l.split(" ")[1] for l in lines] == ["--offload-train-target", "--sglang-router-ip",
-                                                "--num-experts", "--balance-by-flops",
+                                                "--moe-shared-expert-intermediate-size", "--balance-by-flops",
                                                 "--use-rollout-indexer-replay", "--true-on-policy-mode"]
     assert all("not supported yet" in l or "drop it" in l or "drop the flag" in l for l in lines), lines
     assert not (folder / "refused").exists()                     # nothing started
