@@ -25,18 +25,6 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9,
 PROMPTS = [[5, 6, 14, 11, 18], [7, 8], [9, 4, 4, 4, 4, 4, 4, 4, 5], [21, 22, 20, 23], [3, 9, 12], [17] * 12]
 
 
-def reference_experts(h, ids, weights, w):
-    """The plainest experts: per expert, its tokens through its SwiGLU, in float32, weighted and summed."""
-    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    for e in range(w.gate_up.shape[0]):
-        tok, slot = torch.where(ids == e)
-        if len(tok):
-            gate, up = (h[tok].float() @ w.gate_up[e].float().T).chunk(2, dim=-1)
-            y = (torch.nn.functional.silu(gate) * up) @ w.down[e].float().T
-            out.index_add_(0, tok, y * weights[tok, slot, None].float())
-    return out
-
-
 @pytest.mark.skipif(not HOPPER, reason="the grouped kernel runs on compute capability >= 9.0")
 @pytest.mark.parametrize("tokens", [1, 7, 256, 3000])
 def test_grouped_experts_equal_the_loop_in_bf16(tokens):
@@ -54,6 +42,8 @@ def test_grouped_experts_equal_the_loop_in_bf16(tokens):
     w = MoeLayerWeights(router=rand(32, hidden), gate_up=rand(32, 512, hidden), down=rand(32, hidden, 256))
     h = rand(tokens, hidden, std=1.0)
     weights, ids = route(h, w.router, moe)
+    from tests.unit.test_fast_engine_moe import reference_experts      # the CPU tests' oracle, on the GPU here
+
     want = reference_experts(h, ids, weights, w)
     grouped, loop = (f(h, ids, weights, w).float() for f in (experts_grouped, experts_loop))
     scale = want.abs().max()

@@ -156,7 +156,7 @@ def test_decoder_sparse_step_and_mlp_only_layers_pick_the_sparse_layers(tmp_path
 
 def reference_experts(h, ids, weights, w: MoeLayerWeights) -> torch.Tensor:
     """transformers' loop: per expert, its tokens through its SwiGLU (float32), weighted, summed per token."""
-    out = torch.zeros(h.shape, dtype=torch.float32)
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for e in range(w.gate_up.shape[0]):
         tok, slot = torch.where(ids == e)
         if len(tok):
