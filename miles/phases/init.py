@@ -97,7 +97,10 @@ async def init(ctx: TrainingContext) -> str:
     gpus = cluster_gpus()           # with --device auto, the cluster's GPUs decide where everything runs
     _pick(ctx, gpus)
     ctx.c.placement = _place(ctx, add, gpus)
-    cfg = ctx.cfg                       # with --colocate when the one-GPU default layout chose it
+    if ctx.cfg is not cfg:              # --colocate, chosen by the one-GPU default layout: the engine's options
+        cfg = ctx.cfg                   # follow it (SGLang's memory saver reads it), as its actors will
+        ctx.backends = replace(ctx.backends, engine_options=ctx.backends.engine_spec.options(cfg))
+        ctx.tracer.emit("engine_options", options=dict(ctx.backends.engine_options), reason="auto_colocate")
     # the debug half runs (miles/phases/debug.py): train_only reads rollouts from disk, rollout_only trains nothing
     _make_fleet(ctx, add)
     ctx.c.engines = [make_engine(ctx, i) for i in range(ctx.c.placement.plan.num_engines)]
