@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from miles.checkpoint.background_save import BackgroundSave
     from miles.rollout.evals import EvalDispatcher
     from miles.rollout.prefetch import Prefetcher
+    from miles.rollout.producer import Producer
     from miles.rollout.protocol import Engine, EngineFleet, EngineSpec
     from miles.runtime.supervisor import RestartBudget
     from miles.metrics.sinks import Tracker
@@ -91,6 +92,7 @@ class Components:
     folders: Folders = field(default_factory=SharedFolders)   # how actors' checkpoint folders reach the driver
     prefetch: Prefetcher | None = None            # async machine
     evals: EvalDispatcher | None = None           # async machine
+    producer: Producer | None = None              # fully_async machine: generates continuously into its buffer
 
 
 class TrainingContext(PhaseContext):
@@ -123,6 +125,9 @@ class TrainingContext(PhaseContext):
         self.resumed = False                           # init restored a checkpoint (--load)
         self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
+        # fully_async machine: the trainer's busy seconds since the step's clock started (its idle fraction)
+        self.fa_trainer_busy_s = 0.0
+        self.fa_step_t0 = 0.0
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.metrics.ci_gates)
 
     def rollout_of(self, state: str) -> int | None:

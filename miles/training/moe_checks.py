@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.config.checks import check
-from miles.rollout.engines.registry import ENGINES
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -84,13 +83,9 @@ def _moe(cfg: RunConfig, problems: list[str]) -> None:
         return
     from miles.training.protocol import TRAIN_BACKENDS   # here: its checks register after this module's
 
-    backend, engine = TRAIN_BACKENDS.get(t.backend), ENGINES.get(cfg.rollout.engine)   # unknown: config's check
+    backend = TRAIN_BACKENDS.get(t.backend)     # unknown: config's check (the engine's R3: the registry's)
     if backend is not None and "moe" in backend.refuses:
         problems.append(f"--train-backend {t.backend} with --hf-checkpoint {ckpt} (Qwen3-MoE): {backend.refuses['moe']}")
-    if engine is not None and not engine.routing_replay and t.use_rollout_routing_replay:
-        problems.append(f"--use-rollout-routing-replay with --rollout-engine {cfg.rollout.engine}: the engine's "
-                        "routed-experts capture is not wired into the samples yet; use --rollout-engine "
-                        f"{' / '.join(n for n, e in ENGINES.items() if e.routing_replay)}")
     if cfg.rollout.quantization == "fp8":
         problems.append(f"--rollout-quantization fp8 with --hf-checkpoint {ckpt} (Qwen3-MoE): FP8 experts are not built "
                         "yet (docs/fp8.md); drop it (--kv-cache-dtype fp8_e4m3 works with MoE models)")

@@ -81,6 +81,16 @@ def _precision(cfg: RunConfig, problems: list[str]) -> None:
 
 
 @check
+def _routing_replay(cfg: RunConfig, problems: list[str]) -> None:
+    """R3 reads the experts the engine recorded: an engine that does not capture them cannot feed it."""
+    engine = ENGINES.get(cfg.rollout.engine)        # unknown: the flag's choices say so
+    if cfg.train.use_rollout_routing_replay and engine is not None and not engine.routing_replay:
+        problems.append(f"--use-rollout-routing-replay with --rollout-engine {cfg.rollout.engine}: the engine's "
+                        "routed-experts capture is not wired into the samples yet; use --rollout-engine "
+                        f"{' / '.join(n for n, e in ENGINES.items() if e.routing_replay)}")
+
+
+@check
 def _engines(cfg: RunConfig, problems: list[str]) -> None:
     for engine in ENGINES.values():             # each checks its own flags, picked or not
         if engine.check is not None:
