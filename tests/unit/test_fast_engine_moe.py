@@ -16,20 +16,10 @@ from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, experts_gr
 from miles.types import SamplingParams
 from miles.weights.hf import model_weights
 from tests.tiny_model import make_tiny_family
+from tests.unit.test_moe import hf, moe_path  # noqa: F401  (the tiny Qwen3-MoE fixtures, shared)
 from tests.unit.test_fast_engine import MANY, PROMPTS, forward_logprobs, reference_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_family(tmp_path_factory.mktemp("moe"), "qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def hf(moe_path):
-    return AutoModelForCausalLM.from_pretrained(moe_path).eval()
 
 
 @pytest.fixture(scope="module")
