@@ -74,7 +74,8 @@ for step in "$@"; do
         done; wait
         for i in 1 2 3; do echo "--- lane$i"; summary $OUT/lane$i.log "$(cat /tmp/lane$i.rc)" 3; done ;;
     gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
-    tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
+    tests:*) t=${step#tests:}   # the verbose log comes back as $OUT/tests.log (a run cut by its bound keeps its failures' reports)
+        timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -v -p no:cacheprovider --durations=8 > $OUT/tests.log 2>&1; summary $OUT/tests.log $? ;;
     faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
     script:*) n=${step#script:}; k=${n//[.-]/_}; av=ARGS_$k; sv=S_$k   # script:moe_rollout_gpu runs scripts/bench/moe_rollout_gpu.py
         timeout ${!sv:-300} python3 scripts/bench/$n.py --out $OUT/$n.json ${!av:-} > $OUT/$n.log 2>&1; echo "rc=$?"; tail -c 4000 $OUT/$n.log ;;

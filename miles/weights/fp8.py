@@ -64,11 +64,13 @@ def quantize_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
         raise ValueError(f"block quantization takes a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
     nb, kb = _blocks(n, block), _blocks(k, block)
-    wf = F.pad(w.detach().float(), (0, kb * block - k, 0, nb * block - n))
+    wf = w.detach().float()             # two float32 temporaries in all (this and the quotient): it runs
+    if nb * block != n or kb * block != k:   # on the trainer's GPU for every weight of an FP8 sync
+        wf = F.pad(wf, (0, kb * block - k, 0, nb * block - n))
     tiles = wf.view(nb, block, kb, block)
-    amax = tiles.abs().amax(dim=(1, 3))
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), -tiles.amin(dim=(1, 3)))    # max |w| without |w|
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
 
 
@@ -132,20 +134,39 @@ _PRODUCT = _dequant_product     # select_kernel's choice
 
 
 def _blockwise(x: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str | None) -> Tensor:
-    """x [M, K] @ dequant(q, scale).T by cuBLAS's block-scaled FP8 GEMM. cuBLAS wants the activation
-    scales outer-dim-major with M a multiple of 4, and the weight's K blocks a multiple of 4."""
+    """x [M, K] @ dequant(q, scale).T by cuBLAS's block-scaled FP8 GEMM (`fp8_blockwise_mm`). cuBLAS
+    wants M a multiple of 4: the rows are padded before the activations are quantized (no branch on M:
+    one compiled graph for every batch size); the quantization stays in the caller's compiled graph."""
     m = x.shape[0]
-    x = F.pad(x, (0, 0, 0, (-m) % 4))       # no branch on M: one compiled graph for every batch size
-    a, a_scale = quantize_activations(x)
+    a, a_scale = quantize_activations(F.pad(x, (0, 0, 0, (-m) % 4)))
+    return fp8_blockwise_mm(a, a_scale, q, scale, dtype, api or "torch._scaled_mm")[:m]
+
+
+@torch.library.custom_op("miles::fp8_blockwise_mm", mutates_args=())
+def fp8_blockwise_mm(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str) -> Tensor:
+    """a [M, K] e4m3 with per-token-and-group scales [M, K/128] times the 128 x 128 block-scaled weight q
+    [N, K] (scales [N/128, K/128]), transposed: [M, N] in `dtype`. An op of its own so that torch.compile
+    traces the decode graph around it (dynamo cannot trace `F.scaled_mm`: it fell back to eager, at half
+    the bf16 engine's speed, on the H100 on Dec 7) and the layouts cuBLAS wants are made here, where the
+    compiler cannot change them: the activation scales outer-dim-major, the weight's K blocks padded to
+    a multiple of 4. Off CUDA it is the same product in float32 from the dequantized operands (what
+    the CPU tests trace and compare)."""
+    if a.device.type != "cuda":
+        m, k = a.shape
+        deq_a = (a.float().view(m, k // BLOCK, BLOCK) * a_scale[..., None]).view(m, k)
+        return F.linear(deq_a, dequantize_blocks(q, scale)).to(dtype)
     a_scale = a_scale.t().contiguous().t()
     kb = scale.shape[1]
     s = F.pad(scale, (0, 4 - kb % 4)) if kb % 4 else scale
     if api == "F.scaled_mm":
-        out = F.scaled_mm(a, q.t(), a_scale, F.ScalingType.BlockWise1x128, s.t(), F.ScalingType.BlockWise128x128,
-                          output_dtype=dtype)
-    else:
-        out = torch._scaled_mm(a, q.t(), scale_a=a_scale, scale_b=s.t(), out_dtype=dtype)
-    return out[:m]
+        return F.scaled_mm(a, q.t(), a_scale, F.ScalingType.BlockWise1x128, s.t(), F.ScalingType.BlockWise128x128,
+                           output_dtype=dtype)
+    return torch._scaled_mm(a, q.t(), scale_a=a_scale, scale_b=s.t(), out_dtype=dtype)
+
+
+@fp8_blockwise_mm.register_fake
+def _(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str) -> Tensor:
+    return a.new_empty((a.shape[0], q.shape[0]), dtype=dtype)
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype) -> str:

@@ -66,6 +66,30 @@ def test_linear_dispatch_on_the_cpu_is_the_dequantized_product():
     torch.testing.assert_close(fp8.linear(x, w), x @ w.t())
 
 
+def test_the_block_scaled_gemm_is_one_op_that_torch_compile_traces_whole():
+    """The decode graph is compiled around the FP8 GEMM (dynamo cannot trace F.scaled_mm itself: the
+    engine ran eager on the H100): the traced graph holds miles::fp8_blockwise_mm once, with the
+    activations' quantization before it, and the compiled product equals the eager one. Off CUDA the
+    op is its float32 emulation, activations quantized as the GEMM's are (within their e4m3 error of
+    the unquantized product)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(384, 512, generator=g) * 0.05, torch.randn(37, 512, generator=g)
+    q, scale = fp8.quantize_blocks(w)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(fp8._blockwise, backend=backend, fullgraph=True)
+    got = compiled(x, q, scale, torch.float32, "F.scaled_mm")
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.miles.fp8_blockwise_mm.default) == 1, ops
+    torch.testing.assert_close(got, fp8._blockwise(x, q, scale, torch.float32, "F.scaled_mm"), rtol=0, atol=0)
+    exact = x @ fp8.dequantize_blocks(q, scale).t()
+    assert got.shape == (37, 384) and ((got - exact).norm() / exact.norm()) < 3e-2
+
+
 def test_quantized_dicts_and_the_lazy_view_agree():
     live = model_weights(load_causal_lm(str(DEMO), device=CPU, dtype=torch.float32))
     eager = fp8.quantize_state_dict(live)
