@@ -124,11 +124,11 @@ def build_tokenizer(folder: Path, shape: dict = SHAPE):
 def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
     """The random bf16 model and its tokenizer in `folder`; returns the parameter count (tied once)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[(family, size)]
-    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
     # made in bf16 (an 8B model is 16 GB, not 32), on the GPU where there is one (a CPU initialises 8B
@@ -153,6 +153,25 @@ def count_params(folder: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+def active_params(folder: Path) -> tuple[int, int]:
+    """(all parameters, those one token's forward multiplies by) of the model in `folder`, built on the
+    meta device. A mixture-of-experts layer's experts (`.mlp.experts.` tensors, E experts stacked on the
+    first axis) count k / E of theirs, k = num_experts_per_tok; the rest counts whole as the dense MFU
+    formula counts it (an untied embedding and lm_head both). A dense model: (n, n)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        experts += p.numel() if ".mlp.experts." in name else 0
+    k, e = getattr(cfg, "num_experts_per_tok", None), getattr(cfg, "num_experts", None)
+    return total, total if not experts else total - experts + experts * k // e
 
 
 ARITHMETIC_REWARD_SOURCE = '''"""The arithmetic demo's reward: 1 for the exact sum, else 0."""
@@ -272,7 +291,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
 
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     spec = importlib.util.spec_from_file_location("bench_reward", reward)
@@ -297,12 +316,19 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         def on_log(self, args, state, control, logs=None, **kw):
             records.append(dict(logs or {}))
 
-    micro = a.micro_batch
+    micro = a.trl_micro_batch or a.micro_batch
+    extra = {}
+    if a.trl_dtype:         # TRL loads the policy in float32 unless told (its create_model_from_path)
+        extra["model_init_kwargs"] = {"dtype": a.trl_dtype}
+    if hasattr(AutoConfig.from_pretrained(model), "output_router_logits"):
+        # an MoE model: TRL adds the config's load-balancing loss (router_aux_loss_coef) unless told; the
+        # miles side trains without one (--moe-aux-loss-coeff 0), so neither does
+        extra["router_aux_loss_coef"] = 0.0
     config = GRPOConfig(output_dir=str(Path(out).parent / "trl-out"), per_device_train_batch_size=micro,
                         gradient_accumulation_steps=a.global_batch // micro, num_generations=a.samples,
                         max_completion_length=a.new_tokens, temperature=1.0, num_iterations=1, beta=0.0,
                         learning_rate=1e-6, max_steps=steps, logging_steps=1, save_strategy="no", report_to=[],
-                        bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda)
+                        bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda, **extra)
     trainer = GRPOTrainer(model=model, reward_funcs=[module.trl_reward], args=config, train_dataset=data,
                           callbacks=[Clock()])
     generate_s = []         # TRL's generate + score of each step (its _generate_and_score_completions)
@@ -327,6 +353,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         "config": {"gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
                    "per_device_train_batch_size": micro, "gradient_accumulation_steps": config.gradient_accumulation_steps,
                    "generation_batch_size": config.generation_batch_size, "loss_type": config.loss_type,
+                   "router_aux_loss_coef": getattr(config, "router_aux_loss_coef", None),
                    "model_dtype": str(next(trainer.model.parameters()).dtype)}}))
 
 
@@ -346,7 +373,9 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     out = root / "trl.json"
     cmd = [sys.executable, __file__, "--trl-worker", str(model), str(prompts), str(reward), str(out),
            "--trl-steps", str(a.trl_steps), "--micro-batch", str(a.micro_batch), "--global-batch",
-           str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens)]
+           str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens),
+           *(["--trl-dtype", a.trl_dtype] if a.trl_dtype else []),
+           *(["--trl-micro-batch", str(a.trl_micro_batch)] if a.trl_micro_batch else [])]
     with MemorySampler() as mem:
         run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log", env=env)
     if not out.is_file():
@@ -495,6 +524,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="digits: 64-character prompts, the reward is the share of digits (the GPU shapes); "
                         "arithmetic: the CPU demo's prompts and exact-sum reward (with --model "
                         "examples/arithmetic/base_model --device cpu: the small end)")
+    p.add_argument("--trl-dtype", choices=("bfloat16", "float32"), default=None,
+                   help="the dtype TRL loads the policy in (default: TRL's own, float32; its AdamW state then "
+                        "takes 16 B/param, bfloat16 8)")
+    p.add_argument("--trl-micro-batch", type=int, default=None,
+                   help="TRL's per-device batch (default: --micro-batch); the global batch stays --global-batch")
     p.add_argument("--trl-worker", nargs=4, metavar=("MODEL", "PROMPTS", "REWARD", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
