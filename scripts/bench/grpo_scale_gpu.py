@@ -62,11 +62,12 @@ WORKLOADS = {
     "8b-2k": ("qwen3", "8b", 16, 8, 2048, 64, False, "--max-tokens-per-gpu 16384 --offload-train"),
     "30b-a3b-12l": ("qwen3_moe", "30b-a3b-12l", 32, 8, 1024, 64, True, "--max-tokens-per-gpu 16384 --offload-train"),
     "smoke": ("qwen2", "0.5b", 2, 2, 8, 4, False, "--max-tokens-per-gpu 512"),
-    "smoke-moe": ("qwen3_moe", "tiny", 2, 2, 8, 4, False, "--max-tokens-per-gpu 512"),
+    "smoke-moe": ("qwen3_moe", "tiny", 2, 2, 8, 4, True, "--max-tokens-per-gpu 512"),
 }
 # TRL's side where it differs from its defaults: the policy in bf16 (float32 weights, gradients and AdamW
 # moments of 8.1 B parameters are 130 GB) and 8 samples per micro-batch (its logits: 8 x 1,088 x 151,936)
-TRL_ARGS = {"30b-a3b-12l": ["--trl-dtype", "bfloat16", "--trl-micro-batch", "8"]}
+TRL_ARGS = {"30b-a3b-12l": ["--trl-dtype", "bfloat16", "--trl-micro-batch", "8"],
+            "smoke-moe": ["--trl-dtype", "bfloat16", "--trl-micro-batch", "2"]}
 R3_KEYS = ("logprob_diff_rollout", "logprob_diff_rollout_max", "train_rollout_k3_kl", "moe/routing_mismatch",
            "moe/routing_mismatch_tokens", "moe/routing_replayed")
 ENGINE_BATCH = 256          # --rollout-max-batch-size's default: the decode batch the bound assumes
@@ -205,7 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--side-timeout-s", type=float, default=550.0, help="wall-clock bound of each side")
     p.add_argument("--no-recompute", action="store_true",
                    help="train without --recompute-activations (and so packed: see the packing section of the docs)")
+    p.add_argument("--trl-timeout-s", type=float, default=None, help="the TRL side's bound (default: --side-timeout-s)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--trl-site", type=Path, default=None, help="grpo_step_gpu's --trl-site (TRL's stack in a folder)")
     p.add_argument("--r3-effect", action="store_true",
                    help="an MoE workload: miles twice, without and with --use-rollout-routing-replay (the second "
                         "saves its rollouts: the bound from the experts each decode step touched); no TRL")
@@ -227,7 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "--micro-batch", str(micro), "--global-batch", str(prompts * samples),
                          "--miles-iters", str(s.miles_iters), "--trl-steps", str(s.trl_steps),
                          "--model-family", family, "--size", size, "--miles-flags", flags,
-                         "--side-timeout-s", str(s.side_timeout_s), "--device", s.device, *TRL_ARGS.get(s.workload, [])])
+                         "--side-timeout-s", str(s.side_timeout_s), "--device", s.device, *TRL_ARGS.get(s.workload, []),
+                         *(["--trl-timeout-s", str(s.trl_timeout_s)] if s.trl_timeout_s else []),
+                         *(["--trl-site", str(s.trl_site)] if s.trl_site else [])])
     shape = step.SHAPES[(family, size)]
     if s.layers:
         shape = step.SHAPES[(family, size)] = dict(shape, num_hidden_layers=s.layers)

@@ -299,7 +299,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
     spec.loader.exec_module(module)
     rows = [json.loads(line) for line in open(prompts)]
     data = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows] * (steps + 1))
-    times, records = [], []
+    times, records, dump_steps = [], [], []
 
     cuda = torch.cuda.is_available()         # CPU only for a smoke test of this script
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -312,6 +312,8 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         def on_step_end(self, args, state, control, **kw):
             sync()
             times[-1][1] = time.monotonic()
+            for write in dump_steps:
+                write()
 
         def on_log(self, args, state, control, logs=None, **kw):
             records.append(dict(logs or {}))
@@ -344,7 +346,15 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         trainer._generate_and_score_completions = timed
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    dump_steps.append(lambda: dump(out, times, records, generate_s, config, micro, trainer, cuda))
     trainer.train()
+    dump(out, times, records, generate_s, config, micro, trainer, cuda)
+
+
+def dump(out: str, times: list, records: list, generate_s: list, config, micro: int, trainer, cuda: bool) -> None:
+    """The TRL side's result so far to `out` (after every step: a side cut by its bound keeps its finished steps)."""
+    import torch
+
     step_s = [round(e - s, 4) for s, e in times if e is not None]
     lengths = [x["completions/mean_length"] for x in records if "completions/mean_length" in x]
     Path(out).write_text(json.dumps({
@@ -371,16 +381,19 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     if probe.returncode:
         return {"skipped": f"trl is not importable: {probe.stderr.strip().splitlines()[-1:]}"}
     out = root / "trl.json"
+    out.unlink(missing_ok=True)         # an earlier call's, in a kept --out
     cmd = [sys.executable, __file__, "--trl-worker", str(model), str(prompts), str(reward), str(out),
            "--trl-steps", str(a.trl_steps), "--micro-batch", str(a.micro_batch), "--global-batch",
            str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens),
            *(["--trl-dtype", a.trl_dtype] if a.trl_dtype else []),
            *(["--trl-micro-batch", str(a.trl_micro_batch)] if a.trl_micro_batch else [])]
     with MemorySampler() as mem:
-        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log", env=env)
+        run = run_bounded(cmd, timeout_s=a.trl_timeout_s or a.side_timeout_s, log=root / "trl.log", env=env)
     if not out.is_file():
         return {"error": "TRL wrote no result", **run, "log_tail": tail(run["log"])}
     res = json.loads(out.read_text())
+    if run["rc"] != 0:          # cut by its bound or failed after some steps: what it finished, and why
+        res["log_tail"] = tail(run["log"])
     steps = res["step_s"]
     steady = statistics.median(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
     lengths = res["completion_len_mean"]
@@ -525,8 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "arithmetic: the CPU demo's prompts and exact-sum reward (with --model "
                         "examples/arithmetic/base_model --device cpu: the small end)")
     p.add_argument("--trl-dtype", choices=("bfloat16", "float32"), default=None,
-                   help="the dtype TRL loads the policy in (default: TRL's own, float32; its AdamW state then "
-                        "takes 16 B/param, bfloat16 8)")
+                   help="the dtype TRL loads the policy in (default: TRL's own, float32: weights, gradients and "
+                        "AdamW's moments 16 B/param; bfloat16: 8)")
+    p.add_argument("--trl-timeout-s", type=float, default=None, help="the TRL side's bound (default: --side-timeout-s)")
     p.add_argument("--trl-micro-batch", type=int, default=None,
                    help="TRL's per-device batch (default: --micro-batch); the global batch stays --global-batch")
     p.add_argument("--trl-worker", nargs=4, metavar=("MODEL", "PROMPTS", "REWARD", "OUT"), help=argparse.SUPPRESS)
