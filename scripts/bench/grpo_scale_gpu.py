@@ -8,6 +8,44 @@ one optimizer step per rollout), each with its goal:
   4b-4k     Qwen3-4B, 32 x 8 x 4,096. Goal: rollout >= 35% of the bandwidth bound, train MFU >= 45%.
   4b-16k    Qwen3-4B, 8 x 8 x 16,384. Goal: runs; peak memory flat over 5 iterations (within 2%).
   8b-2k     Qwen3-8B (untied), 16 x 8 x 2,048, --offload-train. Goal: runs; time per phase, peak memory.
+  30b-a3b-12l  Qwen3-30B-A3B's shape (Qwen3-MoE: hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128
+            experts of 768, top-8 renormalised, vocab 151,936, untied) cut to 12 of its 48 layers: 8.10 B
+            parameters, 1.305 B active (attention, routers, norms, 8 of 128 experts, and the embedding and
+            lm_head both, as the dense MFU formula counts an untied pair; `grpo_step_gpu.active_params`),
+            32 x 8 x 1,024, --offload-train; TRL 1.16's step in the same run (the policy in bf16, 8 samples
+            per micro-batch: `TRL_ARGS`; the load-balancing loss off on both sides). Goals: iteration
+            <= 2.5x the ideal (rollout at the MoE bandwidth bound + train at 989 TFLOP/s on the active
+            parameters), peak memory flat over the last 3 iterations (within 2%); per-phase times, MFU.
+            `--r3-effect`: the R3 comparison instead of TRL (below).
+
+The MoE bandwidth bound (`moe_rollout_gpu.bound`'s terms, with the bytes from the config: `moe_counts`):
+per decode step the non-expert weights (attention, routers, norms, lm_head; the untied embedding is a
+gather), the experts the step touches, and the live K/V, read once at the GPU's bandwidth
+(`moe_rollout_gpu.bandwidth`: H100 SXM 3.35 TB/s, H200 4.8 TB/s from the device name). The verdict's
+`rollout_bound_s` takes every expert of every layer as touched (256 sequences x top-8 of 128 leave an
+expert out with probability 7e-8 under a near-uniform router); the --r3-effect run saves its rollouts
+(--save-debug-rollout-data) and `rollout_bound_from_routing` counts the experts each decode step of its
+last rollout actually touched, from the routing the engine recorded on every sample.
+
+R3's effect (`--r3-effect`, an MoE workload): miles runs twice, as the workload's flags say and then with
+--use-rollout-routing-replay; `r3_effect` holds each rollout's `logprob_diff_rollout` (mean |trainer -
+rollout| logprob of the sampled tokens), `logprob_diff_rollout_max`, `train_rollout_k3_kl`,
+`moe/routing_mismatch` (the share of (token, MoE layer) pairs whose trainer top-k differs from the
+rollout's; with R3 it is what the replay overrode), `moe/routing_mismatch_tokens` and
+`moe/routing_replayed` (1.0 under R3), per side and their means.
+
+Memory of 30b-a3b-12l (miles' own start-up plan, `miles.training.torch.memory_plan.startup_problems`,
+which refuses a step that cannot fit before Ray starts): float32 weights 30.2 GiB + float32 gradients
+30.2 + bf16 compute copies 15.1 + the fast engine's bf16 weights (kept on the GPU while the trainer
+trains) 15.1 + activations 0.5 (--recompute-activations) + 2 CUDA contexts 2.0 = 93.0 GiB; AdamW's
+moments (60.3 GiB) stay in host memory under --offload-train (without it: 153 GiB). That fits an H200
+(139.8 GiB; the engine's KV cache for 256 x 1,152 positions, 6.75 GiB, is released while the trainer
+trains) and not an H100 80GB (79.6 GiB): there miles refuses it at start-up (exit 2, the message names
+what makes room). Nothing but more GPUs or an engine that drops its weights shrinks the trainer below
+12 B/param; on an H100 run `--layers 8` (5.61 B parameters, 1.08 B active; the plan says 65.1 GiB) and
+report it as that cut. TRL in bf16: weights, gradients and AdamW's moments 8 B/param = 60.3 GiB, plus
+its generation's K/V (256 x 1,088 positions, 6.4 GiB) and a micro-batch's logits; in TRL's default
+float32 it would be 121 GiB before activations, more than either GPU holds beside them.
 
 Everything else is `grpo_step_gpu.py`'s machinery (model and data building, the bounded miles and
 TRL subprocesses, the trace's per-phase times, MFU, nvidia-smi memory sampling), reused, not copied;
@@ -23,6 +61,26 @@ Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
 A CPU smoke test of the script only: --workload smoke --device cpu --model FOLDER --skip-trl, FOLDER a
 model of at least 72 positions (64-token prompts + 8), e.g. the tests' tiny model
 (`python -c "from tests.tiny_model import make_tiny_model; make_tiny_model('/tmp/tiny')"`; the demo's has 64).
+The MoE path's smoke builds its own tiny Qwen3-MoE (2 layers, 8 experts, top-2), R3 comparison included
+(about 2 minutes on a 2-core VM; `tests/unit/test_grpo_scale_bench.py`, extended, runs it):
+  PYTHONPATH=$PWD python3 scripts/bench/grpo_scale_gpu.py --workload smoke-moe --device cpu --skip-trl \
+      --r3-effect --miles-iters 2 [--out DIR]
+(without --skip-trl and with --trl-site DIR, TRL's side runs too: see grpo_step_gpu's docstring).
+
+The MoE GPU calls (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8 to both;
+`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side; one call each, inside
+its 10 minutes: the model is built in about 1-2 minutes, each side is bounded, and a side its bound cuts
+still reports what it finished: TRL its steps, miles its iterations):
+  1. timing, memory and TRL: model build, TRL <= 150 s, miles <= 280 s (4 rollouts: init, a compiling
+     first iteration, then 3 steady ones)
+       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--miles-iters 4 --trl-steps 2 --trl-timeout-s 150 \
+           --side-timeout-s 280" bash scripts/gpu_call.sh scale:30b-a3b-12l
+  2. R3's effect (on the machine still warm from call 1 the model folder is reused: no build):
+       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 2 --side-timeout-s 230" \
+           bash scripts/gpu_call.sh scale:30b-a3b-12l
+If call 1's miles side does not reach 4 iterations in 280 s, `bgscale:30b-a3b-12l` with BG_WAIT_S=540
+and larger bounds (--side-timeout-s 500), then `waitscale:30b-a3b-12l` in the next call, runs it over
+two calls (gpu_call.sh's header).
 """
 
 from __future__ import annotations
@@ -235,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
                          *(["--trl-site", str(s.trl_site)] if s.trl_site else [])])
     shape = step.SHAPES[(family, size)]
     if s.layers:
-        shape = step.SHAPES[(family, size)] = dict(shape, num_hidden_layers=s.layers)
+        shape = dict(shape, num_hidden_layers=s.layers)
     with tempfile.TemporaryDirectory() as tmp:
         root = s.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -273,8 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
             (root / "r3").mkdir(exist_ok=True)
             replayed = step.run_miles(a, root / "r3", model, data, reward, active)
             report["r3_effect"] = r3_effect(r3_side(root / "miles-run"), r3_side(root / "r3" / "miles-run"))
-            report["r3_effect"]["with_r3_run"] = {k: replayed.get(k) for k in (
-                "steady_iteration_s", "steady_phase_s", "gpu_mem_peak_mib", "run", "error", "log_tail") if k in replayed}
+            kept = ("steady_iteration_s", "steady_phase_s", "gpu_mem_peak_mib", "run", "error", "log_tail")
+            report["r3_effect"]["with_r3_run"] = {k: replayed[k] for k in kept if k in replayed}
             routed = moe_bound_from_routing(root / "r3" / "rollouts", counts, bw)
             report["rollout_bound_from_routing"] = routed
             if "bound_s" in routed and "steady_phase_s" in miles:
@@ -297,7 +355,7 @@ def built_model(folder: Path, family: str, size: str, shape: dict) -> None:
     if marker.is_file() and marker.read_text() == want:
         return
     marker.unlink(missing_ok=True)
-    step.build_model(folder, family, size)
+    step.build_model(folder, family, size, shape)
     marker.write_text(want)
 
 

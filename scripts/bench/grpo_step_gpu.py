@@ -121,13 +121,14 @@ def build_tokenizer(folder: Path, shape: dict = SHAPE):
     tok.save_pretrained(folder)
 
 
-def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
-    """The random bf16 model and its tokenizer in `folder`; returns the parameter count (tied once)."""
+def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b", shape: dict | None = None) -> int:
+    """The random bf16 model and its tokenizer in `folder` (`shape`: instead of the size's); returns the
+    parameter count (tied once)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     folder.mkdir(parents=True, exist_ok=True)
-    shape = SHAPES[(family, size)]
+    shape = shape or SHAPES[(family, size)]
     config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
@@ -342,6 +343,8 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
             out = inner(*args, **kwargs)
             sync()
             generate_s.append(round(time.monotonic() - t0, 4))
+            for write in dump_steps:        # a step cut by the bound after its generation keeps that part
+                write()
             return out
         trainer._generate_and_score_completions = timed
     if cuda:
