@@ -68,19 +68,23 @@ The MoE path's smoke builds its own tiny Qwen3-MoE (2 layers, 8 experts, top-2),
 (without --skip-trl and with --trl-site DIR, TRL's side runs too: see grpo_step_gpu's docstring).
 
 The MoE GPU calls (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8 to both;
-`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side; one call each, inside
-its 10 minutes: the model is built in about 1-2 minutes, each side is bounded, and a side its bound cuts
-still reports what it finished: TRL its steps, miles its iterations):
-  1. timing, memory and TRL: model build, TRL <= 150 s, miles <= 280 s (4 rollouts: init, a compiling
-     first iteration, then 3 steady ones)
-       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--miles-iters 4 --trl-steps 2 --trl-timeout-s 150 \
-           --side-timeout-s 280" bash scripts/gpu_call.sh scale:30b-a3b-12l
-  2. R3's effect (on the machine still warm from call 1 the model folder is reused: no build):
-       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 2 --side-timeout-s 230" \
+`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side). One call each, inside
+its 10 minutes; a side its bound cuts still reports what it finished (TRL its steps, even a step's
+generation; miles its iterations, each rollout's metrics). The budget, from the 8b-2k runs at the same
+parameter count (init about 90 s, a first iteration of 135 s that compiles the trainer, then 55 s):
+  1. timing, memory and TRL: the model build (about a minute: 16 GB written), TRL <= 130 s (its first
+     step: load, generate 256 x 1,024, train), miles <= 320 s (init, a compiling first iteration, then
+     as many steady ones as fit of --miles-iters 4):
+       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--miles-iters 4 --trl-steps 2 --trl-timeout-s 130 \
+           --side-timeout-s 320" bash scripts/gpu_call.sh scale:30b-a3b-12l
+  2. R3's effect, right after call 1 while the machine is warm (its /tmp/scale-30b-a3b-12l/model is
+     reused, no build): two miles runs <= 250 s each (init and one rollout, whose train phase compiles;
+     the R3 run also saves it, 80 MB of expert ids, for `rollout_bound_from_routing`):
+       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 1 --side-timeout-s 250" \
            bash scripts/gpu_call.sh scale:30b-a3b-12l
-If call 1's miles side does not reach 4 iterations in 280 s, `bgscale:30b-a3b-12l` with BG_WAIT_S=540
-and larger bounds (--side-timeout-s 500), then `waitscale:30b-a3b-12l` in the next call, runs it over
-two calls (gpu_call.sh's header).
+     On a cold machine (the model built again) use --side-timeout-s 220.
+If call 1's miles side reaches fewer than 3 iterations, `bgscale:30b-a3b-12l` (BG_WAIT_S=540, with
+--skip-trl --side-timeout-s 600) then `waitscale:30b-a3b-12l` in the next call runs it over two calls.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_step_gpu as step  # noqa: E402  (the machinery this bench reuses)
@@ -182,19 +187,20 @@ def moe_bound_every_expert(counts: dict, prompts: int, samples: int, gen_tokens:
 def moe_bound_from_routing(rollouts: Path, counts: dict, bw: float) -> dict:
     """`moe_rollout_gpu.bound` over the experts the engine recorded, per decode step, in the last rollout
     saved under `rollouts` (--save-debug-rollout-data): the experts each step actually touched."""
-    from types import SimpleNamespace
-
-    from miles.rollout.debug_data import load_rollout_data
+    import torch
 
     files = sorted(rollouts.glob("rollout_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
     if not files:
         return {"error": f"no saved rollout under {rollouts}"}
-    samples = load_rollout_data(files[-1]).samples
-    gens = [SimpleNamespace(routed_experts=s.rollout_routed_experts) for s in samples if s.rollout_routed_experts]
+    # the file this run's miles wrote: read with the C unpickler (weights_only's is 5x slower on the
+    # 25 M expert ids of a 256 x 1,024-token rollout of 12 layers x top-8)
+    raw = torch.load(files[-1], weights_only=False)
+    gens = [SimpleNamespace(routed_experts=s["rollout_routed_experts"]) for s in raw["samples"]
+            if s.get("rollout_routed_experts")]
     if not gens:
         return {"error": "the saved samples carry no routed experts"}
     out = moe.bound(gens, step.PROMPT_CHARS, counts["num_experts"], counts, bw)
-    return {"rollout_id": int(files[-1].stem.split("_")[1]), "sequences": len(gens), **out}
+    return {"rollout_id": int(raw["rollout_id"]), "sequences": len(gens), **out}
 
 
 def verdicts(name: str, a: argparse.Namespace, miles: dict, trl: dict, params: int,
@@ -333,7 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
             report["r3_effect"] = r3_effect(r3_side(root / "miles-run"), r3_side(root / "r3" / "miles-run"))
             kept = ("steady_iteration_s", "steady_phase_s", "gpu_mem_peak_mib", "run", "error", "log_tail")
             report["r3_effect"]["with_r3_run"] = {k: replayed[k] for k in kept if k in replayed}
-            routed = moe_bound_from_routing(root / "r3" / "rollouts", counts, bw)
+            try:
+                routed = moe_bound_from_routing(root / "r3" / "rollouts", counts, bw)
+            except step._Stopped:           # the call's bound came: the report still prints
+                routed = {"error": "SIGTERM while reading the saved rollout"}
             report["rollout_bound_from_routing"] = routed
             if "bound_s" in routed and "steady_phase_s" in miles:
                 # the plain run's steady rollout against the bound of the experts the R3 run's rollout touched

@@ -39,7 +39,11 @@ Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
       [--model-family qwen2|qwen3] [--size 0.5b|0.6b|1.7b|4b|8b]
       [--miles-flags "--colocate ..."] [--skip-trl] [--out DIR]
-TRL is skipped (with a note in the JSON) when it cannot be imported.
+      [--trl-dtype bfloat16] [--trl-micro-batch N] [--trl-timeout-s S]
+TRL is skipped (with a note in the JSON) when it cannot be imported. Its worker writes its result after
+every step (and every generation), so a side its bound cuts still reports the steps it finished, with
+its log's tail. On an MoE model (a config with `output_router_logits`) TRL's load-balancing loss is
+turned off (`router_aux_loss_coef=0.0`): miles' side trains without one unless its flags add it.
 """
 
 from __future__ import annotations
