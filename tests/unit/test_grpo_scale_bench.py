@@ -122,6 +122,20 @@ def test_the_moe_workloads_goals_iteration_against_the_ideal_and_flat_memory(ben
     assert failed == {"ran": False, "why": "no complete iteration in the trace"}
 
 
+def test_a_model_folder_of_the_same_shape_is_reused_and_another_shape_rebuilt(bench, tmp_path):
+    shape = bench.step.SHAPES[("qwen3_moe", "tiny")]
+    folder = tmp_path / "model"
+    bench.built_model(folder, "qwen3_moe", "tiny", shape)
+    weights = folder / "model.safetensors"
+    first, params = weights.stat().st_mtime_ns, bench.step.active_params(folder)[0]
+    bench.built_model(folder, "qwen3_moe", "tiny", shape)              # a warm machine's second call
+    assert weights.stat().st_mtime_ns == first
+    bench.built_model(folder, "qwen3_moe", "tiny", dict(shape, num_hidden_layers=1))     # --layers 1
+    assert weights.stat().st_mtime_ns != first
+    assert bench.step.active_params(folder)[0] < params
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 1
+
+
 def test_r3_effect_and_layers_are_refused_on_a_dense_workload(bench):
     with pytest.raises(SystemExit, match="for the MoE workloads, not smoke"):
         bench.main(["--workload", "smoke", "--r3-effect", "--device", "cpu"])
