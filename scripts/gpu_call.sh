@@ -7,7 +7,8 @@
 # the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fp8 (fp8_rollout_gpu.py:
 # bf16, FP8 weights, FP8 KV, both; FP8_ARGS adds arguments, FP8_S bounds it), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
 # (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
-# SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
+# SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log, an --r3-effect
+# run's second miles log as $OUT/W-r3-miles.log; the MoE commands are in grpo_scale_gpu.py's docstring). Results that
 # files make go to $OUT. gpuP (tests/gpu in three parallel lanes, GPUP_S bounds each) and gpuS (the files that read the
 # GPU's free or used memory, alone; GPUS_S) together are the whole of tests/gpu. bgscale:W starts scale:W in a
 # session of its own and waits BG_WAIT_S for it; waitscale:W (the next call, the machine still warm) waits WAIT_S more
@@ -34,7 +35,7 @@ SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/tes
 collect_scale() {     # $1: the workload; its JSON, log, the run's logs and trace into $OUT
   local w=$1
   tail -c 2500 /tmp/scale-$w.log; cp /tmp/scale-$w.json /tmp/scale-$w.log $OUT/ 2>/dev/null; tail -c 5000 /tmp/scale-$w.json
-  for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done
+  for f in miles trl r3/miles; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-${f//\//-}.log; done
   [ -f /tmp/scale-$w/miles-run/trace.jsonl ] && gzip -c /tmp/scale-$w/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz
 }
 wait_scale() {        # $1: the workload, $2: seconds at most; collects it once it has ended

@@ -39,7 +39,11 @@ Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_step_gpu.py [--miles-iters 6] [--trl-steps 4]
       [--model-family qwen2|qwen3] [--size 0.5b|0.6b|1.7b|4b|8b]
       [--miles-flags "--colocate ..."] [--skip-trl] [--out DIR]
-TRL is skipped (with a note in the JSON) when it cannot be imported.
+      [--trl-dtype bfloat16] [--trl-micro-batch N] [--trl-timeout-s S]
+TRL is skipped (with a note in the JSON) when it cannot be imported. Its worker writes its result after
+every step (and every generation), so a side its bound cuts still reports the steps it finished, with
+its log's tail. On an MoE model (a config with `output_router_logits`) TRL's load-balancing loss is
+turned off (`router_aux_loss_coef=0.0`): miles' side trains without one unless its flags add it.
 """
 
 from __future__ import annotations
@@ -121,14 +125,15 @@ def build_tokenizer(folder: Path, shape: dict = SHAPE):
     tok.save_pretrained(folder)
 
 
-def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b") -> int:
-    """The random bf16 model and its tokenizer in `folder`; returns the parameter count (tied once)."""
+def build_model(folder: Path, family: str = "qwen2", size: str = "0.5b", shape: dict | None = None) -> int:
+    """The random bf16 model and its tokenizer in `folder` (`shape`: instead of the size's); returns the
+    parameter count (tied once)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     folder.mkdir(parents=True, exist_ok=True)
-    shape = SHAPES[(family, size)]
-    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    shape = shape or SHAPES[(family, size)]
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     cfg = config_cls(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
     torch.manual_seed(0)
     # made in bf16 (an 8B model is 16 GB, not 32), on the GPU where there is one (a CPU initialises 8B
@@ -153,6 +158,25 @@ def count_params(folder: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+def active_params(folder: Path) -> tuple[int, int]:
+    """(all parameters, those one token's forward multiplies by) of the model in `folder`, built on the
+    meta device. A mixture-of-experts layer's experts (`.mlp.experts.` tensors, E experts stacked on the
+    first axis) count k / E of theirs, k = num_experts_per_tok; the rest counts whole as the dense MFU
+    formula counts it (an untied embedding and lm_head both). A dense model: (n, n)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        experts += p.numel() if ".mlp.experts." in name else 0
+    k, e = getattr(cfg, "num_experts_per_tok", None), getattr(cfg, "num_experts", None)
+    return total, total if not experts else total - experts + experts * k // e
 
 
 ARITHMETIC_REWARD_SOURCE = '''"""The arithmetic demo's reward: 1 for the exact sum, else 0."""
@@ -272,7 +296,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
 
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     spec = importlib.util.spec_from_file_location("bench_reward", reward)
@@ -280,7 +304,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
     spec.loader.exec_module(module)
     rows = [json.loads(line) for line in open(prompts)]
     data = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows] * (steps + 1))
-    times, records = [], []
+    times, records, dump_steps = [], [], []
 
     cuda = torch.cuda.is_available()         # CPU only for a smoke test of this script
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -293,16 +317,25 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         def on_step_end(self, args, state, control, **kw):
             sync()
             times[-1][1] = time.monotonic()
+            for write in dump_steps:
+                write()
 
         def on_log(self, args, state, control, logs=None, **kw):
             records.append(dict(logs or {}))
 
-    micro = a.micro_batch
+    micro = a.trl_micro_batch or a.micro_batch
+    extra = {}
+    if a.trl_dtype:         # TRL loads the policy in float32 unless told (its create_model_from_path)
+        extra["model_init_kwargs"] = {"dtype": a.trl_dtype}
+    if hasattr(AutoConfig.from_pretrained(model), "output_router_logits"):
+        # an MoE model: TRL adds the config's load-balancing loss (router_aux_loss_coef) unless told; the
+        # miles side trains without one (--moe-aux-loss-coeff 0), so neither does
+        extra["router_aux_loss_coef"] = 0.0
     config = GRPOConfig(output_dir=str(Path(out).parent / "trl-out"), per_device_train_batch_size=micro,
                         gradient_accumulation_steps=a.global_batch // micro, num_generations=a.samples,
                         max_completion_length=a.new_tokens, temperature=1.0, num_iterations=1, beta=0.0,
                         learning_rate=1e-6, max_steps=steps, logging_steps=1, save_strategy="no", report_to=[],
-                        bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda)
+                        bf16=cuda, seed=0, shuffle_dataset=True, use_cpu=not cuda, **extra)
     trainer = GRPOTrainer(model=model, reward_funcs=[module.trl_reward], args=config, train_dataset=data,
                           callbacks=[Clock()])
     generate_s = []         # TRL's generate + score of each step (its _generate_and_score_completions)
@@ -314,11 +347,21 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
             out = inner(*args, **kwargs)
             sync()
             generate_s.append(round(time.monotonic() - t0, 4))
+            for write in dump_steps:        # a step cut by the bound after its generation keeps that part
+                write()
             return out
         trainer._generate_and_score_completions = timed
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    dump_steps.append(lambda: dump(out, times, records, generate_s, config, micro, trainer, cuda))
     trainer.train()
+    dump(out, times, records, generate_s, config, micro, trainer, cuda)
+
+
+def dump(out: str, times: list, records: list, generate_s: list, config, micro: int, trainer, cuda: bool) -> None:
+    """The TRL side's result so far to `out` (after every step: a side cut by its bound keeps its finished steps)."""
+    import torch
+
     step_s = [round(e - s, 4) for s, e in times if e is not None]
     lengths = [x["completions/mean_length"] for x in records if "completions/mean_length" in x]
     Path(out).write_text(json.dumps({
@@ -327,6 +370,7 @@ def trl_worker(model: str, prompts: str, reward: str, out: str, steps: int, a: a
         "config": {"gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
                    "per_device_train_batch_size": micro, "gradient_accumulation_steps": config.gradient_accumulation_steps,
                    "generation_batch_size": config.generation_batch_size, "loss_type": config.loss_type,
+                   "router_aux_loss_coef": getattr(config, "router_aux_loss_coef", None),
                    "model_dtype": str(next(trainer.model.parameters()).dtype)}}))
 
 
@@ -344,14 +388,19 @@ def run_trl(a: argparse.Namespace, root: Path, model: Path, prompts: Path, rewar
     if probe.returncode:
         return {"skipped": f"trl is not importable: {probe.stderr.strip().splitlines()[-1:]}"}
     out = root / "trl.json"
+    out.unlink(missing_ok=True)         # an earlier call's, in a kept --out
     cmd = [sys.executable, __file__, "--trl-worker", str(model), str(prompts), str(reward), str(out),
            "--trl-steps", str(a.trl_steps), "--micro-batch", str(a.micro_batch), "--global-batch",
-           str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens)]
+           str(a.global_batch), "--samples", str(a.samples), "--new-tokens", str(a.new_tokens),
+           *(["--trl-dtype", a.trl_dtype] if a.trl_dtype else []),
+           *(["--trl-micro-batch", str(a.trl_micro_batch)] if a.trl_micro_batch else [])]
     with MemorySampler() as mem:
-        run = run_bounded(cmd, timeout_s=a.side_timeout_s, log=root / "trl.log", env=env)
+        run = run_bounded(cmd, timeout_s=a.trl_timeout_s or a.side_timeout_s, log=root / "trl.log", env=env)
     if not out.is_file():
         return {"error": "TRL wrote no result", **run, "log_tail": tail(run["log"])}
     res = json.loads(out.read_text())
+    if run["rc"] != 0:          # cut by its bound or failed after some steps: what it finished, and why
+        res["log_tail"] = tail(run["log"])
     steps = res["step_s"]
     steady = statistics.median(steps[1:]) if len(steps) > 1 else (steps[0] if steps else None)
     lengths = res["completion_len_mean"]
@@ -495,6 +544,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="digits: 64-character prompts, the reward is the share of digits (the GPU shapes); "
                         "arithmetic: the CPU demo's prompts and exact-sum reward (with --model "
                         "examples/arithmetic/base_model --device cpu: the small end)")
+    p.add_argument("--trl-dtype", choices=("bfloat16", "float32"), default=None,
+                   help="the dtype TRL loads the policy in (default: TRL's own, float32: weights, gradients and "
+                        "AdamW's moments 16 B/param; bfloat16: 8)")
+    p.add_argument("--trl-timeout-s", type=float, default=None, help="the TRL side's bound (default: --side-timeout-s)")
+    p.add_argument("--trl-micro-batch", type=int, default=None,
+                   help="TRL's per-device batch (default: --micro-batch); the global batch stays --global-batch")
     p.add_argument("--trl-worker", nargs=4, metavar=("MODEL", "PROMPTS", "REWARD", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -115,19 +115,26 @@ def byte_counts(engine) -> dict:
 
 def bound(gens, prompt_len: int, n_experts: int, counts: dict, bw: float) -> dict:
     """The bandwidth bound of the decode steps (sequences in lockstep: response token t >= 1 of every
-    sequence came from decode step t - 1, whose experts are its routed_experts[t])."""
+    sequence came from decode step t - 1, whose experts are its routed_experts[t]). A sequence that
+    ended early (shorter routed_experts) is read, experts and K/V, only while it runs."""
     import numpy as np
 
-    routed = np.stack([np.asarray(g.routed_experts, dtype=np.int64) for g in gens])    # [N, T, L, k]
-    n, steps, layers, k = routed.shape
+    routed = [np.asarray(g.routed_experts, dtype=np.int64) for g in gens]              # each [T_i, L, k]
+    lengths = np.array([len(r) for r in routed])
+    n, steps, (layers, k) = len(routed), int(lengths.max()), routed[int(lengths.argmax())].shape[1:]
+    padded = np.zeros((n, steps, layers, k), dtype=np.int64)
+    for i, r in enumerate(routed):
+        padded[i, :len(r)] = r
     base = (np.arange(layers) * n_experts)[None, :, None]
-    touched = []
+    touched, kv_positions = [], 0
     for t in range(1, steps):
+        live = lengths > t
         seen = np.zeros(layers * n_experts, dtype=bool)
-        seen[(routed[:, t] + base).ravel()] = True       # (layer, expert) pairs some sequence used at this step
+        seen[(padded[live, t] + base).ravel()] = True     # (layer, expert) pairs some sequence used at this step
         touched.append(int(seen.sum()))
+        kv_positions += int(live.sum()) * (prompt_len + t)
     experts_read = sum(touched) * counts["expert_bytes"]
-    kv_read = sum(n * (prompt_len + t) for t in range(1, steps)) * counts["kv_bytes_per_position"]
+    kv_read = kv_positions * counts["kv_bytes_per_position"]
     dense_read = (steps - 1) * counts["non_expert_bytes"]
     total = experts_read + kv_read + dense_read
     return dict(decode_steps=steps - 1, bound_s=sig(total / bw),
