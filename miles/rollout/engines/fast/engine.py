@@ -27,10 +27,18 @@ stall the others.
 Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
 for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
 
-Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on two
-threads, a lock keeps one model call at a time, each turn of the loop stamps a heartbeat that
+Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on three
+threads (the third for an in-flight swap), a lock keeps one model call at a time, each turn of the loop stamps a heartbeat that
 `health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
 requests end with "abort" and what they generated).
+
+In-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async; `EngineGuard.swap_weights` on a
+third actor thread): a pending swap is taken at the top of the loop, between two decode steps, where
+every running sequence has sampled its last token and not fed it back; the weights are copied in
+place (the captured graphs stay valid) and every forward from that step on (decode steps, prefills,
+pieces of long prompts) is the new version's. The KV cache stays: K/V already written were computed
+by the old weights. Each request's tokens get their versions from the step they were sampled at
+(`_Call.token_versions`: the first token at its prefill's step s, token j at decode step s + j - 1).
 
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
@@ -357,12 +365,19 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         """Copy the trainer's `model_weights` dict (HF names, any device/dtype) into the engine's own
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
-        with self._holding(), torch.inference_mode():      # the engine's tensors may be inference tensors
+        with self._holding():
+            self._load_swapped(state_dict)
+            self._version = int(version)
+        log.info("weights_updated", version=self._version)
+
+    def _load_swapped(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Copy into the engine's tensors in place (the lock held): `update_weights`, and an in-flight swap
+        (`EngineGuard.swap_weights`) between two decode steps, where the captured graphs, which read the
+        weights by address, stay valid."""
+        with torch.inference_mode():      # the engine's tensors may be inference tensors
             if self.quantization == "fp8":
                 state_dict = fp8.as_quantized(state_dict, self.dtype)
             copy_checked(self._live_weights().named, state_dict)
-            self._version = int(version)
-        log.info("weights_updated", version=self._version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport), copied in place into
@@ -460,8 +475,16 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
                                routing_to_host_seconds=t_routed, fp8_kernel=self.fp8_kernel,
                                kv_cache_dtype=str(self.cache_dtype))
-        return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
+        gens = [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
+        if call.swaps:      # weights swapped in flight: each request's tokens by the version that gave them
+            for req, g in enumerate(gens):
+                if req in call.started and g.response_ids:
+                    versions = call.token_versions(req, len(g.response_ids), version)
+                    g.weight_version = versions[0]      # its oldest (the embedded engine's: the call's)
+                    g.token_versions = versions if len(set(versions)) > 1 else None
+            self.last_stats["swaps"] = [v for _, v in call.swaps]
+        return gens
 
     def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
@@ -485,6 +508,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._heartbeat = time.monotonic()
             if self._abort_epoch != epoch:
                 return step
+            # a token boundary for every running sequence (its last token sampled, not fed back yet): a
+            # pending in-flight swap loads here, and every forward from this step on is the new version's
+            if self._swap is not None and self._take_swap(paused=table.busy()):
+                call.swaps.append((step, self._version))
             checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
             if pending and checkpoint:
                 active, newest = self._snapshot.read()
@@ -551,6 +578,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 chunk = []
             chunk.append((req, slot))
             table.start(slot, len(call.prompts[req]), step, req, call.caps[req])
+            call.started[req] = step
         if chunk:
             self._prefill(chunk, call)
 
@@ -590,6 +618,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             routed = routed.expand(2, *routed.shape[1:])
         self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call, routed)
         table.start(slot, len(prompt), step, req, call.caps[req])
+        call.started[req] = step
 
     def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call,
                       routed: Tensor | None = None) -> None:
@@ -668,6 +697,22 @@ class _Call:
         self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)
         self.pieces = 0     # prefill forwards of pieces of long prompts
+        self.started: dict[int, int] = {}           # request -> the step of its first token (its prefill's)
+        self.swaps: list[tuple[int, int]] = []      # (step, version): in-flight swaps taken during the call
+
+    def token_versions(self, req: int, n: int, version: int) -> list[int]:
+        """The version of each of request `req`'s first `n` tokens (`version`: the call's at its start).
+        Its first token comes from the prefill at its start step s, token j >= 1 from the decode step
+        s + j - 1; a swap taken at step t is the version of every forward of steps >= t."""
+        s = self.started[req]
+        out = []
+        for j in range(n):
+            at, v = s + max(j - 1, 0), version
+            for t, new in self.swaps:
+                if t <= at:
+                    v = new
+            out.append(v)
+        return out
 
 
 class _StopWatch:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.engines.embedded.spec import options as embedded_options
-from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
-                                    SupportsWeightBucketLoad)
+from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsInFlightWeightSwap,
+                                    SupportsMemoryRelease, SupportsWeightBucketLoad)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -83,10 +83,12 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
                         "use --rollout-engine embedded (transformers)")
 
 
-# two threads: health and abort are answered while a generate call runs (the engine guards its model)
+# three threads: health, abort and an in-flight weight swap (--fully-async: taken between two decode steps)
+# are answered while a generate call runs (the engine guards its model)
 SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
-                  capabilities=(SupportsWeightBucketLoad, SupportsMemoryRelease, SupportsHealth, SupportsAbort),
-                  actor_threads=2, refuses=refusal,
+                  capabilities=(SupportsWeightBucketLoad, SupportsMemoryRelease, SupportsHealth, SupportsAbort,
+                                SupportsInFlightWeightSwap),
+                  actor_threads=3, refuses=refusal,
                   defaults={"max_batch_size": MAX_BATCH_SIZE, "mem_fraction": MEM_FRACTION,
                             "chunked_prefill_size": CHUNKED_PREFILL_SIZE},
                   weights_on_release="kept",  # updates copy into them in place (the captured graphs stay valid)
