@@ -72,7 +72,8 @@ from miles.rollout.engines.fast import attention as fast_attention
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
-                                      plan_positions, plan_slots, span_buckets)
+                                              plan_positions, plan_slots, shared_plan_bytes, span_buckets,
+                                              workspace_bytes)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
                                                  make_sampler, race, stop_table)
@@ -105,7 +106,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", model=None):
+                 kv_cache_dtype: str = "auto", shared_gpu: bool = False, model=None):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -120,7 +121,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         `quantization` "fp8" (--rollout-quantization):
         the decoder's Linear weights in e4m3 with 128 x 128 block scales (`miles.weights.fp8`; an FP8
         checkpoint loads as it is); `kv_cache_dtype` "fp8_e4m3" (--kv-cache-dtype): K/V stored in e4m3
-        with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention."""
+        with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention;
+        `shared_gpu` (--colocate --no-offload-rollout: a trainer resident on the same GPU): the KV cache
+        is planned from the GPU's total memory less the engine's weights (`shared_plan_bytes`), not from
+        what is free when the engine starts, so its share does not depend on how far the trainer got."""
         from transformers import AutoConfig
 
         self._init_guard()
@@ -141,6 +145,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._load(model_path, seed, model)
         cuda = self.device.type == "cuda"
         free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.cache_dtype)
+        self.shared_gpu = shared_gpu and cuda
+        if self.shared_gpu:
+            weights = sum(t.numel() * t.element_size() for t in self._weights.named.values())
+            free = shared_plan_bytes(torch.cuda.mem_get_info(self.device)[1], weights)
         if context_len is not None and max_context_len is None:
             needed = context_len if self._max_positions is None else min(context_len, self._max_positions)
             slots = plan_slots(free_bytes=free, mem_fraction=mem_fraction, max_slots=max_batch_size,
@@ -202,19 +210,15 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
 
     def _workspace_bytes(self) -> int:
-        """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
-        batch, one prefill's activations (a batch of whole prompts or a piece of a long one), and a
-        fixed reserve."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        rows = self.max_batch_size + 1
-        sampling = rows * self.arch.vocab * (elem + 4 * 4)
-        tokens = max(PREFILL_TOKENS, self.chunked_prefill_size)
-        prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        """Memory the KV cache must leave free (`workspace_bytes`) for a full batch and this engine's
+        prefill size."""
         moe = self._weights.moe
-        if moe is not None:     # the experts' sorted copies of each (token, expert) pair: input, gate+up, output
-            prefill += tokens * moe.top_k * (3 * moe.intermediate + 3 * self.arch.hidden) * elem + \
-                tokens * moe.n_experts * 4
-        return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
+        return workspace_bytes(rows=self.max_batch_size + 1, vocab=self.arch.vocab, hidden=self.arch.hidden,
+                               intermediate=self.arch.intermediate, q_size=self.arch.q_size,
+                               elem=torch.empty((), dtype=self.dtype).element_size(),
+                               prefill_tokens=max(PREFILL_TOKENS, self.chunked_prefill_size),
+                               moe=None if moe is None else (moe.top_k, moe.intermediate, moe.n_experts),
+                               reserve=RESERVE_BYTES if self.device.type == "cuda" else 0)
 
     def _pick_experts(self) -> str:
         """"grouped" (one torch._grouped_mm per projection, capturable) where it runs and agrees with the
@@ -347,8 +351,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                                                moe.top_k), dtype=torch.int16, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
             self._cache = self._logits = self._noise = self._forward.decode_routed = None
+            shared = (" (it shares the GPU with a resident trainer: --rollout-mem-fraction is its share of the "
+                      "GPU's memory less its weights, and the trainer holds more than the rest)") if self.shared_gpu else ""
             raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
-                             f"does not fit in the memory free now; free memory first (a colocated trainer?) "
+                             f"does not fit in the memory free now{shared}; free memory first (a colocated trainer?) "
                              f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
 
     # --- tokenizer accessors -------------------------------------------------------------------
