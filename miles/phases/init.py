@@ -293,9 +293,11 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
 
 async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
     """CUDA IPC buckets when the engines share the trainer's GPUs and both specs declare buckets; else
-    the object store (`ctx.c.ipc_weights` stays None)."""
+    the object store (`ctx.c.ipc_weights` stays None). A fully-async push swaps through the object store
+    (`swap_weights`), so no buckets are made for it."""
     cfg, b = ctx.cfg, ctx.backends
-    if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
+    if not (ctx.c.placement.gpus and cfg.cluster.colocate and not cfg.fully_async and ctx.c.engines
+            and ctx.c.trainer is not None
             and b.engine_spec.supports(SupportsWeightBucketLoad) and b.train_spec.supports(SupportsWeightBucketExport)):
         ctx.tracer.emit("weight_transport", transport="object_store")
         return
