@@ -197,3 +197,26 @@ def test_greedy_swapped_mid_answer_is_old_tokens_then_the_new_weights_continuati
     engine.swap_weights(old, v0 + 2)
     assert g.response_ids[k:] == continuation.response_ids                      # (b)
     assert g.response_ids != only_old           # the new weights did change the answer
+
+
+def test_fast_a_long_prompt_prefilled_in_pieces_across_the_swap_is_the_new_versions(model_path, monkeypatch):
+    """The fast engine prefills a long prompt one piece per decode step of the others: a swap between its
+    pieces leaves the earlier pieces' K/V as the old weights wrote them, and its tokens, all sampled after
+    the swap, are the new version's; each token's logprob is the one of the weights that sampled it."""
+    engine = FastEngine(model_path, device="cpu", dtype="float32", seed=0, max_batch_size=4, chunked_prefill_size=3)
+    v0, old = engine.weight_version(), _weights(engine)
+    new = _new_norm(old)
+    _no_eos(engine, monkeypatch)
+    short, long = [5, 6], [(3 * i) % 20 + 4 for i in range(14)]       # 14 tokens: 5 pieces of 3
+    gens, swapped = _generate_with_swap(engine, monkeypatch, [short, long],
+                                        SamplingParams(temperature=1.0, max_new_tokens=20, seed=5), new, v0 + 1, at=2)
+    assert swapped["paused_requests"] == 2                            # one decoding, one being prefilled
+    first, second = gens
+    assert set(first.token_versions) == {v0, v0 + 1}
+    assert second.weight_version == v0 + 1 and second.token_versions is None and len(second.response_ids) == 20
+    refs = {v0: _reference(model_path, old), v0 + 1: _reference(model_path, new)}
+    for prompt, g in ((short, first), (long, second)):
+        versions = g.token_versions or [g.weight_version] * len(g.response_ids)
+        full = {v: _full_logprobs(m, prompt, g.response_ids) for v, m in refs.items()}
+        for i, (lp, v) in enumerate(zip(g.logprobs, versions)):
+            assert abs(lp - full[v][i]) < 1e-4, (prompt is long, i, v)
