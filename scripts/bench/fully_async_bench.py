@@ -91,7 +91,8 @@ def gpu_workload(root: Path, args: argparse.Namespace) -> list[str]:
         bench.build_model(model, "qwen3", args.size)
     prompts, reward, _ = bench.write_data(root, 1024)
     stop_ids = [VOCAB - 1 - i for i in range(max(1, round(VOCAB / args.mean_len)))]
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "input", "--label-key", "label",
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "input",
+            "--label-key", "label",
             "--custom-rm-path", f"{reward}:reward", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
             "--rollout-max-response-len", str(args.max_len), "--max-prompt-len", "96", "--rollout-temperature", "1.0",
             "--rollout-stop-token-ids", *map(str, stop_ids), "--num-rollout", str(args.steps), "--lr", "1e-6",

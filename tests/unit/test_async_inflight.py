@@ -195,8 +195,8 @@ def test_offload_is_for_the_sync_machine_only_and_async_colocation_is_the_reside
     resident = ClusterConfig(colocate=True, offload_rollout=False)
     assert resident.shares_gpu_resident and not ClusterConfig(colocate=True).shares_gpu_resident
     assert problems(cfg(algorithm=tis, cluster=resident), "async") == []
-    [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(colocate=True, offload_rollout=False, offload_train=True)),
-                     "async")
+    both = ClusterConfig(colocate=True, offload_rollout=False, offload_train=True)
+    [msg] = problems(cfg(algorithm=tis, cluster=both), "async")
     assert msg.startswith("--offload-train cannot be used with the async machine")
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(offload_train=True)), "async")
     assert msg.startswith("--offload-train cannot be used with the async machine")

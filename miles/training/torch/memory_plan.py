@@ -144,7 +144,8 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 #   the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
 #   them; a resident engine, --colocate --no-offload-rollout, keeps them and its spec's `shared_gpu_bytes`:
-#   the fast engine's KV cache, --rollout-mem-fraction of the GPU less its weights, and workspace), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
+#   the fast engine's KV cache, --rollout-mem-fraction of the GPU less its weights, and workspace), one
+#   micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
 #   one sample), the OPD teacher of --opd-type megatron 4T (float32, T its parameters: the one-process
 #   trainer holds it whole), and a CUDA context per process on the GPU. Under LoRA (--lora-rank)
 #   gradients and moments are the adapters' (counted as none) and the initial-policy reference is the

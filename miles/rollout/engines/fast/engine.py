@@ -28,8 +28,8 @@ Greedy outputs equal the unchunked engine's (the logits agree to float rounding)
 for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
 
 Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on three
-threads (the third for an in-flight swap), a lock keeps one model call at a time, each turn of the loop stamps a heartbeat that
-`health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
+threads (the third for an in-flight swap), a lock keeps one model call at a time, each turn of the
+loop stamps a heartbeat that `health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
 requests end with "abort" and what they generated).
 
 In-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async; `EngineGuard.swap_weights` on a
@@ -351,8 +351,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                                                moe.top_k), dtype=torch.int16, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
             self._cache = self._logits = self._noise = self._forward.decode_routed = None
-            shared = (" (it shares the GPU with a resident trainer: --rollout-mem-fraction is its share of the "
-                      "GPU's memory less its weights, and the trainer holds more than the rest)") if self.shared_gpu else ""
+            shared = "" if not self.shared_gpu else (
+                " (it shares the GPU with a resident trainer: --rollout-mem-fraction is its share of the GPU's "
+                "memory less its weights, and the trainer holds more than the rest)")
             raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
                              f"does not fit in the memory free now{shared}; free memory first (a colocated trainer?) "
                              f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
