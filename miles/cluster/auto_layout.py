@@ -4,7 +4,10 @@ two engines.
 The default layout (one trainer GPU, one engine on a GPU of its own) needs two GPUs. A run that
 starts its own cluster on a machine with one GPU, with every layout flag at its default, gets
 `--colocate` instead of an error (the engine shares the trainer's GPU, memory handed back and forth
-as with the flag), and the trace's `placement` event and the start-up line say so. A layout the
+as with the flag), and the trace's `placement` event and the start-up line say so. The async machines
+(async, fully_async) run the engine while the trainer trains, so nothing can be handed back and forth:
+there the run gets `--colocate --no-offload-rollout` (both resident; the engine's KV cache takes
+--rollout-mem-fraction of the GPU less its weights, the trainer the rest), when the memory plan fits. A layout the
 user named (any of the flags below, or a cluster they attached to) is theirs: if it does not fit,
 that stays an error before any actor starts.
 
@@ -30,6 +33,9 @@ LAYOUT_FLAGS = ("--colocate", "--actor-num-nodes", "--actor-num-gpus-per-node", 
                 "--rollout-num-gpus-per-engine", "--rollout-num-engines")
 AUTO_COLOCATE_REASON = ("the cluster this run started has one GPU and no layout flag was given "
                         f"({', '.join(LAYOUT_FLAGS)}): trainer and engine share it (--colocate)")
+AUTO_SHARED_REASON = ("the cluster this run started has one GPU and no layout flag was given "
+                      f"({', '.join(LAYOUT_FLAGS)}): trainer and engine share it, both resident, as the async "
+                      "machines need (--colocate --no-offload-rollout)")
 
 
 CPU_ENGINES = 2
@@ -55,12 +61,23 @@ def auto_num_engines(cfg: RunConfig, *, use_gpus: bool, cores: int) -> int | Non
 
 def auto_colocate(cfg: RunConfig, *, use_gpus: bool, cluster_gpus: float, started: bool,
                   needed_gpus: int, machine: str) -> RunConfig | None:
-    """`cfg` with --colocate when the rule above applies and `machine` takes colocated runs (the async
-    machine does not), else None (the layout stays as given, and so does its error)."""
+    """`cfg` with --colocate when the rule above applies and `machine` takes colocated runs, else with
+    --colocate --no-offload-rollout when `machine` takes that (the async machines), else None (the layout
+    stays as given, and so does its error). `auto_reason` says which."""
     if not (use_gpus and started and cluster_gpus == 1 and needed_gpus > 1 and names_no_layout(cfg)):
         return None
     colocated = replace(cfg, cluster=replace(cfg.cluster, colocate=True))
-    return colocated if _machine_takes(colocated, machine) else None
+    if _machine_takes(colocated, machine):
+        return colocated
+    shared = replace(cfg, cluster=replace(cfg.cluster, colocate=True, offload_rollout=False))
+    if cfg.cluster.offload_rollout is None and _machine_takes(shared, machine):
+        return shared
+    return None
+
+
+def auto_reason(cfg: RunConfig) -> str:
+    """The start-up line's reason for the layout `auto_colocate` gave `cfg`."""
+    return AUTO_SHARED_REASON if cfg.cluster.shares_gpu_resident else AUTO_COLOCATE_REASON
 
 
 def _machine_takes(cfg: RunConfig, machine: str) -> bool:

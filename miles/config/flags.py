@@ -158,7 +158,8 @@ FLAGS: tuple[Flag, ...] = (
        "{engines[fast][max_batch_size]} for FastEngine, {engines[embedded][max_batch_size]} for EmbeddedEngine)"),
     _f("rollout-mem-fraction", "rollout", "mem_fraction", float,
        "FastEngine's KV cache: this share, in (0, 1), of the GPU memory free once its weights are loaded "
-       "(default: {engines[fast][mem_fraction]})"),
+       "(default: {engines[fast][mem_fraction]}); beside a resident trainer (--colocate --no-offload-rollout), "
+       "of the GPU's memory less the engine's weights"),
     _f("disable-cuda-graph", "rollout", "cuda_graph", kind="false",
        help="FastEngine: run decode steps eagerly, not as captured CUDA graphs (debugging)"),
     _f("disable-torch-compile", "rollout", "torch_compile", kind="false",
@@ -425,7 +426,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("ray-namespace", "cluster", "namespace", str, "Ray namespace of the run's actors (default: one per run)"),
     _f("colocate", "cluster", "colocate", kind="true",
        help="engines on the trainer's GPUs, weights synced by CUDA IPC, the engines' cache freed while training "
-            "(sync machine only)"),
+            "(sync machine); with --no-offload-rollout both stay resident, the engine's KV cache taking "
+            "--rollout-mem-fraction of the GPU less its weights: the one-GPU layout of the async machines "
+            "(--fully-async too)"),
     _f("actor-num-nodes", "cluster", "actor_num_nodes", int, "nodes of the trainer"),
     _f("actor-num-gpus-per-node", "cluster", "actor_num_gpus_per_node", int, "the trainer's GPUs on each node"),
     _f("rollout-num-gpus", "cluster", "rollout_num_gpus", int,
@@ -444,7 +447,7 @@ FLAGS: tuple[Flag, ...] = (
        help="miles' explicit off: the trainer keeps its optimizer state on the GPU, --offload notwithstanding"),
     _f("no-offload-rollout", "cluster", "offload_rollout", kind="false",
        help="miles' explicit off: the engines keep their memory while the trainer trains, --colocate and --offload "
-            "notwithstanding"),
+            "notwithstanding (with --colocate: the GPU shared, both resident; what the async machines take)"),
     _f("offload-train-disk-chunk-mb", "train", "offload_chunk_mb", int,
        "MiB of float32 parameters each streamed optimizer step moves through the GPU at a time under --offload-train "
        "and --optimizer-cpu-offload (default 1024; the step holds 4x this of AdamW moments on the GPU). miles: the "

@@ -481,6 +481,14 @@ class ClusterConfig:
         """--colocate frees the engines' cache during training too (miles: colocate turns it on)."""
         return self.offload_rollout if self.offload_rollout is not None else self.offload or self.colocate
 
+    @property
+    def shares_gpu_resident(self) -> bool:
+        """--colocate --no-offload-rollout: engines and trainer on the same GPUs, the engines resident (their
+        KV cache is never handed to the trainer); the engine's KV cache takes --rollout-mem-fraction of the
+        GPU less its weights, the trainer the rest. The async machines take colocation only so (and without
+        --offload-train: nothing is handed back and forth)."""
+        return self.colocate and not self.offloads_rollout
+
 
 @dataclass(frozen=True, kw_only=True)
 class TraceConfig:

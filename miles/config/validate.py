@@ -828,10 +828,13 @@ def _partial_rollout_engines(cfg: RunConfig, problems: list[str], *, num_engines
 
 def _async_problems(cfg: RunConfig) -> list[str]:
     problems, a, n = [], cfg.algorithm, cfg.update_weights_interval
-    if cfg.cluster.colocate:
-        problems.append("--colocate cannot be used with the async machine: rollout r+1 generates while r "
-                        "trains, so engines and trainer need devices of their own (miles: colocation is "
-                        "not supported for async training); drop --colocate or use the sync machine")
+    if cfg.cluster.colocate and not cfg.cluster.shares_gpu_resident:
+        problems.append("--colocate cannot be used with the async machines as it is (miles: colocation is not "
+                        "supported for async training): it hands the GPU back and forth between the engines and "
+                        "the trainer, and here they run at the same time. Add --no-offload-rollout to share the "
+                        "GPU with both resident (the engine's KV cache takes --rollout-mem-fraction of the GPU "
+                        "less its weights, the trainer the rest; docs/fully-async.md), drop --colocate (devices "
+                        "of their own), or use the sync machine")
     offloads = [f for f, on in (("--offload", cfg.cluster.offload), ("--offload-train", cfg.cluster.offload_train),
                                 ("--offload-rollout", cfg.cluster.offload_rollout)) if on]
     if offloads:

@@ -42,7 +42,7 @@ async def init(ctx: TrainingContext) -> str:
     if not spec.supports(SupportsInFlightWeightSwap):
         raise ConfigError(f"--fully-async: the engine this run picked ({ctx.backends.engine_name}, "
                           f"{ctx.backends.engine.__name__}) cannot pause its requests in flight for a weight swap "
-                          "(SupportsInFlightWeightSwap); use --rollout-engine embedded")
+                          "(SupportsInFlightWeightSwap); use --rollout-engine embedded or fast")
     cfg, executor = ctx.cfg, ctx.c.executor.handle
     producer = Producer(
         draw=lambda k: executor.draw_prompts.remote(k),

@@ -31,7 +31,7 @@ from miles.checkpoint.background_save import BackgroundSave
 from miles.checkpoint.folders import SAVE_GROUP, pick_folders
 from miles.checkpoint.restore import resume
 from miles.checkpoint.store import CheckpointStore
-from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_ENGINES_REASON, auto_colocate, auto_num_engines
+from miles.cluster.auto_layout import AUTO_ENGINES_REASON, auto_colocate, auto_num_engines, auto_reason
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
                                      check_cluster, cluster_gpus, placement_request, plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
@@ -285,7 +285,7 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus", actor_resources=resources)
         add(place.group)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
-                    colocate=cfg.cluster.colocate, auto_colocate=AUTO_COLOCATE_REASON if auto else None,
+                    colocate=cfg.cluster.colocate, auto_colocate=auto_reason(cfg) if auto else None,
                     auto_engines=AUTO_ENGINES_REASON.format(cores=cores) if auto_engines and plan.engines else None,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
     return place
@@ -293,9 +293,11 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
 
 async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
     """CUDA IPC buckets when the engines share the trainer's GPUs and both specs declare buckets; else
-    the object store (`ctx.c.ipc_weights` stays None)."""
+    the object store (`ctx.c.ipc_weights` stays None). A fully-async push swaps through the object store
+    (`swap_weights`), so no buckets are made for it."""
     cfg, b = ctx.cfg, ctx.backends
-    if not (ctx.c.placement.gpus and cfg.cluster.colocate and ctx.c.engines and ctx.c.trainer is not None
+    if not (ctx.c.placement.gpus and cfg.cluster.colocate and not cfg.fully_async and ctx.c.engines
+            and ctx.c.trainer is not None
             and b.engine_spec.supports(SupportsWeightBucketLoad) and b.train_spec.supports(SupportsWeightBucketExport)):
         ctx.tracer.emit("weight_transport", transport="object_store")
         return

@@ -31,7 +31,9 @@ everything the run needs to know about the engine without importing it:
   "kept" on the GPU (the memory plan counts them), "host" (moved to host memory, back on resume) or
   "dropped" (freed; only a weight sync brings them back);
 - `on_cpu`: it runs on the CPU too (a CPU run may start several);
-- `routing_replay`: it records the experts each token was routed to (--use-rollout-routing-replay).
+- `routing_replay`: it records the experts each token was routed to (--use-rollout-routing-replay);
+- `shared_gpu_bytes`: what it holds beyond its weights on a GPU it shares with a resident trainer
+  (--colocate --no-offload-rollout), which the trainer's memory plan counts (None: not bounded ahead).
 
 A rule about engines is stated once, in terms of these attributes (the shared checks in the registry,
 the memory plan, the placement): no module outside an engine's package and the registry compares an
@@ -229,6 +231,9 @@ class EngineSpec:
     # its servers load the trainer's plain weights and quantize them from their own precision flags
     # (SGLang's --quantization / --kv-cache-dtype, passed as they are): the trainer never quantizes for it
     quantizes_own_weights: bool = False
+    # (cfg, GPU bytes, its weights' bytes) -> the bytes beyond its weights (KV cache, workspace) it holds on
+    # a GPU it shares with a resident trainer (--colocate --no-offload-rollout); None: not bounded ahead
+    shared_gpu_bytes: Callable[[RunConfig, int, int], int] | None = None
 
     def supports(self, capability: type) -> bool:
         return capability in self.capabilities

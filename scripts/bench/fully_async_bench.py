@@ -20,10 +20,19 @@ and speedup_vs_sync: each machine's trained tokens per second over sync's (the i
 Usage:
   python scripts/bench/fully_async_bench.py [--repeat K] [--device cpu|cuda] [--runs-dir DIR]
       [--max-len N] [--stop-ids K] [--steps N] [--engines E] [-- extra miles flags ...]
-CPU by default (the tests' tiny model and addition task, built in a temp dir). `--device cuda` runs the
-same on the GPU machine (give --hf-checkpoint/--prompt-data after `--` for a real model; on one GPU
-pass the layout the code allows, e.g. `-- --rollout-num-gpus 1 --actor-num-gpus-per-node 1` with two
-GPUs, or one engine beside the trainer).
+CPU by default (the tests' tiny model and addition task, built in a temp dir).
+
+`--device cuda` (the GPU machine, one GPU): a random Qwen3-0.6B-shaped model (`--size 1.7b`: 1.7B), the
+fast engine and the trainer on the one GPU, both resident (--colocate --no-offload-rollout; the engine's
+KV cache --rollout-mem-fraction, default 0.5, of the GPU less its weights, the trainer the rest), one
+engine, 16 prompts x 8 samples a step, answers of --mean-len tokens on average up to --max-len
+(`gpu_workload`). The command (from the checkout, the wheels installed):
+  PYTHONPATH=$PWD python3 scripts/bench/fully_async_bench.py --device cuda --size 0.6b --max-len 2048 \
+      --mean-len 256 --steps 8 --engines 1 --repeat 1 --runs-dir /tmp/fa-bench > fully_async_gpu.json
+(three runs of 8 steps; extra miles flags after `--`). The start-up memory plan of that run on an 80 GB
+H100: 0.6B fits at the default fraction (the engine's KV cache ~39 GiB); `--size 1.7b` needs about
+84 GiB there and is refused before Ray starts, naming the flags; with `-- --rollout-mem-fraction 0.4` it
+fits (checked on the CPU with `startup_problems(cfg, 1, gpu_bytes=81559 MiB)`, Dec 7 2026).
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ MACHINES = ("sync", "async", "fully_async")
 
 
 def workload(root: Path, args: argparse.Namespace) -> list[str]:
+    if args.device == "cuda":
+        return gpu_workload(root, args)
     from tests.conftest import write_addition_task
     from tests.tiny_model import VOCAB_SIZE, make_tiny_model
 
@@ -56,6 +67,38 @@ def workload(root: Path, args: argparse.Namespace) -> list[str]:
             "--rollout-stop-token-ids", *map(str, stop_ids), "--num-rollout", str(args.steps), "--lr", "1e-4",
             "--global-batch-size", "64", "--micro-batch-size", "16", "--rollout-num-engines", str(args.engines),
             "--rollout-max-batch-size", "16"]
+
+
+# --- the GPU machine (--device cuda): one GPU, engine and trainer both resident ---------------------------
+VOCAB = 151936      # the Qwen3 shapes' vocabulary (scripts/bench/grpo_step_gpu.py)
+
+
+def gpu_workload(root: Path, args: argparse.Namespace) -> list[str]:
+    """A random Qwen3-shaped bf16 model (`--size`, built as scripts/bench/grpo_step_gpu.py builds it, with
+    its character tokenizer, digits prompts and digits-share reward) on one GPU shared by the trainer and
+    one fast engine, both resident (--colocate --no-offload-rollout: the layout all three machines take
+    there, so they are compared on the same memory split). The long tail: the random model samples near
+    uniformly over its 151,936 ids, so VOCAB / --mean-len stop ids end an answer after --mean-len tokens
+    on average (a geometric length: of 128 samples a step the longest runs ~5x that, up to --max-len).
+    --max-prompt-len (the 64-token prompts fit) sizes the engine's slots to prompt + --max-len positions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_step_gpu", ROOT / "scripts/bench/grpo_step_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = root / f"qwen3-{args.size}"
+    if not (model / "config.json").exists():
+        bench.build_model(model, "qwen3", args.size)
+    prompts, reward, _ = bench.write_data(root, 1024)
+    stop_ids = [VOCAB - 1 - i for i in range(max(1, round(VOCAB / args.mean_len)))]
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "input",
+            "--label-key", "label",
+            "--custom-rm-path", f"{reward}:reward", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+            "--rollout-max-response-len", str(args.max_len), "--max-prompt-len", "96", "--rollout-temperature", "1.0",
+            "--rollout-stop-token-ids", *map(str, stop_ids), "--num-rollout", str(args.steps), "--lr", "1e-6",
+            "--global-batch-size", "128", "--micro-batch-size", "16", "--use-dynamic-batch-size",
+            "--rollout-engine", "fast", "--rollout-num-engines", str(args.engines),
+            "--colocate", "--no-offload-rollout", "--progress", "off"]
 
 
 def machine_flags(machine: str) -> list[str]:
@@ -130,6 +173,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="--num-rollout of each run")
     p.add_argument("--engines", type=int, default=2, help="--rollout-num-engines")
     p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
+    p.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"), help="--device cuda: the Qwen3 shape")
+    p.add_argument("--mean-len", type=int, default=256, help="--device cuda: the answers' mean length (stop ids)")
     args, extra = p.parse_known_args()
     extra = [f for f in extra if f != "--"]
     import ray

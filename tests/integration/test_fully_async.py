@@ -60,10 +60,12 @@ def assert_staleness_bounded(run_dir: Path, trace) -> None:
         assert all(key in r for r in train_rows), key
 
 
-def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ray_cluster, tiny_task, tmp_path):
+@pytest.mark.parametrize("engine", ["embedded", "fast"])     # both swap weights in flight
+def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ray_cluster, tiny_task, tmp_path,
+                                                                             engine):
     ck = tmp_path / "ck"
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "first", save=ck, save_interval=10,
-                                  inject_fault=["train:sigterm:3"]))
+                                  inject_fault=["train:sigterm:3"], rollout_engine=engine))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 143
     first = read_trace(tmp_path / "first")
     assert check_trace(first, load_machine("fully_async")).ok
@@ -85,7 +87,7 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     assert drained.get("checkpoint") == rid and drained.get("dropped_tickets") == []
     assert set(drained.get("held_tickets")) == held
 
-    cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck))
+    cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck, rollout_engine=engine))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 0
     second = read_trace(tmp_path / "second")
     assert check_trace(second, load_machine("fully_async")).ok

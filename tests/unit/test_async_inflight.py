@@ -187,10 +187,17 @@ def test_async_policy_loss_needs_an_off_policy_correction():
     assert problems(cfg(), "sync") == []
 
 
-def test_colocate_and_offload_are_for_the_sync_machine_only():
+def test_offload_is_for_the_sync_machine_only_and_async_colocation_is_the_resident_one():
     tis = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(colocate=True)), "async")
-    assert msg.startswith("--colocate cannot be used with the async machine")
+    assert msg.startswith("--colocate cannot be used with the async machine") and "--no-offload-rollout" in msg
+    # --colocate --no-offload-rollout: the GPU shared, both resident, nothing handed back and forth
+    resident = ClusterConfig(colocate=True, offload_rollout=False)
+    assert resident.shares_gpu_resident and not ClusterConfig(colocate=True).shares_gpu_resident
+    assert problems(cfg(algorithm=tis, cluster=resident), "async") == []
+    both = ClusterConfig(colocate=True, offload_rollout=False, offload_train=True)
+    [msg] = problems(cfg(algorithm=tis, cluster=both), "async")
+    assert msg.startswith("--offload-train cannot be used with the async machine")
     [msg] = problems(cfg(algorithm=tis, cluster=ClusterConfig(offload_train=True)), "async")
     assert msg.startswith("--offload-train cannot be used with the async machine")
     assert problems(cfg(cluster=ClusterConfig(colocate=True, offload=True)), "sync") == []

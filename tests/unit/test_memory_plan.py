@@ -208,3 +208,33 @@ def test_the_plan_counts_the_weights_of_the_engine_that_runs_not_the_one_asked(g
     # an engine that drops its weights while the trainer trains adds none (the moments still do not fit)
     (sglang,) = startup_problems(gpu_run("--recompute-activations", "--rollout-engine", "sglang"), 1, gpu_bytes=H200)
     assert "engine weights" not in sglang and "--rollout-engine sglang" not in sglang
+
+
+def test_a_resident_engine_on_the_trainers_gpu_counts_its_kv_cache_share_and_the_plan_names_the_fraction(gpu_run):
+    """--colocate --no-offload-rollout (the async machines' one-GPU layout): the fast engine keeps its KV
+    cache while the trainer trains, --rollout-mem-fraction of the GPU less its weights, plus its workspace
+    (`shared_gpu_bytes`); the plan counts it, and a plan that does not fit names the fraction."""
+    from miles.rollout.engines.fast.cache import shared_engine_bytes, shared_plan_bytes
+    from miles.rollout.engines.registry import ENGINES
+    from miles.training.torch.memory_plan import startup_problems
+
+    gib, weights = 2 ** 30, 2 * 8.19e9
+    assert shared_plan_bytes(100, 30) == 70 and shared_plan_bytes(10, 30) == 0
+    assert shared_engine_bytes(total_bytes=100, weight_bytes=30, mem_fraction=0.5, workspace=5) == 30 + 35 + 5
+    resident = ("--no-offload-rollout", "--recompute-activations", "--optimizer-cpu-offload")
+    # the engine is told, so that it plans its cache from the GPU's total, not from what is free at its start
+    assert ENGINES["fast"].options(gpu_run(*resident))["shared_gpu"] is True
+    assert "shared_gpu" not in ENGINES["fast"].options(gpu_run())
+    (problem,) = startup_problems(gpu_run(*resident), 1, gpu_bytes=H200)
+    # 0.5 x (141 GiB - 15.3 GiB of engine weights) = 62.9 GiB of KV cache, and ~2.3 GiB of workspace
+    cache = float(problem.split("engine cache ")[1].split(",")[0])
+    assert 0.5 * (H200 - weights) / gib < cache < 0.5 * (H200 - weights) / gib + 3
+    assert "engine weights 15.3" in problem and "--rollout-mem-fraction" in problem
+    assert "--offload-train" not in problem          # the async machines refuse it; the moments' flag is named
+    # the same run handing the cache back and forth (sync's --colocate) counts none of it
+    assert startup_problems(gpu_run("--recompute-activations", "--optimizer-cpu-offload"), 1, gpu_bytes=H200) == []
+    # a smaller share of the GPU for the engine leaves the trainer room
+    assert startup_problems(gpu_run(*resident, "--rollout-mem-fraction", "0.2"), 1, gpu_bytes=H200) == []
+    # and more decode rows need more workspace (logits for each row over the 152k vocabulary)
+    (wide,) = startup_problems(gpu_run(*resident, "--rollout-max-batch-size", "1024"), 1, gpu_bytes=H200)
+    assert float(wide.split("engine cache ")[1].split(",")[0]) > cache + 1

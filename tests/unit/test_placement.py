@@ -104,7 +104,7 @@ def test_one_gpu_and_no_layout_flags_colocate_and_a_named_layout_stays_as_given(
     from dataclasses import replace
     from pathlib import Path
 
-    from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, auto_colocate
+    from miles.cluster.auto_layout import AUTO_COLOCATE_REASON, AUTO_SHARED_REASON, auto_colocate, auto_reason
     from miles.cluster.placement import placement_request
     from miles.config.flags import parse_flags
     from miles.metrics.progress import ProgressModel
@@ -124,7 +124,16 @@ def test_one_gpu_and_no_layout_flags_colocate_and_a_named_layout_stays_as_given(
     assert plan_placement(placement_request(colocated, use_gpus=True)).gpus == 1
     assert auto(plain, gpus=2) is None                     # the default layout fits: as it was
     assert auto(plain, started=False) is None              # an attached cluster is the user's layout
-    assert auto(plain, machine="async") is None            # the async machine cannot colocate: its error stays
+    assert auto(plain, machine="async") is None            # the async machine refuses this run (no --use-tis)
+    # the async machines cannot hand the GPU back and forth: they get it shared, both resident
+    tis = cfg_of("--use-tis")
+    shared = auto(tis, machine="async")
+    assert shared == replace(tis, cluster=replace(tis.cluster, colocate=True, offload_rollout=False))
+    assert shared.cluster.shares_gpu_resident and auto_reason(shared) == AUTO_SHARED_REASON
+    assert plan_placement(placement_request(shared, use_gpus=True)).gpus == 1
+    assert auto(cfg_of("--use-tis", "--fully-async"), machine="fully_async").cluster.shares_gpu_resident
+    assert auto_reason(colocated) == AUTO_COLOCATE_REASON and not colocated.cluster.shares_gpu_resident
+    assert auto(cfg_of("--use-tis", "--offload-rollout"), machine="async") is None     # the user's flag stays
     for named in (["--rollout-num-gpus", "1"], ["--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "1"], ["--rollout-num-engines", "2"]):
         assert auto(cfg_of(*named)) is None, named
     assert auto_colocate(plain, use_gpus=False, cluster_gpus=1, started=True, needed_gpus=0, machine="sync") is None

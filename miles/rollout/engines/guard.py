@@ -6,6 +6,12 @@ method that touches the model holds it via `_holding`); the running call stamps 
 step; `health()` reads it without the lock, or, the engine idle, takes the lock and runs the engine's
 own one-token probe; `abort()` bumps `_abort_epoch`, which a running call compares with the one it
 started under at each step, and returns at once. EmbeddedEngine and FastEngine share it.
+
+The in-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async) is shared the same way:
+`swap_weights` (on another actor thread) leaves the new weights pending; the running call takes them
+at its next token boundary (`_take_swap`, under the model lock it holds), and when no call runs the
+waiting thread takes the lock and loads them itself. The engine says how weights are loaded
+(`_load_swapped`, under the lock) and where its token boundaries are.
 """
 
 from __future__ import annotations
@@ -16,12 +22,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger().bind(role="engine")
+
+SWAP_POLL_S = 0.02      # how often a waiting swap_weights checks that a call still runs to take it
+
 
 class EngineGuard:
     def _init_guard(self) -> None:
         self._lock = threading.Lock()        # one model call at a time (health and abort run beside it)
         self._heartbeat = time.monotonic()   # the last step of the running call (or its start)
         self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
+        self._swap_lock = threading.Lock()   # swap_weights: one at a time
+        self._swap: tuple[Any, int, threading.Event] | None = None   # pending: taken at a token boundary
+        self._swap_paused = 0
 
     @contextmanager
     def _holding(self) -> Iterator[None]:
@@ -56,3 +71,46 @@ class EngineGuard:
         """The generate calls that started before this return at their next step, the requests still
         generating finishing with "abort"."""
         self._abort_epoch += 1
+
+    # --- in-flight weight swap (SupportsInFlightWeightSwap) --------------------------------------------
+    def swap_weights(self, state_dict: Any, version: int) -> dict[str, Any]:
+        """New weights without waiting for the generate call running (--fully-async): its requests pause
+        at the next token boundary (every running sequence has sampled its token, the forward that feeds
+        it back has not run), the weights are loaded, and they go on under `version`; each later token
+        records it (`Generation.token_versions`). An idle engine loads them at once. Their KV cache (the
+        prompt's and the tokens so far) stays as the old weights computed it: the tokens after the swap
+        are sampled from the new weights over the old cache, and their logprobs are what was sampled from.
+        Returns {"paused_requests": requests in flight at the swap (0: idle), "waited_s": time to the
+        boundary, "version"}."""
+        t0 = time.monotonic()
+        done = threading.Event()
+        with self._swap_lock:                  # one swap at a time
+            self._swap = (state_dict, int(version), done)
+            while not done.wait(SWAP_POLL_S):
+                if self._lock.acquire(blocking=False):      # no call running (or it ended before the boundary)
+                    try:
+                        self._take_swap(paused=0)
+                    finally:
+                        self._lock.release()
+        paused = self._swap_paused
+        log.info("weights_swapped", version=int(version), paused_requests=paused)
+        return {"paused_requests": paused, "waited_s": round(time.monotonic() - t0, 6), "version": int(version)}
+
+    def _take_swap(self, paused: int) -> bool:
+        """Under the model lock, at a token boundary: load the pending swap's weights, if one is pending
+        (`paused`: the requests in flight). True when it loaded them."""
+        pending, self._swap = self._swap, None
+        if pending is None:
+            return False
+        state_dict, version, done = pending
+        try:
+            self._load_swapped(state_dict)
+            self._version = version
+            self._swap_paused = paused
+        finally:
+            done.set()          # a load that raised leaves the version as it was: the push checks it
+        return True
+
+    def _load_swapped(self, state_dict: Any) -> None:
+        """Copy `state_dict` into the engine's weights (the model lock held)."""
+        raise NotImplementedError

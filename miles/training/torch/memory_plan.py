@@ -143,7 +143,9 @@ def cuda_token_budget(model, optimizer, *, device, compute_bytes: int, recompute
 #   gradients, moments: 8P/N with --optimizer-cpu-offload; on N ranks, one per trainer GPU, sharded like
 #   the policy), a colocated
 #   engine's weights (2P in bf16: the fast engine keeps them while the trainer trains; SGLang releases
-#   them), one micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
+#   them; a resident engine, --colocate --no-offload-rollout, keeps them and its spec's `shared_gpu_bytes`:
+#   the fast engine's KV cache, --rollout-mem-fraction of the GPU less its weights, and workspace), one
+#   micro-batch of the longest sample's activations / HEADROOM (a micro-batch holds at least
 #   one sample), the OPD teacher of --opd-type megatron 4T (float32, T its parameters: the one-process
 #   trainer holds it whole), and a CUDA context per process on the GPU. Under LoRA (--lora-rank)
 #   gradients and moments are the adapters' (counted as none) and the initial-policy reference is the
@@ -165,7 +167,7 @@ def parameter_count(config) -> int:
 def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes: int, reference: bool,
               critic: bool, engine_weight_bytes: int, activation_bytes: int, processes: int,
               critic_optimizer_on_gpu: bool = True, trained: int | None = None,
-              teacher_params: int = 0) -> dict[str, int]:
+              teacher_params: int = 0, engine_cache_bytes: int = 0) -> dict[str, int]:
     """Bytes a training step needs on each trainer GPU, by part (see the comment above). `trained`: the
     parameters with gradients and moments (LoRA: its adapters; None: all `params`); `teacher_params`:
     the OPD teacher's, held whole in the trainer (--opd-type megatron; 0: none)."""
@@ -179,6 +181,7 @@ def step_need(*, params: int, ranks: int, optimizer_on_gpu: bool, compute_bytes:
         "critic": (16 if critic_optimizer_on_gpu else 8) * params // ranks if critic else 0,
         "teacher": 4 * teacher_params,
         "engine_weights": engine_weight_bytes,
+        "engine_cache": engine_cache_bytes,
         "activations": math.ceil(activation_bytes / HEADROOM),
         "cuda_contexts": processes * CONTEXT_BYTES,
     }
@@ -238,7 +241,12 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     # every optimizer's, the critic's too
     streamed = (c.offloads_train and not a.needs_critic) or t.optimizer_cpu_offload
     # the engine that runs (a GPU run's `embedded` is FastEngine for the models it implements), as init picks it
-    engine_keeps = c.colocate and ENGINES[engine_to_run(cfg, on_gpus=True)[0]].weights_on_release == "kept"
+    engine = ENGINES[engine_to_run(cfg, on_gpus=True)[0]]
+    # a resident engine (--colocate --no-offload-rollout) keeps everything: its weights, and what its spec
+    # says it holds beside them on a shared GPU (the fast engine: its KV cache and workspace)
+    resident = c.shares_gpu_resident
+    engine_keeps = c.colocate and (resident or engine.weights_on_release == "kept")
+    engine_cache = engine.shared_gpu_bytes(cfg, total, 2 * params) if resident and engine.shared_gpu_bytes else 0
     need = step_need(params=params, ranks=trainer_gpus, optimizer_on_gpu=not streamed, compute_bytes=compute_bytes,
                      # LoRA: gradients and moments of the adapters alone (~0), the initial-policy reference the
                      # policy itself with its adapters off
@@ -248,19 +256,23 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
                      critic=a.needs_critic,
                      critic_optimizer_on_gpu=not t.optimizer_cpu_offload,
                      engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
-                     processes=2 if c.colocate else 1, teacher_params=teacher)
+                     processes=2 if c.colocate else 1, teacher_params=teacher, engine_cache_bytes=engine_cache)
     if sum(need.values()) <= total:
         return []
     gib = 2 ** 30
     room = [f for f, missing in (
         ("--offload-train or --optimizer-cpu-offload (AdamW's moments, 8 B/param, stay in host memory)",
-         not streamed and not a.needs_critic and not t.lora_rank),
+         not streamed and not a.needs_critic and not t.lora_rank and not resident),
+        ("--optimizer-cpu-offload (AdamW's moments, 8 B/param, stay in host memory)",
+         not streamed and not a.needs_critic and not t.lora_rank and resident),
+        ("a smaller --rollout-mem-fraction (the resident engine's KV cache: that share of the GPU less its "
+         "weights) or --rollout-max-batch-size", engine_cache > 0),
         ("--optimizer-cpu-offload (the policy's and the critic's AdamW moments, 8 B/param each, in host memory)",
          a.needs_critic and not t.optimizer_cpu_offload),
         ("--recompute-activations", not t.recompute_activations),
         ("a shorter --rollout-max-response-len" + ("" if prompt is None else " or --max-prompt-len"), True),
         (f"--rollout-engine {' / '.join(n for n, e in ENGINES.items() if e.weights_on_release == 'dropped')} (it "
-         "releases its weights while the trainer trains)", engine_keeps),
+         "releases its weights while the trainer trains)", engine_keeps and not resident),
         ("--opd-type sglang --opd-teacher-urls (the teacher scores on its own servers, not in the trainer)",
          teacher > 0),
         ("more trainer GPUs (--actor-num-gpus-per-node N shards the model)", True)) if missing]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,8 +51,6 @@ from miles.weights.hf import (copy_checked, load_causal_lm, load_tokenizer, load
 from miles.weights.transport import WeightBucket, WeightReceiver
 
 log = structlog.get_logger().bind(role="engine")
-
-SWAP_POLL_S = 0.02      # how often a waiting swap_weights checks that a call still runs to take it
 
 Sampler = Callable[[Tensor, torch.Generator], tuple[Tensor, Tensor]]  # logits [b, V] → (tokens [b], logprobs [b])
 
@@ -96,9 +93,6 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         # a mixture-of-experts model: each sampled token's experts, per MoE layer (Generation.routed_experts)
         self._routing = Routing(self._model) if router_modules(self._model) else None
         self._init_guard()
-        self._swap_lock = threading.Lock()       # swap_weights: one at a time
-        self._swap: tuple[Mapping[str, Tensor], int, threading.Event] | None = None   # taken at a token boundary
-        self._swap_paused = 0
         self._weights_on_host = False        # release_memory moved them off the GPU
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
                  quantization="fp8 (emulated: dequantized weights)" if self._fp8 is not None else None)
@@ -119,47 +113,21 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         Names and shapes are checked strictly before anything is copied (ValueError naming them).
         """
         with self._holding():
-            if self._fp8 is None:
-                load_weights(self._live_model(), state_dict)
-            else:       # FP8 bytes and scales as sent, or quantized here from plain weights; then dequantized
-                state_dict = fp8.as_quantized(state_dict, self.dtype)
-                copy_checked(self._held(), state_dict)
-                self._apply_fp8(state_dict)
+            self._load_state_dict(state_dict)
             self._version = int(version)
         log.info("weights_updated", version=self._version)
 
-    def swap_weights(self, state_dict: Mapping[str, Tensor], version: int) -> dict[str, Any]:
-        """New weights without waiting for the generate call running (--fully-async): its requests pause
-        at the next token boundary (between a token's sampling and the forward that feeds it back), the
-        weights are loaded, and they go on under `version`; each later token records it
-        (`Generation.token_versions`). An idle engine loads them at once. Their KV cache (the prompt's
-        and the tokens so far) stays as the old weights computed it: the tokens after the swap are
-        sampled from the new weights over the old cache, and their logprobs are what was sampled from.
-        Returns {"paused_requests": rows in flight at the swap (0: idle), "waited_s": time to the boundary}."""
-        t0 = time.monotonic()
-        done = threading.Event()
-        with self._swap_lock:                  # one swap at a time
-            self._swap = (state_dict, int(version), done)
-            while not done.wait(SWAP_POLL_S):
-                if self._lock.acquire(blocking=False):      # no call running (or it ended before the boundary)
-                    try:
-                        self._apply_swap(paused_rows=0)
-                    finally:
-                        self._lock.release()
-        paused = self._swap_paused
-        log.info("weights_swapped", version=int(version), paused_requests=paused)
-        return {"paused_requests": paused, "waited_s": round(time.monotonic() - t0, 6), "version": int(version)}
+    def _load_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        if self._fp8 is None:
+            load_weights(self._live_model(), state_dict)
+        else:       # FP8 bytes and scales as sent, or quantized here from plain weights; then dequantized
+            state_dict = fp8.as_quantized(state_dict, self.dtype)
+            copy_checked(self._held(), state_dict)
+            self._apply_fp8(state_dict)
 
-    def _apply_swap(self, paused_rows: int) -> None:
-        """Under the model lock: load the pending swap's weights, if one is pending."""
-        pending, self._swap = self._swap, None
-        if pending is None:
-            return
-        state_dict, version, done = pending
-        load_weights(self._live_model(), state_dict)
-        self._version = version
-        self._swap_paused = paused_rows
-        done.set()
+    def _load_swapped(self, state_dict: Mapping[str, Tensor]) -> None:
+        """An in-flight swap's weights (`EngineGuard.swap_weights`), loaded as `update_weights` loads them."""
+        self._load_state_dict(state_dict)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport): copied into the
@@ -277,9 +245,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
                 cache.batch_select_indices(idx)
                 attn, tokens, next_pos = attn[idx], tokens[idx], next_pos[idx]
                 rows = [r for r, k in zip(rows, keep.tolist()) if k]
-            if self._swap is not None:      # a token boundary: the rows in flight pause for new weights
-                self._apply_swap(paused_rows=len(rows))
-                swapped = True
+            if self._swap is not None and self._take_swap(paused=len(rows)):   # a token boundary: the rows
+                swapped = True                                                 # in flight pause for new weights
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
             logits_version = self._version
             logits = self._forward(model, tokens[:, None], attn, next_pos[:, None], cache)

@@ -39,6 +39,33 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def workspace_bytes(*, rows: int, vocab: int, hidden: int, intermediate: int, q_size: int, elem: int,
+                    prefill_tokens: int, moe: tuple[int, int, int] | None = None, reserve: int = 0) -> int:
+    """Memory the KV cache must leave free: logits, noise and sampling temporaries for `rows` rows, one
+    prefill's activations (`prefill_tokens` tokens: a batch of whole prompts or a piece of a long one),
+    an MoE model's sorted copies of each (token, expert) pair (`moe`: top-k, the experts' intermediate
+    size, experts), and a fixed `reserve` (CUDA context, cuBLAS workspaces, graph pools)."""
+    sampling = rows * vocab * (elem + 4 * 4)
+    prefill = prefill_tokens * (3 * intermediate + 6 * hidden + 3 * q_size) * elem
+    if moe is not None:
+        top_k, moe_intermediate, n_experts = moe
+        prefill += prefill_tokens * top_k * (3 * moe_intermediate + 3 * hidden) * elem + prefill_tokens * n_experts * 4
+    return sampling + prefill + reserve
+
+
+def shared_plan_bytes(total_bytes: int, weight_bytes: int) -> int:
+    """The memory an engine sharing its GPU with a resident trainer (--colocate --no-offload-rollout) plans
+    its KV cache from, in place of what is free when it starts (which depends on how far the trainer has
+    got): the GPU's total less its own weights. The cache takes --rollout-mem-fraction of it, the trainer
+    what the engine leaves (`shared_engine_bytes`)."""
+    return max(0, total_bytes - weight_bytes)
+
+
+def shared_engine_bytes(*, total_bytes: int, weight_bytes: int, mem_fraction: float, workspace: int) -> int:
+    """All an engine sharing its GPU holds: its weights, its KV cache and its workspace."""
+    return weight_bytes + int(shared_plan_bytes(total_bytes, weight_bytes) * mem_fraction) + workspace
+
+
 def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_per_position: int,
                    model_limit: int | None, max_context_len: int | None, workspace_bytes: int) -> int:
     """Positions per slot (max_len) of a KV cache of `slots` sequences in mem_fraction of free memory.

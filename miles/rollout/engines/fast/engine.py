@@ -27,10 +27,18 @@ stall the others.
 Greedy outputs equal the unchunked engine's (the logits agree to float rounding); sampled ones
 for a seed are reproducible but not the unchunked engine's, whose first draws come at other steps.
 
-Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on two
-threads, a lock keeps one model call at a time, each turn of the loop stamps a heartbeat that
-`health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
+Health and abort (`miles.rollout.engines.guard`, as the embedded engine): the actor runs on three
+threads (the third for an in-flight swap), a lock keeps one model call at a time, each turn of the
+loop stamps a heartbeat that `health()` reads, and `abort()` makes a running call return at its next turn (the unfinished
 requests end with "abort" and what they generated).
+
+In-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async; `EngineGuard.swap_weights` on a
+third actor thread): a pending swap is taken at the top of the loop, between two decode steps, where
+every running sequence has sampled its last token and not fed it back; the weights are copied in
+place (the captured graphs stay valid) and every forward from that step on (decode steps, prefills,
+pieces of long prompts) is the new version's. The KV cache stays: K/V already written were computed
+by the old weights. Each request's tokens get their versions from the step they were sampled at
+(`_Call.token_versions`: the first token at its prefill's step s, token j at decode step s + j - 1).
 
 Decode steps over (batch bucket, span bucket) are captured as CUDA graphs on first use; weights
 are updated in place, so the graphs stay valid. `cuda_graph=False` runs the same steps eagerly,
@@ -64,7 +72,8 @@ from miles.rollout.engines.fast import attention as fast_attention
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
 from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
-                                      plan_positions, plan_slots, span_buckets)
+                                              plan_positions, plan_slots, shared_plan_bytes, span_buckets,
+                                              workspace_bytes)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
                                                  make_sampler, race, stop_table)
@@ -97,7 +106,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", model=None):
+                 kv_cache_dtype: str = "auto", shared_gpu: bool = False, model=None):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -112,7 +121,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         `quantization` "fp8" (--rollout-quantization):
         the decoder's Linear weights in e4m3 with 128 x 128 block scales (`miles.weights.fp8`; an FP8
         checkpoint loads as it is); `kv_cache_dtype` "fp8_e4m3" (--kv-cache-dtype): K/V stored in e4m3
-        with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention."""
+        with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention;
+        `shared_gpu` (--colocate --no-offload-rollout: a trainer resident on the same GPU): the KV cache
+        is planned from the GPU's total memory less the engine's weights (`shared_plan_bytes`), not from
+        what is free when the engine starts, so its share does not depend on how far the trainer got."""
         from transformers import AutoConfig
 
         self._init_guard()
@@ -133,6 +145,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._load(model_path, seed, model)
         cuda = self.device.type == "cuda"
         free, per_position = free_memory(self.device), self.arch.kv_bytes_per_position(self.cache_dtype)
+        self.shared_gpu = shared_gpu and cuda
+        if self.shared_gpu:
+            weights = sum(t.numel() * t.element_size() for t in self._weights.named.values())
+            free = shared_plan_bytes(torch.cuda.mem_get_info(self.device)[1], weights)
         if context_len is not None and max_context_len is None:
             needed = context_len if self._max_positions is None else min(context_len, self._max_positions)
             slots = plan_slots(free_bytes=free, mem_fraction=mem_fraction, max_slots=max_batch_size,
@@ -194,19 +210,15 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
 
     def _workspace_bytes(self) -> int:
-        """Memory the KV cache must leave free: logits, noise and sampling temporaries for a full
-        batch, one prefill's activations (a batch of whole prompts or a piece of a long one), and a
-        fixed reserve."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        rows = self.max_batch_size + 1
-        sampling = rows * self.arch.vocab * (elem + 4 * 4)
-        tokens = max(PREFILL_TOKENS, self.chunked_prefill_size)
-        prefill = tokens * (3 * self.arch.intermediate + 6 * self.arch.hidden + 3 * self.arch.q_size) * elem
+        """Memory the KV cache must leave free (`workspace_bytes`) for a full batch and this engine's
+        prefill size."""
         moe = self._weights.moe
-        if moe is not None:     # the experts' sorted copies of each (token, expert) pair: input, gate+up, output
-            prefill += tokens * moe.top_k * (3 * moe.intermediate + 3 * self.arch.hidden) * elem + \
-                tokens * moe.n_experts * 4
-        return sampling + prefill + (RESERVE_BYTES if self.device.type == "cuda" else 0)
+        return workspace_bytes(rows=self.max_batch_size + 1, vocab=self.arch.vocab, hidden=self.arch.hidden,
+                               intermediate=self.arch.intermediate, q_size=self.arch.q_size,
+                               elem=torch.empty((), dtype=self.dtype).element_size(),
+                               prefill_tokens=max(PREFILL_TOKENS, self.chunked_prefill_size),
+                               moe=None if moe is None else (moe.top_k, moe.intermediate, moe.n_experts),
+                               reserve=RESERVE_BYTES if self.device.type == "cuda" else 0)
 
     def _pick_experts(self) -> str:
         """"grouped" (one torch._grouped_mm per projection, capturable) where it runs and agrees with the
@@ -339,8 +351,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                                                moe.top_k), dtype=torch.int16, device=self.device)
         except torch.cuda.OutOfMemoryError as e:
             self._cache = self._logits = self._noise = self._forward.decode_routed = None
+            shared = "" if not self.shared_gpu else (
+                " (it shares the GPU with a resident trainer: --rollout-mem-fraction is its share of the GPU's "
+                "memory less its weights, and the trainer holds more than the rest)")
             raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
-                             f"does not fit in the memory free now; free memory first (a colocated trainer?) "
+                             f"does not fit in the memory free now{shared}; free memory first (a colocated trainer?) "
                              f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
 
     # --- tokenizer accessors -------------------------------------------------------------------
@@ -357,12 +372,19 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         """Copy the trainer's `model_weights` dict (HF names, any device/dtype) into the engine's own
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
-        with self._holding(), torch.inference_mode():      # the engine's tensors may be inference tensors
+        with self._holding():
+            self._load_swapped(state_dict)
+            self._version = int(version)
+        log.info("weights_updated", version=self._version)
+
+    def _load_swapped(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Copy into the engine's tensors in place (the lock held): `update_weights`, and an in-flight swap
+        (`EngineGuard.swap_weights`) between two decode steps, where the captured graphs, which read the
+        weights by address, stay valid."""
+        with torch.inference_mode():      # the engine's tensors may be inference tensors
             if self.quantization == "fp8":
                 state_dict = fp8.as_quantized(state_dict, self.dtype)
             copy_checked(self._live_weights().named, state_dict)
-            self._version = int(version)
-        log.info("weights_updated", version=self._version)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport), copied in place into
@@ -460,8 +482,16 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
                                routing_to_host_seconds=t_routed, fp8_kernel=self.fp8_kernel,
                                kv_cache_dtype=str(self.cache_dtype))
-        return [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
+        gens = [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
+        if call.swaps:      # weights swapped in flight: each request's tokens by the version that gave them
+            for req, g in enumerate(gens):
+                if req in call.started and g.response_ids:
+                    versions = call.token_versions(req, len(g.response_ids), version)
+                    g.weight_version = versions[0]      # its oldest (the embedded engine's: the call's)
+                    g.token_versions = versions if len(set(versions)) > 1 else None
+            self.last_stats["swaps"] = [v for _, v in call.swaps]
+        return gens
 
     def _check(self, prompts: list[list[int]], params: SamplingParams, caps: list[int]) -> None:
         # the embedded engine's checks and messages (it reads only _vocab_size and _max_positions)
@@ -485,6 +515,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._heartbeat = time.monotonic()
             if self._abort_epoch != epoch:
                 return step
+            # a token boundary for every running sequence (its last token sampled, not fed back yet): a
+            # pending in-flight swap loads here, and every forward from this step on is the new version's
+            if self._swap is not None and self._take_swap(paused=table.busy()):
+                call.swaps.append((step, self._version))
             checkpoint = step % CHECK_EVERY == SNAPSHOT_LAG
             if pending and checkpoint:
                 active, newest = self._snapshot.read()
@@ -551,6 +585,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 chunk = []
             chunk.append((req, slot))
             table.start(slot, len(call.prompts[req]), step, req, call.caps[req])
+            call.started[req] = step
         if chunk:
             self._prefill(chunk, call)
 
@@ -590,6 +625,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             routed = routed.expand(2, *routed.shape[1:])
         self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call, routed)
         table.start(slot, len(prompt), step, req, call.caps[req])
+        call.started[req] = step
 
     def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call,
                       routed: Tensor | None = None) -> None:
@@ -668,6 +704,22 @@ class _Call:
         self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)
         self.pieces = 0     # prefill forwards of pieces of long prompts
+        self.started: dict[int, int] = {}           # request -> the step of its first token (its prefill's)
+        self.swaps: list[tuple[int, int]] = []      # (step, version): in-flight swaps taken during the call
+
+    def token_versions(self, req: int, n: int, version: int) -> list[int]:
+        """The version of each of request `req`'s first `n` tokens (`version`: the call's at its start).
+        Its first token comes from the prefill at its start step s, token j >= 1 from the decode step
+        s + j - 1; a swap taken at step t is the version of every forward of steps >= t."""
+        s = self.started[req]
+        out = []
+        for j in range(n):
+            at, v = s + max(j - 1, 0), version
+            for t, new in self.swaps:
+                if t <= at:
+                    v = new
+            out.append(v)
+        return out
 
 
 class _StopWatch:

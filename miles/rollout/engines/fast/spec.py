@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.engines.embedded.spec import options as embedded_options
-from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsMemoryRelease,
-                                    SupportsWeightBucketLoad)
+from miles.rollout.protocol import (EngineSpec, SupportsAbort, SupportsHealth, SupportsInFlightWeightSwap,
+                                    SupportsMemoryRelease, SupportsWeightBucketLoad)
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
@@ -28,7 +28,8 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     prefill piece (--rollout-chunked-prefill-size, when given), and the positions every request may
     need (`context_len`, `_context_len`), which sizes the slots to the K/V: for rollouts and for evals,
     their context cap (--rollout-max-context-len, --eval-max-context-len: the engine caps each response
-    by it) or their prompt limit + their longest response, whichever is smaller."""
+    by it) or their prompt limit + their longest response, whichever is smaller; `shared_gpu` when a
+    trainer stays resident on the engine's GPU (--colocate --no-offload-rollout)."""
     r = cfg.rollout
     out = {**embedded_options(cfg), "cuda_graph": r.cuda_graph, "torch_compile": r.torch_compile,
            "attention_kernel": r.attention_kernel}
@@ -39,6 +40,8 @@ def options(cfg: RunConfig) -> dict[str, Any]:
     context_len = _context_len(cfg)
     if context_len is not None:
         out["context_len"] = context_len
+    if cfg.cluster.shares_gpu_resident:
+        out["shared_gpu"] = True
     return out
 
 
@@ -83,11 +86,37 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
                         "use --rollout-engine embedded (transformers)")
 
 
-# two threads: health and abort are answered while a generate call runs (the engine guards its model)
+def shared_gpu_bytes(cfg: RunConfig, total_bytes: int, weight_bytes: int) -> int:
+    """The KV cache and workspace the engine holds beside a resident trainer: --rollout-mem-fraction of the
+    GPU less its weights (`cache.shared_plan_bytes`), and the workspace its batch and prefill sizes need."""
+    from transformers import AutoConfig
+
+    from miles.rollout.engines.fast.cache import shared_engine_bytes, workspace_bytes
+    from miles.rollout.engines.fast.engine import PREFILL_TOKENS, RESERVE_BYTES
+    from miles.rollout.engines.fast.model import Arch
+
+    config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
+    arch, r = Arch.from_config(config), cfg.rollout
+    experts = getattr(config, "num_experts", None)
+    moe = (config.num_experts_per_tok, config.moe_intermediate_size, experts) if experts else None
+    workspace = workspace_bytes(rows=(r.max_batch_size or MAX_BATCH_SIZE) + 1, vocab=arch.vocab, hidden=arch.hidden,
+                                intermediate=arch.intermediate, q_size=arch.q_size,
+                                elem=4 if cfg.model.dtype == "float32" else 2,
+                                prefill_tokens=max(PREFILL_TOKENS, r.chunked_prefill_size or CHUNKED_PREFILL_SIZE),
+                                moe=moe, reserve=RESERVE_BYTES)
+    fraction = MEM_FRACTION if r.mem_fraction is None else r.mem_fraction
+    return shared_engine_bytes(total_bytes=total_bytes, weight_bytes=weight_bytes, mem_fraction=fraction,
+                               workspace=workspace) - weight_bytes
+
+
+# three threads: health, abort and an in-flight weight swap (--fully-async: taken between two decode steps)
+# are answered while a generate call runs (the engine guards its model)
 SPEC = EngineSpec(engine="miles.rollout.engines.fast.engine:FastEngine", options=options, check=check,
-                  capabilities=(SupportsWeightBucketLoad, SupportsMemoryRelease, SupportsHealth, SupportsAbort),
-                  actor_threads=2, refuses=refusal,
+                  capabilities=(SupportsWeightBucketLoad, SupportsMemoryRelease, SupportsHealth, SupportsAbort,
+                                SupportsInFlightWeightSwap),
+                  actor_threads=3, refuses=refusal,
                   defaults={"max_batch_size": MAX_BATCH_SIZE, "mem_fraction": MEM_FRACTION,
                             "chunked_prefill_size": CHUNKED_PREFILL_SIZE},
                   weights_on_release="kept",  # updates copy into them in place (the captured graphs stay valid)
-                  routing_replay=True)        # Qwen3-MoE: each sampled token's experts (miles.rollout.engines.fast.moe)
+                  routing_replay=True,        # Qwen3-MoE: each sampled token's experts (miles.rollout.engines.fast.moe)
+                  shared_gpu_bytes=shared_gpu_bytes)
