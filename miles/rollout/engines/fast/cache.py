@@ -28,6 +28,8 @@ from torch import Tensor
 log = structlog.get_logger().bind(role="engine", engine="fast")
 
 GiB = 1 << 30
+PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
+RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 MIN_POSITIONS = 16       # a cache that holds fewer positions per slot is surely a misconfiguration
 POSITION_ALIGN = 64      # automatic max_len is rounded down to this (aligned cache rows)
 

@@ -71,9 +71,9 @@ from torch import Tensor
 from miles.rollout.engines.fast import attention as fast_attention
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
-from miles.rollout.engines.fast.cache import (DecodeGraphs, GiB, KVCache, Snapshot, batch_buckets, bucket, free_memory,
-                                              plan_positions, plan_slots, shared_plan_bytes, span_buckets,
-                                              workspace_bytes)
+from miles.rollout.engines.fast.cache import (PREFILL_TOKENS, RESERVE_BYTES, DecodeGraphs, GiB, KVCache, Snapshot,
+                                              batch_buckets, bucket, free_memory, plan_positions, plan_slots,
+                                              shared_plan_bytes, span_buckets, workspace_bytes)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
                                                  make_sampler, race, stop_table)
@@ -94,8 +94,6 @@ SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the 
 # newest tokens per slot copied with each snapshot when a call has stop strings: more than a slot makes
 # between two snapshots (CHECK_EVERY decode steps and a prefill's first token)
 STOP_WINDOW = 2 * CHECK_EVERY
-PREFILL_TOKENS = 8192    # padded prompt tokens per prefill forward (bounds its activations)
-RESERVE_BYTES = GiB // 2  # CUDA context, cuBLAS workspaces, graph pools
 GROUPED_TOLERANCE = 0.05  # relative max difference of the grouped experts from the loop's at start-up (bf16 sums)
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}   # --kv-cache-dtype (None: the model's dtype)
 

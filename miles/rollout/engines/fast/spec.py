@@ -91,8 +91,7 @@ def shared_gpu_bytes(cfg: RunConfig, total_bytes: int, weight_bytes: int) -> int
     GPU less its weights (`cache.shared_plan_bytes`), and the workspace its batch and prefill sizes need."""
     from transformers import AutoConfig
 
-    from miles.rollout.engines.fast.cache import shared_engine_bytes, workspace_bytes
-    from miles.rollout.engines.fast.engine import PREFILL_TOKENS, RESERVE_BYTES
+    from miles.rollout.engines.fast.cache import PREFILL_TOKENS, RESERVE_BYTES, shared_engine_bytes, workspace_bytes
     from miles.rollout.engines.fast.model import Arch
 
     config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
