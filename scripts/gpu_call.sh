@@ -81,7 +81,9 @@ for step in "$@"; do
     script:*) n=${step#script:}; k=${n//[.-]/_}; av=ARGS_$k; sv=S_$k   # script:moe_rollout_gpu runs scripts/bench/moe_rollout_gpu.py
         timeout ${!sv:-300} python3 scripts/bench/$n.py --out $OUT/$n.json ${!av:-} > $OUT/$n.log 2>&1; echo "rc=$?"; tail -c 4000 $OUT/$n.log ;;
     basebench) # the colocated bench on the tree BASE_TREE names (`git archive BASE miles machines scripts | tar -x -C bench-base`, untracked), then on this tree
-        for side in base head; do [ $side = base ] && dir=$PWD/bench-base || dir=$PWD
+        # BASEBENCH_ORDER (default "base head"): e.g. "head base" checks the order's own effect (the second side
+        # finds the first's compile caches and a warmer GPU); a side named twice writes basebench-SIDE.json twice
+        for side in ${BASEBENCH_ORDER:-base head}; do [ $side = base ] && dir=$PWD/bench-base || dir=$PWD
           (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${BASEBENCH_S:-150} python3 scripts/bench/grpo_step_gpu.py --skip-trl --miles-iters ${BASEBENCH_ITERS:-9} \
             --side-timeout-s $((${BASEBENCH_S:-150} - 10)) --out /tmp/bb-$side > $OUT/basebench-$side.json 2> $OUT/basebench-$side.log)
           echo "--- $side rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})" $OUT/basebench-$side.json 2>&1 | tail -3
