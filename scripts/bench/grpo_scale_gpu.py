@@ -57,7 +57,7 @@ Printed JSON: the workload, its goal verdicts, then `grpo_step_gpu`'s miles / tr
 
 Usage (on the GPU machine, from the checkout, after installing the .whl wheels):
   PYTHONPATH=$PWD python3 scripts/bench/grpo_scale_gpu.py --workload 1.7b-1k [--miles-iters 4] [--out DIR]
-      [--miles-flags "..."] [--no-recompute] [--skip-trl] [--side-timeout-s 550]
+      [--miles-flags "..." | --add-miles-flags "..."] [--no-recompute] [--skip-trl] [--side-timeout-s 550]
 A CPU smoke test of the script only: --workload smoke --device cpu --model FOLDER --skip-trl, FOLDER a
 model of at least 72 positions (64-token prompts + 8), e.g. the tests' tiny model
 (`python -c "from tests.tiny_model import make_tiny_model; make_tiny_model('/tmp/tiny')"`; the demo's has 64).
@@ -267,6 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--miles-iters", type=int, default=4, help="miles rollouts (the first warms up)")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first warms up)")
     p.add_argument("--miles-flags", default=None, help="replace the workload's miles flags")
+    p.add_argument("--add-miles-flags", default="", help="append to the workload's miles flags, e.g. the FP8 KV cache: "
+                   "--add-miles-flags=--kv-cache-dtype=fp8_e4m3 (one word: gpu_call.sh splits SCALE_ARGS on spaces)")
     p.add_argument("--side-timeout-s", type=float, default=550.0, help="wall-clock bound of each side")
     p.add_argument("--no-recompute", action="store_true",
                    help="train without --recompute-activations (and so packed: see the packing section of the docs)")
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     family, size, prompts, samples, new_tokens, micro, with_trl, extra = WORKLOADS[s.workload]
     if (s.r3_effect or s.layers) and family != "qwen3_moe":
         raise SystemExit(f"--r3-effect and --layers are for the MoE workloads, not {s.workload}")
-    flags = s.miles_flags if s.miles_flags is not None else f"{BASE_FLAGS} {extra}"
+    flags = f"{s.miles_flags if s.miles_flags is not None else f'{BASE_FLAGS} {extra}'} {s.add_miles_flags}".strip()
     if s.no_recompute:
         flags = " ".join(f for f in flags.split() if f != "--recompute-activations")
     a = step.parse_args(["--prompts", str(prompts), "--samples", str(samples), "--new-tokens", str(new_tokens),
