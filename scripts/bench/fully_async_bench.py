@@ -14,6 +14,8 @@ Per machine, from its trace and metrics:
   trainer_idle_fraction  1 - the train phases' time / the loop's time
   train_s_per_step       the train phase's mean duration (on a CPU it shows what the engines generating
                          beside the trainer cost it: they share the cores)
+  cpu_threads            a CPU run's torch threads per actor, from the trace's `placement` (the trainer
+                         gets the cores the engines leave it when they overlap: cpu_thread_budget)
 and speedup_vs_sync: each machine's trained tokens per second over sync's (the issue's goal: fully_async
 >= 1.5x). With --repeat K each machine runs K times in rotating order; the medians are compared.
 
@@ -117,6 +119,7 @@ def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
             "trainer_idle_fraction": round(1 - _busy(phases["train"], init_end, drain_start) / loop, 3),
             "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"]), 4),
             "staleness_max": max(r.get("staleness_max", 0) for r in rows),
+            "cpu_threads": next(iter(trace.of("placement"))).get("cpu_threads"),   # the placement's budget (CPU)
             "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
 
 
