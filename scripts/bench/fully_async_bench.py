@@ -21,7 +21,8 @@ and speedup_vs_sync: each machine's trained tokens per second over sync's (the i
 
 Usage:
   python scripts/bench/fully_async_bench.py [--repeat K] [--device cpu|cuda] [--runs-dir DIR]
-      [--max-len N] [--stop-ids K] [--steps N] [--engines E] [-- extra miles flags ...]
+      [--max-len N] [--stop-ids K] [--steps N] [--engines E] [--fully-async-flags '...']
+      [-- extra miles flags ...]
 CPU by default (the tests' tiny model and addition task, built in a temp dir). `--device cuda` runs the
 same on the GPU machine (give --hf-checkpoint/--prompt-data after `--` for a real model; on one GPU
 pass the layout the code allows, e.g. `-- --rollout-num-gpus 1 --actor-num-gpus-per-node 1` with two
@@ -68,12 +69,13 @@ def machine_flags(machine: str) -> list[str]:
     return []
 
 
-def run_machine(machine: str, flags: list[str], run_dir: Path) -> dict:
+def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[str] = ()) -> dict:
     from miles.api.launch import train
     from miles.config.flags import parse_flags
     from miles.runtime import read_trace, with_disposer
 
-    cfg, _ = parse_flags([*flags, *machine_flags(machine), "--run-dir", str(run_dir), "--trace-console", "off"])
+    own = [*machine_flags(machine), *(fa_extra if machine == "fully_async" else ())]
+    cfg, _ = parse_flags([*flags, *own, "--run-dir", str(run_dir), "--trace-console", "off"])
     t0 = time.monotonic()
     asyncio.run(with_disposer(train, cfg, machine=machine))
     wall = time.monotonic() - t0
@@ -133,6 +135,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="--num-rollout of each run")
     p.add_argument("--engines", type=int, default=2, help="--rollout-num-engines")
     p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
+    p.add_argument("--fully-async-flags", default="", help="more flags for the fully_async machine alone, "
+                   "e.g. '--async-max-concurrent-samples 128' (the others refuse them)")
     args, extra = p.parse_known_args()
     extra = [f for f in extra if f != "--"]
     import ray
@@ -150,12 +154,12 @@ def main() -> None:
             results = []
             for i in range(args.repeat):
                 order = machines[i % len(machines):] + machines[:i % len(machines)]
-                results += [run_machine(m, flags, root / f"{m}-{i}") for m in order]
+                results += [run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split()) for m in order]
         finally:
             ray.shutdown()
     median = {m: statistics.median(r["trained_tokens_per_s"] for r in results if r["machine"] == m) for m in machines}
     base = median.get("sync")
-    out = {"flags": flags, "device": args.device, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+    out = {"flags": flags, "fully_async_flags": args.fully_async_flags.split(), "device": args.device, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
            "results": results, "median_trained_tokens_per_s": median,
            "speedup_vs_sync": {m: round(v / base, 3) for m, v in median.items()} if base else None}
     print(json.dumps(out, indent=2))
