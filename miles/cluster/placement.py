@@ -29,7 +29,7 @@ have them) goes into the bundles too, once per actor living in each: an actor in
 use what its bundle holds.
 `plan_placement` is pure; `PlacementGroupResource` is the thin Ray layer (create, wait, remove).
 
-The CPU threads (`cpu_thread_budget`, a CPU run on a local cluster: every actor on this machine's cores):
+The CPU threads (`cpu_thread_budget`, a CPU run whose Ray cluster is this machine alone: every actor on its cores):
 Ray starts every miles actor with one torch thread (they ask for 0 CPUs). A CPU engine keeps that one
 (miles.training.torch.threads says why); the trainer's ranks take the machine's cores, split between
 them, when they train alone (the sync machine: the engines wait while the trainer steps), and the
@@ -39,7 +39,9 @@ barrier that waits for its slowest thread, and a thread that an engine has pushe
 every region (measured, 2-core VM, fully_async, two engines: a trainer of two threads took 0.49 s a
 train phase, of one thread 0.24 s; docs/performance.md). The budget is traced (`placement`'s
 `cpu_threads`) and reaches the trainer's and the critic's processes in their environment
-(`CPU_THREADS_ENV`); each logs the threads it took (`trainer_ready`).
+(`CPU_THREADS_ENV`; `--train-env-vars '{"MILES_CPU_THREADS": "N"}'` overrides it); each logs the
+threads it took (`trainer_ready`, `engine_ready`). On a cluster of other machines each actor takes
+its own node's cores, as before (miles.training.torch.threads).
 """
 
 from __future__ import annotations
