@@ -106,6 +106,24 @@ def world_writable(root: Path) -> list[str]:
     return out
 
 
+def assert_cpu_threads(run_dir: Path, trace, *, overlapped: bool) -> None:
+    """A CPU run on this machine: the placement's thread budget (miles.cluster.placement.cpu_thread_budget)
+    is traced, and the trainer and each engine computed with the threads it gives them (their logs)."""
+    from miles.runtime.procs import usable_cores
+
+    [placement] = trace.of("placement")
+    cores, engines = usable_cores(), len(placement.get("engines"))
+    trainer = max(1, cores - engines) if overlapped else cores
+    assert placement.get("cpu_threads") == {"cores": cores, "overlapped": overlapped, "trainer": trainer, "engine": 1}
+    ready = {}
+    for log in (run_dir / "logs").glob("*.jsonl"):
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("event") in ("trainer_ready", "engine_ready"):
+                ready[log.stem] = row.get("cpu_threads")
+    assert ready == {"trainer-0": trainer, **{f"engine-{i}": 1 for i in range(engines)}}, ready
+
+
 def base_flags(task: dict, run_dir: Path, **extra: object) -> list[str]:
     flags = {"hf-checkpoint": task["model"], "prompt-data": task["train"], "label-key": "label",
              "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 4,

@@ -28,6 +28,20 @@ A CPU run has no placement group and every actor asks for 0 GPUs: today's layout
 have them) goes into the bundles too, once per actor living in each: an actor in a bundle can only
 use what its bundle holds.
 `plan_placement` is pure; `PlacementGroupResource` is the thin Ray layer (create, wait, remove).
+
+The CPU threads (`cpu_thread_budget`, a CPU run whose Ray cluster is this machine alone: every actor on its cores):
+Ray starts every miles actor with one torch thread (they ask for 0 CPUs). A CPU engine keeps that one
+(miles.training.torch.threads says why); the trainer's ranks take the machine's cores, split between
+them, when they train alone (the sync machine: the engines wait while the trainer steps), and the
+cores the engines leave them, at least one thread each, when the engines generate beside them (the
+async and fully_async machines). More threads than cores is the trap: a parallel region ends at a
+barrier that waits for its slowest thread, and a thread that an engine has pushed off its core stalls
+every region (measured, 2-core VM, fully_async, two engines: a trainer of two threads took 0.49 s a
+train phase, of one thread 0.24 s; docs/performance.md). The budget is traced (`placement`'s
+`cpu_threads`) and reaches the trainer's and the critic's processes in their environment
+(`CPU_THREADS_ENV`; `--train-env-vars '{"MILES_CPU_THREADS": "N"}'` overrides it); each logs the
+threads it took (`trainer_ready`, `engine_ready`). On a cluster of other machines each actor takes
+its own node's cores, as before (miles.training.torch.threads).
 """
 
 from __future__ import annotations
@@ -114,6 +128,30 @@ class PlacementPlan:
 
 
 CPU_ACTOR = Placement(bundle=None, num_gpus=0)
+ENGINE_CPU_THREADS = 1          # a CPU engine's torch threads: Ray's one, kept (miles.training.torch.threads)
+
+
+@dataclass(frozen=True)
+class CpuThreads:
+    """The torch threads of a CPU run's actors: each trainer (and critic) rank's, each engine's."""
+    cores: int                          # the machine's cores the run's actors share
+    overlapped: bool                    # the engines generate while the trainer trains (async, fully_async)
+    trainer: int
+    engine: int = ENGINE_CPU_THREADS
+
+    def describe(self) -> dict[str, int | bool]:
+        return {"cores": self.cores, "overlapped": self.overlapped, "trainer": self.trainer, "engine": self.engine}
+
+
+def cpu_thread_budget(plan: PlacementPlan, *, cores: int, overlapped: bool, ranks: int = 1) -> CpuThreads | None:
+    """The threads of each actor of a CPU `plan` on a machine of `cores` cores (None on GPUs: the
+    devices compute). The trainer's `ranks` split the cores, less the engines' threads when the engines
+    generate beside them (`overlapped`), one thread each at least."""
+    if plan.bundles:
+        return None
+    ranks = max(1, ranks)
+    held = ENGINE_CPU_THREADS * plan.num_engines if overlapped else 0
+    return CpuThreads(cores=cores, overlapped=overlapped, trainer=max(1, (cores - held) // ranks))
 
 
 def placement_request(cfg: "RunConfig", *, use_gpus: bool, cores: int = 1) -> PlacementRequest:
@@ -259,6 +297,7 @@ class RunPlacement:
     """The run's plan and its placement group (None on CPU): what each actor asks Ray for."""
     plan: PlacementPlan
     group: PlacementGroupResource | None = None
+    threads: CpuThreads | None = None       # a CPU run's torch threads per actor (cpu_thread_budget)
 
     @property
     def gpus(self) -> bool:

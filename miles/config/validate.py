@@ -14,6 +14,7 @@ from typing import Any
 from miles.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_TYPES,
                                     TOKEN_LEVEL_ESTIMATORS)
 from miles.runtime.machine import STATES, MachineDef
+from miles.runtime.procs import CPU_THREADS_ENV
 from miles.types import sampling_problems
 
 from .checks import check, run_checks
@@ -282,6 +283,10 @@ def _train_env_vars(cfg: RunConfig, problems: list[str]) -> None:
         elif not isinstance(value, str):
             problems.append(f"--train-env-vars {name}: {json.dumps(value)} is not a string; values are "
                             f"strings, as in a process environment: write \"{name}\": {json.dumps(str(value))}")
+        elif name == CPU_THREADS_ENV and not (value.strip().isdigit() and int(value) > 0):
+            problems.append(f"--train-env-vars {name}: {json.dumps(value)} is not a thread count; it overrides the "
+                            "CPU trainer's torch threads (miles.cluster.placement.cpu_thread_budget): give a whole "
+                            f"number >= 1, e.g. \"{name}\": \"1\", or drop it")
 
 
 @check

@@ -30,6 +30,7 @@ from miles.rollout.protocol import EngineUnresponsive
 
 
 async def init(ctx: TrainingContext) -> str:
+    ctx.overlapped = True             # rollouts generate while the trainer trains
     trigger = await sync_init.init(ctx)
     executor, timeout = ctx.c.executor.handle, ctx.cfg.trace.teardown_timeout_s
     ctx.c.prefetch = Prefetcher(lambda r: executor.generate_split.options(num_returns=2).remote(r), ctx.tracer)

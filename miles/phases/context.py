@@ -123,6 +123,9 @@ class TrainingContext(PhaseContext):
         # the data position right after rollout r's prompts, for the last trained rollout and any rolled out since
         self.data_states: dict[int, dict[str, Any]] = {}
         self.resumed = False                           # init restored a checkpoint (--load)
+        # the engines generate while the trainer trains (the async and fully_async machines' init sets it):
+        # a CPU run's placement then splits the cores between them (miles.cluster.placement.cpu_thread_budget)
+        self.overlapped = False
         self.load_checked: dict[Path, list[str]] = {}  # --load checkpoints hashed before Ray started -> problems
         self.zero_variance_streak = 0                  # rollouts in a row whose every group had one reward
         # fully_async machine: the trainer's busy seconds since the step's clock started (its idle fraction)

@@ -37,6 +37,7 @@ PRODUCER_KEY = "fully_async"        # the producer's part of a checkpoint's data
 
 
 async def init(ctx: TrainingContext) -> str:
+    ctx.overlapped = True             # rollouts generate while the trainer trains
     trigger = await sync_init.init(ctx)
     spec = ctx.backends.engine_spec
     if not spec.supports(SupportsInFlightWeightSwap):

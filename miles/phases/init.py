@@ -33,7 +33,8 @@ from miles.checkpoint.restore import resume
 from miles.checkpoint.store import CheckpointStore
 from miles.cluster.auto_layout import AUTO_ENGINES_REASON, auto_colocate, auto_num_engines, auto_reason
 from miles.cluster.placement import (Placement, PlacementGroupResource, RunPlacement, check_actor_resources,
-                                     check_cluster, cluster_gpus, placement_request, plan_placement)
+                                     check_cluster, cluster_gpus, cpu_thread_budget, placement_request,
+                                     plan_placement)
 from miles.cluster.ray_cluster import RayCluster, driver_path
 from miles.cluster.shipping import SHIPPED_DIR, Shipment, miles_package, stage
 from miles.config import ConfigError, RunConfig, as_dict
@@ -47,7 +48,7 @@ from miles.rollout.health import start_health_monitor
 from miles.rollout.protocol import SupportsWeightBucketLoad
 from miles.rollout.supervision import make_engine
 from miles.runtime.machine import import_object
-from miles.runtime.procs import usable_cores
+from miles.runtime.procs import CPU_THREADS_ENV, usable_cores
 from miles.metrics.sinks import Tracker, open_sinks
 from miles.training.protocol import TRAIN_BACKENDS, SupportsBackgroundSave, SupportsWeightBucketExport
 
@@ -192,6 +193,8 @@ def _make_models(ctx: TrainingContext, add: Any) -> None:
     path = driver_path(cfg.model.hf_checkpoint)                   # read by the actor, on its node
     groups = _concurrency_groups(ctx)
     env = cfg.cluster.train_env_vars       # --train-env-vars: the trainer's and critic's processes, their ranks' too
+    if place.threads is not None:          # a CPU run's thread budget (cpu_thread_budget), per rank
+        env = {CPU_THREADS_ENV: str(place.threads.trainer), **(env or {})}
     ctx.c.trainer = ctx.c.cluster.actor(ctx.backends.trainer, path, name="trainer", needs={"--hf-checkpoint": path},
                                         concurrency_groups=groups, env_vars=env, **_trainer_placement(ctx),
                                         **trainer_options(cfg))
@@ -284,7 +287,10 @@ def _place(ctx: TrainingContext, add: Any, gpus: int) -> RunPlacement:
         check_cluster(plan, gpus)
         place.group = PlacementGroupResource(plan, name=f"{ctx.c.cluster.namespace}-gpus", actor_resources=resources)
         add(place.group)
+    if not plan.bundles and _on_this_machine():
+        place.threads = cpu_thread_budget(plan, cores=cores, overlapped=ctx.overlapped, ranks=cfg.cluster.trainer_ranks)
     ctx.tracer.emit("placement", gpus=use_gpus, bundles=plan.bundles, bundle_gpus=list(plan.bundle_gpus),
+                    cpu_threads=None if place.threads is None else place.threads.describe(),
                     colocate=cfg.cluster.colocate, auto_colocate=auto_reason(cfg) if auto else None,
                     auto_engines=AUTO_ENGINES_REASON.format(cores=cores) if auto_engines and plan.engines else None,
                     trainer=[p.num_gpus for p in plan.trainers], engines=[p.num_gpus for p in plan.engines])
@@ -311,6 +317,14 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
     add(ctx.c.ipc_weights)
     ctx.tracer.emit("weight_transport", transport="cuda_ipc", buckets=count, dtype=str(dtype), fp8=fp8,
                     bucket_bytes=cfg.update_weight_buffer_size)
+
+
+def _on_this_machine() -> bool:
+    """Whether the cluster is this machine alone (its one node is the driver's): then a CPU run's actors
+    share this machine's cores, and the placement splits them (cpu_thread_budget); else each actor
+    takes its own node's (miles.training.torch.threads)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:

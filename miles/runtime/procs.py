@@ -20,6 +20,9 @@ from typing import Any, Sequence
 import psutil
 
 STRAY_POLL_S = 0.02       # how often a teardown looks whether the group's strays have exited
+# the torch threads a CPU actor computes with, when its run's placement gave it a budget
+# (miles.cluster.placement.cpu_thread_budget; the actor's environment carries it, its ranks inherit it)
+CPU_THREADS_ENV = "MILES_CPU_THREADS"
 
 
 def usable_cores() -> int:

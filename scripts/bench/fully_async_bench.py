@@ -14,12 +14,15 @@ Per machine, from its trace and metrics:
   trainer_idle_fraction  1 - the train phases' time / the loop's time
   train_s_per_step       the train phase's mean duration (on a CPU it shows what the engines generating
                          beside the trainer cost it: they share the cores)
+  cpu_threads            a CPU run's torch threads per actor, from the trace's `placement` (the trainer
+                         gets the cores the engines leave it when they overlap: cpu_thread_budget)
 and speedup_vs_sync: each machine's trained tokens per second over sync's (the issue's goal: fully_async
 >= 1.5x). With --repeat K each machine runs K times in rotating order; the medians are compared.
 
 Usage:
   python scripts/bench/fully_async_bench.py [--repeat K] [--device cpu|cuda] [--runs-dir DIR]
-      [--max-len N] [--stop-ids K] [--steps N] [--engines E] [-- extra miles flags ...]
+      [--max-len N] [--stop-ids K] [--steps N] [--engines E] [--fully-async-flags '...']
+      [-- extra miles flags ...]
 CPU by default (the tests' tiny model and addition task, built in a temp dir).
 
 `--device cuda` (the GPU machine, one GPU): a random Qwen3-0.6B-shaped model (`--size 1.7b`: 1.7B), the
@@ -109,12 +112,13 @@ def machine_flags(machine: str) -> list[str]:
     return []
 
 
-def run_machine(machine: str, flags: list[str], run_dir: Path) -> dict:
+def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[str] = ()) -> dict:
     from miles.api.launch import train
     from miles.config.flags import parse_flags
     from miles.runtime import read_trace, with_disposer
 
-    cfg, _ = parse_flags([*flags, *machine_flags(machine), "--run-dir", str(run_dir), "--trace-console", "off"])
+    own = [*machine_flags(machine), *(fa_extra if machine == "fully_async" else ())]
+    cfg, _ = parse_flags([*flags, *own, "--run-dir", str(run_dir), "--trace-console", "off"])
     t0 = time.monotonic()
     asyncio.run(with_disposer(train, cfg, machine=machine))
     wall = time.monotonic() - t0
@@ -160,6 +164,7 @@ def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
             "trainer_idle_fraction": round(1 - _busy(phases["train"], init_end, drain_start) / loop, 3),
             "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"]), 4),
             "staleness_max": max(r.get("staleness_max", 0) for r in rows),
+            "cpu_threads": next(iter(trace.of("placement"))).get("cpu_threads"),   # the placement's budget (CPU)
             "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
 
 
@@ -175,6 +180,8 @@ def main() -> None:
     p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
     p.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"), help="--device cuda: the Qwen3 shape")
     p.add_argument("--mean-len", type=int, default=256, help="--device cuda: the answers' mean length (stop ids)")
+    p.add_argument("--fully-async-flags", default="", help="more flags for the fully_async machine alone, "
+                   "e.g. '--async-max-concurrent-samples 128' (the others refuse them)")
     args, extra = p.parse_known_args()
     extra = [f for f in extra if f != "--"]
     import ray
@@ -192,12 +199,12 @@ def main() -> None:
             results = []
             for i in range(args.repeat):
                 order = machines[i % len(machines):] + machines[:i % len(machines)]
-                results += [run_machine(m, flags, root / f"{m}-{i}") for m in order]
+                results += [run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split()) for m in order]
         finally:
             ray.shutdown()
     median = {m: statistics.median(r["trained_tokens_per_s"] for r in results if r["machine"] == m) for m in machines}
     base = median.get("sync")
-    out = {"flags": flags, "device": args.device, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+    out = {"flags": flags, "fully_async_flags": args.fully_async_flags.split(), "device": args.device, "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
            "results": results, "median_trained_tokens_per_s": median,
            "speedup_vs_sync": {m: round(v / base, 3) for m, v in median.items()} if base else None}
     print(json.dumps(out, indent=2))

@@ -21,7 +21,7 @@ from miles.api.faults import InjectedFault
 from miles.runtime import load_machine, read_trace, with_disposer
 from miles.traceview.check import check_trace
 from miles.cli.train import main as train_main
-from tests.conftest import base_flags, miles_actors
+from tests.conftest import assert_cpu_threads, base_flags, miles_actors
 
 pytestmark = pytest.mark.ray
 
@@ -68,6 +68,8 @@ def test_rollout_ahead_is_requested_before_training_and_one_version_old(ray_clus
     trace = read_trace(ctx.run_dir)
     assert trace.events[-1].get("outcome") == "ok"
     assert check_trace(trace, load_machine("async")).ok
+    # the engines generate beside the trainer: it takes the cores they leave it
+    assert_cpu_threads(ctx.run_dir, trace, overlapped=True)
     # r+1 is asked for before training on r starts, with the weights the engines held
     for r in (0, 1):
         assert seq_of(trace, "prefetch_start", rollout_id=r + 1) < seq_of(trace, "phase_start", state="train",

@@ -20,7 +20,7 @@ from miles.config.flags import parse_flags
 from miles.checkpoint.checkpointer import read_data_position
 from miles.runtime import load_machine, read_trace
 from miles.traceview.check import check_trace
-from tests.conftest import base_flags
+from tests.conftest import assert_cpu_threads, base_flags
 
 pytestmark = [pytest.mark.ray, pytest.mark.extended]
 
@@ -131,3 +131,4 @@ def test_demo_recipe_learns_fully_async(ray_cluster, tmp_path):
     trace = read_trace(result.run_dir)
     assert check_trace(trace, load_machine("fully_async")).ok
     assert_staleness_bounded(result.run_dir, trace)
+    assert_cpu_threads(result.run_dir, trace, overlapped=True)

@@ -17,7 +17,7 @@ import pytest
 from miles.cli import main as miles_main
 from miles.runtime import read_trace
 from miles.cli.train import main as train_main
-from tests.conftest import base_flags
+from tests.conftest import assert_cpu_threads, base_flags
 
 pytestmark = pytest.mark.ray
 
@@ -60,6 +60,7 @@ def test_a_run_shows_progress_fills_every_sink_and_logs_into_its_dir(observed_ru
 
     # sinks: registered in init as each opened, torn down in reverse, flushed by draining first
     trace = read_trace(run_dir)
+    assert_cpu_threads(run_dir, trace, overlapped=False)   # the sync machine: the trainer steps alone, on every core
     registered = [e.get("resource") for e in trace.of("registered")]
     sinks = ["metrics_writer"] + ["tensorboard"] * HAS_TB + ["wandb"] * HAS_WANDB
     locks = [f"lock --run-dir {run_dir}"]          # the run's folders: registered first, so released last

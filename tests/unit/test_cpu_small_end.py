@@ -40,3 +40,21 @@ def test_trainer_threads_in_a_ray_actor_on_the_cpu():
     assert pick_cpu_threads(on_cpu=True, in_actor=False, cores=2, current=1) is None  # a test or script: theirs
     assert pick_cpu_threads(on_cpu=False, in_actor=True, cores=2, current=1) is None  # CUDA: not the CPU's work
     assert pick_cpu_threads(on_cpu=True, in_actor=True, cores=8, current=8) is None   # already as many
+    # the placement's budget (miles.cluster.placement.cpu_thread_budget) decides, fewer threads too
+    assert pick_cpu_threads(on_cpu=True, in_actor=True, cores=2, current=2, budget=1) == 1
+    assert pick_cpu_threads(on_cpu=True, in_actor=True, cores=2, current=1, budget=1) is None
+    assert pick_cpu_threads(on_cpu=True, in_actor=True, cores=8, current=1, budget=6) == 6
+    assert pick_cpu_threads(on_cpu=True, in_actor=False, cores=2, current=2, budget=1) is None
+
+
+def test_the_placement_budget_reaches_the_trainer_through_its_environment(monkeypatch):
+    from miles.runtime.procs import CPU_THREADS_ENV
+    from miles.training.torch.threads import placement_budget
+
+    monkeypatch.delenv(CPU_THREADS_ENV, raising=False)
+    assert placement_budget() is None
+    monkeypatch.setenv(CPU_THREADS_ENV, "3")
+    assert placement_budget() == 3
+    for bad in ("0", "", "two"):
+        monkeypatch.setenv(CPU_THREADS_ENV, bad)
+        assert placement_budget() is None

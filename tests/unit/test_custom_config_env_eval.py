@@ -152,6 +152,8 @@ def test_train_env_vars_is_an_object_of_strings(tmp_path):
     cfg, _ = parse_flags(base(tmp_path) + ["--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF":"expandable_segments:True"}'])
     assert cfg.cluster.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert parse_flags(base(tmp_path))[0].cluster.train_env_vars is None
+    cfg, _ = parse_flags(base(tmp_path) + ["--train-env-vars", '{"MILES_CPU_THREADS": "1"}'])   # the budget's override
+    assert cfg.cluster.train_env_vars == {"MILES_CPU_THREADS": "1"}
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -160,6 +162,8 @@ def test_train_env_vars_is_an_object_of_strings(tmp_path):
     ('{"NCCL_DEBUG": 1}', '--train-env-vars NCCL_DEBUG: 1 is not a string; values are strings, as in a process environment: '
                           'write "NCCL_DEBUG": "1"'),
     ('{"A=B": "1"}', "--train-env-vars: 'A=B' is not an environment variable name"),
+    ('{"MILES_CPU_THREADS": "two"}', '--train-env-vars MILES_CPU_THREADS: "two" is not a thread count'),
+    ('{"MILES_CPU_THREADS": "0"}', '--train-env-vars MILES_CPU_THREADS: "0" is not a thread count'),
 ])
 def test_train_env_vars_that_are_not_an_object_of_strings_are_refused(tmp_path, value, expected):
     [problem] = problems_of(base(tmp_path) + ["--train-env-vars", value])

@@ -5,7 +5,8 @@ from collections import defaultdict
 
 import pytest
 
-from miles.cluster.placement import CPU_ACTOR, Placement, PlacementRequest, check_cluster, plan_placement
+from miles.cluster.placement import (CPU_ACTOR, CpuThreads, Placement, PlacementRequest, check_cluster,
+                                     cpu_thread_budget, plan_placement)
 from miles.config import ConfigError
 
 
@@ -14,6 +15,25 @@ def test_cpu_runs_keep_num_gpus_0_and_no_placement_group():
     assert plan.bundles == 0
     assert plan.trainers == (CPU_ACTOR,) and plan.critics == (CPU_ACTOR,) and plan.engines == (CPU_ACTOR,) * 3
     assert CPU_ACTOR == Placement(bundle=None, num_gpus=0)
+
+
+def test_cpu_threads_all_cores_to_a_trainer_alone_and_what_the_engines_leave_when_they_overlap():
+    two_engines = plan_placement(PlacementRequest(use_gpus=False, num_engines=2))
+    # sync: the engines wait while the trainer steps, which takes every core
+    assert cpu_thread_budget(two_engines, cores=2, overlapped=False) == CpuThreads(cores=2, overlapped=False,
+                                                                                  trainer=2, engine=1)
+    # async / fully_async: each engine's thread holds a core; one thread at least, never more than the cores
+    assert cpu_thread_budget(two_engines, cores=2, overlapped=True).trainer == 1
+    assert cpu_thread_budget(two_engines, cores=1, overlapped=True).trainer == 1
+    assert cpu_thread_budget(two_engines, cores=16, overlapped=True).trainer == 14
+    # the trainer's ranks split what they get (the critic takes its rank's, training in turn with it)
+    assert cpu_thread_budget(two_engines, cores=16, overlapped=True, ranks=2).trainer == 7
+    assert cpu_thread_budget(two_engines, cores=16, overlapped=False, ranks=2).trainer == 8
+    assert cpu_thread_budget(two_engines, cores=2, overlapped=False, ranks=4).trainer == 1
+    assert cpu_thread_budget(two_engines, cores=4, overlapped=True).describe() == {
+        "cores": 4, "overlapped": True, "trainer": 2, "engine": 1}
+    # on GPUs the devices compute: no budget
+    assert cpu_thread_budget(plan_placement(PlacementRequest(use_gpus=True)), cores=2, overlapped=True) is None
 
 
 def test_one_gpu_each_when_not_colocated():

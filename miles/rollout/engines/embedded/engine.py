@@ -95,7 +95,8 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         self._init_guard()
         self._weights_on_host = False        # release_memory moved them off the GPU
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
-                 quantization="fp8 (emulated: dequantized weights)" if self._fp8 is not None else None)
+                 quantization="fp8 (emulated: dequantized weights)" if self._fp8 is not None else None,
+                 cpu_threads=torch.get_num_threads() if self.device.type == "cpu" else None)
 
     # --- tokenizer accessors -------------------------------------------------------------------
     @property
