@@ -110,7 +110,8 @@ def off_policy(model_path) -> list:
     out = []
     for i, s in enumerate(SAMPLES):
         p, r = len(s.prompt.prompt_ids), len(s.response_ids)
-        out.append(sample(list(s.prompt.prompt_ids), s.response_ids, s.advantage, (lp[i, p:p + r] + noise[i, p:p + r]).tolist()))
+        out.append(sample(list(s.prompt.prompt_ids), s.response_ids, s.advantage,
+                          (lp[i, p:p + r] + noise[i, p:p + r]).tolist()))
     return out
 
 
