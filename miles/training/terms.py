@@ -10,9 +10,11 @@ reductions themselves are `miles.algorithms`'. Which function computes each term
 `PolicyObjective.__init__`; the step never looks at a name.
 
 The skipped old-logprob pass: when a rollout takes one optimizer step and nothing but the PPO ratio
-reads the pre-step logprobs (`may_skip_old_pass`), a backend may prepare without them (`train_lp`
-None); the step's own logprobs, detached, are then the old ones (ratio 1 at the step, exactly what
-the pass would have given), and the backend reports the mismatch metrics from them (`mismatch`).
+and the built-in per-token TIS weights read the pre-step logprobs (`may_skip_old_pass`), a backend may
+prepare without them (`train_lp` None); the step's own logprobs, detached, are then the old ones (ratio
+1 at the step, exactly what the pass would have given), each micro-batch computes its TIS weights
+from them and its rollout logprobs (`loss`), and the backend reports the mismatch and TIS metrics
+from them over the whole batch (`mismatch`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def _pick_terms(algorithm: AlgorithmConfig, reduce: Callable[..., Tensor]) -> tu
 
 
 def _pick_tis(algorithm: AlgorithmConfig) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, dict]] | None:
-    """--use-tis: the weights, clipped to [--tis-clip-low, --tis-clip], or --custom-tis-function-path's."""
+    """--use-tis: the weights, clipped to [--tis-clip-low, --tis-clip], or --custom-tis-function-path's.
+    The built-in ones are per token (`tis_per_token`): a micro-batch's are the whole batch's at its rows."""
     if not algorithm.use_tis:
         return None
     if algorithm.custom_tis_function_path:
@@ -283,13 +286,18 @@ class PolicyObjective:
         self._reward_kl_coef = algorithm.kl_coef
         self.uses_rollout_logprobs = algorithm.use_rollout_logprobs
         self._tis = _pick_tis(algorithm)
+        # the built-in TIS weights are per token: a micro-batch computes its own from the step's logprobs;
+        # a custom function may normalise over the whole batch, so it keeps the pass
+        self.tis_per_token = algorithm.use_tis and not algorithm.custom_tis_function_path
+        self._tis_bounds = (algorithm.tis_clip_low, algorithm.tis_clip)
         self.metric_keys = OPSM_KEYS if algorithm.use_opsm and algorithm.loss_type == "policy_loss" else ()
         # --skip-actor-forward-only: never the pass (validation refused what reads it besides the ratio);
-        # else the pre-step logprobs read for more than the PPO ratio (or not at all, SFT) keep it
+        # else the pre-step logprobs read for more than the PPO ratio and the per-token TIS weights (or not
+        # at all, SFT) keep it
         self.skips_old_pass = algorithm.skip_actor_forward_only
-        self.may_skip_old_pass = self.skips_old_pass or not (self.is_sft or self._tis is not None
-                                                             or self.uses_rollout_logprobs or self._reward_kl_coef
-                                                             or self._opd is not None)
+        self.may_skip_old_pass = self.skips_old_pass or not (
+            self.is_sft or (self._tis is not None and not self.tis_per_token) or self.uses_rollout_logprobs
+            or self._reward_kl_coef or self._opd is not None)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> Tensor:
         """[B, T] float32 logprobs of `tokens` under `logits` [B, T, V] at the rollout's temperature."""
@@ -303,9 +311,9 @@ class PolicyObjective:
         and the reference's `ref_lp` (None without one);
         returns the critic's targets (PPO, from the critic's `values`) or None, and the metrics."""
         if train_lp is None and not self.may_skip_old_pass:
-            raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio reads it "
-                             "(no --use-tis, --use-rollout-logprobs, --kl-coef, --use-opd or SFT); pass the trainer's "
-                             "logprobs")
+            raise ValueError("the old-logprob pass can be skipped only when nothing but the PPO ratio and the "
+                             "built-in TIS weights read it (no --custom-tis-function-path, --use-rollout-logprobs, "
+                             "--kl-coef, --use-opd or SFT); pass the trainer's logprobs")
         mask = batch.loss_mask
         metrics = self._old_policy(batch, train_lp)
         kl = None
@@ -328,24 +336,34 @@ class PolicyObjective:
     def _old_policy(self, batch: TrainBatch, train_lp: Tensor | None) -> dict[str, float]:
         """old_logprobs (the trainer's, or the engine's with --use-rollout-logprobs) and TIS weights from
         the pre-step logprobs; the train-vs-rollout mismatch metrics. Without them (the skipped pass)
-        only the engine's are set: else `loss` takes the step's own, and the step reports the mismatch."""
+        only the engine's are set: else `loss` takes the step's own (and its TIS weights from them), and
+        the step reports the mismatch and TIS metrics (`mismatch`)."""
         mask = batch.loss_mask
         batch.old_logprobs = batch.rollout_logprobs if self.uses_rollout_logprobs else train_lp
         if train_lp is None:
             return {}
         metrics = _mismatch(train_lp, batch.rollout_logprobs, mask)
         if self._tis is not None:
-            out = self._tis(train_lp, batch.rollout_logprobs, mask)
-            batch.is_weights, tis_metrics = out if isinstance(out, tuple) else (out, {})
-            metrics.update({"tis_weight_mean": float(masked_mean(batch.is_weights, mask)), **tis_metrics})
+            batch.is_weights, tis_metrics = self._tis_weights(train_lp, batch.rollout_logprobs, mask)
+            metrics.update(tis_metrics)
         return metrics
+
+    def _tis_weights(self, train_lp: Tensor, rollout_lp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """--use-tis: the weights [B, T] of the pre-step logprobs `train_lp` and their metrics
+        (tis_weight_mean over the trained tokens, and the function's own)."""
+        out = self._tis(train_lp, rollout_lp, mask)
+        weights, tis_metrics = out if isinstance(out, tuple) else (out, {})
+        return weights, {"tis_weight_mean": float(masked_mean(weights, mask)), **tis_metrics}
 
     def mismatch(self, train_lp: Tensor, batch: TrainBatch) -> dict[str, float]:
         """Train vs rollout logprobs of `batch`'s sampled tokens (after a skipped pass: the step's own),
-        and vs the reference's when there is one."""
+        vs the reference's when there is one, and the TIS metrics the pass would have reported (the
+        micro-batches' weights, `loss`, are these logprobs' at their rows)."""
         metrics = _mismatch(train_lp, batch.rollout_logprobs, batch.loss_mask)
         if batch.ref_logprobs is not None:
             metrics.update(_ref_diff(train_lp, batch.ref_logprobs, batch.loss_mask))
+        if self.tis_per_token and batch.is_weights is None:
+            metrics.update(self._tis_weights(train_lp, batch.rollout_logprobs, batch.loss_mask)[1])
         return metrics
 
     def normalizers(self, batch: TrainBatch) -> tuple[float, int]:
@@ -366,9 +384,14 @@ class PolicyObjective:
         logprobs [B, T] and token entropies [B, T] (with gradients only when `entropy_has_grad`); its
         terms (detached 0-dim tensors, or floats: sum them with `TermSums`), clip_frac weighted by the
         micro-batch's share of `num_tokens`. Without old_logprobs (the skipped pass) the old policy is
-        this step's own logprobs, detached."""
+        this step's own logprobs, detached, and the built-in TIS weights (per token) are theirs."""
         if mb.old_logprobs is None and not self.is_sft:
-            mb = replace(mb, old_logprobs=logprobs.detach())
+            old = logprobs.detach()
+            weights = mb.is_weights
+            if self.tis_per_token and weights is None:    # no metrics here: they read the device (`mismatch`)
+                low, high = self._tis_bounds
+                weights = tis_weights(old, mb.rollout_logprobs, mb.loss_mask, clip=high, clip_low=low)
+            mb = replace(mb, old_logprobs=old, is_weights=weights)
         pg, pg_metrics = self._policy_term(logprobs, mb, normalizer)
         kl, _ = self._kl_term(logprobs, mb, normalizer)
         with torch.set_grad_enabled(self.entropy_has_grad and torch.is_grad_enabled()):

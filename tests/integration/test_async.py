@@ -81,6 +81,10 @@ def test_rollout_ahead_is_requested_before_training_and_one_version_old(ray_clus
     assert {r: starts[r].get("weight_version") for r in starts} == {0: 0, 1: 0, 2: 1}
     train_rows = [m for m in ctx.metrics_history if m.get("kind") == "train"]
     assert [m["staleness_max"] for m in train_rows] == [0, 1, 1]
+    # --use-tis, one optimizer step a rollout: no old-logprob pass, the step's own logprobs make the TIS
+    # weights, and the metrics the pass made are still reported (tests/unit/test_trainer_gpu_paths.py: equal)
+    assert [m["logprob_passes"] for m in train_rows] == [0.0, 0.0, 0.0]
+    assert all(k in m for m in train_rows for k in ("tis_weight_mean", "tis_clip_frac", "logprob_diff_rollout"))
     assert [e.get("version") for e in trace.of("weights_synced")] == [0, 1, 2, 3]
     # the in-flight objects are registered after the executor: settled before it on the way out
     registered = [e.get("resource") for e in trace.of("registered")]

@@ -69,6 +69,24 @@ def test_the_micro_batch_loop_reads_nothing_from_the_device(packed, mode, shadow
     assert sums.floats()["loss"] != 0
 
 
+def test_the_loop_after_a_skipped_pass_with_tis_reads_nothing_from_the_device():
+    # the old-logprob pass skipped (one optimizer step): each micro-batch makes its TIS weights in the loop
+    train = TrainConfig(lr=1e-3, micro_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=512)
+    algorithm = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True, tis_clip_low=0.5)
+    t = Trainer(QWEN3, train=train, algorithm=algorithm, rollout=RolloutConfig(n_samples_per_prompt=8, batch_size=3),
+                device="cpu", hidden_forward=True)
+    batch, _, metrics = t._prepare(make_train_batch(samples(), t.pad_id), None, may_skip=True)
+    assert metrics["logprob_passes"] == 0 and batch.old_logprobs is None and batch.is_weights is None
+    normalizer, num_tokens = t._objective.normalizers(batch)
+    pairs = t._micro_batches(batch)
+    assert len(pairs) > 1
+    record, probe = torch.zeros(batch.tokens.shape), HostReads()
+    with probe:
+        t._accumulate(pairs, normalizer, num_tokens, record)
+    assert probe.seen == []
+    assert "tis_clip_frac" in t._objective.mismatch(record, batch)     # read once, after the loop
+
+
 def test_the_probe_sees_a_host_read():
     # the check above can fail: a count turned into a Python number is seen
     probe = HostReads()

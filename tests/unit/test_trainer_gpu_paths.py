@@ -2,6 +2,8 @@
 hidden states, token-budget micro-batches, the skipped old-logprob pass, activation recomputation,
 and the optimizer offload. Each must change nothing but memory and time."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,8 +79,8 @@ def test_recompute_activations_keeps_less_and_changes_nothing(model_path):
     assert saved_bytes_of_a_step(recompute) < 0.5 * saved_bytes_of_a_step(plain)
 
 
-def weights_after_one_rollout(t: Trainer):
-    metrics = t.train(SAMPLES, rollout_id=0)
+def weights_after_one_rollout(t: Trainer, samples=SAMPLES):
+    metrics = t.train(samples, rollout_id=0)
     return metrics, {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
@@ -91,10 +93,59 @@ def test_the_old_logprob_pass_is_skipped_only_when_it_equals_the_steps_own(model
         assert m_skip[k] == pytest.approx(m_pass[k], abs=1e-5), k   # the step saw the same logprobs
     for n in w_pass:
         torch.testing.assert_close(w_skip[n], w_pass[n], atol=1e-6, rtol=1e-5)
-    # two optimizer steps per rollout, or TIS: the second step's old logprobs are not its own: no skip
+    # two optimizer steps per rollout: the second step's old logprobs are not its own: no skip
     assert trainer(model_path, skip_old_logprobs=True, global_batch_size=2).train(SAMPLES, 0)["logprob_passes"] == 1
-    tis = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", use_tis=True)
-    assert trainer(model_path, skip_old_logprobs=True, algorithm=tis).train(SAMPLES, 0)["logprob_passes"] == 1
+
+
+TIS = AlgorithmConfig(loss_agg_mode="token_mean", kl_loss_type="k3", entropy_coef=0.01, use_tis=True,
+                      tis_clip_low=0.7, tis_clip=1.5)
+
+
+def off_policy(model_path) -> list:
+    """SAMPLES with rollout logprobs = the trainer's own + noise in [-1, 1]: TIS weights in [e^-1, e], some
+    under --tis-clip-low 0.7, some over --tis-clip 1.5, some between."""
+    t = trainer(model_path)
+    lp = t.prepare(make_train_batch(SAMPLES, t.pad_id)).old_logprobs
+    noise = torch.rand(lp.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    out = []
+    for i, s in enumerate(SAMPLES):
+        p, r = len(s.prompt.prompt_ids), len(s.response_ids)
+        out.append(sample(list(s.prompt.prompt_ids), s.response_ids, s.advantage,
+                          (lp[i, p:p + r] + noise[i, p:p + r]).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("micro", [dict(micro_batch_size=2), dict(micro_batch_size=1),
+                                   dict(use_dynamic_batch_size=True, max_tokens_per_gpu=16)],
+                         ids=["rows2", "rows1", "tokens16"])
+def test_tis_skips_the_old_logprob_pass_with_the_same_step_and_metrics(model_path, micro):
+    samples = off_policy(model_path)
+    m_pass, w_pass = weights_after_one_rollout(trainer(model_path, algorithm=TIS, **micro), samples)
+    m_skip, w_skip = weights_after_one_rollout(trainer(model_path, skip_old_logprobs=True, algorithm=TIS, **micro),
+                                               samples)
+    assert (m_pass["logprob_passes"], m_skip["logprob_passes"]) == (1.0, 0.0)
+    assert m_pass.keys() == m_skip.keys()
+    assert 0.2 < m_pass["tis_clip_frac"] < 0.8       # the weights straddle the bounds
+    for k in ("loss", "pg_loss", "entropy", "clip_frac", "tis_weight_mean", "tis_clip_frac", "logprob_diff_rollout",
+              "logprob_diff_rollout_max", "train_rollout_k3_kl", "grad_norm"):
+        assert m_skip[k] == pytest.approx(m_pass[k], abs=1e-6), k
+    for n in w_pass:
+        torch.testing.assert_close(w_skip[n], w_pass[n], atol=1e-6, rtol=1e-5)
+    # the weights are in the step: without TIS the same samples train to other weights
+    _, w_plain = weights_after_one_rollout(trainer(model_path, skip_old_logprobs=True, **micro), samples)
+    assert any((w_plain[n] - w_pass[n]).abs().max() > 1e-4 for n in w_pass)
+
+
+def test_tis_keeps_the_pass_for_a_custom_function_and_for_two_steps(model_path, tmp_path):
+    samples = off_policy(model_path)
+    assert trainer(model_path, skip_old_logprobs=True, algorithm=TIS, global_batch_size=2).train(
+        samples, 0)["logprob_passes"] == 1
+    (tmp_path / "batch_tis.py").write_text("def normalised(train_lp, rollout_lp, mask):\n"
+                                           "    w = (train_lp - rollout_lp).exp() * mask\n"
+                                           "    return w / w.sum() * mask.sum()\n")
+    custom = dataclasses.replace(TIS, custom_tis_function_path=f"{tmp_path / 'batch_tis.py'}:normalised")
+    m = trainer(model_path, skip_old_logprobs=True, algorithm=custom).train(samples, 0)
+    assert m["logprob_passes"] == 1 and m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_a_skipped_pass_still_reports_the_reference_diff_that_ci_test_reads(model_path):

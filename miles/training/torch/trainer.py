@@ -34,10 +34,12 @@ never looks at a name.
 
 On CUDA (or when asked) the logprobs and entropies come from the last hidden states and the LM head,
 chunk by chunk, never as [B, T, V] logits (`miles.training.torch.forward`). On every device, when a
-rollout takes exactly one optimizer step and nothing but the PPO ratio reads the trainer's pre-step
-logprobs (no TIS, no --use-rollout-logprobs, no KL in the reward), the no-grad pass that computes
-them is skipped: they are, by construction, the step's own logprobs before its update, so the
-step uses them detached (metric `logprob_passes`). --skip-actor-forward-only skips the pass always: with
+rollout takes exactly one optimizer step and nothing but the PPO ratio and the built-in (per-token)
+TIS weights read the trainer's pre-step logprobs (no --custom-tis-function-path, no
+--use-rollout-logprobs, no KL in the reward, no OPD), the no-grad pass that computes them is skipped:
+they are, by construction, the step's own logprobs before its update, so the step uses them detached,
+each micro-batch computes its TIS weights from them, and the step reports the mismatch and TIS metrics
+from the logprobs it recorded (metric `logprob_passes`). --skip-actor-forward-only skips the pass always: with
 --use-rollout-logprobs the engine's stand in (any number of steps), else the one step's own (validation
 refuses the rest). `--recompute-activations` checkpoints every layer's activations.
 
