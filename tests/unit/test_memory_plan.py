@@ -214,13 +214,13 @@ def test_a_resident_engine_on_the_trainers_gpu_counts_its_kv_cache_share_and_the
     """--colocate --no-offload-rollout (the async machines' one-GPU layout): the fast engine keeps its KV
     cache while the trainer trains, --rollout-mem-fraction of the GPU less its weights, plus its workspace
     (`shared_gpu_bytes`); the plan counts it, and a plan that does not fit names the fraction."""
-    from miles.rollout.engines.fast.cache import shared_engine_bytes, shared_plan_bytes
+    from miles.rollout.engines.fast.cache import shared_held_bytes, shared_plan_bytes
     from miles.rollout.engines.registry import ENGINES
     from miles.training.torch.memory_plan import startup_problems
 
     gib, weights = 2 ** 30, 2 * 8.19e9
     assert shared_plan_bytes(100, 30) == 70 and shared_plan_bytes(10, 30) == 0
-    assert shared_engine_bytes(total_bytes=100, weight_bytes=30, mem_fraction=0.5, workspace=5) == 30 + 35 + 5
+    assert shared_held_bytes(total_bytes=100, weight_bytes=30, mem_fraction=0.5, workspace=5) == 35 + 5
     resident = ("--no-offload-rollout", "--recompute-activations", "--optimizer-cpu-offload")
     # the engine is told, so that it plans its cache from the GPU's total, not from what is free at its start
     assert ENGINES["fast"].options(gpu_run(*resident))["shared_gpu"] is True

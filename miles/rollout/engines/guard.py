@@ -11,7 +11,7 @@ The in-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async) is share
 `swap_weights` (on another actor thread) leaves the new weights pending; the running call takes them
 at its next token boundary (`_take_swap`, under the model lock it holds), and when no call runs the
 waiting thread takes the lock and loads them itself. The engine says how weights are loaded
-(`_load_swapped`, under the lock) and where its token boundaries are.
+(`_load_weights`, under the lock) and where its token boundaries are.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ class EngineGuard:
             return False
         state_dict, version, done = pending
         try:
-            self._load_swapped(state_dict)
+            self._load_weights(state_dict)
             self._version = version
             self._swap_paused = paused
         finally:
             done.set()          # a load that raised leaves the version as it was: the push checks it
         return True
 
-    def _load_swapped(self, state_dict: Any) -> None:
+    def _load_weights(self, state_dict: Any) -> None:
         """Copy `state_dict` into the engine's weights (the model lock held)."""
         raise NotImplementedError

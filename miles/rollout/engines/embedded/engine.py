@@ -114,21 +114,18 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         Names and shapes are checked strictly before anything is copied (ValueError naming them).
         """
         with self._holding():
-            self._load_state_dict(state_dict)
+            self._load_weights(state_dict)
             self._version = int(version)
         log.info("weights_updated", version=self._version)
 
-    def _load_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+    def _load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Into the model (the lock held): `update_weights`, and an in-flight swap (`EngineGuard.swap_weights`)."""
         if self._fp8 is None:
             load_weights(self._live_model(), state_dict)
         else:       # FP8 bytes and scales as sent, or quantized here from plain weights; then dequantized
             state_dict = fp8.as_quantized(state_dict, self.dtype)
             copy_checked(self._held(), state_dict)
             self._apply_fp8(state_dict)
-
-    def _load_swapped(self, state_dict: Mapping[str, Tensor]) -> None:
-        """An in-flight swap's weights (`EngineGuard.swap_weights`), loaded as `update_weights` loads them."""
-        self._load_state_dict(state_dict)
 
     def load_weight_bucket(self, bucket: WeightBucket) -> int | None:
         """One bucket of a bucketed update (CUDA IPC, miles.weights.transport): copied into the

@@ -59,13 +59,13 @@ def shared_plan_bytes(total_bytes: int, weight_bytes: int) -> int:
     """The memory an engine sharing its GPU with a resident trainer (--colocate --no-offload-rollout) plans
     its KV cache from, in place of what is free when it starts (which depends on how far the trainer has
     got): the GPU's total less its own weights. The cache takes --rollout-mem-fraction of it, the trainer
-    what the engine leaves (`shared_engine_bytes`)."""
+    what the engine leaves (`shared_held_bytes`)."""
     return max(0, total_bytes - weight_bytes)
 
 
-def shared_engine_bytes(*, total_bytes: int, weight_bytes: int, mem_fraction: float, workspace: int) -> int:
-    """All an engine sharing its GPU holds: its weights, its KV cache and its workspace."""
-    return weight_bytes + int(shared_plan_bytes(total_bytes, weight_bytes) * mem_fraction) + workspace
+def shared_held_bytes(*, total_bytes: int, weight_bytes: int, mem_fraction: float, workspace: int) -> int:
+    """What an engine sharing its GPU holds beside its weights: its KV cache and its workspace."""
+    return int(shared_plan_bytes(total_bytes, weight_bytes) * mem_fraction) + workspace
 
 
 def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_per_position: int,

@@ -371,11 +371,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         tensors in place, so captured graphs stay valid. Names and shapes are checked strictly
         before anything is copied (ValueError naming them)."""
         with self._holding():
-            self._load_swapped(state_dict)
+            self._load_weights(state_dict)
             self._version = int(version)
         log.info("weights_updated", version=self._version)
 
-    def _load_swapped(self, state_dict: Mapping[str, Tensor]) -> None:
+    def _load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Copy into the engine's tensors in place (the lock held): `update_weights`, and an in-flight swap
         (`EngineGuard.swap_weights`) between two decode steps, where the captured graphs, which read the
         weights by address, stay valid."""

@@ -91,7 +91,7 @@ def shared_gpu_bytes(cfg: RunConfig, total_bytes: int, weight_bytes: int) -> int
     GPU less its weights (`cache.shared_plan_bytes`), and the workspace its batch and prefill sizes need."""
     from transformers import AutoConfig
 
-    from miles.rollout.engines.fast.cache import PREFILL_TOKENS, RESERVE_BYTES, shared_engine_bytes, workspace_bytes
+    from miles.rollout.engines.fast.cache import PREFILL_TOKENS, RESERVE_BYTES, shared_held_bytes, workspace_bytes
     from miles.rollout.engines.fast.model import Arch
 
     config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
@@ -104,8 +104,8 @@ def shared_gpu_bytes(cfg: RunConfig, total_bytes: int, weight_bytes: int) -> int
                                 prefill_tokens=max(PREFILL_TOKENS, r.chunked_prefill_size or CHUNKED_PREFILL_SIZE),
                                 moe=moe, reserve=RESERVE_BYTES)
     fraction = MEM_FRACTION if r.mem_fraction is None else r.mem_fraction
-    return shared_engine_bytes(total_bytes=total_bytes, weight_bytes=weight_bytes, mem_fraction=fraction,
-                               workspace=workspace) - weight_bytes
+    return shared_held_bytes(total_bytes=total_bytes, weight_bytes=weight_bytes, mem_fraction=fraction,
+                             workspace=workspace)
 
 
 # three threads: health, abort and an in-flight weight swap (--fully-async: taken between two decode steps)
