@@ -69,11 +69,12 @@ for step in "$@"; do
           --out /tmp/scale-$w > /tmp/scale-$w.json 2> /tmp/scale-$w.log; echo \$? > /tmp/scale-$w.rc" < /dev/null &
         if [ ${step%%:*} = bgscale ]; then wait_scale $w ${BG_WAIT_S:-480}; else wait; wait_scale $w 5; fi ;;
     waitscale:*) wait_scale ${step#waitscale:} ${WAIT_S:-400} ;;
-    gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray)
-        for lane in "$LANE1" "$LANE2" "$LANE3"; do i=$((i + 1))
+    gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray);
+        # GPUP_LANE4: files for a fourth lane, e.g. test_memory_plan_gpu.py (it reads only its own allocations)
+        for lane in "$LANE1" "$LANE2" "$LANE3" ${GPUP_LANE4:+"$GPUP_LANE4"}; do i=$((i + 1))
           (timeout $s python3 -m pytest $lane -v -p no:cacheprovider --durations=10 > $OUT/lane$i.log 2>&1; echo $? > /tmp/lane$i.rc) &
         done; wait
-        for i in 1 2 3; do echo "--- lane$i"; summary $OUT/lane$i.log "$(cat /tmp/lane$i.rc)" 3; done ;;
+        for i in $(seq $i); do echo "--- lane$i"; summary $OUT/lane$i.log "$(cat /tmp/lane$i.rc)" 3; done ;;
     gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
     tests:*) t=${step#tests:}   # the verbose log comes back as $OUT/tests.log (a run cut by its bound keeps its failures' reports)
         timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -v -p no:cacheprovider --durations=8 > $OUT/tests.log 2>&1; summary $OUT/tests.log $? ;;

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,9 +60,17 @@ def _blocks(n: int, block: int) -> int:
 
 def quantize_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """W [N, K] -> (e4m3 [N, K], float32 scale_inv [ceil(N/B), ceil(K/B)]), scale_inv = amax / 448 per
-    block (an all-zero block gets scale 1 and zeros). Computed in float32 on W's device."""
+    block (an all-zero block gets scale 1 and zeros). Computed in float32 on W's device: on CUDA by one
+    Triton kernel (`_quantize_blocks_triton`: W read once, e4m3 written once; it runs for every weight of
+    an FP8 sync), elsewhere by torch ops (`_quantize_blocks_torch`); both give the same bits."""
     if w.dim() != 2:
         raise ValueError(f"block quantization takes a 2-D weight, got shape {tuple(w.shape)}")
+    if w.is_cuda and block == BLOCK and w.dtype in (torch.float32, torch.bfloat16, torch.float16) and _triton():
+        return _quantize_blocks_triton(w)
+    return _quantize_blocks_torch(w, block)
+
+
+def _quantize_blocks_torch(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     n, k = w.shape
     nb, kb = _blocks(n, block), _blocks(k, block)
     wf = w.detach().float()             # two float32 temporaries in all (this and the quotient): it runs
@@ -72,6 +81,51 @@ def quantize_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
+
+
+@lru_cache(maxsize=None)
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _quantize_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_blocks_kernel(W, Q, S, n, k, swn, swk, kb, BLOCK_: tl.constexpr, QMAX: tl.constexpr):
+        i = tl.program_id(0)
+        j = tl.program_id(1)
+        rows = i * BLOCK_ + tl.arange(0, BLOCK_)
+        cols = j * BLOCK_ + tl.arange(0, BLOCK_)
+        inside = (rows[:, None] < n) & (cols[None, :] < k)
+        w = tl.load(W + rows[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(w), 1), 0)
+        # IEEE-rounded divisions (Triton's `/` may be approximate): the bits of the torch path
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+        q = tl.math.div_rn(w, tl.full([BLOCK_, BLOCK_], 0.0, tl.float32) + scale)
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        tl.store(Q + rows[:, None] * k + cols[None, :], q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=inside)
+        tl.store(S + i * kb + j, scale)
+
+    return quantize_blocks_kernel
+
+
+def _quantize_blocks_triton(w: Tensor) -> tuple[Tensor, Tensor]:
+    n, k = w.shape
+    nb, kb = _blocks(n, BLOCK), _blocks(k, BLOCK)
+    q = torch.empty((n, k), dtype=FP8, device=w.device)
+    scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    with torch.cuda.device(w.device):
+        _quantize_kernel()[(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=BLOCK,
+                                     QMAX=FP8_MAX, num_warps=8)
+    return q, scale
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> Tensor:

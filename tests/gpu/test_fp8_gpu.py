@@ -49,6 +49,22 @@ def test_kernel_selection_and_fp8_linear_close_to_bf16():
         assert ((got - emulated).norm() / emulated.norm()).item() < 0.04
 
 
+def test_triton_block_quantization_gives_the_torch_paths_bits():
+    """The CUDA quantizer (one Triton kernel) against the torch ops it replaces: the same e4m3 bits and
+    scales, for bf16/fp16/fp32 weights, edge blocks, a transposed view and an all-zero block."""
+    assert fp8._triton(), "triton is missing on a CUDA machine: FP8 syncs quantize by torch ops, 3x the bytes"
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for (n, k), dtype in (((2560, 9728), torch.bfloat16), ((300, 129), torch.bfloat16), ((128, 128), torch.float32),
+                          ((1024, 2560), torch.float16)):
+        w = (torch.randn((n, k), generator=gen, device="cuda") * 0.05).to(dtype)
+        w[:128, :128] = 0
+        for view in (w, w.t().contiguous().t()):
+            got, want = fp8._quantize_blocks_triton(view), fp8._quantize_blocks_torch(view)
+            assert torch.equal(got[1], want[1]), f"{n}x{k} {dtype}: scales differ"
+            diff = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
+            assert diff == 0, f"{n}x{k} {dtype}: {diff} e4m3 values differ"
+
+
 def _greedy(quantization, kv_cache_dtype, prompts, max_new_tokens=8, **kw):
     from miles.rollout.engines.fast.engine import FastEngine
     from miles.types import SamplingParams
