@@ -110,6 +110,7 @@ class Taken:
     filtered: int = 0                     # groups the dynamic-sampling filter rejected since the previous take
     judged: int = 0                       # groups it judged since then (rejected, passed or filled)
     passed: int = 0                       # ... and passed
+    filtered_total: int = 0               # rejected in all, when the take closed the window
 
 
 class GroupBuffer:
@@ -311,6 +312,7 @@ class Producer:
             raise
         # the dynamic-sampling filter's window closes with the take: rejected groups are dropped again
         got.filtered, got.judged, got.passed = self._window_filtered, self._window_judged, self._window_passed
+        got.filtered_total = self.stats.filtered
         self._window_filtered = self._window_judged = self._window_passed = 0
         return got
 
@@ -363,7 +365,7 @@ class Producer:
         consumed) and in all, the share it passed, and the step's groups that filled in for rejected ones."""
         if self._filter is None:
             return {}
-        out = {"fa/groups_filtered": float(taken.filtered), "fa/groups_filtered_total": float(self.stats.filtered),
+        out = {"fa/groups_filtered": float(taken.filtered), "fa/groups_filtered_total": float(taken.filtered_total),
                "fa/dynamic_sampling_filled_groups": float(sum(g.filled for g in taken.groups))}
         if taken.judged:
             out["fa/dynamic_sampling_pass_ratio"] = taken.passed / taken.judged
