@@ -113,11 +113,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("engine-restart-window", "rollout", "engine_restart_window_s", float, "the restart budget's window, seconds"),
     _f("dynamic-sampling-filter-path", "rollout", "dynamic_sampling_filter_path", str,
        "DAPO dynamic sampling: keep a group iff this filter(group) is true, sample more prompts until the batch "
-       "is full (built-in: miles.rollout.filters:check_reward_nonzero_std)"),
+       "is full (built-in: miles.rollout.filters:check_reward_nonzero_std); with --fully-async the producer "
+       "drops the groups it rejects before the buffer"),
     _f("over-sampling-batch-size", "rollout", "over_sampling_batch_size", int,
-       "dynamic sampling: prompts per sampling round (default: --rollout-batch-size)"),
+       "dynamic sampling: prompts per sampling round (default: --rollout-batch-size); refused with --fully-async, "
+       "whose producer has no rounds"),
     _f("dynamic-sampling-max-rounds", "rollout", "dynamic_sampling_max_rounds", int,
-       "dynamic sampling: sampling rounds per rollout before filling up with filtered-out groups"),
+       "dynamic sampling: sampling rounds per rollout before filling up with filtered-out groups (--fully-async: "
+       "rejected groups fill once this x --rollout-batch-size were rejected in a step)"),
     _f("partial-rollout", "rollout", "partial_rollout", kind="true",
        help="dynamic sampling: once the batch is full the engine calls still running are aborted, and their "
             "groups (responses so far, with their logprobs) are continued by the next rollout before fresh prompts "

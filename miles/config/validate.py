@@ -867,9 +867,12 @@ def _fully_async_problems(cfg: RunConfig) -> list[str]:
     refused = [(flag, why) for flag, on, why in (
         ("--partial-rollout", r.partial_rollout, "the producer never aborts a request: it pauses it for a weight "
                                                  "swap and continues it"),
-        ("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path, "the producer makes groups one prompt "
-                                                                          "at a time; filter them with "
-                                                                          "--rollout-sample-filter-path"),
+        # --dynamic-sampling-filter-path is taken: the producer drops the groups it rejects before they reach
+        # the buffer, and --dynamic-sampling-max-rounds bounds the rejects per step (miles.rollout.producer)
+        ("--over-sampling-batch-size", r.over_sampling_batch_size is not None,
+         "the producer has no sampling rounds: it draws the prompts of each engine call (--async-max-concurrent-"
+         "samples over the engines) and keeps generating until a step's groups passed the filter; drop it "
+         "(--dynamic-sampling-max-rounds x --rollout-batch-size rejects in a step let the rejected groups fill it)"),
         ("--rollout-function-path", cfg.generate.rollout_function_path, "the producer generates the groups itself"),
         ("--custom-generate-function-path", cfg.generate.generate_function_path,
          "the producer pauses single-turn engine calls; multi-turn generation is not paused at token boundaries "

@@ -7,7 +7,8 @@
   each engine pauses them at a token boundary, swaps, and lets them go on (`swap_weights`); the trace
   records the push and what each engine paused (`weights_pushed`).
 - `rollout` takes the next --rollout-batch-size groups from the buffer (the staleness bound applied,
-  `group_dropped` / `group_retried` traced), has the executor assemble them into the step's batch, and
+  `group_dropped` / `group_retried` traced; a dynamic-sampling filter's rejects never entered it,
+  `group_filtered`), has the executor assemble them into the step's batch, and
   records the data position right after: the iterator, the buffer, the tickets in flight.
 - `train` is the common one, timed for the trainer's idle fraction; `eval` pauses the producer (its
   calls in flight finish), evaluates the version the engines hold, named in the row, and resumes it.
@@ -51,7 +52,8 @@ async def init(ctx: TrainingContext) -> str:
         abort=lambda: executor.abort_engines.remote(), num_engines=len(ctx.c.engines),
         capacity=capacity_groups(cfg), concurrent_groups=concurrent_groups(cfg), bound=cfg.max_weight_staleness,
         handler=cfg.async_unused_samples_handler, seed=cfg.rollout_seed * 1_000_003, tracer=ctx.tracer,
-        version=lambda: ctx.weight_version)
+        version=lambda: ctx.weight_version, dynamic_filter=cfg.rollout.dynamic_sampling_filter_path,
+        fill_after=cfg.rollout.dynamic_sampling_max_rounds * cfg.rollout.batch_size)
     state = await executor.fully_async_state.remote() if ctx.resumed else None
     if state is not None:
         producer.load_state_dict(state, step=ctx.start_rollout - 1)

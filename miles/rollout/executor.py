@@ -451,10 +451,12 @@ class RolloutExecutor:
             prompts += self._iterator.next_batch(k - len(prompts))
         return prompts, self._iterator.state_dict()
 
-    async def generate_groups(self, engine: int, rows: list[int], seed: int) -> list[list[Sample]]:
+    async def generate_groups(self, engine: int, rows: list[int], seed: int) -> tuple[list[list[Sample]], list[bool]]:
         """One engine call of `--n-samples-per-prompt` samples for each prompt row, scored: one group per
-        row. Each sample records every weight version that produced a token of it (`weight_versions`;
-        per token `token_versions` when the weights were swapped during the call)."""
+        row, and whether each passed the dynamic-sampling filter (`--dynamic-sampling-filter-path`, called as
+        a sync rollout calls it, on the scored group; all True without one: the producer drops the others).
+        Each sample records every weight version that produced a token of it (`weight_versions`; per
+        token `token_versions` when the weights were swapped during the call)."""
         n, c = self._cfg.n_samples_per_prompt, self._cfg
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                 max_new_tokens=c.max_response_len, seed=seed % SEED_RANGE, stop=c.stop,
@@ -474,7 +476,10 @@ class RolloutExecutor:
             s.status = {"length": "truncated", "abort": "aborted"}.get(g.finish_reason, "completed")  # type: ignore[assignment]
             s.response_text = _before_stop(self._decode(g.response_ids), params.stop)
         await self._rewards.score(samples, n)
-        return group(samples, n)
+        groups = group(samples, n)
+        # a group cut by an abort is generated again, not judged
+        return groups, [self._filter is None or any(s.finish_reason == "abort" for s in g) or bool(self._filter(g))
+                        for g in groups]
 
     async def assemble_split(self, rollout_id: int, groups: list[list[Sample]],
                              gen_s: float = 0.0) -> tuple[list[Sample], dict[str, float]]:

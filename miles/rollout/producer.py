@@ -16,6 +16,14 @@ when a swap happened mid-call); its staleness at step r is r minus the oldest. A
 `--max-weight-staleness` when the trainer would take it is dropped or its prompt retried
 (`--async-unused-samples-handler`), and counted.
 
+Dynamic sampling (`--dynamic-sampling-filter-path`): the executor applies the user's filter to each group
+as it scores it, as in the sync machine, and a group it rejects never enters the buffer: its prompt is
+consumed (not generated again, as a rejected group's prompt in a sync rollout), its ticket is counted and
+traced (`group_filtered`), and the producer goes on generating. So that a filter that rejects every group
+cannot keep a step waiting for ever, once `--dynamic-sampling-max-rounds` x `--rollout-batch-size` groups
+were rejected since the last step took its groups, the rejected ones fill the buffer instead (`group_filled`),
+as the sync machine fills its batch with filtered-out groups after its last round.
+
 Exactly once: `state_dict` is the position a checkpoint of step r holds, read right after r's groups
 were taken: the iterator past every prompt drawn, the groups in the buffer, and the tickets still in
 flight (their prompts are generated again on resume). So what a resumed run trains is what the saved
@@ -69,6 +77,7 @@ class Group:
     ticket: int
     samples: list[Sample]
     attempts: int = 1                     # 2+: generated again after a staleness retry or a resume
+    filled: bool = False                  # rejected by the dynamic-sampling filter, let through to fill (see above)
     gen_s: float = 0.0                    # its share of its engine call's time (the call's / its groups)
     done_at: float = field(default_factory=time.monotonic)
 
@@ -98,6 +107,10 @@ class Taken:
     staleness: list[int]
     dropped: list[Group]
     retried: list[Group]
+    filtered: int = 0                     # groups the dynamic-sampling filter rejected since the previous take
+    judged: int = 0                       # groups it judged since then (rejected, passed or filled)
+    passed: int = 0                       # ... and passed
+    filtered_total: int = 0               # rejected in all, when the take closed the window
 
 
 class GroupBuffer:
@@ -136,9 +149,10 @@ class GroupBuffer:
 
 
 # the executor's side, as the producer calls it: (prompts to draw) -> (prompts, iterator state after);
-# (engine index, prompt rows, seed) -> one group of samples per row, scored
+# (engine index, prompt rows, seed) -> (one group of samples per row, scored; whether each passed the
+# dynamic-sampling filter, all True without one)
 Draw = Callable[[int], Awaitable[tuple[list[Prompt], dict[str, Any]]]]
-Generate = Callable[[int, list[int], int], Awaitable[list[list[Sample]]]]
+Generate = Callable[[int, list[int], int], Awaitable[tuple[list[list[Sample]], list[bool]]]]
 
 
 @dataclass
@@ -147,6 +161,7 @@ class Stats:
 
     dropped: int = 0
     retried: int = 0
+    filtered: int = 0                     # rejected by the dynamic-sampling filter (their prompts consumed)
     produced: int = 0
     busy_s: list[float] = field(default_factory=list)     # per engine loop, since the last `step_metrics`
 
@@ -156,8 +171,13 @@ class Producer:
 
     def __init__(self, *, draw: Draw, generate: Generate, abort: Callable[[], Awaitable[None]], num_engines: int,
                  capacity: int, concurrent_groups: int, bound: int | None, handler: str, seed: int,
-                 tracer: Any, version: Callable[[], int]):
+                 tracer: Any, version: Callable[[], int], dynamic_filter: str | None = None,
+                 fill_after: int | None = None):
         self._draw, self._generate, self._abort = draw, generate, abort
+        # --dynamic-sampling-filter-path (for the reasons traced), and after how many groups rejected since
+        # the last take the rejected ones fill instead (--dynamic-sampling-max-rounds x --rollout-batch-size)
+        self._filter, self._fill_after = dynamic_filter, fill_after
+        self._window_filtered = self._window_judged = self._window_passed = 0
         self.buffer = GroupBuffer(capacity, bound, handler)
         self._num_engines, self._per_call = num_engines, max(1, concurrent_groups // num_engines)
         self._seed, self._tracer, self._version = seed, tracer, version
@@ -182,6 +202,7 @@ class Producer:
         self._tasks = [asyncio.ensure_future(self._loop(i)) for i in range(self._num_engines)]
         self._tracer.emit("producer_start", engines=self._num_engines, capacity=self.buffer.capacity,
                           per_call_groups=self._per_call, bound=self.buffer.bound, handler=self.buffer.handler,
+                          dynamic_filter=self._filter, fill_after=self._fill_after,
                           next_ticket=self.next_ticket, buffered=len(self.buffer), retry=len(self.retry))
 
     @property
@@ -225,7 +246,7 @@ class Producer:
         seq = self._tracer.emit("producer_submit", engine=engine, tickets=tickets, weight_version=version)
         t0 = time.monotonic()
         try:
-            groups = await self._generate(engine, [row for _, row, _ in work], self._seed + tickets[0])
+            groups, kept = await self._generate(engine, [row for _, row, _ in work], self._seed + tickets[0])
         except BaseException:
             # what did not finish goes back to be generated again (an engine restart, a drain)
             self.retry.extendleft(reversed([(t, row, a - 1) for t, row, a in work if self.in_flight.pop(t, None)]))
@@ -233,22 +254,51 @@ class Producer:
         finally:
             self.stats.busy_s[engine] += time.monotonic() - t0
         cut: list[tuple[int, int, int]] = []
-        for (ticket, row, attempts), samples in zip(work, groups):
+        filtered: list[int] = []
+        for (ticket, row, attempts), samples, ok in zip(work, groups, kept):
             self.in_flight.pop(ticket, None)
             if any(s.finish_reason == "abort" for s in samples):     # an abort cut it (a drain): again later
                 cut.append((ticket, row, attempts - 1))
                 continue
-            self.buffer.put(Group(ticket, samples, attempts, gen_s=(time.monotonic() - t0) / len(work)))
+            group = Group(ticket, samples, attempts, gen_s=(time.monotonic() - t0) / len(work))
+            if self._filter is not None and not self._judge(group, ok, engine, seq):
+                filtered.append(ticket)
+                continue
+            self.buffer.put(group)
             self.stats.produced += 1
         if cut:
             self.retry.extendleft(reversed(cut))
             self._tracer.emit("producer_cut", engine=engine, tickets=[t for t, _, _ in cut], cause=seq, reason="aborted mid-generation: its prompt "
                               "is generated again (a checkpoint lists it to regenerate)")
-        self._tracer.emit("producer_groups", engine=engine, tickets=tickets, cause=seq,
+        self._tracer.emit("producer_groups", engine=engine, tickets=tickets, cause=seq, filtered=filtered,
                           duration_s=round(time.monotonic() - t0, 6),
                           versions=sorted({v for s in (s for g in groups for s in g)
                                            for v in s.metadata.get("weight_versions", [s.weight_version])}),
                           buffered=len(self.buffer))
+
+    def _judge(self, group: Group, passed: bool, engine: int, cause: int) -> bool:
+        """The dynamic-sampling filter's verdict on a finished group: True, it goes into the buffer (passed,
+        or filling: see the module docstring); False, rejected: counted, traced, its prompt consumed."""
+        self._window_judged += 1
+        if passed:
+            self._window_passed += 1
+            return True
+        rewards = [s.reward for s in group.samples]
+        if self._fill_after is not None and self._window_filtered >= self._fill_after:
+            group.filled = True
+            self._tracer.emit("group_filled", ticket=group.ticket, engine=engine, cause=cause, rewards=rewards,
+                              reason=f"--dynamic-sampling-filter-path {self._filter} rejected it, but "
+                              f"{self._window_filtered} groups were rejected since the last step took its groups "
+                              f"(--dynamic-sampling-max-rounds x --rollout-batch-size = {self._fill_after}): "
+                              "it fills the buffer, as filtered-out groups fill a sync rollout after its last round")
+            return True
+        self._window_filtered += 1
+        self.stats.filtered += 1
+        self._tracer.emit("group_filtered", ticket=group.ticket, engine=engine, cause=cause, rewards=rewards,
+                          oldest_version=group.oldest,
+                          reason=f"--dynamic-sampling-filter-path {self._filter} rejected it: its prompt is "
+                          "consumed (not generated again), as in a sync rollout's dynamic sampling")
+        return False
 
     # -- the trainer's side -------------------------------------------------------------------------
     async def take(self, want: int, step: int) -> Taken:
@@ -260,6 +310,10 @@ class Producer:
         except BaseException:
             self.buffer.give_back(got.groups)       # cut short (a stop, a failure): nothing taken is lost
             raise
+        # the dynamic-sampling filter's window closes with the take: rejected groups are dropped again
+        got.filtered, got.judged, got.passed = self._window_filtered, self._window_judged, self._window_passed
+        got.filtered_total = self.stats.filtered
+        self._window_filtered = self._window_judged = self._window_passed = 0
         return got
 
     async def _take_into(self, got: Taken, want: int, step: int) -> None:
@@ -304,7 +358,18 @@ class Producer:
                 "fa/groups_dropped_total": float(self.stats.dropped),
                 "fa/groups_retried_total": float(self.stats.retried),
                 "fa/mixed_version_tokens": float(sum(g.mixed_tokens for g in taken.groups)),
-                "fa/trained_tokens": float(sum(g.tokens for g in taken.groups))}
+                "fa/trained_tokens": float(sum(g.tokens for g in taken.groups)), **self._filter_metrics(taken)}
+
+    def _filter_metrics(self, taken: Taken) -> dict[str, float]:
+        """--dynamic-sampling-filter-path: the groups it rejected since the previous step (their prompts
+        consumed) and in all, the share it passed, and the step's groups that filled in for rejected ones."""
+        if self._filter is None:
+            return {}
+        out = {"fa/groups_filtered": float(taken.filtered), "fa/groups_filtered_total": float(taken.filtered_total),
+               "fa/dynamic_sampling_filled_groups": float(sum(g.filled for g in taken.groups))}
+        if taken.judged:
+            out["fa/dynamic_sampling_pass_ratio"] = taken.passed / taken.judged
+        return out
 
     # -- pause (evals on the shared engines), stop ----------------------------------------------------
     async def pause(self) -> None:
@@ -360,7 +425,8 @@ class Producer:
                     "dropped_tickets": []}
         self._tracer.emit("producer_drained", buffered_tickets=buffered, in_flight_tickets=in_flight,
                           retry_tickets=[t for t, _, _ in self.retry], next_ticket=self.next_ticket,
-                          dropped_total=self.stats.dropped, retried_total=self.stats.retried, **fate)
+                          dropped_total=self.stats.dropped, retried_total=self.stats.retried,
+                          filtered_total=self.stats.filtered, **fate)
 
     async def dispose(self) -> None:
         await self.settle(saved_rollout=None)
@@ -382,11 +448,12 @@ class Producer:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: what a checkpoint of the step just taken holds (see the module docstring)."""
         return {"next_ticket": self.next_ticket,
-                "buffer": [{"ticket": g.ticket, "attempts": g.attempts, "samples": [_sample_state(s) for s in g.samples]}
-                           for g in self.buffer.groups],
+                "buffer": [{"ticket": g.ticket, "attempts": g.attempts, "filled": g.filled,
+                            "samples": [_sample_state(s) for s in g.samples]} for g in self.buffer.groups],
                 "regenerate": [[t, row, a] for t, row, a in self.retry]
                 + [[t, row, a] for t, (row, a, _) in sorted(self.in_flight.items())],
-                "dropped_total": self.stats.dropped, "retried_total": self.stats.retried}
+                "dropped_total": self.stats.dropped, "retried_total": self.stats.retried,
+                "filtered_total": self.stats.filtered}
 
     def load_state_dict(self, state: dict[str, Any], step: int | None = None) -> None:
         """Restore the position of a checkpoint (of step `step`: a drain before any new step says its
@@ -394,10 +461,11 @@ class Producer:
         if step is not None:
             self._snapshots[step] = state
         self.next_ticket = int(state["next_ticket"])
-        self.buffer.groups = deque(Group(int(g["ticket"]), [_sample_from(s) for s in g["samples"]], int(g["attempts"]))
-                                   for g in state["buffer"])
+        self.buffer.groups = deque(Group(int(g["ticket"]), [_sample_from(s) for s in g["samples"]], int(g["attempts"]),
+                                         filled=bool(g.get("filled", False))) for g in state["buffer"])
         self.retry = deque((int(t), int(row), int(a)) for t, row, a in state["regenerate"])
         self.stats.dropped, self.stats.retried = int(state["dropped_total"]), int(state["retried_total"])
+        self.stats.filtered = int(state.get("filtered_total", 0))      # checkpoints before dynamic sampling here
         self._tracer.emit("producer_restored", next_ticket=self.next_ticket,
                           buffered_tickets=[g.ticket for g in self.buffer.groups],
                           regenerate_tickets=[t for t, _, _ in self.retry])

@@ -3,7 +3,8 @@
 What it must show, from the trace and the metrics alone: the staleness of every trained group stays
 within --max-weight-staleness; a SIGTERM drains the producer (no engine call left running, every group
 accounted for: trained, held by the checkpoint, redrawn from its data position, or counted as dropped);
-a run resumed with --load trains no group twice and loses none. Whole runs: out of the default test run
+a run resumed with --load trains no group twice and loses none; a dynamic-sampling filter's rejected
+groups never reach the trainer and are counted and traced. Whole runs: out of the default test run
 (CI's budget), `-m extended`.
 """
 
@@ -30,6 +31,26 @@ BOUND = 2
 def fa_flags(task, run_dir: Path, **extra):
     return base_flags(task, run_dir, use_tis=True, fully_async=True, rollout_num_engines=2, num_rollout=6,
                       max_weight_staleness=BOUND, rollout_max_response_len=8, **extra)
+
+
+ODD_ROWS = "def odd_rows(group):\n    return group[0].prompt.index % 2 == 1\n"
+
+
+def assert_only_odd_rows_trained(run_dir: Path, trace, restored_total: int = 0) -> set[int]:
+    """--dynamic-sampling-filter-path odd_rows: every trained prompt is an odd row, the rejected groups are
+    traced with their reason and counted (each step's count adds up to the run's total, which a resume
+    continues from `restored_total`); returns the tickets it rejected."""
+    rows = [r for e in trace.of("rollout_done") for r in e.get("prompts")]
+    assert rows and all(r % 2 == 1 for r in rows), rows
+    filtered = {e.get("ticket") for e in trace.of("group_filtered")}
+    assert all("--dynamic-sampling-filter-path" in e.get("reason") for e in trace.of("group_filtered"))
+    assert not filtered & {t for ts in taken(trace).values() for t in ts}, "a rejected group was trained"
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in metrics if r.get("kind") == "train"]
+    assert all(r["fa/dynamic_sampling_filled_groups"] == 0 for r in train_rows)
+    totals = [restored_total] + [r["fa/groups_filtered_total"] for r in train_rows]
+    assert [b - a for a, b in zip(totals, totals[1:])] == [r["fa/groups_filtered"] for r in train_rows]
+    return filtered
 
 
 def taken(trace) -> dict[int, list[int]]:
@@ -63,31 +84,41 @@ def assert_staleness_bounded(run_dir: Path, trace) -> None:
 @pytest.mark.parametrize("engine", ["embedded", "fast"])     # both swap weights in flight
 def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ray_cluster, tiny_task, tmp_path,
                                                                              engine):
-    ck = tmp_path / "ck"
+    ck, odd = tmp_path / "ck", tmp_path / "odd.py"
+    odd.write_text(ODD_ROWS)             # DAPO dynamic sampling under the producer: odd dataset rows only
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "first", save=ck, save_interval=10,
-                                  inject_fault=["train:sigterm:3"], rollout_engine=engine))
+                                  inject_fault=["train:sigterm:3"], rollout_engine=engine,
+                                  dynamic_sampling_filter_path=f"{odd}:odd_rows"))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 143
     first = read_trace(tmp_path / "first")
     assert check_trace(first, load_machine("fully_async")).ok
     assert first.events[-1].get("outcome") == "stopped"
     assert_no_request_left_running(first)
     assert_staleness_bounded(tmp_path / "first", first)
+    filtered = assert_only_odd_rows_trained(tmp_path / "first", first)
+    assert filtered, "the filter rejected no group (half the rows are even)"
     [(rid, path)] = CheckpointStore(ck).list()
     trained_first = taken(first)
     assert rid == max(trained_first) == 2                      # the stop's save: the last trained step
-    # the checkpoint's position accounts for every ticket drawn until then: trained, buffered, to regenerate
+    # the checkpoint's position accounts for every ticket drawn until then: trained, buffered, to regenerate,
+    # dropped, or rejected by the filter (its prompt consumed; one in flight at the checkpoint and rejected
+    # after it is to regenerate there)
     state = read_data_position(path)["fully_async"]
     held = {g["ticket"] for g in state["buffer"]} | {t for t, _, _ in state["regenerate"]}
     trained = [t for r in sorted(trained_first) for t in trained_first[r]]
     dropped = {e.get("ticket") for e in first.of("group_dropped")}
     assert len(trained) == len(set(trained))
-    assert set(trained) | held | dropped == set(range(state["next_ticket"]))
+    assert set(trained) | held | dropped | (filtered & set(range(state["next_ticket"]))) == set(range(state["next_ticket"]))
+    noted = next(e.seq for e in first.of("groups_taken") if e.rollout_id == rid)     # the position is read here
+    filtered_before = {e.get("ticket") for e in first.of("group_filtered") if e.seq < noted}
+    assert state["filtered_total"] == len(filtered_before) and not filtered_before & held
     assert not (set(trained) & held) and not (held & dropped)
     drained = first.of("producer_drained")[0]
     assert drained.get("checkpoint") == rid and drained.get("dropped_tickets") == []
     assert set(drained.get("held_tickets")) == held
 
-    cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck, rollout_engine=engine))
+    cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck, rollout_engine=engine,
+                                  dynamic_sampling_filter_path=f"{odd}:odd_rows"))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 0
     second = read_trace(tmp_path / "second")
     assert check_trace(second, load_machine("fully_async")).ok
@@ -100,7 +131,10 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     assert len(again) == len(set(again))
     # nothing the checkpoint held is lost: each held ticket is trained after the resume, or dropped (counted)
     dropped_second = {e.get("ticket") for e in second.of("group_dropped")}
-    assert held <= set(again) | dropped_second | set(second.of("producer_drained")[0].get("buffered_tickets"))
+    filtered_second = assert_only_odd_rows_trained(tmp_path / "second", second, state["filtered_total"])
+    assert not set(again) & (filtered - held), "a group rejected before the checkpoint was trained after it"
+    assert held <= set(again) | dropped_second | filtered_second | set(
+        second.of("producer_drained")[0].get("buffered_tickets"))
     assert_no_request_left_running(second)
     assert_staleness_bounded(tmp_path / "second", second)
     # the prompts: a ticket keeps its prompt row across the resume (held groups are restored, regenerated

@@ -83,10 +83,12 @@ def test_groups_given_back_are_first_in_line():
 # -- the producer on fake executor calls -----------------------------------------------------------
 
 class FakeExecutor:
-    """draw: the next rows; generate: one group per row, made by `version`; a call can be held."""
+    """draw: the next rows; generate: one group per row, made by `version`, judged by `keep` (the
+    dynamic-sampling filter the executor applies; None: every group passes); a call can be held."""
 
-    def __init__(self, version: list[int], hold: asyncio.Event | None = None, hold_after: int | None = None):
-        self.offset, self.version, self.hold, self.hold_after = 0, version, hold, hold_after
+    def __init__(self, version: list[int], hold: asyncio.Event | None = None, hold_after: int | None = None,
+                 keep=None):
+        self.offset, self.version, self.hold, self.hold_after, self.keep = 0, version, hold, hold_after, keep
         self.calls: list[tuple[int, list[int]]] = []
         self.aborted = 0
 
@@ -105,7 +107,7 @@ class FakeExecutor:
         out = [[sample(r, [self.version[0]]), sample(r, [self.version[0]])] for r in rows]
         for s in (s for g in out for s in g):
             s.finish_reason = "abort" if self.aborted else s.finish_reason     # what an aborted engine returns
-        return out
+        return out, [self.keep is None or bool(self.keep(g)) for g in out]
 
     async def abort(self):
         self.aborted += 1
@@ -113,10 +115,12 @@ class FakeExecutor:
             self.hold.set()
 
 
-def producer(ex: FakeExecutor, tracer: Events, *, capacity=6, concurrent=4, engines=2, bound=None, handler="drop"):
+def producer(ex: FakeExecutor, tracer: Events, *, capacity=6, concurrent=4, engines=2, bound=None, handler="drop",
+             fill_after=None):
     return Producer(draw=ex.draw, generate=ex.generate, abort=ex.abort, num_engines=engines, capacity=capacity,
                     concurrent_groups=concurrent, bound=bound, handler=handler, seed=0, tracer=tracer,
-                    version=lambda: ex.version[0])
+                    version=lambda: ex.version[0], dynamic_filter="tests:odd_rows" if ex.keep else None,
+                    fill_after=fill_after)
 
 
 def test_the_producer_fills_the_buffer_to_capacity_and_the_trainer_takes_batches():
@@ -260,6 +264,132 @@ def test_pause_lets_the_calls_in_flight_finish_and_starts_no_new_one():
     asyncio.run(go())
 
 
+# -- dynamic sampling under the producer (--dynamic-sampling-filter-path) -------------------------------
+
+def odd_rows(group) -> bool:
+    """A dynamic-sampling filter: keeps the groups of odd dataset rows (the fake executor: ticket == row)."""
+    return group[0].prompt.index % 2 == 1
+
+
+async def spin(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_groups_the_filter_rejects_never_reach_take_and_are_counted_and_traced():
+    async def go():
+        ex, tr = FakeExecutor([0], keep=odd_rows), Events()
+        p = producer(ex, tr, capacity=6, concurrent=4)
+        p.start()
+        taken = await asyncio.wait_for(p.take(4, step=0), timeout=10)
+        assert [g.ticket for g in taken.groups] == [1, 3, 5, 7]
+        filtered = [e["ticket"] for e in tr.of("group_filtered")]
+        assert filtered[:4] == [0, 2, 4, 6] and all(t % 2 == 0 for t in filtered)
+        assert all("--dynamic-sampling-filter-path tests:odd_rows rejected it" in e["reason"]
+                   for e in tr.of("group_filtered"))
+        m = p.step_metrics(taken, 1.0)
+        assert m["fa/groups_filtered"] == taken.filtered >= 4           # rejected while step 0 waited
+        assert m["fa/groups_filtered_total"] == taken.filtered_total == taken.filtered   # none before step 0's
+        assert m["fa/dynamic_sampling_pass_ratio"] == taken.passed / taken.judged
+        assert m["fa/dynamic_sampling_filled_groups"] == 0 and m["fa/groups_dropped"] == 0
+        await spin()
+        # rejected groups hold no room: the buffer fills to capacity with groups that passed
+        assert len(p.buffer) + len(p.in_flight) <= 6 and len(p.buffer) == 6
+        assert all(g.ticket % 2 == 1 for g in p.buffer.groups)
+        second = await p.take(4, step=1)
+        assert all(g.ticket % 2 == 1 for g in second.groups)
+        assert second.filtered == second.filtered_total - taken.filtered_total > 0    # the window since step 0
+        await p.settle(saved_rollout=None)
+        # every ticket drawn is trained, buffered, in flight (to generate again) or filtered, once
+        drained = tr.of("producer_drained")[-1]
+        trained = [g.ticket for g in taken.groups + second.groups]
+        held = drained["buffered_tickets"] + drained["in_flight_tickets"] + drained["retry_tickets"]
+        filtered = [e["ticket"] for e in tr.of("group_filtered")]
+        assert sorted(trained + held + filtered) == list(range(p.next_ticket))
+        assert drained["filtered_total"] == len(filtered)
+        # the trace says which tickets of each engine call the filter took out
+        assert sorted(t for e in tr.of("producer_groups") for t in e["filtered"]) == sorted(filtered)
+
+    asyncio.run(go())
+
+
+def test_a_filter_that_rejects_every_group_cannot_keep_a_step_waiting():
+    """After --dynamic-sampling-max-rounds x --rollout-batch-size rejects since the last take, the rejected
+    groups fill the buffer (as filtered-out groups fill a sync rollout); the next take closes the window."""
+    async def go():
+        ex, tr = FakeExecutor([0], keep=lambda g: False), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1, fill_after=6)
+        p.start()
+        taken = await asyncio.wait_for(p.take(2, step=0), timeout=10)
+        assert [e["ticket"] for e in tr.of("group_filtered")][:6] == [0, 1, 2, 3, 4, 5] and taken.filtered == 6
+        assert [g.ticket for g in taken.groups] == [6, 7] and all(g.filled for g in taken.groups)
+        assert all("--dynamic-sampling-max-rounds" in e["reason"] for e in tr.of("group_filled"))
+        m = p.step_metrics(taken, 1.0)
+        assert m["fa/dynamic_sampling_filled_groups"] == 2 and m["fa/groups_filtered"] == 6
+        assert m["fa/dynamic_sampling_pass_ratio"] == 0.0
+        filled_before = {e["ticket"] for e in tr.of("group_filled")}
+        await spin()
+        # the window closed with the take: the groups after it are rejected again
+        later = [e["ticket"] for e in tr.of("group_filtered")][6:]
+        assert later and min(later) > max(filled_before) and not set(later) & {g.ticket for g in p.buffer.groups}
+        await p.settle(saved_rollout=None)
+
+    asyncio.run(go())
+
+
+def test_filtered_tickets_are_neither_retrained_nor_lost_across_a_checkpoint():
+    async def go():
+        hold = asyncio.Event()
+        ex, tr = FakeExecutor([0], keep=odd_rows), Events()
+        p = producer(ex, tr, capacity=4, concurrent=2, engines=1)
+        p.start()
+        first = await p.take(2, step=0)
+        await spin()
+        ex.hold = hold                                    # the next call stays in flight
+        second = await p.take(1, step=1)
+        await spin()
+        state = json.loads(json.dumps(p.note(1)))       # the position a checkpoint of step 1 holds
+        filtered = {e["ticket"] for e in tr.of("group_filtered")}
+        trained = {g.ticket for g in first.groups + second.groups}
+        held = {g["ticket"] for g in state["buffer"]} | {t for t, _, _ in state["regenerate"]}
+        assert filtered and state["filtered_total"] == len(filtered)
+        assert not filtered & held and not filtered & trained and not trained & held
+        assert filtered | trained | held == set(range(state["next_ticket"]))
+        await p.settle(saved_rollout=1)
+
+        ex2, tr2 = FakeExecutor([5], keep=odd_rows), Events()
+        ex2.offset = ex.offset
+        q = producer(ex2, tr2, capacity=4, concurrent=2, engines=1)
+        q.load_state_dict(state, step=1)
+        assert q.stats.filtered == len(filtered)
+        q.start()
+        again = await asyncio.wait_for(q.take(len(held), step=5), timeout=10)
+        refiltered = {e["ticket"] for e in tr2.of("group_filtered")}
+        resumed = {g.ticket for g in again.groups}
+        assert not resumed & (trained | filtered)                   # none trained twice, none filtered one trained
+        assert held <= resumed | refiltered                         # the held ones: trained, or filtered (counted)
+        # the total goes on from the checkpoint's: the resumed run's rejects are added to it
+        assert q.step_metrics(again, 1.0)["fa/groups_filtered_total"] == len(filtered) + again.filtered
+        assert again.filtered <= len(refiltered) == q.stats.filtered - len(filtered)
+        await q.settle(saved_rollout=None)
+
+    asyncio.run(go())
+
+
+def test_the_executor_judges_each_group_with_the_dynamic_sampling_filter():
+    """generate_groups scores the groups and calls the filter on each, as a sync rollout does."""
+    from tests.unit.test_partial_rollout import Engine, executor
+
+    ex = executor([Engine()], partial_rollout=False, over_sampling_batch_size=None,
+                  dynamic_sampling_filter_path=f"{__name__}:odd_rows")
+    groups, kept = asyncio.run(ex.generate_groups(0, [2, 3, 5], seed=1))
+    assert [g[0].prompt.index for g in groups] == [2, 3, 5] and kept == [False, True, True]
+    assert all(len(g) == 2 for g in groups)
+    plain = executor([Engine()], partial_rollout=False, over_sampling_batch_size=None,
+                     dynamic_sampling_filter_path=None)
+    assert asyncio.run(plain.generate_groups(0, [2, 3], seed=1))[1] == [True, True]
+
+
 # -- config ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -302,6 +432,15 @@ def test_fully_async_flags_parse_and_size_the_producer(BASE):
 ])
 def test_what_fully_async_cannot_take_is_refused_by_flag(BASE, extra, machine, expected):
     assert expected in problems([*BASE, *extra], machine)
+
+
+def test_dynamic_sampling_is_taken_with_fully_async_and_over_sampling_is_refused_by_name(BASE):
+    filt = ["--dynamic-sampling-filter-path", "miles.rollout.filters:check_reward_nonzero_std"]
+    assert problems([*BASE, "--fully-async", *filt]) == ""
+    assert problems([*BASE, "--fully-async", *filt, "--dynamic-sampling-max-rounds", "3"]) == ""
+    msg = problems([*BASE, "--fully-async", *filt, "--over-sampling-batch-size", "8"])
+    assert "--over-sampling-batch-size cannot be used with --fully-async" in msg and "drop it" in msg
+    assert problems([*BASE, *filt, "--over-sampling-batch-size", "8"], "async") == ""     # the sync sampler's
 
 
 def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):
