@@ -427,7 +427,8 @@ def test_fully_async_flags_parse_and_size_the_producer(BASE):
      "--async-data-buffer-capacity-factor 0.5"),
     (["--fully-async", "--partial-rollout", "--dynamic-sampling-filter-path", "a:b"], "fully_async",
      "--partial-rollout cannot be used with --fully-async"),
-    (["--fully-async", "--check-weight-update-equal"], "fully_async", "cannot be used with --fully-async"),
+    (["--fully-async", "--debug-skip-weight-update"], "fully_async",
+     "--debug-skip-weight-update cannot be used with --fully-async"),
     (["--fully-async", "--colocate"], "fully_async", "--colocate cannot be used with the async machine"),
 ])
 def test_what_fully_async_cannot_take_is_refused_by_flag(BASE, extra, machine, expected):
@@ -441,6 +442,15 @@ def test_dynamic_sampling_is_taken_with_fully_async_and_over_sampling_is_refused
     msg = problems([*BASE, "--fully-async", *filt, "--over-sampling-batch-size", "8"])
     assert "--over-sampling-batch-size cannot be used with --fully-async" in msg and "drop it" in msg
     assert problems([*BASE, *filt, "--over-sampling-batch-size", "8"], "async") == ""     # the sync sampler's
+
+
+def test_the_weight_check_and_ci_test_are_taken_with_fully_async(BASE):
+    """Each engine records its checksums at its swap's token boundary (tests/unit/test_inflight_swap.py);
+    only their own rules still apply (--debug-skip-weight-update keeps the engines on other weights)."""
+    assert problems([*BASE, "--fully-async", "--check-weight-update-equal"]) == ""
+    assert "cannot be used with --fully-async" not in problems([*BASE, "--fully-async", "--ci-test"])
+    msg = problems([*BASE, "--fully-async", "--check-weight-update-equal", "--debug-skip-weight-update"])
+    assert "--debug-skip-weight-update keeps the engines on the initial weights" in msg
 
 
 def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):
