@@ -453,6 +453,32 @@ def test_the_weight_check_and_ci_test_are_taken_with_fully_async(BASE):
     assert "--debug-skip-weight-update keeps the engines on the initial weights" in msg
 
 
+def test_the_push_checks_each_engines_swap_checksums_against_the_trainers():
+    """`check_swapped_weights` on what engines recorded at their swaps (the engines' side: test_inflight_swap)."""
+    from miles.phases.fully_async import check_swapped_weights
+    from miles.phases.weights import WeightSyncMismatch
+
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+
+    def rec(before_version, before, after, version=4):
+        return {"version": version, "checksum": after, "before": {"version": before_version, "checksum": before}}
+
+    names = ["engine-0", "engine-1"]
+    check_swapped_weights(names, 4, b, (3, a), [rec(3, a, b), rec(3, a, b)])
+    check_swapped_weights(names, 4, b, None, [rec(0, c, b), rec(0, c, b)])         # the first push: nothing before
+    # engine-0 took v4 in an attempt cut short by engine-1's restart: before its second swap it held v4
+    check_swapped_weights(names, 4, b, (3, a), [rec(4, b, b), rec(3, a, b)])
+    with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-1 holds weights with "
+                                                 "checksum cccccccccccc, the trainer's v3 is aaaaaaaaaaaa$"):
+        check_swapped_weights(names, 4, b, (3, a), [rec(3, a, b), rec(3, c, b)])
+    with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-0 holds weight version 2, "
+                                                 "not 3$"):
+        check_swapped_weights(names, 4, b, (3, a), [rec(2, a, b), rec(3, a, b)])
+    with pytest.raises(WeightSyncMismatch, match="^after the in-flight push of v4: engine-0 holds weights with "
+                                                 "checksum cccccccccccc, the trainer's v4 is bbbbbbbbbbbb$"):
+        check_swapped_weights(names, 4, b, (3, a), [rec(3, a, c), rec(3, a, b)])
+
+
 def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):
     msg = problems([*BASE, "--fully-async", "--rollout-engine", "sglang"])
     assert "--fully-async with --rollout-engine sglang" in msg and "--rollout-engine embedded, fast" in msg
