@@ -91,9 +91,9 @@ async def sync_weights(ctx: TrainingContext) -> str:
     if check:       # what each engine recorded at its swap's token boundary, against the trainer's checksums
         expected = await expected_checksum(ctx)
         recorded = await asyncio.gather(*(e.handle.swapped_weights_checksum.remote(version) for e in engines))
-        previous = (ctx.weight_version, ctx.engine_weights_checksum) if ctx.engine_weights_checksum else None
-        check_swapped_weights(names, version, expected, previous, recorded)
+        check_swapped_weights(names, version, expected, ctx.fa_engine_weights, recorded)
         ctx.engine_weights_checksum = expected
+        ctx.fa_engine_weights = {n: (version, expected) for n in names}
     ctx.weight_version = version
     fields = {"checksum": expected} if expected is not None else {}
     ctx.tracer.emit("weights_pushed", version=version, duration_s=round(time.monotonic() - t0, 6),
@@ -111,24 +111,27 @@ async def sync_weights(ctx: TrainingContext) -> str:
     return "next"
 
 
-def check_swapped_weights(names: list[str], version: int, expected: str, previous: tuple[int, str] | None,
+def check_swapped_weights(names: list[str], version: int, expected: str, given: dict[str, tuple[int, str]],
                           recorded: list[dict[str, Any]]) -> None:
     """--check-weight-update-equal under the producer: each engine's checksums, recorded at the token
     boundary where it took v`version` (`swapped_weights_checksum`), against the trainer's. What it held
-    just before the swap against what the last push gave it (`previous`: that version and the trainer's
-    checksum of it; a corruption between two pushes), then what it loaded against `expected`; the sync
-    machines' read-back lines (`engine_problems`), raised as their WeightSyncMismatch. (An engine that
-    already took v`version` in an attempt of this push cut short by another engine's restart held v`version`
-    before its second swap: that is compared with `expected`.)"""
-    if previous is not None:
-        prev_version, prev_sum = previous
-        again = [r["before"]["version"] == version for r in recorded]
-        bad = engine_problems([n for n, a in zip(names, again) if not a], prev_version, prev_sum,
-                              [(r["before"]["version"], r["before"]["checksum"]) for r, a in zip(recorded, again) if not a])
-        bad += engine_problems([n for n, a in zip(names, again) if a], version, expected,
-                               [(r["before"]["version"], r["before"]["checksum"]) for r, a in zip(recorded, again) if a])
-        if bad:
-            raise WeightSyncMismatch(f"before the next update to v{prev_version}: " + "; ".join(bad))
+    just before the swap against what the last push gave it (`given`: engine name -> that version and the
+    trainer's checksum of it; a corruption between two pushes), then what it loaded against `expected`;
+    the sync machines' read-back lines (`engine_problems`), raised as their WeightSyncMismatch. An engine
+    the last push did not give weights to (restarted since: the restart reloaded them) is compared after
+    the swap only; one that already took v`version` in an attempt of this push cut short by another
+    engine's restart held v`version` before its second swap: that is compared with `expected`."""
+    before = []
+    for name, r in zip(names, recorded):
+        held = (r["before"]["version"], r["before"]["checksum"])
+        if held[0] == version:
+            before.append((name, (version, expected), held))
+        elif name in given:
+            before.append((name, given[name], held))
+    bad = [line for name, (v, want), held in before for line in engine_problems([name], v, want, [held])]
+    if bad:
+        prev = min(v for _, (v, _), _ in before)
+        raise WeightSyncMismatch(f"before the next update to v{prev}: " + "; ".join(bad))
     bad = engine_problems(names, version, expected, [(r["version"], r["checksum"]) for r in recorded])
     if bad:
         raise WeightSyncMismatch(f"after the in-flight push of v{version}: " + "; ".join(bad))

@@ -464,19 +464,22 @@ def test_the_push_checks_each_engines_swap_checksums_against_the_trainers():
         return {"version": version, "checksum": after, "before": {"version": before_version, "checksum": before}}
 
     names = ["engine-0", "engine-1"]
-    check_swapped_weights(names, 4, b, (3, a), [rec(3, a, b), rec(3, a, b)])
-    check_swapped_weights(names, 4, b, None, [rec(0, c, b), rec(0, c, b)])         # the first push: nothing before
+    given = {n: (3, a) for n in names}                 # what the last push (v3) gave each
+    check_swapped_weights(names, 4, b, given, [rec(3, a, b), rec(3, a, b)])
+    check_swapped_weights(names, 4, b, {}, [rec(0, c, b), rec(0, c, b)])         # the first push: nothing before
     # engine-0 took v4 in an attempt cut short by engine-1's restart: before its second swap it held v4
-    check_swapped_weights(names, 4, b, (3, a), [rec(4, b, b), rec(3, a, b)])
+    check_swapped_weights(names, 4, b, given, [rec(4, b, b), rec(3, a, b)])
+    # engine-1 was restarted since v3 (a new name): the restart reloaded its weights, checked after the swap only
+    check_swapped_weights(["engine-0", "engine-1-r1"], 4, b, given, [rec(3, a, b), rec(3, c, b)])
     with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-1 holds weights with "
                                                  "checksum cccccccccccc, the trainer's v3 is aaaaaaaaaaaa$"):
-        check_swapped_weights(names, 4, b, (3, a), [rec(3, a, b), rec(3, c, b)])
+        check_swapped_weights(names, 4, b, given, [rec(3, a, b), rec(3, c, b)])
     with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-0 holds weight version 2, "
                                                  "not 3$"):
-        check_swapped_weights(names, 4, b, (3, a), [rec(2, a, b), rec(3, a, b)])
+        check_swapped_weights(names, 4, b, given, [rec(2, a, b), rec(3, a, b)])
     with pytest.raises(WeightSyncMismatch, match="^after the in-flight push of v4: engine-0 holds weights with "
                                                  "checksum cccccccccccc, the trainer's v4 is bbbbbbbbbbbb$"):
-        check_swapped_weights(names, 4, b, (3, a), [rec(3, a, c), rec(3, a, b)])
+        check_swapped_weights(names, 4, b, given, [rec(3, a, c), rec(3, a, b)])
 
 
 def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):

@@ -266,12 +266,12 @@ def test_the_checksum_recorded_at_a_swap_in_flight_is_the_trainers_of_those_weig
     assert got["version"] == v0 + 1 and got["checksum"] == expected
     assert got["before"] == {"version": v0, "checksum": old_sum}           # what it held until the boundary
     assert engine.weights_checksum() == expected                           # the sync machines' read-back agrees
-    check_swapped_weights(["engine-0"], v0 + 1, expected, (v0, old_sum), [got])      # passes
+    check_swapped_weights(["engine-0"], v0 + 1, expected, {"engine-0": (v0, old_sum)}, [got])      # passes
     engine.swap_weights(old, v0 + 2, checksum=True)                        # idle: recorded at once
     back = engine.swapped_weights_checksum(v0 + 2, timeout_s=1)
     assert back["paused_requests"] == 0 and back["checksum"] == old_sum
     assert back["before"] == {"version": v0 + 1, "checksum": expected}
-    check_swapped_weights(["engine-0"], v0 + 2, old_sum, (v0 + 1, expected), [back])
+    check_swapped_weights(["engine-0"], v0 + 2, old_sum, {"engine-0": (v0 + 1, expected)}, [back])
 
 
 def test_a_corrupted_engine_or_other_weights_fail_the_check_with_the_sync_machines_message(engine, trainer):
@@ -279,13 +279,14 @@ def test_a_corrupted_engine_or_other_weights_fail_the_check_with_the_sync_machin
     dtype = engine.weights_dtype()
     old_sum, expected = state_dict_checksum(old, dtype=dtype), trainer.weights_checksum(dtype)
     engine.swap_weights(trainer.weights(), v0 + 1, checksum=True)
-    check_swapped_weights(["engine-0"], v0 + 1, expected, (v0, old_sum), [engine.swapped_weights_checksum(v0 + 1)])
+    check_swapped_weights(["engine-0"], v0 + 1, expected, {"engine-0": (v0, old_sum)},
+                          [engine.swapped_weights_checksum(v0 + 1)])
     _corrupt(engine)                                # after the push: found at the next swap's boundary
     engine.swap_weights(old, v0 + 2, checksum=True)
     recorded = engine.swapped_weights_checksum(v0 + 2)
     assert recorded["checksum"] == old_sum          # the new weights loaded fine; what it held before did not
     with pytest.raises(WeightSyncMismatch) as exc:
-        check_swapped_weights(["engine-0"], v0 + 2, old_sum, (v0 + 1, expected), [recorded])
+        check_swapped_weights(["engine-0"], v0 + 2, old_sum, {"engine-0": (v0 + 1, expected)}, [recorded])
     assert str(exc.value) == (f"before the next update to v{v0 + 1}: engine-0 holds weights with checksum "
                               f"{recorded['before']['checksum'][:12]}, the trainer's v{v0 + 1} is {expected[:12]}")
     other = {**old, NORM: old[NORM] + 1e-3}         # an engine given (or loading) other weights than the trainer's
@@ -294,7 +295,8 @@ def test_a_corrupted_engine_or_other_weights_fail_the_check_with_the_sync_machin
     good = {"version": v0 + 3, "checksum": old_sum, "paused_requests": 0,
             "before": {"version": v0 + 2, "checksum": old_sum}}          # a second engine that took them right
     with pytest.raises(WeightSyncMismatch) as exc:
-        check_swapped_weights(["engine-0", "engine-1"], v0 + 3, old_sum, (v0 + 2, old_sum), [good, recorded])
+        check_swapped_weights(["engine-0", "engine-1"], v0 + 3, old_sum,
+                              {"engine-0": (v0 + 2, old_sum), "engine-1": (v0 + 2, old_sum)}, [good, recorded])
     assert str(exc.value) == (f"after the in-flight push of v{v0 + 3}: engine-1 holds weights with checksum "
                               f"{recorded['checksum'][:12]}, the trainer's v{v0 + 3} is {old_sum[:12]}")
     engine.swap_weights(old, v0 + 4)
