@@ -503,7 +503,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("num-rollout", "run", "num_rollout", int, "rollouts to run (default: from --num-epoch)"),
     _f("num-epoch", "run", "num_epoch", int, "passes over the prompt data"),
     _f("check-weight-update-equal", "run", "check_weight_update_equal", kind="true",
-       help="after each weight sync, compare trainer and engine checksums; fail on a mismatch"),
+       help="after each weight sync, compare trainer and engine checksums; fail on a mismatch (with --fully-async: "
+            "the checksums each engine records at the token boundary of its in-flight swap)"),
     _f("debug-skip-weight-update", "run", "debug_skip_weight_update", kind="true",
        help="debugging: skip every weight sync (a weights_sync_skipped trace event says so); the engines keep the "
             "initial weights and the trainer trains on; evals keep their --eval-interval schedule. Refused with --check-weight-update-equal and --ci-test, "

@@ -877,8 +877,8 @@ def _fully_async_problems(cfg: RunConfig) -> list[str]:
         ("--custom-generate-function-path", cfg.generate.generate_function_path,
          "the producer pauses single-turn engine calls; multi-turn generation is not paused at token boundaries "
          "yet"),
-        ("--check-weight-update-equal/--ci-test", cfg.check_weights, "an engine's checksum waits for its requests "
-                                                                    "in flight, which a fully-async push does not"),
+        # --check-weight-update-equal / --ci-test are taken: each engine records its checksums at the token
+        # boundary of its swap (miles.rollout.engines.guard), compared with the trainer's by the push
         ("--debug-skip-weight-update", cfg.debug_skip_weight_update, "the staleness bound counts weight versions"),
         ("--loss-type sft_loss", a.loss_type == "sft_loss", "SFT generates nothing")) if on]
     problems += [f"{flag} cannot be used with --fully-async: {why}" for flag, why in refused]

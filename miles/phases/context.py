@@ -131,6 +131,9 @@ class TrainingContext(PhaseContext):
         # fully_async machine: the trainer's busy seconds since the step's clock started (its idle fraction)
         self.fa_trainer_busy_s = 0.0
         self.fa_step_t0 = 0.0
+        # fully_async machine, --check-weight-update-equal: engine name -> (version, trainer's checksum) the last
+        # push gave it (an engine restarted since has another name: its next swap is checked after the load only)
+        self.fa_engine_weights: dict[str, tuple[int, str]] = {}
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.metrics.ci_gates)
 
     def rollout_of(self, state: str) -> int | None:

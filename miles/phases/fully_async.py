@@ -5,7 +5,10 @@
   restored from the checkpoint's position when the run resumes. It starts at the first weight push.
 - `weight_sync` pushes the trainer's weights to every engine WITHOUT waiting for the requests in flight:
   each engine pauses them at a token boundary, swaps, and lets them go on (`swap_weights`); the trace
-  records the push and what each engine paused (`weights_pushed`).
+  records the push and what each engine paused (`weights_pushed`). With --check-weight-update-equal
+  (or --ci-test) each engine records, at the token boundary of its swap, the checksums of the weights it
+  held before and after the load; they are compared with the trainer's (`check_swapped_weights`: a
+  mismatch fails the run with the sync machines' WeightSyncMismatch), never waiting for a request.
 - `rollout` takes the next --rollout-batch-size groups from the buffer (the staleness bound applied,
   `group_dropped` / `group_retried` traced; a dynamic-sampling filter's rejects never entered it,
   `group_filtered`), has the executor assemble them into the step's batch, and
@@ -30,6 +33,7 @@ from miles.phases import train as train_phase
 from miles.phases.context import TrainingContext
 from miles.rollout.supervision import dead_engines, restart_engine, restart_unresponsive, with_engine_restarts
 from miles.phases.eval import evaluate as sync_evaluate
+from miles.phases.weights import WeightSyncMismatch, expected_checksum, engine_problems
 from miles.rollout.executor import PROMPTS_KEY
 from miles.rollout.producer import Producer, Taken, capacity_groups, concurrent_groups
 from miles.rollout.protocol import EngineUnresponsive, SupportsInFlightWeightSwap
@@ -71,20 +75,30 @@ async def sync_weights(ctx: TrainingContext) -> str:
     producer: Producer = ctx.c.producer
     in_flight = sorted(producer.in_flight)
 
+    check = ctx.cfg.check_weights
+
     async def push() -> list[dict[str, Any]]:
         weights = ctx.c.trainer.handle.weights.remote()
-        return await asyncio.gather(*(e.handle.swap_weights.remote(weights, version) for e in ctx.c.engines))
+        return await asyncio.gather(*(e.handle.swap_weights.remote(weights, version, check) for e in ctx.c.engines))
 
     swaps = await with_engine_restarts(ctx, push)
-    held = await asyncio.gather(*(e.handle.weight_version.remote() for e in ctx.c.engines))
-    bad = [f"{e.resource_name} holds weight version {v}, not {version}" for e, v in zip(ctx.c.engines, held) if v != version]
+    engines, names = ctx.c.engines, [e.resource_name for e in ctx.c.engines]
+    held = await asyncio.gather(*(e.handle.weight_version.remote() for e in engines))
+    bad = engine_problems(names, version, None, [(v, None) for v in held])
     if bad:
-        from miles.phases.weights import WeightSyncMismatch
         raise WeightSyncMismatch(f"after the in-flight push of v{version}: " + "; ".join(bad))
+    expected = None
+    if check:       # what each engine recorded at its swap's token boundary, against the trainer's checksums
+        expected = await expected_checksum(ctx)
+        recorded = await asyncio.gather(*(e.handle.swapped_weights_checksum.remote(version) for e in engines))
+        check_swapped_weights(names, version, expected, ctx.fa_engine_weights, recorded)
+        ctx.engine_weights_checksum = expected
+        ctx.fa_engine_weights = {n: (version, expected) for n in names}
     ctx.weight_version = version
+    fields = {"checksum": expected} if expected is not None else {}
     ctx.tracer.emit("weights_pushed", version=version, duration_s=round(time.monotonic() - t0, 6),
                     transport="object_store", in_flight_tickets=in_flight,
-                    engines={e.resource_name: s for e, s in zip(ctx.c.engines, swaps)})
+                    engines={e.resource_name: s for e, s in zip(engines, swaps)}, **fields)
     for e, s in zip(ctx.c.engines, swaps):
         if s["paused_requests"]:
             ctx.tracer.emit("requests_paused", engine=e.resource_name, requests=s["paused_requests"],
@@ -95,6 +109,32 @@ async def sync_weights(ctx: TrainingContext) -> str:
         producer.start()
         ctx.fa_trainer_busy_s, ctx.fa_step_t0 = 0.0, time.monotonic()    # the idle fractions count from here
     return "next"
+
+
+def check_swapped_weights(names: list[str], version: int, expected: str, given: dict[str, tuple[int, str]],
+                          recorded: list[dict[str, Any]]) -> None:
+    """--check-weight-update-equal under the producer: each engine's checksums, recorded at the token
+    boundary where it took v`version` (`swapped_weights_checksum`), against the trainer's. What it held
+    just before the swap against what the last push gave it (`given`: engine name -> that version and the
+    trainer's checksum of it; a corruption between two pushes), then what it loaded against `expected`;
+    the sync machines' read-back lines (`engine_problems`), raised as their WeightSyncMismatch. An engine
+    the last push did not give weights to (restarted since: the restart reloaded them) is compared after
+    the swap only; one that already took v`version` in an attempt of this push cut short by another
+    engine's restart held v`version` before its second swap: that is compared with `expected`."""
+    before = []
+    for name, r in zip(names, recorded):
+        held = (r["before"]["version"], r["before"]["checksum"])
+        if held[0] == version:
+            before.append((name, (version, expected), held))
+        elif name in given:
+            before.append((name, given[name], held))
+    bad = [line for name, (v, want), held in before for line in engine_problems([name], v, want, [held])]
+    if bad:
+        prev = min(v for _, (v, _), _ in before)
+        raise WeightSyncMismatch(f"before the next update to v{prev}: " + "; ".join(bad))
+    bad = engine_problems(names, version, expected, [(r["version"], r["checksum"]) for r in recorded])
+    if bad:
+        raise WeightSyncMismatch(f"after the in-flight push of v{version}: " + "; ".join(bad))
 
 
 async def rollout(ctx: TrainingContext) -> str:

@@ -47,7 +47,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
     ipc = ctx.c.ipc_weights
     await with_engine_restarts(ctx, lambda: _push_ipc(ctx, ipc, version) if ipc else _push_object_store(ctx, version))
     ctx.weight_version = version
-    expected = await _expected_checksum(ctx) if check else None
+    expected = await expected_checksum(ctx) if check else None
     await _read_back(ctx, version, expected, when="after the update")
     ctx.engine_weights_checksum = expected
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6),
@@ -96,7 +96,7 @@ async def _push_ipc(ctx: TrainingContext, ipc: IpcWeights, version: int) -> None
         await ipc.trainer.release_weight_buckets.remote(i)
 
 
-async def _expected_checksum(ctx: TrainingContext) -> str:
+async def expected_checksum(ctx: TrainingContext) -> str:
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()   # compare in the engines' dtype (bf16 on GPU)
     if fp8_engines(ctx):        # what an FP8 engine holds: the trainer's weights quantized as its buckets carry them
         return await ctx.c.trainer.handle.weights_checksum.remote(dtype, True)

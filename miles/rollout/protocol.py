@@ -204,9 +204,14 @@ class SupportsInFlightWeightSwap(Protocol):
     """Takes new weights while its generate calls run (--fully-async): the running requests pause at
     their next token boundary, the weights are swapped, and they go on; each token records the version
     whose forward gave its logits (`Generation.token_versions`). Answered beside a running generate,
-    as health. Returns what it paused: {"paused_requests": rows in flight, "waited_s": ...}."""
+    as health. Returns what it paused: {"paused_requests": rows in flight, "waited_s": ...}. With
+    `checksum` (--check-weight-update-equal under --fully-async) the engine records, at that token
+    boundary, the checksums of the weights it held before and after the load; `swapped_weights_checksum`
+    returns them by version without waiting for the requests in flight (miles.rollout.engines.guard)."""
 
-    def swap_weights(self, state_dict: Any, version: int) -> dict[str, Any]: ...
+    def swap_weights(self, state_dict: Any, version: int, checksum: bool = False) -> dict[str, Any]: ...
+
+    def swapped_weights_checksum(self, version: int, timeout_s: float = ...) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

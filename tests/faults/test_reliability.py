@@ -100,16 +100,18 @@ def test_a_phase_past_its_deadline_drains_the_run_and_corrupted_checkpoints_are_
 
 
 @pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
-def test_an_engine_corrupted_after_a_sync_fails_the_run_naming_it(ray_cluster, tiny_task, tmp_path):
+@pytest.mark.parametrize("machine", ["sync", "fully_async"])   # fully-async: found at the next in-flight swap
+def test_an_engine_corrupted_after_a_sync_fails_the_run_naming_it(ray_cluster, tiny_task, tmp_path, machine):
+    extra = {"fully_async": True, "use_tis": True} if machine == "fully_async" else {}
     flags = small(tiny_task, tmp_path, "run", num_rollout=2, check_weight_update_equal=True,
-                  inject_fault=["weight_sync:corrupt_weights"])
-    raised = run(flags)
+                  inject_fault=["weight_sync:corrupt_weights"], **extra)
+    raised = run(flags, machine)
     assert type(raised).__name__ == "WeightSyncMismatch", raised
     assert "engine-0 holds weights with checksum" in str(raised)      # (one engine of several: unit-tested)
     trace = assert_clean_end(tmp_path / "run", outcome="failed", error_type="WeightSyncMismatch",
-                             ckpt=tmp_path / "none")
-    synced = trace.of("weights_synced")
-    assert [e.get("version") for e in synced] == [0]          # the second sync found it before pushing
+                             ckpt=tmp_path / "none", machine=machine)
+    synced = trace.of("weights_synced" if machine == "sync" else "weights_pushed")
+    assert [e.get("version") for e in synced] == [0]          # the second sync found it (sync: before pushing)
     err = trace.of("error")[0]
     assert err.state == "weight_sync" and "before the next update to v0" in err.error["message"]
 

@@ -4,7 +4,8 @@ What it must show, from the trace and the metrics alone: the staleness of every 
 within --max-weight-staleness; a SIGTERM drains the producer (no engine call left running, every group
 accounted for: trained, held by the checkpoint, redrawn from its data position, or counted as dropped);
 a run resumed with --load trains no group twice and loses none; a dynamic-sampling filter's rejected
-groups never reach the trainer and are counted and traced. Whole runs: out of the default test run
+groups never reach the trainer and are counted and traced; --check-weight-update-equal compares every
+engine's checksums, recorded at its in-flight swap, with the trainer's at every push. Whole runs: out of the default test run
 (CI's budget), `-m extended`.
 """
 
@@ -81,6 +82,16 @@ def assert_staleness_bounded(run_dir: Path, trace) -> None:
         assert all(key in r for r in train_rows), key
 
 
+def assert_weights_checked(trace) -> None:
+    """--check-weight-update-equal: every push compared both engines' swap checksums with the trainer's (a
+    mismatch would have failed the run): each push names the trainer's checksum it compared."""
+    pushes = trace.of("weights_pushed")
+    assert pushes and all(len(e.get("engines")) == 2 for e in pushes)
+    sums = [e.get("checksum") for e in pushes]
+    assert all(isinstance(c, str) and len(c) == 64 for c in sums), sums
+    assert not trace.of("error")
+
+
 @pytest.mark.parametrize("engine", ["embedded", "fast"])     # both swap weights in flight
 def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ray_cluster, tiny_task, tmp_path,
                                                                              engine):
@@ -88,13 +99,14 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     odd.write_text(ODD_ROWS)             # DAPO dynamic sampling under the producer: odd dataset rows only
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "first", save=ck, save_interval=10,
                                   inject_fault=["train:sigterm:3"], rollout_engine=engine,
-                                  dynamic_sampling_filter_path=f"{odd}:odd_rows"))
+                                  dynamic_sampling_filter_path=f"{odd}:odd_rows", check_weight_update_equal=True))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 143
     first = read_trace(tmp_path / "first")
     assert check_trace(first, load_machine("fully_async")).ok
     assert first.events[-1].get("outcome") == "stopped"
     assert_no_request_left_running(first)
     assert_staleness_bounded(tmp_path / "first", first)
+    assert_weights_checked(first)
     filtered = assert_only_odd_rows_trained(tmp_path / "first", first)
     assert filtered, "the filter rejected no group (half the rows are even)"
     [(rid, path)] = CheckpointStore(ck).list()
@@ -118,7 +130,7 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     assert set(drained.get("held_tickets")) == held
 
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck, rollout_engine=engine,
-                                  dynamic_sampling_filter_path=f"{odd}:odd_rows"))
+                                  dynamic_sampling_filter_path=f"{odd}:odd_rows", check_weight_update_equal=True))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 0
     second = read_trace(tmp_path / "second")
     assert check_trace(second, load_machine("fully_async")).ok
@@ -132,11 +144,14 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     # nothing the checkpoint held is lost: each held ticket is trained after the resume, or dropped (counted)
     dropped_second = {e.get("ticket") for e in second.of("group_dropped")}
     filtered_second = assert_only_odd_rows_trained(tmp_path / "second", second, state["filtered_total"])
-    assert not set(again) & (filtered - held), "a group rejected before the checkpoint was trained after it"
+    # (tickets from the checkpoint's next_ticket on are numbered again on resume: other prompts then)
+    rejected_before = (filtered & set(range(state["next_ticket"]))) - held
+    assert not set(again) & rejected_before, "a group rejected before the checkpoint was trained after it"
     assert held <= set(again) | dropped_second | filtered_second | set(
         second.of("producer_drained")[0].get("buffered_tickets"))
     assert_no_request_left_running(second)
     assert_staleness_bounded(tmp_path / "second", second)
+    assert_weights_checked(second)
     # the prompts: a ticket keeps its prompt row across the resume (held groups are restored, regenerated
     # ones generated again from the same row)
     weights = second.of("weights_pushed")

@@ -427,7 +427,8 @@ def test_fully_async_flags_parse_and_size_the_producer(BASE):
      "--async-data-buffer-capacity-factor 0.5"),
     (["--fully-async", "--partial-rollout", "--dynamic-sampling-filter-path", "a:b"], "fully_async",
      "--partial-rollout cannot be used with --fully-async"),
-    (["--fully-async", "--check-weight-update-equal"], "fully_async", "cannot be used with --fully-async"),
+    (["--fully-async", "--debug-skip-weight-update"], "fully_async",
+     "--debug-skip-weight-update cannot be used with --fully-async"),
     (["--fully-async", "--colocate"], "fully_async", "--colocate cannot be used with the async machine"),
 ])
 def test_what_fully_async_cannot_take_is_refused_by_flag(BASE, extra, machine, expected):
@@ -441,6 +442,44 @@ def test_dynamic_sampling_is_taken_with_fully_async_and_over_sampling_is_refused
     msg = problems([*BASE, "--fully-async", *filt, "--over-sampling-batch-size", "8"])
     assert "--over-sampling-batch-size cannot be used with --fully-async" in msg and "drop it" in msg
     assert problems([*BASE, *filt, "--over-sampling-batch-size", "8"], "async") == ""     # the sync sampler's
+
+
+def test_the_weight_check_and_ci_test_are_taken_with_fully_async(BASE):
+    """Each engine records its checksums at its swap's token boundary (tests/unit/test_inflight_swap.py);
+    only their own rules still apply (--debug-skip-weight-update keeps the engines on other weights)."""
+    assert problems([*BASE, "--fully-async", "--check-weight-update-equal"]) == ""
+    assert "cannot be used with --fully-async" not in problems([*BASE, "--fully-async", "--ci-test"])
+    msg = problems([*BASE, "--fully-async", "--check-weight-update-equal", "--debug-skip-weight-update"])
+    assert "--debug-skip-weight-update keeps the engines on the initial weights" in msg
+
+
+def test_the_push_checks_each_engines_swap_checksums_against_the_trainers():
+    """`check_swapped_weights` on what engines recorded at their swaps (the engines' side: test_inflight_swap)."""
+    from miles.phases.fully_async import check_swapped_weights
+    from miles.phases.weights import WeightSyncMismatch
+
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+
+    def rec(before_version, before, after, version=4):
+        return {"version": version, "checksum": after, "before": {"version": before_version, "checksum": before}}
+
+    names = ["engine-0", "engine-1"]
+    given = {n: (3, a) for n in names}                 # what the last push (v3) gave each
+    check_swapped_weights(names, 4, b, given, [rec(3, a, b), rec(3, a, b)])
+    check_swapped_weights(names, 4, b, {}, [rec(0, c, b), rec(0, c, b)])         # the first push: nothing before
+    # engine-0 took v4 in an attempt cut short by engine-1's restart: before its second swap it held v4
+    check_swapped_weights(names, 4, b, given, [rec(4, b, b), rec(3, a, b)])
+    # engine-1 was restarted since v3 (a new name): the restart reloaded its weights, checked after the swap only
+    check_swapped_weights(["engine-0", "engine-1-r1"], 4, b, given, [rec(3, a, b), rec(3, c, b)])
+    with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-1 holds weights with "
+                                                 "checksum cccccccccccc, the trainer's v3 is aaaaaaaaaaaa$"):
+        check_swapped_weights(names, 4, b, given, [rec(3, a, b), rec(3, c, b)])
+    with pytest.raises(WeightSyncMismatch, match="^before the next update to v3: engine-0 holds weight version 2, "
+                                                 "not 3$"):
+        check_swapped_weights(names, 4, b, given, [rec(2, a, b), rec(3, a, b)])
+    with pytest.raises(WeightSyncMismatch, match="^after the in-flight push of v4: engine-0 holds weights with "
+                                                 "checksum cccccccccccc, the trainer's v4 is bbbbbbbbbbbb$"):
+        check_swapped_weights(names, 4, b, given, [rec(3, a, c), rec(3, a, b)])
 
 
 def test_engines_without_in_flight_swaps_are_refused_by_name(BASE):

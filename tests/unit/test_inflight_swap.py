@@ -1,23 +1,32 @@
 """The in-flight weight swap (--fully-async, SupportsInFlightWeightSwap) of the embedded engine and of the
 fast engine (on the CPU: eager, float32, the code path the GPU runs minus graphs), without Ray: a swap
 during a running generate pauses its requests at a token boundary, loads the weights, and the requests
-go on; each token records the version whose forward gave its logits; no request is lost."""
+go on; each token records the version whose forward gave its logits; no request is lost. With a checksum
+asked for (--check-weight-update-equal under --fully-async), the swap records at its token boundary the
+checksums that the push compares with the trainer's, without waiting for the requests in flight."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+from miles.phases.fully_async import check_swapped_weights
+from miles.phases.weights import WeightSyncMismatch
 from miles.rollout.engines.embedded.engine import EmbeddedEngine
 from miles.rollout.engines.fast.engine import FastEngine
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsInFlightWeightSwap
+from miles.training.torch.trainer import Trainer
 from miles.types import SamplingParams
-from miles.weights.hf import load_weights, model_weights
+from miles.weights import fp8
+from miles.weights.checksum import state_dict_checksum
+from miles.weights.hf import load_causal_lm, load_weights, model_weights
 from tests.tiny_model import make_tiny_model
 
 NORM = "model.norm.weight"      # the final norm: changes the logits, not the K/V a forward writes
@@ -68,15 +77,16 @@ def _kind(engine) -> str:
     return "embedded" if isinstance(engine, EmbeddedEngine) else "fast"
 
 
-def _generate_with_swap(engine, monkeypatch, prompts, params, new_weights, version, at: int = 5):
-    """engine.generate(prompts, params) on a thread, with `swap_weights(new_weights, version)` once the
-    call has run `at` token steps; returns (the generations, what swap_weights returned)."""
+def _generate_with_swap(engine, monkeypatch, prompts, params, new_weights, version, at: int = 5,
+                        checksum: bool = False):
+    """engine.generate(prompts, params) on a thread, with `swap_weights(new_weights, version, checksum)` once
+    the call has run `at` token steps; returns (the generations, what swap_weights returned)."""
     reached = _slowed(engine, monkeypatch, at)
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("g", engine.generate(prompts, params)), daemon=True)
     t.start()
     assert reached.wait(10)
-    swapped = engine.swap_weights(new_weights, version)
+    swapped = engine.swap_weights(new_weights, version, checksum)
     t.join(60)
     assert not t.is_alive()
     monkeypatch.undo()
@@ -220,3 +230,130 @@ def test_fast_a_long_prompt_prefilled_in_pieces_across_the_swap_is_the_new_versi
         full = {v: _full_logprobs(m, prompt, g.response_ids) for v, m in refs.items()}
         for i, (lp, v) in enumerate(zip(g.logprobs, versions)):
             assert abs(lp - full[v][i]) < 1e-4, (prompt is long, i, v)
+
+
+# --- the weight check under the producer (--check-weight-update-equal with --fully-async) -----------------
+
+@pytest.fixture(scope="module")
+def trainer(model_path):
+    """The torch trainer on the same tiny model, its weights moved off the initial ones (a trained step's)."""
+    t = Trainer(model_path, train=TrainConfig(), algorithm=AlgorithmConfig(), rollout=RolloutConfig(batch_size=2), device="cpu")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in t._model.parameters():
+            p.add_(1e-2 * torch.randn(p.shape, generator=g))
+    return t
+
+
+def _corrupt(engine, name: str = NORM) -> None:
+    """Change one value of the weights the engine holds, in place (a corruption after a push)."""
+    named = model_weights(engine._model) if isinstance(engine, EmbeddedEngine) else engine._weights.named
+    with torch.inference_mode():
+        named[name].view(-1)[0] += 0.5
+
+
+def test_the_checksum_recorded_at_a_swap_in_flight_is_the_trainers_of_those_weights(engine, trainer, monkeypatch):
+    v0, old = engine.weight_version(), _weights(engine)
+    dtype = engine.weights_dtype()
+    old_sum = state_dict_checksum(old, dtype=dtype)
+    _no_eos(engine, monkeypatch)
+    _, swapped = _generate_with_swap(engine, monkeypatch, [[5, 6], [7]], SamplingParams(temperature=1.0,
+                                     max_new_tokens=30, seed=1), trainer.weights(), v0 + 1, checksum=True)
+    expected = trainer.weights_checksum(dtype)                # the trainer's side of the sync machines' check
+    assert expected != old_sum
+    got = engine.swapped_weights_checksum(v0 + 1, timeout_s=1)
+    assert swapped["paused_requests"] == 2 and got["paused_requests"] == 2
+    assert got["version"] == v0 + 1 and got["checksum"] == expected
+    assert got["before"] == {"version": v0, "checksum": old_sum}           # what it held until the boundary
+    assert engine.weights_checksum() == expected                           # the sync machines' read-back agrees
+    check_swapped_weights(["engine-0"], v0 + 1, expected, {"engine-0": (v0, old_sum)}, [got])      # passes
+    engine.swap_weights(old, v0 + 2, checksum=True)                        # idle: recorded at once
+    back = engine.swapped_weights_checksum(v0 + 2, timeout_s=1)
+    assert back["paused_requests"] == 0 and back["checksum"] == old_sum
+    assert back["before"] == {"version": v0 + 1, "checksum": expected}
+    check_swapped_weights(["engine-0"], v0 + 2, old_sum, {"engine-0": (v0 + 1, expected)}, [back])
+
+
+def test_a_corrupted_engine_or_other_weights_fail_the_check_with_the_sync_machines_message(engine, trainer):
+    v0, old = engine.weight_version(), _weights(engine)
+    dtype = engine.weights_dtype()
+    old_sum, expected = state_dict_checksum(old, dtype=dtype), trainer.weights_checksum(dtype)
+    engine.swap_weights(trainer.weights(), v0 + 1, checksum=True)
+    check_swapped_weights(["engine-0"], v0 + 1, expected, {"engine-0": (v0, old_sum)},
+                          [engine.swapped_weights_checksum(v0 + 1)])
+    _corrupt(engine)                                # after the push: found at the next swap's boundary
+    engine.swap_weights(old, v0 + 2, checksum=True)
+    recorded = engine.swapped_weights_checksum(v0 + 2)
+    assert recorded["checksum"] == old_sum          # the new weights loaded fine; what it held before did not
+    with pytest.raises(WeightSyncMismatch) as exc:
+        check_swapped_weights(["engine-0"], v0 + 2, old_sum, {"engine-0": (v0 + 1, expected)}, [recorded])
+    assert str(exc.value) == (f"before the next update to v{v0 + 1}: engine-0 holds weights with checksum "
+                              f"{recorded['before']['checksum'][:12]}, the trainer's v{v0 + 1} is {expected[:12]}")
+    other = {**old, NORM: old[NORM] + 1e-3}         # an engine given (or loading) other weights than the trainer's
+    engine.swap_weights(other, v0 + 3, checksum=True)
+    recorded = engine.swapped_weights_checksum(v0 + 3)
+    good = {"version": v0 + 3, "checksum": old_sum, "paused_requests": 0,
+            "before": {"version": v0 + 2, "checksum": old_sum}}          # a second engine that took them right
+    with pytest.raises(WeightSyncMismatch) as exc:
+        check_swapped_weights(["engine-0", "engine-1"], v0 + 3, old_sum,
+                              {"engine-0": (v0 + 2, old_sum), "engine-1": (v0 + 2, old_sum)}, [good, recorded])
+    assert str(exc.value) == (f"after the in-flight push of v{v0 + 3}: engine-1 holds weights with checksum "
+                              f"{recorded['checksum'][:12]}, the trainer's v{v0 + 3} is {old_sum[:12]}")
+    engine.swap_weights(old, v0 + 4)
+
+
+def test_the_checksum_of_a_swap_does_not_wait_for_a_long_request(engine, monkeypatch):
+    """Asked for v before the swap: the answer comes once a request still running takes v at its next
+    token, without the model lock it holds, and the request goes on under v."""
+    v0, old = engine.weight_version(), _weights(engine)
+    new = _new_norm(old)
+    _no_eos(engine, monkeypatch)
+    reached = _slowed(engine, monkeypatch, at=3)
+    out: dict = {}
+    gen = threading.Thread(target=lambda: out.setdefault("g", engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=1.0, max_new_tokens=200, seed=2))), daemon=True)
+    gen.start()
+    assert reached.wait(10)
+    asked: dict = {}
+    asker = threading.Thread(target=lambda: asked.setdefault("r", engine.swapped_weights_checksum(v0 + 1, 30)),
+                             daemon=True)
+    asker.start()
+    time.sleep(0.1)
+    assert asker.is_alive()                          # v is not applied yet: it waits (bounded)
+    swapper = threading.Thread(target=lambda: engine.swap_weights(new, v0 + 1, checksum=True), daemon=True)
+    swapper.start()
+    asker.join(10)
+    assert not asker.is_alive() and asked["r"]["checksum"] == state_dict_checksum(new, dtype=engine.weights_dtype())
+    assert asked["r"]["paused_requests"] == 1
+    assert gen.is_alive() and engine._lock.locked()  # the request still runs, holding the model lock
+    engine.abort()                                   # (200 slowed tokens: no need to wait for them)
+    gen.join(30)
+    swapper.join(10)
+    monkeypatch.undo()
+    g = out["g"][0]
+    assert g.finish_reason == "abort" and g.token_versions[-1] == v0 + 1 and g.token_versions[0] == v0
+    with pytest.raises(TimeoutError, match=f"no swap to weight version {v0 + 7} with a checksum"):
+        engine.swapped_weights_checksum(v0 + 7, timeout_s=0.05)
+    engine.swap_weights(old, v0 + 2)
+
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "arithmetic" / "base_model"
+
+
+@pytest.mark.parametrize("kind", list(STEP))
+def test_an_fp8_engines_swap_checksum_is_the_trainers_fp8_checksum(kind):
+    """An FP8 engine quantizes the plain weights a fully-async push sends; what it records at the swap is
+    the trainer's `weights_checksum(dtype, fp8=True)` of them (its quantized weights)."""
+    weights = model_weights(load_causal_lm(str(DEMO), device=torch.device("cpu"), dtype=torch.float32))
+    with torch.no_grad():
+        for t in weights.values():
+            t.mul_(1.01)
+    engine = (EmbeddedEngine(str(DEMO), device="cpu", quantization="fp8") if kind == "embedded" else
+              FastEngine(str(DEMO), device="cpu", max_batch_size=2, max_context_len=32, quantization="fp8"))
+    dtype = engine.weights_dtype()
+    engine.swap_weights(weights, 1, checksum=True)
+    want = state_dict_checksum(fp8.Fp8Weights(weights, dtype), dtype=dtype)      # Trainer.weights_checksum(dtype, True)
+    got = engine.swapped_weights_checksum(1, timeout_s=1)
+    assert got["checksum"] == want and engine.weights_checksum() == want
+    assert got["checksum"] != state_dict_checksum(weights, dtype=dtype)
+    engine.dispose()

@@ -55,3 +55,15 @@ def test_ci_checks_fail_on_a_logprob_gap_and_on_a_reference_that_is_not_the_star
     quiet = ctx()
     ci_checks(quiet, 0, {"logprob_diff_rollout": 5.0})                               # without --ci-test: nothing
     assert quiet.tracer.events == []
+
+
+def test_under_fully_async_ci_test_compares_logprobs_only_at_steps_the_trainers_weights_generated():
+    c = ctx(ci_test=True, fully_async=True)
+    with pytest.raises(CICheckFailed, match="engine and trainer logprobs differ by 0.3"):
+        ci_checks(c, 0, {"logprob_diff_rollout": 0.3, "staleness_max": 0.0})      # fresh groups: checked
+    ci_checks(c, 2, {"logprob_diff_rollout": 0.3, "staleness_max": 1.0})          # older weights sampled them
+    assert c.tracer.events[-1] == ("ci_checked", {"rollout_id": 2, "logprob_diff": None, "ref_diff": None,
+                                                  "logprob_check": "skipped: groups up to 1 weight version(s) "
+                                                                   "older than the trainer's"})
+    with pytest.raises(CICheckFailed):                                            # the other machines: as before
+        ci_checks(ctx(ci_test=True), 2, {"logprob_diff_rollout": 0.3, "staleness_max": 1.0})

@@ -12,6 +12,13 @@ The in-flight weight swap (`SupportsInFlightWeightSwap`, --fully-async) is share
 at its next token boundary (`_take_swap`, under the model lock it holds), and when no call runs the
 waiting thread takes the lock and loads them itself. The engine says how weights are loaded
 (`_load_weights`, under the lock) and where its token boundaries are.
+
+With `checksum=True` (--check-weight-update-equal or --ci-test under --fully-async) the swap also
+records, at that same boundary (decode paused, the model lock held), the checksum of what the engine
+held just before the load and of what it holds just after (`_weights_checksum_locked`, the engine's
+`weights_checksum` without taking the lock), kept by version: `swapped_weights_checksum(v)` answers
+from that record, waiting (bounded) until v was applied, and never takes the model lock, so it neither
+waits for the requests in flight nor races them.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import structlog
 log = structlog.get_logger().bind(role="engine")
 
 SWAP_POLL_S = 0.02      # how often a waiting swap_weights checks that a call still runs to take it
+SWAP_CHECKSUMS_KEPT = 4  # versions whose swap checksums an engine keeps (the driver asks for the newest)
+SWAP_CHECKSUM_WAIT_S = 120.0   # how long `swapped_weights_checksum` waits for its version to be applied
 
 
 class EngineGuard:
@@ -35,8 +44,10 @@ class EngineGuard:
         self._heartbeat = time.monotonic()   # the last step of the running call (or its start)
         self._abort_epoch = 0                # abort() bumps it; a call stops when it changes under it
         self._swap_lock = threading.Lock()   # swap_weights: one at a time
-        self._swap: tuple[Any, int, threading.Event] | None = None   # pending: taken at a token boundary
+        self._swap: tuple[Any, int, threading.Event, bool] | None = None   # pending: taken at a token boundary
         self._swap_paused = 0
+        self._swap_sums: dict[int, dict[str, Any]] = {}   # version -> checksums recorded at its swap (checksum=True)
+        self._swap_sums_changed = threading.Condition()
 
     @contextmanager
     def _holding(self) -> Iterator[None]:
@@ -73,19 +84,21 @@ class EngineGuard:
         self._abort_epoch += 1
 
     # --- in-flight weight swap (SupportsInFlightWeightSwap) --------------------------------------------
-    def swap_weights(self, state_dict: Any, version: int) -> dict[str, Any]:
+    def swap_weights(self, state_dict: Any, version: int, checksum: bool = False) -> dict[str, Any]:
         """New weights without waiting for the generate call running (--fully-async): its requests pause
         at the next token boundary (every running sequence has sampled its token, the forward that feeds
         it back has not run), the weights are loaded, and they go on under `version`; each later token
         records it (`Generation.token_versions`). An idle engine loads them at once. Their KV cache (the
         prompt's and the tokens so far) stays as the old weights computed it: the tokens after the swap
         are sampled from the new weights over the old cache, and their logprobs are what was sampled from.
+        With `checksum`, the checksums of the weights held before and after the load are recorded at the
+        boundary too (`swapped_weights_checksum`).
         Returns {"paused_requests": requests in flight at the swap (0: idle), "waited_s": time to the
         boundary, "version"}."""
         t0 = time.monotonic()
         done = threading.Event()
         with self._swap_lock:                  # one swap at a time
-            self._swap = (state_dict, int(version), done)
+            self._swap = (state_dict, int(version), done, bool(checksum))
             while not done.wait(SWAP_POLL_S):
                 if self._lock.acquire(blocking=False):      # no call running (or it ended before the boundary)
                     try:
@@ -102,14 +115,44 @@ class EngineGuard:
         pending, self._swap = self._swap, None
         if pending is None:
             return False
-        state_dict, version, done = pending
+        state_dict, version, done, checksum = pending
         try:
+            held = (self._version, self._weights_checksum_locked()) if checksum else None
             self._load_weights(state_dict)
             self._version = version
             self._swap_paused = paused
+            if checksum:
+                self._record_swap_checksum(version, held, self._weights_checksum_locked(), paused)
         finally:
             done.set()          # a load that raised leaves the version as it was: the push checks it
         return True
+
+    def _record_swap_checksum(self, version: int, held: tuple[int, str], checksum: str, paused: int) -> None:
+        with self._swap_sums_changed:
+            self._swap_sums[version] = {"version": version, "checksum": checksum, "paused_requests": paused,
+                                        "before": {"version": held[0], "checksum": held[1]}}
+            for old in sorted(self._swap_sums)[:-SWAP_CHECKSUMS_KEPT]:
+                del self._swap_sums[old]
+            self._swap_sums_changed.notify_all()
+
+    def swapped_weights_checksum(self, version: int, timeout_s: float = SWAP_CHECKSUM_WAIT_S) -> dict[str, Any]:
+        """What a `swap_weights(..., version, checksum=True)` recorded at its token boundary: {"version",
+        "checksum" (of the weights right after the load), "before": {"version", "checksum"} (of the weights
+        held right before it), "paused_requests"}. Waits until that swap was applied (an idle engine applies
+        it at once; a running call at its next token), at most `timeout_s`: TimeoutError then. Never takes
+        the model lock, so a request in flight does not hold it up."""
+        version = int(version)
+        with self._swap_sums_changed:
+            if not self._swap_sums_changed.wait_for(lambda: version in self._swap_sums, timeout=timeout_s):
+                raise TimeoutError(f"no swap to weight version {version} with a checksum was applied within "
+                                   f"{timeout_s:g}s (the engine holds version {self._version}; swap_weights("
+                                   f"..., checksum=True) records one)")
+            return dict(self._swap_sums[version])
+
+    def _weights_checksum_locked(self) -> str:
+        """`state_dict_checksum` of the weights the engine holds, the model lock already held (its
+        `weights_checksum` takes the lock, then calls this)."""
+        raise NotImplementedError
 
     def _load_weights(self, state_dict: Any) -> None:
         """Copy `state_dict` into the engine's weights (the model lock held)."""

@@ -146,7 +146,10 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to
         `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
         with self._holding():
-            return state_dict_checksum(self._held())
+            return self._weights_checksum_locked()
+
+    def _weights_checksum_locked(self) -> str:
+        return state_dict_checksum(self._held())
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (bfloat16 on CUDA by default)."""

@@ -401,7 +401,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
         as `EmbeddedEngine.weights_checksum()` for the same weights."""
         with self._holding():
-            return state_dict_checksum(self._live_weights().named)
+            return self._weights_checksum_locked()
+
+    def _weights_checksum_locked(self) -> str:
+        return state_dict_checksum(self._live_weights().named)
 
     def weights_dtype(self) -> torch.dtype:
         return self.dtype
