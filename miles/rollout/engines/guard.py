@@ -149,9 +149,14 @@ class EngineGuard:
                                    f"..., checksum=True) records one)")
             return dict(self._swap_sums[version])
 
+    def weights_checksum(self) -> str:
+        """`state_dict_checksum` of the weights the engine holds (`_weights_checksum_locked`, under the lock)."""
+        with self._holding():
+            return self._weights_checksum_locked()
+
     def _weights_checksum_locked(self) -> str:
-        """`state_dict_checksum` of the weights the engine holds, the model lock already held (its
-        `weights_checksum` takes the lock, then calls this)."""
+        """`state_dict_checksum` of the weights the engine holds, the model lock already held (by
+        `weights_checksum`, or by a swap that records its checksums)."""
         raise NotImplementedError
 
     def _load_weights(self, state_dict: Any) -> None:

@@ -142,13 +142,9 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
             log.info("weights_updated", version=version, buckets=bucket.count)
         return version
 
-    def weights_checksum(self) -> str:
-        """`state_dict_checksum` of the engine's weights, in the engine's dtype: equal to
-        `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
-        with self._holding():
-            return self._weights_checksum_locked()
-
     def _weights_checksum_locked(self) -> str:
+        """`state_dict_checksum` of the engine's weights, in the engine's dtype (FP8: the e4m3 bytes and scales
+        it holds): equal to `Trainer.weights_checksum(dtype=engine.weights_dtype())` right after a sync."""
         return state_dict_checksum(self._held())
 
     def weights_dtype(self) -> torch.dtype:

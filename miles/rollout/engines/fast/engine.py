@@ -397,13 +397,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             log.info("weights_updated", version=version, buckets=bucket.count)
         return version
 
-    def weights_checksum(self) -> str:
-        """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
-        as `EmbeddedEngine.weights_checksum()` for the same weights."""
-        with self._holding():
-            return self._weights_checksum_locked()
-
     def _weights_checksum_locked(self) -> str:
+        """`state_dict_checksum` of the weights under their HF names in the engine's dtype: the same
+        as the embedded engine's for the same weights."""
         return state_dict_checksum(self._live_weights().named)
 
     def weights_dtype(self) -> torch.dtype:
