@@ -45,15 +45,16 @@ def watch_reward_variance(ctx: TrainingContext, metrics: dict[str, Any]) -> dict
 def ci_checks(ctx: TrainingContext, rid: int, metrics: dict[str, Any]) -> None:
     """--ci-test: engine and trainer agree on the rollout's logprobs; at a fresh run's first rollout
     the reference (the initial policy) gives the policy's logprobs exactly. Weights are compared
-    after every sync (`RunConfig.check_weights`). Under --fully-async the logprobs are compared only at a
-    step whose groups the weights the trainer holds generated (staleness 0, the first step's): at the others
-    the engine sampled from older weights, so the gap is the staleness, not the engine (traced as skipped)."""
+    after every sync (`RunConfig.check_weights`). On the machines whose engines sample while the trainer
+    trains (async, fully_async: `ctx.overlapped`) the logprobs are compared only at a step whose groups the
+    weights the trainer holds generated (staleness 0, the first step's): at the others the engine sampled
+    from older weights, so the gap is the staleness, not the engine (traced as skipped)."""
     if not ctx.cfg.ci_test:
         return
     diff = metrics.get("logprob_diff_rollout")
     stale = metrics.get("staleness_max") or 0
     skipped = {}
-    if ctx.cfg.fully_async and diff is not None and stale > 0:
+    if ctx.overlapped and diff is not None and stale > 0:
         skipped = {"logprob_check": f"skipped: groups up to {stale:g} weight version(s) older than the trainer's"}
         diff = None
     if diff is not None and diff > CI_MAX_LOGPROB_DIFF:

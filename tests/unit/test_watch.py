@@ -18,10 +18,11 @@ class Events:
         self.events.append((event, fields))
 
 
-def ctx(**run):
+def ctx(overlapped=False, **run):
     cfg = RunConfig(model=ModelConfig(hf_checkpoint="m"), data=DataConfig(rollout_shuffle=True, prompt_data="p.jsonl"),
                     rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=4), num_rollout=10, **run)
-    return types.SimpleNamespace(cfg=cfg, tracer=Events(), zero_variance_streak=0, start_rollout=0, resumed=False)
+    return types.SimpleNamespace(cfg=cfg, tracer=Events(), zero_variance_streak=0, start_rollout=0, resumed=False,
+                                 overlapped=overlapped)
 
 
 def test_equal_rewards_in_every_group_for_several_rollouts_is_a_warning_until_signal_returns():
@@ -57,13 +58,14 @@ def test_ci_checks_fail_on_a_logprob_gap_and_on_a_reference_that_is_not_the_star
     assert quiet.tracer.events == []
 
 
-def test_under_fully_async_ci_test_compares_logprobs_only_at_steps_the_trainers_weights_generated():
-    c = ctx(ci_test=True, fully_async=True)
+@pytest.mark.parametrize("machine", [{"fully_async": True}, {}])      # fully_async, and the one-step-off async
+def test_on_overlapped_machines_ci_test_compares_logprobs_only_at_steps_the_trainers_weights_generated(machine):
+    c = ctx(overlapped=True, ci_test=True, **machine)
     with pytest.raises(CICheckFailed, match="engine and trainer logprobs differ by 0.3"):
         ci_checks(c, 0, {"logprob_diff_rollout": 0.3, "staleness_max": 0.0})      # fresh groups: checked
     ci_checks(c, 2, {"logprob_diff_rollout": 0.3, "staleness_max": 1.0})          # older weights sampled them
     assert c.tracer.events[-1] == ("ci_checked", {"rollout_id": 2, "logprob_diff": None, "ref_diff": None,
                                                   "logprob_check": "skipped: groups up to 1 weight version(s) "
                                                                    "older than the trainer's"})
-    with pytest.raises(CICheckFailed):                                            # the other machines: as before
+    with pytest.raises(CICheckFailed):        # sync (partial rollouts masked to their fresh tokens): checked
         ci_checks(ctx(ci_test=True), 2, {"logprob_diff_rollout": 0.3, "staleness_max": 1.0})
