@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from miles.phases.context import TrainingContext
 from miles.rollout.supervision import with_engine_restarts
 from miles.cluster.memory import resume_engine_weights, to_engines
-from miles.phases.trainer_weights import fp8_engines, trainer_checksum, trainer_weights
+from miles.rollout.trainer_weights import fp8_engines, trainer_checksum, trainer_weights
 
 
 class WeightSyncMismatch(RuntimeError):

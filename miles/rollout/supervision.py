@@ -28,7 +28,7 @@ import ray
 
 from miles.cluster.ray_cluster import driver_path
 from miles.phases.context import TrainingContext
-from miles.phases.trainer_weights import trainer_checksum, trainer_weights
+from miles.rollout.trainer_weights import trainer_checksum, trainer_weights
 from miles.rollout.protocol import EngineUnresponsive
 from miles.runtime.supervisor import RestartBudget
 

@@ -1,7 +1,7 @@
 """What an engine loads from the trainer, and the trainer's checksum of what the engine then holds.
 
 Shared by the weight push (miles.phases.weights) and an engine's restart (miles.rollout.supervision,
-which the push itself imports: these helpers live here so that neither imports the other). Each returns
+which the push imports: these helpers live beside it so that neither imports the other). Each returns
 the trainer's ObjectRef at once: two of them sent with no await between are served by the trainer one
 after the other, on the same weights.
 """
