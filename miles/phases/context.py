@@ -105,8 +105,12 @@ class TrainingContext(PhaseContext):
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
-        self.engine_weights_checksum: str | None = None   # what the last sync gave the engines (--check-weight-update-equal)
+        # --check-weight-update-equal: engine name -> (version, the trainer's checksum of those weights) it was given,
+        # by the last checked push or its restart since (whose weights may be newer than the push's); a name not
+        # in it (an engine restarted before any push, holding the disk's weights) has no checksum to compare
+        self.engine_weights: dict[str, tuple[int, str]] = {}
         self.training: int | None = None               # the rollout the trainer is stepping on (None between steps)
+        self.train_submitted: int | None = None        # the rollout whose train call is sent, until it returns
         self.saved_rollout: int | None = None          # the newest rollout this run saved
         self.save_duration_s: float | None = None      # how long that save took (a stop's save is budgeted by it)
         self.saves_failed = 0                          # saves the disk had no room for (--save-retries)
@@ -131,9 +135,6 @@ class TrainingContext(PhaseContext):
         # fully_async machine: the trainer's busy seconds since the step's clock started (its idle fraction)
         self.fa_trainer_busy_s = 0.0
         self.fa_step_t0 = 0.0
-        # fully_async machine, --check-weight-update-equal: engine name -> (version, trainer's checksum) the last
-        # push gave it (an engine restarted since has another name: its next swap is checked after the load only)
-        self.fa_engine_weights: dict[str, tuple[int, str]] = {}
         self.ci = CIGates.of(cfg)                      # miles' CI gates the flags ask for (miles.metrics.ci_gates)
 
     def rollout_of(self, state: str) -> int | None:
@@ -150,6 +151,13 @@ class TrainingContext(PhaseContext):
         if self.c.executor is not None and self.state != "init":
             out["activities"] = await self.c.executor.handle.progress.remote()
         return out
+
+    @property
+    def trainer_version(self) -> int:
+        """The version of the weights a call sent to the trainer now is served: rollout r's train call runs
+        before it once sent (Ray runs one caller's calls to an actor in the order they were sent), so r + 1
+        from then; else `next_rollout` (a resumed trainer holds the checkpoint of rollout next_rollout - 1)."""
+        return self.next_rollout if self.train_submitted is None else self.train_submitted + 1
 
     # -- guards ---------------------------------------------------------------------------------
     def rollouts_left(self) -> bool:

@@ -33,7 +33,7 @@ from miles.phases import train as train_phase
 from miles.phases.context import TrainingContext
 from miles.rollout.supervision import dead_engines, restart_engine, restart_unresponsive, with_engine_restarts
 from miles.phases.eval import evaluate as sync_evaluate
-from miles.phases.weights import WeightSyncMismatch, expected_checksum, engine_problems
+from miles.phases.weights import WeightSyncMismatch, expected_checksum, engine_problems, given_problems
 from miles.rollout.executor import PROMPTS_KEY
 from miles.rollout.producer import Producer, Taken, capacity_groups, concurrent_groups
 from miles.rollout.protocol import EngineUnresponsive, SupportsInFlightWeightSwap
@@ -91,9 +91,8 @@ async def sync_weights(ctx: TrainingContext) -> str:
     if check:       # what each engine recorded at its swap's token boundary, against the trainer's checksums
         expected = await expected_checksum(ctx)
         recorded = await asyncio.gather(*(e.handle.swapped_weights_checksum.remote(version) for e in engines))
-        check_swapped_weights(names, version, expected, ctx.fa_engine_weights, recorded)
-        ctx.engine_weights_checksum = expected
-        ctx.fa_engine_weights = {n: (version, expected) for n in names}
+        check_swapped_weights(names, version, expected, ctx.engine_weights, recorded)
+        ctx.engine_weights = {n: (version, expected) for n in names}
     ctx.weight_version = version
     fields = {"checksum": expected} if expected is not None else {}
     ctx.tracer.emit("weights_pushed", version=version, duration_s=round(time.monotonic() - t0, 6),
@@ -118,9 +117,10 @@ def check_swapped_weights(names: list[str], version: int, expected: str, given: 
     just before the swap against what the last push gave it (`given`: engine name -> that version and the
     trainer's checksum of it; a corruption between two pushes), then what it loaded against `expected`;
     the sync machines' read-back lines (`engine_problems`), raised as their WeightSyncMismatch. An engine
-    the last push did not give weights to (restarted since: the restart reloaded them) is compared after
-    the swap only; one that already took v`version` in an attempt of this push cut short by another
-    engine's restart held v`version` before its second swap: that is compared with `expected`."""
+    restarted since is in `given` with what its restart loaded (the trainer's weights then, under their own
+    version); one restarted before any checked push is not, and is compared after the swap only; one that
+    already took v`version` in an attempt of this push cut short by another engine's restart held
+    v`version` before its second swap: that is compared with `expected`."""
     before = []
     for name, r in zip(names, recorded):
         held = (r["before"]["version"], r["before"]["checksum"])
@@ -128,7 +128,7 @@ def check_swapped_weights(names: list[str], version: int, expected: str, given: 
             before.append((name, (version, expected), held))
         elif name in given:
             before.append((name, given[name], held))
-    bad = [line for name, (v, want), held in before for line in engine_problems([name], v, want, [held])]
+    bad = given_problems(before)
     if bad:
         prev = min(v for _, (v, _), _ in before)
         raise WeightSyncMismatch(f"before the next update to v{prev}: " + "; ".join(bad))

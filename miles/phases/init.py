@@ -308,7 +308,7 @@ async def _weight_transport(ctx: TrainingContext, add: Any) -> None:
         ctx.tracer.emit("weight_transport", transport="object_store")
         return
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()
-    from miles.phases.weights import fp8_engines
+    from miles.rollout.trainer_weights import fp8_engines
 
     fp8 = fp8_engines(ctx)          # FP8 engines: the buckets carry e4m3 Linear weights and their scales
     count = await (ctx.c.trainer.handle.weight_bucket_count.remote(dtype, cfg.update_weight_buffer_size, True) if fp8

@@ -8,6 +8,9 @@ the trainer's GAE, it steps on the returns, then the policy steps, except during
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import ray
 
 from miles.phases.context import TrainingContext
 from miles.cluster.memory import to_trainer
@@ -22,8 +25,8 @@ async def train(ctx: TrainingContext) -> str:
     if ctx.c.critic is not None:
         metrics = await _train_with_critic(ctx, rid)
     else:
-        metrics = await ctx.c.trainer.handle.train.remote(ctx.batch_ref, rid)   # Ray resolves the ref in the trainer
-    ctx.training = None
+        metrics = await _train_policy(ctx, ctx.c.trainer.handle, ctx.batch_ref, rid)
+    ctx.training = ctx.train_submitted = None
     ctx.batch_ref = None
     ctx.next_rollout = rid + 1
     ci_after_train(ctx, rid, metrics)    # takes the per-step norms out of the row
@@ -45,4 +48,12 @@ async def _train_with_critic(ctx: TrainingContext, rid: int) -> dict:
     metrics = await critic.train.remote(batch, values, returns, rid)
     if rid < ctx.cfg.algorithm.num_critic_only_steps:
         return {**metrics, "actor_trained": 0.0}
-    return {**metrics, **await actor.train.remote(batch, rid), "actor_trained": 1.0}
+    return {**metrics, **await _train_policy(ctx, actor, batch, rid), "actor_trained": 1.0}
+
+
+def _train_policy(ctx: TrainingContext, trainer: Any, batch: ray.ObjectRef, rid: int) -> ray.ObjectRef:
+    """Send the policy's step on rollout `rid`; from now on a call sent to the trainer gets its weights after
+    this step (`ctx.trainer_version`: an engine restarted meanwhile is labelled with that version)."""
+    ref = trainer.train.remote(batch, rid)          # Ray resolves the batch's ref in the trainer
+    ctx.train_submitted = rid
+    return ref

@@ -11,8 +11,10 @@ it, the rest of the GPU memory goes to the engines for the rollout (miles.cluste
 After the push every engine is asked which version it holds (cheap, always): an engine that did
 not take the update fails the run, named. With --check-weight-update-equal (or --ci-test) the
 engines' checksums are compared with the trainer's too, whatever the transport, and, before the
-next push, with what each engine was given: weights that changed between two syncs (a corrupted
-engine) fail the run with the engine named, before its rollouts are trained on any further.
+next push, with what each engine was given (`ctx.engine_weights`: by that push, or by the engine's
+restart since, which loads the trainer's newer weights under their own version): weights that changed
+between two syncs (a corrupted engine) fail the run with the engine named, before its rollouts are
+trained on any further.
 
 With --debug-skip-weight-update nothing is pushed: the state still runs (the memory hand-off to the
 engines included) and writes a `weights_sync_skipped` event instead of `weights_synced`; the engines
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable, Iterable
 
 from miles.phases.context import TrainingContext
 from miles.rollout.supervision import with_engine_restarts
 from miles.cluster.memory import resume_engine_weights, to_engines
+from miles.rollout.trainer_weights import fp8_engines, trainer_checksum, trainer_weights
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -41,15 +45,17 @@ async def sync_weights(ctx: TrainingContext) -> str:
     version = ctx.next_rollout
     await resume_engine_weights(ctx)          # engines that released their weights (SGLang) need them back first
     check = ctx.cfg.check_weights
-    if check and ctx.engine_weights_checksum is not None:       # still what the last sync gave them?
-        await with_engine_restarts(ctx, lambda: _read_back(ctx, ctx.weight_version, ctx.engine_weights_checksum,
-                                                           when="before the next update"))
+    if check and ctx.engine_weights:       # still what the last sync, or an engine's restart since, gave each?
+        await with_engine_restarts(ctx, lambda: _read_back(
+            ctx, ctx.weight_version, lambda name: ctx.engine_weights.get(name, (ctx.weight_version, None)),
+            when="before the next update"))
     ipc = ctx.c.ipc_weights
     await with_engine_restarts(ctx, lambda: _push_ipc(ctx, ipc, version) if ipc else _push_object_store(ctx, version))
     ctx.weight_version = version
     expected = await expected_checksum(ctx) if check else None
-    await _read_back(ctx, version, expected, when="after the update")
-    ctx.engine_weights_checksum = expected
+    await _read_back(ctx, version, lambda name: (version, expected), when="after the update")
+    if expected is not None:
+        ctx.engine_weights = {e.resource_name: (version, expected) for e in ctx.c.engines}
     fields = {"version": version, "duration_s": round(time.monotonic() - t0, 6),
               "transport": "cuda_ipc" if ipc else "object_store"}
     if expected is not None:
@@ -68,23 +74,9 @@ async def _skip_sync(ctx: TrainingContext) -> str:
     return "next"
 
 
-def fp8_engines(ctx: TrainingContext) -> bool:
-    """Whether the engines hold FP8 weights that the trainer quantizes for them (--rollout-quantization fp8 or
-    an FP8 checkpoint, on our engines; SGLang's servers load the plain weights and quantize them themselves)."""
-    from miles.weights.fp8 import engine_quantization
-
-    from miles.rollout.engines.registry import ENGINES
-
-    cfg = ctx.cfg
-    spec = ctx.backends.engine_spec if ctx.backends is not None else ENGINES[cfg.rollout.engine]
-    return not spec.quantizes_own_weights and \
-        engine_quantization(cfg.rollout.quantization, cfg.model.hf_checkpoint) == "fp8"
-
-
 async def _push_object_store(ctx: TrainingContext, version: int) -> None:
     fp8_dtype = await ctx.c.engines[0].handle.weights_dtype.remote() if fp8_engines(ctx) else None
-    trainer = ctx.c.trainer.handle
-    weights = trainer.weights.remote(fp8_dtype) if fp8_dtype is not None else trainer.weights.remote()
+    weights = trainer_weights(ctx, fp8_dtype)
     await asyncio.gather(*(e.handle.update_weights.remote(weights, version) for e in ctx.c.engines))
 
 
@@ -98,20 +90,28 @@ async def _push_ipc(ctx: TrainingContext, ipc: IpcWeights, version: int) -> None
 
 async def expected_checksum(ctx: TrainingContext) -> str:
     dtype = await ctx.c.engines[0].handle.weights_dtype.remote()   # compare in the engines' dtype (bf16 on GPU)
-    if fp8_engines(ctx):        # what an FP8 engine holds: the trainer's weights quantized as its buckets carry them
-        return await ctx.c.trainer.handle.weights_checksum.remote(dtype, True)
-    return await ctx.c.trainer.handle.weights_checksum.remote(dtype)
+    return await trainer_checksum(ctx, dtype)
 
 
-async def _read_back(ctx: TrainingContext, version: int, checksum: str | None, *, when: str) -> None:
-    """Ask every engine what it holds; raise WeightSyncMismatch naming each one that differs."""
+async def _read_back(ctx: TrainingContext, version: int, given: Callable[[str], tuple[int, str | None]], *,
+                     when: str) -> None:
+    """Ask every engine what it holds; raise WeightSyncMismatch naming each one that differs from what it was
+    `given` (engine name -> version, the trainer's checksum of it or None: the version alone is compared)."""
     engines = ctx.c.engines
+    names = [e.resource_name for e in engines]
+    wants = [given(name) for name in names]
     versions = await asyncio.gather(*(e.handle.weight_version.remote() for e in engines))
     sums = (await asyncio.gather(*(e.handle.weights_checksum.remote() for e in engines))
-            if checksum is not None else [None] * len(engines))
-    bad = engine_problems([e.resource_name for e in engines], version, checksum, list(zip(versions, sums)))
+            if any(want is not None for _, want in wants) else [None] * len(engines))
+    bad = given_problems(zip(names, wants, zip(versions, sums)))
     if bad:
         raise WeightSyncMismatch(f"{when} to v{version}: " + "; ".join(bad))
+
+
+def given_problems(checks: Iterable[tuple[str, tuple[int, str | None], tuple[int, str | None]]]) -> list[str]:
+    """`engine_problems` of engines each given its own weights: (name, (version, checksum) it was given,
+    (version, checksum) it holds) each; one line per bad engine."""
+    return [line for name, (version, want), held in checks for line in engine_problems([name], version, want, [held])]
 
 
 def engine_problems(names: list[str], version: int, checksum: str | None,

@@ -12,7 +12,11 @@ actor, so a dead server takes this path too.) Hung engines between calls are the
 (`miles.rollout.health`).
 
 A restarted engine is put in the memory state the others are in (`ctx.engines_released`, kept by
-miles.cluster.memory).
+miles.cluster.memory). Once the others hold pushed weights, it loads the trainer's weights as they are
+when the trainer serves the call, labelled with their own version (`ctx.trainer_version`): newer than the
+others' when the trainer trained since the last push (the async machine's rollout generating ahead,
+--update-weights-interval > 1), so its samples say which weights made them, and with
+--check-weight-update-equal it is compared before the next push with the trainer's checksum of what it got.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import ray
 
 from miles.cluster.ray_cluster import driver_path
 from miles.phases.context import TrainingContext
+from miles.rollout.trainer_weights import trainer_checksum, trainer_weights
 from miles.rollout.protocol import EngineUnresponsive
 from miles.runtime.supervisor import RestartBudget
 
@@ -110,13 +115,30 @@ async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseExcepti
         await ctx.c.engine_fleet.left(index)
     engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
     pid = await engine.wait_ready()
+    version = ctx.weight_version       # v0: the disk's weights, as the others hold (or the same pushed as v0)
     if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
-        await engine.handle.update_weights.remote(ctx.c.trainer.handle.weights.remote(), ctx.weight_version)
+        version = await load_trainer_weights(ctx, engine)
     if ctx.engines_released:           # and the others' memory state
         await engine.handle.release_memory.remote(ctx.engines_released)
     if ctx.c.engine_fleet is not None:
         await ctx.c.engine_fleet.joined(index, engine.handle)
     ctx.c.engines[index] = engine
     await ctx.c.executor.handle.set_engines.remote([e.handle for e in ctx.c.engines])
-    ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=ctx.weight_version,
-                    pids={engine.resource_name: pid})
+    ctx.tracer.emit("engine_restarted", engine=index, cause=seq, version=version, pids={engine.resource_name: pid})
+
+
+async def load_trainer_weights(ctx: TrainingContext, engine: Any) -> int:
+    """Load the trainer's weights as they are now into a restarted `engine`, stamped with their own version
+    (`ctx.trainer_version`: newer than the others' when the trainer trained since the last push, or trains
+    now); returns it. With --check-weight-update-equal the trainer's checksum of the same weights is what the
+    engine was given (`ctx.engine_weights`), for the check before the next push."""
+    dtype = await engine.handle.weights_dtype.remote()
+    # nothing awaited from here until both calls are sent: the trainer serves them one after the other, after
+    # any train call sent before (whose version `trainer_version` already is) and before any sent later
+    version = ctx.trainer_version
+    weights = trainer_weights(ctx, dtype)
+    checksum = trainer_checksum(ctx, dtype) if ctx.cfg.check_weights else None
+    await engine.handle.update_weights.remote(weights, version)
+    if checksum is not None:
+        ctx.engine_weights[engine.resource_name] = (version, await checksum)
+    return version

@@ -92,8 +92,9 @@ def test_engine_killed_in_every_state_is_restarted(ray_cluster, tiny_task, tmp_p
     trace = assert_fully_async_end(tmp_path / "run", outcome="ok", error_type=None, ckpt=tmp_path / "ckpt")
     assert [e.get("state") for e in trace.of("fault_injected")] == STATES
     assert len(trace.of("engine_restart")) >= 3
-    # the weight check across the restarts: a restarted engine reloads the trainer's weights of the version
-    # the others hold, so its next swap's "before" checksum matches too; every push compared its checksums
+    # the weight check across the restarts: a restarted engine loads the trainer's weights as they are, under
+    # their own version, and its next swap's "before" checksum is compared with the trainer's of those (it
+    # matches); every push compared its checksums
     assert trace.of("weights_pushed") and all(e.get("checksum") for e in trace.of("weights_pushed"))
     taken = [t for e in trace.of("groups_taken") for t in e.get("tickets")]
     assert len(taken) == len(set(taken))

@@ -97,10 +97,13 @@ def test_rollout_ahead_is_requested_before_training_and_one_version_old(ray_clus
 
 def test_update_weights_interval_2_via_miles_train_machine_async_saving_a_critic(ray_cluster, tiny_task, tmp_path):
     # PPO, saving the policy and, in a store of its own, the critic (the bug: the async machine's own copy
-    # of the save never wrote --critic-save's store); the weights' schedule does not depend on the algorithm
+    # of the save never wrote --critic-save's store); the weights' schedule does not depend on the algorithm.
+    # engine-0 is killed as rollout 2 trains (rollout 3 generating ahead on v2): it is restarted in rollout 3's
+    # phase with the trainer's weights after rollout 2, which are v3, not the v2 the last push gave out
     code = train_main([*base_flags(tiny_task, tmp_path / "run", num_rollout=4, use_tis=True,
                                    update_weights_interval=2, advantage_estimator="ppo", save=tmp_path / "ck",
-                                   critic_save=tmp_path / "critic", save_interval=2), "--machine", "async"])
+                                   critic_save=tmp_path / "critic", save_interval=2, check_weight_update_equal=True,
+                                   inject_fault=["train:kill_engine:3"]), "--machine", "async"])
     assert code == 0
     critic, main = CheckpointStore(tmp_path / "critic"), CheckpointStore(tmp_path / "ck")
     assert [r for r, _ in critic.list()] == [r for r, _ in main.list()] == [1, 3]
@@ -108,15 +111,27 @@ def test_update_weights_interval_2_via_miles_train_machine_async_saving_a_critic
     assert not (main.latest()[1] / "critic").exists()
     trace = read_trace(tmp_path / "run")
     assert check_trace(trace, load_machine("async")).ok
-    # weights go out after rollouts 1 and 3 (versions 2, 4) besides the initial push
-    assert [e.get("version") for e in trace.of("weights_synced")] == [0, 2, 4]
+    # weights go out after rollouts 1 and 3 (versions 2, 4) besides the initial push; PPO's critic moves the
+    # policy at every step, so each push's checksum is new (the weight check below compares real changes)
+    synced = trace.of("weights_synced")
+    assert [e.get("version") for e in synced] == [0, 2, 4]
+    assert len({e.get("checksum") for e in synced}) == 3
+    # the restarted engine is labelled with the version it got: v3, the trainer's weights after rollout 2
+    [killed] = trace.of("fault_injected")
+    [restarted] = trace.of("engine_restarted")
+    assert killed.seq < seq_of(trace, "phase_start", state="rollout", rollout_id=3) < restarted.seq
+    assert restarted.get("version") == 3
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # r0: v0 (asked for at the start); r1: v0 (asked for before training r0); r2: v0 (before training
-    # r1; the update to v2 waited for it); r3: v2. Staleness = rollout id - version, at most N = 2
-    assert [r["weight_version_min"] for r in rows] == [0, 0, 0, 2]
-    assert [r["staleness_max"] for r in rows] == [0, 1, 2, 1]
+    # r1; the update to v2 waited for it); r3: asked for on v2 before training r2, then made again on the
+    # restarted engine, which holds v3: its samples say so (staleness 0, not 1). Staleness = rollout id -
+    # version, at most N = 2
+    assert [r["weight_version_min"] for r in rows] == [0, 0, 0, 3]
+    assert [r["staleness_max"] for r in rows] == [0, 1, 2, 0]
     # the update awaited the rollout in flight: r2's generation ended before v2 was pushed
     assert seq_of(trace, "prefetch_end", rollout_id=2) < seq_of(trace, "weights_synced", version=2)
+    # --check-weight-update-equal: before the push of v4 the restarted engine was compared with the trainer's
+    # checksum of v3 (what it got), the others with v2's; the run passed, so no engine was called corrupted
 
 
 @pytest.mark.extended   # out of the default test run (CI budget); bash scripts/test.sh -m extended
