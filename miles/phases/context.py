@@ -105,6 +105,9 @@ class TrainingContext(PhaseContext):
         self.next_rollout = 0
         self.num_rollout = cfg.num_rollout or 0       # set by init from --num-epoch when needed
         self.weight_version = 0
+        # a push happened in this process: the engines hold the trainer's weights, not --hf-checkpoint's (after
+        # a --finetune load, or --start-rollout-id 0, the first push is v0 and already the checkpoint's)
+        self.weights_pushed = False
         # --check-weight-update-equal: engine name -> (version, the trainer's checksum of those weights) it was given,
         # by the last checked push or its restart since (whose weights may be newer than the push's); a name not
         # in it (an engine restarted before any push, holding the disk's weights) has no checksum to compare

@@ -93,7 +93,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
         recorded = await asyncio.gather(*(e.handle.swapped_weights_checksum.remote(version) for e in engines))
         check_swapped_weights(names, version, expected, ctx.engine_weights, recorded)
         ctx.engine_weights = {n: (version, expected) for n in names}
-    ctx.weight_version = version
+    ctx.weight_version, ctx.weights_pushed = version, True
     fields = {"checksum": expected} if expected is not None else {}
     ctx.tracer.emit("weights_pushed", version=version, duration_s=round(time.monotonic() - t0, 6),
                     transport="object_store", in_flight_tickets=in_flight,

@@ -51,7 +51,7 @@ async def sync_weights(ctx: TrainingContext) -> str:
             when="before the next update"))
     ipc = ctx.c.ipc_weights
     await with_engine_restarts(ctx, lambda: _push_ipc(ctx, ipc, version) if ipc else _push_object_store(ctx, version))
-    ctx.weight_version = version
+    ctx.weight_version, ctx.weights_pushed = version, True
     expected = await expected_checksum(ctx) if check else None
     await _read_back(ctx, version, lambda name: (version, expected), when="after the update")
     if expected is not None:

@@ -115,8 +115,8 @@ async def restart_engine(ctx: TrainingContext, index: int, *, cause: BaseExcepti
         await ctx.c.engine_fleet.left(index)
     engine = make_engine(ctx, index, name=f"engine-{index}-r{ctx.engine_restarts}")
     pid = await engine.wait_ready()
-    version = ctx.weight_version       # v0: the disk's weights, as the others hold (or the same pushed as v0)
-    if ctx.weight_version > 0:         # the others hold the trainer's weights, not the disk's
+    version = ctx.weight_version       # before any push: the disk's weights, as the others hold
+    if ctx.weights_pushed:             # the others hold the trainer's weights (v0 too: a --finetune load's)
         version = await load_trainer_weights(ctx, engine)
     if ctx.engines_released:           # and the others' memory state
         await engine.handle.release_memory.remote(ctx.engines_released)

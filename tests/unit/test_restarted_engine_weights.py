@@ -219,3 +219,42 @@ def test_given_problems_compares_each_engine_with_its_own_version_and_checksum()
     assert given_problems([("engine-0", (2, "a"), (3, "b")), ("engine-1-r1", (3, "b"), (3, "c"))]) == [
         "engine-0 holds weight version 3, not 2",
         "engine-1-r1 holds weights with checksum c, the trainer's v3 is b"]
+
+
+@pytest.mark.parametrize("pushed", [False, True])
+def test_a_restart_reloads_the_trainers_weights_once_any_push_happened_v0_included(tmp_path, monkeypatch, pushed):
+    """After a --finetune load (or --start-rollout-id 0) the first push is v0 and holds the checkpoint's
+    weights: an engine restarted after it must get the trainer's weights, not --hf-checkpoint's from disk;
+    before any push the others hold the disk's weights and so does the new engine (nothing is loaded)."""
+    from miles.rollout import supervision
+
+    ctx = context(tmp_path)
+    ctx.next_rollout = ctx.weight_version = 0
+    if pushed:
+        ctx.weights_pushed = True
+    new = FakeEngine("engine-0-r1", 0, "disk")
+    new.wait_ready = lambda: asyncio.sleep(0, result=1234)
+    monkeypatch.setattr(supervision, "make_engine", lambda ctx, index, name: new)
+
+    class Old:
+        resource_name = "engine-0"
+
+        def force(self):
+            pass
+
+    async def set_engines(handles):
+        pass
+
+    async def main():
+        trainer = FakeTrainer(version=0)
+        ctx.c.trainer = type("Resource", (), {"handle": trainer})()
+        ctx.c.engines = [Old()]
+        ctx.c.executor = type("Resource", (), {"handle": type("H", (), {"set_engines": _Method(set_engines)})()})()
+        await supervision.restart_engine(ctx, 0, cause=RuntimeError("died"))
+        return trainer.served
+
+    served = asyncio.run(main())
+    assert new.held == ((0, "w0") if pushed else (0, "disk"))
+    assert [name for name, _ in served] == (["weights", "weights_checksum"] if pushed else [])
+    assert ctx.c.engines == [new]
+    ctx.tracer.close()
