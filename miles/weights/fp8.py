@@ -78,7 +78,9 @@ def _quantize_blocks_torch(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tenso
         wf = F.pad(wf, (0, kb * block - k, 0, nb * block - n))
     tiles = wf.view(nb, block, kb, block)
     amax = torch.maximum(tiles.amax(dim=(1, 3)), -tiles.amin(dim=(1, 3)))    # max |w| without |w|
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor, not the Python float: CUDA divides by a scalar as a product with its reciprocal,
+    # which is off by an ulp in some blocks; this is IEEE division on every device (the Triton kernel's div_rn)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
 

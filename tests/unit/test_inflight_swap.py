@@ -159,7 +159,7 @@ def _new_norm(old: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`old` with the final norm's weight scaled per channel (the argmax changes; the K/V do not)."""
     g = torch.Generator().manual_seed(0)
     new = dict(old)
-    new[NORM] = old[NORM] * (1.0 + 0.8 * torch.randn(old[NORM].shape, generator=g))
+    new[NORM] = old[NORM] * (1.0 + 0.8 * torch.randn(old[NORM].shape, generator=g)).to(old[NORM].device)
     return new
 
 
