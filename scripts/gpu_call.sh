@@ -83,11 +83,14 @@ for step in "$@"; do
         timeout ${!sv:-300} python3 scripts/bench/$n.py --out $OUT/$n.json ${!av:-} > $OUT/$n.log 2>&1; echo "rc=$?"; tail -c 4000 $OUT/$n.log ;;
     basebench) # the colocated bench on the tree BASE_TREE names (`git archive BASE miles machines scripts | tar -x -C bench-base`, untracked), then on this tree
         # BASEBENCH_ORDER (default "base head"): e.g. "head base" checks the order's own effect (the second side
-        # finds the first's compile caches and a warmer GPU); a side named twice writes basebench-SIDE.json twice
+        # finds the first's compile caches and a warmer GPU); "base head base head" alternates: run k of a side
+        # writes basebench-SIDE.json the first time, basebench-SIDE-k.json after
+        declare -A seen=()
         for side in ${BASEBENCH_ORDER:-base head}; do [ $side = base ] && dir=$PWD/bench-base || dir=$PWD
+          k=$(( ${seen[$side]:-0} + 1 )); seen[$side]=$k; name=basebench-$side$([ $k -gt 1 ] && echo "-$k")
           (cd $dir && PYTHONPATH=/tmp/site:$dir timeout ${BASEBENCH_S:-150} python3 scripts/bench/grpo_step_gpu.py --skip-trl --miles-iters ${BASEBENCH_ITERS:-9} \
-            --side-timeout-s $((${BASEBENCH_S:-150} - 10)) --out /tmp/bb-$side > $OUT/basebench-$side.json 2> $OUT/basebench-$side.log)
-          echo "--- $side rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})" $OUT/basebench-$side.json 2>&1 | tail -3
+            --side-timeout-s $((${BASEBENCH_S:-150} - 10)) --out /tmp/bb-$side > $OUT/$name.json 2> $OUT/$name.log)
+          echo "--- $name rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})" $OUT/$name.json 2>&1 | tail -3
         done ;;
     fp8) timeout ${FP8_S:-570} python3 scripts/bench/fp8_rollout_gpu.py --out $OUT/fp8.json ${FP8_ARGS:-} > /tmp/fp8.log 2>&1
         echo "rc=$?"; cp /tmp/fp8.log $OUT/; tail -c 2500 /tmp/fp8.log; cat $OUT/fp8.json 2>/dev/null | tail -c 5000 ;;
