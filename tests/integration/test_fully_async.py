@@ -30,8 +30,8 @@ BOUND = 2
 
 
 def fa_flags(task, run_dir: Path, **extra):
-    return base_flags(task, run_dir, use_tis=True, fully_async=True, rollout_num_engines=2, num_rollout=6,
-                      max_weight_staleness=BOUND, rollout_max_response_len=8, **extra)
+    return base_flags(task, run_dir, **{**dict(use_tis=True, fully_async=True, rollout_num_engines=2, num_rollout=6,
+                                               max_weight_staleness=BOUND, rollout_max_response_len=8), **extra})
 
 
 ODD_ROWS = "def odd_rows(group):\n    return group[0].prompt.index % 2 == 1\n"
@@ -156,6 +156,36 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     # ones generated again from the same row)
     weights = second.of("weights_pushed")
     assert [e.get("version") for e in weights][:1] == [rid + 1]
+
+
+
+NONE = "def none(group):\n    return False\n"
+
+
+def test_a_filter_that_rejects_every_group_fills_each_step_after_max_rounds(ray_cluster, tiny_task, tmp_path):
+    """A filter that rejects everything cannot keep a step waiting: after --dynamic-sampling-max-rounds x
+    --rollout-batch-size rejects since the last take, the rejected groups fill the buffer (traced
+    `group_filled`), every step trains a full batch of them, and the metrics count them."""
+    none = tmp_path / "none.py"
+    none.write_text(NONE)
+    run = tmp_path / "run"
+    cfg, _ = parse_flags(fa_flags(tiny_task, run, num_rollout=3, dynamic_sampling_filter_path=f"{none}:none",
+                                  dynamic_sampling_max_rounds=1))
+    assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 0
+    trace = read_trace(run)
+    assert check_trace(trace, load_machine("fully_async")).ok
+    filled = {e.get("ticket") for e in trace.of("group_filled")}
+    assert all("--dynamic-sampling-max-rounds" in e.get("reason") for e in trace.of("group_filled"))
+    steps = taken(trace)
+    assert sorted(steps) == [0, 1, 2] and all(len(ts) == 4 for ts in steps.values())   # --rollout-batch-size 4
+    trained = [t for ts in steps.values() for t in ts]
+    assert len(trained) == len(set(trained)) and set(trained) <= filled    # nothing passed the filter
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r.get("kind") == "train"]
+    assert [r["fa/dynamic_sampling_filled_groups"] for r in train_rows] == [4, 4, 4]
+    assert all(r["fa/dynamic_sampling_pass_ratio"] == 0.0 and r["fa/groups_filtered"] >= 4 for r in train_rows)
+    assert_staleness_bounded(run, trace)
+    assert_no_request_left_running(trace)
 
 
 ROOT = Path(__file__).resolve().parents[2]
