@@ -35,8 +35,8 @@ checks it), then (--profile-eager) N steps with the graphs off (the same compile
 kernels attributed to ops, and the launch overhead the graphs save). Prefill is outside every window. The
 variant's JSON gets `profile`: the timed ms/step against a bandwidth bound (weights + the batch's K/V at that
 context, at --hbm-gbs), and per window the top kernels by total device time (name, calls, ms, share) and a
-breakdown by category (attention, fp8_gemm, quantize, bf16_gemm, fused_elementwise, sampling, copies,
-other) in ms per decode step, and `graph_kernels_visible` (the attention kernel's calls per step >= the
+breakdown by category (`categorize`: attention, fp8_gemm, bf16_gemm, quantize, sampling,
+fused_elementwise, copies, other) in ms per decode step, and `graph_kernels_visible` (the attention kernel's calls per step >= the
 layers). Which GEMM kernels are FP8 is learned by
 profiling one `miles::fp8_blockwise_mm` call first (`fp8_gemm_kernel_names`). --profile-dir DIR writes each
 window's chrome trace there, gzipped (dropped when over 5 MB). --plan-context C plans the engines' KV slots
@@ -148,33 +148,40 @@ def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
 SKIP_STEPS = 4          # decode steps before the first window (the first snapshot taken, the loop settled)
 TRACE_LIMIT = 5 << 20   # bytes: a gzipped chrome trace larger than this is dropped
 GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|wgmma|gemv|splitk|aten::(mm|addmm|bmm|linear)$", re.I)
-# ordered: the first rule that matches names the category (attention first: flash kernels say "cutlass" too)
-CATEGORIES = (
-    ("attention", re.compile(r"decode_attention|attention|flash|fmha|sdpa|_attn", re.I)),
-    ("fp8_gemm", re.compile(r"e4m3|e5m2|fp8|f8f8|scaled_mm|blockwise", re.I)),   # among GEMM names only
-    ("bf16_gemm", GEMM),
-    ("quantize", re.compile(r"amax|quantiz|fused_abs|_abs_", re.I)),
-    ("sampling", re.compile(r"exponential|distribution|argmax|argmin|logsumexp|softmax|race|gumbel|multinomial|"
-                            r"topk|sort|philox|uniform", re.I)),
-    ("copies", re.compile(r"memcpy|memset|copy|cast|fill|index|scatter|gather|cat|elementwise|vectorized|"
-                          r"aten::(to|_to_copy|copy_|clone|contiguous|empty)", re.I)),
-    ("fused_elementwise", re.compile(r"^triton_", re.I)),     # inductor's fused kernels: norms, RoPE, SiLU, residuals
-)
-CATEGORY_NAMES = tuple(c for c, _ in CATEGORIES) + ("other",)
+ATTENTION = re.compile(r"decode_attention|attention|flash|fmha|sdpa|_attn", re.I)   # before GEMM: "fmha_cutlass"
+FP8_GEMM = re.compile(r"e4m3|e5m2|fp8|f8f8|scaled_mm|blockwise", re.I)               # among GEMM names
+QUANTIZE = re.compile(r"amax|quantiz|fused_abs|_abs_|aten::abs$", re.I)      # the activations' per-group amax
+SAMPLING = re.compile(r"exponential|distribution|argmax|argmin|logsumexp|softmax|gumbel|multinomial|topk|sort|"
+                      r"philox|uniform", re.I)
+# aten's own (eager) kernels outside the compiled pieces; inductor's names say "_to_copy" for every cast they
+# fuse, so a `triton_` kernel is never put here
+COPIES = re.compile(r"memcpy|memset|copy|cast|fill|index|scatter|gather|cat|elementwise|vectorized|"
+                    r"aten::(to|_to_copy|copy_|clone|contiguous|empty)$", re.I)
+CATEGORY_NAMES = ("attention", "fp8_gemm", "bf16_gemm", "quantize", "sampling", "fused_elementwise", "copies",
+                  "other")
 
 
 def categorize(name: str, fp8_gemms: frozenset = frozenset()) -> str:
-    """The category of a kernel (or, on the CPU, an aten op) by its name; `fp8_gemms`: the GEMM kernel
-    names one `miles::fp8_blockwise_mm` call launched (`fp8_gemm_kernel_names`)."""
-    if CATEGORIES[0][1].search(name):
+    """The category of a kernel (or, on the CPU, an aten op) by its name, the first rule that matches:
+    attention; fp8_gemm (a name in `fp8_gemms`, the GEMM kernels one `miles::fp8_blockwise_mm` call
+    launched, see `fp8_gemm_kernel_names`, or a GEMM name saying e4m3/fp8); bf16_gemm (other GEMMs);
+    quantize (the activations' amax: inductor fuses it with what precedes, e.g. the norm); sampling;
+    fused_elementwise (inductor's other `triton_` kernels: norms, RoPE, SiLU, residuals, the KV write);
+    copies (aten's copy, cast, fill, index and elementwise kernels); other."""
+    if ATTENTION.search(name):
         return "attention"
     if name in fp8_gemms:
         return "fp8_gemm"
     if GEMM.search(name):
-        return "fp8_gemm" if CATEGORIES[1][1].search(name) else "bf16_gemm"
-    for cat, rule in CATEGORIES[3:]:
-        if rule.search(name):
-            return cat
+        return "fp8_gemm" if FP8_GEMM.search(name) else "bf16_gemm"
+    if QUANTIZE.search(name):
+        return "quantize"
+    if SAMPLING.search(name):
+        return "sampling"
+    if name.startswith("triton_"):
+        return "fused_elementwise"
+    if COPIES.search(name):
+        return "copies"
     return "other"
 
 
@@ -208,9 +215,13 @@ def profiled_events(prof) -> tuple[list[tuple[str, float]], dict]:
     aten ops' self CPU time instead. With counts of the host's graph launches and kernel launches."""
     from torch.autograd import DeviceType
 
-    device, cpu, host = [], [], dict(graph_launches=0, kernel_launches=0)
+    device, cpu, host = [], [], dict(graph_launches=0, kernel_launches=0, gpu_annotations=0)
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
+            # a record_function range projected onto the GPU's timeline (compiled regions have them) is no kernel
+            if getattr(e, "is_user_annotation", False) or "annotation" in str(getattr(e, "activity_type", "") or ""):
+                host["gpu_annotations"] += 1
+                continue
             device.append((e.name, e.time_range.elapsed_us()))
         elif e.name.startswith("aten::"):
             cpu.append((e.name, e.self_cpu_time_total))
@@ -339,8 +350,8 @@ def profile_variant(engine, name: str, args) -> dict:
     bound_ms = (wb + kv) / (args.hbm_gbs * 1e9) * 1e3
     timed = watch.results["timed"]["ms_per_step"]
     out = dict(context=context, slots=slots, steps_per_window=n, generate_s=round(call_s, 2),
-               timed_ms_per_step=timed, weight_gib=round(wb / 2**30, 3), kv_gib_per_step=round(kv / 2**30, 3),
-               bound_ms_per_step=round(bound_ms, 3), fraction_of_bound=round(bound_ms / timed, 3),
+               timed_ms_per_step=timed, weight_gib=round(wb / 2**30, 4), kv_gib_per_step=round(kv / 2**30, 4),
+               bound_ms_per_step=round(bound_ms, 5), fraction_of_bound=round(bound_ms / timed, 4),
                hbm_gbs=args.hbm_gbs, fp8_gemm_kernel_names=sorted(gemms), fp8_op_kernels=op_kernels, windows={})
     for wname, r in watch.results.items():
         if r["prof"] is None:
