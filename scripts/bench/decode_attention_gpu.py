@@ -24,7 +24,8 @@ SXM). Configs Triton refuses (too much shared memory, ...) are recorded with the
 (the swept ones and every split-K one) is first checked against SDPA on a small case of mixed lengths
 (`checks`); a config that disagrees is left out of `best`. The JSON per (dtype, batch, context): `sdpa`,
 `default` (BLOCK 64, 4 warps, default stages), `best` (of the sweep), `best_split_k`, and every config's time.
-One layer's time x 36 layers is the attention share of a decode step.
+One layer's time x 36 layers is the attention share of a decode step. --out is rewritten after every
+(dtype, batch, context) with `partial: true` until the run ends (a run cut by its time limit keeps its rows).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/decode_attention_gpu.py --out attn.json
   [--batches 105,219,256] [--contexts 1024,2048,4096] [--blocks 32,64,128] [--warps 4,8] [--stages 1,2,3,4]
@@ -197,11 +198,16 @@ class SplitK:
                               G_PAD=_g_pad(group), D=dim, CHUNK=self.chunk, num_warps=4)
 
 
-def sdpa(q, kc, vc, pos, scale: float, span: int):
+def span_mask(pos, span: int, dtype: torch.dtype):
+    """The stock call's additive mask [B, 1, 1, span] (the engine makes it once per step, for every layer)."""
+    valid = torch.arange(span, device=pos.device) <= pos[:, None]
+    return torch.zeros(valid.shape, dtype=dtype, device=pos.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
+def sdpa(q, kc, vc, pos, scale: float, span: int, mask=None):
     from miles.rollout.engines.fast.attention import sdpa_decode_attention
 
-    valid = torch.arange(span, device=q.device) <= pos[:, None]
-    mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+    mask = span_mask(pos, span, q.dtype) if mask is None else mask
     return sdpa_decode_attention(q, kc, vc, pos, scale, span, mask)
 
 
@@ -269,7 +275,9 @@ def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dty
     return out
 
 
-def run(args) -> dict:
+def run(args, save=lambda report: None) -> dict:
+    """The checks and the sweep; `save(report)` after every (dtype, batch, context), so that a run cut short
+    by its time limit still leaves what it measured."""
     shape = dict(kv_heads=args.kv_heads, group=args.group, head_dim=args.head_dim, max_len=args.max_len,
                  check_len=args.check_len, check_chunk=min(args.chunks) if args.chunks else 64)
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -303,13 +311,14 @@ def run(args) -> dict:
             for ctx in args.contexts:
                 pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=DEVICE)
                 nbytes = kv_bytes(pos, args.kv_heads, args.head_dim, elem)
+                mask = span_mask(pos, ctx, dtype)
 
                 def entry(ms: float) -> dict:
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     return dict(ms=round(ms, 4), gbs=round(gbs, 1), fraction_of_hbm=round(gbs / args.hbm_gbs, 3))
 
                 row = dict(dtype=dname, batch=batch, context=ctx, kv_bytes=nbytes,
-                           sdpa=entry(time_call(lambda: sdpa(q, kc, vc, pos, scale, ctx), args.warmup, args.reps)),
+                           sdpa=entry(time_call(lambda: sdpa(q, kc, vc, pos, scale, ctx, mask), args.warmup, args.reps)),
                            configs={})
                 for kind, c in configs:
                     name = config_name(kind, c)
@@ -338,6 +347,7 @@ def run(args) -> dict:
                         if "best_split_k" in row else None
                     row["sdpa_vs_default"] = round(base / row["sdpa"]["ms"], 3)
                 report["results"].append(row)
+                save(report)
                 log(f"{dname} batch {batch} ctx {ctx}: sdpa {row['sdpa']['ms']} ms, default "
                     f"{(row.get('default') or {}).get('ms')} ms, best {row.get('best', {}).get('name')} "
                     f"{row.get('best', {}).get('ms')} ms, split-K {row.get('best_split_k', {}).get('ms')} ms")
@@ -400,7 +410,12 @@ def main() -> None:
     if max(args.contexts) > args.max_len:
         p.error(f"--contexts {max(args.contexts)} exceeds --max-len {args.max_len}")
     t0 = time.perf_counter()
-    report = run(args)
+
+    def save(report: dict) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(report, partial=True), indent=2) + "\n")
+
+    report = run(args, save)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(report, indent=2)
     print(text)
