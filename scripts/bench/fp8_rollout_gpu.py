@@ -32,8 +32,11 @@ engine's `_decode` (a bench-side instance attribute, removed after; nothing unde
 steps, N steps timed (CUDA synchronize at both ends, no profiler), then N steps under torch.profiler (CPU +
 CUDA activities) with the CUDA graphs as captured (CUPTI reports the kernels a graph replay runs, not
 attributed to ops; `graph_kernels_visible` checks it: the attention kernel's calls per step >= the layers),
-then, with --profile-eager, N steps with the graphs off (the same compiled step launched op by op: what the
-graphs save in launches, and a fallback should graph replays show no kernels). Prefill is outside every
+then, with --profile-modes graphs,eager, N steps with the graphs off (the same compiled step launched op by
+op: what the graphs save in launches, and the fallback should graph replays show no kernels; `eager` alone
+never attaches the profiler to a graph replay, for a stack where that misbehaves: torch's own
+`_init_for_cuda_graphs` note says CUDA < 12 did, and TEARDOWN_CUPTI=0 is set as torch.profiler sets it for
+inductor's graphs). Prefill is outside every
 window. The variant's JSON gets `profile`: the timed ms/step against a bandwidth bound (every weight once +
 the batch's K/V at that context, at --hbm-gbs) and, per profiled window, the top 25 kernels by total device
 time (name, calls, ms, share) and the device ms per decode step by category (`categorize`: attention,
@@ -45,7 +48,7 @@ run's slot counts (105 bf16, 219 FP8 KV on an H100 80GB).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/fp8_rollout_gpu.py
   [--variants bf16,fp8_weights,fp8_kv,both] [--prompts 32] [--samples 8] [--new-tokens 2048] [--out result.json]
-  [--profile-steps 16 --profile-eager --plan-context 4160 --profile-context 2112 --profile-dir DIR]
+  [--profile-steps 16 --profile-modes graphs,eager --plan-context 4160 --profile-context 2112 --profile-dir DIR]
 CPU plumbing check: --tiny (a tiny Qwen3 shape, float32, eager, FP8 emulated; the profile's ops are CPU ops).
 """
 
@@ -320,10 +323,10 @@ def profile_variant(engine, name: str, args) -> dict:
     from miles.types import SamplingParams
 
     n = args.profile_steps
-    windows = [("timed", SKIP_STEPS, SKIP_STEPS + n, False, True),
-               ("profiled", SKIP_STEPS + n, SKIP_STEPS + 2 * n, True, True)]
-    if args.profile_eager:
-        windows.append(("profiled_eager", SKIP_STEPS + 2 * n, SKIP_STEPS + 3 * n, True, False))
+    windows = [("timed", SKIP_STEPS, SKIP_STEPS + n, False, True)]
+    for mode in args.profile_modes:         # "graphs": the CUDA graphs as captured; "eager": the graphs off
+        lo = windows[-1][2]
+        windows.append(("profiled" if mode == "graphs" else "profiled_eager", lo, lo + n, True, mode == "graphs"))
     new = windows[-1][2] + 2                       # decode steps = new tokens - 1 (the first comes from prefill)
     plan = args.plan_context or args.prompt_len + args.new_tokens
     context = min(args.profile_context or plan // 2, engine.max_len - new)
@@ -451,7 +454,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=0, help="decode steps per profile window (0: no profile)")
     p.add_argument("--profile-context", type=int, default=0,
                    help="prompt tokens of the profiled call's prompts (0: half of the plan context)")
-    p.add_argument("--profile-eager", action="store_true", help="also profile a window with the CUDA graphs off")
+    p.add_argument("--profile-modes", default="graphs",
+                   help="profiled windows, in order: graphs (the CUDA graphs as captured), eager (graphs off)")
     p.add_argument("--profile-dir", help="write each profiled window's chrome trace here (gzipped, < 5 MB)")
     p.add_argument("--hbm-gbs", type=float, default=3350.0, help="memory bandwidth for the bound (H100 SXM: 3350)")
     p.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU in float32 (checks the script)")
@@ -463,6 +467,10 @@ def main() -> None:
     shape, dtype = (QWEN3_TINY, torch.float32) if args.tiny else (QWEN3_4B, torch.bfloat16)
     if args.profile_steps < 0 or args.profile_context < 0 or args.plan_context < 0:
         p.error("--profile-steps, --profile-context and --plan-context take a count >= 0")
+    args.profile_modes = [m for m in args.profile_modes.split(",") if m]
+    if not args.profile_modes or set(args.profile_modes) - {"graphs", "eager"} or \
+            len(set(args.profile_modes)) < len(args.profile_modes):
+        p.error(f"--profile-modes {','.join(args.profile_modes)!r}: a comma list of graphs and eager, each once")
     if args.profile_steps:
         # CUPTI torn down and set up again around each window with CUDA graphs in the process has crashed
         # on CUDA 12 (torch.profiler.profiler's own workaround, which it applies only to inductor's graphs)
@@ -489,6 +497,8 @@ def main() -> None:
             log(f"variant {name}")
             report["variants"][name], kept[name] = run_variant(path, name, prompts, args.new_tokens, args)
             log(json.dumps(report["variants"][name]))
+            if args.out:      # what is measured so far, should a later variant not finish
+                Path(args.out).write_text(json.dumps(dict(report, partial=True), indent=2) + "\n")
         from miles.weights.hf import load_causal_lm
 
         needed = any(kept.values()) or not args.skip_sync      # --gap-sequences 0 --skip-sync: no HF model

@@ -76,7 +76,7 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
     bench = load("fp8_rollout_gpu")
     out, traces = tmp_path / "r.json", tmp_path / "traces"
     monkeypatch.setattr(sys, "argv", ["fp8_rollout_gpu.py", "--tiny", "--variants", "both", "--skip-sync",
-                                      "--profile-steps", "2", "--profile-eager", "--profile-context", "6",
+                                      "--profile-steps", "2", "--profile-modes", "graphs,eager", "--profile-context", "6",
                                       "--profile-dir", str(traces), "--out", str(out)])
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     bench.main()
