@@ -24,7 +24,7 @@ SXM). Configs Triton refuses (too much shared memory, ...) are recorded with the
 (the swept ones and every split-K one) is first checked against SDPA on a small case of mixed lengths
 (`checks`); a config that disagrees is left out of `best`. The JSON per (dtype, batch, context): `sdpa`,
 `default` (BLOCK 64, 4 warps, default stages), `best` (of the sweep), `best_split_k`, and every config's time.
-One layer's time x 36 layers is the attention share of a decode step. --out is rewritten after every
+`ms_per_step` = one layer's ms x --layers (36): the attention share of a decode step. --out is rewritten after every
 (dtype, batch, context) with `partial: true` until the run ends (a run cut by its time limit keeps its rows).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/decode_attention_gpu.py --out attn.json
@@ -255,7 +255,8 @@ def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dty
     kc, vc = (torch.randn((b + 1, kv_heads, max_len, dim), generator=gen, device=DEVICE).to(cache_dtype)
               for _ in range(2))
     # one key, a block and one past it, a chunk's end, the middle, all
-    pos = torch.tensor([0, 64, 63, shape["check_chunk"] - 1, max_len // 2, max_len - 1], device=DEVICE).clamp(max=max_len - 1)
+    pos = torch.tensor([0, 64, 63, shape["check_chunk"] - 1, max_len // 2, max_len - 1], device=DEVICE)
+    pos = pos.clamp(max=max_len - 1)
     scale = dim ** -0.5
     want = sdpa(q, kc, vc, pos, scale, max_len).float()
     out = {}
@@ -275,77 +276,91 @@ def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dty
     return out
 
 
+def launch_configs(args) -> list[tuple[str, dict]]:
+    """[(kind, config)]: the engine kernel's sweep (with the engine's own launch first) and the split-K ones."""
+    sweep = [dict(block=bl, warps=w, stages=st) for bl in args.blocks for w in args.warps for st in args.stages]
+    if DEFAULT not in sweep:
+        sweep.insert(0, dict(DEFAULT))
+    splits = [dict(block=bl, warps=w, stages=None, chunk=ch) for ch in args.chunks for bl in args.split_blocks
+              for w in args.warps if ch % bl == 0]
+    return [("engine", c) for c in sweep] + [("split_k", c) for c in splits]
+
+
+def measure(args, configs, checks: dict, q, kc, vc, out, split_bufs: dict, ctx: int) -> dict:
+    """One (batch, context) row: SDPA and every config that passed its check, timed."""
+    batch = q.shape[0]
+    pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=DEVICE)
+    nbytes = kv_bytes(pos, args.kv_heads, args.head_dim, kc.element_size())
+    mask = span_mask(pos, ctx, q.dtype)
+    scale = args.head_dim ** -0.5
+
+    def entry(ms: float) -> dict:
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        return dict(ms=round(ms, 4), gbs=round(gbs, 1), fraction_of_hbm=round(gbs / args.hbm_gbs, 3),
+                    ms_per_step=round(ms * args.layers, 3))
+
+    row = dict(batch=batch, context=ctx, kv_bytes=nbytes,
+               sdpa=entry(time_call(lambda: sdpa(q, kc, vc, pos, scale, ctx, mask), args.warmup, args.reps)),
+               configs={})
+    for kind, c in configs:
+        name = config_name(kind, c)
+        if not isinstance(checks.get(name), float):
+            row["configs"][name] = dict(error=checks.get(name))
+            continue
+        fn = split_bufs[c["chunk"]] if kind == "split_k" else launch_engine_kernel
+        try:
+            ms = time_call(lambda: fn(q, kc, vc, pos, out, scale, c["block"], c["warps"], c["stages"]),
+                           args.warmup, args.reps)
+        except Exception as e:  # noqa: BLE001 - recorded, as a refused config
+            row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            continue
+        row["configs"][name] = dict(entry(ms), kind=kind, **c, checked=checks[name] < args.tol)
+    return row
+
+
+def pick_best(row: dict) -> None:
+    """`default`, `best` (engine kernel) and `best_split_k` among the configs that passed their check, and
+    their ratios to the default's time."""
+    timed = {n: r for n, r in row["configs"].items() if "ms" in r and r["checked"]}
+    row["default"] = row["configs"].get(config_name("engine", DEFAULT))
+    for label, kind in (("best", "engine"), ("best_split_k", "split_k")):
+        cands = {n: r for n, r in timed.items() if r["kind"] == kind}
+        if cands:
+            name = min(cands, key=lambda n: cands[n]["ms"])
+            row[label] = dict(cands[name], name=name)
+    if row.get("default") and "ms" in row["default"]:
+        base = row["default"]["ms"]
+        row["best_vs_default"] = round(base / row["best"]["ms"], 3) if "best" in row else None
+        row["split_k_vs_default"] = round(base / row["best_split_k"]["ms"], 3) if "best_split_k" in row else None
+        row["sdpa_vs_default"] = round(base / row["sdpa"]["ms"], 3)
+
+
 def run(args, save=lambda report: None) -> dict:
     """The checks and the sweep; `save(report)` after every (dtype, batch, context), so that a run cut short
     by its time limit still leaves what it measured."""
     shape = dict(kv_heads=args.kv_heads, group=args.group, head_dim=args.head_dim, max_len=args.max_len,
                  check_len=args.check_len, check_chunk=min(args.chunks) if args.chunks else 64)
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    sweep = [dict(block=bl, warps=w, stages=st) for bl in args.blocks for w in args.warps for st in args.stages]
-    if DEFAULT not in sweep:
-        sweep.insert(0, dict(DEFAULT))
-    splits = [dict(block=bl, warps=w, stages=None, chunk=ch) for ch in args.chunks for bl in args.split_blocks
-              for w in args.warps if ch % bl == 0]
-    configs = [("engine", c) for c in sweep] + [("split_k", c) for c in splits]
+    configs = launch_configs(args)
     report = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                   triton=_triton_version(), tiny=args.tiny, hbm_gbs=args.hbm_gbs, compute_dtype=str(dtype),
-                  shape=dict(shape, batches=args.batches, contexts=args.contexts), warmup=args.warmup, reps=args.reps,
-                  tolerance=args.tol, checks={}, results=[])
-    scale = args.head_dim ** -0.5
+                  shape=dict(shape, batches=args.batches, contexts=args.contexts, layers=args.layers),
+                  warmup=args.warmup, reps=args.reps, tolerance=args.tol, checks={}, results=[])
     for dname in args.dtypes:
         cache_dtype = DTYPES[dname] or dtype
         t0 = time.perf_counter()
-        checks = check_configs(configs, dtype, cache_dtype, shape, args.tol)
-        report["checks"][dname] = checks
+        checks = report["checks"][dname] = check_configs(configs, dtype, cache_dtype, shape, args.tol)
         log(f"{dname}: {len(checks)} configs checked against SDPA in {time.perf_counter() - t0:.1f} s")
-        ok = {n for n, e in checks.items() if isinstance(e, float) and e < args.tol}
         gen = torch.Generator(device=DEVICE).manual_seed(1)
-        top = max(args.batches)
-        kc, vc = (torch.randn((top + 1, args.kv_heads, args.max_len, args.head_dim), generator=gen, device=DEVICE,
-                              dtype=dtype).to(cache_dtype) for _ in range(2))
-        elem = kc.element_size()
+        kc, vc = (torch.randn((max(args.batches) + 1, args.kv_heads, args.max_len, args.head_dim), generator=gen,
+                              device=DEVICE, dtype=dtype).to(cache_dtype) for _ in range(2))
         for batch in args.batches:
             q = torch.randn((batch, args.kv_heads, args.group, args.head_dim), generator=gen, device=DEVICE).to(dtype)
             out = torch.empty_like(q)
             split_bufs = {ch: SplitK(q, args.max_len, ch) for ch in args.chunks}
             for ctx in args.contexts:
-                pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=DEVICE)
-                nbytes = kv_bytes(pos, args.kv_heads, args.head_dim, elem)
-                mask = span_mask(pos, ctx, dtype)
-
-                def entry(ms: float) -> dict:
-                    gbs = nbytes / (ms * 1e-3) / 1e9
-                    return dict(ms=round(ms, 4), gbs=round(gbs, 1), fraction_of_hbm=round(gbs / args.hbm_gbs, 3))
-
-                row = dict(dtype=dname, batch=batch, context=ctx, kv_bytes=nbytes,
-                           sdpa=entry(time_call(lambda: sdpa(q, kc, vc, pos, scale, ctx, mask), args.warmup, args.reps)),
-                           configs={})
-                for kind, c in configs:
-                    name = config_name(kind, c)
-                    if not isinstance(checks.get(name), float):
-                        row["configs"][name] = dict(error=checks.get(name))
-                        continue
-                    fn = split_bufs[c["chunk"]] if kind == "split_k" else launch_engine_kernel
-                    try:
-                        ms = time_call(lambda: fn(q, kc, vc, pos, out, scale, c["block"], c["warps"], c["stages"]),
-                                       args.warmup, args.reps)
-                    except Exception as e:  # noqa: BLE001
-                        row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-                        continue
-                    row["configs"][name] = dict(entry(ms), kind=kind, **c, checked=name in ok)
-                timed = {n: r for n, r in row["configs"].items() if "ms" in r and r["checked"]}
-                row["default"] = row["configs"].get(config_name("engine", DEFAULT))
-                for label, kind in (("best", "engine"), ("best_split_k", "split_k")):
-                    cands = {n: r for n, r in timed.items() if r["kind"] == kind}
-                    if cands:
-                        name = min(cands, key=lambda n: cands[n]["ms"])
-                        row[label] = dict(cands[name], name=name)
-                if row.get("default") and "ms" in row["default"]:
-                    base = row["default"]["ms"]
-                    row["best_vs_default"] = round(base / row["best"]["ms"], 3) if "best" in row else None
-                    row["split_k_vs_default"] = round(base / row["best_split_k"]["ms"], 3) \
-                        if "best_split_k" in row else None
-                    row["sdpa_vs_default"] = round(base / row["sdpa"]["ms"], 3)
+                row = dict(dtype=dname, **measure(args, configs, checks, q, kc, vc, out, split_bufs, ctx))
+                pick_best(row)
                 report["results"].append(row)
                 save(report)
                 log(f"{dname} batch {batch} ctx {ctx}: sdpa {row['sdpa']['ms']} ms, default "
@@ -378,6 +393,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=36, help="layers per decode step (ms_per_step = ms x layers)")
     p.add_argument("--blocks", type=_ints, default=[32, 64, 128])
     p.add_argument("--warps", type=_ints, default=[4, 8])
     p.add_argument("--stages", default="1,2,3,4", help="num_stages values; 'default' for Triton's own")
@@ -399,6 +415,7 @@ def main() -> None:
     args.stages = [None if s == "default" else int(s) for s in args.stages.split(",") if s]
     if args.tiny:
         args.batches, args.contexts, args.max_len, args.kv_heads, args.group, args.head_dim = [3], [5, 40], 48, 2, 3, 16
+        args.layers = 2
         args.blocks, args.warps, args.stages, args.chunks, args.split_blocks = [32], [4], [None, 1], [16, 32], [16]
         args.check_len, args.warmup, args.reps, args.tol = 40, 0, 1, 1e-4
     if args.no_split_k:

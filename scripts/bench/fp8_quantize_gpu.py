@@ -166,16 +166,102 @@ def per_shape(fn, weights: list[torch.Tensor], bytes_of) -> dict:
     return out
 
 
+def q_bytes(shp: tuple[int, int]) -> int:
+    """Bytes a quantization moves: bf16 read (2 per element), e4m3 written (1) and the float32 block scales."""
+    n, k = shp
+    return n * k * 3 + (-(-n // 128)) * (-(-k // 128)) * 4
+
+
+def copy_bytes(shp: tuple[int, int]) -> int:
+    """Bytes a bf16 copy moves: read 2 and write 2 per element."""
+    return shp[0] * shp[1] * 4
+
+
+def entry(secs: float, host: float, nbytes: int, hbm_gbs: float, **extra) -> dict:
+    gbs = nbytes / secs / 1e9
+    return dict(seconds=round(secs, 5), host_enqueue_seconds=round(host, 5), bytes=nbytes, gbs=round(gbs, 1),
+                fraction_of_hbm=round(gbs / hbm_gbs, 3), **extra)
+
+
+def time_fills(live: dict, linear: list, bucket: int, args) -> dict:
+    """The bf16 and the FP8 sync's bucket fills over every weight (the module's `bf16_fill`, `fp8_fill`)."""
+    from miles.weights import fp8
+    from miles.weights.transport import fill_bucket, plan_buckets
+
+    dtype = torch.bfloat16
+
+    def fill(weights):
+        for plan in plan_buckets(weights, dtype=dtype, bucket_bytes=bucket):
+            flat = fill_bucket(plan, weights, device=DEVICE)
+            del flat
+
+    plans16 = plan_buckets(live, dtype=dtype, bucket_bytes=bucket)
+    plans8 = plan_buckets(fp8.Fp8Weights(live, dtype), dtype=dtype, bucket_bytes=bucket)
+    bytes16, bytes8 = sum(p.nbytes for p in plans16), sum(p.nbytes for p in plans8)
+    out = {}
+    s, h = timed(lambda: fill(live), args.repeats)
+    # a bucket fill reads each tensor and writes it into the bucket: 2 x the bucket's bytes
+    out["bf16_fill"] = entry(s, h, 2 * bytes16, args.hbm_gbs, buckets=len(plans16), bucket_bytes=bytes16)
+    s, h = timed(lambda: fill(fp8.Fp8Weights(live, dtype)), args.repeats)
+    # FP8: each Linear weight quantized (bf16 in, e4m3 + scales out), then every entry copied into its bucket
+    lin_q = sum(q_bytes(tuple(t.shape)) for t in linear)
+    out["fp8_fill"] = entry(s, h, lin_q + 2 * bytes8, args.hbm_gbs, buckets=len(plans8), bucket_bytes=bytes8)
+    out["fp8_vs_bf16_fill"] = round(out["fp8_fill"]["seconds"] / out["bf16_fill"]["seconds"], 2)
+    log(f"fill: bf16 {out['bf16_fill']['seconds']} s, fp8 {out['fp8_fill']['seconds']} s")
+    return out
+
+
+def time_paths(linear: list, args) -> dict:
+    """The quantization alone by each path, and a plain copy, over the Linear weights."""
+    from miles.weights import fp8
+
+    out = {}
+    paths = {"quantize_torch": fp8._quantize_blocks_torch, "copy_bf16": lambda w: w.clone()}
+    why_not = triton_available()
+    if why_not is None:
+        paths = {"quantize_triton": triton_quantize, **paths}
+    else:
+        out["quantize_triton"] = dict(skipped=why_not)
+    for name, fn in paths.items():
+        s, h = timed(lambda: [fn(w) for w in linear], args.repeats)
+        bytes_of = copy_bytes if name == "copy_bf16" else q_bytes
+        kernels, names = kernels_per_call(lambda: fn(linear[0]))
+        out[name] = entry(s, h, sum(bytes_of(tuple(t.shape)) for t in linear), args.hbm_gbs,
+                          kernels_per_tensor=kernels, kernel_names=names,
+                          launch_us_per_tensor=round(h / len(linear) * 1e6, 2),
+                          per_shape=per_shape(fn, linear, bytes_of))
+        log(f"{name}: {out[name]['seconds']} s ({out[name]['gbs']} GB/s), host {out[name]['host_enqueue_seconds']} "
+            f"s, {kernels} kernels per tensor")
+    return out
+
+
+def compare_bits(live: dict) -> dict:
+    """The Triton and torch paths' scales and e4m3 bytes, tensor by tensor."""
+    from miles.weights import fp8
+
+    values, scales = [], []
+    for n, t in live.items():
+        if fp8.is_quantized_name(n):
+            (qa, sa), (qb, sb) = triton_quantize(t), fp8._quantize_blocks_torch(t)
+            if not torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)):
+                values.append(n)
+            if not torch.equal(sa, sb):
+                scales.append(n)
+    # Triton's interpreter (the CPU) rounds float32 -> e4m3 its own way (31.77 -> 16, a tie 116 -> 120 on
+    # 3.6): there the values' comparison is the interpreter's, not the kernel's; the scales' holds
+    return dict(tensors=sum(fp8.is_quantized_name(n) for n in live), scales_differ=len(scales),
+                values_differ=len(values), first_differing=(scales or values)[:5], values_meaningful=DEVICE == "cuda")
+
+
 def run(args) -> dict:
     from miles.weights import fp8
-    from miles.weights.transport import DEFAULT_BUCKET_BYTES, fill_bucket, plan_buckets
+    from miles.weights.transport import DEFAULT_BUCKET_BYTES
 
     shape = dict(TINY if args.tiny else QWEN3_4B)
     if args.layers:
         shape["layers"] = args.layers
-    dtype = torch.bfloat16
     t0 = time.perf_counter()
-    live = state_dict(shape, dtype)
+    live = state_dict(shape, torch.bfloat16)
     sync()
     linear = [t for n, t in live.items() if fp8.is_quantized_name(n)]
     report = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
@@ -184,74 +270,10 @@ def run(args) -> dict:
                   bf16_bytes=sum(t.numel() * t.element_size() for t in live.values()),
                   linear_bf16_bytes=sum(t.numel() * 2 for t in linear), build_s=round(time.perf_counter() - t0, 2))
     bucket = args.bucket_mib << 20 if args.bucket_mib else DEFAULT_BUCKET_BYTES
-
-    def fill(weights):
-        plans = plan_buckets(weights, dtype=dtype, bucket_bytes=bucket)
-        for plan in plans:
-            flat = fill_bucket(plan, weights, device=DEVICE)
-            del flat
-        return plans
-
-    def entry(secs: float, host: float, nbytes: int, **extra) -> dict:
-        gbs = nbytes / secs / 1e9
-        return dict(seconds=round(secs, 5), host_enqueue_seconds=round(host, 5), bytes=nbytes, gbs=round(gbs, 1),
-                    fraction_of_hbm=round(gbs / args.hbm_gbs, 3), **extra)
-
-    # bytes moved: a bf16 copy reads 2 and writes 2 per element; quantizing reads 2, writes 1 and the scales
-    def q_bytes(shp) -> int:
-        n, k = shp
-        return n * k * 3 + (-(-n // 128)) * (-(-k // 128)) * 4
-
-    def copy_bytes(shp) -> int:
-        return shp[0] * shp[1] * 4
-
-    lin_q_bytes = sum(q_bytes(tuple(t.shape)) for t in linear)
-    lin_copy_bytes = sum(copy_bytes(tuple(t.shape)) for t in linear)
-
-    plans16 = plan_buckets(live, dtype=dtype, bucket_bytes=bucket)
-    plans8 = plan_buckets(fp8.Fp8Weights(live, dtype), dtype=dtype, bucket_bytes=bucket)
-    bytes16 = sum(p.nbytes for p in plans16)
-    bytes8 = sum(p.nbytes for p in plans8)
-    s, h = timed(lambda: fill(live), args.repeats)
-    # a bucket fill reads each tensor and writes it into the bucket: 2 x the bucket's bytes
-    report["bf16_fill"] = entry(s, h, 2 * bytes16, buckets=len(plans16), bucket_bytes=bytes16)
-    s, h = timed(lambda: fill(fp8.Fp8Weights(live, dtype)), args.repeats)
-    # FP8: quantizing reads bf16 and writes e4m3 + scales, the fill copies those into the bucket
-    report["fp8_fill"] = entry(s, h, lin_q_bytes + 2 * bytes8, buckets=len(plans8), bucket_bytes=bytes8)
-    report["fp8_vs_bf16_fill"] = round(report["fp8_fill"]["seconds"] / report["bf16_fill"]["seconds"], 2)
-    log(f"fill: bf16 {report['bf16_fill']['seconds']} s, fp8 {report['fp8_fill']['seconds']} s")
-
-    def loop(fn):
-        return lambda: [fn(w) for w in linear]
-
-    paths = {"quantize_torch": fp8._quantize_blocks_torch, "copy_bf16": lambda w: w.clone()}
-    why_not = triton_available()
-    if why_not is None:
-        paths = {"quantize_triton": triton_quantize, **paths}
-    else:
-        report["quantize_triton"] = dict(skipped=why_not)
-    for name, fn in paths.items():
-        s, h = timed(loop(fn), args.repeats)
-        nbytes = lin_copy_bytes if name == "copy_bf16" else lin_q_bytes
-        kernels, names = kernels_per_call(lambda: fn(linear[0]))
-        report[name] = entry(s, h, nbytes, kernels_per_tensor=kernels, kernel_names=names,
-                             launch_us_per_tensor=round(h / len(linear) * 1e6, 2),
-                             per_shape=per_shape(fn, linear, copy_bytes if name == "copy_bf16" else q_bytes))
-        log(f"{name}: {report[name]['seconds']} s ({report[name]['gbs']} GB/s), host {report[name]['host_enqueue_seconds']} s,"
-            f" {kernels} kernels per tensor")
-    if why_not is None:
-        values, scales = [], []
-        for n, t in live.items():
-            if fp8.is_quantized_name(n):
-                (qa, sa), (qb, sb) = triton_quantize(t), fp8._quantize_blocks_torch(t)
-                if not torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)):
-                    values.append(n)
-                if not torch.equal(sa, sb):
-                    scales.append(n)
-        # Triton's interpreter (the CPU) rounds float32 -> e4m3 its own way (31.77 -> 16, a tie 116 -> 120 on
-        # 3.6): there the values' comparison is the interpreter's, not the kernel's; the scales' holds
-        report["bits_equal"] = dict(tensors=len(linear), scales_differ=len(scales), values_differ=len(values),
-                                    first_differing=(scales or values)[:5], values_meaningful=DEVICE == "cuda")
+    report.update(time_fills(live, linear, bucket, args))
+    report.update(time_paths(linear, args))
+    if triton_available() is None:
+        report["bits_equal"] = compare_bits(live)
     return report
 
 

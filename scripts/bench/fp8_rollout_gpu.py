@@ -114,8 +114,8 @@ def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
     quantization, kv = VARIANTS[name]
     t0 = time.perf_counter()
     engine = FastEngine(path, max_batch_size=args.max_batch_size, mem_fraction=args.mem_fraction,
-                        context_len=args.plan_context or len(prompts[0]) + new_tokens, quantization=quantization, kv_cache_dtype=kv,
-                        cuda_graph=not args.tiny, torch_compile=not args.tiny)
+                        context_len=args.plan_context or len(prompts[0]) + new_tokens, quantization=quantization,
+                        kv_cache_dtype=kv, cuda_graph=not args.tiny, torch_compile=not args.tiny)
     build_s = time.perf_counter() - t0
     warm = min(8, new_tokens)       # a short call first: captures the full batch's graphs (and compiles what is left)
     runs = []

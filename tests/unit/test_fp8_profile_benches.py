@@ -67,7 +67,8 @@ def test_a_window_summary_is_per_step_and_sorted():
     assert got["device_ms_per_step"] == pytest.approx((120 + 100 + 2) / 1e3 / 2)
     att = got["categories"]["attention"]
     assert att == dict(ms_per_step=0.06, share=round(120 / 222, 4), calls_per_step=2.0)
-    assert got["categories"]["bf16_gemm"]["ms_per_step"] == 0.05 and got["categories"]["copies"]["calls_per_step"] == 0.5
+    assert got["categories"]["bf16_gemm"]["ms_per_step"] == 0.05
+    assert got["categories"]["copies"]["calls_per_step"] == 0.5
     assert [t["name"] for t in got["top"]] == ["decode_attention_kernel", "nvjet_hsh_a"]
     assert sum(c["share"] for c in got["categories"].values()) == pytest.approx(1.0, abs=1e-3)
 
@@ -76,8 +77,8 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
     bench = load("fp8_rollout_gpu")
     out, traces = tmp_path / "r.json", tmp_path / "traces"
     monkeypatch.setattr(sys, "argv", ["fp8_rollout_gpu.py", "--tiny", "--variants", "both", "--skip-sync",
-                                      "--profile-steps", "2", "--profile-modes", "graphs,eager", "--profile-context", "6",
-                                      "--profile-dir", str(traces), "--out", str(out)])
+                                      "--profile-steps", "2", "--profile-modes", "graphs,eager",
+                                      "--profile-context", "6", "--profile-dir", str(traces), "--out", str(out)])
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     bench.main()
     v = json.loads(out.read_text())["variants"]["both"]
@@ -115,6 +116,7 @@ def test_the_attention_bench_checks_the_split_k_kernel_against_sdpa(tmp_path):
         assert row["default"]["block"] == 64 and row["default"]["stages"] is None
         assert row["best"]["kind"] == "engine" and row["best_split_k"]["kind"] == "split_k"
         assert row["best"]["ms"] <= row["default"]["ms"] and row["sdpa"]["ms"] > 0
+        assert row["default"]["ms_per_step"] == pytest.approx(row["default"]["ms"] * 2, abs=2e-3)    # --tiny: 2 layers
         assert all(c.get("checked") for c in row["configs"].values())
 
 
@@ -127,7 +129,8 @@ def test_the_quantize_bench_splits_the_fp8_sync(tmp_path):
     r = run_script("fp8_quantize_gpu", ["--tiny"], tmp_path, interpret=interpret)
     assert r["linear_tensors"] == 2 * 7 and r["tensors"] == 2 * 11 + 2
     # bf16 buckets hold every tensor in bf16 (plus alignment); the FP8 ones a byte per Linear weight and scales
-    assert r["bf16_fill"]["bucket_bytes"] >= r["bf16_bytes"] and r["bf16_fill"]["bytes"] == 2 * r["bf16_fill"]["bucket_bytes"]
+    fill16 = r["bf16_fill"]
+    assert fill16["bucket_bytes"] >= r["bf16_bytes"] and fill16["bytes"] == 2 * fill16["bucket_bytes"]
     assert r["fp8_fill"]["bucket_bytes"] < 0.6 * r["bf16_fill"]["bucket_bytes"]
     assert r["fp8_vs_bf16_fill"] > 0
     for path in ("quantize_torch", "copy_bf16") + (("quantize_triton",) if interpret else ()):
