@@ -42,7 +42,8 @@ the batch's K/V at that context, at --hbm-gbs) and, per profiled window, the top
 time (name, calls, ms, share) and the device ms per decode step by category (`categorize`: attention,
 fp8_gemm, bf16_gemm, quantize, sampling, fused_elementwise, copies, other). Which GEMM kernels are FP8 is
 learned first by profiling one `miles::fp8_blockwise_mm` call (`fp8_gemm_kernel_names`). --profile-dir DIR
-writes each window's chrome trace there, gzipped (dropped when over 5 MB). --plan-context C plans the
+writes each window's chrome trace there, gzipped (dropped when over 5 MB). `profile_comparison` puts the
+variants side by side (each category's ms per step by variant, the timed us per generated token). --plan-context C plans the
 engines' KV slots for C positions (default prompt + new tokens), so that a short timed call gets the 4k
 run's slot counts (105 bf16, 219 FP8 KV on an H100 80GB).
 
@@ -373,6 +374,27 @@ def profile_variant(engine, name: str, args) -> dict:
     return out
 
 
+def compare_profiles(variants: dict) -> dict:
+    """The variants' profiles side by side: per window mode, each category's ms per decode step by
+    variant, with the slots, the timed ms/step and its fraction of the bound (per generated token: ms/step /
+    slots, what tokens/s inverts)."""
+    out = dict(slots={}, timed_ms_per_step={}, timed_us_per_token={}, fraction_of_bound={}, windows={})
+    for name, v in variants.items():
+        prof = v.get("profile")
+        if not prof:
+            continue
+        out["slots"][name] = prof["slots"]
+        out["timed_ms_per_step"][name] = prof["timed_ms_per_step"]
+        out["timed_us_per_token"][name] = round(prof["timed_ms_per_step"] * 1e3 / prof["slots"], 2)
+        out["fraction_of_bound"][name] = prof["fraction_of_bound"]
+        for wname, w in prof["windows"].items():
+            table = out["windows"].setdefault(wname, {c: {} for c in CATEGORY_NAMES + ("total",)})
+            for c in CATEGORY_NAMES:
+                table[c][name] = w["categories"][c]["ms_per_step"]
+            table["total"][name] = w["device_ms_per_step"]
+    return out
+
+
 def save_trace(prof, path: Path) -> str:
     """The window's chrome trace, gzipped, at `path`.gz; dropped (and said so) when over TRACE_LIMIT."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -516,6 +538,8 @@ def main() -> None:
         ref = report["variants"]["bf16"]["tok_s"]
         for v in report["variants"].values():
             v["speedup_vs_bf16"] = round(v["tok_s"] / ref, 2)
+    if args.profile_steps:
+        report["profile_comparison"] = compare_profiles(report["variants"])
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     text = json.dumps(report, indent=2)
     print(text)

@@ -81,7 +81,8 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
                                       "--profile-context", "6", "--profile-dir", str(traces), "--out", str(out)])
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     bench.main()
-    v = json.loads(out.read_text())["variants"]["both"]
+    report = json.loads(out.read_text())
+    v = report["variants"]["both"]
     prof = v["profile"]
     assert prof["context"] == 6 and prof["slots"] == v["slots"] and prof["steps_per_window"] == 2
     assert prof["timed_ms_per_step"] > 0 and prof["weight_gib"] > 0 and prof["bound_ms_per_step"] > 0
@@ -98,6 +99,10 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
         trace = Path(w["trace"])
         assert trace.parent == traces and trace.suffix == ".gz" and trace.stat().st_size < bench.TRACE_LIMIT
         assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))
+    side = report["profile_comparison"]
+    assert side["slots"] == {"both": v["slots"]} and side["timed_ms_per_step"] == {"both": prof["timed_ms_per_step"]}
+    attention = prof["windows"]["profiled"]["categories"]["attention"]["ms_per_step"]
+    assert side["windows"]["profiled"]["attention"] == {"both": attention}
 
 
 def test_the_attention_bench_checks_the_split_k_kernel_against_sdpa(tmp_path):
