@@ -1,6 +1,7 @@
 """The FP8 profiling benches' plumbing on the CPU (issue 58): fp8_rollout_gpu.py's --profile-steps windows,
 decode_attention_gpu.py (the engine's Triton kernel swept, and the split-K kernel checked against SDPA,
-under Triton's interpreter) and fp8_quantize_gpu.py, each at its --tiny shape. Their numbers are the GPU's."""
+under Triton's interpreter), fp8_quantize_gpu.py and fp8_gemm_gpu.py, each at its --tiny shape. Their
+numbers are the GPU's; the Triton cases skip where triton is not installed (CI)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,23 @@ def test_the_quantize_bench_splits_the_fp8_sync(tmp_path):
         assert r["bits_equal"]["scales_differ"] == 0 and r["bits_equal"]["values_meaningful"] is False
     else:
         assert "skipped" in r["quantize_triton"]
+
+
+def test_the_gemm_bench_times_each_projection_both_ways(tmp_path, monkeypatch):
+    bench = load("fp8_gemm_gpu")
+    out = tmp_path / "g.json"
+    monkeypatch.setattr(sys, "argv", ["fp8_gemm_gpu.py", "--tiny", "--out", str(out)])
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    bench.main()
+    r = json.loads(out.read_text())
+    assert r["fp8_kernel"] == "dequant_matmul" and r["compiled"] is False       # the CPU: FP8 emulated, eager
+    assert [(x["proj"], x["m"]) for x in r["results"]] == [(p, m) for p in bench.TINY for m in (3, 8)]
+    for row in r["results"]:
+        n, k = row["n"], row["k"]
+        assert row["bf16"]["bytes"] == n * k * 4                                   # --tiny computes in float32
+        assert row["fp8_linear"]["bytes"] == n * k + (n // 128) * (k // 128) * 4
+        assert all(row[e]["us"] > 0 for e in bench.ENTRIES)
+        assert row["fp8_vs_bf16"] == pytest.approx(row["bf16"]["us"] / row["fp8_linear"]["us"], abs=1e-3)
+    for m, step in r["per_step"].items():
+        rows = [x for x in r["results"] if x["m"] == int(m)]
+        assert step["bf16"] == pytest.approx(sum(x["bf16"]["us"] for x in rows) * 2 / 1e3, abs=2e-3)
