@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from miles.weights import fp8  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 TINY = {"qkv": (512, 256), "o": (256, 256), "gate_up": (768, 256), "down": (256, 384)}
@@ -66,14 +68,10 @@ def isolated_compile(fn, tag: str, compiled: bool):
 
 
 def fp8_linear(x, w):
-    from miles.weights import fp8
-
     return fp8.linear(x, w)
 
 
 def padded_quantize(x):
-    from miles.weights import fp8
-
     return fp8.quantize_activations(F.pad(x, (0, 0, 0, (-x.shape[0]) % 4)))
 
 
@@ -110,8 +108,6 @@ def time_us(fn, reps: int) -> float:
 
 
 def run(args) -> dict:
-    from miles.weights import fp8
-
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shapes = TINY if args.tiny else QWEN3_4B
     kernel = fp8.select_kernel(torch.device(DEVICE), dtype)

@@ -244,24 +244,29 @@ def _activities() -> list:
 
 
 def fp8_gemm_kernel_names(engine) -> tuple[frozenset, list[str]]:
-    """The kernels one `miles::fp8_blockwise_mm` call launches at the decode batch's shape (its GEMM,
-    and the layout copies the op makes): the GEMM names are what `categorize` calls fp8_gemm."""
+    """The kernels `miles::fp8_blockwise_mm` launches for each of the engine's FP8 projections (layer 0's
+    q/k/v, o, gate/up, down) at the full decode batch (cuBLAS picks its kernel by shape): its GEMMs,
+    and the layout copies the op makes. The GEMM names are what `categorize` calls fp8_gemm."""
     from torch.profiler import profile
 
     from miles.weights import fp8
 
     if DEVICE != "cuda" or not (engine.fp8_kernel or "").startswith("scaled_mm_blockwise"):
         return frozenset(), []
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    m = -(-engine.max_batch_size // 4) * 4
-    x = torch.randn((m, 2048), generator=gen, device=DEVICE, dtype=engine.dtype)
-    q, s = fp8.quantize_blocks(torch.randn((1024, 2048), generator=gen, device=DEVICE) * 0.05)
-    a, a_scale = fp8.quantize_activations(x)
+    gen = torch.Generator(device=engine.device).manual_seed(0)
+    m = -(-engine.max_batch_size // 4) * 4          # the rows fp8._blockwise pads to
     api = fp8._API or "torch._scaled_mm"
-    fp8.fp8_blockwise_mm(a, a_scale, q, s, engine.dtype, api)     # the first call's one-time work outside
+    calls = []
+    for w in engine._weights.layers[0]:
+        if isinstance(w, fp8.QuantWeight):
+            x = torch.randn((m, w.weight.shape[1]), generator=gen, device=engine.device).to(engine.dtype)
+            calls.append((*fp8.quantize_activations(x), w.weight, w.scale))
+    for a, a_scale, q, s in calls:                  # the first calls' one-time work outside the profile
+        fp8.fp8_blockwise_mm(a, a_scale, q, s, engine.dtype, api)
     sync()
     with profile(activities=_activities()) as prof:
-        fp8.fp8_blockwise_mm(a, a_scale, q, s, engine.dtype, api)
+        for a, a_scale, q, s in calls:
+            fp8.fp8_blockwise_mm(a, a_scale, q, s, engine.dtype, api)
         sync()
     names = sorted({n for n, _ in profiled_events(prof)[0]})
     return frozenset(n for n in names if GEMM.search(n)), names
