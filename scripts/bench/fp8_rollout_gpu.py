@@ -24,32 +24,33 @@ payload path: no IPC mapping, which is the same in both), bf16 buckets vs FP8 bu
 GPU as they are filled: `miles.weights.fp8.Fp8Weights`), bytes moved, best of --sync-repeats.
 
 Where the time goes (--profile-steps N, default 0 = off): after each variant's timed call, one more generate
-on the same engine with every slot busy (the steady state of a long call): `slots` prompts of
---profile-context random tokens (default: half of --plan-context, about the mean context of a call whose
-answers fill the plan; attention is linear in the context, so a window there costs what the call's steps
-cost on average; pass ~4000 for the long end). Its decode steps are watched by a wrapper around the
-engine's `_decode` (a bench-side instance attribute, removed after; nothing under miles/ changes): after 4
-steps, N steps timed (CUDA synchronize at both ends, no profiler), then N steps under torch.profiler (CPU +
-CUDA activities) with the CUDA graphs as captured (CUPTI reports the kernels a graph replay runs, not
-attributed to ops; `graph_kernels_visible` checks it: the attention kernel's calls per step >= the layers),
-then, with --profile-modes graphs,eager, N steps with the graphs off (the same compiled step launched op by
-op: what the graphs save in launches, and the fallback should graph replays show no kernels; `eager` alone
-never attaches the profiler to a graph replay, for a stack where that misbehaves: torch's own
-`_init_for_cuda_graphs` note says CUDA < 12 did, and TEARDOWN_CUPTI=0 is set as torch.profiler sets it for
-inductor's graphs). Prefill is outside every
-window. The variant's JSON gets `profile`: the timed ms/step against a bandwidth bound (every weight once +
-the batch's K/V at that context, at --hbm-gbs) and, per profiled window, the top 25 kernels by total device
-time (name, calls, ms, share) and the device ms per decode step by category (`categorize`: attention,
-fp8_gemm, bf16_gemm, quantize, sampling, fused_elementwise, copies, other). Which GEMM kernels are FP8 is
-learned first by profiling one `miles::fp8_blockwise_mm` call (`fp8_gemm_kernel_names`). --profile-dir DIR
-writes each window's chrome trace there, gzipped (dropped when over 5 MB). `profile_comparison` puts the
-variants side by side (each category's ms per step by variant, the timed us per generated token). --plan-context C plans the
-engines' KV slots for C positions (default prompt + new tokens), so that a short timed call gets the 4k
-run's slot counts (105 bf16, 219 FP8 KV on an H100 80GB).
+on the same engine per --profile-context L (a comma list) with every slot busy (the steady state of a long
+call): `slots` prompts of L random tokens (default: half of --plan-context, about the mean context of a
+call whose answers fill the plan; attention is linear in the context, so a window there costs what the
+call's steps cost on average; add ~4000 for the long end). Its decode steps are watched by a wrapper
+around the engine's `_decode` (a bench-side instance attribute, removed after; nothing under miles/
+changes): after 4 steps, N steps timed (CUDA synchronize at both ends, no profiler), then N steps under
+torch.profiler (CPU + CUDA activities) with the CUDA graphs as captured (CUPTI reports the kernels a graph
+replay runs, not attributed to ops; `graph_kernels_visible` checks it: the attention kernel's calls per
+step >= the layers), then, with --profile-modes graphs,eager, N steps with the graphs off (the same
+compiled step launched op by op: what the graphs save in launches, and the fallback should graph replays
+show no kernels; `eager` alone never attaches the profiler to a graph replay, for a stack where that
+misbehaves: torch's own `_init_for_cuda_graphs` note says CUDA < 12 did, and TEARDOWN_CUPTI=0 is set as
+torch.profiler sets it for inductor's graphs). Prefill is outside every window. The variant's JSON gets
+`profile` {L: ...}: the timed ms/step against a bandwidth bound (every weight once + the batch's K/V at
+that context, at --hbm-gbs) and, per profiled window, the top 25 kernels by total device time (name,
+calls, ms, share) and the device ms per decode step by category (`categorize`: attention, fp8_gemm,
+bf16_gemm, quantize, sampling, fused_elementwise, copies, other). Which GEMM kernels are FP8 is learned
+first by profiling `miles::fp8_blockwise_mm` on the engine's own projections (`fp8_gemm_kernel_names`).
+--profile-dir DIR writes each window's chrome trace there, gzipped (dropped when over 5 MB).
+`profile_comparison` puts the variants side by side per context (each category's ms per step, the timed
+us per generated token) and, given two contexts or more, fits each variant's ms/step as fixed + per-1k-
+context parts. --plan-context C plans the engines' KV slots for C positions (default prompt + new
+tokens), so that a short timed call gets the 4k run's slot counts (105 bf16, 219 FP8 KV on an H100 80GB).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/fp8_rollout_gpu.py
   [--variants bf16,fp8_weights,fp8_kv,both] [--prompts 32] [--samples 8] [--new-tokens 2048] [--out result.json]
-  [--profile-steps 16 --profile-modes graphs,eager --plan-context 4160 --profile-context 2112 --profile-dir DIR]
+  [--profile-steps 16 --profile-modes graphs,eager --plan-context 4160 --profile-context 2080,4000 --profile-dir DIR]
 CPU plumbing check: --tiny (a tiny Qwen3 shape, float32, eager, FP8 emulated; the profile's ops are CPU ops).
 """
 
@@ -138,7 +139,12 @@ def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if args.profile_steps:
         log(f"profile {name}")
-        out["profile"] = profile_variant(engine, name, args)
+        plan = args.plan_context or args.prompt_len + args.new_tokens
+        gemms = fp8_gemm_kernel_names(engine)
+        out["profile"] = {}
+        for context in args.profile_contexts or [plan // 2]:
+            prof = profile_variant(engine, name, args, context, gemms)
+            out["profile"][str(prof["context"])] = prof
     kept = [(prompts[i], gens[i].response_ids, gens[i].logprobs) for i in range(min(args.gap_sequences, len(gens)))]
     engine.dispose()
     del engine
@@ -324,8 +330,9 @@ def weight_bytes(engine) -> int:
     return sum(seen.values())
 
 
-def profile_variant(engine, name: str, args) -> dict:
-    """Timed and profiled windows of decode steps with every slot busy at --profile-context (module docstring)."""
+def profile_variant(engine, name: str, args, context: int, gemms: tuple[frozenset, list[str]]) -> dict:
+    """Timed and profiled windows of decode steps with every slot busy at `context` prompt tokens (module
+    docstring); `gemms`: `fp8_gemm_kernel_names(engine)`."""
     from miles.types import SamplingParams
 
     n = args.profile_steps
@@ -334,12 +341,11 @@ def profile_variant(engine, name: str, args) -> dict:
         lo = windows[-1][2]
         windows.append(("profiled" if mode == "graphs" else "profiled_eager", lo, lo + n, True, mode == "graphs"))
     new = windows[-1][2] + 2                       # decode steps = new tokens - 1 (the first comes from prefill)
-    plan = args.plan_context or args.prompt_len + args.new_tokens
-    context = min(args.profile_context or plan // 2, engine.max_len - new)
+    context = min(context, engine.max_len - new)
     slots = engine.max_batch_size
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, engine._vocab_size, (slots, context), generator=g).tolist()
-    gemms, op_kernels = fp8_gemm_kernel_names(engine)
+    gemms, op_kernels = gemms
     watch = StepWindows(engine, windows)
     engine._decode = watch
     try:
@@ -364,39 +370,51 @@ def profile_variant(engine, name: str, args) -> dict:
                bound_ms_per_step=round(bound_ms, 5), fraction_of_bound=round(bound_ms / timed, 4),
                hbm_gbs=args.hbm_gbs, fp8_gemm_kernel_names=sorted(gemms), fp8_op_kernels=op_kernels, windows={})
     for wname, r in watch.results.items():
-        if r["prof"] is None:
-            continue
-        events, host = profiled_events(r["prof"])
-        summary = summarize(events, r["steps"], gemms)
-        att = summary["categories"]["attention"]["calls_per_step"]
-        summary.update(mode="cuda_graphs" if r["graphs"] else "eager", ms_per_step_under_profiler=r["ms_per_step"],
-                       host_per_step={k: (round(v / r["steps"], 2) if isinstance(v, int) else v)
-                                      for k, v in host.items()},
-                       graph_kernels_visible=att >= engine.arch.n_layers if host["source"] == "cuda_kernels" else None)
-        if args.profile_dir:
-            summary["trace"] = save_trace(r["prof"], Path(args.profile_dir) / f"{name}-{wname}.json")
-        out["windows"][wname] = summary
+        if r["prof"] is not None:
+            out["windows"][wname] = window_summary(r, gemms, engine.arch.n_layers)
+            if args.profile_dir:
+                out["windows"][wname]["trace"] = save_trace(r["prof"], Path(args.profile_dir) /
+                                                            f"{name}-{context}-{wname}.json")
     return out
 
 
+def window_summary(r: dict, gemms: frozenset, layers: int) -> dict:
+    """One profiled window (a `StepWindows` result): `summarize`d, with its mode, its ms/step under the
+    profiler, the host's launches per step and whether the graph replays' kernels were seen."""
+    events, host = profiled_events(r["prof"])
+    summary = summarize(events, r["steps"], gemms)
+    att = summary["categories"]["attention"]["calls_per_step"]
+    summary.update(mode="cuda_graphs" if r["graphs"] else "eager", ms_per_step_under_profiler=r["ms_per_step"],
+                   host_per_step={k: (round(v / r["steps"], 2) if isinstance(v, int) else v) for k, v in host.items()},
+                   graph_kernels_visible=att >= layers if host["source"] == "cuda_kernels" else None)
+    return summary
+
+
 def compare_profiles(variants: dict) -> dict:
-    """The variants' profiles side by side: per window mode, each category's ms per decode step by
-    variant, with the slots, the timed ms/step and its fraction of the bound (per generated token: ms/step /
-    slots, what tokens/s inverts)."""
-    out = dict(slots={}, timed_ms_per_step={}, timed_us_per_token={}, fraction_of_bound={}, windows={})
+    """The variants' profiles side by side, per profiled context: per window, each category's ms per decode
+    step by variant, with the slots, the timed ms/step, us per generated token (ms/step / slots: what
+    tokens/s inverts) and the fraction of the bound; with two contexts or more, per variant the timed
+    ms/step fitted as a + b x context (least squares: the fixed part and the part that grows with the K/V)."""
+    out: dict = {"by_context": {}, "fit": {}}
     for name, v in variants.items():
-        prof = v.get("profile")
-        if not prof:
-            continue
-        out["slots"][name] = prof["slots"]
-        out["timed_ms_per_step"][name] = prof["timed_ms_per_step"]
-        out["timed_us_per_token"][name] = round(prof["timed_ms_per_step"] * 1e3 / prof["slots"], 2)
-        out["fraction_of_bound"][name] = prof["fraction_of_bound"]
-        for wname, w in prof["windows"].items():
-            table = out["windows"].setdefault(wname, {c: {} for c in CATEGORY_NAMES + ("total",)})
-            for c in CATEGORY_NAMES:
-                table[c][name] = w["categories"][c]["ms_per_step"]
-            table["total"][name] = w["device_ms_per_step"]
+        for ctx, prof in (v.get("profile") or {}).items():
+            side = out["by_context"].setdefault(ctx, dict(slots={}, timed_ms_per_step={}, timed_us_per_token={},
+                                                          fraction_of_bound={}, windows={}))
+            side["slots"][name] = prof["slots"]
+            side["timed_ms_per_step"][name] = prof["timed_ms_per_step"]
+            side["timed_us_per_token"][name] = round(prof["timed_ms_per_step"] * 1e3 / prof["slots"], 2)
+            side["fraction_of_bound"][name] = prof["fraction_of_bound"]
+            for wname, w in prof["windows"].items():
+                table = side["windows"].setdefault(wname, {c: {} for c in CATEGORY_NAMES + ("total",)})
+                for c in CATEGORY_NAMES:
+                    table[c][name] = w["categories"][c]["ms_per_step"]
+                table["total"][name] = w["device_ms_per_step"]
+        points = [(p["context"], p["timed_ms_per_step"]) for p in (v.get("profile") or {}).values()]
+        if len(points) >= 2:
+            mx, my = (sum(c) / len(points) for c in zip(*points))
+            slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+            out["fit"][name] = dict(ms_per_step_fixed=round(my - slope * mx, 3),
+                                    ms_per_step_per_1k_context=round(slope * 1e3, 3))
     return out
 
 
@@ -479,8 +497,9 @@ def main() -> None:
                    help="positions each KV slot is planned for (0: prompt + new tokens); e.g. 4160 with a short "
                         "--new-tokens gives the 4k run's slot counts")
     p.add_argument("--profile-steps", type=int, default=0, help="decode steps per profile window (0: no profile)")
-    p.add_argument("--profile-context", type=int, default=0,
-                   help="prompt tokens of the profiled call's prompts (0: half of the plan context)")
+    p.add_argument("--profile-context", default="",
+                   help="prompt tokens of the profiled call's prompts, a comma list: one profiled call each "
+                        "(default: half of the plan context)")
     p.add_argument("--profile-modes", default="graphs",
                    help="profiled windows, in order: graphs (the CUDA graphs as captured), eager (graphs off)")
     p.add_argument("--profile-dir", help="write each profiled window's chrome trace here (gzipped, < 5 MB)")
@@ -492,8 +511,12 @@ def main() -> None:
         args.prompts, args.samples, args.prompt_len, args.new_tokens = 2, 2, 8, 8
         args.max_batch_size, args.gap_sequences, args.sync_repeats = 4, 2, 1
     shape, dtype = (QWEN3_TINY, torch.float32) if args.tiny else (QWEN3_4B, torch.bfloat16)
-    if args.profile_steps < 0 or args.profile_context < 0 or args.plan_context < 0:
-        p.error("--profile-steps, --profile-context and --plan-context take a count >= 0")
+    try:
+        args.profile_contexts = [int(c) for c in args.profile_context.split(",") if c]
+    except ValueError:
+        p.error(f"--profile-context {args.profile_context!r}: a comma list of token counts, e.g. 2080,4000")
+    if args.profile_steps < 0 or args.plan_context < 0 or any(c < 1 for c in args.profile_contexts):
+        p.error("--profile-steps and --plan-context take a count >= 0, --profile-context counts >= 1")
     args.profile_modes = [m for m in args.profile_modes.split(",") if m]
     if not args.profile_modes or set(args.profile_modes) - {"graphs", "eager"} or \
             len(set(args.profile_modes)) < len(args.profile_modes):

@@ -79,12 +79,13 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
     out, traces = tmp_path / "r.json", tmp_path / "traces"
     monkeypatch.setattr(sys, "argv", ["fp8_rollout_gpu.py", "--tiny", "--variants", "both", "--skip-sync",
                                       "--profile-steps", "2", "--profile-modes", "graphs,eager",
-                                      "--profile-context", "6", "--profile-dir", str(traces), "--out", str(out)])
+                                      "--profile-context", "6,3", "--profile-dir", str(traces), "--out", str(out)])
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     bench.main()
     report = json.loads(out.read_text())
     v = report["variants"]["both"]
-    prof = v["profile"]
+    assert list(v["profile"]) == ["6", "3"]          # one profiled call per context, in the order given
+    prof = v["profile"]["6"]
     assert prof["context"] == 6 and prof["slots"] == v["slots"] and prof["steps_per_window"] == 2
     assert prof["timed_ms_per_step"] > 0 and prof["weight_gib"] > 0 and prof["bound_ms_per_step"] > 0
     assert set(prof["windows"]) == {"profiled", "profiled_eager"}
@@ -100,10 +101,18 @@ def test_the_rollout_bench_profiles_windows_of_decode_steps(tmp_path, monkeypatc
         trace = Path(w["trace"])
         assert trace.parent == traces and trace.suffix == ".gz" and trace.stat().st_size < bench.TRACE_LIMIT
         assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))
-    side = report["profile_comparison"]
+    assert {t.name for t in traces.iterdir()} == {f"both-{c}-{w}.json.gz" for c in (6, 3)
+                                                  for w in ("profiled", "profiled_eager")}
+    side = report["profile_comparison"]["by_context"]["6"]
     assert side["slots"] == {"both": v["slots"]} and side["timed_ms_per_step"] == {"both": prof["timed_ms_per_step"]}
     attention = prof["windows"]["profiled"]["categories"]["attention"]["ms_per_step"]
     assert side["windows"]["profiled"]["attention"] == {"both": attention}
+    # two contexts: ms/step = fixed + per-1k-context x context through both points
+    fit = report["profile_comparison"]["fit"]["both"]
+    for c in ("6", "3"):
+        p = v["profile"][c]
+        got = fit["ms_per_step_fixed"] + fit["ms_per_step_per_1k_context"] * p["context"] / 1e3
+        assert got == pytest.approx(p["timed_ms_per_step"], abs=5e-3)
 
 
 def test_the_attention_bench_checks_the_split_k_kernel_against_sdpa(tmp_path):
