@@ -11,6 +11,7 @@ from the policy after each rollout and carried by the checkpoints."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.torch.trainer import Trainer
 from tests.tiny_model import make_tiny_model
 from tests.unit.test_trainer import SAMPLES, sample
+
+RANKS_TIMEOUT_S = 300
 
 # 6 samples of different lengths: 2 ranks get 3 each, 4 ranks get 2, 2, 1, 1 (unequal micro-batch counts)
 ROLLOUT = SAMPLES + [sample([5, 5], [8, 9, 2], 0.25), sample([6], [10, 11, 12, 2], -0.75)]
@@ -81,9 +84,20 @@ def spawn_gloo_ranks(target, world_size: int = 2) -> dict[int, str]:
     procs = [ctx.Process(target=_run_rank, args=(target, r, world_size, port, out)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results: dict[int, str] = {}
+    try:
+        for _ in procs:      # generous: on a loaded 2-core machine two spawned torch processes start slowly
+            rank, what = out.get(timeout=RANKS_TIMEOUT_S)
+            results[rank] = what
+    except queue.Empty:
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        raise AssertionError(f"no result from rank(s) {sorted(set(range(world_size)) - set(results))} within "
+                             f"{RANKS_TIMEOUT_S} s (exit codes, None = still running: {codes}); got {results}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     return results
 
 
