@@ -48,6 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import emit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -433,11 +436,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(dict(report, partial=True), indent=2) + "\n")
 
     report = run(args, save)
-    report["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ dequantizes). About a minute on an H100 (the compiles).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import emit  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -172,11 +174,7 @@ def main() -> None:
         args.batches, args.reps, args.layers = [3, 8], 2, 2
     t0 = time.perf_counter()
     report = run(args)
-    report["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, t0)
 
 
 if __name__ == "__main__":

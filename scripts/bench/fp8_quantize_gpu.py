@@ -29,7 +29,6 @@ runs only under TRITON_INTERPRET=1, else it is reported as skipped). Under 30 s 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import emit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -292,11 +294,7 @@ def main() -> None:
         args.repeats = min(args.repeats, 2)
     t0 = time.perf_counter()
     report = run(args)
-    report["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import emit  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -568,11 +571,7 @@ def main() -> None:
             v["speedup_vs_bf16"] = round(v["tok_s"] / ref, 2)
     if args.profile_steps:
         report["profile_comparison"] = compare_profiles(report["variants"])
-    report["total_s"] = round(time.perf_counter() - t_start, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, t_start)
 
 
 if __name__ == "__main__":

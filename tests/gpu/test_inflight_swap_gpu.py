@@ -11,7 +11,8 @@ import torch
 from miles.rollout.engines.fast import engine as fast_engine
 from miles.rollout.engines.fast.engine import FastEngine
 from miles.types import SamplingParams
-from tests.unit.test_inflight_swap import _generate_with_swap, _new_norm, _no_eos, _reference, _weights
+from tests.unit.test_inflight_swap import (_full_rows, _generate_with_swap, _new_norm, _no_eos, _reference,
+                                          _weights)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MODEL = "examples/arithmetic/base_model_qwen3"
@@ -42,11 +43,6 @@ def test_greedy_swapped_mid_answer_under_cuda_graphs_is_old_tokens_then_the_new_
     gaps = [abs(g.logprobs[i] - under_old[i, g.response_ids[i]].item()) for i in range(k, n)]
     assert max(gaps) > 1e-2, (max(gaps), g.response_ids == only_old)
 
-
-def _full_rows(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1)
 
 def test_beside_a_resident_trainer_the_kv_cache_is_planned_from_the_gpus_total(monkeypatch):
     seen = {}

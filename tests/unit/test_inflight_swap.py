@@ -148,15 +148,20 @@ def _reference(model_path: str, weights: dict[str, torch.Tensor]):
     return model
 
 
-def _full_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + response])
+def _full_rows(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """The log-softmax rows [len(response), V] a full forward gives each response position."""
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def _full_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    rows = _full_rows(model, prompt, response)
+    return rows.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
 
 
 def _new_norm(old: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`old` with the final norm's weight scaled per channel (the argmax changes; the K/V do not)."""
+    """`old` with the final norm's weight scaled per channel (the logits change; the K/V do not)."""
     g = torch.Generator().manual_seed(0)
     new = dict(old)
     new[NORM] = old[NORM] * (1.0 + 0.8 * torch.randn(old[NORM].shape, generator=g)).to(old[NORM].device)
