@@ -8,6 +8,11 @@ so each block's largest entry lands on +-448 and no entry overflows.
 
 `linear(x, w, b)` is F.linear for a plain tensor and the FP8 product for a `QuantWeight`. Which FP8
 product runs is chosen once per process (`select_kernel`) and reported by `kernel()`:
+- `w8a16_triton` (with `scaled_mm_blockwise` above `W8A16_MAX_M` rows, where the GPU has it): CUDA with
+  Triton, for products of up to `W8A16_MAX_M` rows (a decode step's): the e4m3 weight read once and
+  multiplied in the activations' dtype (`fp8_w8a16.py`); larger products (prefill) take the block-scaled
+  GEMM below. One op (`miles::fp8_mm`) chooses by the rows at run time, so a compiled graph with a
+  dynamic batch holds both. Used only after a probe on the device agrees with the dequantized product.
 - `scaled_mm_blockwise`: CUDA with FP8 GEMMs (capability >= 9.0, Hopper), a cuBLAS block-scaled GEMM
   through `torch.nn.functional.scaled_mm` (torch >= 2.10) or `torch._scaled_mm` (which infers the
   recipe from the scales' shapes): the activations quantized at run time per token and 128-column
@@ -39,7 +44,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = 128                # weight blocks are BLOCK x BLOCK; activation groups 1 x BLOCK
 SCALE_SUFFIX = "_scale_inv"   # HF's name of a weight's block scales: "<...>.weight" + SCALE_SUFFIX
-KERNELS = ("scaled_mm_blockwise", "dequant_matmul")
+KERNELS = ("w8a16_triton", "scaled_mm_blockwise", "dequant_matmul")
 # the decoder's Linear weights that are quantized (HF names); embeddings, norms, lm_head, routers stay
 QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
@@ -160,11 +165,18 @@ def quantize_activations(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Tensor]
 _KERNEL = "dequant_matmul"      # set once by select_kernel; read by linear() (compiled code guards on it)
 _API = None                     # "F.scaled_mm" | "torch._scaled_mm" for scaled_mm_blockwise
 _PAD_OK = False                 # the GEMM also took K blocks padded to a multiple of 4 (K = 384 in the probe)
+# products of up to this many rows take the Triton W8A16 kernel when it was selected (a decode step's
+# batch; read at run time inside `miles::fp8_mm`, so setting it needs no recompile; 0: never)
+W8A16_MAX_M = 512
+W8A16 = True                    # select_kernel may take the Triton W8A16 kernel (False: the benchmark's A/B)
 
 
 def kernel() -> str:
     """The FP8 product `linear` runs in this process (`KERNELS`), with the API used when it is a GEMM."""
-    return _KERNEL if _API is None else f"{_KERNEL} ({_API})"
+    gemm = _KERNEL if _API is None else f"{_KERNEL} ({_API})"
+    if _KERNEL != "w8a16_triton":
+        return gemm
+    return f"{_KERNEL} (rows <= {W8A16_MAX_M})" + (f" + scaled_mm_blockwise ({_API})" if _API else "")
 
 
 def linear(x: Tensor, w: Tensor | QuantWeight, b: Tensor | None = None) -> Tensor:
@@ -183,6 +195,15 @@ def _gemm_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
     if k % BLOCK or not (_PAD_OK or k % (4 * BLOCK) == 0):     # a shape the probed GEMM does not take
         return _dequant_product(x, w, b)
     out = _blockwise(x.reshape(-1, k), w.weight, w.scale, x.dtype, _API).view(*x.shape[:-1], w.weight.shape[0])
+    return out if b is None else out + b
+
+
+def _w8a16_product(x: Tensor, w: QuantWeight, b: Tensor | None) -> Tensor:
+    k = x.shape[-1]
+    if k % BLOCK:
+        return _dequant_product(x, w, b)
+    out = fp8_mm(x.reshape(-1, k), w.weight, w.scale, _API or "", _PAD_OK or k % (4 * BLOCK) == 0)
+    out = out.view(*x.shape[:-1], w.weight.shape[0])
     return out if b is None else out + b
 
 
@@ -211,6 +232,39 @@ def fp8_blockwise_mm(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype
         m, k = a.shape
         deq_a = (a.float().view(m, k // BLOCK, BLOCK) * a_scale[..., None]).view(m, k)
         return F.linear(deq_a, dequantize_blocks(q, scale)).to(dtype)
+    return _cublas_mm(a, a_scale, q, scale, dtype, api)
+
+
+@fp8_blockwise_mm.register_fake
+def _(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str) -> Tensor:
+    return a.new_empty((a.shape[0], q.shape[0]), dtype=dtype)
+
+
+@torch.library.custom_op("miles::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, q: Tensor, scale: Tensor, api: str, gemm_ok: bool) -> Tensor:
+    """x [M, K] (bf16/fp16) @ dequant(q, scale).T -> [M, N] in x's dtype, the `w8a16_triton` kernel's op:
+    up to `W8A16_MAX_M` rows (or when `api` is "" or the block-scaled GEMM does not take this K:
+    `gemm_ok` False) the Triton W8A16 kernel; more rows, the activations quantized here and cuBLAS's
+    block-scaled GEMM by `api`. The choice is made at run time, on the rows this call has. Off CUDA: the
+    dequantized product in float32 (what the CPU tests trace)."""
+    if x.device.type != "cuda":
+        return F.linear(x.float(), dequantize_blocks(q, scale)).to(x.dtype)
+    m = x.shape[0]
+    if m <= W8A16_MAX_M or not api or not gemm_ok:
+        from miles.weights.fp8_w8a16 import w8a16_mm
+        return w8a16_mm(x, q, scale)
+    a, a_scale = quantize_activations(F.pad(x, (0, 0, 0, (-m) % 4)))
+    return _cublas_mm(a, a_scale, q, scale, x.dtype, api)[:m]
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, q: Tensor, scale: Tensor, api: str, gemm_ok: bool) -> Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def _cublas_mm(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str) -> Tensor:
+    """cuBLAS's block-scaled FP8 GEMM in the layouts it wants: the activation scales outer-dim-major, the
+    weight's K blocks padded to a multiple of 4."""
     a_scale = a_scale.t().contiguous().t()
     kb = scale.shape[1]
     s = F.pad(scale, (0, 4 - kb % 4)) if kb % 4 else scale
@@ -220,42 +274,44 @@ def fp8_blockwise_mm(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype
     return torch._scaled_mm(a, q.t(), scale_a=a_scale, scale_b=s.t(), out_dtype=dtype)
 
 
-@fp8_blockwise_mm.register_fake
-def _(a: Tensor, a_scale: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype, api: str) -> Tensor:
-    return a.new_empty((a.shape[0], q.shape[0]), dtype=dtype)
-
-
 def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Pick the FP8 product for this process (module docstring) and return `kernel()`. The block-scaled
     GEMM is taken only on CUDA >= 9.0 in bf16/fp16, and only when a probe of it agrees with the
-    dequantized product (relative error under 3%: activation quantization's own error is ~1-2%)."""
+    dequantized product (relative error under 3%: activation quantization's own error is ~1-2%); the
+    Triton W8A16 kernel (unless `W8A16` is False) on CUDA >= 8.9 with Triton, when its probe agrees to
+    within 1% (its only rounding is the output's)."""
     global _KERNEL, _API, _PAD_OK, _PRODUCT
     _KERNEL, _API, _PAD_OK, _PRODUCT = "dequant_matmul", None, False, _dequant_product
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return kernel()
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return kernel()
-    apis = (["F.scaled_mm"] if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") else []) + ["torch._scaled_mm"]
-    for api in apis:
-        if _probe(device, dtype, api, k=512):
-            _KERNEL, _API, _PAD_OK = "scaled_mm_blockwise", api, _probe(device, dtype, api, k=384)
-            _PRODUCT = _gemm_product
-            break
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (9, 0):
+        apis = (["F.scaled_mm"] if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") else []) + ["torch._scaled_mm"]
+        for api in apis:
+            if _probe(device, dtype, lambda x, q, s, api=api: _blockwise(x, q, s, dtype, api), k=512, tolerance=3e-2):
+                _KERNEL, _API, _PRODUCT = "scaled_mm_blockwise", api, _gemm_product
+                _PAD_OK = _probe(device, dtype, lambda x, q, s, api=api: _blockwise(x, q, s, dtype, api), k=384,
+                                 tolerance=3e-2)
+                break
+    if W8A16 and capability >= (8, 9) and _triton():
+        from miles.weights.fp8_w8a16 import w8a16_mm
+        if all(_probe(device, dtype, w8a16_mm, k=k, rows=rows, tolerance=1e-2) for k, rows in ((512, 37), (384, 200))):
+            _KERNEL, _PRODUCT = "w8a16_triton", _w8a16_product
     return kernel()
 
 
-def _probe(device: torch.device, dtype: torch.dtype, api: str, k: int) -> bool:
-    """Whether `_blockwise` by `api` runs and agrees with the dequantized product on a 37 x k x 384 case."""
+def _probe(device: torch.device, dtype: torch.dtype, product, k: int, tolerance: float, rows: int = 37) -> bool:
+    """Whether `product(x, q, scale)` runs and agrees with the dequantized product on a rows x k x 384 case."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn((37, k), generator=gen, device=device).to(dtype)
+    x = torch.randn((rows, k), generator=gen, device=device).to(dtype)
     q, s = quantize_blocks(torch.randn((384, k), generator=gen, device=device) * 0.05)
     want = F.linear(x.float(), dequantize_blocks(q, s))
     try:
-        got = _blockwise(x, q, s, dtype, api).float()
+        got = product(x, q, s).float()
         torch.cuda.synchronize(device)
-    except Exception:   # noqa: BLE001 - an API or layout this torch/cuBLAS lacks: the caller falls back
+    except Exception:   # noqa: BLE001 - an API, layout or kernel this torch/cuBLAS/Triton lacks: fall back
         return False
-    return bool(((got - want).norm() / want.norm()).item() < 3e-2)
+    return bool(((got - want).norm() / want.norm()).item() < tolerance)
 
 
 # --- HF names: a weight dict with FP8 Linear weights ------------------------------------------------

@@ -81,7 +81,11 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, num_hidden_layers=36, num_a
 QWEN3_TINY = dict(QWEN3_4B, vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=512)
 VARIANTS = {"bf16": (None, "auto"), "fp8_weights": ("fp8", "auto"), "fp8_kv": (None, "fp8_e4m3"),
-            "both": ("fp8", "fp8_e4m3")}
+            "both": ("fp8", "fp8_e4m3"), "fp8_weights_cublas": ("fp8", "auto"), "both_cublas": ("fp8", "fp8_e4m3")}
+DEFAULT_VARIANTS = ("bf16", "fp8_weights", "fp8_kv", "both")
+# these take cuBLAS's block-scaled GEMM for every product (fp8.W8A16 off while the engine is built and run):
+# the FP8 weights' product before the Triton W8A16 kernel, for the A/B in one run
+CUBLAS_VARIANTS = ("fp8_weights_cublas", "both_cublas")
 EOS = 2
 
 
@@ -113,10 +117,21 @@ def build_model(path: Path, shape: dict, dtype: torch.dtype) -> str:
 
 
 def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int, args) -> tuple[dict, list]:
+    from miles.weights import fp8
+
+    quantization, kv = VARIANTS[name]
+    fp8.W8A16 = name not in CUBLAS_VARIANTS
+    try:
+        return _run_variant(path, name, prompts, new_tokens, args, quantization, kv)
+    finally:
+        fp8.W8A16 = True
+
+
+def _run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int, args, quantization: str | None,
+                 kv: str) -> tuple[dict, list]:
     from miles.rollout.engines.fast.engine import FastEngine
     from miles.types import SamplingParams
 
-    quantization, kv = VARIANTS[name]
     t0 = time.perf_counter()
     engine = FastEngine(path, max_batch_size=args.max_batch_size, mem_fraction=args.mem_fraction,
                         context_len=args.plan_context or len(prompts[0]) + new_tokens, quantization=quantization,
@@ -486,7 +501,8 @@ def time_sync(path: str, model, quantization: str | None, repeats: int, dtype: t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of: {', '.join(VARIANTS)} "
+                   f"(the _cublas ones: FP8 weights by the block-scaled GEMM alone, not the W8A16 kernel)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)

@@ -31,13 +31,16 @@ def test_kernel_selection_and_fp8_linear_close_to_bf16():
     kernel = fp8.select_kernel(torch.device("cuda"), torch.bfloat16)
     print("fp8 kernel:", kernel, "torch", torch.__version__, torch.cuda.get_device_name())
     if HOPPER:
-        assert kernel.startswith("scaled_mm_blockwise"), (
-            f"capability {torch.cuda.get_device_capability()} has FP8 GEMMs but the block-scaled one was not "
-            f"taken ({kernel}): torch {torch.__version__} lacks it or its probe disagreed")
-    else:
+        assert kernel.startswith("w8a16_triton") and "scaled_mm_blockwise" in kernel, (
+            f"capability {torch.cuda.get_device_capability()} has FP8 GEMMs but the W8A16 kernel for decode rows "
+            f"and the block-scaled GEMM above were not both taken ({kernel}): Triton or torch lacks one or its "
+            f"probe disagreed")
+    elif torch.cuda.get_device_capability() < (8, 9):
         assert kernel == "dequant_matmul"
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for m, n, k in ((1, 6144, 2560), (7, 2560, 4096), (256, 19456, 2560), (130, 2560, 9728)):
+    # rows above fp8.W8A16_MAX_M (the 2nd to last) take the block-scaled GEMM, the rest the W8A16 kernel
+    for m, n, k in ((1, 6144, 2560), (7, 2560, 4096), (256, 19456, 2560), (fp8.W8A16_MAX_M + 88, 6144, 2560),
+                    (130, 2560, 9728)):
         x = torch.randn((m, k), generator=gen, device="cuda").bfloat16()
         w = (torch.randn((n, k), generator=gen, device="cuda") * 0.02).bfloat16()
         q = fp8.QuantWeight(*fp8.quantize_blocks(w))
@@ -47,6 +50,35 @@ def test_kernel_selection_and_fp8_linear_close_to_bf16():
         assert got.shape == (m, n) and err < 0.06, f"{m}x{n}x{k}: relative error {err:.4f} vs bf16"
         emulated = F.linear(x.float(), fp8.dequantize_blocks(*q)).float()   # weights on the grid, x exact
         assert ((got - emulated).norm() / emulated.norm()).item() < 0.04
+
+
+@pytest.mark.skipif(not HOPPER, reason="the W8A16 kernel is selected on capability >= 8.9; tested on Hopper")
+def test_w8a16_kernel_is_the_dequantized_product_in_every_tile_shape_and_in_a_cuda_graph():
+    """The Triton W8A16 kernel in bf16 against the float32 product of the dequantized weight (its only
+    rounding is the output's), for the tile shapes `tile_config` picks and others, edge tiles in M and N;
+    then replayed from a CUDA graph (how the engine runs it) with new inputs copied in."""
+    from miles.weights.fp8_w8a16 import tile_config, w8a16_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m, n, k in ((1, 6144, 2560), (105, 2560, 9728), (219, 19456, 2560), (300, 1000, 384)):
+        x = torch.randn((m, k), generator=gen, device="cuda").bfloat16()
+        q, s = fp8.quantize_blocks(torch.randn((n, k), generator=gen, device="cuda") * 0.05)
+        want = F.linear(x.float(), fp8.dequantize_blocks(q, s))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for config in (None, (16, 16, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), tile_config(m, n, sms)):
+            got = w8a16_mm(x, q, s, config).float()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 5e-3, f"{m}x{n}x{k} tiles {config}: relative error {err:.2e}"
+    x = torch.randn((64, 2560), generator=gen, device="cuda").bfloat16()
+    q, s = fp8.quantize_blocks(torch.randn((6144, 2560), generator=gen, device="cuda") * 0.05)
+    w8a16_mm(x, q, s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w8a16_mm(x, q, s)
+    x.copy_(torch.randn((64, 2560), generator=gen, device="cuda").bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, w8a16_mm(x, q, s), rtol=0, atol=0)
 
 
 def test_triton_block_quantization_gives_the_torch_paths_bits():

@@ -90,6 +90,78 @@ def test_the_block_scaled_gemm_is_one_op_that_torch_compile_traces_whole():
     assert got.shape == (37, 384) and ((got - exact).norm() / exact.norm()) < 3e-2
 
 
+
+def test_the_w8a16_op_traces_whole_and_is_the_dequantized_product_off_cuda():
+    """`miles::fp8_mm` (the Triton W8A16 kernel's op) is one node of a compiled graph with a dynamic batch
+    (it chooses its kernel by the rows at run time, inside); off CUDA it is the dequantized product, with
+    no activation quantization (W8A16 quantizes only the weight)."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = fp8.quantize_blocks(torch.randn(384, 512, generator=g) * 0.05)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    product = torch.compile(lambda x: fp8.fp8_mm(x, q, scale, "F.scaled_mm", True), backend=backend, fullgraph=True)
+    for rows in (3, 37, 700):
+        x = torch.randn(rows, 512, generator=g)
+        torch._dynamo.maybe_mark_dynamic(x, 0)      # the batch dimension, as the fast engine marks it
+        got = product(x)
+        torch.testing.assert_close(got, x @ fp8.dequantize_blocks(q, scale).t(), rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1, "a new batch size recompiled the product"
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.miles.fp8_mm.default) == 1, ops
+
+
+def test_w8a16_tiles_give_every_sm_work_and_stay_within_the_rows():
+    from miles.weights.fp8_w8a16 import tile_config
+
+    for m, n in ((1, 6144), (105, 2560), (219, 19456), (256, 2560), (512, 151936)):
+        bm, bn, _, _ = tile_config(m, n, 132)
+        tiles = -(-m // bm) * -(-n // bn)
+        assert bm >= 16 and (bm < 32 or bm // 2 < m), (m, bm)        # BM is the rows rounded up (16..128)
+        assert tiles >= 132 or bn == 16, (m, n, bm, bn, tiles)      # narrower N tiles until every SM has one
+        assert bn == 128 or -(-m // bm) * -(-n // (2 * bn)) < 132    # and no narrower than that needs
+
+
+W8A16_INTERPRETED = """
+import sys, torch
+from miles.weights import fp8
+from miles.weights.fp8_w8a16 import w8a16_mm
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+for (m, n, k), dtype, config in (((1, 384, 256), torch.float16, None), ((37, 300, 512), torch.float16, None),
+                                 ((130, 256, 384), torch.float32, None), ((20, 200, 256), torch.float16, (16, 64, 4, 2))):
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q, s = fp8.quantize_blocks(torch.randn(n, k, generator=g) * 0.05)
+    s[0, 0] *= 1e-3                                   # blocks of different scales: each must take its own
+    y = w8a16_mm(x, q, s, config)
+    want = x.float() @ fp8.dequantize_blocks(q, s).t()
+    assert y.dtype == dtype and y.shape == (m, n), (y.dtype, y.shape)
+    worst = max(worst, ((y.float() - want).norm() / want.norm()).item())
+print(worst)
+"""
+
+
+def test_the_w8a16_kernel_under_the_triton_interpreter_is_the_dequantized_product(tmp_path):
+    """The Triton kernel itself, run by Triton's CPU interpreter (where Triton is installed; CI's CPU torch
+    has none, the GPU test runs it compiled): fp16 and fp32 activations (the interpreter's bfloat16 is not
+    faithful: numpy has none), edge tiles in M and N, a K of 3 blocks, a scale block far from the rest."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (the CPU torch wheel has none)")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", W8A16_INTERPRETED], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 2e-3, out.stdout
+
 def test_quantized_dicts_and_the_lazy_view_agree():
     live = model_weights(load_causal_lm(str(DEMO), device=CPU, dtype=torch.float32))
     eager = fp8.quantize_state_dict(live)
