@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import emit  # noqa: E402
+from bench_report import emit, hbm_gbs  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -407,10 +407,12 @@ def main() -> None:
     p.add_argument("--tol", type=float, default=2e-2, help="max |kernel - SDPA| of the check")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--hbm-gbs", type=float, default=3350.0, help="peak memory bandwidth (H100 SXM: 3350)")
+    p.add_argument("--hbm-gbs", type=float, default=None,
+                   help="peak memory bandwidth in GB/s (default: by the device's name, H100 SXM 3350, H200 4800)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes in float32 (CPU: under TRITON_INTERPRET=1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
+    args.hbm_gbs = hbm_gbs(args.hbm_gbs)
     args.dtypes = args.dtypes.split(",")
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:

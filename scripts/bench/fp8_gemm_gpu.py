@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import emit  # noqa: E402
+from bench_report import emit, hbm_gbs  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -200,10 +200,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=36, help="decoder layers per step (per_step = a layer x this)")
     p.add_argument("--no-compile", action="store_true", help="time fp8_linear and fp8_quantize eagerly")
     p.add_argument("--w8a16-sweep", action="store_true", help="also time the W8A16 kernel at other tiles (SWEEP)")
-    p.add_argument("--hbm-gbs", type=float, default=3350.0, help="peak memory bandwidth (H100 SXM: 3350)")
+    p.add_argument("--hbm-gbs", type=float, default=None,
+                   help="peak memory bandwidth in GB/s (default: by the device's name, H100 SXM 3350, H200 4800)")
     p.add_argument("--tiny", action="store_true", help="small shapes in float32 on the CPU (checks the script)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
+    args.hbm_gbs = hbm_gbs(args.hbm_gbs)
     if args.reps < 1 or not args.batches or min(args.batches) < 1:
         p.error("--reps and every --batches entry take a count >= 1")
     if args.tiny:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import emit  # noqa: E402
+from bench_report import emit, hbm_gbs  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -284,10 +284,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's, 36)")
     p.add_argument("--bucket-mib", type=int, default=0, help="bucket size (0: the sync's default, 512 MiB)")
-    p.add_argument("--hbm-gbs", type=float, default=3350.0, help="peak memory bandwidth (H100 SXM: 3350)")
+    p.add_argument("--hbm-gbs", type=float, default=None,
+                   help="peak memory bandwidth in GB/s (default: by the device's name, H100 SXM 3350, H200 4800)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer shape on the CPU (checks the script)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
+    args.hbm_gbs = hbm_gbs(args.hbm_gbs)
     if args.repeats < 1 or args.layers < 0 or args.bucket_mib < 0:
         p.error("--repeats takes a count >= 1; --layers and --bucket-mib >= 0")
     if args.tiny:

@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import emit  # noqa: E402
+from bench_report import emit, hbm_gbs  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -522,10 +522,12 @@ def main() -> None:
     p.add_argument("--profile-modes", default="graphs",
                    help="profiled windows, in order: graphs (the CUDA graphs as captured), eager (graphs off)")
     p.add_argument("--profile-dir", help="write each profiled window's chrome trace here (gzipped, < 5 MB)")
-    p.add_argument("--hbm-gbs", type=float, default=3350.0, help="memory bandwidth for the bound (H100 SXM: 3350)")
+    p.add_argument("--hbm-gbs", type=float, default=None,
+                   help="memory bandwidth for the bound, GB/s (default: by the device name, H100 SXM 3350, H200 4800)")
     p.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on the CPU in float32 (checks the script)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
+    args.hbm_gbs = hbm_gbs(args.hbm_gbs)
     if args.tiny:
         args.prompts, args.samples, args.prompt_len, args.new_tokens = 2, 2, 8, 8
         args.max_batch_size, args.gap_sequences, args.sync_repeats = 4, 2, 1

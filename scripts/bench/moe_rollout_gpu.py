@@ -36,8 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_report import BANDWIDTHS  # noqa: E402
 
 SHAPE_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, intermediate_size=6144, num_experts=128,
@@ -47,7 +49,6 @@ SHAPE_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, 
 SHAPE_TINY = dict(SHAPE_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32)
-BANDWIDTHS = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
 EOS = 2                     # the test tokenizer's <eos>
 RESERVE = 5 << 30           # bytes left beside the KV cache: activations, logits, graphs, the routing outputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
