@@ -23,8 +23,8 @@ product runs is chosen once per process (`select_kernel`) and reported by `kerne
   weights are exactly the FP8 grid's values, the activations are not quantized, so the quality cost
   of FP8 weights is real and measurable without an FP8 GEMM.
 
-Pure tensor math: no miles imports, used by the engines (fast and embedded), the weight sync and the
-FP8 checkpoint reader/writer.
+Pure tensor math (its one miles import is the W8A16 kernel's module), used by the engines (fast and
+embedded), the weight sync and the FP8 checkpoint reader/writer.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from miles.weights.fp8_w8a16 import w8a16_mm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # torch.finfo(torch.float8_e4m3fn).max
@@ -251,7 +253,6 @@ def fp8_mm(x: Tensor, q: Tensor, scale: Tensor, api: str, gemm_ok: bool) -> Tens
         return F.linear(x.float(), dequantize_blocks(q, scale)).to(x.dtype)
     m = x.shape[0]
     if m <= W8A16_MAX_M or not api or not gemm_ok:
-        from miles.weights.fp8_w8a16 import w8a16_mm
         return w8a16_mm(x, q, scale)
     a, a_scale = quantize_activations(F.pad(x, (0, 0, 0, (-m) % 4)))
     return _cublas_mm(a, a_scale, q, scale, x.dtype, api)[:m]
@@ -294,7 +295,6 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
                                  tolerance=3e-2)
                 break
     if W8A16 and capability >= (8, 9) and _triton():
-        from miles.weights.fp8_w8a16 import w8a16_mm
         if all(_probe(device, dtype, w8a16_mm, k=k, rows=rows, tolerance=1e-2) for k, rows in ((512, 37), (384, 200))):
             _KERNEL, _PRODUCT = "w8a16_triton", _w8a16_product
     return kernel()
