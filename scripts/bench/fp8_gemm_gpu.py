@@ -15,8 +15,9 @@ inside one CUDA graph of --reps calls (what the engine's graphs replay; no launc
   other tiles (`w8a16_sweep`: us per config, the best first);
 - `fp8_linear_cublas`: the block-scaled GEMM's whole product (pad, quantize, GEMM), compiled: what
   `fp8.linear` ran before the W8A16 kernel;
-- `fp8_linear`: `fp8.linear(x, w)` whole, the product `select_kernel` chose (`fp8_kernel` in the JSON: the
-  W8A16 kernel up to `fp8.W8A16_MAX_M` rows where Triton has it), compiled; and eager (`fp8_linear_eager`).
+- `fp8_linear`: `fp8.linear(x, w)` whole, the product `select_kernel` chose with `fp8.W8A16` set (`fp8_kernel` in
+  the JSON: the W8A16 kernel up to `fp8.W8A16_MAX_M` rows where Triton has it), compiled; and eager
+  (`fp8_linear_eager`).
 Per entry: us per call, the bytes it must move (the weight: bf16 N x K x 2, FP8 N x K + the float32 scales;
 for `fp8_quantize` the padded activations: bf16 read, e4m3 and scales written), GB/s and the fraction of
 --hbm-gbs (an entry that fails, e.g. a GPU without the block-scaled GEMM, records its error); per (shape, M)
@@ -131,6 +132,7 @@ def time_us(fn, reps: int) -> float:
 def run(args) -> dict:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shapes = TINY if args.tiny else QWEN3_4B
+    fp8.W8A16 = True        # fp8_linear: the W8A16 kernel where it runs (fp8_linear_cublas is the GEMM's product)
     kernel = fp8.select_kernel(torch.device(DEVICE), dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 132
     api = fp8._API or "torch._scaled_mm"

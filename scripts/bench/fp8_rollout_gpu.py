@@ -81,11 +81,12 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, num_hidden_layers=36, num_a
 QWEN3_TINY = dict(QWEN3_4B, vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=512)
 VARIANTS = {"bf16": (None, "auto"), "fp8_weights": ("fp8", "auto"), "fp8_kv": (None, "fp8_e4m3"),
-            "both": ("fp8", "fp8_e4m3"), "fp8_weights_cublas": ("fp8", "auto"), "both_cublas": ("fp8", "fp8_e4m3")}
+            "both": ("fp8", "fp8_e4m3"), "fp8_weights_cublas": ("fp8", "auto"), "both_cublas": ("fp8", "fp8_e4m3"),
+            "fp8_weights_w8a16": ("fp8", "auto"), "both_w8a16": ("fp8", "fp8_e4m3")}
 DEFAULT_VARIANTS = ("bf16", "fp8_weights", "fp8_kv", "both")
-# these take cuBLAS's block-scaled GEMM for every product (fp8.W8A16 off while the engine is built and run):
-# the FP8 weights' product before the Triton W8A16 kernel, for the A/B in one run
-CUBLAS_VARIANTS = ("fp8_weights_cublas", "both_cublas")
+# fp8.W8A16 while these variants' engines are built and run: the Triton W8A16 kernel for decode rows or cuBLAS's
+# block-scaled GEMM for every product, for the A/B in one run (the others: the module's default)
+W8A16_VARIANTS = {"fp8_weights_cublas": False, "both_cublas": False, "fp8_weights_w8a16": True, "both_w8a16": True}
 EOS = 2
 
 
@@ -120,11 +121,12 @@ def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
     from miles.weights import fp8
 
     quantization, kv = VARIANTS[name]
-    fp8.W8A16 = name not in CUBLAS_VARIANTS
+    default = fp8.W8A16
+    fp8.W8A16 = W8A16_VARIANTS.get(name, default)
     try:
         return _run_variant(path, name, prompts, new_tokens, args, quantization, kv)
     finally:
-        fp8.W8A16 = True
+        fp8.W8A16 = default
 
 
 def _run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int, args, quantization: str | None,
@@ -502,7 +504,7 @@ def time_sync(path: str, model, quantization: str | None, repeats: int, dtype: t
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of: {', '.join(VARIANTS)} "
-                   f"(the _cublas ones: FP8 weights by the block-scaled GEMM alone, not the W8A16 kernel)")
+                   f"(_cublas: FP8 weights by the block-scaled GEMM alone; _w8a16: the Triton W8A16 kernel for decode rows)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)

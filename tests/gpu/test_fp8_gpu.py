@@ -27,10 +27,24 @@ def _eval_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(r["input"], add_special_tokens=False)["input_ids"] for r in rows]
 
 
-def test_kernel_selection_and_fp8_linear_close_to_bf16():
+@pytest.fixture(params=[False, True], ids=["default", "w8a16"])
+def w8a16(request):
+    """fp8.W8A16 as the module sets it (off until measured), then on: the Triton W8A16 kernel for decode rows."""
+    before = fp8.W8A16
+    fp8.W8A16 = fp8.W8A16 or request.param
+    yield fp8.W8A16
+    fp8.W8A16 = before
+    fp8.select_kernel(torch.device("cuda"), torch.bfloat16)
+
+
+def test_kernel_selection_and_fp8_linear_close_to_bf16(w8a16):
     kernel = fp8.select_kernel(torch.device("cuda"), torch.bfloat16)
     print("fp8 kernel:", kernel, "torch", torch.__version__, torch.cuda.get_device_name())
-    if HOPPER:
+    if HOPPER and not w8a16:
+        assert kernel.startswith("scaled_mm_blockwise"), (
+            f"capability {torch.cuda.get_device_capability()} has FP8 GEMMs but the block-scaled one was not "
+            f"taken ({kernel}): torch {torch.__version__} lacks it or its probe disagreed")
+    elif HOPPER:
         assert kernel.startswith("w8a16_triton") and "scaled_mm_blockwise" in kernel, (
             f"capability {torch.cuda.get_device_capability()} has FP8 GEMMs but the W8A16 kernel for decode rows "
             f"and the block-scaled GEMM above were not both taken ({kernel}): Triton or torch lacks one or its "
@@ -38,7 +52,7 @@ def test_kernel_selection_and_fp8_linear_close_to_bf16():
     elif torch.cuda.get_device_capability() < (8, 9):
         assert kernel == "dequant_matmul"
     gen = torch.Generator(device="cuda").manual_seed(1)
-    # rows above fp8.W8A16_MAX_M (the 2nd to last) take the block-scaled GEMM, the rest the W8A16 kernel
+    # with the W8A16 kernel on, rows above fp8.W8A16_MAX_M (the 2nd to last) take the block-scaled GEMM
     for m, n, k in ((1, 6144, 2560), (7, 2560, 4096), (256, 19456, 2560), (fp8.W8A16_MAX_M + 88, 6144, 2560),
                     (130, 2560, 9728)):
         x = torch.randn((m, k), generator=gen, device="cuda").bfloat16()
@@ -124,10 +138,21 @@ def bf16_answers(prompts):
     return _greedy(None, "auto", prompts)[0]
 
 
-@pytest.mark.parametrize("quantization,kv", [("fp8", "auto"), (None, "fp8_e4m3"), ("fp8", "fp8_e4m3")])
-def test_fast_engine_fp8_greedy_agrees_with_bf16(prompts, bf16_answers, quantization, kv):
-    answers, stats, paths = _greedy(quantization, kv, prompts)
+@pytest.mark.parametrize("quantization,kv,w8a16", [("fp8", "auto", False), (None, "fp8_e4m3", False),
+                                                   ("fp8", "fp8_e4m3", False), ("fp8", "auto", True),
+                                                   ("fp8", "fp8_e4m3", True)])
+def test_fast_engine_fp8_greedy_agrees_with_bf16(prompts, bf16_answers, quantization, kv, w8a16):
+    """Greedy answers of the FP8 engines against bf16's; `w8a16`: with the Triton W8A16 kernel selected (the
+    engine compiles it into its decode graphs and captures it)."""
+    before = fp8.W8A16
+    fp8.W8A16 = before or w8a16
+    try:
+        answers, stats, paths = _greedy(quantization, kv, prompts)
+    finally:
+        fp8.W8A16 = before
     assert stats["fp8_kernel"] == (fp8.kernel() if quantization else None)
+    if w8a16 and HOPPER:
+        assert stats["fp8_kernel"].startswith("w8a16_triton"), stats["fp8_kernel"]
     assert stats["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv != "auto" else "torch.bfloat16")
     assert paths["graphs"] and paths["compiled"], "CUDA graphs / torch.compile fell back (see the log)"
     same = sum(a == b for a, b in zip(answers, bf16_answers)) / len(answers)
