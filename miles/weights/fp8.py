@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import nullcontext
 from collections.abc import Iterator, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -66,16 +67,25 @@ def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def quantize_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+def quantize_blocks(w: Tensor, block: int = BLOCK, *, round_to: torch.dtype | None = None,
+                    out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """W [N, K] -> (e4m3 [N, K], float32 scale_inv [ceil(N/B), ceil(K/B)]), scale_inv = amax / 448 per
-    block (an all-zero block gets scale 1 and zeros). Computed in float32 on W's device: on CUDA by one
-    Triton kernel (`_quantize_blocks_triton`: W read once, e4m3 written once; it runs for every weight of
-    an FP8 sync), elsewhere by torch ops (`_quantize_blocks_torch`); both give the same bits."""
+    block (an all-zero block gets scale 1 and zeros). `round_to` (bf16/fp16): quantize W rounded to that
+    dtype first (W.to(round_to): what an engine of that dtype would quantize), without making the copy;
+    `out`: a contiguous e4m3 [N, K] tensor to write the values into (a weight-sync bucket's view), returned.
+    Computed in float32 on W's device: on CUDA by one Triton kernel (`_quantize_blocks_triton`: W read
+    once, e4m3 written once; it runs for every weight of an FP8 sync), elsewhere by torch ops
+    (`_quantize_blocks_torch`); both give the same bits."""
     if w.dim() != 2:
         raise ValueError(f"block quantization takes a 2-D weight, got shape {tuple(w.shape)}")
+    if out is not None and (out.shape != w.shape or out.dtype != FP8 or not out.is_contiguous()
+                            or out.device != w.device):
+        raise ValueError(f"quantize_blocks out= must be a contiguous {FP8} tensor of the weight's shape "
+                         f"{tuple(w.shape)} on {w.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if w.is_cuda and block == BLOCK and w.dtype in (torch.float32, torch.bfloat16, torch.float16) and _triton():
-        return _quantize_blocks_triton(w)
-    return _quantize_blocks_torch(w, block)
+        return _quantize_blocks_triton(w, round_to, out)
+    q, scale = _quantize_blocks_torch(w if round_to is None else w.to(round_to), block)
+    return (q, scale) if out is None else (out.copy_(q), scale)
 
 
 def _quantize_blocks_torch(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
@@ -108,13 +118,19 @@ def _quantize_kernel():
     import triton.language as tl
 
     @triton.jit
-    def quantize_blocks_kernel(W, Q, S, n, k, swn, swk, kb, BLOCK_: tl.constexpr, QMAX: tl.constexpr):
+    def quantize_blocks_kernel(W, Q, S, n, k, swn, swk, kb, BLOCK_: tl.constexpr, QMAX: tl.constexpr,
+                               ROUND: tl.constexpr):
         i = tl.program_id(0)
         j = tl.program_id(1)
         rows = i * BLOCK_ + tl.arange(0, BLOCK_)
         cols = j * BLOCK_ + tl.arange(0, BLOCK_)
         inside = (rows[:, None] < n) & (cols[None, :] < k)
-        w = tl.load(W + rows[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(W + rows[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0)
+        if ROUND == 1:      # round_to bf16 / fp16 (nearest even, as torch's .to), in registers
+            w = w.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        elif ROUND == 2:
+            w = w.to(tl.float16, fp_downcast_rounding="rtne")
+        w = w.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(w), 1), 0)
         # IEEE-rounded divisions (Triton's `/` may be approximate): the bits of the torch path
         scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
@@ -127,14 +143,20 @@ def _quantize_kernel():
     return quantize_blocks_kernel
 
 
-def _quantize_blocks_triton(w: Tensor) -> tuple[Tensor, Tensor]:
+def _quantize_blocks_triton(w: Tensor, round_to: torch.dtype | None = None,
+                            out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     n, k = w.shape
     nb, kb = _blocks(n, BLOCK), _blocks(k, BLOCK)
-    q = torch.empty((n, k), dtype=FP8, device=w.device)
+    q = torch.empty((n, k), dtype=FP8, device=w.device) if out is None else out
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    with torch.cuda.device(w.device):
+    # a rounding that changes nothing (to the dtype W already has, or bf16/fp16 W to float32) is skipped
+    narrower = round_to in (torch.bfloat16, torch.float16) and w.dtype != round_to
+    if round_to is not None and not narrower and round_to not in (w.dtype, torch.float32):
+        raise ValueError(f"quantize_blocks round_to={round_to}: bf16, fp16 or the weight's own dtype")
+    rounding = 0 if not narrower else 1 if round_to == torch.bfloat16 else 2
+    with torch.cuda.device(w.device) if w.is_cuda else nullcontext():     # CPU: Triton's interpreter
         _quantize_kernel()[(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=BLOCK,
-                                     QMAX=FP8_MAX, num_warps=8)
+                                     QMAX=FP8_MAX, ROUND=rounding, num_warps=8)
     return q, scale
 
 
@@ -395,9 +417,22 @@ quantizes the same values), indexing its scale reuses that quantization.
 
     def _quantized(self, name: str) -> tuple[Tensor, Tensor]:
         if self._last is None or self._last[0] != name:
-            q, s = quantize_blocks(self._base[name].detach().to(self.dtype))
+            q, s = quantize_blocks(self._base[name].detach(), round_to=self.dtype)
             self._last = (name, q, s)
         return self._last[1], self._last[2]
+
+    def write_into(self, name: str, out: Tensor) -> None:
+        """Write entry `name` into `out` (a bucket's view of its shape and dtype): a Linear weight is
+        quantized straight into it (from the base's tensor, rounded to `dtype` in the same pass: no
+        bf16 copy, no e4m3 copy), its scale copied from that quantization; the rest copied (cast)."""
+        if is_quantized_name(name):
+            w = self._base[name].detach()
+            q, s = quantize_blocks(w, round_to=self.dtype, out=out if out.device == w.device else None)
+            self._last = (name, q, s)
+            if q is not out:            # a bucket on another device (host bytes for the object store)
+                out.copy_(q)
+        else:
+            out.copy_(self[name].detach())
 
     def __getitem__(self, name: str) -> Tensor:
         if name.endswith(SCALE_SUFFIX) and is_quantized_name(name[:-len(SCALE_SUFFIX)]):

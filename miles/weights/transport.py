@@ -124,11 +124,18 @@ def _view(flat: Tensor, meta: TensorMeta) -> Tensor:
 
 
 def fill_bucket(plan: BucketPlan, weights: Mapping[str, Tensor], *, device: torch.device | str) -> Tensor:
-    """A new uint8 [plan.nbytes] buffer on `device` holding each tensor of `plan`, cast, at its offset."""
+    """A new uint8 [plan.nbytes] buffer on `device` holding each tensor of `plan`, cast, at its offset. A
+    mapping with a `write_into(name, out)` method writes its entries itself (`fp8.Fp8Weights` quantizes
+    straight into the bucket)."""
     flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    write = getattr(weights, "write_into", None)
     with torch.no_grad():
         for meta in plan.metas:
-            _view(flat, meta).copy_(weights[meta.name].detach())
+            view = _view(flat, meta)
+            if write is not None:
+                write(meta.name, view)
+            else:
+                view.copy_(weights[meta.name].detach())
     return flat
 
 

@@ -7,8 +7,9 @@ the best of --repeats after a warm-up pass (CUDA synchronize at both ends; one c
 for the per-shape table):
 - `bf16_fill`: the bf16 sync's buckets: `transport.plan_buckets` + `fill_bucket` over every tensor
   (512 MiB buckets), as `fp8_rollout_gpu.py`'s `time_sync` fills them.
-- `fp8_fill`: the FP8 sync's: the same over `fp8.Fp8Weights` (each Linear weight quantized as its bucket
-  is filled, then its e4m3 bytes and scales copied in).
+- `fp8_fill`: the FP8 sync's: the same over `fp8.Fp8Weights` (each Linear weight quantized straight into its
+  bucket, its scales copied beside it). `bf16_fill_from_fp32`, `fp8_fill_from_fp32`: both again from float32
+  copies of the weights (the torch trainer's: FP8 rounds them to bf16 inside the quantization pass).
 - `quantize_triton` / `quantize_torch`: the quantization alone, over the 252 Linear weights, by each path
   `fp8.quantize_blocks` can take (`_quantize_blocks_triton`, one Triton program per 128 x 128 block, which
   it runs on CUDA; `_quantize_blocks_torch`, torch ops, elsewhere), called directly.
@@ -185,8 +186,9 @@ def entry(secs: float, host: float, nbytes: int, hbm_gbs: float, **extra) -> dic
                 fraction_of_hbm=round(gbs / hbm_gbs, 3), **extra)
 
 
-def time_fills(live: dict, linear: list, bucket: int, args) -> dict:
-    """The bf16 and the FP8 sync's bucket fills over every weight (the module's `bf16_fill`, `fp8_fill`)."""
+def time_fills(live: dict, bucket: int, args, suffix: str = "") -> dict:
+    """The bf16 and the FP8 sync's bucket fills over every weight (the module's `bf16_fill`, `fp8_fill`; with
+    `suffix`, e.g. from float32 weights)."""
     from miles.weights import fp8
     from miles.weights.transport import fill_bucket, plan_buckets
 
@@ -202,14 +204,17 @@ def time_fills(live: dict, linear: list, bucket: int, args) -> dict:
     bytes16, bytes8 = sum(p.nbytes for p in plans16), sum(p.nbytes for p in plans8)
     out = {}
     s, h = timed(lambda: fill(live), args.repeats)
-    # a bucket fill reads each tensor and writes it into the bucket: 2 x the bucket's bytes
-    out["bf16_fill"] = entry(s, h, 2 * bytes16, args.hbm_gbs, buckets=len(plans16), bucket_bytes=bytes16)
+    # a bucket fill reads each tensor (in its own dtype) and writes it into the bucket as bf16
+    read = sum(t.numel() * t.element_size() for t in live.values())
+    out["bf16_fill" + suffix] = entry(s, h, read + bytes16, args.hbm_gbs, buckets=len(plans16), bucket_bytes=bytes16)
     s, h = timed(lambda: fill(fp8.Fp8Weights(live, dtype)), args.repeats)
-    # FP8: each Linear weight quantized (bf16 in, e4m3 + scales out), then every entry copied into its bucket
-    lin_q = sum(q_bytes(tuple(t.shape)) for t in linear)
-    out["fp8_fill"] = entry(s, h, lin_q + 2 * bytes8, args.hbm_gbs, buckets=len(plans8), bucket_bytes=bytes8)
-    out["fp8_vs_bf16_fill"] = round(out["fp8_fill"]["seconds"] / out["bf16_fill"]["seconds"], 2)
-    log(f"fill: bf16 {out['bf16_fill']['seconds']} s, fp8 {out['fp8_fill']['seconds']} s")
+    # FP8: each Linear weight read once and quantized into its bucket (e4m3 + scales written), its scales
+    # then copied beside it (read + write); every other tensor read and written as bf16
+    scales = sum(q_bytes(tuple(t.shape)) - 3 * t.numel() for n, t in live.items() if fp8.is_quantized_name(n))
+    out["fp8_fill" + suffix] = entry(s, h, read + bytes8 + scales, args.hbm_gbs, buckets=len(plans8),
+                                     bucket_bytes=bytes8)
+    out["fp8_vs_bf16_fill" + suffix] = round(out["fp8_fill" + suffix]["seconds"] / out["bf16_fill" + suffix]["seconds"], 2)
+    log(f"fill{suffix}: bf16 {out['bf16_fill' + suffix]['seconds']} s, fp8 {out['fp8_fill' + suffix]['seconds']} s")
     return out
 
 
@@ -272,7 +277,10 @@ def run(args) -> dict:
                   bf16_bytes=sum(t.numel() * t.element_size() for t in live.values()),
                   linear_bf16_bytes=sum(t.numel() * 2 for t in linear), build_s=round(time.perf_counter() - t0, 2))
     bucket = args.bucket_mib << 20 if args.bucket_mib else DEFAULT_BUCKET_BYTES
-    report.update(time_fills(live, linear, bucket, args))
+    report.update(time_fills(live, bucket, args))
+    live32 = {n: t.float() for n, t in live.items()}    # the torch trainer's weights are float32
+    report.update(time_fills(live32, bucket, args, suffix="_from_fp32"))
+    del live32
     report.update(time_paths(linear, args))
     if triton_available() is None:
         report["bits_equal"] = compare_bits(live)

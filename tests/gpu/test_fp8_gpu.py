@@ -109,6 +109,16 @@ def test_triton_block_quantization_gives_the_torch_paths_bits():
             assert torch.equal(got[1], want[1]), f"{n}x{k} {dtype}: scales differ"
             diff = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
             assert diff == 0, f"{n}x{k} {dtype}: {diff} e4m3 values differ"
+    # a float32 weight rounded to bf16/fp16 in the kernel (the FP8 sync's pass) and written into a given
+    # tensor: the bits of casting first, then quantizing
+    w = torch.randn((2560, 9728), generator=gen, device="cuda") * 0.05
+    for round_to in (torch.bfloat16, torch.float16):
+        out = torch.empty(w.shape, dtype=fp8.FP8, device="cuda")
+        got = fp8._quantize_blocks_triton(w, round_to, out)
+        want = fp8._quantize_blocks_torch(w.to(round_to))
+        assert got[0] is out and torch.equal(got[1], want[1]), f"round_to {round_to}: scales differ"
+        diff = (out.view(torch.uint8) != want[0].view(torch.uint8)).sum().item()
+        assert diff == 0, f"round_to {round_to}: {diff} e4m3 values differ"
 
 
 def _greedy(quantization, kv_cache_dtype, prompts, max_new_tokens=8, **kw):

@@ -14,7 +14,7 @@ from miles.config.flags import parse_flags
 from miles.weights import fp8
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import load_causal_lm, model_weights
-from miles.weights.transport import BucketSender, WeightBucket, plan_buckets
+from miles.weights.transport import BucketSender, WeightBucket, bucket_views, fill_bucket, plan_buckets
 from tests.unit.test_tracking_flags import base as tracking_base
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "arithmetic" / "base_model"
@@ -302,6 +302,29 @@ def test_fp8_buckets_carry_fewer_bytes():
     metas = [m for p in quantized for m in p.metas]
     assert {m.dtype for m in metas} == {torch.bfloat16, fp8.FP8, torch.float32}
     assert sum(p.nbytes for p in quantized) < 0.6 * plain
+
+
+def test_fp8_buckets_are_filled_by_quantizing_into_them():
+    """A bucket of FP8 weights is written by quantizing each float32 Linear weight straight into it, rounded
+    to the engine's dtype in the same pass (`quantize_blocks(round_to=, out=)`): its bytes equal those of
+    the same bucket filled from the materialized dict, which quantizes the weights cast to bf16 first."""
+    trainer = model_weights(load_causal_lm(str(DEMO), device=CPU, dtype=torch.float32))
+    lazy = fp8.Fp8Weights(trainer, torch.bfloat16)
+    plans = plan_buckets(lazy, dtype=torch.bfloat16, bucket_bytes=1 << 20)
+    eager = fp8.quantize_state_dict({n: t.to(torch.bfloat16) for n, t in trainer.items()})
+    assert list(eager) == list(lazy)
+    for plan in plans:      # each tensor's bytes (the alignment gaps between them are never written)
+        got, want = (bucket_views(plan, fill_bucket(plan, w, device=CPU)) for w in (lazy, eager))
+        for name in got:
+            assert torch.equal(got[name].view(-1).view(torch.uint8), want[name].view(-1).view(torch.uint8)), name
+    w = trainer["model.layers.0.mlp.down_proj.weight"]
+    out = torch.empty(w.shape, dtype=fp8.FP8)
+    q, scale = fp8.quantize_blocks(w, round_to=torch.bfloat16, out=out)
+    want = fp8.quantize_blocks(w.to(torch.bfloat16))
+    assert q is out and torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
+    assert not torch.equal(fp8.quantize_blocks(w)[1], scale)       # the rounding to bf16 moved some block's amax
+    with pytest.raises(ValueError, match="out= must be a contiguous"):
+        fp8.quantize_blocks(w, out=torch.empty(w.shape, dtype=torch.bfloat16))
 
 
 def test_the_fast_engine_takes_fp8_buckets_in_place():

@@ -148,6 +148,9 @@ def test_the_quantize_bench_splits_the_fp8_sync(tmp_path):
     assert fill16["bucket_bytes"] >= r["bf16_bytes"] and fill16["bytes"] == 2 * fill16["bucket_bytes"]
     assert r["fp8_fill"]["bucket_bytes"] < 0.6 * r["bf16_fill"]["bucket_bytes"]
     assert r["fp8_vs_bf16_fill"] > 0
+    # from float32 weights (the torch trainer's) each fill reads 2 more bytes per element
+    assert r["bf16_fill_from_fp32"]["bytes"] - r["bf16_fill"]["bytes"] == r["bf16_bytes"]
+    assert r["fp8_fill_from_fp32"]["bytes"] - r["fp8_fill"]["bytes"] == r["bf16_bytes"]
     for path in ("quantize_torch", "copy_bf16") + (("quantize_triton",) if interpret else ()):
         p = r[path]
         assert p["seconds"] > 0 and p["kernels_per_tensor"] >= 1 and p["host_enqueue_seconds"] <= p["seconds"]
