@@ -8,8 +8,8 @@ so each block's largest entry lands on +-448 and no entry overflows.
 
 `linear(x, w, b)` is F.linear for a plain tensor and the FP8 product for a `QuantWeight`. Which FP8
 product runs is chosen once per process (`select_kernel`) and reported by `kernel()`:
-- `w8a16_triton` (with `scaled_mm_blockwise` above `W8A16_MAX_M` rows, where the GPU has it), when `W8A16`
-  is set (not yet by default: not measured on a GPU): CUDA with
+- `w8a16_triton` (with `scaled_mm_blockwise` above `W8A16_MAX_M` rows, where the GPU has it), only when
+  `W8A16` is set (off: on an H100 it ran 2-6x slower than bf16's GEMM; docs/fp8.md): CUDA with
   Triton, for products of up to `W8A16_MAX_M` rows (a decode step's): the e4m3 weight read once and
   multiplied in the activations' dtype (`fp8_w8a16.py`); larger products (prefill) take the block-scaled
   GEMM below. One op (`miles::fp8_mm`) chooses by the rows at run time, so a compiled graph with a
@@ -193,8 +193,8 @@ _PAD_OK = False                 # the GEMM also took K blocks padded to a multip
 # products of up to this many rows take the Triton W8A16 kernel when it was selected (a decode step's
 # batch; read at run time inside `miles::fp8_mm`, so setting it needs no recompile; 0: never)
 W8A16_MAX_M = 512
-# select_kernel may take the Triton W8A16 kernel: off until it is measured on a GPU against the block-scaled
-# GEMM (the benchmarks set it per variant; docs/fp8.md)
+# select_kernel may take the Triton W8A16 kernel: off (an H100 ran it 2-6x slower than bf16's GEMM, Dec 7;
+# the benchmarks set it per variant; docs/fp8.md)
 W8A16 = False
 
 
