@@ -13,8 +13,8 @@ inside one CUDA graph of --reps calls (what the engine's graphs replay; no launc
 - `fp8_w8a16`: the Triton W8A16 kernel alone (`fp8_w8a16.w8a16_mm`: the e4m3 weight times the bf16 rows, no
   activation quantization), at `tile_config`'s tiles; with --w8a16-sweep each (shape, M) also times a set of
   other tiles (`w8a16_sweep`: us per config, the best first);
-- `fp8_linear_cublas`: the block-scaled GEMM's whole product (pad, quantize, GEMM), compiled: what
-  `fp8.linear` ran before the W8A16 kernel;
+- `fp8_linear_cublas`: the block-scaled GEMM's whole product (pad, quantize, GEMM), compiled: `fp8.linear`'s
+  product on Hopper by default (`fp8.W8A16` off);
 - `fp8_linear`: `fp8.linear(x, w)` whole, the product `select_kernel` chose with `fp8.W8A16` set (`fp8_kernel` in
   the JSON: the W8A16 kernel up to `fp8.W8A16_MAX_M` rows where Triton has it), compiled; and eager
   (`fp8_linear_eager`).
