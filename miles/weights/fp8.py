@@ -34,7 +34,7 @@ import json
 import re
 from contextlib import nullcontext
 from collections.abc import Iterator, Mapping
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,6 +78,8 @@ def quantize_blocks(w: Tensor, block: int = BLOCK, *, round_to: torch.dtype | No
     (`_quantize_blocks_torch`); both give the same bits."""
     if w.dim() != 2:
         raise ValueError(f"block quantization takes a 2-D weight, got shape {tuple(w.shape)}")
+    if round_to is not None and round_to not in (torch.bfloat16, torch.float16, torch.float32, w.dtype):
+        raise ValueError(f"quantize_blocks round_to={round_to}: bf16, fp16 or the weight's own dtype")
     if out is not None and (out.shape != w.shape or out.dtype != FP8 or not out.is_contiguous()
                             or out.device != w.device):
         raise ValueError(f"quantize_blocks out= must be a contiguous {FP8} tensor of the weight's shape "
@@ -151,8 +153,6 @@ def _quantize_blocks_triton(w: Tensor, round_to: torch.dtype | None = None,
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     # a rounding that changes nothing (to the dtype W already has, or bf16/fp16 W to float32) is skipped
     narrower = round_to in (torch.bfloat16, torch.float16) and w.dtype != round_to
-    if round_to is not None and not narrower and round_to not in (w.dtype, torch.float32):
-        raise ValueError(f"quantize_blocks round_to={round_to}: bf16, fp16 or the weight's own dtype")
     rounding = 0 if not narrower else 1 if round_to == torch.bfloat16 else 2
     with torch.cuda.device(w.device) if w.is_cuda else nullcontext():     # CPU: Triton's interpreter
         _quantize_kernel()[(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=BLOCK,
@@ -314,10 +314,10 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
     if capability >= (9, 0):
         apis = (["F.scaled_mm"] if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") else []) + ["torch._scaled_mm"]
         for api in apis:
-            if _probe(device, dtype, lambda x, q, s, api=api: _blockwise(x, q, s, dtype, api), k=512, tolerance=3e-2):
+            gemm = partial(_blockwise, dtype=dtype, api=api)
+            if _probe(device, dtype, gemm, k=512, tolerance=3e-2):
                 _KERNEL, _API, _PRODUCT = "scaled_mm_blockwise", api, _gemm_product
-                _PAD_OK = _probe(device, dtype, lambda x, q, s, api=api: _blockwise(x, q, s, dtype, api), k=384,
-                                 tolerance=3e-2)
+                _PAD_OK = _probe(device, dtype, gemm, k=384, tolerance=3e-2)
                 break
     if W8A16 and capability >= (8, 9) and _triton():
         if all(_probe(device, dtype, w8a16_mm, k=k, rows=rows, tolerance=1e-2) for k, rows in ((512, 37), (384, 200))):
