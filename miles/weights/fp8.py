@@ -114,35 +114,19 @@ def _triton() -> bool:
     return True
 
 
-@lru_cache(maxsize=None)
-def _quantize_kernel():
-    import triton
-    import triton.language as tl
+def _quantize_kernels():
+    """(one tensor's kernel, a group's kernel): `miles.weights.fp8_kernels` (Triton)."""
+    from miles.weights import fp8_kernels
 
-    @triton.jit
-    def quantize_blocks_kernel(W, Q, S, n, k, swn, swk, kb, BLOCK_: tl.constexpr, QMAX: tl.constexpr,
-                               ROUND: tl.constexpr):
-        i = tl.program_id(0)
-        j = tl.program_id(1)
-        rows = i * BLOCK_ + tl.arange(0, BLOCK_)
-        cols = j * BLOCK_ + tl.arange(0, BLOCK_)
-        inside = (rows[:, None] < n) & (cols[None, :] < k)
-        w = tl.load(W + rows[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0)
-        if ROUND == 1:      # round_to bf16 / fp16 (nearest even, as torch's .to), in registers
-            w = w.to(tl.bfloat16, fp_downcast_rounding="rtne")
-        elif ROUND == 2:
-            w = w.to(tl.float16, fp_downcast_rounding="rtne")
-        w = w.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(w), 1), 0)
-        # IEEE-rounded divisions (Triton's `/` may be approximate): the bits of the torch path
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-        q = tl.math.div_rn(w, tl.full([BLOCK_, BLOCK_], 0.0, tl.float32) + scale)
-        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-        tl.store(Q + rows[:, None] * k + cols[None, :], q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=inside)
-        tl.store(S + i * kb + j, scale)
+    return fp8_kernels.quantize_blocks_kernel, fp8_kernels.quantize_group_kernel
 
-    return quantize_blocks_kernel
+
+def _rounding(w_dtype: torch.dtype, round_to: torch.dtype | None) -> int:
+    """The kernels' ROUND: 0 none (a rounding that changes nothing: to the dtype W already has, or bf16/fp16
+    W to float32), 1 to bf16, 2 to fp16."""
+    if round_to not in (torch.bfloat16, torch.float16) or w_dtype == round_to:
+        return 0
+    return 1 if round_to == torch.bfloat16 else 2
 
 
 def _quantize_blocks_triton(w: Tensor, round_to: torch.dtype | None = None,
@@ -151,13 +135,56 @@ def _quantize_blocks_triton(w: Tensor, round_to: torch.dtype | None = None,
     nb, kb = _blocks(n, BLOCK), _blocks(k, BLOCK)
     q = torch.empty((n, k), dtype=FP8, device=w.device) if out is None else out
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    # a rounding that changes nothing (to the dtype W already has, or bf16/fp16 W to float32) is skipped
-    narrower = round_to in (torch.bfloat16, torch.float16) and w.dtype != round_to
-    rounding = 0 if not narrower else 1 if round_to == torch.bfloat16 else 2
     with torch.cuda.device(w.device) if w.is_cuda else nullcontext():     # CPU: Triton's interpreter
-        _quantize_kernel()[(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=BLOCK,
-                                     QMAX=FP8_MAX, ROUND=rounding, num_warps=8)
+        _quantize_kernels()[0][(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=BLOCK,
+                                         QMAX=FP8_MAX, ROUND=_rounding(w.dtype, round_to), num_warps=8)
     return q, scale
+
+
+class GroupTable(NamedTuple):
+    """Where the weights of a group are, for `quantize_group`, on the device: one row of `FIELDS` int64 per
+    weight (`tensors`) and the weight of each 128 x 128 block (`blocks`, int32: 4 bytes a block, about 1 MB
+    for a 4B model). Made once for a group whose tensors stay where they are (`key`). Offsets are in elements
+    from the group's first weight (`src`), in bytes from the bucket's start (`dst`: e4m3 elements are bytes),
+    and in float32 elements from the bucket's start or from the carry buffer's (`s_off`, `carried`)."""
+    key: tuple
+    tensors: Tensor
+    blocks: Tensor
+
+    FIELDS = 9      # src, src row stride, dst, N, K, s_off, carried, first block, blocks per row (kb)
+
+
+def group_key(weights: list[Tensor], dsts: list[int], scales: list[tuple[int, bool]]) -> tuple:
+    """`GroupTable.key` of a group, to tell whether a table made before still holds."""
+    return tuple((w.data_ptr(), tuple(w.shape), w.stride(0)) for w in weights) + (tuple(dsts), tuple(scales))
+
+
+def group_table(weights: list[Tensor], dsts: list[int], scales: list[tuple[int, bool]], device) -> GroupTable:
+    """The table of weights [N_i, K_i] (rows contiguous, one dtype: offsets are counted in its elements from
+    `weights[0]`) whose e4m3 values go at byte offset `dsts[i]` of the bucket and whose scales at float32
+    offset `scales[i][0]` of the bucket, or of the carry buffer when `scales[i][1]`."""
+    base, elem = weights[0].data_ptr(), weights[0].element_size()
+    rows, counts, first = [], [], 0
+    for w, dst, (s_off, carried) in zip(weights, dsts, scales, strict=True):
+        n, k = w.shape
+        kb = _blocks(k, BLOCK)
+        rows.append([(w.data_ptr() - base) // elem, w.stride(0), dst, n, k, s_off, int(carried), first, kb])
+        counts.append(_blocks(n, BLOCK) * kb)
+        first += counts[-1]
+    which = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
+    return GroupTable(group_key(weights, dsts, scales), torch.tensor(rows, dtype=torch.int64).to(device),
+                      which.to(device))
+
+
+def quantize_group(table: GroupTable, first: Tensor, flat: Tensor, carry: Tensor, round_to: torch.dtype | None) -> None:
+    """Quantize every weight of `table`'s group (`first`: its first weight, the base of the offsets) into
+    the uint8 bucket `flat` (values and scales at the table's offsets), scales marked carried into
+    `carry` (float32): one kernel launch for the whole group (`group_table`)."""
+    nbytes = flat.numel() - flat.numel() % 4
+    with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
+        _quantize_kernels()[1][(table.blocks.numel(),)](
+            first.detach(), flat.view(FP8), flat[:nbytes].view(torch.float32), carry, table.tensors, table.blocks,
+            FIELDS=GroupTable.FIELDS, BLOCK_=BLOCK, QMAX=FP8_MAX, ROUND=_rounding(first.dtype, round_to), num_warps=8)
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> Tensor:
@@ -433,6 +460,60 @@ quantizes the same values), indexing its scale reuses that quantization.
                 out.copy_(q)
         else:
             out.copy_(self[name].detach())
+
+    def write_bucket(self, metas, flat: Tensor, view, state: dict) -> None:
+        """Write a whole bucket: `metas` (`miles.weights.transport.TensorMeta`: name, offset, ...) into the
+        uint8 buffer `flat`, `view(meta)` giving an entry's view of it. On CUDA, the base a plain dict of
+        live tensors (the trainer's own weights, not a gathering or computed mapping), its Linear weights
+        are quantized by one kernel launch for the bucket (`quantize_group`, values and scales written in
+        place) instead of a launch and a scale copy per weight; the rest entry by entry (`write_into`).
+        `state` is the caller's, kept across fills: each bucket's table (made again only when a weight
+        moved) and the scales of a bucket's last weight when they fall in the next bucket (carried)."""
+        group = [m for m in metas if is_quantized_name(m.name)]
+        weights = [self._base[m.name] for m in group] if type(self._base) is dict else []
+        passed = state.setdefault("carried", {})       # scales the last bucket's kernel carried into this one
+        written = self._write_group(group, weights, metas, flat, state) \
+            if weights and self._groupable(weights, flat) else set()
+        for meta in metas:
+            if meta.name not in written:
+                prior = passed.pop(meta.name, None)
+                if prior is not None:
+                    view(meta).copy_(prior)
+                else:
+                    self.write_into(meta.name, view(meta))
+
+    def _write_group(self, group, weights: list[Tensor], metas, flat: Tensor, state: dict) -> set[str]:
+        """`write_bucket`'s one launch: the Linear weights `group` (their `weights`) and the scales of theirs
+        that are in this bucket; the others' scales into this bucket's carry buffer, passed on in `state`.
+        The names it wrote."""
+        here = {m.name: m for m in metas}
+        scales, carried, size = [], {}, 0
+        for m, w in zip(group, weights):
+            inside = here.get(m.name + SCALE_SUFFIX)
+            if inside is not None:
+                scales.append((inside.offset // 4, False))
+            else:           # its scale is the next bucket's first entry
+                shape = (_blocks(w.shape[0], BLOCK), _blocks(w.shape[1], BLOCK))
+                scales.append((size, True))
+                carried[m.name + SCALE_SUFFIX] = (size, shape)
+                size += shape[0] * shape[1]
+        mine = state.setdefault(("bucket", metas[0].name), {})
+        if mine.get("carry") is None or mine["carry"].numel() < max(size, 1):
+            mine["carry"] = torch.empty(max(size, 1), dtype=torch.float32, device=flat.device)
+        dsts = [m.offset for m in group]
+        table = mine.get("table")
+        if table is None or table.key != group_key(weights, dsts, scales):
+            table = mine["table"] = group_table(weights, dsts, scales, flat.device)
+        quantize_group(table, weights[0], flat, mine["carry"], self.dtype)
+        for name, (at, shape) in carried.items():
+            state["carried"][name] = mine["carry"][at:at + shape[0] * shape[1]].view(shape)
+        return ({m.name for m in group} | {m.name + SCALE_SUFFIX for m in group}) - set(carried)
+
+    @staticmethod
+    def _groupable(weights: list[Tensor], flat: Tensor) -> bool:
+        w0 = weights[0]
+        return flat.is_cuda and _triton() and w0.dtype in (torch.float32, torch.bfloat16, torch.float16) and all(
+            w.device == flat.device and w.dtype == w0.dtype and w.dim() == 2 and w.stride(1) == 1 for w in weights)
 
     def __getitem__(self, name: str) -> Tensor:
         if name.endswith(SCALE_SUFFIX) and is_quantized_name(name[:-len(SCALE_SUFFIX)]):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -123,19 +124,19 @@ def _view(flat: Tensor, meta: TensorMeta) -> Tensor:
     return flat[meta.offset:meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
 
 
-def fill_bucket(plan: BucketPlan, weights: Mapping[str, Tensor], *, device: torch.device | str) -> Tensor:
+def fill_bucket(plan: BucketPlan, weights: Mapping[str, Tensor], *, device: torch.device | str,
+                state: dict | None = None) -> Tensor:
     """A new uint8 [plan.nbytes] buffer on `device` holding each tensor of `plan`, cast, at its offset. A
-    mapping with a `write_into(name, out)` method writes its entries itself (`fp8.Fp8Weights` quantizes
-    straight into the bucket)."""
+    mapping with a `write_bucket(metas, flat, view, state)` method writes the bucket itself (`fp8.Fp8Weights`
+    quantizes straight into it); `state` is kept for it across fills (by `BucketSender`)."""
     flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
-    write = getattr(weights, "write_into", None)
+    write = getattr(weights, "write_bucket", None)
     with torch.no_grad():
-        for meta in plan.metas:
-            view = _view(flat, meta)
-            if write is not None:
-                write(meta.name, view)
-            else:
-                view.copy_(weights[meta.name].detach())
+        if write is not None:
+            write(plan.metas, flat, partial(_view, flat), {} if state is None else state)
+        else:
+            for meta in plan.metas:
+                _view(flat, meta).copy_(weights[meta.name].detach())
     return flat
 
 
@@ -207,6 +208,7 @@ class BucketSender:
         self._weights, self.dtype, self.bucket_bytes, self.ipc = weights, dtype, bucket_bytes, ipc
         self._plans: list[BucketPlan] | None = None
         self._live: dict[int, Tensor] = {}     # index -> buffer an engine may still be reading
+        self._fill_state: dict = {}            # what the weights' own bucket writer keeps across fills
 
     @property
     def plans(self) -> list[BucketPlan]:
@@ -223,7 +225,8 @@ class BucketSender:
         weights = self._weights()
         plan = self.plans[index]
         # IPC shares the trainer's device buffer; anything else travels as host bytes
-        flat = fill_bucket(plan, weights, device=next(iter(weights.values())).device if self.ipc else "cpu")
+        flat = fill_bucket(plan, weights, device=next(iter(weights.values())).device if self.ipc else "cpu",
+                           state=self._fill_state)
         self._live[index] = flat
         meta = dict(index=index, count=len(self.plans), version=int(version), metas=plan.metas)
         if not self.ipc:
@@ -248,8 +251,9 @@ class BucketSender:
         return sorted(self._live)
 
     def dispose(self) -> None:
-        """Free every live bucket. The weights themselves are the trainer's."""
+        """Free every live bucket and what the bucket writer kept. The weights themselves are the trainer's."""
         self.release()
+        self._fill_state.clear()
 
 
 class WeightReceiver:

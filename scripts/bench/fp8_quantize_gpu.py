@@ -5,10 +5,10 @@ The weights: a Qwen3-4B-shaped bf16 state dict made on the device (HF names; 36 
 gate/up/down, the norms, the tied embedding), the trainer's side of a sync without the engine. Timed, each
 the best of --repeats after a warm-up pass (CUDA synchronize at both ends; one cuda event pair per tensor
 for the per-shape table):
-- `bf16_fill`: the bf16 sync's buckets: `transport.plan_buckets` + `fill_bucket` over every tensor
-  (512 MiB buckets), as `fp8_rollout_gpu.py`'s `time_sync` fills them.
-- `fp8_fill`: the FP8 sync's: the same over `fp8.Fp8Weights` (each Linear weight quantized straight into its
-  bucket, its scales copied beside it). `bf16_fill_from_fp32`, `fp8_fill_from_fp32`: both again from float32
+- `bf16_fill`: the bf16 sync's buckets: `transport.fill_bucket` over every tensor (512 MiB buckets, planned
+  once), as `BucketSender` and `fp8_rollout_gpu.py`'s `time_sync` fill them.
+- `fp8_fill`: the FP8 sync's: the same over `fp8.Fp8Weights` (on CUDA the Linear weights of a bucket quantized
+  straight into it, values and scales, by one kernel launch: `Fp8Weights.write_bucket`; the rest copied). `bf16_fill_from_fp32`, `fp8_fill_from_fp32`: both again from float32
   copies of the weights (the torch trainer's: FP8 rounds them to bf16 inside the quantization pass).
 - `quantize_triton` / `quantize_torch`: the quantization alone, over the 252 Linear weights, by each path
   `fp8.quantize_blocks` can take (`_quantize_blocks_triton`, one Triton program per 128 x 128 block, which
@@ -91,7 +91,7 @@ def triton_quantize(w: torch.Tensor):
     nb, kb = -(-n // fp8.BLOCK), -(-k // fp8.BLOCK)
     q = torch.empty((n, k), dtype=fp8.FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    fp8._quantize_kernel()[(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=fp8.BLOCK,
+    fp8._quantize_kernels()[0][(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=fp8.BLOCK,
                                      QMAX=fp8.FP8_MAX, num_warps=8)
     return q, scale
 
@@ -194,13 +194,15 @@ def time_fills(live: dict, bucket: int, args, suffix: str = "") -> dict:
 
     dtype = torch.bfloat16
 
-    def fill(weights):
-        for plan in plan_buckets(weights, dtype=dtype, bucket_bytes=bucket):
-            flat = fill_bucket(plan, weights, device=DEVICE)
-            del flat
-
     plans16 = plan_buckets(live, dtype=dtype, bucket_bytes=bucket)
     plans8 = plan_buckets(fp8.Fp8Weights(live, dtype), dtype=dtype, bucket_bytes=bucket)
+    state: dict = {}        # the FP8 bucket writer's tables, kept across fills as BucketSender keeps them
+
+    def fill(weights):      # planned once, as BucketSender does
+        for plan in plans8 if isinstance(weights, fp8.Fp8Weights) else plans16:
+            flat = fill_bucket(plan, weights, device=DEVICE, state=state)
+            del flat
+
     bytes16, bytes8 = sum(p.nbytes for p in plans16), sum(p.nbytes for p in plans8)
     out = {}
     s, h = timed(lambda: fill(live), args.repeats)
@@ -208,11 +210,9 @@ def time_fills(live: dict, bucket: int, args, suffix: str = "") -> dict:
     read = sum(t.numel() * t.element_size() for t in live.values())
     out["bf16_fill" + suffix] = entry(s, h, read + bytes16, args.hbm_gbs, buckets=len(plans16), bucket_bytes=bytes16)
     s, h = timed(lambda: fill(fp8.Fp8Weights(live, dtype)), args.repeats)
-    # FP8: each Linear weight read once and quantized into its bucket (e4m3 + scales written), its scales
-    # then copied beside it (read + write); every other tensor read and written as bf16
-    scales = sum(q_bytes(tuple(t.shape)) - 3 * t.numel() for n, t in live.items() if fp8.is_quantized_name(n))
-    out["fp8_fill" + suffix] = entry(s, h, read + bytes8 + scales, args.hbm_gbs, buckets=len(plans8),
-                                     bucket_bytes=bytes8)
+    # FP8: each Linear weight read once and quantized into its bucket (e4m3 + scales written); every other
+    # tensor read and written as bf16
+    out["fp8_fill" + suffix] = entry(s, h, read + bytes8, args.hbm_gbs, buckets=len(plans8), bucket_bytes=bytes8)
     out["fp8_vs_bf16_fill" + suffix] = round(out["fp8_fill" + suffix]["seconds"] / out["bf16_fill" + suffix]["seconds"], 2)
     log(f"fill{suffix}: bf16 {out['bf16_fill' + suffix]['seconds']} s, fp8 {out['fp8_fill' + suffix]['seconds']} s")
     return out

@@ -481,13 +481,15 @@ def time_sync(path: str, model, quantization: str | None, repeats: int, dtype: t
                         cuda_graph=False, torch_compile=False)
     live = model_weights(model)
     best, nbytes = float("inf"), 0
+    weights_of = (lambda: Fp8Weights(live, dtype)) if quantization == "fp8" else (lambda: live)
+    plans = plan_buckets(weights_of(), dtype=dtype, bucket_bytes=DEFAULT_BUCKET_BYTES)   # once, as BucketSender
+    state: dict = {}                # what the bucket writer keeps across syncs (BucketSender's)
     for version in range(1, repeats + 1):
         sync()
         t0 = time.perf_counter()
-        weights = Fp8Weights(live, dtype) if quantization == "fp8" else live
-        plans = plan_buckets(weights, dtype=dtype, bucket_bytes=DEFAULT_BUCKET_BYTES)
+        weights = weights_of()
         for i, plan in enumerate(plans):
-            flat = fill_bucket(plan, weights, device=DEVICE)
+            flat = fill_bucket(plan, weights, device=DEVICE, state=state)
             engine.load_weight_bucket(WeightBucket(index=i, count=len(plans), version=version, metas=plan.metas,
                                                    payload=flat))
             del flat

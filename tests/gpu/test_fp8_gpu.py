@@ -121,6 +121,49 @@ def test_triton_block_quantization_gives_the_torch_paths_bits():
         assert diff == 0, f"round_to {round_to}: {diff} e4m3 values differ"
 
 
+def test_a_bucket_of_fp8_weights_is_quantized_by_one_launch_with_the_per_weight_paths_bits():
+    """`Fp8Weights.write_bucket` on CUDA: every Linear weight of a bucket quantized by one kernel launch
+    (`quantize_group`), values and scales in place, a scale that falls in the next bucket carried there.
+    Its buckets hold the bytes the per-weight path (`write_into`, one launch per weight) writes, from
+    float32 weights rounded to bf16 in the pass, in a first fill, a second (the tables reused), and after a
+    weight moved (its bucket's table made again)."""
+    from miles.weights.transport import bucket_views, fill_bucket, plan_buckets
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shapes = {"self_attn.q_proj": (4096, 2560), "self_attn.k_proj": (1024, 2560), "self_attn.o_proj": (2560, 4096),
+              "mlp.down_proj": (2560, 9728), "mlp.up_proj": (300, 129)}
+    live = {}
+    for layer in range(3):
+        live[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(2560, generator=gen, device="cuda")
+        for proj, shape in shapes.items():
+            live[f"model.layers.{layer}.{proj}.weight"] = torch.randn(shape, generator=gen, device="cuda") * 0.05
+    live["model.layers.1.mlp.down_proj.weight"][:256, :128] = 0.0
+    weights = fp8.Fp8Weights(live, torch.bfloat16)
+    for size in range(16 << 20, 64 << 20, 1 << 16):      # buckets at which some weight's scale is carried
+        plans = plan_buckets(weights, dtype=torch.bfloat16, bucket_bytes=size)
+        if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans):
+            break
+    assert any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans)
+
+    class PerWeight(dict):          # not a plain dict: write_bucket takes the per-weight path
+        pass
+
+    state: dict = {}
+    for moved in (False, False, True):
+        if moved:
+            name = "model.layers.2.self_attn.o_proj.weight"
+            live[name] = live[name].clone() * 1.5
+        want_weights = fp8.Fp8Weights(PerWeight(live), torch.bfloat16)
+        for plan in plans:
+            got = bucket_views(plan, fill_bucket(plan, fp8.Fp8Weights(live, torch.bfloat16), device="cuda", state=state))
+            want = bucket_views(plan, fill_bucket(plan, want_weights, device="cuda"))
+            for name in got:
+                assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), \
+                    (name, moved)
+        assert not state["carried"], list(state["carried"])       # every carried scale went into its bucket
+    assert sum(isinstance(v, dict) and "table" in v for v in state.values()) >= 2
+
+
 def _greedy(quantization, kv_cache_dtype, prompts, max_new_tokens=8, **kw):
     from miles.rollout.engines.fast.engine import FastEngine
     from miles.types import SamplingParams

@@ -144,10 +144,9 @@ print(worst)
 """
 
 
-def test_the_w8a16_kernel_under_the_triton_interpreter_is_the_dequantized_product(tmp_path):
-    """The Triton kernel itself, run by Triton's CPU interpreter (where Triton is installed; CI's CPU torch
-    has none, the GPU test runs it compiled): fp16 and fp32 activations (the interpreter's bfloat16 is not
-    faithful: numpy has none), edge tiles in M and N, a K of 3 blocks, a scale block far from the rest."""
+def _run_interpreted(script: str) -> str:
+    """`script` in a subprocess under Triton's CPU interpreter (TRITON_INTERPRET=1); skipped where Triton is
+    not installed (CI's CPU torch has none: the GPU tests run the kernels compiled). Its stdout."""
     import importlib.util
     import os
     import subprocess
@@ -157,10 +156,63 @@ def test_the_w8a16_kernel_under_the_triton_interpreter_is_the_dequantized_produc
         pytest.skip("triton is not installed (the CPU torch wheel has none)")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", W8A16_INTERPRETED], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.strip().splitlines()[-1]) < 2e-3, out.stdout
+    return out.stdout
+
+
+def test_the_w8a16_kernel_under_the_triton_interpreter_is_the_dequantized_product():
+    """The Triton kernel itself, interpreted: fp16 and fp32 activations (the interpreter's bfloat16 is not
+    faithful: numpy has none), edge tiles in M and N, a K of 3 blocks, a scale block far from the rest."""
+    out = _run_interpreted(W8A16_INTERPRETED)
+    assert float(out.strip().splitlines()[-1]) < 2e-3, out
+
+
+GROUP_INTERPRETED = """
+import torch
+from miles.weights import fp8
+from miles.weights.transport import bucket_views, fill_bucket, plan_buckets
+
+gen = torch.Generator().manual_seed(0)
+live = {}
+shapes = {"self_attn.q_proj": (200, 130), "self_attn.o_proj": (128, 256), "mlp.down_proj": (64, 300)}
+for layer in range(3):
+    live[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(130, generator=gen)
+    for proj, shape in shapes.items():
+        live[f"model.layers.{layer}.{proj}.weight"] = torch.randn(shape, generator=gen) * 0.1
+live["model.layers.1.mlp.down_proj.weight"][:, :128] = 0.0          # all-zero blocks: scale 1
+fp8.Fp8Weights._groupable = staticmethod(lambda weights, flat: True)   # CPU tensors, Triton's interpreter
+lazy = fp8.Fp8Weights(live, torch.float16)
+# buckets of the size at which some weight's scale falls at the start of the next bucket (carried)
+for size in range(16384, 1 << 17, 256):
+    plans = plan_buckets(lazy, dtype=torch.float16, bucket_bytes=size)
+    if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans):
+        break
+state = {}
+for _ in range(2):          # the second fill reuses each bucket's table
+    for plan in plans:
+        got = bucket_views(plan, fill_bucket(plan, lazy, device="cpu", state=state))
+        for name, view in got.items():
+            weight = name[:-len(fp8.SCALE_SUFFIX)] if name.endswith(fp8.SCALE_SUFFIX) else name
+            if fp8.is_quantized_name(weight):
+                want = fp8._quantize_blocks_triton(live[weight], torch.float16)[int(weight != name)]
+            else:
+                want = live[name].to(torch.float16)
+            assert torch.equal(view.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+    assert not state["carried"], list(state["carried"])       # every carried scale went into its bucket
+tables = [v["table"] for k, v in state.items() if k != "carried"]
+print(len(tables), sum(int(t.tensors[:, 6].sum()) for t in tables))
+"""
+
+
+def test_a_bucket_quantized_by_one_launch_holds_the_per_weight_kernels_bits_under_the_interpreter():
+    """`Fp8Weights.write_bucket`'s one launch per bucket (`quantize_group`, made to run on CPU tensors under
+    the interpreter) against the one-weight kernel, entry by entry: e4m3 values and scales (a scale carried
+    into the next bucket among them, an all-zero block) and the rest cast, in two fills (tables reused)."""
+    out = _run_interpreted(GROUP_INTERPRETED)
+    tables, carried = map(int, out.split())
+    assert tables >= 2 and carried >= 1, out
+
 
 def test_quantized_dicts_and_the_lazy_view_agree():
     live = model_weights(load_causal_lm(str(DEMO), device=CPU, dtype=torch.float32))
