@@ -281,8 +281,18 @@ class WeightReceiver:
         self._check(bucket, loaded)
         flat = bucket.open()
         with torch.no_grad():
-            for name, view in bucket_views(bucket.metas, flat).items():
-                self._named[name].copy_(view)
+            # the bytes of every tensor the engine holds contiguous in the bucket's dtype: one multi-tensor
+            # copy (a few launches on CUDA, not one per tensor); any other (a cast, a strided view) its own copy_
+            dsts, srcs = [], []
+            for meta in bucket.metas:
+                dst = self._named[meta.name]
+                if dst.dtype == meta.dtype and dst.is_contiguous():
+                    dsts.append(dst.view(-1).view(torch.uint8))
+                    srcs.append(flat[meta.offset:meta.offset + meta.nbytes])
+                else:
+                    dst.copy_(_view(flat, meta))
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()   # copied before the sender may free it
         del flat

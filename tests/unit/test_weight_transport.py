@@ -5,7 +5,7 @@ import torch
 
 from miles.weights.checksum import state_dict_checksum
 from miles.weights.hf import model_weights
-from miles.weights.transport import (ALIGN, BucketSender, WeightReceiver, bucket_views,
+from miles.weights.transport import (ALIGN, BucketSender, WeightBucket, WeightReceiver, bucket_views,
                                      fill_bucket, plan_buckets)
 from tests.tiny_model import make_tiny_model
 
@@ -58,6 +58,26 @@ def test_round_trip_gives_the_exact_cast_bytes():
             assert got[name].dtype == want.dtype and got[name].shape == want.shape
             assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
         assert state_dict_checksum(got) == state_dict_checksum(w, dtype=dtype)
+
+
+def test_the_receiver_loads_contiguous_strided_and_cast_tensors_alike():
+    """The engine's tensors as they come: contiguous ones of the bucket's dtype (loaded by one multi-tensor
+    copy of their bytes), a transposed view (a strided copy_), a float32 tensor fed bf16 bytes (a cast), a
+    0-dim one; each holds exactly the sent values, and the fused tensor under the transposed view too."""
+    w = weights()
+    fused = torch.zeros(3, 10, dtype=torch.bfloat16)
+    named = {"a": fused.t(), "b": torch.zeros(7, dtype=torch.float32), "steps": torch.zeros(2, dtype=torch.int64),
+             "c": torch.zeros(2, 2, 2, dtype=torch.bfloat16), "scalar": torch.zeros((), dtype=torch.bfloat16)}
+    receiver = WeightReceiver(named)
+    plans = plan_buckets(w, dtype=torch.bfloat16, bucket_bytes=300)
+    for i, p in enumerate(plans):
+        version = receiver.load(WeightBucket(index=i, count=len(plans), version=3, metas=p.metas,
+                                             payload=fill_bucket(p, w, device="cpu")))
+    assert version == 3
+    for name, t in w.items():
+        want = (t.to(torch.bfloat16) if t.is_floating_point() else t).to(named[name].dtype)
+        assert torch.equal(named[name], want), name
+    assert torch.equal(fused, w["a"].to(torch.bfloat16).t())
 
 
 def test_tied_weights_travel_once_and_the_engine_gets_the_trainer_checksum(tmp_path):
