@@ -15,7 +15,12 @@ def base(tmp_path):
             "--rollout-batch-size", "1", "--num-rollout", "1", "--n-samples-per-prompt", "8"]
 
 
-def test_tracking_flags_build_the_tracking_config(tmp_path):
+def test_tracking_flags_build_the_tracking_config(tmp_path, monkeypatch):
+    # the config alone: --use-tensorboard's package (an extra, not in the dev install) counted as installed
+    from miles.config import packages
+
+    real = packages.installed
+    monkeypatch.setattr(packages, "installed", lambda module: module == "tensorboard" or real(module))
     cfg, _ = parse_flags(base(tmp_path) + ["--use-tensorboard", "--tensorboard-dir", "tb", "--progress", "plain",
                                  "--wandb-project", "proj", "--wandb-mode", "offline", "--worker-log-level", "debug"])
     t = cfg.tracking

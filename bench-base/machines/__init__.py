@@ -1,0 +1,1 @@
+"""Lifecycle definitions (YAML), shipped inside the package as `miles.machines`."""

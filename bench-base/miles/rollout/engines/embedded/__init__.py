@@ -1,0 +1,1 @@
+"""The embedded engine: a transformers model and torch sampling, on CPU or GPU."""

@@ -1,0 +1,117 @@
+"""Length-aware decode attention for the fast engine: a Triton kernel that reads each sequence's own
+K/V, not the whole span bucket.
+
+With answers of mixed lengths, the stock attention call reads every slot's cache up to the
+longest sequence in the batch (its mask hides the rest); K/V reads dominate a decode step once
+sequences are long, so this kernel reads only positions 0..pos[b] of slot b. One program per
+(slot, KV head) holds that head's query group (GQA: the query heads sharing a KV head) and runs an
+online softmax over blocks of keys, flash-attention style, in float32.
+
+Optional: used on CUDA in bf16/fp16 when Triton imports and the head dim is a power of two, and
+only after `matches_sdpa` has checked it against the stock call on the engine's own shapes; the
+engine falls back to the stock call otherwise. On CPU it runs under Triton's interpreter
+(TRITON_INTERPRET=1), which is how the unit test checks it without a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_N = 64     # keys per loop iteration
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_attention_kernel(Q, K, V, O, POS, scale, sqb, sqh, sqg, skb, skh, skn, svb, svh, svn,
+                                sob, soh, sog, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                                BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n_keys = tl.load(POS + b) + 1
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, BLOCK)
+        q = tl.load(Q + b * sqb + h * sqh + g[:, None] * sqg + d[None, :], mask=g[:, None] < G, other=0.0)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        k_base = K + b * skb + h * skh
+        v_base = V + b * svb + h * svh
+        for start in range(0, n_keys, BLOCK):
+            keys = start + n
+            valid = keys < n_keys
+            k = tl.load(k_base + keys[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + keys[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(O + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(O.dtype.element_ty),
+                 mask=g[:, None] < G)
+
+    return decode_attention_kernel
+
+
+def usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel may run here (it is then still checked with `matches_sdpa`)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False   # float32 engines are the exact reference: they keep the stock call
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float) -> Tensor:
+    """q [B, kv_heads, group, D]; kc, vc [slots >= B, kv_heads, max_len, D]; slot b attends over its
+    positions 0..pos[b]. -> [B, kv_heads, group, D]."""
+    b, kv_heads, group, dim = q.shape
+    out = torch.empty_like(q)
+    g_pad = max(16, 1 << (group - 1).bit_length())
+    # float32 operands in IEEE precision, not Triton's default TF32 (a 10-bit mantissa), so the kernel
+    # computes what it says for every dtype it takes (the engine runs it in bf16/fp16 only, where
+    # this choice has no effect; "tf32" is the default it had before)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
+                             *out.stride()[:3], G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision,
+                             num_warps=4)
+    return out
+
+
+def sdpa_decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, span: int,
+                          mask: Tensor) -> Tensor:
+    """The stock call: slots 0..B-1 over their first `span` positions, `mask` [B, 1, 1, span] additive."""
+    b = q.shape[0]
+    return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask, scale=scale)
+
+
+def matches_sdpa(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_len: int, tol: float = 2e-2) -> bool:
+    """Run the kernel and the stock call on random data of the engine's shapes; True when they agree."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, slots = 5, 7
+    q = torch.randn((b, kv_heads, group, head_dim), generator=gen, device=device).to(dtype)
+    kc, vc = (torch.randn((slots, kv_heads, max_len, head_dim), generator=gen, device=device).to(dtype)
+              for _ in range(2))
+    pos = torch.tensor([0, 1, max_len // 3, max_len - 2, max_len - 1][:b], device=device)
+    valid = torch.arange(max_len, device=device) <= pos[:, None]
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))[:, None, None]
+    want = sdpa_decode_attention(q, kc, vc, pos, head_dim ** -0.5, max_len, mask).float()
+    got = decode_attention(q, kc, vc, pos, head_dim ** -0.5).float()
+    return bool((got - want).abs().max() < tol)

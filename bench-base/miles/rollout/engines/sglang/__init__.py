@@ -1,0 +1,1 @@
+"""The SGLang engine: one SGLang server per engine actor, behind sglang-router."""

@@ -1,0 +1,81 @@
+#!/bin/bash
+# One call on the GPU machine (the device tool runs it in the checkout, with `.whl/` carried):
+# install the wheels, then run the steps named in the arguments, each bounded so that the call
+# stays inside its 10 minutes. Steps: families, bench, gpuA (tests/gpu but faults, families and
+# megatron; GPUA_S bounds it, its verbose log goes to $OUT/gpuA.log), gpuB (megatron + families), megatron,
+# wgrad (wgrad_accum_gpu.py: the float32 gradient accumulation fused into the matmul or not), mfu (train_mfu_gpu.py: the trainer's step alone at 4B by variant; MFU_ARGS, MFU_S), enginecaps (engine_caps.py at
+# the 0.5B shape: per-request caps in one batch against cap by cap, stop strings' cost; CAPS_S), fsdpbench (FSDP_ARGS adds arguments, e.g. "--profile $OUT/prof"; fsdpbench:NAME reads FSDP_ARGS_NAME, writes fsdp-NAME.json), faults, tests:FILE,FILE (TESTS_S bounds it), scale:WORKLOAD
+# (grpo_scale_gpu.py's, e.g. scale:8b-2k; SCALE_S bounds it, SCALE_ARGS adds arguments; SCALE_S_8b_2k and
+# SCALE_ARGS_8b_2k set them for one workload; the run's miles/trl logs come back as $OUT/8b-2k-miles.log). Results that
+# files make go to $OUT. gpuP (tests/gpu in three parallel lanes, GPUP_S bounds each) and gpuS (the files that read the
+# GPU's free or used memory, alone; GPUS_S) together are the whole of tests/gpu. bgscale:W starts scale:W in a
+# session of its own and waits BG_WAIT_S for it; waitscale:W (the next call, the machine still warm) waits WAIT_S more
+# and brings its results back: a workload longer than one call's 10 minutes.
+# The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
+#   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
+set -u
+export PYTHONUNBUFFERED=1
+stamp=$(ls -l .whl | md5sum | cut -c1-32)      # a warm machine keeps /tmp/site: install once per set of wheels
+if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  echo "$stamp" > /tmp/site/.stamp
+fi
+export PYTHONPATH=/tmp/site:$PWD
+LANE1="tests/gpu/test_megatron_gpu.py tests/gpu/test_fp16_and_async_save_gpu.py tests/gpu/test_lora_gpu.py"
+LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py tests/gpu/test_moe_gpu.py"
+LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
+       tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py
+       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py"
+# read the GPU's free or used memory, or fill it (the memory plan's 4B and 8B layer shapes): alone
+SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/test_memory_plan_gpu.py"
+collect_scale() {     # $1: the workload; its JSON, log, the run's logs and trace into $OUT
+  local w=$1
+  tail -c 2500 /tmp/scale-$w.log; cp /tmp/scale-$w.json /tmp/scale-$w.log $OUT/ 2>/dev/null; tail -c 5000 /tmp/scale-$w.json
+  for f in miles trl; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-$f.log; done
+  [ -f /tmp/scale-$w/miles-run/trace.jsonl ] && gzip -c /tmp/scale-$w/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz
+}
+wait_scale() {        # $1: the workload, $2: seconds at most; collects it once it has ended
+  local w=$1 until=$((SECONDS + $2))
+  while [ ! -f /tmp/scale-$w.rc ] && [ $SECONDS -lt $until ]; do sleep 5; done
+  if [ -f /tmp/scale-$w.rc ]; then echo "rc=$(cat /tmp/scale-$w.rc)"; collect_scale $w; else echo "$w still running"; tail -c 1500 /tmp/scale-$w.log; fi
+}
+summary() {           # $1: a pytest -v log, $2: its exit status, $3: lines of its end to show
+  echo "rc=$2 passed=$(grep -c ' PASSED' $1)"; grep -E "::.* (FAILED|ERROR|XFAIL|XPASS|SKIPPED)" $1 | cut -c1-160 | tail -20
+  tail -${3:-15} $1
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    families) timeout 240 python3 -m pytest tests/gpu/test_model_families_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    bench) timeout 225 python3 scripts/bench/grpo_step_gpu.py --miles-iters 21 --trl-steps 3 --side-timeout-s 140 --out /tmp/bench05 > $OUT/bench05.log 2>&1; tail -c 6000 $OUT/bench05.log ;;
+    gpuA) timeout ${GPUA_S:-575} python3 -m pytest tests/gpu -v -p no:cacheprovider --durations=12 --ignore tests/gpu/test_faults_gpu.py --ignore tests/gpu/test_model_families_gpu.py --ignore tests/gpu/test_megatron_gpu.py > $OUT/gpuA.log 2>&1; summary $OUT/gpuA.log $? 30 ;;
+    gpuB) timeout 400 python3 -m pytest tests/gpu/test_megatron_gpu.py tests/gpu/test_model_families_gpu.py -q -p no:cacheprovider --durations=8 2>&1 | tail -30 ;;
+    fsdpbench|fsdpbench:*) n=${step#fsdpbench}; n=${n#:}; av=FSDP_ARGS${n:+_$n}   # fsdpbench:tok reads FSDP_ARGS_tok
+        timeout ${FSDP_S:-150} python3 scripts/bench/fsdp_step_gpu.py --out $OUT/fsdp${n:+-$n}.json ${!av:-} > /tmp/fsdp$n.log 2>&1; tail -c 3000 /tmp/fsdp$n.log ;;
+    mfu) timeout ${MFU_S:-480} python3 scripts/bench/train_mfu_gpu.py --out $OUT/mfu.json ${MFU_ARGS:-} > /tmp/mfu.log 2>&1
+        echo "rc=$?"; cp /tmp/mfu.log $OUT/; tail -c 4000 /tmp/mfu.log ;;
+    wgrad) timeout 120 python3 scripts/bench/wgrad_accum_gpu.py --out $OUT/wgrad.json 2>&1 | tail -c 4000 ;;
+    megatron) timeout ${MEGATRON_S:-300} python3 -m pytest tests/gpu/test_megatron_gpu.py -q -p no:cacheprovider --durations=6 2>&1 | tail -20 ;;
+    scale:*|bgscale:*) w=${step#*scale:}; k=${w//[.-]/_}; sv=SCALE_S_$k; av=SCALE_ARGS_$k   # per workload: SCALE_S_8b_2k, SCALE_ARGS_8b_2k
+        rm -f /tmp/scale-$w.rc
+        # in a session of its own (setsid): a bgscale run outlives this call; `waitscale:W` in the next call
+        # (made while the machine is still warm) waits for it and brings its results back
+        setsid bash -c "timeout ${!sv:-${SCALE_S:-330}} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${!av:-${SCALE_ARGS:-}} \
+          --out /tmp/scale-$w > /tmp/scale-$w.json 2> /tmp/scale-$w.log; echo \$? > /tmp/scale-$w.rc" < /dev/null &
+        if [ ${step%%:*} = bgscale ]; then wait_scale $w ${BG_WAIT_S:-480}; else wait; wait_scale $w 5; fi ;;
+    waitscale:*) wait_scale ${step#waitscale:} ${WAIT_S:-400} ;;
+    gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray)
+        for lane in "$LANE1" "$LANE2" "$LANE3"; do i=$((i + 1))
+          (timeout $s python3 -m pytest $lane -v -p no:cacheprovider --durations=10 > $OUT/lane$i.log 2>&1; echo $? > /tmp/lane$i.rc) &
+        done; wait
+        for i in 1 2 3; do echo "--- lane$i"; summary $OUT/lane$i.log "$(cat /tmp/lane$i.rc)" 3; done ;;
+    gpuS) timeout ${GPUS_S:-330} python3 -m pytest $SERIAL -v -p no:cacheprovider --durations=10 > $OUT/serial.log 2>&1; summary $OUT/serial.log $? ;;
+    tests:*) t=${step#tests:}; timeout ${TESTS_S:-300} python3 -m pytest ${t//,/ } -q -p no:cacheprovider --durations=8 2>&1 | tail -25 ;;
+    faults) timeout 260 python3 -m pytest tests/gpu/test_faults_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 ;;
+    enginecaps) timeout ${CAPS_S:-150} python3 scripts/bench/engine_caps.py --prompts 256 --max-cap 512 --distinct 64 \
+        --out $OUT/engine_caps.json > /tmp/caps.log 2>&1; echo "rc=$?"; tail -c 2500 /tmp/caps.log ;;
+  esac
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+done
+echo "=== done $(date +%T)"
