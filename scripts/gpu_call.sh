@@ -16,6 +16,8 @@
 # script:NAME runs scripts/bench/NAME.py --out $OUT/NAME.json with ARGS_NAME and S_NAME (dots and dashes as _); basebench runs
 # the colocated bench on bench-base/miles (git archive of an older tree) then on this tree, one after the other.
 # The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
+# `.whl/` also needs the base install's pure-Python packages the GPU image lacks (the demo's math reward):
+#   pip download --no-deps -d .whl math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
 #   bash scripts/gpu_call.sh gpuA        then        bash scripts/gpu_call.sh gpuB fsdpbench
 set -u
 export PYTHONUNBUFFERED=1
@@ -25,6 +27,7 @@ if [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
   echo "$stamp" > /tmp/site/.stamp
 fi
 export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import math_verify" 2>/dev/null || echo "WARNING: math_verify is missing (see the header): every whole run of the demo's recipe will be refused"
 LANE1="tests/gpu/test_megatron_gpu.py tests/gpu/test_fp16_and_async_save_gpu.py tests/gpu/test_lora_gpu.py"
 LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py tests/gpu/test_moe_gpu.py"
 LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
