@@ -96,7 +96,7 @@ for step in "$@"; do
           echo "--- $name rc=$?"; python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['miles']; print({k: m.get(k) for k in ('steady_iteration_s', 'first_iteration_s', 'steady_phase_s', 'steady_train_mfu')})
 med=lambda xs: (lambda v: sorted(v)[len(v) // 2] if v else None)([x for x in xs[1:] if x is not None])
 print('weight_sync split (median of iterations 2+): phase', med(m['phase_s']['weight_sync']), 'push+read-back', med(m['weight_sync_s']), 'memory_to_engines', med(m['memory_handoff_s']['memory_to_engines']))" $OUT/$name.json 2>&1 | tail -4
-          grep -o '"kv_cache_gib": [0-9.]*\|kv_cache_gib=[0-9.]*' /tmp/bb-$side/miles.log | head -1
+          grep -rhoE '"kv_cache_gib": [0-9.]+|kv_cache_gib=[0-9.]+' /tmp/bb-$side/miles.log /tmp/bb-$side/miles-run/logs 2>/dev/null | head -1
         done ;;
     fp8) timeout ${FP8_S:-570} python3 scripts/bench/fp8_rollout_gpu.py --out $OUT/fp8.json ${FP8_ARGS:-} > /tmp/fp8.log 2>&1
         echo "rc=$?"; cp /tmp/fp8.log $OUT/; tail -c 2500 /tmp/fp8.log; cat $OUT/fp8.json 2>/dev/null | tail -c 5000 ;;

@@ -1,1 +1,0 @@
-"""Lifecycle definitions (YAML), shipped inside the package as `miles.machines`."""

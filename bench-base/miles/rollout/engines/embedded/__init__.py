@@ -1,1 +1,0 @@
-"""The embedded engine: a transformers model and torch sampling, on CPU or GPU."""

@@ -1,1 +1,0 @@
-"""FastEngine: our own Llama/Qwen2 forward, paged KV cache, CUDA graphs and GPU sampling."""

@@ -1,1 +1,0 @@
-"""The SGLang engine: one SGLang server per engine actor, behind sglang-router."""
