@@ -125,7 +125,7 @@ def split_kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         part = (b * H + h) * SPLITS + s
-        live = (g < G) & (lo < n_keys)
+        live = (g < G) & (g * 0 + lo < n_keys)       # a vector compare: a scalar bool mask trips some interpreters
         tl.store(MID_O + part * G * D + g[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(MID_ML + part * 2 * G + g, m, mask=live)
         tl.store(MID_ML + part * 2 * G + G + g, total, mask=live)

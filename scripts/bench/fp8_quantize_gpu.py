@@ -81,19 +81,10 @@ def state_dict(shape: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def triton_quantize(w: torch.Tensor):
-    """The Triton path: `fp8._quantize_blocks_triton` on CUDA; on the CPU (TRITON_INTERPRET=1) its kernel
-    launched the same way without the CUDA device context, which the CPU has not."""
+    """The Triton path, `fp8._quantize_blocks_triton` (on the CPU under TRITON_INTERPRET=1)."""
     from miles.weights import fp8
 
-    if w.is_cuda:
-        return fp8._quantize_blocks_triton(w)
-    n, k = w.shape
-    nb, kb = -(-n // fp8.BLOCK), -(-k // fp8.BLOCK)
-    q = torch.empty((n, k), dtype=fp8.FP8, device=w.device)
-    scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    fp8._quantize_kernels()[0][(nb, kb)](w.detach(), q, scale, n, k, w.stride(0), w.stride(1), kb, BLOCK_=fp8.BLOCK,
-                                     QMAX=fp8.FP8_MAX, num_warps=8)
-    return q, scale
+    return fp8._quantize_blocks_triton(w)
 
 
 def triton_available() -> str | None:

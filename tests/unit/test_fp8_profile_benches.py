@@ -29,7 +29,7 @@ def load(name: str):
 def run_script(name: str, args: list[str], tmp_path: Path, interpret: bool) -> dict:
     """The script in a process of its own (Triton's interpreter is chosen when its kernels are defined)."""
     out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
