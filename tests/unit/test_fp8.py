@@ -183,10 +183,12 @@ for layer in range(3):
 live["model.layers.1.mlp.down_proj.weight"][:, :128] = 0.0          # all-zero blocks: scale 1
 fp8.Fp8Weights._groupable = staticmethod(lambda weights, flat: True)   # CPU tensors, Triton's interpreter
 lazy = fp8.Fp8Weights(live, torch.float16)
-# buckets of the size at which some weight's scale falls at the start of the next bucket (carried)
+# buckets of a size at which some weight's scale falls at the start of the next bucket (carried) and some
+# bucket holds several weights (one launch over tensors at offsets from the first)
 for size in range(16384, 1 << 17, 256):
     plans = plan_buckets(lazy, dtype=torch.float16, bucket_bytes=size)
-    if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans):
+    if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans) and \
+            any(sum(fp8.is_quantized_name(m.name) for m in p.metas) >= 3 for p in plans):
         break
 state = {}
 for _ in range(2):          # the second fill reuses each bucket's table
@@ -201,17 +203,18 @@ for _ in range(2):          # the second fill reuses each bucket's table
             assert torch.equal(view.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
     assert not state["carried"], list(state["carried"])       # every carried scale went into its bucket
 tables = [v["table"] for k, v in state.items() if k != "carried"]
-print(len(tables), sum(int(t.tensors[:, 6].sum()) for t in tables))
+print(len(tables), sum(int(t.tensors[:, 6].sum()) for t in tables), max(t.tensors.shape[0] for t in tables))
 """
 
 
 def test_a_bucket_quantized_by_one_launch_holds_the_per_weight_kernels_bits_under_the_interpreter():
     """`Fp8Weights.write_bucket`'s one launch per bucket (`quantize_group`, made to run on CPU tensors under
-    the interpreter) against the one-weight kernel, entry by entry: e4m3 values and scales (a scale carried
-    into the next bucket among them, an all-zero block) and the rest cast, in two fills (tables reused)."""
+    the interpreter) against the one-weight kernel, entry by entry: e4m3 values and scales (a bucket of three
+    weights or more, a scale carried into the next bucket, an all-zero block) and the rest cast, in two fills
+    (tables reused)."""
     out = _run_interpreted(GROUP_INTERPRETED)
-    tables, carried = map(int, out.split())
-    assert tables >= 2 and carried >= 1, out
+    tables, carried, widest = map(int, out.split())
+    assert tables >= 2 and carried >= 1 and widest >= 3, out
 
 
 def test_quantized_dicts_and_the_lazy_view_agree():
