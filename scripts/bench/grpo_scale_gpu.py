@@ -16,7 +16,7 @@ one optimizer step per rollout), each with its goal:
             per micro-batch: `TRL_ARGS`; the load-balancing loss off on both sides). Goals: iteration
             <= 2.5x the ideal (rollout at the MoE bandwidth bound + train at 989 TFLOP/s on the active
             parameters), peak memory flat over the last 3 iterations (within 2%); per-phase times, MFU.
-            `--r3-effect`: the R3 comparison instead of TRL (below).
+            `--r3-effect`: the R3 comparison too (below).
 
 The MoE bandwidth bound (`moe_rollout_gpu.bound`'s terms, with the bytes from the config: `moe_counts`):
 per decode step the non-expert weights (attention, routers, norms, lm_head; the untied embedding is a
@@ -67,24 +67,20 @@ The MoE path's smoke builds its own tiny Qwen3-MoE (2 layers, 8 experts, top-2),
       --r3-effect --miles-iters 2 [--out DIR]
 (without --skip-trl and with --trl-site DIR, TRL's side runs too: see grpo_step_gpu's docstring).
 
-The MoE GPU calls (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8 to both;
-`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side). One call each, inside
-its 10 minutes; a side its bound cuts still reports what it finished (TRL its steps, even a step's
+The MoE GPU run (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8;
+`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side) is longer than one
+call's 10 minutes, so it runs in the background over two calls (`bgscale`, then `waitscale` while the
+machine is warm); a side its bound cuts still reports what it finished (TRL its steps, even a step's
 generation; miles its iterations, each rollout's metrics). The budget, from the 8b-2k runs at the same
-parameter count (init about 90 s, a first iteration of 135 s that compiles the trainer, then 55 s):
-  1. timing, memory and TRL: the model build (about a minute: 16 GB written), TRL <= 130 s (its first
-     step: load, generate 256 x 1,024, train), miles <= 320 s (init, a compiling first iteration, then
-     as many steady ones as fit of --miles-iters 4):
-       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--miles-iters 4 --trl-steps 2 --trl-timeout-s 130 \
-           --side-timeout-s 320" bash scripts/gpu_call.sh scale:30b-a3b-12l
-  2. R3's effect, right after call 1 while the machine is warm (its /tmp/scale-30b-a3b-12l/model is
-     reused, no build): two miles runs <= 250 s each (init and one rollout, whose train phase compiles;
-     the R3 run also saves it, 80 MB of expert ids, for `rollout_bound_from_routing`):
-       SCALE_S_30b_a3b_12l=560 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 1 --side-timeout-s 250" \
-           bash scripts/gpu_call.sh scale:30b-a3b-12l
-     On a cold machine (the model built again) use --side-timeout-s 220.
-If call 1's miles side reaches fewer than 3 iterations, `bgscale:30b-a3b-12l` (BG_WAIT_S=540, with
---skip-trl --side-timeout-s 600) then `waitscale:30b-a3b-12l` in the next call runs it over two calls.
+parameter count (init about 90 s, a first iteration of 135 s that compiles the trainer, then 55 s): the
+model build (about a minute: 16 GB written), TRL <= 150 s (load, generate 256 x 1,024, train), the plain
+miles run <= 360 s (init, the compiling first iteration, then as many of --miles-iters 4 as fit: memory
+flat over the last 3), the R3 run <= 290 s (--r3-iters 2: the second rollout's gap is after a weight
+update; it saves its rollouts, 80 MB of expert ids, for `rollout_bound_from_routing`):
+  SCALE_S_30b_a3b_12l=900 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 4 --r3-iters 2 --trl-steps 2 \
+      --trl-timeout-s 150 --side-timeout-s 360 --r3-timeout-s 290" BG_WAIT_S=330 \
+      bash scripts/gpu_call.sh bgscale:30b-a3b-12l
+  WAIT_S=560 bash scripts/gpu_call.sh waitscale:30b-a3b-12l
 """
 
 from __future__ import annotations
@@ -277,7 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-site", type=Path, default=None, help="grpo_step_gpu's --trl-site (TRL's stack in a folder)")
     p.add_argument("--r3-effect", action="store_true",
                    help="an MoE workload: miles twice, without and with --use-rollout-routing-replay (the second "
-                        "saves its rollouts: the bound from the experts each decode step touched); no TRL")
+                        "saves its rollouts: the bound from the experts each decode step touched), after TRL "
+                        "unless --skip-trl")
+    p.add_argument("--r3-iters", type=int, default=None,
+                   help="--r3-effect: the R3 run's rollouts (default: --miles-iters); the plain run keeps --miles-iters")
+    p.add_argument("--r3-timeout-s", type=float, default=None, help="--r3-effect: the R3 run's bound "
+                   "(default: --side-timeout-s)")
     p.add_argument("--layers", type=int, default=None, help="an MoE workload: cut the shape to this many layers")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", type=Path, default=None, help="use this HF folder instead of building the shape")
@@ -320,8 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             counts, bw, bw_source = None, BANDWIDTH, "rollout_gpu.BANDWIDTH"
             bound_s = lambda gen: rollout_bound_s(shape, params, prompts, samples, gen)  # noqa: E731
         trl = {"skipped": "not this workload's comparison"} if not with_trl else \
-            {"skipped": "--skip-trl"} if s.skip_trl else {"skipped": "--r3-effect (the plain call runs TRL)"} \
-            if s.r3_effect else step.run_trl(a, root, model, data, reward, active)
+            {"skipped": "--skip-trl"} if s.skip_trl else step.run_trl(a, root, model, data, reward, active)
         miles = step.run_miles(a, root, model, data, reward, active)
         report = {"workload": s.workload, "goals": verdicts(s.workload, a, miles, trl, active, bound_s),
                   "setup": {"params": params, "active_params": active, "model": f"{family} {size}",
@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
         if s.r3_effect:
             a.miles_flags = (f"{flags} --use-rollout-routing-replay "
                              f"--save-debug-rollout-data {root / 'r3' / 'rollouts'}")
+            a.miles_iters = s.r3_iters or s.miles_iters
+            a.side_timeout_s = s.r3_timeout_s or s.side_timeout_s
             (root / "r3").mkdir(exist_ok=True)
             replayed = step.run_miles(a, root / "r3", model, data, reward, active)
             report["r3_effect"] = r3_effect(r3_side(root / "miles-run"), r3_side(root / "r3" / "miles-run"))
