@@ -199,7 +199,9 @@ def main() -> None:
             results = []
             for i in range(args.repeat):
                 order = machines[i % len(machines):] + machines[:i % len(machines)]
-                results += [run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split()) for m in order]
+                for m in order:
+                    results.append(run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split()))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)   # kept if a bound cuts the rest
         finally:
             ray.shutdown()
     median = {m: statistics.median(r["trained_tokens_per_s"] for r in results if r["machine"] == m) for m in machines}
