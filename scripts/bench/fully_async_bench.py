@@ -112,7 +112,7 @@ def machine_flags(machine: str) -> list[str]:
     return []
 
 
-def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[str] = ()) -> dict:
+def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[str] = (), warmup_steps: int = 0) -> dict:
     from miles.api.launch import train
     from miles.config.flags import parse_flags
     from miles.runtime import read_trace, with_disposer
@@ -123,7 +123,7 @@ def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[st
     asyncio.run(with_disposer(train, cfg, machine=machine))
     wall = time.monotonic() - t0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summarize(read_trace(run_dir), [r for r in rows if r.get("kind") == "train"], machine, wall)
+    return summarize(read_trace(run_dir), [r for r in rows if r.get("kind") == "train"], machine, wall, warmup_steps)
 
 
 def _busy(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -137,12 +137,20 @@ def _busy(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
     return total
 
 
-def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
-    init_end = next(e.mono for e in trace.of("phase_end") if e.state == "init")
-    drain_start = next(e.mono for e in trace.of("phase_start") if e.state == "draining")
-    loop = max(drain_start - init_end, 1e-9)
+def summarize(trace, rows: list[dict], machine: str, wall: float, warmup_steps: int = 0) -> dict:
+    """The loop is measured from the end of init, or with `warmup_steps` K from the end of the K-th train
+    phase (the steps that compile and autotune left out), to the start of draining; its trained tokens are
+    those of the steps after the K-th."""
     phases = {s: [(e.mono - e.duration_s, e.mono) for e in trace.of("phase_end") if e.state == s]
               for s in ("rollout", "train")}
+    if warmup_steps >= len(phases["train"]):
+        raise ValueError(f"--warmup-steps {warmup_steps}: the run trained {len(phases['train'])} steps; "
+                         "measure at least one (raise --steps)")
+    init_end = phases["train"][warmup_steps - 1][1] if warmup_steps else \
+        next(e.mono for e in trace.of("phase_end") if e.state == "init")
+    drain_start = next(e.mono for e in trace.of("phase_start") if e.state == "draining")
+    loop = max(drain_start - init_end, 1e-9)
+    rows = rows[warmup_steps:]
     if machine == "sync":
         engines = {"all": phases["rollout"]}
     elif machine == "async":
@@ -162,7 +170,8 @@ def summarize(trace, rows: list[dict], machine: str, wall: float) -> dict:
             "response_len_max": max(r["response_len_max"] for r in rows),
             "engine_idle_fraction": round(1 - statistics.fmean(engine_busy), 3),
             "trainer_idle_fraction": round(1 - _busy(phases["train"], init_end, drain_start) / loop, 3),
-            "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"]), 4),
+            "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"][warmup_steps:]), 4),
+            "warmup_steps": warmup_steps,
             "staleness_max": max(r.get("staleness_max", 0) for r in rows),
             "cpu_threads": next(iter(trace.of("placement"))).get("cpu_threads"),   # the placement's budget (CPU)
             "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
@@ -176,6 +185,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=96, help="the response cap (--rollout-max-response-len)")
     p.add_argument("--stop-ids", type=int, default=1, help="stop token ids (more: shorter answers on average)")
     p.add_argument("--steps", type=int, default=6, help="--num-rollout of each run")
+    p.add_argument("--warmup-steps", type=int, default=0, help="measure from the end of this many train steps "
+                   "(a GPU run's first steps compile; its compile caches also favour the machines run later)")
     p.add_argument("--engines", type=int, default=2, help="--rollout-num-engines")
     p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
     p.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"), help="--device cuda: the Qwen3 shape")
@@ -200,7 +211,8 @@ def main() -> None:
             for i in range(args.repeat):
                 order = machines[i % len(machines):] + machines[:i % len(machines)]
                 for m in order:
-                    results.append(run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split()))
+                    results.append(run_machine(m, flags, root / f"{m}-{i}", args.fully_async_flags.split(),
+                                               args.warmup_steps))
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)   # kept if a bound cuts the rest
         finally:
             ray.shutdown()
