@@ -32,7 +32,9 @@ engine, 16 prompts x 8 samples a step, answers of --mean-len tokens on average u
 (`gpu_workload`). The command (from the checkout, the wheels installed):
   PYTHONPATH=$PWD python3 scripts/bench/fully_async_bench.py --device cuda --size 0.6b --max-len 2048 \
       --mean-len 256 --steps 8 --engines 1 --repeat 1 --runs-dir /tmp/fa-bench > fully_async_gpu.json
-(three runs of 8 steps; extra miles flags after `--`). The start-up memory plan of that run on an 80 GB
+(three runs of 8 steps; extra miles flags after `--`). Run so on an H100 (Dec 7 2026) its first steps'
+compiles were a third of each loop and the later machines found the first one's compile caches: measure
+with `--steps 12 --warmup-steps 3 --repeat 2` (docs/performance.md, "Fully async on a long tail"). The start-up memory plan of that run on an 80 GB
 H100: 0.6B fits at the default fraction (the engine's KV cache ~39 GiB); `--size 1.7b` needs about
 84 GiB there and is refused before Ray starts, naming the flags; with `-- --rollout-mem-fraction 0.4` it
 fits (checked on the CPU with `startup_problems(cfg, 1, gpu_bytes=81559 MiB)`, Dec 7 2026).
