@@ -31,7 +31,7 @@ KV cache --rollout-mem-fraction, default 0.5, of the GPU less its weights, the t
 engine, 16 prompts x 8 samples a step, answers of --mean-len tokens on average up to --max-len
 (`gpu_workload`). The command (from the checkout, the wheels installed):
   PYTHONPATH=$PWD python3 scripts/bench/fully_async_bench.py --device cuda --size 0.6b --max-len 2048 \
-      --mean-len 256 --steps 8 --engines 1 --repeat 1 --runs-dir /tmp/fa-bench > fully_async_gpu.json
+      --mean-len 256 --steps 8 --engines 1 --repeat 1 --runs-dir /tmp/fa-bench --out fully_async_gpu.json
 (three runs of 8 steps; extra miles flags after `--`). Run so on an H100 (Dec 7 2026) its first steps'
 compiles were a third of each loop and the later machines found the first one's compile caches: measure
 with `--steps 12 --warmup-steps 3 --repeat 2` (docs/performance.md, "Fully async on a long tail"). The start-up memory plan of that run on an 80 GB
@@ -182,6 +182,7 @@ def summarize(trace, rows: list[dict], machine: str, wall: float, warmup_steps: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here (stdout has the runs' log lines too)")
     p.add_argument("--repeat", type=int, default=1, help="runs per machine, rotating which goes first")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--max-len", type=int, default=96, help="the response cap (--rollout-max-response-len)")
@@ -224,6 +225,8 @@ def main() -> None:
            "results": results, "median_trained_tokens_per_s": median,
            "speedup_vs_sync": {m: round(v / base, 3) for m, v in median.items()} if base else None}
     print(json.dumps(out, indent=2))
+    if args.out:            # the run's own log lines also go to stdout: --out holds the JSON alone
+        args.out.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
