@@ -141,15 +141,22 @@ def _quantize_blocks_triton(w: Tensor, round_to: torch.dtype | None = None,
     return q, scale
 
 
+ALIGN = 16      # elements: what `GroupTable.aligned` asks of every offset, row stride and width
+
+
 class GroupTable(NamedTuple):
     """Where the weights of a group are, for `quantize_group`, on the device: one row of `FIELDS` int64 per
     weight (`tensors`) and the weight of each 128 x 128 block (`blocks`, int32: 4 bytes a block, about 1 MB
     for a 4B model). Made once for a group whose tensors stay where they are (`key`). Offsets are in elements
     from the group's first weight (`src`), in bytes from the bucket's start (`dst`: e4m3 elements are bytes),
-    and in float32 elements from the bucket's start or from the carry buffer's (`s_off`, `carried`)."""
+    and in float32 elements from the bucket's start or from the carry buffer's (`s_off`, `carried`).
+    `aligned`: every offset, row stride and width is a multiple of 16 elements, so the kernel may tell Triton
+    so (`tl.multiple_of`) and it vectorizes the loads and stores (it cannot know it of values it reads from
+    the table at run time; the one-weight kernel gets that from Triton's specialization of its arguments)."""
     key: tuple
     tensors: Tensor
     blocks: Tensor
+    aligned: bool = False
 
     FIELDS = 9      # src, src row stride, dst, N, K, s_off, carried, first block, blocks per row (kb)
 
@@ -172,8 +179,9 @@ def group_table(weights: list[Tensor], dsts: list[int], scales: list[tuple[int, 
         counts.append(_blocks(n, BLOCK) * kb)
         first += counts[-1]
     which = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
+    aligned = base % 16 == 0 and all(v % ALIGN == 0 for row in rows for v in row[:3] + [row[4]])
     return GroupTable(group_key(weights, dsts, scales), torch.tensor(rows, dtype=torch.int64).to(device),
-                      which.to(device))
+                      which.to(device), aligned)
 
 
 def quantize_group(table: GroupTable, first: Tensor, flat: Tensor, carry: Tensor, round_to: torch.dtype | None) -> None:
@@ -184,7 +192,8 @@ def quantize_group(table: GroupTable, first: Tensor, flat: Tensor, carry: Tensor
     with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
         _quantize_kernels()[1][(table.blocks.numel(),)](
             first.detach(), flat.view(FP8), flat[:nbytes].view(torch.float32), carry, table.tensors, table.blocks,
-            FIELDS=GroupTable.FIELDS, BLOCK_=BLOCK, QMAX=FP8_MAX, ROUND=_rounding(first.dtype, round_to), num_warps=8)
+            FIELDS=GroupTable.FIELDS, BLOCK_=BLOCK, QMAX=FP8_MAX, ROUND=_rounding(first.dtype, round_to),
+            ALIGNED=table.aligned, num_warps=8)
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> Tensor:

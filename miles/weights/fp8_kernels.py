@@ -42,12 +42,17 @@ if triton is not None:
 
     @triton.jit
     def quantize_group_kernel(W, Q, S, C, T, B, FIELDS: tl.constexpr, BLOCK_: tl.constexpr, QMAX: tl.constexpr,
-                              ROUND: tl.constexpr):
+                              ROUND: tl.constexpr, ALIGNED: tl.constexpr):
         # one program per block of any weight of the group: B gives its weight, that weight's row of T
         # (`fp8.GroupTable`) where the weight, its values and its scales are
         b = tl.program_id(0)
         row = T + tl.load(B + b).to(tl.int64) * FIELDS
         src, src_stride, dst, n, k = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+        if ALIGNED:     # the table checked it (`GroupTable.aligned`): Triton may vectorize the loads and stores
+            src = tl.multiple_of(src, 16)
+            src_stride = tl.multiple_of(src_stride, 16)
+            dst = tl.multiple_of(dst, 16)
+            k = tl.multiple_of(k, 16)
         s_off, carried, first, kb = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8)
         i = (b - first) // kb
         j = (b - first) % kb

@@ -173,37 +173,46 @@ import torch
 from miles.weights import fp8
 from miles.weights.transport import bucket_views, fill_bucket, plan_buckets
 
-gen = torch.Generator().manual_seed(0)
-live = {}
-shapes = {"self_attn.q_proj": (200, 130), "self_attn.o_proj": (128, 256), "mlp.down_proj": (64, 300)}
-for layer in range(3):
-    live[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(130, generator=gen)
-    for proj, shape in shapes.items():
-        live[f"model.layers.{layer}.{proj}.weight"] = torch.randn(shape, generator=gen) * 0.1
-live["model.layers.1.mlp.down_proj.weight"][:, :128] = 0.0          # all-zero blocks: scale 1
 fp8.Fp8Weights._groupable = staticmethod(lambda weights, flat: True)   # CPU tensors, Triton's interpreter
-lazy = fp8.Fp8Weights(live, torch.float16)
-# buckets of a size at which some weight's scale falls at the start of the next bucket (carried) and some
-# bucket holds several weights (one launch over tensors at offsets from the first)
-for size in range(16384, 1 << 17, 256):
-    plans = plan_buckets(lazy, dtype=torch.float16, bucket_bytes=size)
-    if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans) and \
-            any(sum(fp8.is_quantized_name(m.name) for m in p.metas) >= 3 for p in plans):
-        break
-state = {}
-for _ in range(2):          # the second fill reuses each bucket's table
-    for plan in plans:
-        got = bucket_views(plan, fill_bucket(plan, lazy, device="cpu", state=state))
-        for name, view in got.items():
-            weight = name[:-len(fp8.SCALE_SUFFIX)] if name.endswith(fp8.SCALE_SUFFIX) else name
-            if fp8.is_quantized_name(weight):
-                want = fp8._quantize_blocks_triton(live[weight], torch.float16)[int(weight != name)]
-            else:
-                want = live[name].to(torch.float16)
-            assert torch.equal(view.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
-    assert not state["carried"], list(state["carried"])       # every carried scale went into its bucket
-tables = [v["table"] for k, v in state.items() if k != "carried"]
-print(len(tables), sum(int(t.tensors[:, 6].sum()) for t in tables), max(t.tensors.shape[0] for t in tables))
+
+
+def check(shapes, zero_block):
+    gen = torch.Generator().manual_seed(0)
+    live = {}
+    for layer in range(3):
+        live[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(130, generator=gen)
+        for proj, shape in shapes.items():
+            live[f"model.layers.{layer}.{proj}.weight"] = torch.randn(shape, generator=gen) * 0.1
+    if zero_block:
+        live["model.layers.1.mlp.down_proj.weight"][:, :128] = 0.0      # all-zero blocks: scale 1
+    lazy = fp8.Fp8Weights(live, torch.float16)
+    # buckets of a size at which some weight's scale falls at the start of the next bucket (carried) and some
+    # bucket holds several weights (one launch over tensors at offsets from the first)
+    for size in range(16384, 1 << 17, 256):
+        plans = plan_buckets(lazy, dtype=torch.float16, bucket_bytes=size)
+        if any(p.metas[0].name.endswith(fp8.SCALE_SUFFIX) for p in plans) and \\
+                any(sum(fp8.is_quantized_name(m.name) for m in p.metas) >= 3 for p in plans):
+            break
+    state = {}
+    for _ in range(2):          # the second fill reuses each bucket's table
+        for plan in plans:
+            got = bucket_views(plan, fill_bucket(plan, lazy, device="cpu", state=state))
+            for name, view in got.items():
+                weight = name[:-len(fp8.SCALE_SUFFIX)] if name.endswith(fp8.SCALE_SUFFIX) else name
+                if fp8.is_quantized_name(weight):
+                    want = fp8._quantize_blocks_triton(live[weight], torch.float16)[int(weight != name)]
+                else:
+                    want = live[name].to(torch.float16)
+                assert torch.equal(view.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        assert not state["carried"], list(state["carried"])       # every carried scale went into its bucket
+    return [v["table"] for k, v in state.items() if k != "carried"]
+
+
+# widths that are no multiple of 16 (the tables unaligned), then all multiples of 16 (`GroupTable.aligned`)
+odd = check({"self_attn.q_proj": (200, 130), "self_attn.o_proj": (128, 256), "mlp.down_proj": (64, 300)}, True)
+even = check({"self_attn.q_proj": (200, 144), "self_attn.o_proj": (128, 256), "mlp.down_proj": (64, 320)}, True)
+print(len(odd), sum(int(t.tensors[:, 6].sum()) for t in odd), max(t.tensors.shape[0] for t in odd),
+      sum(t.aligned for t in odd), sum(t.aligned for t in even), len(even))
 """
 
 
@@ -213,8 +222,9 @@ def test_a_bucket_quantized_by_one_launch_holds_the_per_weight_kernels_bits_unde
     weights or more, a scale carried into the next bucket, an all-zero block) and the rest cast, in two fills
     (tables reused)."""
     out = _run_interpreted(GROUP_INTERPRETED)
-    tables, carried, widest = map(int, out.split())
+    tables, carried, widest, odd_aligned, even_aligned, even_tables = map(int, out.split())
     assert tables >= 2 and carried >= 1 and widest >= 3, out
+    assert odd_aligned == 0 and 0 < even_aligned, out       # both kernel variants ran
 
 
 def test_quantized_dicts_and_the_lazy_view_agree():
