@@ -167,3 +167,17 @@ def test_the_moe_smoke_runs_the_whole_path_with_the_r3_comparison(bench, tmp_pat
     routed = report["rollout_bound_from_routing"]
     assert routed["rollout_id"] == 1 and routed["sequences"] == 4 and routed["decode_steps"] == 7
     assert 0 < routed["mean_distinct_experts_per_layer"] <= 8 and routed["bound_s"] > 0
+
+
+def test_the_model_built_in_a_child_process_is_the_one_built_here(bench, tmp_path):
+    """`build_model(isolated=True)` (the default where CUDA is) writes the same model from a spawned child,
+    so that the bench's own process keeps none of its host memory while the runs train."""
+    from safetensors.torch import load_file
+
+    shape = bench.step.SHAPES[("qwen3_moe", "tiny")]
+    here = bench.step.build_model(tmp_path / "here", "qwen3_moe", "tiny", shape, isolated=False)
+    child = bench.step.build_model(tmp_path / "child", "qwen3_moe", "tiny", shape, isolated=True)
+    assert child == here > 0
+    a, b = load_file(str(tmp_path / "here" / "model.safetensors")), load_file(str(tmp_path / "child" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert (tmp_path / "child" / "tokenizer.json").is_file()
