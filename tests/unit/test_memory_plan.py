@@ -105,6 +105,8 @@ QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, tie_word_embeddings=False, max_position_embeddings=40960)
 H200 = 141 * 2 ** 30
+HOST = 128 * 2 ** 30          # the GPU machine's memory
+BIG_HOST = 2 ** 40            # a host that holds any of these plans' moments: the GPU side alone
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +130,13 @@ def gpu_run(tmp_path_factory):
 
 
 def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_that_make_room(gpu_run):
+    from functools import partial
+
     from miles.training.torch.memory_plan import parameter_count, startup_problems
 
     from transformers import AutoConfig
+
+    startup_problems = partial(startup_problems, host_bytes=BIG_HOST)     # the GPU side alone
 
     assert parameter_count(AutoConfig.from_pretrained(gpu_run().model.hf_checkpoint)) == pytest.approx(8.19e9, rel=0.01)
     # weights 4 + gradients 4 + moments 8 + bf16 copies 2 + the engine's bf16 weights 2 B/param: 18 x 8.19e9 > 141 GiB
@@ -178,6 +184,36 @@ def test_a_plan_whose_step_cannot_fit_is_refused_at_start_up_naming_the_flags_th
     assert startup_problems(replace(cpu, model=replace(cpu.model, device="cpu")), 1, gpu_bytes=H200) == []
 
 
+def test_moments_in_host_memory_that_the_host_cannot_hold_are_refused_at_start_up(gpu_run):
+    """--offload-train / --optimizer-cpu-offload keep AdamW's moments (8 B/param) in host memory: a machine
+    whose memory cannot hold them beside the rest is refused at start-up, not by the OOM killer in the
+    first train step (the 8B model's moments are 61.0 GiB)."""
+    from miles.training.torch.memory_plan import HOST_MOMENTS_SHARE, startup_problems
+
+    offload = gpu_run("--recompute-activations", "--offload-train")
+    assert startup_problems(offload, 1, gpu_bytes=H200, host_bytes=HOST) == []
+    (problem,) = startup_problems(offload, 1, gpu_bytes=H200, host_bytes=64 * 2 ** 30)
+    assert "--offload-train keeps AdamW's moments in host memory: about 61.0 GiB" in problem
+    assert "this machine has 64.0 GiB" in problem and "--lora-rank" in problem
+    # the bound is the share, not the whole: 61.0 GiB fit 77 GiB at 80% (61.6), not 76 (60.8)
+    assert HOST_MOMENTS_SHARE == 0.8
+    assert startup_problems(offload, 1, gpu_bytes=H200, host_bytes=77 * 2 ** 30) == []
+    assert startup_problems(offload, 1, gpu_bytes=H200, host_bytes=76 * 2 ** 30) != []
+    # PPO with --optimizer-cpu-offload: the critic's moments too
+    ppo = gpu_run("--recompute-activations", "--advantage-estimator", "ppo", "--optimizer-cpu-offload")
+    (both,) = startup_problems(ppo, 2, gpu_bytes=H200, host_bytes=HOST)
+    assert "--optimizer-cpu-offload keeps" in both and "about 122.1 GiB" in both and "policy and critic" in both
+    # moments on the GPU, LoRA's adapters, or a cluster elsewhere (--ray-address): nothing to check here
+    assert startup_problems(gpu_run("--recompute-activations"), 2, gpu_bytes=H200, host_bytes=2 ** 30) == []
+    lora = gpu_run("--recompute-activations", "--offload-train", "--lora-rank", "8")
+    assert startup_problems(lora, 1, gpu_bytes=H200, host_bytes=2 ** 30) == []
+    remote = replace(offload, cluster=replace(offload.cluster, ray_address="10.0.0.1:6379"))
+    assert startup_problems(remote, 1, gpu_bytes=H200, host_bytes=2 ** 30) == []
+    # both problems at once: the GPU's step and the host's moments
+    assert len(startup_problems(gpu_run("--offload-train", "--rollout-max-response-len", "16384"), 1,
+                                gpu_bytes=H200, host_bytes=2 ** 30)) == 2
+
+
 def test_validate_runs_the_start_up_check_with_this_machines_gpu_memory(tmp_path, monkeypatch):
     import miles.training.torch.memory_plan as plan
 
@@ -202,11 +238,11 @@ def test_the_plan_counts_the_weights_of_the_engine_that_runs_not_the_one_asked(g
     embedded = gpu_run("--recompute-activations", "--rollout-engine", "embedded")
     assert embedded.rollout.engine == "embedded" and engine_to_run(embedded, on_gpus=True) == ("fast", None)
     assert ENGINES["fast"].weights_on_release == "kept"
-    (problem,) = startup_problems(embedded, 1, gpu_bytes=H200)
+    (problem,) = startup_problems(embedded, 1, gpu_bytes=H200, host_bytes=BIG_HOST)
     assert "engine weights 15.3" in problem and "--rollout-engine sglang (it releases its weights" in problem
-    assert problem == startup_problems(gpu_run("--recompute-activations"), 1, gpu_bytes=H200)[0]
+    assert problem == startup_problems(gpu_run("--recompute-activations"), 1, gpu_bytes=H200, host_bytes=BIG_HOST)[0]
     # an engine that drops its weights while the trainer trains adds none (the moments still do not fit)
-    (sglang,) = startup_problems(gpu_run("--recompute-activations", "--rollout-engine", "sglang"), 1, gpu_bytes=H200)
+    (sglang,) = startup_problems(gpu_run("--recompute-activations", "--rollout-engine", "sglang"), 1, gpu_bytes=H200, host_bytes=BIG_HOST)
     assert "engine weights" not in sglang and "--rollout-engine sglang" not in sglang
 
 
@@ -225,16 +261,16 @@ def test_a_resident_engine_on_the_trainers_gpu_counts_its_kv_cache_share_and_the
     # the engine is told, so that it plans its cache from the GPU's total, not from what is free at its start
     assert ENGINES["fast"].options(gpu_run(*resident))["shared_gpu"] is True
     assert "shared_gpu" not in ENGINES["fast"].options(gpu_run())
-    (problem,) = startup_problems(gpu_run(*resident), 1, gpu_bytes=H200)
+    (problem,) = startup_problems(gpu_run(*resident), 1, gpu_bytes=H200, host_bytes=BIG_HOST)
     # 0.5 x (141 GiB - 15.3 GiB of engine weights) = 62.9 GiB of KV cache, and ~2.3 GiB of workspace
     cache = float(problem.split("engine cache ")[1].split(",")[0])
     assert 0.5 * (H200 - weights) / gib < cache < 0.5 * (H200 - weights) / gib + 3
     assert "engine weights 15.3" in problem and "--rollout-mem-fraction" in problem
     assert "--offload-train" not in problem          # the async machines refuse it; the moments' flag is named
     # the same run handing the cache back and forth (sync's --colocate) counts none of it
-    assert startup_problems(gpu_run("--recompute-activations", "--optimizer-cpu-offload"), 1, gpu_bytes=H200) == []
+    assert startup_problems(gpu_run("--recompute-activations", "--optimizer-cpu-offload"), 1, gpu_bytes=H200, host_bytes=BIG_HOST) == []
     # a smaller share of the GPU for the engine leaves the trainer room
-    assert startup_problems(gpu_run(*resident, "--rollout-mem-fraction", "0.2"), 1, gpu_bytes=H200) == []
+    assert startup_problems(gpu_run(*resident, "--rollout-mem-fraction", "0.2"), 1, gpu_bytes=H200, host_bytes=BIG_HOST) == []
     # and more decode rows need more workspace (logits for each row over the 152k vocabulary)
-    (wide,) = startup_problems(gpu_run(*resident, "--rollout-max-batch-size", "1024"), 1, gpu_bytes=H200)
+    (wide,) = startup_problems(gpu_run(*resident, "--rollout-max-batch-size", "1024"), 1, gpu_bytes=H200, host_bytes=BIG_HOST)
     assert float(wide.split("engine cache ")[1].split(",")[0]) > cache + 1

@@ -209,10 +209,27 @@ def check(cfg: RunConfig, problems: list[str]) -> None:
     problems += startup_problems(cfg, cfg.trainer_gpus)
 
 
-def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | None = None) -> list[str]:
+def host_memory_bytes() -> int:
+    """This machine's memory (psutil: what the OS reports, a container's limit not subtracted)."""
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+# the share of the host's memory AdamW's moments may take when they live there: beside them stay the trainer's
+# own process (torch, CUDA, pinned staging), the engines', Ray's, and the page cache; Ray's memory monitor ends
+# workers at 95% of the node's memory
+HOST_MOMENTS_SHARE = 0.8
+
+
+def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | None = None,
+                     host_bytes: int | None = None) -> list[str]:
     """The torch trainer's check of a GPU run's memory plan (the backend spec's `check`): one problem
     naming the flags to change when a step cannot fit on a trainer GPU, else none. Runs only where the
-    trainer's GPUs are known and their memory can be read (`gpu_bytes`, else `gpu_memory_bytes()`)."""
+    trainer's GPUs are known and their memory can be read (`gpu_bytes`, else `gpu_memory_bytes()`).
+    Where the optimizer's moments live in host memory (--offload-train, --optimizer-cpu-offload) on a
+    cluster this run starts here, also whether this machine (`host_bytes`, else `host_memory_bytes()`)
+    can hold them: a run that cannot would be ended by the OOM killer in its first train step."""
     if not trainer_gpus or cfg.model.on_gpus is False:
         return []
     total = gpu_bytes if gpu_bytes is not None else gpu_memory_bytes()
@@ -257,8 +274,9 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
                      critic_optimizer_on_gpu=not t.optimizer_cpu_offload,
                      engine_weight_bytes=2 * params if engine_keeps else 0, activation_bytes=longest * per_token,
                      processes=2 if c.colocate else 1, teacher_params=teacher, engine_cache_bytes=engine_cache)
+    problems = _host_problems(cfg, params, streamed, host_bytes)
     if sum(need.values()) <= total:
-        return []
+        return problems
     gib = 2 ** 30
     room = [f for f, missing in (
         ("--offload-train or --optimizer-cpu-offload (AdamW's moments, 8 B/param, stay in host memory)",
@@ -279,4 +297,25 @@ def startup_problems(cfg, trainer_gpus: int | None = None, *, gpu_bytes: int | N
     parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in need.items() if v)
     return [f"the torch trainer's step needs about {sum(need.values()) / gib:.1f} GiB on each of its GPUs "
             f"({parts} GiB; a {params / 1e9:.2f}B-parameter model, samples up to {longest} tokens) but a GPU here "
-            f"has {total / gib:.1f} GiB; make room with " + "; ".join(room)]
+            f"has {total / gib:.1f} GiB; make room with " + "; ".join(room)] + problems
+
+
+def _host_problems(cfg, params: int, streamed: bool, host_bytes: int | None) -> list[str]:
+    """AdamW's moments in host memory (8 B/param: the policy's, and the critic's under
+    --optimizer-cpu-offload) against `HOST_MOMENTS_SHARE` of this machine's memory; only for a cluster
+    started here (with --ray-address the trainer's hosts are elsewhere) and a full-parameter run (LoRA's
+    moments are the adapters')."""
+    t, a = cfg.train, cfg.algorithm
+    if not streamed or t.lora_rank or cfg.cluster.ray_address:
+        return []
+    moments = 8 * params * (2 if a.needs_critic and t.optimizer_cpu_offload else 1)
+    host = host_bytes if host_bytes is not None else host_memory_bytes()
+    if moments <= HOST_MOMENTS_SHARE * host:
+        return []
+    gib = 2 ** 30
+    flag = "--optimizer-cpu-offload" if t.optimizer_cpu_offload else "--offload-train"
+    return [f"{flag} keeps AdamW's moments in host memory: about {moments / gib:.1f} GiB (8 B/param, a "
+            f"{params / 1e9:.2f}B-parameter model{', policy and critic' if moments > 8 * params else ''}) but this "
+            f"machine has {host / gib:.1f} GiB, and the trainer, the engines and Ray need room beside them (the "
+            f"moments may take {HOST_MOMENTS_SHARE:.0%}); run on a machine with more memory, train LoRA adapters "
+            f"(--lora-rank), or spread the trainer over nodes of a cluster (--ray-address, --actor-num-nodes)"]
