@@ -179,7 +179,7 @@ def group_table(weights: list[Tensor], dsts: list[int], scales: list[tuple[int, 
         counts.append(_blocks(n, BLOCK) * kb)
         first += counts[-1]
     which = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts))
-    aligned = base % 16 == 0 and all(v % ALIGN == 0 for row in rows for v in row[:3] + [row[4]])
+    aligned = base % ALIGN == 0 and all(v % ALIGN == 0 for row in rows for v in row[:3] + [row[4]])
     return GroupTable(group_key(weights, dsts, scales), torch.tensor(rows, dtype=torch.int64).to(device),
                       which.to(device), aligned)
 

@@ -73,15 +73,15 @@ call's 10 minutes, so it runs in the background over two calls (`bgscale`, then 
 machine is warm); a side its bound cuts still reports what it finished (TRL its steps, even a step's
 generation; miles its iterations, each rollout's metrics). The budget, from the 8b-2k runs at the same
 parameter count (init about 90 s, a first iteration of 135 s that compiles the trainer, then 55 s): the
-model build (about a minute: 16 GB written), TRL <= 120 s (load, generate 256 x 1,024, train: a first step
-at least), the plain miles run <= 360 s (init, the compiling first iteration, then as many of --miles-iters 4
+model build (about a minute: 16 GB written), TRL <= 180 s (load, generate 256 x 1,024, train: on an H200 on
+Dec 7 it was still generating its first step at 120 s), the plain miles run <= 360 s (init, the compiling first iteration, then as many of --miles-iters 4
 as fit: memory flat over the last 3), the R3 run <= 240 s (--r3-iters 1: its one rollout is the plain run's
 first, from the same weights, so the two runs' first rollouts compare like with like; it saves it, 80 MB of
 expert ids, for `rollout_bound_from_routing`). After `script:moe_rollout_gpu` (200 s) in the same call:
-  S_moe_rollout_gpu=200 SCALE_S_30b_a3b_12l=840 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 4 \
-      --r3-iters 1 --trl-steps 2 --trl-timeout-s 120 --side-timeout-s 360 --r3-timeout-s 240" BG_WAIT_S=340 \
+  S_moe_rollout_gpu=170 SCALE_S_30b_a3b_12l=800 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 4 \
+      --r3-iters 1 --trl-steps 1 --trl-timeout-s 180 --side-timeout-s 340 --r3-timeout-s 230" BG_WAIT_S=230 \
       bash scripts/gpu_call.sh script:moe_rollout_gpu bgscale:30b-a3b-12l
-  WAIT_S=480 bash scripts/gpu_call.sh waitscale:30b-a3b-12l
+  WAIT_S=570 bash scripts/gpu_call.sh waitscale:30b-a3b-12l
 """
 
 from __future__ import annotations
