@@ -38,6 +38,9 @@ class SamplingParams:
     max_context_len: int | None = None  # prompt + response tokens at most (each prompt's budget is the rest)
     seed: int | None = None         # makes a generate() call reproducible on the same engine
     min_new_tokens: int = 0         # EOS and stop_token_ids are barred before this many tokens (SGLang's)
+    # the call returns once no request waits for a slot and at most this many still run; those end "abort"
+    # with what they generated (the fully-async producer continues them in its next call); 0: never
+    tail_cut: int = 0
 
 
 def sampling_problems(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,

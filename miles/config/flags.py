@@ -527,6 +527,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("async-unused-samples-handler", "run", "async_unused_samples_handler", str,
        "fully async: what happens to a group past --max-weight-staleness: drop it, or retry (generate its "
        "prompt again); either is counted", ("drop", "retry")),
+    _f("async-tail-cut-share", "run", "async_tail_cut_share", float,
+       "fully async: a producer's engine call returns once at most this share of its samples still run "
+       "(their groups go on in a next call, from prompt + response so far), so the long answers do not keep "
+       "the engine's batch nearly empty; 0 (default): a call waits for its longest answer"),
     _f("debug-exit-after-rollout", "run", "debug_exit_after_rollout", int, "stop after this many rollouts of this invocation"),
     _f("save-debug-rollout-data", "run", "save_debug_rollout_data", str,
        "write each rollout's samples and metrics to PATH, a template with {rollout_id} (else a folder: "

@@ -576,6 +576,7 @@ class RunConfig:
     async_max_concurrent_samples: int | None = None   # --async-max-concurrent-samples: samples in flight at most
     async_data_buffer_capacity_factor: float = 2.0   # --async-data-buffer-capacity-factor: buffer = this x batch groups
     async_unused_samples_handler: str = "drop"       # --async-unused-samples-handler: a stale group is dropped or retried
+    async_tail_cut_share: float = 0.0                # --async-tail-cut-share: a producer call returns once this share of its samples still runs
     debug_exit_after_rollout: int | None = None  # --debug-exit-after-rollout
     save_debug_rollout_data: str | None = None  # --save-debug-rollout-data: each rollout's samples to this path
     dump_details: str | None = None     # --dump-details DIR: both debug dumps under DIR (debug_*_data_path)

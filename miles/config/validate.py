@@ -768,7 +768,8 @@ PRODUCER_PHASES = ("miles.phases.fully_async:rollout",)     # a producer generat
 FULLY_ASYNC_FLAGS = (("--max-weight-staleness", "max_weight_staleness", None),
                      ("--async-max-concurrent-samples", "async_max_concurrent_samples", None),
                      ("--async-data-buffer-capacity-factor", "async_data_buffer_capacity_factor", 2.0),
-                     ("--async-unused-samples-handler", "async_unused_samples_handler", "drop"))
+                     ("--async-unused-samples-handler", "async_unused_samples_handler", "drop"),
+                     ("--async-tail-cut-share", "async_tail_cut_share", 0.0))
 
 
 @check
@@ -895,6 +896,9 @@ def _fully_async_problems(cfg: RunConfig) -> list[str]:
     if not cfg.async_data_buffer_capacity_factor >= 1.0:
         problems.append(f"--async-data-buffer-capacity-factor {cfg.async_data_buffer_capacity_factor}: the buffer "
                         "must hold at least one --rollout-batch-size of groups; give 1.0 or more (miles: 2.0)")
+    if not 0.0 <= cfg.async_tail_cut_share < 1.0:
+        problems.append(f"--async-tail-cut-share {cfg.async_tail_cut_share}: the share of an engine call's samples "
+                        "still running when it returns; give a value in [0, 1) (0: off; e.g. 0.25)")
     return problems
 
 

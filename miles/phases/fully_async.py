@@ -52,12 +52,14 @@ async def init(ctx: TrainingContext) -> str:
     cfg, executor = ctx.cfg, ctx.c.executor.handle
     producer = Producer(
         draw=lambda k: executor.draw_prompts.remote(k),
-        generate=lambda i, rows, seed: executor.generate_groups.remote(i, rows, seed),
+        generate=lambda i, rows, seed, going_on: executor.generate_groups.remote(
+            i, rows, seed, going_on, cfg.async_tail_cut_share),
         abort=lambda: executor.abort_engines.remote(), num_engines=len(ctx.c.engines),
         capacity=capacity_groups(cfg), concurrent_groups=concurrent_groups(cfg), bound=cfg.max_weight_staleness,
         handler=cfg.async_unused_samples_handler, seed=cfg.rollout_seed * 1_000_003, tracer=ctx.tracer,
         version=lambda: ctx.weight_version, dynamic_filter=cfg.rollout.dynamic_sampling_filter_path,
-        fill_after=cfg.rollout.dynamic_sampling_max_rounds * cfg.rollout.batch_size)
+        fill_after=cfg.rollout.dynamic_sampling_max_rounds * cfg.rollout.batch_size,
+        tail_cut=cfg.async_tail_cut_share > 0)
     state = await executor.fully_async_state.remote() if ctx.resumed else None
     if state is not None:
         producer.load_state_dict(state, step=ctx.start_rollout - 1)

@@ -451,35 +451,37 @@ class RolloutExecutor:
             prompts += self._iterator.next_batch(k - len(prompts))
         return prompts, self._iterator.state_dict()
 
-    async def generate_groups(self, engine: int, rows: list[int], seed: int) -> tuple[list[list[Sample]], list[bool]]:
+    async def generate_groups(self, engine: int, rows: list[int], seed: int, continuing: Sequence[list[Sample]] = (),
+                              tail_cut_share: float = 0.0) -> tuple[list[list[Sample]], list[bool]]:
         """One engine call of `--n-samples-per-prompt` samples for each prompt row, scored: one group per
         row, and whether each passed the dynamic-sampling filter (`--dynamic-sampling-filter-path`, called as
         a sync rollout calls it, on the scored group; all True without one: the producer drops the others).
         Each sample records every weight version that produced a token of it (`weight_versions`; per
-        token `token_versions` when the weights were swapped during the call)."""
+        token `token_versions` when they differ).
+
+        `tail_cut_share` (--async-tail-cut-share): the call returns once at most that share of its samples
+        still run (`SamplingParams.tail_cut`); those end "abort" with what they generated, and their groups
+        come back unscored. `continuing`: such groups of earlier calls, answered first: each unfinished
+        sample goes on from prompt + response so far with what is left of --rollout-max-response-len."""
         n, c = self._cfg.n_samples_per_prompt, self._cfg
+        groups = [[continuation(s, mask_old=False) if unfinished(s) else s for s in g] for g in continuing]
+        groups += group([new_sample(self._rows[r], i) for i, r in enumerate(rows) for _ in range(n)], n)
+        todo = [s for g in groups for s in g if unfinished(s) or not s.response_ids]
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                 max_new_tokens=c.max_response_len, seed=seed % SEED_RANGE, stop=c.stop,
-                                stop_token_ids=c.stop_token_ids, max_context_len=c.max_context_len)
-        samples = [new_sample(self._rows[r], i) for i, r in enumerate(rows) for _ in range(n)]
+                                stop_token_ids=c.stop_token_ids, max_context_len=c.max_context_len,
+                                tail_cut=int(tail_cut_share * len(todo)))
         with self._meters.metering(f"producer engine-{engine}"):
-            _count(samples)
-            gens = await self._call_engine(engine, [list(s.prompt.prompt_ids) for s in samples], params)
-        for s, g in zip(samples, gens):
-            s.response_ids, s.rollout_logprobs, s.finish_reason = g.response_ids, g.logprobs, g.finish_reason
-            s.rollout_routed_experts = g.routed_experts
-            versions = g.token_versions
-            s.weight_version = g.weight_version if not versions else min(versions)
-            s.metadata["weight_versions"] = sorted(set(versions)) if versions else [g.weight_version]
-            if versions and len(set(versions)) > 1:
-                s.metadata["token_versions"] = list(versions)
-            s.status = {"length": "truncated", "abort": "aborted"}.get(g.finish_reason, "completed")  # type: ignore[assignment]
-            s.response_text = _before_stop(self._decode(g.response_ids), params.stop)
-        await self._rewards.score(samples, n)
-        groups = group(samples, n)
-        # a group cut by an abort is generated again, not judged
-        return groups, [self._filter is None or any(s.finish_reason == "abort" for s in g) or bool(self._filter(g))
-                        for g in groups]
+            _count(todo)
+            gens = await self._call_engine(engine, [[*s.prompt.prompt_ids, *s.response_ids] for s in todo], params,
+                                           [c.max_response_len - s.response_length for s in todo])
+        for s, g in zip(todo, gens, strict=True):
+            _append_part(s, g)
+            s.response_text = _before_stop(self._decode(s.response_ids), params.stop)
+        done = [g for g in groups if not any(unfinished(s) for s in g)]
+        await self._rewards.score([s for g in done for s in g], n)
+        # a group cut (a tail cut, a drain's abort) is continued or generated again, not judged
+        return groups, [self._filter is None or any(unfinished(s) for s in g) or bool(self._filter(g)) for g in groups]
 
     async def assemble_split(self, rollout_id: int, groups: list[list[Sample]],
                              gen_s: float = 0.0) -> tuple[list[Sample], dict[str, float]]:
@@ -682,6 +684,21 @@ def _extend(s: Sample, g: Generation) -> None:
     s.weight_version = min(versions)
     s.finish_reason = g.finish_reason
     s.status = {"length": "truncated", "abort": "aborted"}.get(g.finish_reason, "completed")  # type: ignore[assignment]
+
+
+def _append_part(s: Sample, g: Generation) -> None:
+    """A fully-async sample's next part, its first or one continued after a tail cut (`_extend`), with
+    every token's weight version: `metadata["token_versions"]` when they differ, `weight_versions` the
+    distinct ones, `weight_version` the oldest."""
+    before = s.metadata.get("token_versions") or [s.weight_version] * s.response_length
+    _extend(s, g)
+    versions = [*before, *(g.token_versions or [g.weight_version] * len(g.response_ids))]
+    s.metadata["weight_versions"] = sorted(set(versions))
+    s.weight_version = min(versions) if versions else g.weight_version
+    if len(set(versions)) > 1:
+        s.metadata["token_versions"] = versions
+    else:
+        s.metadata.pop("token_versions", None)
 
 
 def eval_sampling_params(c: RolloutConfig, e: EvalConfig, d: EvalDataset, *, seed: int) -> SamplingParams:

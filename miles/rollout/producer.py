@@ -149,10 +149,11 @@ class GroupBuffer:
 
 
 # the executor's side, as the producer calls it: (prompts to draw) -> (prompts, iterator state after);
-# (engine index, prompt rows, seed) -> (one group of samples per row, scored; whether each passed the
-# dynamic-sampling filter, all True without one)
+# (engine index, prompt rows, seed, groups a tail cut left unfinished) -> (one group of samples per continued
+# group, then per row, scored when finished; whether each passed the dynamic-sampling filter, all True
+# without one)
 Draw = Callable[[int], Awaitable[tuple[list[Prompt], dict[str, Any]]]]
-Generate = Callable[[int, list[int], int], Awaitable[tuple[list[list[Sample]], list[bool]]]]
+Generate = Callable[[int, list[int], int, list[list[Sample]]], Awaitable[tuple[list[list[Sample]], list[bool]]]]
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Producer:
     def __init__(self, *, draw: Draw, generate: Generate, abort: Callable[[], Awaitable[None]], num_engines: int,
                  capacity: int, concurrent_groups: int, bound: int | None, handler: str, seed: int,
                  tracer: Any, version: Callable[[], int], dynamic_filter: str | None = None,
-                 fill_after: int | None = None):
+                 fill_after: int | None = None, tail_cut: bool = False):
         self._draw, self._generate, self._abort = draw, generate, abort
         # --dynamic-sampling-filter-path (for the reasons traced), and after how many groups rejected since
         # the last take the rejected ones fill instead (--dynamic-sampling-max-rounds x --rollout-batch-size)
@@ -185,6 +186,10 @@ class Producer:
         self.iterator_state: dict[str, Any] | None = None
         self.retry: deque[tuple[int, int, int]] = deque()     # (ticket, prompt row, attempts so far) to generate again
         self.in_flight: dict[int, tuple[int, int, int]] = {}  # ticket -> (prompt row, attempts, engine)
+        # --async-tail-cut-share: groups an engine call returned unfinished (its tail cut), to continue in a
+        # next call: ticket -> (prompt row, attempts, samples so far, engine seconds so far); in flight too
+        self._tail_cut = tail_cut
+        self.partial: dict[int, tuple[int, int, list[Sample], float]] = {}
         self.stats = Stats(busy_s=[0.0] * num_engines)
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -215,11 +220,12 @@ class Producer:
     async def _loop(self, engine: int) -> None:
         try:
             while not self._stopping:
-                if self._paused or self._room() <= 0:
+                # a cut tail takes no new room (its group is in flight already): it goes on even when full
+                if self._paused or (self._room() <= 0 and not self.partial):
                     self._changed.clear()
                     await self._changed.wait()
                     continue
-                await self._one_call(engine, min(self._room(), self._per_call))
+                await self._one_call(engine, min(self._per_call, max(self._room(), 0) + len(self.partial)))
                 self._changed.set()
         except asyncio.CancelledError:
             raise
@@ -230,11 +236,18 @@ class Producer:
 
     async def _one_call(self, engine: int, k: int) -> None:
         work: list[tuple[int, int, int]] = []
+        held = {t: self.partial.pop(t) for t in list(self.partial)[:k]}   # cut tails first, oldest first
+        going_on = {t: (samples, gen_s) for t, (_, _, samples, gen_s) in held.items()}  # ticket -> samples, seconds
+        work += [(t, row, attempts) for t, (row, attempts, _, _) in held.items()]
         while self.retry and len(work) < k:
             ticket, row, attempts = self.retry.popleft()
             work.append((ticket, row, attempts + 1))
         if len(work) < k:
-            prompts, state = await self._draw(k - len(work))
+            try:
+                prompts, state = await self._draw(k - len(work))
+            except BaseException:
+                self.partial.update(held)       # not submitted: they wait for the next call
+                raise
             for p in prompts:
                 work.append((self.next_ticket, p.index, 1))
                 self.next_ticket += 1
@@ -243,10 +256,14 @@ class Producer:
             self.in_flight[ticket] = (row, attempts, engine)
         tickets = [t for t, _, _ in work]
         version = self._version()
-        seq = self._tracer.emit("producer_submit", engine=engine, tickets=tickets, weight_version=version)
+        seq = self._tracer.emit("producer_submit", engine=engine, tickets=tickets, weight_version=version,
+                                **({"continued": list(going_on)} if going_on else {}))
         t0 = time.monotonic()
         try:
-            groups, kept = await self._generate(engine, [row for _, row, _ in work], self._seed + tickets[0])
+            # the continued groups first (the executor answers them first), then the fresh and retried rows
+            groups, kept = await self._generate(engine, [row for t, row, _ in work if t not in going_on],
+                                                self._seed + tickets[0], [going_on[t][0] for t in going_on])
+            order = [w for w in work if w[0] in going_on] + [w for w in work if w[0] not in going_on]
         except BaseException:
             # what did not finish goes back to be generated again (an engine restart, a drain)
             self.retry.extendleft(reversed([(t, row, a - 1) for t, row, a in work if self.in_flight.pop(t, None)]))
@@ -254,13 +271,21 @@ class Producer:
         finally:
             self.stats.busy_s[engine] += time.monotonic() - t0
         cut: list[tuple[int, int, int]] = []
+        tails: list[int] = []
         filtered: list[int] = []
-        for (ticket, row, attempts), samples, ok in zip(work, groups, kept):
-            self.in_flight.pop(ticket, None)
-            if any(s.finish_reason == "abort" for s in samples):     # an abort cut it (a drain): again later
+        share = (time.monotonic() - t0) / len(work)
+        for (ticket, row, attempts), samples, ok in zip(order, groups, kept, strict=True):
+            gen_s = share + going_on.get(ticket, ((), 0.0))[1]
+            if any(s.finish_reason == "abort" for s in samples):
+                if self._tail_cut and not self._stopping:    # its tail cut: continued by a next call
+                    self.partial[ticket] = (row, attempts, samples, gen_s)
+                    tails.append(ticket)
+                    continue
+                self.in_flight.pop(ticket, None)          # an abort cut it (a drain): generated again later
                 cut.append((ticket, row, attempts - 1))
                 continue
-            group = Group(ticket, samples, attempts, gen_s=(time.monotonic() - t0) / len(work))
+            self.in_flight.pop(ticket, None)
+            group = Group(ticket, samples, attempts, gen_s=gen_s)
             if self._filter is not None and not self._judge(group, ok, engine, seq):
                 filtered.append(ticket)
                 continue
@@ -270,6 +295,10 @@ class Producer:
             self.retry.extendleft(reversed(cut))
             self._tracer.emit("producer_cut", engine=engine, tickets=[t for t, _, _ in cut], cause=seq, reason="aborted mid-generation: its prompt "
                               "is generated again (a checkpoint lists it to regenerate)")
+        if tails:
+            self._tracer.emit("producer_tail_cut", engine=engine, tickets=tails, cause=seq, reason="the call "
+                              "returned once few of its samples were left running (--async-tail-cut-share): "
+                              "their groups go on in a next call, from prompt + response so far")
         self._tracer.emit("producer_groups", engine=engine, tickets=tickets, cause=seq, filtered=filtered,
                           duration_s=round(time.monotonic() - t0, 6),
                           versions=sorted({v for s in (s for g in groups for s in g)
@@ -375,7 +404,7 @@ class Producer:
     async def pause(self) -> None:
         """No new engine calls; the running ones finish. `resume` lets the loops go on."""
         self._paused = True
-        while any(True for _ in self.in_flight) and self.running:
+        while len(self.in_flight) > len(self.partial) and self.running:     # calls running (a cut tail waits)
             self._changed.clear()
             await self._changed.wait()
         self._tracer.emit("producer_paused", buffered=len(self.buffer))

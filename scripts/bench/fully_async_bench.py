@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 MACHINES = ("sync", "async", "fully_async")
+TAIL_CUT = "fully_async_cut"    # --machines ...,fully_async_cut: fully_async with --async-tail-cut-share 0.25
 
 
 def workload(root: Path, args: argparse.Namespace) -> list[str]:
@@ -109,8 +110,9 @@ def gpu_workload(root: Path, args: argparse.Namespace) -> list[str]:
 def machine_flags(machine: str) -> list[str]:
     if machine == "async":
         return ["--use-tis"]
-    if machine == "fully_async":
-        return ["--use-tis", "--fully-async", "--max-weight-staleness", "2", "--async-data-buffer-capacity-factor", "2"]
+    if machine in ("fully_async", TAIL_CUT):
+        return ["--use-tis", "--fully-async", "--max-weight-staleness", "2", "--async-data-buffer-capacity-factor", "2",
+                *(["--async-tail-cut-share", "0.25"] if machine == TAIL_CUT else [])]
     return []
 
 
@@ -119,10 +121,10 @@ def run_machine(machine: str, flags: list[str], run_dir: Path, fa_extra: list[st
     from miles.config.flags import parse_flags
     from miles.runtime import read_trace, with_disposer
 
-    own = [*machine_flags(machine), *(fa_extra if machine == "fully_async" else ())]
+    own = [*machine_flags(machine), *(fa_extra if machine in ("fully_async", TAIL_CUT) else ())]
     cfg, _ = parse_flags([*flags, *own, "--run-dir", str(run_dir), "--trace-console", "off"])
     t0 = time.monotonic()
-    asyncio.run(with_disposer(train, cfg, machine=machine))
+    asyncio.run(with_disposer(train, cfg, machine="fully_async" if machine == TAIL_CUT else machine))
     wall = time.monotonic() - t0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summarize(read_trace(run_dir), [r for r in rows if r.get("kind") == "train"], machine, wall, warmup_steps)
@@ -191,7 +193,8 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=0, help="measure from the end of this many train steps "
                    "(a GPU run's first steps compile; its compile caches also favour the machines run later)")
     p.add_argument("--engines", type=int, default=2, help="--rollout-num-engines")
-    p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated")
+    p.add_argument("--machines", default=",".join(MACHINES), help="which machines, comma-separated; "
+                   f"{TAIL_CUT}: fully_async with --async-tail-cut-share 0.25")
     p.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"), help="--device cuda: the Qwen3 shape")
     p.add_argument("--mean-len", type=int, default=256, help="--device cuda: the answers' mean length (stop ids)")
     p.add_argument("--fully-async-flags", default="", help="more flags for the fully_async machine alone, "

@@ -92,13 +92,16 @@ def assert_weights_checked(trace) -> None:
     assert not trace.of("error")
 
 
-@pytest.mark.parametrize("engine", ["embedded", "fast"])     # both swap weights in flight
+# both engines swap weights in flight; the fast engine also with its calls' tails cut and continued
+@pytest.mark.parametrize("engine,tail_cut", [("embedded", 0.0), ("fast", 0.0), ("fast", 0.5)])
 def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ray_cluster, tiny_task, tmp_path,
-                                                                             engine):
+                                                                             engine, tail_cut):
     ck, odd = tmp_path / "ck", tmp_path / "odd.py"
     odd.write_text(ODD_ROWS)             # DAPO dynamic sampling under the producer: odd dataset rows only
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "first", save=ck, save_interval=10,
                                   inject_fault=["train:sigterm:3"], rollout_engine=engine,
+                                  # answers long enough for the engine to see most of a call's end first
+                                  async_tail_cut_share=tail_cut, rollout_max_response_len=32 if tail_cut else 8,
                                   dynamic_sampling_filter_path=f"{odd}:odd_rows", check_weight_update_equal=True))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 143
     first = read_trace(tmp_path / "first")
@@ -107,6 +110,9 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     assert_no_request_left_running(first)
     assert_staleness_bounded(tmp_path / "first", first)
     assert_weights_checked(first)
+    if tail_cut:                         # calls returned with their tails cut, continued in later calls
+        cut = {t for e in first.of("producer_tail_cut") for t in e.get("tickets")}
+        assert cut and cut & {t for e in first.of("producer_submit") for t in e.get("continued", [])}
     filtered = assert_only_odd_rows_trained(tmp_path / "first", first)
     assert filtered, "the filter rejected no group (half the rows are even)"
     [(rid, path)] = CheckpointStore(ck).list()
@@ -130,6 +136,7 @@ def test_sigterm_then_load_trains_every_group_once_within_the_staleness_bound(ra
     assert set(drained.get("held_tickets")) == held
 
     cfg, _ = parse_flags(fa_flags(tiny_task, tmp_path / "second", save=ck, load=ck, rollout_engine=engine,
+                                  async_tail_cut_share=tail_cut, rollout_max_response_len=32 if tail_cut else 8,
                                   dynamic_sampling_filter_path=f"{odd}:odd_rows", check_weight_update_equal=True))
     assert run_with_signals(cfg, "fully_async", prog="scripts/train_async.py") == 0
     second = read_trace(tmp_path / "second")

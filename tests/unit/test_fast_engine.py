@@ -565,3 +565,26 @@ def test_requests_with_different_caps_share_the_decode_batch(model_path):
     never = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
     fast.generate(PROMPTS, never, [3, 16, 5, 3])
     assert fast.last_stats["prefills"] == 1 and fast.last_stats["decode_steps"] == 15   # one batch, not one per cap
+
+
+@pytest.mark.parametrize("kind", ["fast", "embedded"])
+def test_a_tail_cut_returns_the_call_with_its_last_requests_cut_short(model_path, kind):
+    """SamplingParams.tail_cut (the fully-async producer's --async-tail-cut-share): once no request waits
+    and at most that many still run, the call returns; those end "abort" with what they generated, a
+    prefix of what the uncut call gives (greedy), the others as the uncut call ends them."""
+    engine = FastEngine(model_path, device="cpu", max_batch_size=4) if kind == "fast" else \
+        EmbeddedEngine(model_path, device="cpu", max_batch_size=4)
+    never = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=())
+    caps = [3, 40, 3, 40]
+    plain = engine.generate(PROMPTS, never, caps)
+    assert engine.generate(PROMPTS, replace(never, tail_cut=0), caps) == plain
+    cut = engine.generate(PROMPTS, replace(never, tail_cut=2), caps)
+    for g, p, cap in zip(cut, plain, caps):
+        assert g.response_ids == p.response_ids[:len(g.response_ids)] and g.logprobs == p.logprobs[:len(g.logprobs)]
+        if cap == 3:
+            assert g == p                                  # ended before the cut, as in the plain call
+    long = [(g, p) for g, p, cap in zip(cut, plain, caps) if cap == 40 and p.finish_reason == "length"]
+    assert long, [p.finish_reason for p in plain]           # the tiny model's greedy answers run to the cap
+    assert all(g.finish_reason == "abort" and 3 <= len(g.response_ids) < 40 for g, _ in long)
+    with pytest.raises(ValueError, match="tail_cut must be >= 0"):
+        engine.generate(PROMPTS, replace(never, tail_cut=-1))

@@ -14,7 +14,7 @@ from miles.config.flags import parse_flags
 from miles.config.validate import validate
 from miles.rollout.producer import Group, GroupBuffer, Producer, capacity_groups, concurrent_groups
 from miles.runtime import load_machine
-from miles.types import Prompt, Sample
+from miles.types import Generation, Prompt, Sample
 
 
 class Events:
@@ -97,7 +97,8 @@ class FakeExecutor:
         self.offset += k
         return [Prompt(r, f"p{r}", (5,)) for r in rows], {"offset": self.offset}
 
-    async def generate(self, engine: int, rows: list[int], seed: int):
+    async def generate(self, engine: int, rows: list[int], seed: int, continuing=()):
+        assert not continuing, "this fake cuts no tail"
         self.calls.append((engine, rows))
         if self.hold_after is not None and len(self.calls) > self.hold_after:
             self.hold = self.hold or asyncio.Event()
@@ -116,11 +117,35 @@ class FakeExecutor:
 
 
 def producer(ex: FakeExecutor, tracer: Events, *, capacity=6, concurrent=4, engines=2, bound=None, handler="drop",
-             fill_after=None):
+             fill_after=None, tail_cut=False):
     return Producer(draw=ex.draw, generate=ex.generate, abort=ex.abort, num_engines=engines, capacity=capacity,
                     concurrent_groups=concurrent, bound=bound, handler=handler, seed=0, tracer=tracer,
                     version=lambda: ex.version[0], dynamic_filter="tests:odd_rows" if ex.keep else None,
-                    fill_after=fill_after)
+                    fill_after=fill_after, tail_cut=tail_cut)
+
+
+class TailCuttingExecutor(FakeExecutor):
+    """Each call's tail is cut (--async-tail-cut-share): a fresh group's second sample comes back "abort"
+    after 1 token; continued in a later call (the groups given first), it gets 2 more and finishes."""
+
+    def __init__(self, version: list[int]):
+        super().__init__(version)
+        self.continued: list[list[int]] = []
+
+    async def generate(self, engine: int, rows: list[int], seed: int, continuing=()):
+        self.calls.append((engine, rows))
+        self.continued.append([g[0].prompt.index for g in continuing])
+        await asyncio.sleep(0)
+        out = []
+        for g in continuing:
+            assert [s.finish_reason for s in g] == ["stop", "abort"], "only the cut sample goes on"
+            done = sample(g[1].prompt.index, [*g[1].metadata["weight_versions"], self.version[0]], length=3)
+            out.append([g[0], done])
+        for r in rows:
+            cut = sample(r, [self.version[0]], length=1)
+            cut.finish_reason = "abort"
+            out.append([sample(r, [self.version[0]]), cut])
+        return out, [True] * len(out)
 
 
 def test_the_producer_fills_the_buffer_to_capacity_and_the_trainer_takes_batches():
@@ -141,6 +166,60 @@ def test_the_producer_fills_the_buffer_to_capacity_and_the_trainer_takes_batches
         assert drained["buffered_tickets"] == [4, 5, 6, 7, 8, 9] and drained["dropped_tickets"] == [4, 5, 6, 7, 8, 9]
         # every ticket drawn is trained, buffered, or in flight: none lost
         assert p.next_ticket == 10
+
+    asyncio.run(go())
+
+
+def test_a_cut_tail_goes_on_in_a_later_call_and_every_ticket_is_trained_once():
+    async def go():
+        version = [0]
+        ex, tr = TailCuttingExecutor(version), Events()
+        p = producer(ex, tr, capacity=4, concurrent=4, engines=1, tail_cut=True)
+        p.start()
+        trained = []
+        for step in range(3):
+            taken = await asyncio.wait_for(p.take(2, step=step), 5)
+            assert all(s.finish_reason != "abort" for g in taken.groups for s in g.samples)    # whole groups only
+            assert all(g.samples[1].response_length == 3 for g in taken.groups)               # 1 + 2 continued
+            trained += [g.ticket for g in taken.groups]
+            version[0] += 1
+        assert trained == list(range(6))                 # in ticket order, none twice, none skipped
+        assert any(ex.continued), ex.continued           # the cut groups were handed back to the executor
+        assert all(not set(c) & set(rows) for c, (_, rows) in zip(ex.continued, ex.calls))   # not drawn again
+        cuts = tr.of("producer_tail_cut")
+        assert cuts and all("--async-tail-cut-share" in e["reason"] for e in cuts)
+        # cut groups go on even when the buffer is full (they are in flight already: no new room), so none waits
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(p.buffer) == 4 and not p.in_flight and not p.partial
+        await p.settle(saved_rollout=None)
+        drained = tr.of("producer_drained")[-1]
+        assert sorted({*trained, *drained["dropped_tickets"]}) == list(range(p.next_ticket))
+
+    asyncio.run(go())
+
+
+def test_a_cut_tail_waiting_for_its_next_call_is_in_flight_for_pauses_checkpoints_and_drains():
+    async def go():
+        ex, tr = FakeExecutor([0], hold=asyncio.Event()), Events()
+        p = producer(ex, tr, capacity=6, concurrent=2, engines=1, tail_cut=True)
+        p.start()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(p.in_flight) == [0, 1]                     # a call holds tickets 0 and 1
+        cut = [sample(9, [0]), sample(9, [0], length=1)]
+        cut[1].finish_reason = "abort"
+        p.partial[9], p.in_flight[9] = (9, 1, cut, 0.0), (9, 1, 0)    # a group an earlier call cut
+        pausing = asyncio.ensure_future(p.pause())
+        await asyncio.sleep(0)
+        assert not pausing.done()                                 # the running call is waited for ...
+        ex.hold.set()
+        await asyncio.wait_for(pausing, 5)                        # ... the cut group, with no call, is not
+        assert sorted(p.partial) == [9] and 9 in p.in_flight
+        assert [9, 9, 1] in p.state_dict()["regenerate"]          # a checkpoint generates it again
+        await p.settle(saved_rollout=None)
+        drained = tr.of("producer_drained")[-1]
+        assert 9 in drained["in_flight_tickets"] and 9 in drained["dropped_tickets"]   # accounted for
 
     asyncio.run(go())
 
@@ -390,6 +469,45 @@ def test_the_executor_judges_each_group_with_the_dynamic_sampling_filter():
     assert asyncio.run(plain.generate_groups(0, [2, 3], seed=1))[1] == [True, True]
 
 
+class TailEngine:
+    """Honours SamplingParams.tail_cut: the call's last `tail_cut` requests end "abort" after one token
+    ([5]); the others answer [1] (a fresh prompt) or [9] (a continued one), weights `version`."""
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    async def generate(self, prompts, params, caps=None):
+        self.calls.append(([list(p) for p in prompts], caps, params.tail_cut))
+        cut = len(prompts) - params.tail_cut
+        return [Generation([5], [-0.7], "abort", self.version) if i >= cut else
+                Generation([9] if p[-1] == 5 else [1], [-0.3], "stop", self.version) for i, p in enumerate(prompts)]
+
+
+def test_the_executor_cuts_a_calls_tail_and_continues_it_with_each_tokens_version():
+    from tests.unit.test_partial_rollout import executor
+
+    engine = TailEngine()
+    ex = executor([engine], partial_rollout=False, over_sampling_batch_size=None, dynamic_sampling_filter_path=None,
+                  max_response_len=4)
+    groups, kept = asyncio.run(ex.generate_groups(0, [2, 3], seed=1, tail_cut_share=0.25))
+    assert engine.calls[-1][2] == 1                                 # a quarter of the call's 4 samples
+    assert [[s.finish_reason for s in g] for g in groups] == [["stop", "stop"], ["stop", "abort"]]
+    assert kept == [True, True]                                     # a cut group is not judged
+    engine.version = 1
+    again, kept = asyncio.run(ex.generate_groups(0, [4], seed=2, continuing=[groups[1]], tail_cut_share=0.0))
+    prompts, caps, tail_cut = engine.calls[-1]
+    cont = [s for s in groups[1] if s.finish_reason == "abort"][0]
+    # only the cut sample goes on (from prompt + its response so far, with what is left of its cap), then
+    # the fresh row's two samples; the continued group comes back first
+    assert prompts[0] == [*cont.prompt.prompt_ids, 5] and caps == [3, 4, 4] and tail_cut == 0
+    assert [g[0].prompt.index for g in again] == [3, 4] and kept == [True, True]
+    done = again[0][1]
+    assert done.response_ids == [5, 9] and done.rollout_logprobs == [-0.7, -0.3] and done.finish_reason == "stop"
+    assert done.metadata["token_versions"] == [0, 1] and done.metadata["weight_versions"] == [0, 1]
+    assert done.weight_version == 0 and cont.response_ids == [5]     # the cut group's own sample is kept as it was
+    assert again[0][0] is groups[1][0]                                # its finished sample is not generated again
+
+
 # -- config ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -413,6 +531,7 @@ def test_fully_async_flags_parse_and_size_the_producer(BASE):
     assert (cfg.fully_async, cfg.max_weight_staleness, cfg.async_unused_samples_handler) == (True, 2, "retry")
     assert capacity_groups(cfg) == 6 and concurrent_groups(cfg) == 2
     assert problems([*BASE, "--fully-async", "--max-weight-staleness", "2"]) == ""
+    assert problems([*BASE, "--fully-async", "--async-tail-cut-share", "0.25"]) == ""
 
 
 @pytest.mark.parametrize("extra,machine,expected", [
@@ -427,6 +546,8 @@ def test_fully_async_flags_parse_and_size_the_producer(BASE):
      "--async-data-buffer-capacity-factor 0.5"),
     (["--fully-async", "--partial-rollout", "--dynamic-sampling-filter-path", "a:b"], "fully_async",
      "--partial-rollout cannot be used with --fully-async"),
+    (["--fully-async", "--async-tail-cut-share", "1"], "fully_async", "--async-tail-cut-share 1.0: the share"),
+    (["--async-tail-cut-share", "0.25"], "async", "--async-tail-cut-share 0.25: only --fully-async reads it"),
     (["--fully-async", "--debug-skip-weight-update"], "fully_async",
      "--debug-skip-weight-update cannot be used with --fully-async"),
     (["--fully-async", "--colocate"], "fully_async", "--colocate cannot be used with the async machine"),

@@ -181,8 +181,10 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         for i in range(0, len(prompts), self.max_batch_size):
             chunk = slice(i, i + self.max_batch_size)
             budgets = [_budget(params, len(p), cap) for p, cap in zip(prompts[chunk], caps[chunk])]
+            # params.tail_cut, in this batch's share of the call's requests
+            cut = -(-params.tail_cut * len(budgets) // len(prompts)) if params.tail_cut else 0
             out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch,
-                                        params.min_new_tokens)
+                                        params.min_new_tokens, cut)
         return out
 
     # --- health (EngineGuard's health() and abort()) ---------------------------------------------
@@ -196,7 +198,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
     @torch.inference_mode()
     def _generate_batch(self, model, prompts: list[list[int]], budgets: list[int], sampler: Sampler,
                         gen: torch.Generator, stop_ids: Tensor, stops: _StopStrings | None,
-                        epoch: int, min_new_tokens: int = 0) -> list[Generation]:
+                        epoch: int, min_new_tokens: int = 0, tail_cut: int = 0) -> list[Generation]:
         from transformers import DynamicCache
 
         ids, attn = _left_pad(prompts, self.pad_token_id, self.device)
@@ -232,7 +234,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
             keep = ~torch.tensor(done, device=tokens.device)
             if not keep.any():
                 break
-            if self._abort_epoch != epoch:
+            if self._abort_epoch != epoch or int(keep.sum()) <= tail_cut:   # aborted, or the tail cut
                 for row, k in zip(rows, keep.tolist()):
                     if k:
                         gens[row].finish_reason = "abort"
@@ -419,6 +421,8 @@ def _param_problems(params: SamplingParams) -> list[str]:
         problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if params.min_new_tokens < 0:
         problems.append(f"min_new_tokens must be >= 0, got {params.min_new_tokens}")
+    if params.tail_cut < 0:
+        problems.append(f"tail_cut must be >= 0 (0: off), got {params.tail_cut}")
     return problems
 
 

@@ -467,7 +467,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             out = CallOutputs(len(prompts), max(caps), self.device,
                               None if moe is None else (len(moe.layers), moe.top_k, moe.n_experts))
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
-            call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens)
+            call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens, params.tail_cut)
             steps = self._run(call, epoch)
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
@@ -534,6 +534,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 if table.filling:
                     continue
                 return step
+            if len(table.running) <= call.tail_cut and not queue and not table.filling:
+                return step          # params.tail_cut: the few still running end "abort" with what they have
             if checkpoint and not queue and not table.filling:
                 self._compact(table, step)
             if not pending and step % CHECK_EVERY == 0:
@@ -694,9 +696,9 @@ class _Call:
     """What one generate call's steps share."""
 
     def __init__(self, prompts: list[list[int]], caps: list[int], sampler: Sampler, is_stop: Tensor,
-                 out: CallOutputs, watch: _StopWatch | None = None, min_new_tokens: int = 0):
+                 out: CallOutputs, watch: _StopWatch | None = None, min_new_tokens: int = 0, tail_cut: int = 0):
         self.prompts, self.caps, self.sampler, self.is_stop, self.out = prompts, caps, sampler, is_stop, out
-        self.watch, self.min_new_tokens = watch, min_new_tokens
+        self.watch, self.min_new_tokens, self.tail_cut = watch, min_new_tokens, tail_cut
         # each request's max_new_tokens on the device, and the spare row's (never reached: idle slots)
         self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)
