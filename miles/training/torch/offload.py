@@ -36,7 +36,8 @@ weights of a DTensor model stay where FSDP keeps them.)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +45,117 @@ from torch import Tensor, nn
 from miles.training.torch.shards import around, local, step_shards
 
 DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
+ALIGN_BYTES = 512                   # a multiple of every dtype's size: each view's offset allows `.view(dtype)`
+FIRST_SLAB_BYTES = 64 << 20         # a small model pins little
+MAX_SLAB_BYTES = 4 << 30            # few slabs for a large one; a larger request gets a slab of its own
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _first_fit(room: list[int], nbytes: int) -> int | None:
+    return next((i for i, free in enumerate(room) if free >= nbytes), None)
+
+
+class HostArena:
+    """Exact-size host tensors carved out of a few slabs, each one `torch.empty` of a power of two of
+    bytes. PyTorch's pinned-memory allocator rounds every allocation up to the next power of two (torch
+    2.11; newer ones can be told not to, `pinned_max_round_threshold_mb`), so one pinned buffer per moment
+    pins up to twice its bytes; a slab that is a power of two already is pinned as it is.
+
+    A request takes `ALIGN_BYTES`-aligned bytes at the free tail of the first slab with room (first fit),
+    else of a new slab: the first `FIRST_SLAB_BYTES` (or the request's power of two), each later one twice
+    the last, up to `MAX_SLAB_BYTES`; a request above that gets a slab of its power of two, whose tail
+    later requests fill. A view shares its slab's storage (`slab[off:off + n].view(dtype).view(shape)`):
+    a view of a pinned slab is pinned, and its non-blocking copies are asynchronous and recorded against
+    the slab by the pinned allocator. Space is never given back: a slab is freed when neither the arena
+    nor any view of it holds it any more (the storage's refcount).
+
+    `reserve` sizes the slabs once from the requests about to come, in their order: it lays them out
+    first fit in `MAX_SLAB_BYTES` slabs and makes each slab the power of two its bytes need, so those
+    requests, made in that order, land where it planned and make no further slab. A total alone cannot
+    say how the requests pack: for the model below, slabs sized from the total of its moments left two
+    requests over (two more slabs, 71.4 GB in all).
+
+    The waste, planned or grown: every slab but the newest kept less free tail than the request that
+    opened the next one (first fit would have put it there), so it is below (slabs - 1) x the largest
+    request plus the newest slab's free tail (planned: under its used bytes, its power-of-two rounding;
+    grown: under its size). In the worst case (requests just over half a slab) that is about twice the
+    bytes, as torch's rounding; with many requests well below `MAX_SLAB_BYTES` it is a few percent.
+
+    Qwen3-30B-A3B's shapes cut to 12 layers (8.1 B float32 parameters: fused experts of 128 x 1536 x 2048
+    and 128 x 2048 x 768, embedding and lm_head of 151936 x 2048), AdamW's two moments
+    (tests/unit/test_host_arena.py computes them):
+      - the moments:                                     64,798,236,672 bytes (64.8 GB)
+      - pinned one buffer each (torch's rounding):       87,736,885,248 bytes (87.7 GB)
+      - pinned by the arena after `reserve`:             68,719,476,736 bytes (68.7 GB: 16 slabs of 4 GiB)
+    Grown without `reserve` (the first streamed step of --optimizer-cpu-offload makes the state chunk by
+    chunk) it pins 70,866,960,384 bytes (17 slabs)."""
+
+    def __init__(self, *, pin: bool, device: str = "cpu"):
+        self.pin = pin
+        self._device = device           # "meta" lays the slabs out without memory (the tests' full-size numbers)
+        self._slabs: list[Tensor] = []  # uint8, a power of two of bytes each
+        self._ends: list[int] = []      # bytes handed out from the front of each slab
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(slab.numel() for slab in self._slabs)
+
+    @property
+    def used_bytes(self) -> int:
+        """The bytes handed out, each request rounded up to `ALIGN_BYTES`."""
+        return sum(self._ends)
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialized tensor of `shape` and `dtype` in a slab (one of no elements takes none)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=self._device)
+        i = _first_fit(self._room(), _aligned(nbytes))
+        if i is None:
+            i = self._add_slab(self._grown_size(nbytes))
+        start = self._ends[i]
+        self._ends[i] += _aligned(nbytes)
+        return self._slabs[i][start:start + nbytes].view(dtype).view(shape)
+
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Make the slabs that requests of `sizes` bytes, made in this order, will fill (beside the free
+        tails of the slabs there already): `empty` then places them as planned and makes no slab. Requests
+        made otherwise still get their bytes, maybe in further slabs."""
+        room = self._room()
+        planned: list[int] = []         # bytes each new slab will hold
+        for nbytes in (_aligned(n) for n in sizes if n):
+            i = _first_fit(room, nbytes)
+            if i is None:
+                room.append(max(MAX_SLAB_BYTES, _pow2ceil(nbytes)))
+                planned.append(0)
+                i = len(room) - 1
+            room[i] -= nbytes
+            if i >= len(self._slabs):
+                planned[i - len(self._slabs)] += nbytes
+        for nbytes in planned:
+            self._add_slab(_pow2ceil(nbytes))
+
+    def _room(self) -> list[int]:
+        return [slab.numel() - end for slab, end in zip(self._slabs, self._ends)]
+
+    def _grown_size(self, nbytes: int) -> int:
+        if nbytes > MAX_SLAB_BYTES:
+            return _pow2ceil(nbytes)
+        if not self._slabs:
+            return max(FIRST_SLAB_BYTES, _pow2ceil(nbytes))
+        return min(MAX_SLAB_BYTES, max(_pow2ceil(nbytes), 2 * self._slabs[-1].numel()))
+
+    def _add_slab(self, nbytes: int) -> int:
+        self._slabs.append(torch.empty(nbytes, dtype=torch.uint8, device=self._device, pin_memory=self.pin))
+        self._ends.append(0)
+        return len(self._slabs) - 1
 
 
 class HostOffload:
