@@ -24,7 +24,10 @@ is followed by a hook that copies what it put on the device into them, so the fi
 resume has the GPU memory.
 
 Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
-fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
+fast) and reused by every later offload and step; `dispose` drops them. They are carved out of a few
+power-of-two slabs (`HostArena`), sized at the offload from the state about to move: torch's pinned
+allocator would round each buffer up to a power of two (for the 8.1 B-parameter MoE in `HostArena`'s
+docstring, 87.7 GB pinned for 64.8 GB of moments). Parameters stay the same
 `nn.Parameter` objects (only `.data` moves), so the optimizer's references stay valid.
 
 Under FSDP2 (the torch trainer on several ranks) the parameters and their optimizer state are
@@ -44,6 +47,7 @@ from torch import Tensor, nn
 
 from miles.training.torch.shards import around, local, step_shards
 
+_WEIGHTS = ".data"                  # the key of a parameter's own host buffer (beside its moments' names)
 DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
 ALIGN_BYTES = 512                   # a multiple of every dtype's size: each view's offset allows `.view(dtype)`
 FIRST_SLAB_BYTES = 64 << 20         # a small model pins little
@@ -174,6 +178,7 @@ class HostOffload:
         self._optimizer, self._model, self._weights = optimizer, model, weights
         self._chunk_bytes = chunk_bytes
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
+        self._arenas: dict[tuple[bool, bool], HostArena] = {}  # (the weights', pinned) -> where the buffers are carved
         self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
         self._resident = resident       # the state lives on the host from the first step (--optimizer-cpu-offload)
@@ -214,15 +219,45 @@ class HostOffload:
         it until they return): the next `offload()` empties the cache again."""
         if not self.holds_state:
             return                # not handed off: the next streamed step moves the state to the host
+        self._reserve(self._state_buffers())
         for param, state in optimizer.state.items():
             self._to_host(param, state)
         self._settle()
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
+        if self._stale(key, like):
+            # a replaced buffer's bytes are not reused (a shape or dtype change is rare: a load of another
+            # layout); they go with their slab
+            self._host[key] = self._arena(key, like).empty(like.shape, like.dtype)
+        return self._host[key]
+
+    def _stale(self, key: tuple[int, str], like: Tensor) -> bool:
         host = self._host.get(key)
-        if host is None or host.shape != like.shape or host.dtype != like.dtype:
-            host = self._host[key] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
-        return host
+        return host is None or host.shape != like.shape or host.dtype != like.dtype
+
+    def _arena(self, key: tuple[int, str], like: Tensor) -> HostArena:
+        """Pinned when `like` is on CUDA (the copies are then asynchronous and fast), as the buffers
+        always were. The weights are carved from slabs of their own: dropping their buffers (`dispose`
+        after an onload) frees their slabs whatever the optimizer state still holds."""
+        group = (key[1] == _WEIGHTS, like.is_cuda)
+        if group not in self._arenas:
+            self._arenas[group] = HostArena(pin=like.is_cuda)
+        return self._arenas[group]
+
+    def _reserve(self, wanted: Iterable[tuple[tuple[int, str], Tensor]]) -> None:
+        """The slabs sized once for the buffers `_buffer` is about to make for `wanted` ((key, tensor)
+        pairs, in the order it will be asked for them): `HostArena.reserve`."""
+        sizes: dict[HostArena, list[int]] = {}
+        for key, like in wanted:
+            if self._stale(key, like):
+                sizes.setdefault(self._arena(key, like), []).append(like.numel() * like.element_size())
+        for arena, planned in sizes.items():
+            arena.reserve(planned)
+
+    def _state_buffers(self) -> list[tuple[tuple[int, str], Tensor]]:
+        """(key, local tensor) of every moment of the optimizer state, in `_to_host`'s order."""
+        return [((id(param), name), local(state[name])) for param, state in self._optimizer.state.items()
+                for name in self._moments(state)]
 
     def step(self) -> None:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
@@ -349,6 +384,8 @@ class HostOffload:
         if self._model is not None:
             for p in self._model.parameters():
                 p.grad = None             # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
+        weights = [((id(p), _WEIGHTS), p.data) for p in self._model.parameters()] if self._weights else []
+        self._reserve(self._state_buffers() + weights)
         held = 0
         for param, state in self._optimizer.state.items():
             self._to_host(param, state)
@@ -356,7 +393,7 @@ class HostOffload:
         if self._weights:
             for param in self._model.parameters():
                 self._device[id(param)] = param.device
-                host = self._buffer((id(param), ".data"), param.data)
+                host = self._buffer((id(param), _WEIGHTS), param.data)
                 host.copy_(param.data, non_blocking=param.is_cuda)
                 param.data = host
                 held += host.numel() * host.element_size()
@@ -387,9 +424,12 @@ class HostOffload:
 
     def dispose(self) -> None:
         """Drop the host buffers that nothing holds any more (the optimizer's state stays with it: the
-        optimizer is the trainer's, which drops both)."""
+        optimizer is the trainer's, which drops both), and the arenas: a slab's memory goes back when
+        the last view of it goes (each buffer holds its slab's storage), the state's with the optimizer's
+        state."""
         self._load_hook.remove()
         self._streams = None
+        self._arenas = {}
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
 
