@@ -75,10 +75,13 @@ class HostArena:
     A request takes `ALIGN_BYTES`-aligned bytes at the free tail of the first slab with room (first fit),
     else of a new slab: the first `FIRST_SLAB_BYTES` (or the request's power of two), each later one twice
     the last, up to `MAX_SLAB_BYTES`; a request above that gets a slab of its power of two, whose tail
-    later requests fill. A view shares its slab's storage (`slab[off:off + n].view(dtype).view(shape)`):
-    a view of a pinned slab is pinned, and its non-blocking copies are asynchronous and recorded against
-    the slab by the pinned allocator. Space is never given back: a slab is freed when neither the arena
-    nor any view of it holds it any more (the storage's refcount).
+    later requests fill. A tensor handed out is the slab's bytes `[off, off + n)` under a storage of
+    exactly those bytes (`torch.from_numpy` over the slab's numpy view, which holds the slab), so that
+    `torch.save` writes its bytes and not its slab's. Its memory is the slab's: pinned when the slab is
+    (CUDA finds the pointer inside the pinned allocation), so its non-blocking copies are asynchronous; the
+    pinned allocator does not know it as one of its blocks and records no event for it (`HostOffload`
+    synchronizes before anyone reuses or frees the memory). Space is never given back: a slab is freed
+    when neither the arena nor any tensor carved from it holds it any more.
 
     `reserve` sizes the slabs once from the requests about to come, in their order: it lays them out
     first fit in `MAX_SLAB_BYTES` slabs and makes each slab the power of two its bytes need, so those
@@ -126,7 +129,13 @@ class HostArena:
             i = self._add_slab(self._grown_size(nbytes))
         start = self._ends[i]
         self._ends[i] += _aligned(nbytes)
-        return self._slabs[i][start:start + nbytes].view(dtype).view(shape)
+        view = self._slabs[i][start:start + nbytes]
+        if view.device.type == "cpu":
+            # a storage of its own, exactly its bytes, over the slab's memory (numpy's array keeps the slab
+            # alive): torch.save writes a tensor's whole storage, so a checkpoint of the state (the
+            # one-process optimizer.pt) would otherwise hold whole slabs, and DCP clones each view it saves
+            view = torch.from_numpy(view.numpy())
+        return view.view(dtype).view(shape)
 
     def reserve(self, sizes: Iterable[int]) -> None:
         """Make the slabs that requests of `sizes` bytes, made in this order, will fill (beside the free
