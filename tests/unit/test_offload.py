@@ -262,3 +262,29 @@ def test_a_sharded_resume_while_offloaded_puts_the_state_in_the_host_buffers(tmp
     from tests.unit.test_fsdp_ranks import spawn_gloo_ranks
 
     assert spawn_gloo_ranks(functools.partial(_sharded_resume_rank, str(tmp_path / "ck"))) == {0: "ok", 1: "ok"}
+
+
+def test_offload_sizes_the_slabs_once_and_keeps_the_weights_in_slabs_of_their_own():
+    import weakref
+
+    model, opt = model_and_optimizer()
+    step(model, opt, 0)
+    off = HostOffload(opt, model, weights=True)
+    off.offload()
+    state, weights = off._arenas[(False, False)], off._arenas[(True, False)]
+    # every buffer is under 512 bytes (Linear(4, 8), Linear(8, 2)): 8 moments and 4 weights of 512
+    assert (state.used_bytes, state.allocated_bytes, len(state._slabs)) == (8 * 512, 4096, 1)
+    assert (weights.used_bytes, weights.allocated_bytes, len(weights._slabs)) == (4 * 512, 2048, 1)
+    def inside(t, arena):           # in the memory of the arena's one slab
+        return 0 <= t.data_ptr() - arena._slabs[0].data_ptr() < arena._slabs[0].numel()
+    assert all(inside(v, state) for k, v in state_tensors(opt).items() if k[1] != "step")
+    assert all(inside(p, weights) for p in model.parameters())
+    # the storages' Python objects live as long as the storages (torch keeps them while a tensor holds one)
+    gone = weakref.ref(weights._slabs[0].untyped_storage()), weakref.ref(state._slabs[0].untyped_storage())
+    del state, weights
+    off.onload()
+    off.dispose()
+    assert gone[0]() is None and gone[1]() is not None      # the weights' slab freed, the state's held by the state
+    opt.state.clear()               # the trainer drops its optimizer and its HostOffload together
+    del off
+    assert gone[1]() is None

@@ -24,7 +24,10 @@ is followed by a hook that copies what it put on the device into them, so the fi
 resume has the GPU memory.
 
 Host buffers are allocated once (pinned when CUDA is there, which makes the copies asynchronous and
-fast) and reused by every later offload and step; `dispose` drops them. Parameters stay the same
+fast) and reused by every later offload and step; `dispose` drops them. They are carved out of a few
+power-of-two slabs (`HostArena`), sized at the offload from the state about to move: torch's pinned
+allocator would round each buffer up to a power of two (for the 8.1 B-parameter MoE in `HostArena`'s
+docstring, 87.7 GB pinned for 64.8 GB of moments). Parameters stay the same
 `nn.Parameter` objects (only `.data` moves), so the optimizer's references stay valid.
 
 Under FSDP2 (the torch trainer on several ranks) the parameters and their optimizer state are
@@ -36,14 +39,136 @@ weights of a DTensor model stay where FSDP keeps them.)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from miles.training.torch.shards import around, local, step_shards
 
+_WEIGHTS = ".data"                  # the key of a parameter's own host buffer (beside its moments' names)
 DEFAULT_CHUNK_BYTES = 1 << 30       # float32 parameters per streamed update: 2 GiB of moments on the device
+ALIGN_BYTES = 512                   # a multiple of every dtype's size: each view's offset allows `.view(dtype)`
+FIRST_SLAB_BYTES = 64 << 20         # a small model pins little
+MAX_SLAB_BYTES = 4 << 30            # few slabs for a large one; a larger request gets a slab of its own
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _first_fit(room: list[int], nbytes: int) -> int | None:
+    return next((i for i, free in enumerate(room) if free >= nbytes), None)
+
+
+class HostArena:
+    """Exact-size host tensors carved out of a few slabs, each one `torch.empty` of a power of two of
+    bytes. PyTorch's pinned-memory allocator rounds every allocation up to the next power of two (torch
+    2.11; newer ones can be told not to, `pinned_max_round_threshold_mb`), so one pinned buffer per moment
+    pins up to twice its bytes; a slab that is a power of two already is pinned as it is.
+
+    A request takes `ALIGN_BYTES`-aligned bytes at the free tail of the first slab with room (first fit),
+    else of a new slab: the first `FIRST_SLAB_BYTES` (or the request's power of two), each later one twice
+    the last, up to `MAX_SLAB_BYTES`; a request above that gets a slab of its power of two, whose tail
+    later requests fill. A tensor handed out is the slab's bytes `[off, off + n)` under a storage of
+    exactly those bytes (`torch.from_numpy` over the slab's numpy view, which holds the slab), so that
+    `torch.save` writes its bytes and not its slab's. Its memory is the slab's: pinned when the slab is
+    (CUDA finds the pointer inside the pinned allocation), so its non-blocking copies are asynchronous; the
+    pinned allocator does not know it as one of its blocks and records no event for it (`HostOffload`
+    synchronizes before anyone reuses or frees the memory). Space is never given back: a slab is freed
+    when neither the arena nor any tensor carved from it holds it any more.
+
+    `reserve` sizes the slabs once from the requests about to come, in their order: it lays them out
+    first fit in `MAX_SLAB_BYTES` slabs and makes each slab the power of two its bytes need, so those
+    requests, made in that order, land where it planned and make no further slab. A total alone cannot
+    say how the requests pack: for the model below, slabs sized from the total of its moments left two
+    requests over (two more slabs, 71.4 GB in all).
+
+    The waste, planned or grown: every slab but the newest kept less free tail than the request that
+    opened the next one (first fit would have put it there), so it is below (slabs - 1) x the largest
+    request plus the newest slab's free tail (planned: under its used bytes, its power-of-two rounding;
+    grown: under its size). In the worst case (requests just over half a slab) that is about twice the
+    bytes, as torch's rounding; with many requests well below `MAX_SLAB_BYTES` it is a few percent.
+
+    Qwen3-30B-A3B's shapes cut to 12 layers (8.1 B float32 parameters: fused experts of 128 x 1536 x 2048
+    and 128 x 2048 x 768, embedding and lm_head of 151936 x 2048), AdamW's two moments
+    (tests/unit/test_host_arena.py computes them):
+      - the moments:                                     64,798,236,672 bytes (64.8 GB)
+      - pinned one buffer each (torch's rounding):       87,736,885,248 bytes (87.7 GB)
+      - pinned by the arena after `reserve`:             68,719,476,736 bytes (68.7 GB: 16 slabs of 4 GiB)
+    Grown without `reserve` (the first streamed step of --optimizer-cpu-offload makes the state chunk by
+    chunk) it pins 70,866,960,384 bytes (17 slabs)."""
+
+    def __init__(self, *, pin: bool, device: str = "cpu"):
+        self.pin = pin
+        self._device = device           # "meta" lays the slabs out without memory (the tests' full-size numbers)
+        self._slabs: list[Tensor] = []  # uint8, a power of two of bytes each
+        self._ends: list[int] = []      # bytes handed out from the front of each slab
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(slab.numel() for slab in self._slabs)
+
+    @property
+    def used_bytes(self) -> int:
+        """The bytes handed out, each request rounded up to `ALIGN_BYTES`."""
+        return sum(self._ends)
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialized tensor of `shape` and `dtype` in a slab (one of no elements takes none)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=self._device)
+        i = _first_fit(self._room(), _aligned(nbytes))
+        if i is None:
+            i = self._add_slab(self._grown_size(nbytes))
+        start = self._ends[i]
+        self._ends[i] += _aligned(nbytes)
+        view = self._slabs[i][start:start + nbytes]
+        if view.device.type == "cpu":
+            # a storage of its own, exactly its bytes, over the slab's memory (numpy's array keeps the slab
+            # alive): torch.save writes a tensor's whole storage, so a checkpoint of the state (the
+            # one-process optimizer.pt) would otherwise hold whole slabs, and DCP clones each view it saves
+            view = torch.from_numpy(view.numpy())
+        return view.view(dtype).view(shape)
+
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Make the slabs that requests of `sizes` bytes, made in this order, will fill (beside the free
+        tails of the slabs there already): `empty` then places them as planned and makes no slab. Requests
+        made otherwise still get their bytes, maybe in further slabs."""
+        room = self._room()
+        planned: list[int] = []         # bytes each new slab will hold
+        for nbytes in (_aligned(n) for n in sizes if n):
+            i = _first_fit(room, nbytes)
+            if i is None:
+                room.append(max(MAX_SLAB_BYTES, _pow2ceil(nbytes)))
+                planned.append(0)
+                i = len(room) - 1
+            room[i] -= nbytes
+            if i >= len(self._slabs):
+                planned[i - len(self._slabs)] += nbytes
+        for nbytes in planned:
+            self._add_slab(_pow2ceil(nbytes))
+
+    def _room(self) -> list[int]:
+        return [slab.numel() - end for slab, end in zip(self._slabs, self._ends)]
+
+    def _grown_size(self, nbytes: int) -> int:
+        if nbytes > MAX_SLAB_BYTES:
+            return _pow2ceil(nbytes)
+        if not self._slabs:
+            return max(FIRST_SLAB_BYTES, _pow2ceil(nbytes))
+        return min(MAX_SLAB_BYTES, max(_pow2ceil(nbytes), 2 * self._slabs[-1].numel()))
+
+    def _add_slab(self, nbytes: int) -> int:
+        self._slabs.append(torch.empty(nbytes, dtype=torch.uint8, device=self._device, pin_memory=self.pin))
+        self._ends.append(0)
+        return len(self._slabs) - 1
 
 
 class HostOffload:
@@ -62,6 +187,7 @@ class HostOffload:
         self._optimizer, self._model, self._weights = optimizer, model, weights
         self._chunk_bytes = chunk_bytes
         self._host: dict[tuple[int, str], Tensor] = {}     # (id of the owning param, key) -> host buffer
+        self._arenas: dict[tuple[bool, bool], HostArena] = {}  # (the weights', pinned) -> where the buffers are carved
         self._device: dict[int, torch.device] = {}        # id of a param -> where its weights live when onloaded
         self.offloaded = False
         self._resident = resident       # the state lives on the host from the first step (--optimizer-cpu-offload)
@@ -102,15 +228,45 @@ class HostOffload:
         it until they return): the next `offload()` empties the cache again."""
         if not self.holds_state:
             return                # not handed off: the next streamed step moves the state to the host
+        self._reserve(self._state_buffers())
         for param, state in optimizer.state.items():
             self._to_host(param, state)
         self._settle()
 
     def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
+        if self._stale(key, like):
+            # a replaced buffer's bytes are not reused (a shape or dtype change is rare: a load of another
+            # layout); they go with their slab
+            self._host[key] = self._arena(key, like).empty(like.shape, like.dtype)
+        return self._host[key]
+
+    def _stale(self, key: tuple[int, str], like: Tensor) -> bool:
         host = self._host.get(key)
-        if host is None or host.shape != like.shape or host.dtype != like.dtype:
-            host = self._host[key] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
-        return host
+        return host is None or host.shape != like.shape or host.dtype != like.dtype
+
+    def _arena(self, key: tuple[int, str], like: Tensor) -> HostArena:
+        """Pinned when `like` is on CUDA (the copies are then asynchronous and fast), as the buffers
+        always were. The weights are carved from slabs of their own: dropping their buffers (`dispose`
+        after an onload) frees their slabs whatever the optimizer state still holds."""
+        group = (key[1] == _WEIGHTS, like.is_cuda)
+        if group not in self._arenas:
+            self._arenas[group] = HostArena(pin=like.is_cuda)
+        return self._arenas[group]
+
+    def _reserve(self, wanted: Iterable[tuple[tuple[int, str], Tensor]]) -> None:
+        """The slabs sized once for the buffers `_buffer` is about to make for `wanted` ((key, tensor)
+        pairs, in the order it will be asked for them): `HostArena.reserve`."""
+        sizes: dict[HostArena, list[int]] = {}
+        for key, like in wanted:
+            if self._stale(key, like):
+                sizes.setdefault(self._arena(key, like), []).append(like.numel() * like.element_size())
+        for arena, planned in sizes.items():
+            arena.reserve(planned)
+
+    def _state_buffers(self) -> list[tuple[tuple[int, str], Tensor]]:
+        """(key, local tensor) of every moment of the optimizer state, in `_to_host`'s order."""
+        return [((id(param), name), local(state[name])) for param, state in self._optimizer.state.items()
+                for name in self._moments(state)]
 
     def step(self) -> None:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
@@ -237,6 +393,8 @@ class HostOffload:
         if self._model is not None:
             for p in self._model.parameters():
                 p.grad = None             # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
+        weights = [((id(p), _WEIGHTS), p.data) for p in self._model.parameters()] if self._weights else []
+        self._reserve(self._state_buffers() + weights)
         held = 0
         for param, state in self._optimizer.state.items():
             self._to_host(param, state)
@@ -244,7 +402,7 @@ class HostOffload:
         if self._weights:
             for param in self._model.parameters():
                 self._device[id(param)] = param.device
-                host = self._buffer((id(param), ".data"), param.data)
+                host = self._buffer((id(param), _WEIGHTS), param.data)
                 host.copy_(param.data, non_blocking=param.is_cuda)
                 param.data = host
                 held += host.numel() * host.element_size()
@@ -275,9 +433,12 @@ class HostOffload:
 
     def dispose(self) -> None:
         """Drop the host buffers that nothing holds any more (the optimizer's state stays with it: the
-        optimizer is the trainer's, which drops both)."""
+        optimizer is the trainer's, which drops both), and the arenas: a slab's memory goes back when
+        the last view of it goes (each buffer holds its slab's storage), the state's with the optimizer's
+        state."""
         self._load_hook.remove()
         self._streams = None
+        self._arenas = {}
         held = {id(v) for s in self._optimizer.state.values() for v in s.values() if isinstance(v, Tensor)}
         self._host = {k: v for k, v in self._host.items() if id(v) in held}
 
