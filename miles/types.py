@@ -15,6 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
+# One token's routing in a mixture-of-experts model: its top-k expert ids per MoE layer, array-like
+# [MoE layers][k]. The fast engine gives a numpy array (uint8, int16 past 256 experts; copying a call's
+# ids into Python ints cost 8.3 s of a 42 s call on an H200); the embedded engine, the HTTP (SGLang)
+# engine and a checkpoint give nested lists. An empty entry (`[]`: a tool / environment token) has none.
+TokenExperts = list[list[int]] | np.ndarray
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -69,8 +77,9 @@ class Generation:
     finish_reason: str              # "stop" (EOS / stop token), "length", or "abort" (the engine was told to stop)
     weight_version: int             # version of the weights that produced it
     # a mixture-of-experts model's routing: per response token, per MoE layer, the top-k experts of the position
-    # whose logits sampled it (miles.training.moe); None for a dense model
-    routed_experts: list[list[list[int]]] | None = None
+    # whose logits sampled it (miles.training.moe); a list with one `TokenExperts` per token: a numpy array
+    # [MoE layers, k] from the fast engine, nested lists from the other engines. None for a dense model
+    routed_experts: list[TokenExperts] | None = None
     # per token, the weight version whose forward gave its logits, when the weights were swapped during the
     # call (--fully-async: SupportsInFlightWeightSwap); None: every token is `weight_version`'s
     token_versions: list[int] | None = None
@@ -114,9 +123,12 @@ class Sample:
     # --use-opd --opd-type sglang: the teacher servers' logprob of each response token (None: not scored)
     teacher_logprobs: list[float] | None = None
     # a mixture-of-experts model's rollout routing (miles' name): per response token [MoE layers][top-k] expert
-    # ids the engine used for the position that sampled it; [] on tokens the model did not sample (tool turns:
-    # the trainer routes them itself). None: a dense model, or an engine that does not record it
-    rollout_routed_experts: list[list[list[int]]] | None = None
+    # ids the engine used for the position that sampled it, array-like (`TokenExperts`: a numpy array from the
+    # fast engine, nested lists from the embedded and HTTP engines and from checkpoints; one sample may mix
+    # both); [] on tokens the model did not sample (tool turns: the trainer routes them itself). None: a dense
+    # model, or an engine that does not record it. `routing_as_lists` makes it plain JSON-able lists (and
+    # comparable: `==` of two samples holding arrays raises numpy's "truth value is ambiguous")
+    rollout_routed_experts: list[TokenExperts] | None = None
 
     @property
     def response_length(self) -> int:
@@ -144,7 +156,7 @@ class Sample:
         return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
     def append(self, ids: list[int], logprobs: list[float] | None = None, *, trained: bool,
-               routed_experts: list[list[list[int]]] | None = None) -> None:
+               routed_experts: list[TokenExperts] | None = None) -> None:
         """Append a span to the response: the model's tokens with the engine's logprobs
         (`trained=True`, and the engine's routing of an MoE model: `Generation.routed_experts`), or tool /
         environment tokens (`trained=False`, logprobs 0.0, no routing)."""
@@ -161,6 +173,14 @@ class Sample:
         self.response_ids.extend(ids)
         self.rollout_logprobs.extend(logprobs if trained else [0.0] * len(ids))
         self.loss_mask.extend([1 if trained else 0] * len(ids))
+
+
+def routing_as_lists(routed: list[TokenExperts] | None) -> list[list[list[int]]] | None:
+    """`Sample.rollout_routed_experts` as plain nested lists (JSON, torch.load's weights_only): each token's
+    numpy array as lists of Python ints; list entries (and `[]`) as they are."""
+    if routed is None:
+        return None
+    return [r.tolist() if isinstance(r, np.ndarray) else r for r in routed]
 
 
 @dataclass

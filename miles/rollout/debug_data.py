@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError
 from miles.runtime.files import NEARLY_FULL_BYTES, WriteFailed, free_space, is_disk_full
-from miles.types import Prompt, Sample
+from miles.types import Prompt, Sample, routing_as_lists
 
 FORMAT = "miles-rollout-v1"
 
@@ -49,7 +49,7 @@ def save_rollout_data(path: Path, rollout_id: int, samples: list[Sample], metric
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"format": FORMAT, "rollout_id": rollout_id, "samples": [asdict(s) for s in samples],
+        torch.save({"format": FORMAT, "rollout_id": rollout_id, "samples": [_plain(s) for s in samples],
                     "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}, tmp)
         tmp.replace(path)
     except (OSError, RuntimeError) as exc:      # torch.save on a full disk: RuntimeError("... unexpected pos ...")
@@ -61,6 +61,11 @@ def save_rollout_data(path: Path, rollout_id: int, samples: list[Sample], metric
             raise WriteFailed(WHAT, path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         raise
     return path
+
+
+def _plain(s: Sample) -> dict[str, Any]:
+    """The sample as lists and dicts: the fast engine's routing arrays as lists (weights_only loads no numpy)."""
+    return asdict(replace(s, rollout_routed_experts=routing_as_lists(s.rollout_routed_experts)))
 
 
 def load_rollout_data(path: str | Path, *, expect_rollout_id: int | None = None) -> SavedRollout:

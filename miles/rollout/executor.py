@@ -676,7 +676,9 @@ def _extend(s: Sample, g: Generation) -> None:
         before = s.rollout_routed_experts
         if before is None:
             before = [[] for _ in range(len(s.response_ids) - len(g.response_ids))]
-        s.rollout_routed_experts = [*before, *(g.routed_experts or [[] for _ in g.response_ids])]
+        # entries as they come: the buffer's (lists after a checkpoint) beside the engine's (arrays from the fast one)
+        new = [[] for _ in g.response_ids] if g.routed_experts is None else g.routed_experts
+        s.rollout_routed_experts = [*before, *new]
     if s.loss_mask is not None:
         s.loss_mask.extend([1] * len(g.response_ids))
     versions = [*s.metadata.get("weight_versions", []), g.weight_version]

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from miles.config import ConfigError, RolloutConfig
 from miles.rollout.hooks import HookContext
-from miles.types import Prompt, Sample
+from miles.types import Prompt, Sample, routing_as_lists
 from miles.config.user_functions import signature
 from miles.user_code import check_signature, display_name, import_user_function
 
@@ -121,6 +121,7 @@ class PartialBuffer:
 def _sample_state(s: Sample) -> dict[str, Any]:
     out = {f.name: getattr(s, f.name) for f in fields(Sample)}
     out["prompt"] = s.prompt.index
+    out["rollout_routed_experts"] = routing_as_lists(s.rollout_routed_experts)    # the fast engine's arrays
     return out
 
 

@@ -38,14 +38,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from miles.config import RunConfig
 from miles.config.checks import check
 from miles.rollout.engines.registry import ENGINES
 from miles.rollout.protocol import SupportsInFlightWeightSwap
-from miles.types import Prompt, Sample
+from miles.types import Prompt, Sample, routing_as_lists
 
 HANDLERS = ("drop", "retry")
 
@@ -501,7 +501,8 @@ class Producer:
 
 
 def _sample_state(s: Sample) -> dict[str, Any]:
-    out = asdict(s)
+    # the fast engine's routing arrays as JSON lists
+    out = asdict(replace(s, rollout_routed_experts=routing_as_lists(s.rollout_routed_experts)))
     out["prompt"]["prompt_ids"] = list(s.prompt.prompt_ids)
     return out
 

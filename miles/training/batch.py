@@ -155,8 +155,10 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
 
 def _routed_experts(samples: list[Sample], prompt_len: np.ndarray, width: int) -> Tensor | None:
     """[B, T, L, k] the samples' rollout routing (`Sample.rollout_routed_experts`) at the positions that
-    produced their response tokens, -1 elsewhere; None when no sample carries any."""
-    shape = next((np.shape(r) for s in samples for r in (s.rollout_routed_experts or ()) if r), None)
+    produced their response tokens, -1 elsewhere; None when no sample carries any. A token's entry may be a
+    numpy array or nested lists (`TokenExperts`), one sample mixing both; an empty one has no routing."""
+    # len, not truth: a numpy entry has no single truth value
+    shape = next((np.shape(r) for s in samples for r in (s.rollout_routed_experts or ()) if len(r)), None)
     if shape is None:
         return None
     out = np.full((len(samples), width, *shape), -1, np.int64)
@@ -167,7 +169,7 @@ def _routed_experts(samples: list[Sample], prompt_len: np.ndarray, width: int) -
         if len(routed) != len(s.response_ids):
             raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
                              f"but the routing of {len(routed)}; they must pair one to one")
-        rows = [t for t, r in enumerate(routed) if r]
+        rows = [t for t, r in enumerate(routed) if len(r)]
         if rows:
             values = np.asarray([routed[t] for t in rows], np.int64)
             if values.shape[1:] != shape:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from miles.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, RunConfig
@@ -30,6 +31,12 @@ def test_a_saved_rollout_reads_back_equal(tmp_path):
     assert got.rollout_id == 4 and got.samples == samples
     assert got.metrics == {"reward_mean": 0.5, "note": "x"}          # only scalars are kept
     assert not list(tmp_path.glob("d/*.tmp"))
+
+
+def test_the_fast_engines_routing_arrays_are_saved_as_lists_a_weights_only_load_reads(tmp_path):
+    s = replace(sample(0, 1.0), rollout_routed_experts=[np.asarray([[1, 2]], np.uint8), []])   # a tool token
+    got = load_rollout_data(save_rollout_data(tmp_path / "rollout_0.pt", 0, [s], {}))
+    assert got.samples == [replace(s, rollout_routed_experts=[[[1, 2]], []])]
 
 
 def test_missing_foreign_or_misnumbered_files_are_named(tmp_path):

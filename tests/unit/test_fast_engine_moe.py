@@ -3,6 +3,7 @@ transformers' forward and router; the grouped-matmul experts and the sorted-toke
 reference; weight updates under HF names; the spec's acceptance of Qwen3-MoE and refusal of other MoE
 families (miles/rollout/engines/fast/moe.py, docs/moe.md)."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,12 +42,21 @@ def hf_routing(model, ids: list[int]) -> torch.Tensor:
     return torch.stack(picked, dim=1)
 
 
+def lists(routed) -> list:
+    """A Generation's routing as nested lists (the fast engine's entries are numpy arrays, the embedded's lists)."""
+    return [np.asarray(tok).tolist() for tok in routed]
+
+
 def assert_routing_is_transformers(model, prompt: list[int], gen) -> None:
     """Each response token's experts are those transformers' routers pick at the position whose logits sampled
-    it (the prompt's last token for the first, then each response token for the next), per MoE layer."""
+    it (the prompt's last token for the first, then each response token for the next), per MoE layer; each
+    token's entry a uint8 numpy array [MoE layers, k] (up to 256 experts)."""
     want = hf_routing(model, prompt + gen.response_ids)[len(prompt) - 1:-1]
-    assert torch.tensor(gen.routed_experts).shape == want.shape == (len(gen.response_ids), 2, 2)
-    assert gen.routed_experts == want.tolist()
+    assert isinstance(gen.routed_experts, list)
+    assert all(isinstance(tok, np.ndarray) and tok.dtype == np.uint8 and tok.shape == (2, 2)
+               for tok in gen.routed_experts)
+    assert np.asarray(gen.routed_experts).shape == want.shape == (len(gen.response_ids), 2, 2)
+    assert lists(gen.routed_experts) == want.tolist()
 
 
 def test_greedy_tokens_logprobs_and_routing_equal_transformers(engine, hf):
@@ -73,7 +83,7 @@ def test_routing_is_the_embedded_engines_record(moe_path, engine):
     fast = engine.generate(PROMPTS, GREEDY)
     embedded = EmbeddedEngine(moe_path, device="cpu").generate(PROMPTS, GREEDY)
     assert [g.response_ids for g in fast] == [g.response_ids for g in embedded]
-    assert [g.routed_experts for g in fast] == [g.routed_experts for g in embedded]
+    assert [lists(g.routed_experts) for g in fast] == [g.routed_experts for g in embedded]     # the lists of before
 
 
 def test_batching_compaction_and_chunked_prefill_keep_each_tokens_routing(moe_path):
@@ -86,7 +96,7 @@ def test_batching_compaction_and_chunked_prefill_keep_each_tokens_routing(moe_pa
     for prompt, b, c in zip(MANY, batched, chunked):
         single, = alone.generate([prompt], params)
         assert b.response_ids == c.response_ids == single.response_ids
-        assert b.routed_experts == c.routed_experts == single.routed_experts
+        assert lists(b.routed_experts) == lists(c.routed_experts) == lists(single.routed_experts)
         assert len(b.routed_experts) == len(b.response_ids)
 
 
@@ -97,7 +107,25 @@ def test_stop_strings_cut_the_routing_with_the_tokens(engine):
     assert len(cut[0].response_ids) < len(plain[0].response_ids)
     for c, p in zip(cut, plain):
         assert len(c.routed_experts) == len(c.response_ids)
-        assert c.routed_experts == p.routed_experts[:len(c.response_ids)]
+        assert lists(c.routed_experts) == lists(p.routed_experts[:len(c.response_ids)])
+
+
+def test_routed_to_host_gives_each_token_an_array_of_its_requests_own_copy():
+    from miles.rollout.engines.fast.sampling import CallOutputs
+
+    out = CallOutputs(2, 5, torch.device("cpu"), routing=(3, 2, 128))      # 3 MoE layers, top-2 of 128 experts
+    out.routed.copy_(torch.arange(out.routed.numel()).view(out.routed.shape) % 128)
+    calls = out.routed.numpy()                   # [3 (2 requests + the spare), 5, 3, 2], the call's own
+    first, second = out.routed_to_host([4, 0])
+    assert len(first) == 4 and second == []
+    assert all(isinstance(tok, np.ndarray) and tok.dtype == np.uint8 and tok.shape == (3, 2) for tok in first)
+    assert lists(first) == calls[0, :4].tolist()             # the nested lists it gave before
+    # the request's own [4, 3, 2] copy lies under its tokens: a sample kept across steps keeps no more of the call
+    assert first[0].base.shape == (4, 3, 2) and not np.shares_memory(first[0], calls)
+    # a list, as nested lists were: slice, del, extend, unpack
+    del first[3:]
+    first.extend([[]])
+    assert len([*first[1:], *second]) == 3 and first[-1] == []
 
 
 def test_a_weight_update_under_hf_names_changes_outputs_in_place(moe_path, hf):
@@ -117,11 +145,11 @@ def test_a_weight_update_under_hf_names_changes_outputs_in_place(moe_path, hf):
     assert fast.weights_checksum() == embedded.weights_checksum()
     assert [t.data_ptr() for t in fast._weights.named.values()] == live     # in place: captured graphs stay valid
     after = fast.generate(PROMPTS, GREEDY)
-    assert [g.routed_experts for g in after] != [g.routed_experts for g in before]
+    assert [lists(g.routed_experts) for g in after] != [lists(g.routed_experts) for g in before]
     assert [g.response_ids for g in after] != [g.response_ids for g in before]
     reference = embedded.generate(PROMPTS, GREEDY)
     assert [g.response_ids for g in after] == [g.response_ids for g in reference]
-    assert [g.routed_experts for g in after] == [g.routed_experts for g in reference]
+    assert [lists(g.routed_experts) for g in after] == [g.routed_experts for g in reference]
 
 
 def test_decoder_sparse_step_and_mlp_only_layers_pick_the_sparse_layers(tmp_path):
@@ -254,7 +282,8 @@ def test_the_compiled_moe_pieces_serve_every_size_without_recompiling(monkeypatc
         with torch._dynamo.config.patch(error_on_recompile=True):
             gens = engine.generate(MANY, params)
     eager = FastEngine(moe_path, device="cpu", max_batch_size=8).generate(MANY, params)
-    assert engine._forward.compiled and [g.routed_experts for g in gens] == [g.routed_experts for g in eager]
+    assert engine._forward.compiled
+    assert [lists(g.routed_experts) for g in gens] == [lists(g.routed_experts) for g in eager]
 
 
 def test_fast_accepts_qwen3_moe_and_refuses_other_moe_families_by_name(moe_path):
@@ -289,7 +318,8 @@ def test_expert_ids_past_255_are_recorded_whole(tmp_path):
     assert max(e for g in gens for tok in g.routed_experts for layer in tok for e in layer) > 255
     for prompt, g in zip(PROMPTS, gens):
         want = hf_routing(model, prompt + g.response_ids)[len(prompt) - 1:-1]
-        assert g.routed_experts == want.tolist()
+        assert {tok.dtype for tok in g.routed_experts} == {np.dtype(np.int16)}
+        assert lists(g.routed_experts) == want.tolist()
 
 
 def test_an_expert_layout_other_than_gate_up_rows_is_refused_by_name(moe_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from miles.config import ConfigError
@@ -319,6 +321,22 @@ def test_state_dict_round_trips_the_buffer_and_regenerates_what_was_in_flight():
         await q.settle(saved_rollout=None)
 
     asyncio.run(go())
+
+
+def test_the_state_dict_carries_the_fast_engines_routing_arrays_as_json_lists():
+    # a buffered MoE sample: two tokens routed by the fast engine (uint8 arrays [MoE layers 2, k 2]), a tool token
+    routed = np.arange(8, dtype=np.uint8).reshape(2, 2, 2)
+    s = sample(0, [0])
+    s.rollout_routed_experts = [*routed, []]
+    p = producer(FakeExecutor([0]), Events())
+    p.buffer.groups.append(Group(0, [s, sample(0, [0])]))
+    state = json.loads(json.dumps(p.state_dict()))          # rollout.json
+    q = producer(FakeExecutor([0]), Events())
+    q.load_state_dict(state, step=0)
+    back = q.buffer.groups[0].samples
+    assert back[0].rollout_routed_experts == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], []]
+    assert back == [replace(s, rollout_routed_experts=[[[0, 1], [2, 3]], [[4, 5], [6, 7]], []]), sample(0, [0])]
+    assert isinstance(s.rollout_routed_experts[0], np.ndarray)      # the buffer's own sample is not changed
 
 
 def test_pause_lets_the_calls_in_flight_finish_and_starts_no_new_one():

@@ -4,9 +4,11 @@ numbers derived by hand, the routing metrics, weight sync / checkpoint / HF expo
 against one process, and the start-up refusals of what is not built (miles/training/moe.py,
 miles/training/moe_checks.py, docs/moe.md)."""
 
+import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -98,6 +100,47 @@ def test_the_train_batch_puts_each_tokens_routing_at_the_position_that_produced_
         make_train_batch([s], pad_id=0)
 
 
+def routing_sample(routed, prompt_ids=(5, 6)) -> Sample:
+    return Sample(prompt=Prompt(index=0, text="", prompt_ids=tuple(prompt_ids)), group=0,
+                  response_ids=[8] * len(routed), rollout_logprobs=[-1.0] * len(routed), finish_reason="stop",
+                  weight_version=0, rollout_routed_experts=routed)
+
+
+def test_the_train_batch_reads_numpy_list_and_empty_entries_alike():
+    # 2 MoE layers, top-2. Sample a: a fast-engine token (uint8 array), a tool token ([]), a checkpoint's
+    # token (lists), another array (int16, past 256 experts); sample b: all arrays; c: dense
+    a = [[[0, 1], [2, 3]], [], [[4, 5], [6, 7]], [[1, 0], [3, 2]]]
+    b = [[[7, 6], [5, 4]], [[3, 1], [2, 0]]]
+    mixed_a = [np.asarray(a[0], np.uint8), [], a[2], np.asarray(a[3], np.int16)]
+    mixed_b = list(np.asarray(b, np.uint8))
+    dense = routing_sample([])
+    dense.rollout_routed_experts = None
+    want = make_train_batch([routing_sample(a), routing_sample(b), dense], pad_id=0).routed_experts
+    got = make_train_batch([routing_sample(mixed_a), routing_sample(mixed_b), dense], pad_id=0).routed_experts
+    assert got.dtype == torch.int64 and got.shape == (3, 6, 2, 2)
+    assert torch.equal(got, want)
+    # prompt (5, 6): response token t's routing sits at position 1 + t; the tool token's and the rest: -1
+    assert got[0, 1:5].tolist() == [a[0], [[-1, -1]] * 2, a[2], a[3]]
+    assert got[1, 1:3].tolist() == b and (got[1, 3:] == -1).all() and (got[2] == -1).all()
+
+
+def test_sample_append_and_settle_keep_the_fast_engines_arrays_aligned():
+    from miles.rollout.generation import settle
+
+    s = routing_sample([], prompt_ids=(5,))
+    s.rollout_routed_experts = None
+    s.append([8, 9], [-0.5, -0.5], trained=True, routed_experts=list(np.asarray([[[0, 1]], [[1, 2]]], np.uint8)))
+    s.append([4], trained=False)                 # a tool turn
+    s.append([7], [-0.1], trained=True, routed_experts=[[[2, 3]]])      # an embedded engine's lists
+    assert [np.asarray(r).tolist() for r in s.rollout_routed_experts] == [[[0, 1]], [[1, 2]], [], [[2, 3]]]
+    s.response_ids.append(3)
+    settle(s, "failed", "boom", lambda ids: "")
+    assert len(s.rollout_routed_experts) == len(s.response_ids) == 4
+    # prompt (5,): response token t's routing at position t; the last position produced no response token
+    want = [[0, 1], [1, 2], [-1, -1], [2, 3], [-1, -1]]
+    assert make_train_batch([s], pad_id=0).routed_experts[0, :, 0].tolist() == want
+
+
 def test_sample_append_and_settle_keep_the_routing_aligned():
     from miles.rollout.generation import settle
 
@@ -136,6 +179,34 @@ def test_partial_rollout_continuation_extends_the_routing():
     assert resumed._groups[0][0].rollout_routed_experts == [[[0, 1]], [[1, 2]]]
 
 
+def test_a_continued_sample_joins_a_checkpoints_lists_and_the_fast_engines_arrays():
+    from miles.rollout.executor import _extend
+    from miles.rollout.partial import PartialBuffer, continuation
+    from miles.types import Generation
+
+    s = routing_sample([], prompt_ids=(5,))
+    s.rollout_routed_experts, s.finish_reason = None, "abort"
+    _extend(s, Generation([8, 9], [-1.0, -1.0], "abort", 1, list(np.asarray([[[0, 1]], [[1, 2]]], np.uint8))))
+    config = RolloutConfig(batch_size=1, n_samples_per_prompt=1, partial_rollout=True)
+    buffer = PartialBuffer(config)
+    buffer.add([[s]])
+    resumed = PartialBuffer(config)             # rollout.json: the buffer's arrays come back as lists
+    resumed.load_state_dict(json.loads(json.dumps(buffer.state_dict())), {0: s.prompt})
+    back = resumed._groups[0][0]
+    assert back.rollout_routed_experts == [[[0, 1]], [[1, 2]]]
+    for before in (s, back):                    # arrays then arrays; lists then arrays
+        cont = continuation(before, mask_old=False)
+        _extend(cont, Generation([7, 6], [-1.0, -1.0], "stop", 2, list(np.asarray([[[2, 3]], [[3, 0]]], np.uint8))))
+        assert len(cont.rollout_routed_experts) == len(cont.response_ids) == 4
+        assert [np.asarray(r).tolist() for r in cont.rollout_routed_experts] == [[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]]]
+        assert make_train_batch([cont], pad_id=0).routed_experts[0, :4, 0].tolist() == [[0, 1], [1, 2], [2, 3], [3, 0]]
+        assert len(before.rollout_routed_experts) == 2         # the buffer's own is untouched
+    # a call that records no routing (None): its tokens carry none
+    cont = continuation(back, mask_old=False)
+    _extend(cont, Generation([7], [-1.0], "stop", 2, None))
+    assert cont.rollout_routed_experts == [[[0, 1]], [[1, 2]], []]
+
+
 def perturb_routers(model, scale: float, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -161,7 +232,7 @@ def test_r3_routes_every_response_token_as_the_engine_did_per_layer(moe_path, en
     differs = 0
     for i, s in enumerate(samples):
         start = len(s.prompt.prompt_ids) - 1
-        rollout = torch.tensor(s.rollout_routed_experts)
+        rollout = torch.from_numpy(np.asarray(s.rollout_routed_experts, np.int64))    # fast: arrays, embedded: lists
         for layer in range(len(MOE_LAYERS)):
             assert torch.equal(applied[i, start:start + s.response_length, layer], rollout[:, layer])
         differs += int((own[i, start:start + s.response_length].sort(-1).values != rollout.sort(-1).values).any(-1).sum())
