@@ -60,8 +60,8 @@ def test_zero_b_gives_the_base_outputs_and_only_adapters_train(model_path):
 
 def test_the_merged_weight_gives_the_adapted_forward(model_path):
     model = base_model(model_path)
+    torch.manual_seed(0)                                      # A's draw too: the same case every run
     adapted = lora.attach(model, lora.LoraSpec(rank=2, alpha=3.0))
-    torch.manual_seed(0)
     with torch.no_grad():
         for m in adapted.values():
             m.lora_B.weight.normal_(0, 0.3)
@@ -75,7 +75,8 @@ def test_the_merged_weight_gives_the_adapted_forward(model_path):
     expected = m.weight + 1.5 * m.lora_B.weight @ m.lora_A.weight
     torch.testing.assert_close(merged[f"{name}.weight"], expected, rtol=0, atol=1e-6)
     plain.load_state_dict({k: merged[k] for k in merged}, strict=False)
-    torch.testing.assert_close(plain(input_ids=IDS).logits, adapted_logits, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order (W' x against W x + B (A x)): 2e-5 was seen on an unseeded A
+    torch.testing.assert_close(plain(input_ids=IDS).logits, adapted_logits, rtol=1e-4, atol=1e-4)
     with lora.adapters_off(adapted):                            # the reference: the base again
         assert torch.equal(model(input_ids=IDS).logits, base_model(model_path)(input_ids=IDS).logits)
     torch.testing.assert_close(model(input_ids=IDS).logits, adapted_logits, rtol=0, atol=0)   # back on
