@@ -35,11 +35,18 @@ LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/
        tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_inflight_swap_gpu.py"
 # read the GPU's free or used memory, or fill it (the memory plan's 4B and 8B layer shapes): alone
 SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/test_memory_plan_gpu.py"
+# a scale run's folder (its model: 16 GB for the 12-layer MoE) on a disk, not in a tmpfs /tmp, whose pages
+# count against the host memory the run itself needs
+SCALE_DIR=${SCALE_DIR:-/tmp}
+for d in $SCALE_DIR /var/tmp ${HOME:-/root} $PWD/..; do
+  [ "$(stat -f -c %T $d 2>/dev/null)" != tmpfs ] && [ -w $d ] && { SCALE_DIR=$d; break; }
+done
 collect_scale() {     # $1: the workload; its JSON, log, the run's logs and trace into $OUT
-  local w=$1
+  local w=$1 d=$SCALE_DIR/scale-$1
   tail -c 2500 /tmp/scale-$w.log; cp /tmp/scale-$w.json /tmp/scale-$w.log $OUT/ 2>/dev/null; tail -c 5000 /tmp/scale-$w.json
-  for f in miles trl r3/miles; do [ -f /tmp/scale-$w/$f.log ] && tail -c 300000 /tmp/scale-$w/$f.log > $OUT/$w-${f//\//-}.log; done
-  [ -f /tmp/scale-$w/miles-run/trace.jsonl ] && gzip -c /tmp/scale-$w/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz
+  for f in miles trl r3/miles; do [ -f $d/$f.log ] && tail -c 300000 $d/$f.log > $OUT/$w-${f//\//-}.log; done
+  cp /tmp/scale-$w.mem $OUT/$w-host-mem.log 2>/dev/null
+  [ -f $d/miles-run/trace.jsonl ] && gzip -c $d/miles-run/trace.jsonl > $OUT/$w-trace.jsonl.gz
 }
 wait_scale() {        # $1: the workload, $2: seconds at most; collects it once it has ended
   local w=$1 until=$((SECONDS + $2))
@@ -51,6 +58,7 @@ summary() {           # $1: a pytest -v log, $2: its exit status, $3: lines of i
   tail -${3:-15} $1
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+echo "scale runs in $SCALE_DIR; $(df -h --output=target,fstype,size,avail /tmp $SCALE_DIR | tr '\n' ';') $(free -g | sed -n 2p)"
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -69,7 +77,9 @@ for step in "$@"; do
         # in a session of its own (setsid): a bgscale run outlives this call; `waitscale:W` in the next call
         # (made while the machine is still warm) waits for it and brings its results back
         setsid bash -c "timeout ${!sv:-${SCALE_S:-330}} python3 scripts/bench/grpo_scale_gpu.py --workload $w ${!av:-${SCALE_ARGS:-}} \
-          --out /tmp/scale-$w > /tmp/scale-$w.json 2> /tmp/scale-$w.log; echo \$? > /tmp/scale-$w.rc" < /dev/null &
+          --out $SCALE_DIR/scale-$w > /tmp/scale-$w.json 2> /tmp/scale-$w.log; echo \$? > /tmp/scale-$w.rc" < /dev/null &
+        # the host's memory every 10 s while it runs (the Dec 7 run was ended by host memory): $OUT/W-host-mem.log
+        setsid bash -c "while [ ! -f /tmp/scale-$w.rc ]; do echo \$(date +%T) \$(free -m | sed -n 2p) \$(ps -eo rss,comm --sort=-rss | sed -n 2,4p | tr '\n' ' '); sleep 10; done" > /tmp/scale-$w.mem 2>&1 < /dev/null &
         if [ ${step%%:*} = bgscale ]; then wait_scale $w ${BG_WAIT_S:-480}; else wait; wait_scale $w 5; fi ;;
     waitscale:*) wait_scale ${step#waitscale:} ${WAIT_S:-400} ;;
     gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray);
