@@ -18,10 +18,32 @@ from typing import Any, Literal
 import numpy as np
 
 # One token's routing in a mixture-of-experts model: its top-k expert ids per MoE layer, array-like
-# [MoE layers][k]. The fast engine gives a numpy array (uint8, int16 past 256 experts; copying a call's
-# ids into Python ints cost 8.3 s of a 42 s call on an H200); the embedded engine, the HTTP (SGLang)
-# engine and a checkpoint give nested lists. An empty entry (`[]`: a tool / environment token) has none.
+# [MoE layers][k]; an empty entry (`[]`: a tool / environment token) has none.
 TokenExperts = list[list[int]] | np.ndarray
+# A response's routing, one entry per token: either one numpy array [tokens, MoE layers, k] (the fast
+# engine's: uint8, int16 past 256 experts; copying a call's ids into Python ints cost 8.3 s of a 42 s call
+# on an H200, and a list of one small array per token pickles at ~5 us a token, 1.4 s for 256 x 1,024
+# tokens, on every hop between actors) or a list of `TokenExperts` (the embedded and HTTP engines', a
+# checkpoint's, and any response mixing tool tokens or both kinds). Read it as a sequence (`len`, `r[t]`,
+# iteration: never its truth value); change it with `routing_join` / slicing, never in place.
+Routing = list[TokenExperts] | np.ndarray
+
+
+def routing_join(head: Routing, tail: Routing) -> Routing:
+    """`head`'s entries, then `tail`'s: one array when both are arrays of the same per-token shape (or one
+    side is empty), else a list of the entries (an array's rows as arrays)."""
+    if len(tail) == 0:
+        return head if isinstance(head, np.ndarray) else list(head)
+    if len(head) == 0:
+        return tail if isinstance(tail, np.ndarray) else list(tail)
+    if isinstance(head, np.ndarray) and isinstance(tail, np.ndarray) and head.shape[1:] == tail.shape[1:]:
+        return np.concatenate([head, tail])          # numpy's promotion: uint8 + int16 -> int16
+    return [*head, *tail]
+
+
+def routing_copy(routed: Routing) -> Routing:
+    """A copy that shares nothing mutable with `routed`."""
+    return routed.copy() if isinstance(routed, np.ndarray) else list(routed)
 
 
 @dataclass(frozen=True)
@@ -77,9 +99,9 @@ class Generation:
     finish_reason: str              # "stop" (EOS / stop token), "length", or "abort" (the engine was told to stop)
     weight_version: int             # version of the weights that produced it
     # a mixture-of-experts model's routing: per response token, per MoE layer, the top-k experts of the position
-    # whose logits sampled it (miles.training.moe); a list with one `TokenExperts` per token: a numpy array
-    # [MoE layers, k] from the fast engine, nested lists from the other engines. None for a dense model
-    routed_experts: list[TokenExperts] | None = None
+    # whose logits sampled it (miles.training.moe), a `Routing`: one numpy array [tokens, MoE layers, k] from
+    # the fast engine, a list of nested lists from the other engines. None for a dense model
+    routed_experts: Routing | None = None
     # per token, the weight version whose forward gave its logits, when the weights were swapped during the
     # call (--fully-async: SupportsInFlightWeightSwap); None: every token is `weight_version`'s
     token_versions: list[int] | None = None
@@ -123,12 +145,13 @@ class Sample:
     # --use-opd --opd-type sglang: the teacher servers' logprob of each response token (None: not scored)
     teacher_logprobs: list[float] | None = None
     # a mixture-of-experts model's rollout routing (miles' name): per response token [MoE layers][top-k] expert
-    # ids the engine used for the position that sampled it, array-like (`TokenExperts`: a numpy array from the
-    # fast engine, nested lists from the embedded and HTTP engines and from checkpoints; one sample may mix
-    # both); [] on tokens the model did not sample (tool turns: the trainer routes them itself). None: a dense
-    # model, or an engine that does not record it. `routing_as_lists` makes it plain JSON-able lists (and
-    # comparable: `==` of two samples holding arrays raises numpy's "truth value is ambiguous")
-    rollout_routed_experts: list[TokenExperts] | None = None
+    # ids the engine used for the position that sampled it, a `Routing` (one array [tokens, layers, k] from the
+    # fast engine; a list of nested lists from the embedded and HTTP engines and from checkpoints, and where a
+    # response mixes kinds); [] on tokens the model did not sample (tool turns: the trainer routes them
+    # itself). None: a dense model, or an engine that does not record it. `routing_as_lists` makes it plain
+    # JSON-able lists (and comparable: `==` of two samples holding arrays raises numpy's "truth value is
+    # ambiguous")
+    rollout_routed_experts: Routing | None = None
 
     @property
     def response_length(self) -> int:
@@ -156,7 +179,7 @@ class Sample:
         return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
     def append(self, ids: list[int], logprobs: list[float] | None = None, *, trained: bool,
-               routed_experts: list[TokenExperts] | None = None) -> None:
+               routed_experts: Routing | None = None) -> None:
         """Append a span to the response: the model's tokens with the engine's logprobs
         (`trained=True`, and the engine's routing of an MoE model: `Generation.routed_experts`), or tool /
         environment tokens (`trained=False`, logprobs 0.0, no routing)."""
@@ -166,8 +189,8 @@ class Sample:
         if routed_experts is not None and self.rollout_routed_experts is None and not self.response_ids:
             self.rollout_routed_experts = []
         if self.rollout_routed_experts is not None:
-            self.rollout_routed_experts.extend(routed_experts if trained and routed_experts is not None
-                                               else [[] for _ in ids])
+            self.rollout_routed_experts = routing_join(
+                self.rollout_routed_experts, routed_experts if trained and routed_experts is not None else [[] for _ in ids])
         if self.loss_mask is None:
             self.loss_mask = [1] * len(self.response_ids)
         self.response_ids.extend(ids)
@@ -175,11 +198,13 @@ class Sample:
         self.loss_mask.extend([1 if trained else 0] * len(ids))
 
 
-def routing_as_lists(routed: list[TokenExperts] | None) -> list[list[list[int]]] | None:
-    """`Sample.rollout_routed_experts` as plain nested lists (JSON, torch.load's weights_only): each token's
-    numpy array as lists of Python ints; list entries (and `[]`) as they are."""
+def routing_as_lists(routed: Routing | None) -> list[list[list[int]]] | None:
+    """`Sample.rollout_routed_experts` as plain nested lists (JSON, torch.load's weights_only): numpy arrays
+    as lists of Python ints; list entries (and `[]`) as they are."""
     if routed is None:
         return None
+    if isinstance(routed, np.ndarray):
+        return routed.tolist()
     return [r.tolist() if isinstance(r, np.ndarray) else r for r in routed]
 
 

@@ -57,7 +57,7 @@ from miles.rollout.generation import (EngineBatcher, GenerateContext, RolloutCon
 from miles.rollout.protocol import EngineUnresponsive
 from miles.rollout.scoring import Rewards
 from miles.rollout.tools import ToolKit, load_tool_kit
-from miles.types import SAMPLE_STATUSES, Generation, Prompt, RolloutBatch, Sample, SamplingParams
+from miles.types import SAMPLE_STATUSES, Generation, Prompt, RolloutBatch, Sample, SamplingParams, routing_join
 from miles.user_code import install_custom_args
 
 log = structlog.get_logger().bind(role="rollout-executor")
@@ -676,9 +676,9 @@ def _extend(s: Sample, g: Generation) -> None:
         before = s.rollout_routed_experts
         if before is None:
             before = [[] for _ in range(len(s.response_ids) - len(g.response_ids))]
-        # entries as they come: the buffer's (lists after a checkpoint) beside the engine's (arrays from the fast one)
+        # one array when both parts are the fast engine's; else entries as they come (lists after a checkpoint)
         new = [[] for _ in g.response_ids] if g.routed_experts is None else g.routed_experts
-        s.rollout_routed_experts = [*before, *new]
+        s.rollout_routed_experts = routing_join(before, new)
     if s.loss_mask is not None:
         s.loss_mask.extend([1] * len(g.response_ids))
     versions = [*s.metadata.get("weight_versions", []), g.weight_version]

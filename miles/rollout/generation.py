@@ -267,7 +267,7 @@ def settle(sample: Sample, status: str, error: str, decode: Callable[[list[int]]
     if sample.loss_mask is not None:
         del sample.loss_mask[n:]
     if sample.rollout_routed_experts is not None:
-        del sample.rollout_routed_experts[n:]
+        sample.rollout_routed_experts = sample.rollout_routed_experts[:n]      # an array has no `del`
     sample.status, sample.error = status, error  # type: ignore[assignment]
     sample.response_text = sample.response_text or decode(sample.response_ids)
     return sample

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from miles.config import ConfigError, RolloutConfig
 from miles.rollout.hooks import HookContext
-from miles.types import Prompt, Sample, routing_as_lists
+from miles.types import Prompt, Sample, routing_as_lists, routing_copy
 from miles.config.user_functions import signature
 from miles.user_code import check_signature, display_name, import_user_function
 
@@ -133,7 +133,7 @@ def continuation(sample: Sample, *, mask_old: bool) -> Sample:
     return replace(sample, response_ids=list(sample.response_ids), rollout_logprobs=list(sample.rollout_logprobs),
                    loss_mask=mask, metadata=dict(sample.metadata), reward=0.0, advantage=0.0, error=None,
                    rollout_routed_experts=None if sample.rollout_routed_experts is None
-                   else list(sample.rollout_routed_experts))
+                   else routing_copy(sample.rollout_routed_experts))
 
 
 def unfinished(sample: Sample) -> bool:

@@ -12,6 +12,7 @@ sits on its last trained token.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from itertools import chain
 
@@ -155,10 +156,16 @@ def make_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
 
 def _routed_experts(samples: list[Sample], prompt_len: np.ndarray, width: int) -> Tensor | None:
     """[B, T, L, k] the samples' rollout routing (`Sample.rollout_routed_experts`) at the positions that
-    produced their response tokens, -1 elsewhere; None when no sample carries any. A token's entry may be a
-    numpy array or nested lists (`TokenExperts`), one sample mixing both; an empty one has no routing."""
-    # len, not truth: a numpy entry has no single truth value
-    shape = next((np.shape(r) for s in samples for r in (s.rollout_routed_experts or ()) if len(r)), None)
+    produced their response tokens, -1 elsewhere; None when no sample carries any. A sample's routing is one
+    array [tokens, L, k] or a list of per-token entries (arrays or nested lists; an empty one: no routing)."""
+    def shapes(routed) -> Iterator[tuple[int, ...]]:
+        if isinstance(routed, np.ndarray):
+            yield from [routed.shape[1:]] if len(routed) else []
+        else:          # len, not truth: a numpy entry has no single truth value
+            yield from (np.shape(r) for r in routed if len(r))
+
+    shape = next((sh for s in samples if s.rollout_routed_experts is not None
+                  for sh in shapes(s.rollout_routed_experts)), None)
     if shape is None:
         return None
     out = np.full((len(samples), width, *shape), -1, np.int64)
@@ -169,13 +176,16 @@ def _routed_experts(samples: list[Sample], prompt_len: np.ndarray, width: int) -
         if len(routed) != len(s.response_ids):
             raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has {len(s.response_ids)} response ids "
                              f"but the routing of {len(routed)}; they must pair one to one")
-        rows = [t for t, r in enumerate(routed) if len(r)]
-        if rows:
+        if isinstance(routed, np.ndarray):
+            rows, values = np.arange(len(routed)), routed
+        else:
+            rows = np.asarray([t for t, r in enumerate(routed) if len(r)], np.int64)
             values = np.asarray([routed[t] for t in rows], np.int64)
+        if len(rows):
             if values.shape[1:] != shape:
                 raise ValueError(f"sample {i} (prompt index {s.prompt.index}) has routing of shape "
                                  f"{values.shape[1:]} per token; others have {shape} (MoE layers, top-k)")
-            out[i, int(prompt_len[i]) - 1 + np.asarray(rows)] = values
+            out[i, int(prompt_len[i]) - 1 + rows] = values
     return torch.from_numpy(out)
 
 

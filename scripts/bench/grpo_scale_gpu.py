@@ -67,20 +67,22 @@ The MoE path's smoke builds its own tiny Qwen3-MoE (2 layers, 8 experts, top-2),
       --r3-effect --miles-iters 2 [--out DIR]
 (without --skip-trl and with --trl-site DIR, TRL's side runs too: see grpo_step_gpu's docstring).
 
-The MoE GPU run (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8;
-`.whl/` built with EXTRA="trl==1.16.0 datasets dill multiprocess" for TRL's side) is longer than one
-call's 10 minutes, so it runs in the background over two calls (`bgscale`, then `waitscale` while the
-machine is warm); a side its bound cuts still reports what it finished (TRL its steps, even a step's
+The MoE GPU run (one H200: pass needs_h200 to the device tool, or on an H100 add --layers 8) is longer
+than one call's 10 minutes, so it runs in the background over two calls (`bgscale`, then `waitscale` while
+the machine is warm); a side its bound cuts still reports what it finished (TRL its steps, even a step's
 generation; miles its iterations, each rollout's metrics). The budget, from the 8b-2k runs at the same
 parameter count (init about 90 s, a first iteration of 135 s that compiles the trainer, then 55 s): the
-model build (about a minute: 16 GB written), TRL <= 180 s (load, generate 256 x 1,024, train: on an H200 on
-Dec 7 it was still generating its first step at 120 s), the plain miles run <= 360 s (init, the compiling first iteration, then as many of --miles-iters 4
-as fit: memory flat over the last 3), the R3 run <= 240 s (--r3-iters 1: its one rollout is the plain run's
-first, from the same weights, so the two runs' first rollouts compare like with like; it saves it, 80 MB of
-expert ids, for `rollout_bound_from_routing`). After `script:moe_rollout_gpu` (200 s) in the same call:
-  S_moe_rollout_gpu=170 SCALE_S_30b_a3b_12l=800 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 4 \
-      --r3-iters 1 --trl-steps 1 --trl-timeout-s 180 --side-timeout-s 340 --r3-timeout-s 230" BG_WAIT_S=230 \
-      bash scripts/gpu_call.sh script:moe_rollout_gpu bgscale:30b-a3b-12l
+model build (about a minute: 16 GB written), the plain miles run <= 380 s (init, the compiling first
+iteration, then as many of --miles-iters 4 as fit: memory flat over the last 3), the R3 run <= 230 s
+(--r3-iters 1: its one rollout is the plain run's first, from the same weights, so the two runs' first
+rollouts compare like with like; it saves it, 80 MB of expert ids, for `rollout_bound_from_routing`). TRL
+is left out (on an H200 on Dec 7 it was still generating its first step's 256 x 1,024 tokens at 120 s):
+its step is a run of its own, `--skip-miles --trl-steps 1 --trl-timeout-s 500` (`.whl/` built with
+EXTRA="trl==1.16.0 datasets dill multiprocess"). After the GPU tests the run leans on and
+`script:moe_rollout_gpu` in the same call:
+  TESTS_S=150 S_moe_rollout_gpu=170 SCALE_S_30b_a3b_12l=800 SCALE_ARGS_30b_a3b_12l="--r3-effect --miles-iters 4 \
+      --r3-iters 1 --skip-trl --side-timeout-s 380 --r3-timeout-s 230" BG_WAIT_S=220 bash scripts/gpu_call.sh \
+      tests:tests/gpu/test_offload_cuda.py,tests/gpu/test_moe_gpu.py script:moe_rollout_gpu bgscale:30b-a3b-12l
   WAIT_S=570 bash scripts/gpu_call.sh waitscale:30b-a3b-12l
 """
 
@@ -271,6 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train without --recompute-activations (and so packed: see the packing section of the docs)")
     p.add_argument("--trl-timeout-s", type=float, default=None, help="the TRL side's bound (default: --side-timeout-s)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--skip-miles", action="store_true",
+                   help="TRL's side alone (a TRL step longer than the budget of a run that has both)")
     p.add_argument("--trl-site", type=Path, default=None, help="grpo_step_gpu's --trl-site (TRL's stack in a folder)")
     p.add_argument("--r3-effect", action="store_true",
                    help="an MoE workload: miles twice, without and with --use-rollout-routing-replay (the second "
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     family, size, prompts, samples, new_tokens, micro, with_trl, extra = WORKLOADS[s.workload]
     if (s.r3_effect or s.layers) and family != "qwen3_moe":
         raise SystemExit(f"--r3-effect and --layers are for the MoE workloads, not {s.workload}")
+    if s.skip_miles and (s.r3_effect or s.skip_trl):
+        raise SystemExit("--skip-miles runs TRL's side alone: without --r3-effect and --skip-trl")
     flags = f"{s.miles_flags if s.miles_flags is not None else f'{BASE_FLAGS} {extra}'} {s.add_miles_flags}".strip()
     if s.no_recompute:
         flags = " ".join(f for f in flags.split() if f != "--recompute-activations")
@@ -323,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
             bound_s = lambda gen: rollout_bound_s(shape, params, prompts, samples, gen)  # noqa: E731
         trl = {"skipped": "not this workload's comparison"} if not with_trl else \
             {"skipped": "--skip-trl"} if s.skip_trl else step.run_trl(a, root, model, data, reward, active)
-        miles = step.run_miles(a, root, model, data, reward, active)
+        miles = {"skipped": "--skip-miles", "error": "--skip-miles"} if s.skip_miles else \
+            step.run_miles(a, root, model, data, reward, active)
         report = {"workload": s.workload, "goals": verdicts(s.workload, a, miles, trl, active, bound_s),
                   "setup": {"params": params, "active_params": active, "model": f"{family} {size}",
                             "layers": shape["num_hidden_layers"], "prompts": prompts, "samples": samples,

@@ -3,6 +3,8 @@ transformers' forward and router; the grouped-matmul experts and the sorted-toke
 reference; weight updates under HF names; the spec's acceptance of Qwen3-MoE and refusal of other MoE
 families (miles/rollout/engines/fast/moe.py, docs/moe.md)."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from miles.rollout.engines.fast import moe as fast_moe
 from miles.rollout.engines.fast.engine import FastEngine
 from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, experts_grouped, experts_loop, route,
                                             sparse_layers)
-from miles.types import SamplingParams
+from miles.types import SamplingParams, routing_as_lists, routing_copy, routing_join
 from miles.weights.hf import model_weights
 from tests.tiny_model import make_tiny_family
 from tests.unit.test_moe import hf, moe_path  # noqa: F401  (the tiny Qwen3-MoE fixtures, shared)
@@ -43,19 +45,19 @@ def hf_routing(model, ids: list[int]) -> torch.Tensor:
 
 
 def lists(routed) -> list:
-    """A Generation's routing as nested lists (the fast engine's entries are numpy arrays, the embedded's lists)."""
+    """A Generation's routing as nested lists (the fast engine's is one numpy array, the embedded's lists)."""
     return [np.asarray(tok).tolist() for tok in routed]
 
 
 def assert_routing_is_transformers(model, prompt: list[int], gen) -> None:
     """Each response token's experts are those transformers' routers pick at the position whose logits sampled
-    it (the prompt's last token for the first, then each response token for the next), per MoE layer; each
-    token's entry a uint8 numpy array [MoE layers, k] (up to 256 experts)."""
+    it (the prompt's last token for the first, then each response token for the next), per MoE layer; the
+    request's routing one uint8 numpy array [tokens, MoE layers, k] (up to 256 experts) that owns its memory
+    (not a view of the call's whole buffer, which a sample kept across steps would hold alive)."""
     want = hf_routing(model, prompt + gen.response_ids)[len(prompt) - 1:-1]
-    assert isinstance(gen.routed_experts, list)
-    assert all(isinstance(tok, np.ndarray) and tok.dtype == np.uint8 and tok.shape == (2, 2)
-               for tok in gen.routed_experts)
-    assert np.asarray(gen.routed_experts).shape == want.shape == (len(gen.response_ids), 2, 2)
+    routed = gen.routed_experts
+    assert isinstance(routed, np.ndarray) and routed.dtype == np.uint8 and routed.base is None
+    assert routed.shape == want.shape == (len(gen.response_ids), 2, 2)
     assert lists(gen.routed_experts) == want.tolist()
 
 
@@ -110,22 +112,34 @@ def test_stop_strings_cut_the_routing_with_the_tokens(engine):
         assert lists(c.routed_experts) == lists(p.routed_experts[:len(c.response_ids)])
 
 
-def test_routed_to_host_gives_each_token_an_array_of_its_requests_own_copy():
+def test_routed_to_host_gives_each_request_one_array_of_its_own():
     from miles.rollout.engines.fast.sampling import CallOutputs
 
     out = CallOutputs(2, 5, torch.device("cpu"), routing=(3, 2, 128))      # 3 MoE layers, top-2 of 128 experts
     out.routed.copy_(torch.arange(out.routed.numel()).view(out.routed.shape) % 128)
     calls = out.routed.numpy()                   # [3 (2 requests + the spare), 5, 3, 2], the call's own
     first, second = out.routed_to_host([4, 0])
-    assert len(first) == 4 and second == []
-    assert all(isinstance(tok, np.ndarray) and tok.dtype == np.uint8 and tok.shape == (3, 2) for tok in first)
-    assert lists(first) == calls[0, :4].tolist()             # the nested lists it gave before
-    # the request's own [4, 3, 2] copy lies under its tokens: a sample kept across steps keeps no more of the call
-    assert first[0].base.shape == (4, 3, 2) and not np.shares_memory(first[0], calls)
-    # a list, as nested lists were: slice, del, extend, unpack
-    del first[3:]
-    first.extend([[]])
-    assert len([*first[1:], *second]) == 3 and first[-1] == []
+    assert first.shape == (4, 3, 2) and second.shape == (0, 3, 2) and first.dtype == np.uint8
+    assert first.tolist() == calls[0, :4].tolist()
+    # the request's own copy: a sample kept across steps keeps no more of the call
+    assert first.base is None and not np.shares_memory(first, calls)
+    # one array pickles as one buffer, not one object per token (every hop between actors)
+    assert len(pickle.dumps(first, protocol=5)) < first.nbytes + 200
+
+
+def test_routing_joins_arrays_into_one_and_mixed_parts_into_a_list():
+    a = np.arange(12, dtype=np.uint8).reshape(2, 3, 2)
+    b = np.arange(6, dtype=np.int16).reshape(1, 3, 2) + 300
+    ab = routing_join(a, b)
+    assert isinstance(ab, np.ndarray) and ab.dtype == np.int16 and ab.tolist() == [*a.tolist(), *b.tolist()]
+    assert routing_join([], a) is a and routing_join(a, a[:0]) is a          # an empty side: the other as it is
+    mixed = routing_join(a, [[], [[1, 2], [3, 4], [5, 6]]])                  # a tool token, an embedded engine's
+    assert isinstance(mixed, list) and len(mixed) == 4 and mixed[2] == [] and mixed[1].tolist() == a[1].tolist()
+    assert routing_as_lists(mixed) == [*a.tolist(), [], [[1, 2], [3, 4], [5, 6]]]
+    assert routing_as_lists(a) == a.tolist()
+    c = routing_copy(a)
+    c[0, 0, 0] = 99
+    assert a[0, 0, 0] == 0
 
 
 def test_a_weight_update_under_hf_names_changes_outputs_in_place(moe_path, hf):
@@ -318,7 +332,7 @@ def test_expert_ids_past_255_are_recorded_whole(tmp_path):
     assert max(e for g in gens for tok in g.routed_experts for layer in tok for e in layer) > 255
     for prompt, g in zip(PROMPTS, gens):
         want = hf_routing(model, prompt + g.response_ids)[len(prompt) - 1:-1]
-        assert {tok.dtype for tok in g.routed_experts} == {np.dtype(np.int16)}
+        assert g.routed_experts.dtype == np.int16
         assert lists(g.routed_experts) == want.tolist()
 
 

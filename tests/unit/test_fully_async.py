@@ -324,12 +324,16 @@ def test_state_dict_round_trips_the_buffer_and_regenerates_what_was_in_flight():
 
 
 def test_the_state_dict_carries_the_fast_engines_routing_arrays_as_json_lists():
-    # a buffered MoE sample: two tokens routed by the fast engine (uint8 arrays [MoE layers 2, k 2]), a tool token
+    # a buffered MoE sample: two tokens routed by the fast engine (uint8 arrays [MoE layers 2, k 2]), a tool
+    # token; another sample, the fast engine's whole response: one array [tokens 2, MoE layers 2, k 2]
     routed = np.arange(8, dtype=np.uint8).reshape(2, 2, 2)
     s = sample(0, [0])
     s.rollout_routed_experts = [*routed, []]
+    whole = sample(0, [0])
+    whole.rollout_routed_experts = routed
     p = producer(FakeExecutor([0]), Events())
     p.buffer.groups.append(Group(0, [s, sample(0, [0])]))
+    p.buffer.groups.append(Group(1, [whole]))
     state = json.loads(json.dumps(p.state_dict()))          # rollout.json
     q = producer(FakeExecutor([0]), Events())
     q.load_state_dict(state, step=0)
@@ -337,6 +341,7 @@ def test_the_state_dict_carries_the_fast_engines_routing_arrays_as_json_lists():
     assert back[0].rollout_routed_experts == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], []]
     assert back == [replace(s, rollout_routed_experts=[[[0, 1], [2, 3]], [[4, 5], [6, 7]], []]), sample(0, [0])]
     assert isinstance(s.rollout_routed_experts[0], np.ndarray)      # the buffer's own sample is not changed
+    assert q.buffer.groups[1].samples[0].rollout_routed_experts == routed.tolist()
 
 
 def test_pause_lets_the_calls_in_flight_finish_and_starts_no_new_one():

@@ -141,6 +141,12 @@ def test_r3_effect_and_layers_are_refused_on_a_dense_workload(bench):
         bench.main(["--workload", "smoke", "--r3-effect", "--device", "cpu"])
 
 
+def test_skip_miles_is_refused_beside_what_needs_a_miles_run(bench):
+    for extra in (["--r3-effect"], ["--skip-trl"]):
+        with pytest.raises(SystemExit, match="TRL's side alone"):
+            bench.main(["--workload", "smoke-moe", "--skip-miles", "--device", "cpu", *extra])
+
+
 @pytest.mark.extended
 def test_the_moe_smoke_runs_the_whole_path_with_the_r3_comparison(bench, tmp_path, monkeypatch, capsys):
     # the script as the GPU call runs it, at a tiny Qwen3-MoE shape on the CPU: two `miles train` runs

@@ -113,12 +113,17 @@ def test_the_train_batch_reads_numpy_list_and_empty_entries_alike():
     b = [[[7, 6], [5, 4]], [[3, 1], [2, 0]]]
     mixed_a = [np.asarray(a[0], np.uint8), [], a[2], np.asarray(a[3], np.int16)]
     mixed_b = list(np.asarray(b, np.uint8))
+    whole_b = np.asarray(b, np.uint8)            # the fast engine's: one array [tokens, layers, k]
     dense = routing_sample([])
     dense.rollout_routed_experts = None
     want = make_train_batch([routing_sample(a), routing_sample(b), dense], pad_id=0).routed_experts
     got = make_train_batch([routing_sample(mixed_a), routing_sample(mixed_b), dense], pad_id=0).routed_experts
     assert got.dtype == torch.int64 and got.shape == (3, 6, 2, 2)
     assert torch.equal(got, want)
+    whole = make_train_batch([routing_sample(mixed_a), routing_sample(whole_b), dense], pad_id=0).routed_experts
+    assert torch.equal(whole, want)
+    only_arrays = make_train_batch([routing_sample(whole_b), dense], pad_id=0).routed_experts  # the shape from an array
+    assert only_arrays.shape == (2, 4, 2, 2) and torch.equal(only_arrays, want[1:, :4])
     # prompt (5, 6): response token t's routing sits at position 1 + t; the tool token's and the rest: -1
     assert got[0, 1:5].tolist() == [a[0], [[-1, -1]] * 2, a[2], a[3]]
     assert got[1, 1:3].tolist() == b and (got[1, 3:] == -1).all() and (got[2] == -1).all()
@@ -129,15 +134,21 @@ def test_sample_append_and_settle_keep_the_fast_engines_arrays_aligned():
 
     s = routing_sample([], prompt_ids=(5,))
     s.rollout_routed_experts = None
-    s.append([8, 9], [-0.5, -0.5], trained=True, routed_experts=list(np.asarray([[[0, 1]], [[1, 2]]], np.uint8)))
+    s.append([8, 9], [-0.5, -0.5], trained=True, routed_experts=np.asarray([[[0, 1]], [[1, 2]]], np.uint8))
+    s.append([5], [-0.2], trained=True, routed_experts=np.asarray([[[3, 0]]], np.uint8))
+    assert isinstance(s.rollout_routed_experts, np.ndarray)            # two turns of the fast engine: one array
+    assert s.rollout_routed_experts.tolist() == [[[0, 1]], [[1, 2]], [[3, 0]]]
+    s.response_ids.append(3)
+    settle(s, "failed", "boom", lambda ids: "")                        # an array is cut by slicing
+    assert s.rollout_routed_experts.shape == (3, 1, 2) and len(s.response_ids) == 3
     s.append([4], trained=False)                 # a tool turn
     s.append([7], [-0.1], trained=True, routed_experts=[[[2, 3]]])      # an embedded engine's lists
-    assert [np.asarray(r).tolist() for r in s.rollout_routed_experts] == [[[0, 1]], [[1, 2]], [], [[2, 3]]]
+    assert [np.asarray(r).tolist() for r in s.rollout_routed_experts] == [[[0, 1]], [[1, 2]], [[3, 0]], [], [[2, 3]]]
     s.response_ids.append(3)
     settle(s, "failed", "boom", lambda ids: "")
-    assert len(s.rollout_routed_experts) == len(s.response_ids) == 4
+    assert len(s.rollout_routed_experts) == len(s.response_ids) == 5
     # prompt (5,): response token t's routing at position t; the last position produced no response token
-    want = [[0, 1], [1, 2], [-1, -1], [2, 3], [-1, -1]]
+    want = [[0, 1], [1, 2], [3, 0], [-1, -1], [2, 3], [-1, -1]]
     assert make_train_batch([s], pad_id=0).routed_experts[0, :, 0].tolist() == want
 
 
@@ -186,7 +197,7 @@ def test_a_continued_sample_joins_a_checkpoints_lists_and_the_fast_engines_array
 
     s = routing_sample([], prompt_ids=(5,))
     s.rollout_routed_experts, s.finish_reason = None, "abort"
-    _extend(s, Generation([8, 9], [-1.0, -1.0], "abort", 1, list(np.asarray([[[0, 1]], [[1, 2]]], np.uint8))))
+    _extend(s, Generation([8, 9], [-1.0, -1.0], "abort", 1, np.asarray([[[0, 1]], [[1, 2]]], np.uint8)))
     config = RolloutConfig(batch_size=1, n_samples_per_prompt=1, partial_rollout=True)
     buffer = PartialBuffer(config)
     buffer.add([[s]])
@@ -194,10 +205,11 @@ def test_a_continued_sample_joins_a_checkpoints_lists_and_the_fast_engines_array
     resumed.load_state_dict(json.loads(json.dumps(buffer.state_dict())), {0: s.prompt})
     back = resumed._groups[0][0]
     assert back.rollout_routed_experts == [[[0, 1]], [[1, 2]]]
-    for before in (s, back):                    # arrays then arrays; lists then arrays
+    for before in (s, back):                    # an array then an array; lists then an array
         cont = continuation(before, mask_old=False)
-        _extend(cont, Generation([7, 6], [-1.0, -1.0], "stop", 2, list(np.asarray([[[2, 3]], [[3, 0]]], np.uint8))))
+        _extend(cont, Generation([7, 6], [-1.0, -1.0], "stop", 2, np.asarray([[[2, 3]], [[3, 0]]], np.uint8)))
         assert len(cont.rollout_routed_experts) == len(cont.response_ids) == 4
+        assert isinstance(cont.rollout_routed_experts, np.ndarray) == (before is s)    # arrays join into one
         assert [np.asarray(r).tolist() for r in cont.rollout_routed_experts] == [[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]]]
         assert make_train_batch([cont], pad_id=0).routed_experts[0, :4, 0].tolist() == [[0, 1], [1, 2], [2, 3], [3, 0]]
         assert len(before.rollout_routed_experts) == 2         # the buffer's own is untouched

@@ -48,7 +48,7 @@ A mixture-of-experts model (Qwen3-MoE, `miles.rollout.engines.fast.moe`): each s
 per MoE layer, are those of the position whose logits sampled it (the embedded engine's convention):
 the prefill's last prompt position for the first token, then each decode step's, which the step (a
 captured graph or not) writes into a static buffer and `advance` files beside the token.
-`Generation.routed_experts` carries them, one numpy array [MoE layers, k] per token. The experts run as
+`Generation.routed_experts` carries them, one numpy array [tokens, MoE layers, k] per request. The experts run as
 grouped matmuls where the kernel is usable (CUDA, Hopper, bf16), else as a per-expert loop, which is not
 capturable: decode then runs eagerly on CUDA (logged).
 
