@@ -52,6 +52,32 @@ def test_offload_frees_gpu_memory_and_onload_restores_it_exactly(weights):
     off.dispose()
 
 
+def test_a_checkpoints_state_loaded_to_the_cpu_lands_in_pinned_buffers_and_steps_as_torchs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(model, opt, 0)
+    saved = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                         copy.deepcopy(opt.state_dict()))      # as a checkpoint loads it
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    twin_opt.load_state_dict(saved)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    off = HostOffload(fresh, model)
+    off.offload()
+    off.load_state_dict(saved)
+    moments = [v for s in fresh.state.values() for k, v in s.items() if k != "step"]
+    # pinned: the parameters are on CUDA, whatever device the loaded values came from
+    assert moments and all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+    assert list(off._arenas) == [(False, True)]
+    off.onload()
+    step(model, fresh, 1, off)
+    step(twin, twin_opt, 1)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    off.dispose()
+
+
 def test_sharded_state_goes_to_pinned_host_shards_and_streamed_steps_equal_the_optimizers():
     """FSDP2 on one NCCL rank (the torch trainer's ranks): the optimizer state's DTensors keep their
     mesh and shape around pinned host shards, the GPU gives the memory back, and the streamed steps

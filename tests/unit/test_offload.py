@@ -146,6 +146,9 @@ def test_a_saved_state_loads_into_the_host_buffers_and_steps_as_torchs_load():
     off.offload()
     off.load_state_dict(saved)
     assert fresh.param_groups[0]["lr"] == 0.1
+    # the slabs sized once for the loaded moments (8 buffers of 512 bytes), not grown from a 64 MiB first slab
+    arena = off._arenas[(False, False)]
+    assert (arena.used_bytes, arena.allocated_bytes, len(arena._slabs)) == (8 * 512, 4096, 1)
     for p in model.parameters():
         assert fresh.state[p]["exp_avg"].data_ptr() == off._host[(id(p), "exp_avg")].data_ptr()
     streamed(model, fresh, 1, off)

@@ -217,7 +217,7 @@ class HostOffload:
             host = self._host.get((id(param), name))
             if host is not None and shard.device.type == "cpu" and shard.data_ptr() == host.data_ptr():
                 continue          # there already (a DTensor's local may be a view of the buffer: not `is`)
-            host = self._buffer((id(param), name), shard)
+            host = self._buffer((id(param), name), shard, pin=local(param).is_cuda)
             host.copy_(shard, non_blocking=shard.is_cuda)
             state[name] = around(value, host)
 
@@ -233,40 +233,42 @@ class HostOffload:
             self._to_host(param, state)
         self._settle()
 
-    def _buffer(self, key: tuple[int, str], like: Tensor) -> Tensor:
+    def _buffer(self, key: tuple[int, str], like: Tensor, *, pin: bool) -> Tensor:
         if self._stale(key, like):
             # a replaced buffer's bytes are not reused (a shape or dtype change is rare: a load of another
             # layout); they go with their slab
-            self._host[key] = self._arena(key, like).empty(like.shape, like.dtype)
+            self._host[key] = self._arena(key, pin).empty(like.shape, like.dtype)
         return self._host[key]
 
     def _stale(self, key: tuple[int, str], like: Tensor) -> bool:
         host = self._host.get(key)
         return host is None or host.shape != like.shape or host.dtype != like.dtype
 
-    def _arena(self, key: tuple[int, str], like: Tensor) -> HostArena:
-        """Pinned when `like` is on CUDA (the copies are then asynchronous and fast), as the buffers
-        always were. The weights are carved from slabs of their own: dropping their buffers (`dispose`
-        after an onload) frees their slabs whatever the optimizer state still holds."""
-        group = (key[1] == _WEIGHTS, like.is_cuda)
+    def _arena(self, key: tuple[int, str], pin: bool) -> HostArena:
+        """Pinned when the parameter the buffer serves is on CUDA (its copies are then asynchronous and
+        fast), whatever device the values come from: a checkpoint's state loaded to the CPU
+        (`load_state_dict`) fills pinned buffers too. The weights are carved from slabs of their own:
+        dropping their buffers (`dispose` after an onload) frees their slabs whatever the optimizer state
+        still holds."""
+        group = (key[1] == _WEIGHTS, pin)
         if group not in self._arenas:
-            self._arenas[group] = HostArena(pin=like.is_cuda)
+            self._arenas[group] = HostArena(pin=pin)
         return self._arenas[group]
 
-    def _reserve(self, wanted: Iterable[tuple[tuple[int, str], Tensor]]) -> None:
-        """The slabs sized once for the buffers `_buffer` is about to make for `wanted` ((key, tensor)
-        pairs, in the order it will be asked for them): `HostArena.reserve`."""
+    def _reserve(self, wanted: Iterable[tuple[tuple[int, str], Tensor, bool]]) -> None:
+        """The slabs sized once for the buffers `_buffer` is about to make for `wanted` ((key, tensor,
+        pinned) triples, in the order it will be asked for them): `HostArena.reserve`."""
         sizes: dict[HostArena, list[int]] = {}
-        for key, like in wanted:
+        for key, like, pin in wanted:
             if self._stale(key, like):
-                sizes.setdefault(self._arena(key, like), []).append(like.numel() * like.element_size())
+                sizes.setdefault(self._arena(key, pin), []).append(like.numel() * like.element_size())
         for arena, planned in sizes.items():
             arena.reserve(planned)
 
-    def _state_buffers(self) -> list[tuple[tuple[int, str], Tensor]]:
-        """(key, local tensor) of every moment of the optimizer state, in `_to_host`'s order."""
-        return [((id(param), name), local(state[name])) for param, state in self._optimizer.state.items()
-                for name in self._moments(state)]
+    def _state_buffers(self) -> list[tuple[tuple[int, str], Tensor, bool]]:
+        """(key, local tensor, pinned) of every moment of the optimizer state, in `_to_host`'s order."""
+        return [((id(param), name), local(state[name]), local(param).is_cuda)
+                for param, state in self._optimizer.state.items() for name in self._moments(state)]
 
     def step(self) -> None:
         """One optimizer step with the state streamed through the parameters' device, `chunk_bytes` of
@@ -367,6 +369,8 @@ class HostOffload:
                 if isinstance(v, Tensor):
                     v = v.to(p.dtype) if k != "step" and v.is_floating_point() else v.clone()   # not shared with `saved`
                 state[k] = v
+        self._reserve(self._state_buffers())            # the slabs sized once, as `offload` does
+        for p, state in opt.state.items():
             self._to_host(p, state)
         self._settle()
 
@@ -393,7 +397,7 @@ class HostOffload:
         if self._model is not None:
             for p in self._model.parameters():
                 p.grad = None             # recomputed by the next backward; zero_grad(set_to_none) drops them anyway
-        weights = [((id(p), _WEIGHTS), p.data) for p in self._model.parameters()] if self._weights else []
+        weights = [((id(p), _WEIGHTS), p.data, p.is_cuda) for p in self._model.parameters()] if self._weights else []
         self._reserve(self._state_buffers() + weights)
         held = 0
         for param, state in self._optimizer.state.items():
@@ -402,7 +406,7 @@ class HostOffload:
         if self._weights:
             for param in self._model.parameters():
                 self._device[id(param)] = param.device
-                host = self._buffer((id(param), _WEIGHTS), param.data)
+                host = self._buffer((id(param), _WEIGHTS), param.data, pin=param.is_cuda)
                 host.copy_(param.data, non_blocking=param.is_cuda)
                 param.data = host
                 held += host.numel() * host.element_size()
