@@ -68,9 +68,11 @@ class SamplingParams:
     max_context_len: int | None = None  # prompt + response tokens at most (each prompt's budget is the rest)
     seed: int | None = None         # makes a generate() call reproducible on the same engine
     min_new_tokens: int = 0         # EOS and stop_token_ids are barred before this many tokens (SGLang's)
-    # the call returns once no request waits for a slot and at most this many still run; those end "abort"
-    # with what they generated (the fully-async producer continues them in its next call); 0: never
-    tail_cut: int = 0
+    # the call returns once no request waits for a slot and at most this share of its batch still runs (its
+    # batch: its requests, or the engine's slots when it has fewer); those end "abort" with what they
+    # generated (the fully-async producer continues them in its next call). A share of the batch, not of
+    # the call: a call of 64 requests on 16 slots is cut at 4 running, not at 16 (its batch still full). 0: never
+    tail_cut_share: float = 0.0
 
 
 def sampling_problems(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,

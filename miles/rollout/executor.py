@@ -459,8 +459,8 @@ class RolloutExecutor:
         Each sample records every weight version that produced a token of it (`weight_versions`; per
         token `token_versions` when they differ).
 
-        `tail_cut_share` (--async-tail-cut-share): the call returns once at most that share of its samples
-        still run (`SamplingParams.tail_cut`); those end "abort" with what they generated, and their groups
+        `tail_cut_share` (--async-tail-cut-share): the call returns once at most that share of its batch
+        still runs (`SamplingParams.tail_cut_share`); those end "abort" with what they generated, and their groups
         come back unscored. `continuing`: such groups of earlier calls, answered first: each unfinished
         sample goes on from prompt + response so far with what is left of --rollout-max-response-len."""
         n, c = self._cfg.n_samples_per_prompt, self._cfg
@@ -470,7 +470,7 @@ class RolloutExecutor:
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                 max_new_tokens=c.max_response_len, seed=seed % SEED_RANGE, stop=c.stop,
                                 stop_token_ids=c.stop_token_ids, max_context_len=c.max_context_len,
-                                tail_cut=int(tail_cut_share * len(todo)))
+                                tail_cut_share=tail_cut_share)
         with self._meters.metering(f"producer engine-{engine}"):
             _count(todo)
             gens = await self._call_engine(engine, [[*s.prompt.prompt_ids, *s.response_ids] for s in todo], params,

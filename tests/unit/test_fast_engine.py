@@ -569,16 +569,17 @@ def test_requests_with_different_caps_share_the_decode_batch(model_path):
 
 @pytest.mark.parametrize("kind", ["fast", "embedded"])
 def test_a_tail_cut_returns_the_call_with_its_last_requests_cut_short(model_path, kind):
-    """SamplingParams.tail_cut (the fully-async producer's --async-tail-cut-share): once no request waits
-    and at most that many still run, the call returns; those end "abort" with what they generated, a
-    prefix of what the uncut call gives (greedy), the others as the uncut call ends them."""
+    """SamplingParams.tail_cut_share (the fully-async producer's --async-tail-cut-share): once no request
+    waits and at most that share of the batch still runs, the call returns; those end "abort" with what they
+    generated, a prefix of what the uncut call gives (greedy), the others as the uncut call ends them."""
     engine = FastEngine(model_path, device="cpu", max_batch_size=4) if kind == "fast" else \
         EmbeddedEngine(model_path, device="cpu", max_batch_size=4)
     never = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=())
     caps = [3, 40, 3, 40]
     plain = engine.generate(PROMPTS, never, caps)
-    assert engine.generate(PROMPTS, replace(never, tail_cut=0), caps) == plain
-    cut = engine.generate(PROMPTS, replace(never, tail_cut=2), caps)
+    assert engine.generate(PROMPTS, replace(never, tail_cut_share=0.0), caps) == plain
+    assert engine.generate(PROMPTS, replace(never, tail_cut_share=0.24), caps) == plain     # 0.24 x 4: none cut
+    cut = engine.generate(PROMPTS, replace(never, tail_cut_share=0.5), caps)                 # 2 of the 4
     for g, p, cap in zip(cut, plain, caps):
         assert g.response_ids == p.response_ids[:len(g.response_ids)] and g.logprobs == p.logprobs[:len(g.logprobs)]
         if cap == 3:
@@ -586,5 +587,22 @@ def test_a_tail_cut_returns_the_call_with_its_last_requests_cut_short(model_path
     long = [(g, p) for g, p, cap in zip(cut, plain, caps) if cap == 40 and p.finish_reason == "length"]
     assert long, [p.finish_reason for p in plain]           # the tiny model's greedy answers run to the cap
     assert all(g.finish_reason == "abort" and 3 <= len(g.response_ids) < 40 for g, _ in long)
-    with pytest.raises(ValueError, match="tail_cut must be >= 0"):
-        engine.generate(PROMPTS, replace(never, tail_cut=-1))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"tail_cut_share must be in \[0, 1\)"):
+            engine.generate(PROMPTS, replace(never, tail_cut_share=bad))
+
+
+def test_the_tail_cut_is_a_share_of_the_batch_not_of_a_call_longer_than_the_slots(model_path):
+    """8 requests on 4 slots, the second wave capped 10 / 20 / 30 / 40: a share 0.5 of the batch cuts when
+    2 of the 4 slots still run (after the 20-token one ends), not when 4 of the 8 requests do, which is the
+    moment the second wave starts with its batch full."""
+    engine = FastEngine(model_path, device="cpu", max_batch_size=4)
+    never = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(), tail_cut_share=0.5)
+    plain = engine.generate(PROMPTS, replace(never, tail_cut_share=0.0))
+    long = [p for p, g in zip(PROMPTS, plain) if g.finish_reason == "length"]    # greedy answers that run to the cap
+    assert long, [g.finish_reason for g in plain]
+    prompts = [long[i % len(long)] for i in range(8)]
+    gens = engine.generate(prompts, never, [40] * 4 + [10, 20, 30, 40])
+    assert [g.finish_reason for g in gens] == ["length"] * 6 + ["abort"] * 2, [g.finish_reason for g in gens]
+    assert [len(g.response_ids) for g in gens[:6]] == [40] * 4 + [10, 20]
+    assert all(20 <= len(g.response_ids) < 30 for g in gens[6:])

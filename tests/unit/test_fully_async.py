@@ -493,15 +493,15 @@ def test_the_executor_judges_each_group_with_the_dynamic_sampling_filter():
 
 
 class TailEngine:
-    """Honours SamplingParams.tail_cut: the call's last `tail_cut` requests end "abort" after one token
+    """Honours SamplingParams.tail_cut_share: the call's last share of requests end "abort" after one token
     ([5]); the others answer [1] (a fresh prompt) or [9] (a continued one), weights `version`."""
 
     def __init__(self):
         self.version, self.calls = 0, []
 
     async def generate(self, prompts, params, caps=None):
-        self.calls.append(([list(p) for p in prompts], caps, params.tail_cut))
-        cut = len(prompts) - params.tail_cut
+        self.calls.append(([list(p) for p in prompts], caps, params.tail_cut_share))
+        cut = len(prompts) - int(params.tail_cut_share * len(prompts))
         return [Generation([5], [-0.7], "abort", self.version) if i >= cut else
                 Generation([9] if p[-1] == 5 else [1], [-0.3], "stop", self.version) for i, p in enumerate(prompts)]
 
@@ -513,7 +513,7 @@ def test_the_executor_cuts_a_calls_tail_and_continues_it_with_each_tokens_versio
     ex = executor([engine], partial_rollout=False, over_sampling_batch_size=None, dynamic_sampling_filter_path=None,
                   max_response_len=4)
     groups, kept = asyncio.run(ex.generate_groups(0, [2, 3], seed=1, tail_cut_share=0.25))
-    assert engine.calls[-1][2] == 1                                 # a quarter of the call's 4 samples
+    assert engine.calls[-1][2] == 0.25                              # the share, passed on: the engine knows its batch
     assert [[s.finish_reason for s in g] for g in groups] == [["stop", "stop"], ["stop", "abort"]]
     assert kept == [True, True]                                     # a cut group is not judged
     engine.version = 1

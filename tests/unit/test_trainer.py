@@ -102,7 +102,8 @@ def test_first_step_is_on_policy_and_matches_the_engine(model_path):
     assert m["logprob_diff_rollout"] < 1e-5  # engine and trainer agree on the logprobs
     assert m["train_tokens"] == sum(len(g.response_ids) for g in gens)
     assert set(m) >= {"loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "lr", "num_steps",
-                      "train_tokens", "logprob_diff_rollout", "step_time_s"}
+                      "train_tokens", "logprob_diff_rollout", "step_time_s", "optimizer_step_s"}
+    assert 0 < m["optimizer_step_s"] < m["step_time_s"]     # the update's share of the step
 
 
 def test_global_batch_size_sets_the_number_of_steps(model_path):

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -180,13 +181,20 @@ class OptimizedModel:
             raise FloatingPointError(f"{self.role} gradient norm is {grad_norm} at optimizer step {self._num_steps}"
                                      f"{floor}; lower {self.lr_hint}, set --clip-grad, or look for bad samples")
         self._scaler.update(overflow)
+        start = time.perf_counter()
         if overflow:        # float16: the scale was too large; weights and moments stay, the schedule does not advance
             self._optimizer.zero_grad(set_to_none=True)
         else:
             self._apply_step()
+        if self.device.type == "cuda":      # the update's kernels done: its time, not its launches'
+            torch.cuda.synchronize(self.device)
+        # the optimizer's own time, apart from the forward and backward: under --offload-train or
+        # --optimizer-cpu-offload the moments' trip through host memory is in it (HostOffload.step)
+        timed = {"optimizer_step_s": time.perf_counter() - start}
         if not self._scaler.skips_overflow:
-            return {"grad_norm": grad_norm}
-        return {"grad_norm": math.nan if overflow else grad_norm, "loss_scale": scale, "skipped_steps": float(overflow)}
+            return {"grad_norm": grad_norm, **timed}
+        return {"grad_norm": math.nan if overflow else grad_norm, "loss_scale": scale, "skipped_steps": float(overflow),
+                **timed}
 
     def _apply_step(self) -> None:
         """Set the scheduled rates and weight decay and step the optimizer on the (unscaled, clipped) gradients."""

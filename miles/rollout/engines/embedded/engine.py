@@ -181,8 +181,7 @@ class EmbeddedEngine(EngineGuard, TokenizerAccessors):
         for i in range(0, len(prompts), self.max_batch_size):
             chunk = slice(i, i + self.max_batch_size)
             budgets = [_budget(params, len(p), cap) for p, cap in zip(prompts[chunk], caps[chunk])]
-            # params.tail_cut, in this batch's share of the call's requests
-            cut = -(-params.tail_cut * len(budgets) // len(prompts)) if params.tail_cut else 0
+            cut = int(params.tail_cut_share * len(budgets))     # this batch's share (SamplingParams.tail_cut_share)
             out += self._generate_batch(model, prompts[chunk], budgets, sampler, gen, stop_ids, stops, epoch,
                                         params.min_new_tokens, cut)
         return out
@@ -421,8 +420,8 @@ def _param_problems(params: SamplingParams) -> list[str]:
         problems.append(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     if params.min_new_tokens < 0:
         problems.append(f"min_new_tokens must be >= 0, got {params.min_new_tokens}")
-    if params.tail_cut < 0:
-        problems.append(f"tail_cut must be >= 0 (0: off), got {params.tail_cut}")
+    if not 0.0 <= params.tail_cut_share < 1.0:
+        problems.append(f"tail_cut_share must be in [0, 1) (0: off), got {params.tail_cut_share}")
     return problems
 
 

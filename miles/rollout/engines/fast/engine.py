@@ -467,7 +467,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             out = CallOutputs(len(prompts), max(caps), self.device,
                               None if moe is None else (len(moe.layers), moe.top_k, moe.n_experts))
             watch = _StopWatch(_StopStrings(self._tokenizer, params.stop), len(prompts)) if params.stop else None
-            call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens, params.tail_cut)
+            # SamplingParams.tail_cut_share of the batch: the call's requests, or the slots when fewer
+            tail_cut = int(params.tail_cut_share * min(len(prompts), self.max_batch_size))
+            call = _Call(prompts, caps, sampler, is_stop, out, watch, params.min_new_tokens, tail_cut)
             steps = self._run(call, epoch)
             tokens, logprobs, lengths, reasons = out.to_host()
         if watch is not None:
@@ -535,7 +537,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                     continue
                 return step
             if len(table.running) <= call.tail_cut and not queue and not table.filling:
-                return step          # params.tail_cut: the few still running end "abort" with what they have
+                return step          # the tail cut: the few still running end "abort" with what they have
             if checkpoint and not queue and not table.filling:
                 self._compact(table, step)
             if not pending and step % CHECK_EVERY == 0:
