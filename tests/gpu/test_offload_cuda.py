@@ -54,7 +54,7 @@ def test_offload_frees_gpu_memory_and_onload_restores_it_exactly(weights):
 
 def test_a_checkpoints_state_loaded_to_the_cpu_lands_in_pinned_buffers_and_steps_as_torchs():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(2)]).cuda()   # step() feeds 1024 wide
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step(model, opt, 0)
     saved = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
