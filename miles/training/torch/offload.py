@@ -228,8 +228,12 @@ class HostOffload:
         it until they return): the next `offload()` empties the cache again."""
         if not self.holds_state:
             return                # not handed off: the next streamed step moves the state to the host
+        self._state_to_host()
+
+    def _state_to_host(self) -> None:
+        """Every moment of the optimizer state into its host buffers, their slabs sized once beforehand."""
         self._reserve(self._state_buffers())
-        for param, state in optimizer.state.items():
+        for param, state in self._optimizer.state.items():
             self._to_host(param, state)
         self._settle()
 
@@ -369,10 +373,7 @@ class HostOffload:
                 if isinstance(v, Tensor):
                     v = v.to(p.dtype) if k != "step" and v.is_floating_point() else v.clone()   # not shared with `saved`
                 state[k] = v
-        self._reserve(self._state_buffers())            # the slabs sized once, as `offload` does
-        for p, state in opt.state.items():
-            self._to_host(p, state)
-        self._settle()
+        self._state_to_host()
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk, size = [], 0
