@@ -172,6 +172,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout-chunked-prefill-size", "rollout", "chunked_prefill_size", int,
        f"FastEngine: a prompt longer than this is prefilled in pieces of this many tokens, one piece per decode "
        "step of the running sequences (SGLang's --chunked-prefill-size; default: {engines[fast][chunked_prefill_size]})"),
+    _f("rollout-page-size", "rollout", "page_size", int,
+       "FastEngine: a paged KV cache of pages this many positions long (16 or more; 64 suits the decode kernel): "
+       "--rollout-max-batch-size sequences start at once while their K/V fits, each holding pages for the "
+       "positions it has reached, and the newest is preempted and prefilled again later when the pages run out "
+       "(SGLang's --page-size). Unset: each slot holds the longest prompt + response from its start, and long "
+       "answers run in waves of as many slots as fit"),
     _f("rollout-quantization", "rollout", "quantization", str,
        "the engines' weights: fp8 = the decoder's Linear weights in float8 e4m3 with 128x128 block scales (FP8 GEMMs "
        "on Hopper, emulated elsewhere; docs/fp8.md), synced from the bf16/fp32 trainer as FP8; none = --dtype "

@@ -150,6 +150,7 @@ class RolloutConfig:
     torch_compile: bool = True          # --disable-torch-compile: the layers' pieces run eagerly
     attention_kernel: bool = True       # --disable-attention-kernel: decode attention by the stock SDPA call
     chunked_prefill_size: int | None = None  # --rollout-chunked-prefill-size: FastEngine's prefill piece (None: its own)
+    page_size: int | None = None        # --rollout-page-size: FastEngine's paged KV cache, positions a page (None: per slot)
     # --rollout-quantization (miles' --fp8-rollout; SGLang's --quantization): fp8 = the engines' decoder Linear
     # weights in e4m3 with 128x128 block scales; none; None: as --hf-checkpoint is stored (an FP8 one stays FP8)
     quantization: str | None = None

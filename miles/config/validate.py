@@ -72,6 +72,7 @@ def _positive_ints(cfg: RunConfig, problems: list[str]) -> None:
         ("--update-weights-interval", cfg.update_weights_interval),
         ("--rollout-max-batch-size", cfg.rollout.max_batch_size),
         ("--rollout-chunked-prefill-size", cfg.rollout.chunked_prefill_size),
+        ("--rollout-page-size", cfg.rollout.page_size),
         ("--rollout-num-gpus-per-engine", cfg.cluster.rollout_num_gpus_per_engine),
         ("--offload-train-disk-chunk-mb", cfg.train.offload_chunk_mb),
     ):

@@ -7,6 +7,10 @@ sequences are long, so this kernel reads only positions 0..pos[b] of slot b. One
 (slot, KV head) holds that head's query group (GQA: the query heads sharing a KV head) and runs an
 online softmax over blocks of keys, flash-attention style, in float32.
 
+A paged cache (`--rollout-page-size`, `miles.rollout.engines.fast.cache.PagedKVCache`) is read through
+its page table: key n of sequence b lives at offset n % PAGE of page TABLE[b, n // PAGE]. Without one, K/V
+rows are the slots themselves (row b's keys at positions 0..max_len-1 of slot b).
+
 Optional: used on CUDA in bf16/fp16 when Triton imports and the head dim is a power of two, and
 only after `matches_sdpa` has checked it against the stock call on the engine's own shapes; the
 engine falls back to the stock call otherwise. On CPU it runs under Triton's interpreter
@@ -30,9 +34,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def decode_attention_kernel(Q, K, V, O, POS, scale, sqb, sqh, sqg, skb, skh, skn, svb, svh, svn,
-                                sob, soh, sog, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                                BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    def decode_attention_kernel(Q, K, V, O, POS, TABLE, scale, sqb, sqh, sqg, skb, skh, skn, svb, svh, svn,
+                                sob, soh, sog, stb, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                                BLOCK: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr,
+                                PAGE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_keys = tl.load(POS + b) + 1
@@ -43,20 +48,25 @@ def _kernel():
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         total = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        k_base = K + b * skb + h * skh
-        v_base = V + b * svb + h * svh
         for start in range(0, n_keys, BLOCK):
             keys = start + n
             valid = keys < n_keys
+            if PAGED:      # skb, svb: a page's stride; each key's page from the table, its offset in it
+                page = tl.load(TABLE + b * stb + keys // PAGE, mask=valid, other=0)
+                k_rows = K + page[:, None] * skb + h * skh + (keys % PAGE)[:, None] * skn
+                v_rows = V + page[:, None] * svb + h * svh + (keys % PAGE)[:, None] * svn
+            else:
+                k_rows = K + b * skb + h * skh + keys[:, None] * skn
+                v_rows = V + b * svb + h * svh + keys[:, None] * svn
             # an FP8 cache (--kv-cache-dtype fp8_e4m3) is read as e4m3 and widened here, in registers
-            k = tl.load(k_base + keys[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+            k = tl.load(k_rows + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + keys[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_rows + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / total[:, None]
@@ -79,43 +89,68 @@ def usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
-def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float) -> Tensor:
+def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float,
+                     table: Tensor | None = None) -> Tensor:
     """q [B, kv_heads, group, D]; kc, vc [slots >= B, kv_heads, max_len, D]; slot b attends over its
-    positions 0..pos[b]. -> [B, kv_heads, group, D]."""
+    positions 0..pos[b]. -> [B, kv_heads, group, D]. With a page `table` [>= B, pages per sequence]: kc, vc
+    are [pages, kv_heads, page, D] and row b's positions are in the pages of table[b]."""
     b, kv_heads, group, dim = q.shape
+    paged = table is not None
     out = torch.empty_like(q)
     g_pad = max(16, 1 << (group - 1).bit_length())
     # float32 operands in IEEE precision, not Triton's default TF32 (a 10-bit mantissa), so the kernel
     # computes what it says for every dtype it takes (the engine runs it in bf16/fp16 only, where
     # this choice has no effect; "tf32" is the default it had before)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
-                             *out.stride()[:3], G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision,
-                             num_warps=4)
+    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3],
+                             *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0,
+                             G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision, PAGED=paged,
+                             PAGE=kc.shape[2] if paged else 1, num_warps=4)
     return out
 
 
+def gather_pages(c: Tensor, table: Tensor, span: int) -> Tensor:
+    """A paged layer cache c [pages, kv_heads, page, D] read as rows [n, kv_heads, span, D]: row i holds the
+    first `span` positions of the sequence whose pages are table[i] (a copy, as the stock calls need)."""
+    n, (_, kv_heads, page, dim) = table.shape[0], c.shape
+    pages = -(-span // page)
+    rows = c[table[:, :pages]]                      # [n, pages, kv_heads, page, D]
+    return rows.transpose(1, 2).reshape(n, kv_heads, pages * page, dim)[:, :, :span]
+
+
 def sdpa_decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, span: int,
-                          mask: Tensor) -> Tensor:
-    """The stock call: slots 0..B-1 over their first `span` positions, `mask` [B, 1, 1, span] additive."""
+                          mask: Tensor, table: Tensor | None = None) -> Tensor:
+    """The stock call: slots 0..B-1 over their first `span` positions, `mask` [B, 1, 1, span] additive
+    (a paged cache: the sequences of table's first B rows, gathered)."""
     b = q.shape[0]
-    k, v = kc[:b, :, :span], vc[:b, :, :span]
+    if table is None:
+        k, v = kc[:b, :, :span], vc[:b, :, :span]
+    else:
+        k, v = gather_pages(kc, table[:b], span), gather_pages(vc, table[:b], span)
     if k.dtype != q.dtype:      # an FP8 cache: widened to the compute dtype (a copy of the span; the kernel avoids it)
         k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def matches_sdpa(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_len: int, tol: float = 2e-2, cache_dtype: torch.dtype | None = None) -> bool:
-    """Run the kernel and the stock call on random data of the engine's shapes; True when they agree."""
+                 max_len: int, tol: float = 2e-2, cache_dtype: torch.dtype | None = None,
+                 page: int | None = None) -> bool:
+    """Run the kernel and the stock call on random data of the engine's shapes (`page`: a paged cache of
+    pages that size, the sequences' pages shuffled); True when they agree."""
     gen = torch.Generator(device=device).manual_seed(0)
     b, slots = 5, 7
     q = torch.randn((b, kv_heads, group, head_dim), generator=gen, device=device).to(dtype)
-    kc, vc = (torch.randn((slots, kv_heads, max_len, head_dim), generator=gen, device=device).to(cache_dtype or dtype)
-              for _ in range(2))
+    table = None
+    if page is None:
+        shape = (slots, kv_heads, max_len, head_dim)
+    else:
+        per_seq = -(-max_len // page)
+        table = torch.randperm(slots * per_seq, generator=gen, device=device).view(slots, per_seq)
+        shape = (slots * per_seq, kv_heads, page, head_dim)
+    kc, vc = (torch.randn(shape, generator=gen, device=device).to(cache_dtype or dtype) for _ in range(2))
     pos = torch.tensor([0, 1, max_len // 3, max_len - 2, max_len - 1][:b], device=device)
     valid = torch.arange(max_len, device=device) <= pos[:, None]
     mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))[:, None, None]
-    want = sdpa_decode_attention(q, kc, vc, pos, head_dim ** -0.5, max_len, mask).float()
-    got = decode_attention(q, kc, vc, pos, head_dim ** -0.5).float()
+    want = sdpa_decode_attention(q, kc, vc, pos, head_dim ** -0.5, max_len, mask, table).float()
+    got = decode_attention(q, kc, vc, pos, head_dim ** -0.5, table).float()
     return bool((got - want).abs().max() < tol)

@@ -9,6 +9,15 @@ RL rollouts know their prompt and response limits, which is what max_len should 
 (`context_len`), the engine runs as many slots as hold that many positions each (`plan_slots`),
 so long answers lower the slot count (sequences queue for a free slot) instead of being refused.
 
+Paged (`--rollout-page-size`, SGLang's --page-size): `PagedKVCache`, one tensor [2, layers, pages,
+kv_heads, page, head_dim] and a page table [slots, pages per sequence] on the device. A sequence holds
+pages for the positions it has reached (plus a few steps ahead), not for max_len, so as many sequences
+run as the batch size allows while their K/V fits, and a long-answer rollout no longer runs in waves of
+slots sized for the longest answer; when the pages run out the engine preempts the newest sequence and
+prefills it again later (`miles.rollout.engines.fast.engine`). Page 0 is a sink: rows of the table no
+sequence owns point at it, so the writes of idle slots and of padding land there, never in a page
+another sequence holds.
+
 Decode steps run over the first B slots (B a batch bucket >= the highest busy slot) and attend
 over the first L positions (L a span bucket >= the longest busy sequence), so one graph per
 (B, L) serves many steps; the engine keeps busy slots low (refills fill the lowest free slot
@@ -123,6 +132,27 @@ def plan_slots(*, free_bytes: int, mem_fraction: float, max_slots: int, bytes_pe
     return min(max_slots, fit)
 
 
+def plan_pages(*, free_bytes: int, mem_fraction: float, page: int, bytes_per_position: int, max_len: int,
+               workspace_bytes: int) -> int:
+    """Pages of `page` positions in mem_fraction of free memory, the sink page included. Raises ValueError,
+    naming the flags, when the workspace left beside them does not fit or they cannot hold one sequence of
+    `max_len` positions."""
+    budget = int(free_bytes * mem_fraction)
+    if free_bytes - budget < workspace_bytes:
+        raise ValueError(
+            f"--rollout-mem-fraction {mem_fraction} leaves {(free_bytes - budget) / GiB:.2f} GiB of the "
+            f"{free_bytes / GiB:.2f} GiB free for activations and logits, which need about "
+            f"{workspace_bytes / GiB:.2f} GiB; lower --rollout-mem-fraction or --rollout-max-batch-size")
+    pages = budget // (page * bytes_per_position)
+    if (pages - 1) * page < max_len:
+        raise ValueError(
+            f"--rollout-mem-fraction {mem_fraction} of the {free_bytes / GiB:.2f} GiB free holds "
+            f"{max(pages - 1, 0) * page} positions of K/V in pages of {page} (--rollout-page-size), less than one "
+            f"sequence of {max_len} (--max-prompt-len + --rollout-max-response-len, or --rollout-max-context-len); "
+            f"raise the fraction or shorten the prompts or responses")
+    return pages
+
+
 def batch_buckets(slots: int) -> list[int]:
     """Decode batch sizes that get a graph: powers of two and their midpoints, capped at `slots`.
 
@@ -170,6 +200,84 @@ class KVCache:
         their whole cache (GBs for long answers), and only at the tail of some calls."""
         for s, d in zip(src, dst):
             self.data[:, :, d, :, :span].copy_(self.data[:, :, s, :, :span])
+
+
+SINK = 0     # the page no sequence owns (a paged cache's idle rows and padding write there)
+
+
+class PagedKVCache:
+    """K and V in pages of `page` positions, all layers (zeroed, as KVCache), and the page table
+    [rows, pages per sequence] on the device with its host copy (`held`): which pages each row's
+    sequence holds, in position order. Rows are the engine's slots; the table is a static tensor
+    (captured decode graphs read it by address), changed in place."""
+
+    def __init__(self, *, layers: int, rows: int, pages: int, page: int, kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.page, self.pages, self.max_len = page, pages, max_len
+        self.data = torch.zeros((2, layers, pages, kv_heads, page, head_dim), dtype=dtype, device=device)
+        self.layers = [(self.data[0, i], self.data[1, i]) for i in range(layers)]
+        self.table = torch.full((rows, -(-max_len // page)), SINK, dtype=torch.long, device=device)
+        self.held: list[list[int]] = [[] for _ in range(rows)]
+        self._free = list(range(pages - 1, SINK, -1))     # popped from the end: low pages first
+        self._pending: list[tuple[int, int, int]] = []    # (row, column, page) not on the device yet
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.table.numel() * self.table.element_size()
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page)
+
+    def grow(self, row: int, positions: int) -> bool:
+        """Hold pages for positions 0..positions-1 of `row` (capped at max_len); False, holding nothing
+        more, when too few are free. New pages reach the device at `flush`."""
+        held = self.held[row]
+        need = self.pages_for(min(positions, self.max_len)) - len(held)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            self._pending.append((row, len(held), self._free[-1]))
+            held.append(self._free.pop())
+        return True
+
+    def flush(self) -> None:
+        """Write the pages `grow` gave since the last flush into the device table (one copy)."""
+        if self._pending:
+            rows, cols, pages = torch.tensor(self._pending, dtype=torch.long).T.contiguous()
+            if self.table.device.type == "cuda":
+                rows, cols, pages = (t.pin_memory().to(self.table.device, non_blocking=True) for t in (rows, cols, pages))
+            self.table[rows, cols] = pages
+            self._pending.clear()
+
+    def release(self, row: int) -> None:
+        """Give `row`'s pages back; its table row points at the sink again (stream-ordered before any
+        later step, so its idle writes never reach a page handed to another sequence)."""
+        if self.held[row]:
+            self._free.extend(reversed(self.held[row]))
+            self.held[row] = []
+            self._pending = [p for p in self._pending if p[0] != row]
+            self.table[row].fill_(SINK)
+
+    def reset(self) -> None:
+        """Every page free, every row at the sink (a call's start)."""
+        for row in range(len(self.held)):
+            self.release(row)
+        self._pending.clear()
+
+    def move(self, src: list[int], dst: list[int], span: int) -> None:
+        """Rows `src`'s sequences into rows `dst` (free ones): their table rows move, no K/V is copied."""
+        self.flush()
+        for s, d in zip(src, dst):
+            self.held[d], self.held[s] = self.held[s], []
+        index = torch.tensor([src, dst], dtype=torch.long).to(self.table.device)
+        self.table[index[1]] = self.table[index[0]]
+        self.table[index[0]] = SINK
 
 
 class DecodeGraphs:

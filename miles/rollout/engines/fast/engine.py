@@ -71,9 +71,9 @@ from torch import Tensor
 from miles.rollout.engines.fast import attention as fast_attention
 from miles.rollout.engines.guard import EngineGuard
 from miles.rollout.engines.embedded.engine import EmbeddedEngine, EngineDisposedError, _budget, _eos_ids, _StopStrings
-from miles.rollout.engines.fast.cache import (PREFILL_TOKENS, RESERVE_BYTES, DecodeGraphs, GiB, KVCache, Snapshot,
-                                              batch_buckets, bucket, free_memory, plan_positions, plan_slots,
-                                              shared_plan_bytes, span_buckets, workspace_bytes)
+from miles.rollout.engines.fast.cache import (PREFILL_TOKENS, RESERVE_BYTES, DecodeGraphs, GiB, KVCache, PagedKVCache,
+                                              Snapshot, batch_buckets, bucket, free_memory, plan_pages, plan_positions,
+                                              plan_slots, shared_plan_bytes, span_buckets, workspace_bytes)
 from miles.rollout.engines.fast.model import Arch, Forward, compile_for, pack_weights, supports
 from miles.rollout.engines.fast.sampling import (LENGTH, STOP, CallOutputs, Sampler, advance, bar_stops, greedy,
                                                  make_sampler, race, stop_table)
@@ -94,6 +94,9 @@ SNAPSHOT_LAG = 2         # steps between taking such a copy and reading it (the 
 # newest tokens per slot copied with each snapshot when a call has stop strings: more than a slot makes
 # between two snapshots (CHECK_EVERY decode steps and a prefill's first token)
 STOP_WINDOW = 2 * CHECK_EVERY
+# a paged cache: every GROW_EVERY steps each running sequence is given the pages its next GROW_EVERY
+# positions need (a sequence admitted between two such steps gets as many beyond its prompt)
+GROW_EVERY = 8
 GROUPED_TOLERANCE = 0.05  # relative max difference of the grouped experts from the loop's at start-up (bf16 sums)
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}   # --kv-cache-dtype (None: the model's dtype)
 
@@ -104,7 +107,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                  max_context_len: int | None = None, context_len: int | None = None,
                  cuda_graph: bool = True, torch_compile: bool = True, attention_kernel: bool = True,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", shared_gpu: bool = False, model=None):
+                 kv_cache_dtype: str = "auto", shared_gpu: bool = False, page_size: int | None = None, model=None):
         """`mem_fraction`: the part of the memory free after the weights that the KV cache may take;
         `max_context_len`: prompt + response positions per slot (None: the model's limit, or what
         fits); `context_len` (without max_context_len): the positions every request may need (the
@@ -122,7 +125,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         with scale 1 (SGLang's default without scale files), read back to the compute dtype by attention;
         `shared_gpu` (--colocate --no-offload-rollout: a trainer resident on the same GPU): the KV cache
         is planned from the GPU's total memory less the engine's weights (`shared_plan_bytes`), not from
-        what is free when the engine starts, so its share does not depend on how far the trainer got."""
+        what is free when the engine starts, so its share does not depend on how far the trainer got;
+        `page_size` (--rollout-page-size): a paged KV cache of pages this many positions long
+        (`PagedKVCache`): `max_batch_size` sequences run while their K/V fits, each holding pages for the
+        positions it has reached, and the newest is preempted (prefilled again later, its tokens kept) when
+        the pages run out; None: every slot holds `max_len` positions from its start."""
         from transformers import AutoConfig
 
         self._init_guard()
@@ -147,7 +154,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         if self.shared_gpu:
             weights = sum(t.numel() * t.element_size() for t in self._weights.named.values())
             free = shared_plan_bytes(torch.cuda.mem_get_info(self.device)[1], weights)
-        if context_len is not None and max_context_len is None:
+        self.page_size, self.kv_pages = page_size, None
+        if page_size is not None:
+            self.max_len, self.kv_pages = self._plan_pages(free, mem_fraction, per_position, max_context_len,
+                                                           context_len)
+        elif context_len is not None and max_context_len is None:
             needed = context_len if self._max_positions is None else min(context_len, self._max_positions)
             slots = plan_slots(free_bytes=free, mem_fraction=mem_fraction, max_slots=max_batch_size,
                                bytes_per_position=per_position, context_len=needed)
@@ -156,14 +167,16 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                             hint="the KV cache holds this many sequences of context_len positions; the others "
                                  "queue for a free slot (raise --rollout-mem-fraction for more)")
                 self.max_batch_size = max_batch_size = slots
-        self.max_len = plan_positions(
-            free_bytes=free, mem_fraction=mem_fraction, slots=max_batch_size,
-            bytes_per_position=per_position, model_limit=self._max_positions,
-            max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
+        if page_size is None:
+            self.max_len = plan_positions(
+                free_bytes=free, mem_fraction=mem_fraction, slots=max_batch_size,
+                bytes_per_position=per_position, model_limit=self._max_positions,
+                max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)
         self._snapshot = Snapshot(max_batch_size + 1, self.device)
-        variant = ("_fp8" if self.quantization == "fp8" else "") + ("_kv8" if self.cache_dtype != self.dtype else "")
+        variant = (("_fp8" if self.quantization == "fp8" else "") + ("_kv8" if self.cache_dtype != self.dtype else "")
+                   + ("_paged" if page_size is not None else ""))
         self._forward = Forward(self.arch, self._weights, compiled=torch_compile and cuda, variant=variant,
                                 length_aware=attention_kernel and fast_attention.usable(self.arch.head_dim, self.dtype,
                                                                                         self.device))
@@ -181,6 +194,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self.compile_seconds = self._warm_up() if cuda else 0.0
         log.info("engine_ready", model=model_path, device=str(self.device), dtype=str(self.dtype),
                  slots=max_batch_size, max_len=self.max_len, kv_cache_gib=round(self._cache.nbytes / GiB, 2),
+                 page_size=page_size, kv_pages=self.kv_pages,
                  cuda_graph=self._graphs.enabled, compiled=self._forward.compiled,
                  length_aware_attention=self._forward.length_aware, moe_experts=self.moe_experts,
                  quantization=quantization, fp8_kernel=self.fp8_kernel, kv_cache_dtype=str(self.cache_dtype))
@@ -206,6 +220,23 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = 0
         self._receiver: WeightReceiver | None = None   # bucketed updates, made at the first
+
+    def _plan_pages(self, free: int, mem_fraction: float, per_position: int, max_context_len: int | None,
+                    context_len: int | None) -> tuple[int, int]:
+        """(max_len, pages) of a paged cache: a sequence's positions are the context cap, else the run's
+        longest prompt + response, else the model's limit, else what the pages hold."""
+        limit = self._max_positions
+        if max_context_len is not None and limit is not None and max_context_len > limit:
+            raise ValueError(f"--rollout-max-context-len {max_context_len} exceeds the model's {limit} positions")
+        wanted = max_context_len if max_context_len is not None else context_len
+        if wanted is not None and limit is not None:
+            wanted = min(wanted, limit)
+        pages = plan_pages(free_bytes=free, mem_fraction=mem_fraction, page=self.page_size,
+                           bytes_per_position=per_position, max_len=wanted or self.page_size,
+                           workspace_bytes=self._workspace_bytes())
+        max_len = wanted or min(limit or (pages - 1) * self.page_size, (pages - 1) * self.page_size)
+        # no more than every slot's sequence at max_len can use (and the sink)
+        return max_len, min(pages, self.max_batch_size * -(-max_len // self.page_size) + 1)
 
     def _workspace_bytes(self) -> int:
         """Memory the KV cache must leave free (`workspace_bytes`) for a full batch and this engine's
@@ -274,7 +305,8 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         a = self.arch
         try:
             ok = fast_attention.matches_sdpa(a.n_kv_heads, a.group, a.head_dim, self.dtype, self.device,
-                                             self.max_len, cache_dtype=self.cache_dtype)
+                                             min(self.max_len, 8192) if self.page_size else self.max_len,
+                                             cache_dtype=self.cache_dtype, page=self.page_size)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build leaves the stock attention call
             log.warning("attention_kernel_failed", error=repr(e)[:2000], fallback="sdpa")
             return False
@@ -292,10 +324,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._race(self._logits[:b], self._noise[:b].exponential_(), one)
         for n, p in ((2, 2), (3, 5)):   # built like a real prefill's inputs (the guards check strides too)
             ids, lens, _, slots = self._prefill_inputs([([self.pad_token_id] * p, 0, self._scratch)] * n)
-            self._forward.prefill(ids, lens, slots, self._cache.layers)
+            self._forward.prefill(ids, lens, slots, self._cache.layers, table=self._table)
             # a piece is one row (a size-1 batch dim: its own compiled variant, built here too)
             self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=torch.zeros_like(lens[:1]),
-                                  span=p)
+                                  span=p, table=self._table)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -337,8 +369,13 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             return
         a, rows = self.arch, self.max_batch_size + 1
         try:
-            self._cache = KVCache(layers=a.n_layers, slots=rows, kv_heads=a.n_kv_heads, max_len=self.max_len,
-                                  head_dim=a.head_dim, dtype=self.cache_dtype, device=self.device)
+            if self.page_size is None:
+                self._cache = KVCache(layers=a.n_layers, slots=rows, kv_heads=a.n_kv_heads, max_len=self.max_len,
+                                      head_dim=a.head_dim, dtype=self.cache_dtype, device=self.device)
+            else:
+                self._cache = PagedKVCache(layers=a.n_layers, rows=rows, pages=self.kv_pages, page=self.page_size,
+                                           kv_heads=a.n_kv_heads, max_len=self.max_len, head_dim=a.head_dim,
+                                           dtype=self.cache_dtype, device=self.device)
             with torch.inference_mode():  # like every tensor a step makes (one set of compiled guards)
                 self._logits = torch.empty((max(self._batch_buckets[-1], rows), a.vocab), dtype=self.dtype,
                                            device=self.device)
@@ -352,9 +389,16 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             shared = "" if not self.shared_gpu else (
                 " (it shares the GPU with a resident trainer: --rollout-mem-fraction is its share of the GPU's "
                 "memory less its weights, and the trainer holds more than the rest)")
-            raise ValueError(f"the engine's KV cache ({self.max_batch_size} slots x {self.max_len} positions) "
+            size = (f"{self.max_batch_size} slots x {self.max_len} positions" if self.page_size is None else
+                    f"{self.kv_pages} pages of {self.page_size} positions")
+            raise ValueError(f"the engine's KV cache ({size}) "
                              f"does not fit in the memory free now{shared}; free memory first (a colocated trainer?) "
                              f"or lower --rollout-mem-fraction / --rollout-max-batch-size") from e
+
+    @property
+    def _table(self) -> Tensor | None:
+        """A paged cache's page table (all rows), None for the slot layout."""
+        return self._cache.table if self.page_size is not None else None
 
     # --- tokenizer accessors -------------------------------------------------------------------
     @property
@@ -480,7 +524,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self.last_stats = dict(decode_steps=steps, graphs=len(self._graphs), prefills=call.prefills,
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
                                routing_to_host_seconds=t_routed, fp8_kernel=self.fp8_kernel,
-                               kv_cache_dtype=str(self.cache_dtype))
+                               kv_cache_dtype=str(self.cache_dtype), preemptions=call.preemptions)
         gens = [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
         if call.swaps:      # weights swapped in flight: each request's tokens by the version that gave them
@@ -507,8 +551,11 @@ class FastEngine(EngineGuard, TokenizerAccessors):
     def _run(self, call: _Call, epoch: int) -> int:
         """The continuous-batching loop; returns the number of decode steps. It returns early when
         `abort()` changed the epoch the call started under (the unfinished requests keep reason 0)."""
-        table = _Slots(self.max_batch_size)
+        paged = self._cache if self.page_size is not None else None
+        table = _Slots(self.max_batch_size, on_free=None if paged is None else paged.release)
         self._state.reset(spare=len(call.prompts))
+        if paged is not None:
+            paged.reset()
         queue, step, pending = deque(range(len(call.prompts))), 0, False
         while True:
             self._heartbeat = time.monotonic()
@@ -529,6 +576,9 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             if queue and table.busy() < table.n and (checkpoint or not table.running):
                 self._refill(table, queue, step, call)
                 table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
+                if queue and not table.busy():
+                    raise RuntimeError("the paged KV cache admitted no request with nothing running (a bug: "
+                                       "its plan holds one sequence of max_len positions)")
             if table.filling:        # one piece of a long prompt per decode step of the others
                 self._piece(table, step, call)
                 table.expire(step)
@@ -540,6 +590,12 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 return step          # the tail cut: the few still running end "abort" with what they have
             if checkpoint and not queue and not table.filling:
                 self._compact(table, step)
+            if paged is not None:
+                if step % GROW_EVERY == 0:
+                    self._grow(table, queue, step, call)
+                    if not table.running:
+                        continue     # all preempted but one being filled: its pieces go on
+                paged.flush()
             if not pending and step % CHECK_EVERY == 0:
                 newest = None if call.watch is None else call.watch.newest(self._state, call.out)
                 self._snapshot.take(self._state.active, step, newest)
@@ -565,45 +621,67 @@ class FastEngine(EngineGuard, TokenizerAccessors):
 
     def _decode_forward(self, b: int, span: int) -> None:
         """The graph-captured part of a decode step: static buffers in, logits [b, V] out."""
+        table = self._table
         self._forward.decode(self._state.cur_tok[:b], self._state.pos[:b], span, self._cache.layers,
-                             self._logits[:b])
+                             self._logits[:b], None if table is None else table[:b])
 
     def _refill(self, table: _Slots, queue: deque, step: int, call: _Call) -> None:
         """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens.
-        A prompt longer than `chunked_prefill_size` only takes its slot here; `_piece` prefills it."""
+        A prompt longer than `chunked_prefill_size` only takes its slot here; `_piece` prefills it.
+        A paged cache admits requests in queue order while their prompts' pages fit beside a page of
+        headroom for each running sequence (the first that does not waits, and those behind it)."""
         free = table.free()[:len(queue)]
-        pairs = sorted(((queue.popleft(), s) for s in free), key=lambda rs: len(call.prompts[rs[0]]))
+        if self.page_size is None:
+            admitted = [(queue.popleft(), s) for s in free]
+        else:
+            admitted = []
+            for slot in free:
+                need = len(call.prompt_of(queue[0])) + GROW_EVERY
+                headroom = table.busy() + len(admitted)
+                if self._cache.free_pages - self._cache.pages_for(min(need, self.max_len)) < headroom:
+                    break
+                admitted.append((queue.popleft(), slot))
+                self._cache.grow(slot, need)
+                if not queue:
+                    break
+            self._cache.flush()
+        pairs = sorted(admitted, key=lambda rs: len(call.prompt_of(rs[0])))
         chunk: list[tuple[int, int]] = []
         for req, slot in pairs:  # sorted by length: this prompt is the chunk's widest
-            if len(call.prompts[req]) > self.chunked_prefill_size:
+            if len(call.prompt_of(req)) > self.chunked_prefill_size:
                 table.fill(req, slot)
                 # decode steps feed every slot below the batch's top, idle ones too: this one's
                 # write goes to the next piece's first position, which that piece overwrites
                 self._state.pos[slot] = 0
                 continue
-            if chunk and len(call.prompts[req]) * (len(chunk) + 1) > PREFILL_TOKENS:
+            if chunk and len(call.prompt_of(req)) * (len(chunk) + 1) > PREFILL_TOKENS:
                 self._prefill(chunk, call)
                 chunk = []
             chunk.append((req, slot))
-            table.start(slot, len(call.prompts[req]), step, req, call.caps[req])
-            call.started[req] = step
+            self._start(table, slot, step, req, call)
         if chunk:
             self._prefill(chunk, call)
 
+    def _start(self, table: _Slots, slot: int, step: int, req: int, call: _Call) -> None:
+        """Request `req` runs in `slot` from `step` (its first token, or its first after a preemption)."""
+        done = call.resumed.get(req, (None, 0))[1]
+        table.start(slot, len(call.prompt_of(req)), step, req, call.caps[req] - done)
+        call.started.setdefault(req, []).append((step, done))
+
     def _prefill(self, chunk: list[tuple[int, int]], call: _Call) -> None:
-        rows = [(call.prompts[r], r, s) for r, s in chunk]
+        rows = [(call.prompt_of(r), r, s) for r, s in chunk]
         if len(rows) == 1:  # a second row in the scratch slot: no size-1 dims (compiled kernels stay generic)
             rows.append(([self.pad_token_id], len(call.prompts), self._scratch))
         ids, lens, reqs, slots = self._prefill_inputs(rows)
         call.prefills += 1
-        logits = self._forward.prefill(ids, lens, slots, self._cache.layers)
-        self._first_tokens(logits, reqs, slots, lens, call, self._forward.prefill_routed)
+        logits = self._forward.prefill(ids, lens, slots, self._cache.layers, table=self._table)
+        self._first_tokens(logits, reqs, slots, lens, call, self._forward.prefill_routed, call.generated(rows))
 
     def _piece(self, table: _Slots, step: int, call: _Call) -> None:
         """Prefill the next piece of the first long prompt being filled: its queries attend to the
         earlier pieces' K/V in its slot. The last piece samples the first token and starts the slot."""
         req, slot, done = table.filling[0]
-        prompt = call.prompts[req]
+        prompt = call.prompt_of(req)
         size = min(self.chunked_prefill_size, len(prompt) - done)
         # one row, no scratch row padded to its width (that would double a piece's work); a 1-token
         # last piece is padded to 2 (no size-1 length dim), its pad's K/V written at the first decode
@@ -612,7 +690,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         ids, lens, reqs, slots = self._prefill_inputs(rows)
         starts = _to_device(torch.tensor([done, 0], dtype=torch.long), self.device)
         logits = self._forward.prefill(ids[:1], lens[:1], slots[:1], self._cache.layers, starts=starts[:1],
-                                       span=done + ids.shape[1])
+                                       span=done + ids.shape[1], table=self._table)
         call.pieces += 1
         done += size
         if done < len(prompt):
@@ -624,20 +702,22 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         routed = self._forward.prefill_routed
         if routed is not None:
             routed = routed.expand(2, *routed.shape[1:])
-        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call, routed)
-        table.start(slot, len(prompt), step, req, call.caps[req])
-        call.started[req] = step
+        self._first_tokens(logits.expand(2, -1).contiguous(), reqs, slots, starts + lens, call, routed,
+                           call.generated(rows))
+        self._start(table, slot, step, req, call)
 
     def _first_tokens(self, logits: Tensor, reqs: Tensor, slots: Tensor, lens: Tensor, call: _Call,
-                      routed: Tensor | None = None) -> None:
+                      routed: Tensor | None = None, done: list[int] | None = None) -> None:
         """Sample the first token of each prefilled row (prompt lengths `lens`) and start its slot
-        (`routed` [rows, MoE layers, k]: an MoE model's experts of each row's last prompt position)."""
+        (`routed` [rows, MoE layers, k]: an MoE model's experts of each row's last prompt position;
+        `done`: the tokens each row's request had generated before (a preempted one's, else 0))."""
         st = self._state
-        st.req[slots], st.ngen[slots], st.pos[slots] = reqs, 0, lens
+        ngen = torch.zeros_like(reqs) if not any(done or ()) else _to_device(torch.tensor(done), self.device)
+        st.req[slots], st.ngen[slots], st.pos[slots] = reqs, ngen, lens
         if call.min_new_tokens:     # a first token is never a stop under min_new_tokens >= 1
-            bar_stops(logits, torch.ones_like(reqs, dtype=torch.bool), call.is_stop)
+            bar_stops(logits, ngen < call.min_new_tokens, call.is_stop)
         tokens, logprobs = call.sampler(logits)
-        still, n = advance(tokens, logprobs, slots != self._scratch, reqs, torch.zeros_like(reqs), call.out,
+        still, n = advance(tokens, logprobs, slots != self._scratch, reqs, ngen, call.out,
                            call.is_stop, call.cap_table, routed)
         st.active[slots], st.ngen[slots], st.cur_tok[slots] = still, n, tokens
 
@@ -670,10 +750,35 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             return
         movers = sorted(s for s in table.running if s >= busy)
         holes = [s for s in range(busy) if s not in table.running]
-        self._cache.move(movers, holes, table.span(step))
+        self._cache.move(movers, holes, table.span(step))   # a paged cache moves table rows, not K/V
         src, dst = (_to_device(torch.tensor(x, dtype=torch.long), self.device) for x in (movers, holes))
         self._state.move(src, dst)
         table.move(movers, holes)
+
+
+    def _grow(self, table: _Slots, queue: deque, step: int, call: _Call) -> None:
+        """Give each running sequence the pages its next GROW_EVERY decode steps write, oldest first;
+        when too few are free, preempt the newest running sequence (it goes back to the queue's front
+        with what it generated) until they suffice."""
+        cache, last = self._cache, step + GROW_EVERY - 1
+        for slot, q in sorted(table.running.items(), key=lambda sq: (sq[1].start, sq[0])):
+            # the decode step t writes position prompt_len + t - start; the last is at t = start + cap - 2
+            need = q.prompt_len + min(last - q.start, q.cap - 2) + 1
+            while slot in table.running and not cache.grow(slot, need):
+                self._preempt(table, queue, max(table.running, key=lambda s: (table.running[s].start, s)), call)
+
+    def _preempt(self, table: _Slots, queue: deque, slot: int, call: _Call) -> None:
+        """Free `slot`'s pages; its request, still generating, goes back to the front of the queue, to be
+        prefilled again with its prompt and the tokens it has (its outputs so far stay). A sync: rare."""
+        q, st = table.running[slot], self._state
+        active, generated = (int(v) for v in torch.stack([st.active[slot].long(), st.ngen[slot]]).tolist())
+        table.drop(slot)
+        if not active:          # it had ended on the device (a stop token or its cap): nothing to resume
+            return
+        st.active[slot] = False
+        call.resume(q.req, call.out.tokens[q.req, :generated].tolist())
+        queue.appendleft(q.req)
+        log.debug("kv_preempted", request=q.req, generated=generated, free_pages=self._cache.free_pages)
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -705,17 +810,36 @@ class _Call:
         self.cap_table = _to_device(torch.tensor([*caps, max(caps)], dtype=torch.long), out.lengths.device)
         self.prefills = 0   # prefill forwards of whole prompts (a batch each)
         self.pieces = 0     # prefill forwards of pieces of long prompts
-        self.started: dict[int, int] = {}           # request -> the step of its first token (its prefill's)
+        # request -> (step, tokens it had) of each start: its first token's prefill, and a prefill again
+        # after each preemption (a paged cache's)
+        self.started: dict[int, list[tuple[int, int]]] = {}
         self.swaps: list[tuple[int, int]] = []      # (step, version): in-flight swaps taken during the call
+        self.resumed: dict[int, tuple[list[int], int]] = {}   # preempted request -> (prompt + its tokens, their count)
+        self.preemptions = 0
+
+    def prompt_of(self, req: int) -> list[int]:
+        """What request `req`'s next prefill feeds: its prompt, and after a preemption the tokens it had."""
+        resumed = self.resumed.get(req)
+        return self.prompts[req] if resumed is None else resumed[0]
+
+    def generated(self, rows: list[tuple[list[int], int, int]]) -> list[int]:
+        """The tokens each (prompt, request, slot) row's request had generated (0 but after a preemption)."""
+        return [self.resumed.get(req, (None, 0))[1] for _, req, _ in rows]
+
+    def resume(self, req: int, tokens: list[int]) -> None:
+        """Request `req` was preempted having generated `tokens`: its next prefill feeds them after its prompt."""
+        self.resumed[req] = (self.prompts[req] + tokens, len(tokens))
+        self.preemptions += 1
 
     def token_versions(self, req: int, n: int, version: int) -> list[int]:
         """The version of each of request `req`'s first `n` tokens (`version`: the call's at its start).
-        Its first token comes from the prefill at its start step s, token j >= 1 from the decode step
-        s + j - 1; a swap taken at step t is the version of every forward of steps >= t."""
-        s = self.started[req]
-        out = []
+        A start at step s with d tokens generated before it (0, or a preempted request's) gives token d
+        from that prefill and token j > d from the decode step s + j - d - 1; a swap taken at step t is the
+        version of every forward of steps >= t."""
+        out, starts = [], self.started[req]
         for j in range(n):
-            at, v = s + max(j - 1, 0), version
+            s, d = next((s, d) for s, d in reversed(starts) if d <= j)
+            at, v = s + max(j - d - 1, 0), version
             for t, new in self.swaps:
                 if t <= at:
                     v = new
@@ -808,10 +932,11 @@ class _Slots:
     """The host's view of the slots: which request's sequence is where, and bounds on its length
     (exact while it runs; it may have stopped on the device already)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, on_free=None):
         self.n = n
         self.running: dict[int, _Seq] = {}           # slot -> the sequence in it
         self.filling: deque[list[int]] = deque()     # [request, slot, tokens prefilled] of long prompts
+        self._on_free = on_free                      # called with each slot its sequence leaves (a paged cache's)
 
     def free(self) -> list[int]:
         taken = set(self.running) | {slot for _, slot, _ in self.filling}
@@ -831,18 +956,20 @@ class _Slots:
         """Drop sequences that reached their cap: the first token comes from the prefill, so the last
         decode step of one started at `start` is start + cap - 2."""
         for s in [s for s, q in self.running.items() if q.start + q.cap - 2 < step]:
-            del self.running[s]
+            self.drop(s)
 
     def finish(self, active: list[bool], snapshot_step: int) -> None:
         """Drop sequences the device had stopped at `snapshot_step` (not those started since)."""
         for s in [s for s, q in self.running.items() if q.start <= snapshot_step and not active[s]]:
-            del self.running[s]
+            self.drop(s)
 
     def slot_of(self, req: int) -> int | None:
         return next((s for s, q in self.running.items() if q.req == req), None)
 
     def drop(self, slot: int) -> None:
         del self.running[slot]
+        if self._on_free is not None:
+            self._on_free(slot)
 
     def top(self) -> int:
         return max(self.running) + 1

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from miles.rollout.engines.fast.attention import decode_attention, sdpa_decode_attention
+from miles.rollout.engines.fast.attention import decode_attention, gather_pages, sdpa_decode_attention
 from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, check_layout, experts_loop, pack_moe_layer,
                                             route, supports_moe)
 from miles.weights.fp8 import linear
@@ -261,8 +261,9 @@ def head_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
                k_norm: Tensor | None, kc: Tensor, vc: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
-               arch: Arch) -> Tensor:
-    """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b]."""
+               arch: Arch, table: Tensor | None = None) -> Tensor:
+    """x [B, H] -> q [B, kv_heads, group, head_dim]; K/V of slot b written at cache position pos[b] (a paged
+    cache: at offset pos[b] % page of page table[b, pos[b] // page])."""
     b = x.shape[0]
     q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
@@ -271,6 +272,9 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
     q = apply_rope(q, cos[:, None], sin[:, None])
     k = apply_rope(k, cos[:, None], sin[:, None])
     rows = torch.arange(b, device=x.device)
+    if table is not None:
+        page = kc.shape[2]
+        rows, pos = table[rows, pos // page], pos % page
     kc[rows, :, pos] = k.to(kc.dtype)     # an FP8 cache (--kv-cache-dtype fp8_e4m3) stores e4m3, scale 1
     vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim).to(vc.dtype)
     # the query heads that share a KV head become that head's "query positions": plain multi-head
@@ -280,10 +284,10 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
 
 def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
                 k_norm: Tensor | None, kc: Tensor, vc: Tensor, slots: Tensor, pos: Tensor, cos: Tensor, sin: Tensor,
-                arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+                arch: Arch, table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x [n, P, H] at cache positions pos [n, P] -> q [n, heads, P, head_dim] and k, v repeated to
-    every query head; K/V of row i written at positions pos[i] of cache slot slots[i]. cos, sin
-    [n, P, head_dim] are pos's RoPE."""
+    every query head; K/V of row i written at positions pos[i] of cache slot slots[i] (a paged cache:
+    through its page table's row slots[i]). cos, sin [n, P, head_dim] are pos's RoPE."""
     n, p = x.shape[:2]
     q, k, v = linear(rms_norm(x, ln1, arch.eps), qkv_w, qkv_b).split(
         [arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
@@ -293,8 +297,12 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     # advanced indices on dims 0 and 2 put their [n, P] dims first: [n, P, kv_heads, head_dim]
-    kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)
-    vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
+    rows = slots[:, None]
+    if table is not None:
+        page = kc.shape[2]
+        rows, pos = table[rows, pos // page], pos % page
+    kc[rows, :, pos] = k.transpose(1, 2).to(kc.dtype)
+    vc[rows, :, pos] = v.transpose(1, 2).to(vc.dtype)
     return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
 
 
@@ -329,8 +337,11 @@ def _dynamic(*dims: tuple[Tensor, int]) -> None:
         torch._dynamo.maybe_mark_dynamic(t, d)
 
 
-def _cache_dims(kc: Tensor, vc: Tensor) -> tuple[tuple[Tensor, int], ...]:
-    """A layer's K/V cache [slots, kv_heads, max_len, head_dim]: slots and max_len vary by engine."""
+def _cache_dims(kc: Tensor, vc: Tensor, table: Tensor | None = None) -> tuple[tuple[Tensor, int], ...]:
+    """A layer's K/V cache [slots, kv_heads, max_len, head_dim]: slots and max_len vary by engine (paged:
+    [pages, kv_heads, page, head_dim], the pages and the table's rows and width vary)."""
+    if table is not None:
+        return (kc, 0), (vc, 0), (table, 0), (table, 1)
     return (kc, 0), (kc, 2), (vc, 0), (vc, 2)
 
 
@@ -394,9 +405,10 @@ class Forward:
         return x + self.experts(h, ids, weights, sparse), ids
 
     def decode(self, tokens: Tensor, pos: Tensor, span: int, layers: list[tuple[Tensor, Tensor]],
-               out: Tensor) -> None:
+               out: Tensor, table: Tensor | None = None) -> None:
         """Feed tokens [B] at positions pos [B] of cache slots 0..B-1, attending over the first
-        `span` positions; logits [B, V] into `out`."""
+        `span` positions; logits [B, V] into `out`. `table` [B, pages per sequence]: a paged cache's
+        rows for the B slots."""
         a, w = self.arch, self.weights
         b = tokens.shape[0]
         x = F.embedding(tokens, w.embed)
@@ -407,12 +419,12 @@ class Forward:
         for i, ((ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, ln2, gate_up_w, down_w), (kc, vc)) in enumerate(
                 zip(w.layers, layers)):
             if self.compiled:
-                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc))
-            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, cos, sin, pos, a)
+                _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc, table))
+            q = self._decode_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, cos, sin, pos, a, table)
             if self.length_aware:
-                o = decode_attention(q, kc, vc, pos, a.scale)
+                o = decode_attention(q, kc, vc, pos, a.scale, table)
             else:
-                o = sdpa_decode_attention(q, kc, vc, pos, a.scale, span, mask)
+                o = sdpa_decode_attention(q, kc, vc, pos, a.scale, span, mask, table)
             o = o.reshape(b, a.q_size)
             if self.compiled:
                 _dynamic((x, 0), (o, 0))
@@ -424,7 +436,7 @@ class Forward:
         final_logits(x, w, a, out=out)
 
     def prefill(self, ids: Tensor, lens: Tensor, slots: Tensor, layers: list[tuple[Tensor, Tensor]],
-                starts: Tensor | None = None, span: int = 0) -> Tensor:
+                starts: Tensor | None = None, span: int = 0, table: Tensor | None = None) -> Tensor:
         """Right-padded prompts ids [n, P] of lengths lens [n] into cache `slots` [n]; -> logits [n, V]
         of each row's last token.
 
@@ -433,7 +445,8 @@ class Forward:
         attend to the K/V already in the slot before them (earlier pieces) and causally to the piece
         itself, read from the cache. The mask is implicit (bottom-right aligned causal: no [P, span]
         tensor). Right padding in a piece (P > lens[0]) is attended only by the padding's own
-        queries. None: whole prompts from position 0, whose attention reads the fresh K/V alone."""
+        queries. None: whole prompts from position 0, whose attention reads the fresh K/V alone.
+        `table`: a paged cache's page table (all slots' rows)."""
         a, w = self.arch, self.weights
         n, p = ids.shape
         if starts is not None and (n != 1 or span < p):
@@ -454,10 +467,11 @@ class Forward:
                 zip(w.layers, layers)):
             if self.compiled:
                 _dynamic((x, 0), (x, 1), (slots, 0), (pos, 0), (pos, 1), (cos, 0), (cos, 1), (sin, 0), (sin, 1),
-                         *_cache_dims(kc, vc))
-            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, pos, cos, sin, a)
+                         *_cache_dims(kc, vc, table))
+            q, k, v = self._prefill_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, slots, pos, cos, sin, a, table)
             if starts is not None:   # this piece's K/V is in the cache now, after the earlier pieces'
-                k, v = (c[slots, :, :span].to(x.dtype).repeat_interleave(a.group, dim=1) for c in (kc, vc))
+                k, v = ((c[slots, :, :span] if table is None else gather_pages(c, table[slots], span))
+                        .to(x.dtype).repeat_interleave(a.group, dim=1) for c in (kc, vc))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
             o = o.transpose(1, 2).reshape(n * p, a.q_size)
             flat = x.view(n * p, a.hidden)

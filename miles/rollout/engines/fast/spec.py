@@ -37,6 +37,8 @@ def options(cfg: RunConfig) -> dict[str, Any]:
         out["mem_fraction"] = r.mem_fraction
     if r.chunked_prefill_size is not None:
         out["chunked_prefill_size"] = r.chunked_prefill_size
+    if r.page_size is not None:
+        out["page_size"] = r.page_size
     context_len = _context_len(cfg)
     if context_len is not None:
         out["context_len"] = context_len
@@ -76,8 +78,17 @@ def refusal(hf_checkpoint: str) -> str | None:
     return supports(config)
 
 
+MIN_PAGE_SIZE = 16    # smaller pages: a table entry and a host-side grow every few positions of every sequence
+
+
 def check(cfg: RunConfig, problems: list[str]) -> None:
-    """--rollout-engine fast names a model FastEngine implements (`embedded` falls back instead)."""
+    """--rollout-engine fast names a model FastEngine implements (`embedded` falls back instead); its page size."""
+    r = cfg.rollout
+    if r.page_size is not None and r.engine != "fast":
+        problems.append(f"--rollout-page-size {r.page_size} is the fast engine's paged KV cache; add --rollout-engine "
+                        "fast (an SGLang server's is --sglang-page-size N)")
+    if r.page_size is not None and 0 < r.page_size < MIN_PAGE_SIZE:
+        problems.append(f"--rollout-page-size {r.page_size}: use {MIN_PAGE_SIZE} or more (64 suits the decode kernel)")
     if cfg.rollout.engine != "fast":
         return
     refused = refusal(cfg.model.hf_checkpoint)
