@@ -8,6 +8,11 @@ max_new_tokens: a random model's rare EOS would make the variants' work differ).
 half of 4b-4k's 4,096, so that the four variants, each built and compiled afresh, fit one 10-minute device
 call; `--new-tokens 4096 --variants bf16,both` runs the full length for the goal's pair.
 
+Each variant has a `_paged` twin (`bf16_paged`, `both_paged`, ...): the same engine over a paged KV cache of
+--page-size positions a page (`--rollout-page-size`): all 256 answers start at once and the newest are
+preempted (prefilled again later) when the pages run out, where the slot cache runs them in waves of as many
+slots as hold a whole answer; its JSON adds the preemptions.
+
 Per variant: the engine's construction seconds (weights, cache, compile), the FP8 kernel that ran
 (`miles.weights.fp8.kernel()`), KV slots and cache GiB (the FP8 cache holds twice the sequences in the same
 memory), the timed call's generated tokens, seconds and tokens/s (after a warm-up call of 8 tokens per
@@ -83,6 +88,8 @@ QWEN3_TINY = dict(QWEN3_4B, vocab_size=512, hidden_size=128, num_hidden_layers=2
 VARIANTS = {"bf16": (None, "auto"), "fp8_weights": ("fp8", "auto"), "fp8_kv": (None, "fp8_e4m3"),
             "both": ("fp8", "fp8_e4m3"), "fp8_weights_cublas": ("fp8", "auto"), "both_cublas": ("fp8", "fp8_e4m3"),
             "fp8_weights_w8a16": ("fp8", "auto"), "both_w8a16": ("fp8", "fp8_e4m3")}
+# the same over a paged KV cache (--page-size positions a page, --rollout-page-size): every answer starts at once
+VARIANTS |= {f"{name}_paged": VARIANTS[name] for name in ("bf16", "fp8_weights", "fp8_kv", "both")}
 DEFAULT_VARIANTS = ("bf16", "fp8_weights", "fp8_kv", "both")
 # fp8.W8A16 while these variants' engines are built and run: the Triton W8A16 kernel for decode rows or cuBLAS's
 # block-scaled GEMM for every product, for the A/B in one run (the others: the module's default)
@@ -137,7 +144,8 @@ def _run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int
     t0 = time.perf_counter()
     engine = FastEngine(path, max_batch_size=args.max_batch_size, mem_fraction=args.mem_fraction,
                         context_len=args.plan_context or len(prompts[0]) + new_tokens, quantization=quantization,
-                        kv_cache_dtype=kv, cuda_graph=not args.tiny, torch_compile=not args.tiny)
+                        kv_cache_dtype=kv, cuda_graph=not args.tiny, torch_compile=not args.tiny,
+                        page_size=args.page_size if name.endswith("_paged") else None)
     build_s = time.perf_counter() - t0
     warm = min(8, new_tokens)       # a short call first: captures the full batch's graphs (and compiles what is left)
     runs = []
@@ -154,7 +162,9 @@ def _run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int
                kv_cache_dtype=str(engine.cache_dtype), slots=engine.max_batch_size,
                kv_cache_gib=round(engine._cache.nbytes / 2**30, 2), tokens=tokens, seconds=round(secs, 3),
                warm_up_seconds=round(runs[0][1], 3), tok_s=round(tokens / secs, 1),
-               stats={k: v for k, v in engine.last_stats.items() if k in ("decode_steps", "graphs", "prefills")})
+               stats={k: v for k, v in engine.last_stats.items() if k in ("decode_steps", "graphs", "prefills",
+                                                                          "preemptions")},
+               page_size=engine.page_size, kv_pages=engine.kv_pages)
     if DEVICE == "cuda":
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if args.profile_steps:
@@ -513,6 +523,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--page-size", type=int, default=64, help="positions a page of the *_paged variants' KV cache")
     p.add_argument("--gap-sequences", type=int, default=8, help="sequences per variant in the logprob gap")
     p.add_argument("--sync-repeats", type=int, default=3)
     p.add_argument("--skip-sync", action="store_true")

@@ -629,22 +629,27 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens.
         A prompt longer than `chunked_prefill_size` only takes its slot here; `_piece` prefills it.
         A paged cache admits requests in queue order while their prompts' pages fit beside a page of
-        headroom for each running sequence (the first that does not waits, and those behind it)."""
+        headroom for each sequence that will still grow (the first that does not waits, and those behind it)."""
         free = table.free()[:len(queue)]
         if self.page_size is None:
             admitted = [(queue.popleft(), s) for s in free]
         else:
-            admitted = []
+            cache, admitted = self._cache, []
+            growing = sum(cache.pages_for(min(q.prompt_len + q.cap - 1, self.max_len)) > len(cache.held[s])
+                          for s, q in table.running.items()) + len(table.filling)
             for slot in free:
-                need = len(call.prompt_of(queue[0])) + GROW_EVERY
-                headroom = table.busy() + len(admitted)
-                if self._cache.free_pages - self._cache.pages_for(min(need, self.max_len)) < headroom:
+                req = queue[0]
+                prompt, done = len(call.prompt_of(req)), call.resumed.get(req, (None, 0))[1]
+                last = prompt + call.caps[req] - done - 1          # the positions it ends with
+                need = min(prompt + GROW_EVERY, last)
+                if cache.free_pages - cache.pages_for(need) < growing:
                     break
                 admitted.append((queue.popleft(), slot))
-                self._cache.grow(slot, need)
+                cache.grow(slot, need)
+                growing += cache.pages_for(min(last, self.max_len)) > len(cache.held[slot])
                 if not queue:
                     break
-            self._cache.flush()
+            cache.flush()
         pairs = sorted(admitted, key=lambda rs: len(call.prompt_of(rs[0])))
         chunk: list[tuple[int, int]] = []
         for req, slot in pairs:  # sorted by length: this prompt is the chunk's widest
