@@ -32,7 +32,8 @@ LANE1="tests/gpu/test_megatron_gpu.py tests/gpu/test_fp16_and_async_save_gpu.py 
 LANE2="tests/gpu/test_model_families_gpu.py tests/gpu/test_colocated_grpo.py tests/gpu/test_moe_gpu.py"
 LANE3="tests/gpu/test_cuda_parts.py tests/gpu/test_fast_engine_gpu.py tests/gpu/test_fsdp_gpu.py tests/gpu/test_fused_logprobs_gpu.py
        tests/gpu/test_offload_cuda.py tests/gpu/test_weight_ipc.py tests/gpu/test_sglang_health_gpu.py tests/gpu/test_fast_engine_admission_gpu.py
-       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_inflight_swap_gpu.py"
+       tests/gpu/test_step_syncs_gpu.py tests/gpu/test_weight_shadows_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_inflight_swap_gpu.py
+       tests/gpu/test_fast_engine_paged_gpu.py"
 # read the GPU's free or used memory, or fill it (the memory plan's 4B and 8B layer shapes): alone
 SERIAL="tests/gpu/test_packing_gpu.py tests/gpu/test_faults_gpu.py tests/gpu/test_memory_plan_gpu.py"
 # a scale run's folder (its model: 16 GB for the 12-layer MoE) on a disk, not in a tmpfs /tmp, whose pages
