@@ -173,9 +173,9 @@ def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: i
 
     b, kv_heads, group, dim = q.shape
     extra = {} if stages is None else dict(num_stages=stages)
-    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
-                             *out.stride()[:3], G=group, G_PAD=_g_pad(group), D=dim, BLOCK=block,
-                             PRECISION=_precision(q.dtype), num_warps=warps, **extra)
+    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
+                             *out.stride()[:3], 0, G=group, G_PAD=_g_pad(group), D=dim, BLOCK=block,
+                             PRECISION=_precision(q.dtype), PAGED=False, PAGE=1, num_warps=warps, **extra)
 
 
 class SplitK:
