@@ -444,15 +444,21 @@ def _interpreter_scalars_as_loop_bounds(monkeypatch) -> None:
     monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
 
 
+def kernel_device(monkeypatch) -> str:
+    """Where the Triton attention kernel runs: CUDA, or the CPU under Triton's interpreter (TRITON_INTERPRET=1
+    with triton installed); skips the test elsewhere (CI)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
+    _interpreter_scalars_as_loop_bounds(monkeypatch)
+    return "cpu"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_length_aware_attention_kernel_equals_the_masked_stock_call(dtype, monkeypatch):
-    # on CPU only under Triton's interpreter: TRITON_INTERPRET=1 with triton installed (CI skips it)
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
-        _interpreter_scalars_as_loop_bounds(monkeypatch)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device(monkeypatch)
     kv_heads, group, dim, max_len = 2, 7, 64, 150            # 150: the last key block is partial
     g = torch.Generator().manual_seed(0)
     q = torch.randn((4, kv_heads, group, dim), generator=g).to(device, dtype)

@@ -3,8 +3,6 @@ also when the pages run out and sequences are preempted and prefilled again; the
 gives one page to two sequences; the paged decode kernel equals the stock call; the plan and the flag
 refuse what cannot run (miles/rollout/engines/fast/cache.py, engine.py)."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ from miles.rollout.engines.fast.cache import SINK, PagedKVCache, plan_pages
 from miles.rollout.engines.fast.engine import FastEngine, _Call
 from miles.types import SamplingParams
 from tests.tiny_model import EOS_ID, make_tiny_model
-from tests.unit.test_fast_engine import MANY, _interpreter_scalars_as_loop_bounds, make_tiny_llama
+from tests.unit.test_fast_engine import MANY, kernel_device, make_tiny_llama
 from tests.unit.test_moe import hf, moe_path  # noqa: F401  (the tiny Qwen3-MoE fixtures, shared)
 
 PAGE = 16
@@ -178,12 +176,7 @@ def test_gather_pages_reads_each_rows_positions_in_order():
 
 @pytest.mark.parametrize("page", [16, 64])
 def test_the_paged_kernel_equals_the_stock_call_over_gathered_pages(page, monkeypatch):
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
-        _interpreter_scalars_as_loop_bounds(monkeypatch)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device(monkeypatch)
     kv_heads, group, dim, max_len = 2, 3, 32, 150
     g = torch.Generator().manual_seed(0)
     per_seq = -(-max_len // page)

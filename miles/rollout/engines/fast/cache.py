@@ -77,6 +77,18 @@ def shared_held_bytes(*, total_bytes: int, weight_bytes: int, mem_fraction: floa
     return int(shared_plan_bytes(total_bytes, weight_bytes) * mem_fraction) + workspace
 
 
+def cache_budget(free_bytes: int, mem_fraction: float, workspace_bytes: int) -> int:
+    """The KV cache's bytes: mem_fraction of free memory. Raises ValueError, naming the flags, when the
+    rest cannot hold the workspace."""
+    budget = int(free_bytes * mem_fraction)
+    if free_bytes - budget < workspace_bytes:
+        raise ValueError(
+            f"--rollout-mem-fraction {mem_fraction} leaves {(free_bytes - budget) / GiB:.2f} GiB of the "
+            f"{free_bytes / GiB:.2f} GiB free for activations and logits, which need about "
+            f"{workspace_bytes / GiB:.2f} GiB; lower --rollout-mem-fraction or --rollout-max-batch-size")
+    return budget
+
+
 def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_per_position: int,
                    model_limit: int | None, max_context_len: int | None, workspace_bytes: int) -> int:
     """Positions per slot (max_len) of a KV cache of `slots` sequences in mem_fraction of free memory.
@@ -84,12 +96,7 @@ def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_pe
     max_context_len None: as many as fit, capped at the model's limit. Raises ValueError, naming
     the flags, when the asked-for cache or the workspace left beside it does not fit.
     """
-    budget = int(free_bytes * mem_fraction)
-    if free_bytes - budget < workspace_bytes:
-        raise ValueError(
-            f"--rollout-mem-fraction {mem_fraction} leaves {(free_bytes - budget) / GiB:.2f} GiB of the "
-            f"{free_bytes / GiB:.2f} GiB free for activations and logits, which need about "
-            f"{workspace_bytes / GiB:.2f} GiB; lower --rollout-mem-fraction or --rollout-max-batch-size")
+    budget = cache_budget(free_bytes, mem_fraction, workspace_bytes)
     fit = budget // (slots * bytes_per_position)
     if max_context_len is not None:
         if max_context_len < 2:
@@ -137,12 +144,7 @@ def plan_pages(*, free_bytes: int, mem_fraction: float, page: int, bytes_per_pos
     """Pages of `page` positions in mem_fraction of free memory, the sink page included. Raises ValueError,
     naming the flags, when the workspace left beside them does not fit or they cannot hold one sequence of
     `max_len` positions."""
-    budget = int(free_bytes * mem_fraction)
-    if free_bytes - budget < workspace_bytes:
-        raise ValueError(
-            f"--rollout-mem-fraction {mem_fraction} leaves {(free_bytes - budget) / GiB:.2f} GiB of the "
-            f"{free_bytes / GiB:.2f} GiB free for activations and logits, which need about "
-            f"{workspace_bytes / GiB:.2f} GiB; lower --rollout-mem-fraction or --rollout-max-batch-size")
+    budget = cache_budget(free_bytes, mem_fraction, workspace_bytes)
     pages = budget // (page * bytes_per_position)
     if (pages - 1) * page < max_len:
         raise ValueError(
