@@ -220,8 +220,9 @@ class PagedKVCache:
         self.layers = [(self.data[0, i], self.data[1, i]) for i in range(layers)]
         self.table = torch.full((rows, -(-max_len // page)), SINK, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]
-        self._free = list(range(pages - 1, SINK, -1))     # popped from the end: low pages first
+        self._free: list[int] = []                        # popped from the end: low pages first
         self._pending: list[tuple[int, int, int]] = []    # (row, column, page) not on the device yet
+        self.reset()
 
     @property
     def nbytes(self) -> int:
@@ -268,9 +269,10 @@ class PagedKVCache:
 
     def reset(self) -> None:
         """Every page free, every row at the sink (a call's start)."""
-        for row in range(len(self.held)):
-            self.release(row)
+        self.held = [[] for _ in self.held]
+        self._free = list(range(self.pages - 1, SINK, -1))
         self._pending.clear()
+        self.table.fill_(SINK)
 
     def move(self, src: list[int], dst: list[int], span: int) -> None:
         """Rows `src`'s sequences into rows `dst` (free ones): their table rows move, no K/V is copied."""
