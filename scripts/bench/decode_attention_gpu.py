@@ -24,12 +24,15 @@ SXM). Configs Triton refuses (too much shared memory, ...) are recorded with the
 (the swept ones and every split-K one) is first checked against SDPA on a small case of mixed lengths
 (`checks`); a config that disagrees is left out of `best`. The JSON per (dtype, batch, context): `sdpa`,
 `default` (BLOCK 64, 4 warps, default stages), `best` (of the sweep), `best_split_k`, and every config's time.
+With --page-size P (default 64, 0: off) the engine kernel's sweep also runs over the same K/V as a paged cache
+(`--rollout-page-size`: pages of P positions in a shuffled order, read through the page table), `engine_paged`
+configs, `default_paged`, `best_paged` and `paged_vs_default` (the slot kernel's time over the paged one's).
 `ms_per_step` = one layer's ms x --layers (36): the attention share of a decode step. --out is rewritten after every
 (dtype, batch, context) with `partial: true` until the run ends (a run cut by its time limit keeps its rows).
 
 Usage (GPU machine, from the checkout): PYTHONPATH=$PWD python3 scripts/bench/decode_attention_gpu.py --out attn.json
   [--batches 105,219,256] [--contexts 1024,2048,4096] [--blocks 32,64,128] [--warps 4,8] [--stages 1,2,3,4]
-  [--chunks 256,512,1024] [--no-split-k] [--hbm-gbs 3350]
+  [--chunks 256,512,1024] [--no-split-k] [--page-size 64] [--hbm-gbs 3350]
 CPU plumbing check: TRITON_INTERPRET=1 ... --tiny (tiny shapes in float32 under Triton's interpreter; the
 split-K kernel checked against SDPA as on the GPU). About 3 minutes on an H100 with the defaults (the
 sweep's ~70 Triton compiles dominate).
@@ -167,15 +170,33 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"     # as attention.decode_attention chooses
 
 
-def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: int, stages: int | None) -> None:
-    """`attention.decode_attention`'s launch, with BLOCK, num_warps and num_stages as given."""
+def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: int, stages: int | None,
+                         table=None) -> None:
+    """`attention.decode_attention`'s launch, with BLOCK, num_warps and num_stages as given (`table`: a paged
+    cache's page table, kc and vc its pages)."""
     from miles.rollout.engines.fast.attention import _kernel
 
     b, kv_heads, group, dim = q.shape
     extra = {} if stages is None else dict(num_stages=stages)
-    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, pos, scale, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
-                             *out.stride()[:3], 0, G=group, G_PAD=_g_pad(group), D=dim, BLOCK=block,
-                             PRECISION=_precision(q.dtype), PAGED=False, PAGE=1, num_warps=warps, **extra)
+    paged = table is not None
+    _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3], *kc.stride()[:3],
+                             *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0, G=group,
+                             G_PAD=_g_pad(group), D=dim, BLOCK=block, PRECISION=_precision(q.dtype), PAGED=paged,
+                             PAGE=kc.shape[2] if paged else 1, num_warps=warps, **extra)
+
+
+def to_pages(c, page: int, gen):
+    """A slot cache [slots, kv_heads, max_len, D] as a paged one (--rollout-page-size): (pages [slots x max_len /
+    page, kv_heads, page, D] in a shuffled order, the table [slots, max_len / page] that finds them), the same K/V."""
+    slots, kv_heads, max_len, dim = c.shape
+    per_slot = -(-max_len // page)
+    table = torch.randperm(slots * per_slot, generator=gen, device=c.device).view(slots, per_slot)
+    padded = torch.zeros((slots, kv_heads, per_slot * page, dim), dtype=c.dtype, device=c.device)
+    padded[:, :, :max_len] = c
+    pages = torch.empty((slots * per_slot, kv_heads, page, dim), dtype=c.dtype, device=c.device)
+    pages[table.reshape(-1)] = padded.view(slots, kv_heads, per_slot, page, dim).transpose(1, 2) \
+        .reshape(slots * per_slot, kv_heads, page, dim)
+    return pages, table
 
 
 class SplitK:
@@ -262,12 +283,20 @@ def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dty
     pos = pos.clamp(max=max_len - 1)
     scale = dim ** -0.5
     want = sdpa(q, kc, vc, pos, scale, max_len).float()
+    paged = {}
+    if shape["page"]:
+        (kp, table), (vp, _) = (to_pages(c, shape["page"], torch.Generator(device=DEVICE).manual_seed(2))
+                                for c in (kc, vc))
+        paged = dict(kc=kp, vc=vp, table=table)
     out = {}
     for kind, c in configs:
         got = torch.full_like(q, float("nan"))
         try:
             if kind == "split_k":
                 SplitK(q, max_len, c["chunk"])(q, kc, vc, pos, got, scale, c["block"], c["warps"], c["stages"])
+            elif kind == "engine_paged":
+                launch_engine_kernel(q, paged["kc"], paged["vc"], pos, got, scale, c["block"], c["warps"],
+                                     c["stages"], paged["table"])
             else:
                 launch_engine_kernel(q, kc, vc, pos, got, scale, c["block"], c["warps"], c["stages"])
             sync()
@@ -286,11 +315,13 @@ def launch_configs(args) -> list[tuple[str, dict]]:
         sweep.insert(0, dict(DEFAULT))
     splits = [dict(block=bl, warps=w, stages=None, chunk=ch) for ch in args.chunks for bl in args.split_blocks
               for w in args.warps if ch % bl == 0]
-    return [("engine", c) for c in sweep] + [("split_k", c) for c in splits]
+    paged = [("engine_paged", c) for c in sweep] if args.page_size else []
+    return [("engine", c) for c in sweep] + paged + [("split_k", c) for c in splits]
 
 
-def measure(args, configs, checks: dict, q, kc, vc, out, split_bufs: dict, ctx: int) -> dict:
-    """One (batch, context) row: SDPA and every config that passed its check, timed."""
+def measure(args, configs, checks: dict, q, kc, vc, out, split_bufs: dict, ctx: int, paged: dict | None = None) -> dict:
+    """One (batch, context) row: SDPA and every config that passed its check, timed (`paged`: the same K/V as
+    pages, {kc, vc, table}, for the engine_paged configs)."""
     batch = q.shape[0]
     pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=DEVICE)
     nbytes = kv_bytes(pos, args.kv_heads, args.head_dim, kc.element_size())
@@ -310,7 +341,12 @@ def measure(args, configs, checks: dict, q, kc, vc, out, split_bufs: dict, ctx: 
         if not isinstance(checks.get(name), float):
             row["configs"][name] = dict(error=checks.get(name))
             continue
-        fn = split_bufs[c["chunk"]] if kind == "split_k" else launch_engine_kernel
+        if kind == "engine_paged":
+            def fn(q, kc, vc, pos, out, scale, block, warps, stages):
+                launch_engine_kernel(q, paged["kc"], paged["vc"], pos, out, scale, block, warps, stages,
+                                     paged["table"][:q.shape[0]])
+        else:
+            fn = split_bufs[c["chunk"]] if kind == "split_k" else launch_engine_kernel
         try:
             ms = time_call(lambda: fn(q, kc, vc, pos, out, scale, c["block"], c["warps"], c["stages"]),
                            args.warmup, args.reps)
@@ -326,7 +362,8 @@ def pick_best(row: dict) -> None:
     their ratios to the default's time."""
     timed = {n: r for n, r in row["configs"].items() if "ms" in r and r["checked"]}
     row["default"] = row["configs"].get(config_name("engine", DEFAULT))
-    for label, kind in (("best", "engine"), ("best_split_k", "split_k")):
+    row["default_paged"] = row["configs"].get(config_name("engine_paged", DEFAULT))
+    for label, kind in (("best", "engine"), ("best_split_k", "split_k"), ("best_paged", "engine_paged")):
         cands = {n: r for n, r in timed.items() if r["kind"] == kind}
         if cands:
             name = min(cands, key=lambda n: cands[n]["ms"])
@@ -336,13 +373,15 @@ def pick_best(row: dict) -> None:
         row["best_vs_default"] = round(base / row["best"]["ms"], 3) if "best" in row else None
         row["split_k_vs_default"] = round(base / row["best_split_k"]["ms"], 3) if "best_split_k" in row else None
         row["sdpa_vs_default"] = round(base / row["sdpa"]["ms"], 3)
+        if row.get("default_paged") and "ms" in row["default_paged"]:
+            row["paged_vs_default"] = round(base / row["default_paged"]["ms"], 3)
 
 
 def run(args, save=lambda report: None) -> dict:
     """The checks and the sweep; `save(report)` after every (dtype, batch, context), so that a run cut short
     by its time limit still leaves what it measured."""
     shape = dict(kv_heads=args.kv_heads, group=args.group, head_dim=args.head_dim, max_len=args.max_len,
-                 check_len=args.check_len, check_chunk=min(args.chunks) if args.chunks else 64)
+                 check_len=args.check_len, check_chunk=min(args.chunks) if args.chunks else 64, page=args.page_size)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     configs = launch_configs(args)
     report = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
@@ -357,19 +396,24 @@ def run(args, save=lambda report: None) -> dict:
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         kc, vc = (torch.randn((max(args.batches) + 1, args.kv_heads, args.max_len, args.head_dim), generator=gen,
                               device=DEVICE, dtype=dtype).to(cache_dtype) for _ in range(2))
+        paged = None
+        if args.page_size:
+            (kp, table), (vp, _) = (to_pages(c, args.page_size, torch.Generator(device=DEVICE).manual_seed(2))
+                                    for c in (kc, vc))
+            paged = dict(kc=kp, vc=vp, table=table)
         for batch in args.batches:
             q = torch.randn((batch, args.kv_heads, args.group, args.head_dim), generator=gen, device=DEVICE).to(dtype)
             out = torch.empty_like(q)
             split_bufs = {ch: SplitK(q, args.max_len, ch) for ch in args.chunks}
             for ctx in args.contexts:
-                row = dict(dtype=dname, **measure(args, configs, checks, q, kc, vc, out, split_bufs, ctx))
+                row = dict(dtype=dname, **measure(args, configs, checks, q, kc, vc, out, split_bufs, ctx, paged))
                 pick_best(row)
                 report["results"].append(row)
                 save(report)
                 log(f"{dname} batch {batch} ctx {ctx}: sdpa {row['sdpa']['ms']} ms, default "
                     f"{(row.get('default') or {}).get('ms')} ms, best {row.get('best', {}).get('name')} "
                     f"{row.get('best', {}).get('ms')} ms, split-K {row.get('best_split_k', {}).get('ms')} ms")
-        del kc, vc
+        del kc, vc, paged
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return report
@@ -403,6 +447,8 @@ def main() -> None:
     p.add_argument("--chunks", type=_ints, default=[256, 512, 1024], help="split-K: keys per split")
     p.add_argument("--split-blocks", type=_ints, default=[64, 128], help="split-K: BLOCK values")
     p.add_argument("--no-split-k", action="store_true")
+    p.add_argument("--page-size", type=int, default=64, help="also the engine kernel over a paged cache of pages this "
+                   "long (--rollout-page-size; the same K/V, pages shuffled); 0: not")
     p.add_argument("--check-len", type=int, default=1100, help="positions of the check against SDPA")
     p.add_argument("--tol", type=float, default=2e-2, help="max |kernel - SDPA| of the check")
     p.add_argument("--warmup", type=int, default=3)
@@ -422,6 +468,7 @@ def main() -> None:
         args.batches, args.contexts, args.max_len, args.kv_heads, args.group, args.head_dim = [3], [5, 40], 48, 2, 3, 16
         args.layers = 2
         args.blocks, args.warps, args.stages, args.chunks, args.split_blocks = [32], [4], [None, 1], [16, 32], [16]
+        args.page_size = min(args.page_size, 16)
         args.check_len, args.warmup, args.reps, args.tol = 40, 0, 1, 1e-4
     if args.no_split_k:
         args.chunks = []
