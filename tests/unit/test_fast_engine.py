@@ -612,3 +612,15 @@ def test_the_tail_cut_is_a_share_of_the_batch_not_of_a_call_longer_than_the_slot
     assert [g.finish_reason for g in gens] == ["length"] * 6 + ["abort"] * 2, [g.finish_reason for g in gens]
     assert [len(g.response_ids) for g in gens[:6]] == [40] * 4 + [10, 20]
     assert all(20 <= len(g.response_ids) < 30 for g in gens[6:])
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_one_token_requests_beyond_the_slots_are_all_served(model_path, page_size):
+    # each ends at its prefill, so no slot is ever busy at a decode step: the queue behind them still runs
+    # (the loop returned with the slots' worth served and the rest "abort" and empty before Dec 8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    engine = FastEngine(model_path, device="cpu", max_batch_size=2, page_size=page_size)
+    got = engine.generate(MANY, params)
+    want = EmbeddedEngine(model_path, device="cpu").generate(MANY, params)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    assert all(len(g.response_ids) == 1 and g.finish_reason in ("length", "stop") for g in got)

@@ -599,16 +599,15 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                 pending = False
             table.expire(step)
             if queue and table.busy() < table.n and (checkpoint or not table.running):
-                self._refill(table, queue, step, call)
-                table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
-                if queue and not table.busy():
+                if not self._refill(table, queue, step, call) and not table.busy():
                     raise RuntimeError("the paged KV cache admitted no request with nothing running (a bug: "
                                        "its plan holds one sequence of max_len positions)")
+                table.expire(step)   # requests with max_new_tokens 1 are done at their prefill
             if table.filling:        # one piece of a long prompt per decode step of the others
                 self._piece(table, step, call)
                 table.expire(step)
             if not table.running:
-                if table.filling:
+                if table.filling or queue:   # pieces to prefill, or requests behind ones done at their prefill
                     continue
                 return step
             if len(table.running) <= call.tail_cut and not queue and not table.filling:
@@ -650,11 +649,12 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._forward.decode(self._state.cur_tok[:b], self._state.pos[:b], span, self._cache.layers,
                              self._logits[:b], None if table is None else table[:b])
 
-    def _refill(self, table: _Slots, queue: deque, step: int, call: _Call) -> None:
+    def _refill(self, table: _Slots, queue: deque, step: int, call: _Call) -> int:
         """Start queued requests in the free slots: prefill, in length-sorted chunks, and first tokens.
         A prompt longer than `chunked_prefill_size` only takes its slot here; `_piece` prefills it.
         A paged cache admits requests in queue order while their prompts' pages fit beside a page of
-        headroom for each sequence that will still grow (the first that does not waits, and those behind it)."""
+        headroom for each sequence that will still grow (the first that does not waits, and those behind it).
+        Returns the number of requests started."""
         free = table.free()[:len(queue)]
         if self.page_size is None:
             admitted = [(queue.popleft(), s) for s in free]
@@ -691,6 +691,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._start(table, slot, step, req, call)
         if chunk:
             self._prefill(chunk, call)
+        return len(admitted)
 
     def _start(self, table: _Slots, slot: int, step: int, req: int, call: _Call) -> None:
         """Request `req` runs in `slot` from `step` (its first token, or its first after a preemption)."""
