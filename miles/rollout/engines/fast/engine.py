@@ -287,10 +287,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self._forward.length_aware = False
             self._set_buckets()
         if self._forward.length_aware:
-            try:
-                self._tune_attention()
-            except Exception as e:  # noqa: BLE001 - the default launch matched the stock call already: keep it
-                log.warning("attention_kernel_tuning_failed", error=repr(e)[:2000], launch="default")
+            self._tune_attention()
         if self._forward.compiled:
             try:
                 self._compile_shapes()
