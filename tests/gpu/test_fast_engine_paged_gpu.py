@@ -64,15 +64,3 @@ def test_preemptions_on_the_gpu_keep_the_answers(model_path, dtype, monkeypatch)
     # kernels, other rounding), so a near-tied greedy pick may flip after the resume
     assert same == len(want) if dtype == "float32" else same >= len(want) - 2
     assert_fast_path(engine)
-
-
-@pytest.mark.parametrize("page_size", [None, PAGE])
-def test_the_attention_launch_is_tuned_among_those_that_match_the_stock_call(model_path, page_size):
-    from miles.rollout.engines.fast.attention import LAUNCHES
-
-    engine = FastEngine(model_path, device="cuda", dtype="bfloat16", max_batch_size=8, page_size=page_size,
-                        kv_cache_dtype="fp8_e4m3")
-    assert engine._forward.length_aware and engine._forward.attention_launch in LAUNCHES
-    assert engine._attention_kernel_ok(engine._forward.attention_launch)
-    gens = engine.generate(MANY, SamplingParams(temperature=0.0, max_new_tokens=12))
-    assert all(len(g.response_ids) >= 1 for g in gens)

@@ -25,11 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK_N = 64     # keys per loop iteration (the default launch; `tune` may pick another for the engine's shapes)
-WARPS = 4
-# launches `tune` times on the engine's own cache at start-up: a one-byte (FP8) cache moves half the bytes per
-# iteration of a bf16 one at the same BLOCK, so more keys per iteration may read it closer to the bandwidth
-LAUNCHES = ((64, 4), (128, 4), (64, 8), (128, 8))
+BLOCK_N = 64     # keys per loop iteration
 
 
 @lru_cache(maxsize=None)
@@ -94,11 +90,10 @@ def usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float,
-                     table: Tensor | None = None, launch: tuple[int, int] = (BLOCK_N, WARPS)) -> Tensor:
+                     table: Tensor | None = None) -> Tensor:
     """q [B, kv_heads, group, D]; kc, vc [slots >= B, kv_heads, max_len, D]; slot b attends over its
     positions 0..pos[b]. -> [B, kv_heads, group, D]. With a page `table` [>= B, pages per sequence]: kc, vc
-    are [pages, kv_heads, page, D] and row b's positions are in the pages of table[b]. `launch`: (keys per
-    loop iteration, warps)."""
+    are [pages, kv_heads, page, D] and row b's positions are in the pages of table[b]."""
     b, kv_heads, group, dim = q.shape
     paged = table is not None
     out = torch.empty_like(q)
@@ -109,32 +104,9 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: floa
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3],
                              *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0,
-                             G=group, G_PAD=g_pad, D=dim, BLOCK=launch[0], PRECISION=precision, PAGED=paged,
-                             PAGE=kc.shape[2] if paged else 1, num_warps=launch[1])
+                             G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision, PAGED=paged,
+                             PAGE=kc.shape[2] if paged else 1, num_warps=4)
     return out
-
-
-def tune(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, table: Tensor | None, fits, reps: int = 5) -> tuple[
-        tuple[int, int], dict[str, float]]:
-    """The fastest of LAUNCHES on these operands (the engine's full batch over its own cache, CUDA events,
-    the median of `reps` after one warm-up call), among those `fits(launch)` accepts (checked against the
-    stock call). -> (launch, {"BLOCKxWARPS": ms})."""
-    times = {}
-    for launch in LAUNCHES:
-        if not fits(launch):
-            continue
-        decode_attention(q, kc, vc, pos, 1.0, table, launch)
-        runs = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            decode_attention(q, kc, vc, pos, 1.0, table, launch)
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end))
-        times[launch] = sorted(runs)[len(runs) // 2]
-    best = min(times, key=times.get) if times else (BLOCK_N, WARPS)
-    return best, {f"{b}x{w}": round(ms, 4) for (b, w), ms in times.items()}
 
 
 def gather_pages(c: Tensor, table: Tensor, span: int) -> Tensor:
@@ -162,9 +134,9 @@ def sdpa_decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale:
 
 def matches_sdpa(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  max_len: int, tol: float = 2e-2, cache_dtype: torch.dtype | None = None,
-                 page: int | None = None, launch: tuple[int, int] = (BLOCK_N, WARPS)) -> bool:
-    """Run the kernel (with `launch`) and the stock call on random data of the engine's shapes (`page`: a paged
-    cache of pages that size, the sequences' pages shuffled); True when they agree."""
+                 page: int | None = None) -> bool:
+    """Run the kernel and the stock call on random data of the engine's shapes (`page`: a paged cache of
+    pages that size, the sequences' pages shuffled); True when they agree."""
     gen = torch.Generator(device=device).manual_seed(0)
     b, slots = 5, 7
     q = torch.randn((b, kv_heads, group, head_dim), generator=gen, device=device).to(dtype)
@@ -180,5 +152,5 @@ def matches_sdpa(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, d
     valid = torch.arange(max_len, device=device) <= pos[:, None]
     mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))[:, None, None]
     want = sdpa_decode_attention(q, kc, vc, pos, head_dim ** -0.5, max_len, mask, table).float()
-    got = decode_attention(q, kc, vc, pos, head_dim ** -0.5, table, launch).float()
+    got = decode_attention(q, kc, vc, pos, head_dim ** -0.5, table).float()
     return bool((got - want).abs().max() < tol)

@@ -286,8 +286,6 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         if self._forward.length_aware and not self._attention_kernel_ok():
             self._forward.length_aware = False
             self._set_buckets()
-        if self._forward.length_aware:
-            self._tune_attention()
         if self._forward.compiled:
             try:
                 self._compile_shapes()
@@ -303,37 +301,17 @@ class FastEngine(EngineGuard, TokenizerAccessors):
         self._greedy, self._race = (tuple(_compiled(f, self.arch, self.dtype) for f in (greedy, race))
                                     if compiled else (greedy, race))
 
-    @torch.inference_mode()
-    def _tune_attention(self) -> None:
-        """Pick the attention kernel's launch (keys per iteration, warps) by timing each on a full batch over
-        the engine's own cache at half its positions (the mean context of answers that fill it)."""
-        a, b = self.arch, self._batch_buckets[-1]
-        q = torch.randn((b, a.n_kv_heads, a.group, a.head_dim), device=self.device, dtype=self.dtype)
-        pos = torch.full((b,), self.max_len // 2, dtype=torch.long, device=self.device)
-        kc, vc = self._cache.layers[0]
-        table = None
-        if self.page_size is not None:    # every row over pages of the pool (they may repeat: only the time counts)
-            per_row = self._cache.table.shape[1]
-            table = (torch.arange(b * per_row, device=self.device) % (self._cache.pages - 1) + 1).view(b, per_row)
-        launch, times = fast_attention.tune(q, kc, vc, pos, table, self._attention_kernel_ok)
-        self._forward.attention_launch = launch
-        log.info("attention_kernel_tuned", launch=f"{launch[0]}x{launch[1]}", ms=times, batch=b,
-                 context=self.max_len // 2)
-
-    def _attention_kernel_ok(self, launch: tuple[int, int] = (fast_attention.BLOCK_N, fast_attention.WARPS)) -> bool:
+    def _attention_kernel_ok(self) -> bool:
         a = self.arch
         try:
             ok = fast_attention.matches_sdpa(a.n_kv_heads, a.group, a.head_dim, self.dtype, self.device,
                                              min(self.max_len, 8192) if self.page_size else self.max_len,
-                                             cache_dtype=self.cache_dtype, page=self.page_size, launch=launch)
+                                             cache_dtype=self.cache_dtype, page=self.page_size)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build leaves the stock attention call
-            ok, error = False, repr(e)[:2000]
-        else:
-            error = None
-        if not ok:   # the default launch: the stock call takes over; another (tuning): it is not used
-            fallback = "sdpa" if launch == (fast_attention.BLOCK_N, fast_attention.WARPS) else "other launches"
-            log.warning("attention_kernel_failed" if error else "attention_kernel_mismatch", error=error,
-                        launch=f"{launch[0]}x{launch[1]}", fallback=fallback)
+            log.warning("attention_kernel_failed", error=repr(e)[:2000], fallback="sdpa")
+            return False
+        if not ok:
+            log.warning("attention_kernel_mismatch", fallback="sdpa")
         return ok
 
     @torch.inference_mode()

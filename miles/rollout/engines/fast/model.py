@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from miles.rollout.engines.fast.attention import BLOCK_N, WARPS, decode_attention, gather_pages, sdpa_decode_attention
+from miles.rollout.engines.fast.attention import decode_attention, gather_pages, sdpa_decode_attention
 from miles.rollout.engines.fast.moe import (MoeArch, MoeLayerWeights, check_layout, experts_loop, pack_moe_layer,
                                             route, supports_moe)
 from miles.weights.fp8 import linear
@@ -379,7 +379,6 @@ class Forward:
     def __init__(self, arch: Arch, weights: PackedWeights, *, compiled: bool, length_aware: bool = False,
                  variant: str = ""):
         self.arch, self.weights, self.length_aware, self.variant = arch, weights, length_aware, variant
-        self.attention_launch = (BLOCK_N, WARPS)      # the length-aware kernel's (keys per iteration, warps)
         # a mixture-of-experts model (miles.rollout.engines.fast.moe): its experts' implementation (the
         # engine picks the grouped one where it runs), the static [slots, MoE layers, k] buffer each decode
         # step writes its experts into (graph-captured: the engine reads it after the step), and the last
@@ -423,7 +422,7 @@ class Forward:
                 _dynamic((x, 0), (cos, 0), (sin, 0), (pos, 0), *_cache_dims(kc, vc, table))
             q = self._decode_qkv(x, ln1, qkv_w, qkv_b, q_norm, k_norm, kc, vc, cos, sin, pos, a, table)
             if self.length_aware:
-                o = decode_attention(q, kc, vc, pos, a.scale, table, self.attention_launch)
+                o = decode_attention(q, kc, vc, pos, a.scale, table)
             else:
                 o = sdpa_decode_attention(q, kc, vc, pos, a.scale, span, mask, table)
             o = o.reshape(b, a.q_size)
