@@ -420,6 +420,11 @@ def test_cache_plan_fits_the_memory_or_names_the_flags():
     assert plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=None, **plan) == 640
     assert plan_positions(mem_fraction=0.5, model_limit=300, max_context_len=None, **plan) == 300
     assert plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=600, **plan) == 600
+    # rounded down to 64 positions, but never below what every request may need (a run's context_len)
+    assert plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=None, needed=600, **plan) == 640
+    odd = dict(plan, free_bytes=plan["free_bytes"] * 620 // 640)
+    assert plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=None, **odd) == 576
+    assert plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=None, needed=600, **odd) == 620
     with pytest.raises(ValueError, match=r"--rollout-max-batch-size 8 x --rollout-max-context-len 700 needs "
                                          r"5.47 GiB.*--rollout-mem-fraction 0.5.*fits 640 positions"):
         plan_positions(mem_fraction=0.5, model_limit=None, max_context_len=700, **plan)

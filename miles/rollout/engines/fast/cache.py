@@ -90,11 +90,13 @@ def cache_budget(free_bytes: int, mem_fraction: float, workspace_bytes: int) -> 
 
 
 def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_per_position: int,
-                   model_limit: int | None, max_context_len: int | None, workspace_bytes: int) -> int:
+                   model_limit: int | None, max_context_len: int | None, workspace_bytes: int,
+                   needed: int | None = None) -> int:
     """Positions per slot (max_len) of a KV cache of `slots` sequences in mem_fraction of free memory.
 
-    max_context_len None: as many as fit, capped at the model's limit. Raises ValueError, naming
-    the flags, when the asked-for cache or the workspace left beside it does not fit.
+    max_context_len None: as many as fit, capped at the model's limit, rounded down to POSITION_ALIGN but
+    never below `needed` (the positions every request may need, which `plan_slots` made fit). Raises
+    ValueError, naming the flags, when the asked-for cache or the workspace left beside it does not fit.
     """
     budget = cache_budget(free_bytes, mem_fraction, workspace_bytes)
     fit = budget // (slots * bytes_per_position)
@@ -118,7 +120,8 @@ def plan_positions(*, free_bytes: int, mem_fraction: float, slots: int, bytes_pe
         raise ValueError(
             f"--rollout-mem-fraction {mem_fraction} of the {free_bytes / GiB:.2f} GiB free holds only {n} "
             f"positions per slot for --rollout-max-batch-size {slots}; raise the fraction or lower the batch size")
-    return n if n == model_limit or n < POSITION_ALIGN else n - n % POSITION_ALIGN
+    aligned = n - n % POSITION_ALIGN
+    return n if n == model_limit or n < POSITION_ALIGN or aligned < (needed or 0) else aligned
 
 
 def plan_slots(*, free_bytes: int, mem_fraction: float, max_slots: int, bytes_per_position: int,

@@ -155,6 +155,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             weights = sum(t.numel() * t.element_size() for t in self._weights.named.values())
             free = shared_plan_bytes(torch.cuda.mem_get_info(self.device)[1], weights)
         self.page_size, self.kv_pages = page_size, None
+        needed = None        # the positions every request may need (a run's context_len), when known
         if page_size is not None:
             self.max_len, self.kv_pages = self._plan_pages(free, mem_fraction, per_position, max_context_len,
                                                            context_len)
@@ -171,7 +172,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             self.max_len = plan_positions(
                 free_bytes=free, mem_fraction=mem_fraction, slots=max_batch_size,
                 bytes_per_position=per_position, model_limit=self._max_positions,
-                max_context_len=max_context_len, workspace_bytes=self._workspace_bytes())
+                max_context_len=max_context_len, workspace_bytes=self._workspace_bytes(), needed=needed)
         self._scratch = max_batch_size   # one extra cache slot that absorbs padding rows' writes
         self._state = _SlotState(max_batch_size + 1, self.device)
         self._snapshot = Snapshot(max_batch_size + 1, self.device)
