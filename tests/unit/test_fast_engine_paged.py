@@ -3,6 +3,8 @@ also when the pages run out and sequences are preempted and prefilled again; the
 gives one page to two sequences; the paged decode kernel equals the stock call; the plan and the flag
 refuse what cannot run (miles/rollout/engines/fast/cache.py, engine.py)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -223,3 +225,21 @@ def test_the_flag_reaches_the_engine_and_bad_values_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="the fast engine's paged KV cache; add --rollout-engine fast"):
         parse_flags(base + ["--rollout-engine", "embedded", "--rollout-page-size", "64"])
     assert fast_cache.SINK == 0
+
+
+def test_the_long_tail_bench_runs_both_caches_on_one_budget(tmp_path, monkeypatch):
+    import runpy
+    import sys
+
+    out = tmp_path / "paged.json"
+    monkeypatch.setattr(sys, "argv", ["paged_kv_bench.py", "--prompts", "4", "--samples", "4", "--mean-len", "16",
+                                      "--max-len", "96", "--kv-positions", "512", "--max-batch-size", "16",
+                                      "--page-size", "16", "--out", str(out)])
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts/bench/paged_kv_bench.py"), run_name="__main__")
+    import json
+
+    r = json.loads(out.read_text())
+    slot, paged = r["results"]
+    assert slot["lengths_equal_caps"] and paged["lengths_equal_caps"] and slot["tokens"] == paged["tokens"]
+    # the slot cache holds 512 // (32 + 96) = 4 sequences; the paged one starts as many as fit their positions
+    assert slot["slots"] == 4 and paged["slots"] == 16 and paged["decode_steps"] < slot["decode_steps"]
