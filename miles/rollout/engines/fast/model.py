@@ -1,4 +1,5 @@
-"""The fast engine's own forward pass for Llama-, Qwen2- and Qwen3-family causal LMs, over the KV cache (per slot, or paged).
+"""The fast engine's own forward pass for Llama-, Qwen2- and Qwen3-family causal LMs, over its KV cache (per slot
+or paged).
 
 Weights come from the HF model (loaded with transformers) and are repacked once: q/k/v fused into
 one matrix per layer (one GEMM instead of three), gate/up fused likewise. The HF names stay
