@@ -257,7 +257,8 @@ class PagedKVCache:
         if self._pending:
             rows, cols, pages = torch.tensor(self._pending, dtype=torch.long).T.contiguous()
             if self.table.device.type == "cuda":
-                rows, cols, pages = (t.pin_memory().to(self.table.device, non_blocking=True) for t in (rows, cols, pages))
+                rows, cols, pages = (t.pin_memory().to(self.table.device, non_blocking=True)
+                                     for t in (rows, cols, pages))
             self.table[rows, cols] = pages
             self._pending.clear()
 
