@@ -243,3 +243,27 @@ def test_the_long_tail_bench_runs_both_caches_on_one_budget(tmp_path, monkeypatc
     assert slot["lengths_equal_caps"] and paged["lengths_equal_caps"] and slot["tokens"] == paged["tokens"]
     # the slot cache holds 512 // (32 + 96) = 4 sequences; the paged one starts as many as fit their positions
     assert slot["slots"] == 4 and paged["slots"] == 16 and paged["decode_steps"] < slot["decode_steps"]
+
+
+def test_a_swap_between_a_preemption_and_its_resume_gives_each_token_its_version(monkeypatch, tmp_path):
+    # the preempted answers stop at ~25 tokens (step ~24), the swap lands at step 30, they resume at ~41: their
+    # tokens before the preemption are the old version's, from the resume on the new one's (counted from each
+    # start: counting from the first start alone would date token 25 at step 24, before the swap)
+    from tests.unit.test_inflight_swap import _full_logprobs, _generate_with_swap, _new_norm, _no_eos, _reference
+
+    path = make_tiny_model(tmp_path / "m")
+    engine = small_pool(path, 13, monkeypatch, max_batch_size=8, max_context_len=48)
+    old = {k: v.detach().clone() for k, v in engine._weights.named.items()}
+    new = _new_norm(old)
+    _no_eos(engine, monkeypatch)
+    gens, _ = _generate_with_swap(engine, monkeypatch, SHORT, SamplingParams(temperature=1.0, max_new_tokens=40,
+                                                                             seed=1), new, 1, at=30)
+    assert engine.last_stats["preemptions"] > 0
+    resumed = [g for g in gens if g.token_versions and g.token_versions[20:30] == [0] * 5 + [1] * 5]
+    assert resumed, [g.token_versions for g in gens]      # a preempted answer: old tokens, then new at its resume
+    models = {0: _reference(path, old), 1: _reference(path, new)}
+    for prompt, g in zip(SHORT, gens):
+        assert len(g.response_ids) == 40
+        versions = g.token_versions or [g.weight_version] * 40
+        expected = {v: _full_logprobs(m, prompt, g.response_ids) for v, m in models.items()}
+        assert all(abs(lp - expected[v][i]) < 1e-4 for i, (lp, v) in enumerate(zip(g.logprobs, versions)))
