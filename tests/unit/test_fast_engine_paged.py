@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from miles.rollout.engines.fast import cache as fast_cache
@@ -84,8 +85,11 @@ def test_preempted_sequences_resume_with_the_tokens_they_had(model_path, monkeyp
     seen = checked_pages(monkeypatch)
     engine = small_pool(model_path, 13, monkeypatch, max_batch_size=8, max_context_len=48)
     want = FastEngine(model_path, device="cpu", max_batch_size=3).generate(SHORT, LONG)
-    got = engine.generate(SHORT, LONG)
+    with structlog.testing.capture_logs() as logs:
+        got = engine.generate(SHORT, LONG)
     assert engine.last_stats["preemptions"] > 0 and min(seen) < 3
+    said = [e for e in logs if e["event"] == "kv_preemptions"]     # the engine's log says so, once a call
+    assert len(said) == 1 and said[0]["preempted"] == engine.last_stats["preemptions"]
     assert [g.response_ids for g in got] == [g.response_ids for g in want]
     assert all(len(g.response_ids) == 40 and g.finish_reason == "length" for g in got)
     assert max(max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) for g, w in zip(got, want)) < 1e-4

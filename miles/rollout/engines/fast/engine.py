@@ -526,6 +526,10 @@ class FastEngine(EngineGuard, TokenizerAccessors):
                                prefill_pieces=call.pieces, seconds=time.perf_counter() - t0,
                                routing_to_host_seconds=t_routed, fp8_kernel=self.fp8_kernel,
                                kv_cache_dtype=str(self.cache_dtype), preemptions=call.preemptions)
+        if call.preemptions:
+            log.info("kv_preemptions", preempted=call.preemptions, requests=len(prompts), pages=self.kv_pages,
+                     hint="the paged KV cache ran out of pages: the newest sequences were prefilled again later "
+                          "(more --rollout-mem-fraction or a lower --rollout-max-batch-size avoids it)")
         gens = [Generation(t[:n], lp[:n], _FINISH.get(r, "abort"), version, e)
                 for t, lp, n, r, e in zip(tokens, logprobs, lengths, reasons, routed)]
         if call.swaps:      # weights swapped in flight: each request's tokens by the version that gave them
