@@ -238,6 +238,10 @@ class PagedKVCache:
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page)
 
+    def short_of(self, row: int, positions: int) -> bool:
+        """Whether `row` holds fewer pages than positions 0..positions-1 (capped at max_len) take."""
+        return self.pages_for(min(positions, self.max_len)) > len(self.held[row])
+
     def grow(self, row: int, positions: int) -> bool:
         """Hold pages for positions 0..positions-1 of `row` (capped at max_len); False, holding nothing
         more, when too few are free. New pages reach the device at `flush`."""

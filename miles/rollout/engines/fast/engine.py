@@ -640,18 +640,18 @@ class FastEngine(EngineGuard, TokenizerAccessors):
             admitted = [(queue.popleft(), s) for s in free]
         else:
             cache, admitted = self._cache, []
-            growing = sum(cache.pages_for(min(q.prompt_len + q.cap - 1, self.max_len)) > len(cache.held[s])
-                          for s, q in table.running.items()) + len(table.filling)
+            growing = sum(cache.short_of(s, q.prompt_len + q.cap - 1) for s, q in table.running.items()) \
+                + len(table.filling)
             for slot in free:
                 req = queue[0]
-                prompt, done = len(call.prompt_of(req)), call.resumed.get(req, (None, 0))[1]
-                last = prompt + call.caps[req] - done - 1          # the positions it ends with
+                prompt = len(call.prompt_of(req))
+                last = prompt + call.caps[req] - call.done(req) - 1     # the positions it ends with
                 need = min(prompt + GROW_EVERY, last)
                 if cache.free_pages - cache.pages_for(need) < growing:
                     break
                 admitted.append((queue.popleft(), slot))
                 cache.grow(slot, need)
-                growing += cache.pages_for(min(last, self.max_len)) > len(cache.held[slot])
+                growing += cache.short_of(slot, last)
                 if not queue:
                     break
             cache.flush()
@@ -675,7 +675,7 @@ class FastEngine(EngineGuard, TokenizerAccessors):
 
     def _start(self, table: _Slots, slot: int, step: int, req: int, call: _Call) -> None:
         """Request `req` runs in `slot` from `step` (its first token, or its first after a preemption)."""
-        done = call.resumed.get(req, (None, 0))[1]
+        done = call.done(req)
         table.start(slot, len(call.prompt_of(req)), step, req, call.caps[req] - done)
         call.started.setdefault(req, []).append((step, done))
 
@@ -825,21 +825,25 @@ class _Call:
         # after each preemption (a paged cache's)
         self.started: dict[int, list[tuple[int, int]]] = {}
         self.swaps: list[tuple[int, int]] = []      # (step, version): in-flight swaps taken during the call
-        self.resumed: dict[int, tuple[list[int], int]] = {}   # preempted request -> (prompt + its tokens, their count)
+        self.resumed: dict[int, list[int]] = {}     # preempted request -> its prompt + the tokens it had
         self.preemptions = 0
 
     def prompt_of(self, req: int) -> list[int]:
         """What request `req`'s next prefill feeds: its prompt, and after a preemption the tokens it had."""
-        resumed = self.resumed.get(req)
-        return self.prompts[req] if resumed is None else resumed[0]
+        return self.resumed.get(req, self.prompts[req])
+
+    def done(self, req: int) -> int:
+        """The tokens request `req` had generated at its last preemption (0 if never preempted, and for the
+        scratch row's spare request)."""
+        return len(self.resumed[req]) - len(self.prompts[req]) if req in self.resumed else 0
 
     def generated(self, rows: list[tuple[list[int], int, int]]) -> list[int]:
         """The tokens each (prompt, request, slot) row's request had generated (0 but after a preemption)."""
-        return [self.resumed.get(req, (None, 0))[1] for _, req, _ in rows]
+        return [self.done(req) for _, req, _ in rows]
 
     def resume(self, req: int, tokens: list[int]) -> None:
         """Request `req` was preempted having generated `tokens`: its next prefill feeds them after its prompt."""
-        self.resumed[req] = (self.prompts[req] + tokens, len(tokens))
+        self.resumed[req] = self.prompts[req] + tokens
         self.preemptions += 1
 
     def token_versions(self, req: int, n: int, version: int) -> list[int]:

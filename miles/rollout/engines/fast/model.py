@@ -260,6 +260,15 @@ def head_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return x if weight is None else rms_norm(x, weight, eps)
 
 
+def cache_index(kc: Tensor, rows: Tensor, pos: Tensor, table: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Where K/V of cache rows `rows` at positions `pos` go: (slot, position), or through a paged cache's
+    `table` (page, offset in it)."""
+    if table is None:
+        return rows, pos
+    page = kc.shape[2]
+    return table[rows, pos // page], pos % page
+
+
 def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm: Tensor | None,
                k_norm: Tensor | None, kc: Tensor, vc: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
                arch: Arch, table: Tensor | None = None) -> Tensor:
@@ -272,10 +281,7 @@ def decode_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_no
     k = head_norm(k.view(b, arch.n_kv_heads, arch.head_dim), k_norm, arch.eps)
     q = apply_rope(q, cos[:, None], sin[:, None])
     k = apply_rope(k, cos[:, None], sin[:, None])
-    rows = torch.arange(b, device=x.device)
-    if table is not None:
-        page = kc.shape[2]
-        rows, pos = table[rows, pos // page], pos % page
+    rows, pos = cache_index(kc, torch.arange(b, device=x.device), pos, table)
     kc[rows, :, pos] = k.to(kc.dtype)     # an FP8 cache (--kv-cache-dtype fp8_e4m3) stores e4m3, scale 1
     vc[rows, :, pos] = v.view(b, arch.n_kv_heads, arch.head_dim).to(vc.dtype)
     # the query heads that share a KV head become that head's "query positions": plain multi-head
@@ -298,10 +304,7 @@ def prefill_qkv(x: Tensor, ln1: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_n
     k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
     v = v.view(n, p, arch.n_kv_heads, arch.head_dim).transpose(1, 2)
     # advanced indices on dims 0 and 2 put their [n, P] dims first: [n, P, kv_heads, head_dim]
-    rows = slots[:, None]
-    if table is not None:
-        page = kc.shape[2]
-        rows, pos = table[rows, pos // page], pos % page
+    rows, pos = cache_index(kc, slots[:, None], pos, table)
     kc[rows, :, pos] = k.transpose(1, 2).to(kc.dtype)
     vc[rows, :, pos] = v.transpose(1, 2).to(vc.dtype)
     return q, k.repeat_interleave(arch.group, dim=1), v.repeat_interleave(arch.group, dim=1)
