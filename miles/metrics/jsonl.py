@@ -69,8 +69,9 @@ def _plain(v: Any) -> Any:
 
 
 # the metrics the wall clock gives, the numbers two runs of the same seed may differ in: durations and
-# rates (their names end in "_s": step_time_s, gen_tokens_per_s) and the trainer's achieved throughput
-TIMED_NAMES = ("tflops", "mfu")
+# rates (their names end in "_s": step_time_s, gen_tokens_per_s) and the trainer's achieved throughput; and
+# what the process's own history decides (graphs compiled: a resumed run's new process compiles again)
+TIMED_NAMES = ("tflops", "mfu", "layer_compiles")
 
 
 def is_timed(key: str) -> bool:

@@ -16,6 +16,9 @@ Per machine, from its trace and metrics:
                          beside the trainer cost it: they share the cores)
   cpu_threads            a CPU run's torch threads per actor, from the trace's `placement` (the trainer
                          gets the cores the engines leave it when they overlap: cpu_thread_budget)
+  layer_compiles         graphs the trainer compiled at each measured step (a GPU trainer's compiled
+                         layers compile a variant the first time a micro-batch of a new kind comes, e.g.
+                         a lone long answer: that step's train phase holds the compile)
 and speedup_vs_sync: each machine's trained tokens per second over sync's (the issue's goal: fully_async
 >= 1.5x). With --repeat K each machine runs K times in rotating order; the medians are compared.
 
@@ -177,6 +180,8 @@ def summarize(trace, rows: list[dict], machine: str, wall: float, warmup_steps: 
             "train_s_per_step": round(statistics.fmean(b - a for a, b in phases["train"][warmup_steps:]), 4),
             "warmup_steps": warmup_steps,
             "staleness_max": max(r.get("staleness_max", 0) for r in rows),
+            # graphs the trainer compiled at each measured step (a step of a new micro-batch kind compiles)
+            "layer_compiles": [r.get("layer_compiles", 0) for r in rows],
             "cpu_threads": next(iter(trace.of("placement"))).get("cpu_threads"),   # the placement's budget (CPU)
             "reward_mean_last": rows[-1]["reward_mean"] if rows else None}
 

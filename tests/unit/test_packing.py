@@ -211,6 +211,35 @@ def test_compiled_layers_compile_in_the_first_rollout_only(packed):
         torch._dynamo.reset()        # the compiled code goes, whatever the outcome: later tests start clean
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_rollout_whose_micro_batch_is_of_a_new_kind_compiles_it_and_says_so(packed):
+    # A first rollout of varied lengths (micro-batches of several rows, or packs of several samples), then
+    # one whose only micro-batch is one row: dynamo specialises a batch of one row (and a packing trainer
+    # runs a lone row as its row, no padding to remove), so that rollout compiles a variant of its own
+    # (grad and no-grad), mid-run; on a GPU, seconds. Its train_done says how many graphs it compiled.
+    from structlog.testing import capture_logs
+    from torch._dynamo.testing import CompileCounter
+
+    from miles.training.torch.forward import compile_decoder_layers
+
+    rng = random.Random(1)
+    lone = sample([rng.randrange(4, 24) for _ in range(6)], [rng.randrange(4, 24) for _ in range(11)], 0.5, [-1.0] * 11)
+    torch._dynamo.reset()
+    try:
+        trainer = make(MODELS[1], "token_mean", packed=packed, budget=200)
+        counter = CompileCounter()
+        compile_decoder_layers(trainer.model, backend=counter)
+        with capture_logs() as logs:
+            first = trainer.train(samples(n=10, seed=0), 0)["layer_compiles"]
+            again = trainer.train(samples(n=9, seed=5), 1)["layer_compiles"]
+            alone = trainer.train([lone], 2)["layer_compiles"]
+        assert (first, again, alone) == (counter.frame_count - 2, 0, 2)
+        assert first >= 1
+        assert [e["layer_compiles"] for e in logs if e["event"] == "train_done"] == [first, 0, 2]
+    finally:
+        torch._dynamo.reset()
+
 @pytest.mark.parametrize("gqa,has_scale,causal", [(True, True, {"window_size": (-1, 0)}),
                                                    (False, False, {"is_causal": True})])
 def test_the_varlen_adapter_hands_torch_its_layout(gqa, has_scale, causal):

@@ -17,6 +17,7 @@ micro-batch whose padding is negligible carries no pack (`packing.worth_packing`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -126,6 +127,16 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(backend=backend, dynamic=True)
     return len(layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far: the difference over a train call is
+    its `layer_compiles` metric. With compiled layers each new kind of micro-batch (a layout, or a batch of one
+    row, which dynamo specialises) compiles a variant the first time one needs it, mid-run when no earlier
+    micro-batch did: seconds on a GPU, and this says which step paid them. (Not imported, dynamo compiled
+    nothing: 0, without importing it.)"""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

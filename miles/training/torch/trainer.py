@@ -73,7 +73,8 @@ from miles.algorithms.fused_logprobs import DEFAULT_CHUNK_ROWS
 from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
 from miles.training.batch import TrainBatch, make_train_batch, split
 from miles.training.torch import lora
-from miles.training.torch.forward import compile_decoder_layers, enable_activation_checkpointing, pick_forward
+from miles.training.torch.forward import (compile_decoder_layers, compiled_graphs, enable_activation_checkpointing,
+                                          pick_forward)
 from miles.training.moe import TrainerMoe
 from miles.training.torch.fsdp.checkpoint import is_sharded_checkpoint, load_sharded, rng_file
 from miles.training.packing import use_packing
@@ -249,6 +250,7 @@ class Trainer(OptimizedModel):
         _, batch, prepared_metrics = self._prepared
         self._prepared = None
         self._computed = [0, 0]
+        compiled = compiled_graphs()
         if self._train_cfg.save_debug_train_data:
             save_train_data(self._train_cfg.save_debug_train_data, rollout_id, batch, self.rank)
         steps = [self._step(gb) for gb in split(batch, self._global_batch_size(batch))]
@@ -257,6 +259,8 @@ class Trainer(OptimizedModel):
             metrics.update(self._moe.metrics(self._sum_over_ranks))
         metrics.update(prepared_metrics, num_steps=len(steps), train_tokens=batch.num_tokens,
                        tokens_computed_per_real=self._computed[0] / max(self._computed[1], 1))   # 1.0: no padding
+        # graphs compiled by its passes (the prepare's and the steps'): a step that compiled took longer for it
+        metrics["layer_compiles"] = prepared_metrics.get("layer_compiles", 0.0) + compiled_graphs() - compiled
         metrics.update(throughput_metrics(self._num_params, self._computed[1], sum(s["step_time_s"] for s in steps),
                                           self._peak_tflops))
         if self._memory_budget is not None:
@@ -289,7 +293,9 @@ class Trainer(OptimizedModel):
         """Pack and prepare one rollout for `train(samples, rollout_id)` (see `prepare`); returns the
         critic's targets [B, T] on CPU for PPO (then `values` [B, T] are the critic's), else None."""
         self._live()
+        compiled = compiled_graphs()
         batch, returns, metrics = self._prepare(make_train_batch(samples, self.pad_id), values, may_skip=True)
+        metrics["layer_compiles"] = float(compiled_graphs() - compiled)
         self._prepared = (rollout_id, batch, metrics)
         return None if returns is None else returns.cpu()
 
