@@ -179,7 +179,7 @@ def test_gather_pages_reads_each_rows_positions_in_order():
     assert gather_pages(c, table, 6)[:, 0, :, 0].tolist() == [[12, 13, 14, 15, 4, 5], [8, 9, 10, 11, 16, 17]]
 
 
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [16, 64, 128])
 def test_the_paged_kernel_equals_the_stock_call_over_gathered_pages(page, monkeypatch):
     device = kernel_device(monkeypatch)
     kv_heads, group, dim, max_len = 2, 3, 32, 150

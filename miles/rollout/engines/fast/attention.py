@@ -8,8 +8,11 @@ sequences are long, so this kernel reads only positions 0..pos[b] of slot b. One
 online softmax over blocks of keys, flash-attention style, in float32.
 
 A paged cache (`--rollout-page-size`, `miles.rollout.engines.fast.cache.PagedKVCache`) is read through
-its page table: key n of sequence b lives at offset n % PAGE of page TABLE[b, n // PAGE]. Without one, K/V
-rows are the slots themselves (row b's keys at positions 0..max_len-1 of slot b).
+its page table: key n of sequence b lives at offset n % PAGE of page TABLE[b, n // PAGE]; where a page holds
+whole blocks of keys (PAGE a multiple of BLOCK) a block's page is read once and its rows addressed as a run, as
+in a slot (compiled for sm_90, the e4m3 launch at 64 keys over pages of 64 takes 168 registers a thread where
+the per-key addressing took 214: 3 programs an SM instead of 2; scripts/bench/attention_occupancy.py). Without
+one, K/V rows are the slots themselves (row b's keys at positions 0..max_len-1 of slot b).
 
 Optional: used on CUDA in bf16/fp16 when Triton imports and the head dim is a power of two, and
 only after `matches_sdpa` has checked it against the stock call on the engine's own shapes; the
@@ -51,7 +54,12 @@ def _kernel():
         for start in range(0, n_keys, BLOCK):
             keys = start + n
             valid = keys < n_keys
-            if PAGED:      # skb, svb: a page's stride; each key's page from the table, its offset in it
+            if PAGED and PAGE % BLOCK == 0:   # the block lies in one page: one id from the table, rows in a run
+                page = tl.load(TABLE + b * stb + start // PAGE)
+                within = start % PAGE + n
+                k_rows = K + page * skb + h * skh + within[:, None] * skn
+                v_rows = V + page * svb + h * svh + within[:, None] * svn
+            elif PAGED:    # skb, svb: a page's stride; each key's page from the table, its offset in it
                 page = tl.load(TABLE + b * stb + keys // PAGE, mask=valid, other=0)
                 k_rows = K + page[:, None] * skb + h * skh + (keys % PAGE)[:, None] * skn
                 v_rows = V + page[:, None] * svb + h * svh + (keys % PAGE)[:, None] * svn
