@@ -29,6 +29,7 @@ Usage (this machine; a Triton wheel with its NVIDIA backend, e.g. the GPU machin
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -75,7 +76,8 @@ def call_values(args, page: int) -> dict:
     return dict(q, **k, svb=k["skb"], svh=k["skh"], svn=k["skn"], sob=q["sqb"], soh=q["sqh"], sog=q["sqg"], stb=stb)
 
 
-def compile_launch(kernel, args, cache: str, block: int, warps: int, stages: int | None, page: int, triton_mod):
+def compile_launch(kernel, args, cache: str, block: int, warps: int, stages: int | None, page: int, triton_mod,
+                   v_a: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -84,7 +86,7 @@ def compile_launch(kernel, args, cache: str, block: int, warps: int, stages: int
     ints = call_values(args, page)
     group = args.group
     consts = dict(G=group, G_PAD=max(16, 1 << (group - 1).bit_length()), D=args.head_dim, BLOCK=block,
-                  PRECISION="tf32", PAGED=bool(page), PAGE=page or 1)
+                  PRECISION="tf32", PAGED=bool(page), PAGE=page or 1, V_A=v_a)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in consts:
@@ -123,33 +125,35 @@ def analyse(args) -> dict:
     rows = []
     for cache in args.cache_dtypes:
         elem = CACHE_TYPES[cache][1]
-        for block in args.blocks:
-            for warps in args.warps:
-                for stages in args.stages:
-                    row = dict(cache=cache, block=block, warps=warps, stages=stages or "default", page=args.page_size)
-                    t0 = time.perf_counter()
-                    try:
-                        compiled = compile_launch(kernel, args, cache, block, warps, stages, args.page_size, triton)
-                        usage = resource_usage(compiled.asm["cubin"], triton)
-                    except Exception as e:  # noqa: BLE001 - a launch Triton refuses: recorded
-                        rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                        continue
-                    ptx = compiled.asm["ptx"]
-                    shared = int(compiled.metadata.shared)
-                    occ = resident(usage["reg"], shared, warps)
-                    rows.append(dict(row, registers=usage["reg"], spilled_bytes=usage.get("stack", 0) + usage.get("local", 0),
-                                     shared_bytes=shared, pipelined=ptx.count("cp.async") > 0,
-                                     tensor_core_ops=ptx.count("mma.sync") + ptx.count("wgmma"), **occ,
-                                     kv_bytes_per_iteration=2 * block * args.head_dim * elem,
-                                     kv_bytes_per_iteration_per_sm=occ["programs"] * 2 * block * args.head_dim * elem,
-                                     compile_s=round(time.perf_counter() - t0, 2)))
-                    print(_line(rows[-1]), file=sys.stderr, flush=True)
+        for block, warps, stages, v_a in itertools.product(args.blocks, args.warps, args.stages, args.v_as_a):
+            row = dict(cache=cache, block=block, warps=warps, stages=stages or "default", page=args.page_size,
+                       v_as_a=v_a)
+            t0 = time.perf_counter()
+            try:
+                compiled = compile_launch(kernel, args, cache, block, warps, stages, args.page_size, triton, v_a)
+                usage = resource_usage(compiled.asm["cubin"], triton)
+            except Exception as e:  # noqa: BLE001 - a launch Triton refuses: recorded
+                rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            ptx = compiled.asm["ptx"]
+            shared = int(compiled.metadata.shared)
+            occ = resident(usage["reg"], shared, warps)
+            rows.append(dict(row, registers=usage["reg"], spilled_bytes=usage.get("stack", 0) + usage.get("local", 0),
+                             shared_bytes=shared, pipelined=ptx.count("cp.async") > 0,
+                             tensor_core_ops=ptx.count("mma.sync") + ptx.count("wgmma"),
+                             # 8-bit shared-memory loads: an e4m3 operand read a byte at a time
+                             byte_shared_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.u8"), **occ,
+                             kv_bytes_per_iteration=2 * block * args.head_dim * elem,
+                             kv_bytes_per_iteration_per_sm=occ["programs"] * 2 * block * args.head_dim * elem,
+                             compile_s=round(time.perf_counter() - t0, 2)))
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
     return dict(triton=triton.__version__, target="cuda sm_90", shapes=dict(kv_heads=args.kv_heads, group=args.group,
                 head_dim=args.head_dim, max_len=args.max_len, page_size=args.page_size), sm=SM90, launches=rows)
 
 
 def _line(r: dict) -> str:
-    return (f"{r['cache']:>4} block={r['block']:<3} warps={r['warps']} stages={r['stages']!s:<7} regs={r['registers']:<3} "
+    return (f"{r['cache']:>4} block={r['block']:<3} warps={r['warps']} stages={r['stages']!s:<7}"
+            f"{' v_as_a' if r['v_as_a'] else ''} regs={r['registers']:<3} byte_loads={r['byte_shared_loads']:<3} "
             f"spill={r['spilled_bytes']:<3} smem={r['shared_bytes']:<6} pipelined={r['pipelined']!s:<5} "
             f"programs/SM={r['programs']} ({','.join(r['limited_by'])}) kv/iter/SM={r['kv_bytes_per_iteration_per_sm'] >> 10} KiB")
 
@@ -169,6 +173,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-len", type=int, default=4160, help="positions per slot (the 4b-4k run's)")
     p.add_argument("--page-size", type=int, default=0, help="a paged cache of pages this size (0: the slot cache)")
+    p.add_argument("--v-as-a", type=lambda s: [x == "1" for x in s.split(",")], default=[False],
+                   help="the kernel's V_A (P V as (V^T P^T)^T): 0, 1 or 0,1")
     p.add_argument("--out")
     args = p.parse_args()
     bad = [c for c in args.cache_dtypes if c not in CACHE_TYPES]

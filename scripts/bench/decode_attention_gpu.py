@@ -24,7 +24,9 @@ SXM). Configs Triton refuses (too much shared memory, ...) are recorded with the
 (the swept ones and every split-K one) is first checked against SDPA on a small case of mixed lengths
 (`checks`); a config that disagrees is left out of `best`. The JSON per (dtype, batch, context): `sdpa`,
 `default` (BLOCK 64, 4 warps, default stages), `best` (of the sweep), `best_split_k`, and every config's time.
-With --page-size P (default 64, 0: off) the engine kernel's sweep also runs over the same K/V as a paged cache
+The sweep also holds the kernel's V_A variant (`--v-as-a-blocks`: P V computed as (V^T P^T)^T, V the A operand
+from registers; attention.py's docstring says why an e4m3 V wants it). With --page-size P (default 64, 0: off)
+the engine kernel's sweep also runs over the same K/V as a paged cache
 (`--rollout-page-size`: pages of P positions in a shuffled order, read through the page table), `engine_paged`
 configs, `default_paged`, `best_paged` and `paged_vs_default` (the slot kernel's time over the paged one's).
 `ms_per_step` = one layer's ms x --layers (36): the attention share of a decode step. --out is rewritten after every
@@ -46,7 +48,7 @@ import os
 import statistics
 import sys
 import time
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,9 +173,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: int, stages: int | None,
-                         table=None) -> None:
+                         table=None, v_a: bool = False) -> None:
     """`attention.decode_attention`'s launch, with BLOCK, num_warps and num_stages as given (`table`: a paged
-    cache's page table, kc and vc its pages)."""
+    cache's page table, kc and vc its pages; `v_a`: the kernel's V_A, P V computed as (V^T P^T)^T)."""
     from miles.rollout.engines.fast.attention import _kernel
 
     b, kv_heads, group, dim = q.shape
@@ -182,7 +184,7 @@ def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: i
     _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3], *kc.stride()[:3],
                              *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0, G=group,
                              G_PAD=_g_pad(group), D=dim, BLOCK=block, PRECISION=_precision(q.dtype), PAGED=paged,
-                             PAGE=kc.shape[2] if paged else 1, num_warps=warps, **extra)
+                             PAGE=kc.shape[2] if paged else 1, V_A=v_a, num_warps=warps, **extra)
 
 
 def to_pages(c, page: int, gen):
@@ -264,7 +266,8 @@ def kv_bytes(pos: torch.Tensor, kv_heads: int, dim: int, elem: int) -> int:
 def config_name(kind: str, c: dict) -> str:
     stages = "default" if c["stages"] is None else c["stages"]
     chunk = f" chunk={c['chunk']}" if "chunk" in c else ""
-    return f"{kind} block={c['block']} warps={c['warps']} stages={stages}{chunk}"
+    v_a = " v_as_a" if c.get("v_a") else ""
+    return f"{kind} block={c['block']} warps={c['warps']} stages={stages}{chunk}{v_a}"
 
 
 def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dtype: torch.dtype, shape: dict,
@@ -296,9 +299,10 @@ def check_configs(configs: list[tuple[str, dict]], dtype: torch.dtype, cache_dty
                 SplitK(q, max_len, c["chunk"])(q, kc, vc, pos, got, scale, c["block"], c["warps"], c["stages"])
             elif kind == "engine_paged":
                 launch_engine_kernel(q, paged["kc"], paged["vc"], pos, got, scale, c["block"], c["warps"],
-                                     c["stages"], paged["table"])
+                                     c["stages"], paged["table"], v_a=c.get("v_a", False))
             else:
-                launch_engine_kernel(q, kc, vc, pos, got, scale, c["block"], c["warps"], c["stages"])
+                launch_engine_kernel(q, kc, vc, pos, got, scale, c["block"], c["warps"], c["stages"],
+                                     v_a=c.get("v_a", False))
             sync()
         except Exception as e:  # noqa: BLE001 - a config Triton refuses: recorded, not timed
             out[config_name(kind, c)] = f"error: {type(e).__name__}: {str(e)[:300]}"
@@ -313,6 +317,7 @@ def launch_configs(args) -> list[tuple[str, dict]]:
     sweep = [dict(block=bl, warps=w, stages=st) for bl in args.blocks for w in args.warps for st in args.stages]
     if DEFAULT not in sweep:
         sweep.insert(0, dict(DEFAULT))
+    sweep += [dict(block=bl, warps=w, stages=None, v_a=True) for bl in args.v_as_a_blocks for w in args.warps]
     splits = [dict(block=bl, warps=w, stages=None, chunk=ch) for ch in args.chunks for bl in args.split_blocks
               for w in args.warps if ch % bl == 0]
     paged = [("engine_paged", c) for c in sweep] if args.page_size else []
@@ -342,11 +347,13 @@ def measure(args, configs, checks: dict, q, kc, vc, out, split_bufs: dict, ctx: 
             row["configs"][name] = dict(error=checks.get(name))
             continue
         if kind == "engine_paged":
-            def fn(q, kc, vc, pos, out, scale, block, warps, stages):
+            def fn(q, kc, vc, pos, out, scale, block, warps, stages, v_a=c.get("v_a", False)):
                 launch_engine_kernel(q, paged["kc"], paged["vc"], pos, out, scale, block, warps, stages,
-                                     paged["table"][:q.shape[0]])
+                                     paged["table"][:q.shape[0]], v_a=v_a)
+        elif kind == "split_k":
+            fn = split_bufs[c["chunk"]]
         else:
-            fn = split_bufs[c["chunk"]] if kind == "split_k" else launch_engine_kernel
+            fn = partial(launch_engine_kernel, v_a=c.get("v_a", False))
         try:
             ms = time_call(lambda: fn(q, kc, vc, pos, out, scale, c["block"], c["warps"], c["stages"]),
                            args.warmup, args.reps)
@@ -444,6 +451,9 @@ def main() -> None:
     p.add_argument("--blocks", type=_ints, default=[32, 64, 128])
     p.add_argument("--warps", type=_ints, default=[4, 8])
     p.add_argument("--stages", default="1,2,3,4", help="num_stages values; 'default' for Triton's own")
+    p.add_argument("--v-as-a-blocks", type=_ints, default=[64, 128], help="the kernel's V_A variant (P V as "
+                   "(V^T P^T)^T, no 8-bit shared-memory loads for an e4m3 V) at these BLOCKs, each --warps, default "
+                   "stages; '' for none")
     p.add_argument("--chunks", type=_ints, default=[256, 512, 1024], help="split-K: keys per split")
     p.add_argument("--split-blocks", type=_ints, default=[64, 128], help="split-K: BLOCK values")
     p.add_argument("--no-split-k", action="store_true")
@@ -468,6 +478,7 @@ def main() -> None:
         args.batches, args.contexts, args.max_len, args.kv_heads, args.group, args.head_dim = [3], [5, 40], 48, 2, 3, 16
         args.layers = 2
         args.blocks, args.warps, args.stages, args.chunks, args.split_blocks = [32], [4], [None, 1], [16, 32], [16]
+        args.v_as_a_blocks = [32]
         args.page_size = min(args.page_size, 16)
         args.check_len, args.warmup, args.reps, args.tol = 40, 0, 1, 1e-4
     if args.no_split_k:

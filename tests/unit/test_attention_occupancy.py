@@ -55,8 +55,10 @@ def test_an_e4m3_launch_compiles_for_hopper_pipelined(occ):
         pytest.skip("this Triton has no NVIDIA backend")
     sys.argv = ["attention_occupancy.py"]
     args = SimpleNamespace(cache_dtypes=["fp8"], blocks=[64], warps=[4], stages=[None], kv_heads=8, group=4,
-                           head_dim=128, max_len=4160, page_size=0)
-    (row,) = occ.analyse(args)["launches"]
-    assert "error" not in row, row
+                           head_dim=128, max_len=4160, page_size=0, v_as_a=[False, True])
+    row, v_a = occ.analyse(args)["launches"]
+    assert "error" not in row and "error" not in v_a, (row, v_a)
     assert row["pipelined"] and row["tensor_core_ops"] > 0 and row["programs"] >= 1
     assert row["kv_bytes_per_iteration"] == 2 * 64 * 128
+    # an e4m3 V as the product's B operand is read from shared memory a byte at a time; as its A operand, not
+    assert row["byte_shared_loads"] > 0 and v_a["byte_shared_loads"] == 0

@@ -122,6 +122,8 @@ def test_the_attention_bench_checks_the_split_k_kernel_against_sdpa(tmp_path):
     for checks in r["checks"].values():
         assert any(n.startswith("split_k") for n in checks) and any(n.startswith("engine ") for n in checks)
         assert any(n.startswith("engine_paged") for n in checks)     # the kernel through a shuffled page table
+        assert any(n.startswith("engine ") and n.endswith("v_as_a") for n in checks)   # P V as (V^T P^T)^T
+        assert any(n.startswith("engine_paged") and n.endswith("v_as_a") for n in checks)
         # float32 in IEEE precision: the kernels compute what SDPA does, split over 3 chunks of 16 keys at most
         assert all(isinstance(e, float) and e < 1e-4 for e in checks.values()), checks
     assert [(x["dtype"], x["context"]) for x in r["results"]] == [("bf16", 5), ("bf16", 40), ("fp8", 5), ("fp8", 40)]

@@ -14,6 +14,13 @@ in a slot (compiled for sm_90, the e4m3 launch at 64 keys over pages of 64 takes
 the per-key addressing took 214: 3 programs an SM instead of 2; scripts/bench/attention_occupancy.py). Without
 one, K/V rows are the slots themselves (row b's keys at positions 0..max_len-1 of slot b).
 
+V_A (off in the engine; `scripts/bench/decode_attention_gpu.py` sweeps it): compiled for sm_90, the product
+P V with an e4m3 cache reads V's tile from shared memory a byte at a time (64 8-bit loads a thread an
+iteration at 64 keys, where bf16 takes `ldmatrix`): V is the product's B operand, which the tensor cores want
+transposed, and Hopper's `ldmatrix` has no transposed 8-bit form. As (V^T P^T)^T, V is the A operand and
+comes from registers, widened there: no byte loads, but 208 registers a thread (2 programs an SM instead of 4)
+and its load no longer pipelined. Which costs less is the GPU's to say.
+
 Optional: used on CUDA in bf16/fp16 when Triton imports and the head dim is a power of two, and
 only after `matches_sdpa` has checked it against the stock call on the engine's own shapes; the
 engine falls back to the stock call otherwise. On CPU it runs under Triton's interpreter
@@ -40,7 +47,7 @@ def _kernel():
     def decode_attention_kernel(Q, K, V, O, POS, TABLE, scale, sqb, sqh, sqg, skb, skh, skn, svb, svh, svn,
                                 sob, soh, sog, stb, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                                 BLOCK: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr,
-                                PAGE: tl.constexpr):
+                                PAGE: tl.constexpr, V_A: tl.constexpr = False):
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_keys = tl.load(POS + b) + 1
@@ -75,7 +82,11 @@ def _kernel():
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_rows + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if V_A:   # (V^T P^T)^T: V the A operand, from registers (see V_A in the module docstring)
+                acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)),
+                                                             input_precision=PRECISION))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / total[:, None]
         tl.store(O + b * sob + h * soh + g[:, None] * sog + d[None, :], out.to(O.dtype.element_ty),
