@@ -340,8 +340,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("recompute-activations", "train", "recompute_activations", kind="true",
        help="activation checkpointing: recompute each layer's activations in the backward (less memory)"),
     _f("trainer-compile", "train", "compile_layers", kind="true",
-       help="torch trainer on CUDA: torch.compile each decoder layer (default there: the train phase runs "
-            "~1.5x faster on an H200 after a one-time compile in the first rollout; docs/performance.md)"),
+       help="torch trainer on CUDA: torch.compile each decoder layer (default there for dense models: the train "
+            "phase runs ~1.5x faster on an H200 after a one-time compile in the first rollout; docs/performance.md; "
+            "a Qwen3-MoE model's layers run eagerly unless this flag is given: docs/moe.md)"),
     _f("no-trainer-compile", "train", "compile_layers", kind="false",
        help="torch trainer on CUDA: run the decoder layers eagerly (no compile warm-up, slower steps)"),
     _f("trainer-weight-shadows", "train", "weight_shadows", kind="true",

@@ -89,6 +89,3 @@ def _moe(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.rollout.quantization == "fp8":
         problems.append(f"--rollout-quantization fp8 with --hf-checkpoint {ckpt} (Qwen3-MoE): FP8 experts are not built "
                         "yet (docs/fp8.md); drop it (--kv-cache-dtype fp8_e4m3 works with MoE models)")
-    if t.compile_layers is True:
-        problems.append(f"--trainer-compile with --hf-checkpoint {ckpt} (Qwen3-MoE): compiled MoE layers are not built "
-                        "yet (the routing hooks run eager); drop it")

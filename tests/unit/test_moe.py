@@ -256,6 +256,41 @@ def test_r3_routes_every_response_token_as_the_engine_did_per_layer(moe_path, en
     assert all(torch.isfinite(t.model.model.layers[layer].mlp.gate.weight).all() for layer in MOE_LAYERS)
 
 
+def test_compiled_moe_layers_replay_route_and_train_as_eager_ones(moe_path):
+    # --trainer-compile on an MoE model: the routing hooks (their records, the replayed experts) run inside the
+    # compiled layers. Dynamo's tracing does not depend on the backend: a counting one runs its graphs on the
+    # CPU, and each compiled trainer must route every token, report and step exactly as the eager one.
+    from torch._dynamo.testing import CompileCounter
+
+    from miles.training.torch.forward import compile_decoder_layers
+
+    engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
+    prompts = PROMPTS * 2
+    samples = samples_of(prompts, engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)))
+    torch._dynamo.reset()
+    try:
+        runs = []
+        for compiled in (False, True):
+            t = trainer(moe_path, use_rollout_routing_replay=True, micro_batch_size=8)
+            perturb_routers(t.model, 0.5)        # replay matters: the trainer's own top-k is not the rollout's
+            counter = CompileCounter()
+            if compiled:
+                assert compile_decoder_layers(t.model, backend=counter) == t.model.config.num_hidden_layers
+            batch = make_train_batch(samples, t.pad_id)
+            t._forward(t.model, batch, False, False)
+            applied = t._moe.routing.applied()
+            metrics = t.train(samples, rollout_id=0)
+            runs.append((applied, metrics, [p.detach().clone() for p in t.model.parameters()], counter.frame_count))
+        (applied, metrics, params, _), (c_applied, c_metrics, c_params, frames) = runs
+        assert frames >= 1                      # the layers did run compiled
+        assert torch.equal(c_applied, applied)
+        assert c_metrics["moe/routing_replayed"] == metrics["moe/routing_replayed"] == 1.0
+        for key in ("loss", "grad_norm", "moe/routing_mismatch", "moe/router_entropy"):
+            assert c_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(c_params, params))
+    finally:
+        torch._dynamo.reset()
+
 def test_without_replay_a_near_tied_router_shows_a_routing_mismatch(tmp_path):
     # near-tied router logits (tiny router weights) + a bf16 engine against the fp32 trainer: the rollout's
     # top-k and the trainer's differ on some tokens, and the metric says how often; R3 replays them all
@@ -389,8 +424,7 @@ def test_unbuilt_paths_are_refused_by_name(moe_path, data, tmp_path):
     problems = problems_of(argv(moe_path, data, "--expert-model-parallel-size", "2"))       # the torch trainer
     assert any(p.startswith("--expert-model-parallel-size 2: --train-backend torch does not split models")
                for p in problems), problems
-    problems = problems_of(argv(moe_path, data, "--trainer-compile"))
-    assert any(p.startswith("--trainer-compile with --hf-checkpoint") for p in problems)
+    assert parse_flags(argv(moe_path, data, "--trainer-compile"))[0].train.compile_layers is True   # compiled MoE layers
     problems = problems_of(argv(moe_path, data, "--rollout-engine", "sglang", "--use-rollout-routing-replay"))
     assert any("--rollout-engine sglang: the engine's routed-experts capture" in p
                and p.endswith("use --rollout-engine embedded / fast") for p in problems)

@@ -176,9 +176,11 @@ class Trainer(OptimizedModel):
         threads = cpu_threads(self.device, share=self.world_size)
         if train.recompute_activations:
             enable_activation_checkpointing(self._model)
-        # an MoE model's layers stay eager: the routing hooks keep Python state per forward (miles.training.moe)
-        compiled = (compile_decoder_layers(self._model) if on_cuda and train.compile_layers is not False
-                    and self._moe is None else 0)
+        # an MoE model's layers stay eager unless --trainer-compile asks (the routing hooks' records and replay,
+        # Python state per forward, trace into the compiled layers on the CPU's counting backend: tests/unit/
+        # test_moe.py; not run compiled on a GPU yet)
+        compile_layers = train.compile_layers is True or (train.compile_layers is None and self._moe is None)
+        compiled = compile_decoder_layers(self._model) if on_cuda and compile_layers else 0
         self._compiled_layers = compiled > 0
         self._sender: BucketSender | None = None       # CUDA IPC weight buckets, made on the first sync
         self._prepared: tuple[int, TrainBatch, dict[str, float]] | None = None   # prepare_rollout's, for train
