@@ -3,22 +3,17 @@ the JIT specialises them; the offline compile itself where a Triton with its NVI
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+from tests.unit.test_fp8_profile_benches import load
 
 
 @pytest.fixture(scope="module")
 def occ():
-    spec = importlib.util.spec_from_file_location("attention_occupancy", BENCH / "attention_occupancy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("attention_occupancy")
 
 
 def test_registers_are_given_per_warp_in_units_of_256(occ):
@@ -53,7 +48,6 @@ def test_an_e4m3_launch_compiles_for_hopper_pipelined(occ):
     nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not nvidia.exists():
         pytest.skip("this Triton has no NVIDIA backend")
-    sys.argv = ["attention_occupancy.py"]
     args = SimpleNamespace(cache_dtypes=["fp8"], blocks=[64], warps=[4], stages=[None], kv_heads=8, group=4,
                            head_dim=128, max_len=4160, page_size=0, v_as_a=[False, True])
     row, v_a = occ.analyse(args)["launches"]
