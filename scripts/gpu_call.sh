@@ -13,6 +13,7 @@
 # GPU's free or used memory, alone; GPUS_S) together are the whole of tests/gpu. bgscale:W starts scale:W in a
 # session of its own and waits BG_WAIT_S for it; waitscale:W (the next call, the machine still warm) waits WAIT_S more
 # and brings its results back: a workload longer than one call's 10 minutes.
+# moeA then moeB (two calls, the second at once): issue 55's MoE run (the MoE section of docs/performance.md).
 # script:NAME runs scripts/bench/NAME.py --out $OUT/NAME.json with ARGS_NAME and S_NAME (dots and dashes as _); basebench runs
 # the colocated bench on bench-base/miles (git archive of an older tree) then on this tree, one after the other.
 # The checkout and .whl/ must fit in 64 MiB: `python3 scripts/slim_ray_wheel.py` after building .whl/.
@@ -83,6 +84,16 @@ for step in "$@"; do
         setsid bash -c "while [ ! -f /tmp/scale-$w.rc ]; do echo \$(date +%T) \$(free -m | sed -n 2p) \$(ps -eo rss,comm --sort=-rss | sed -n 2,4p | tr '\n' ' '); sleep 10; done" > /tmp/scale-$w.mem 2>&1 < /dev/null &
         if [ ${step%%:*} = bgscale ]; then wait_scale $w ${BG_WAIT_S:-480}; else wait; wait_scale $w 5; fi ;;
     waitscale:*) wait_scale ${step#waitscale:} ${WAIT_S:-400} ;;
+    moeA) # issue 55's run, first call: the GPU tests it leans on, the full-size rollout bench, then the 12-layer GRPO
+        # with R3's effect started in the background (an H100's 80 GB: the 8-layer cut, what fits); moeB, the next
+        # call made at once while the machine is warm, waits for it and brings it back
+        mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+        cut=$([ "${mem:-0}" -lt 100000 ] && echo "--layers 8")
+        echo "GPU memory ${mem} MiB: ${cut:-the 12-layer cut}"
+        TESTS_S=150 S_moe_rollout_gpu=170 SCALE_S_30b_a3b_12l=800 BG_WAIT_S=220 SCALE_ARGS_30b_a3b_12l="--r3-effect \
+          --miles-iters 4 --r3-iters 1 --skip-trl --side-timeout-s 380 --r3-timeout-s 230 $cut" bash "$0" \
+          tests:tests/gpu/test_offload_cuda.py,tests/gpu/test_moe_gpu.py script:moe_rollout_gpu bgscale:30b-a3b-12l ;;
+    moeB) WAIT_S=570 bash "$0" waitscale:30b-a3b-12l ;;
     gpuP) s=${GPUP_S:-330}; i=0   # tests/gpu but SERIAL, in three lanes at once (each its own pytest and Ray);
         # GPUP_LANE4: files for a fourth lane, e.g. test_memory_plan_gpu.py (it reads only its own allocations)
         for lane in "$LANE1" "$LANE2" "$LANE3" ${GPUP_LANE4:+"$GPUP_LANE4"}; do i=$((i + 1))
