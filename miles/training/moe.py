@@ -134,7 +134,7 @@ def load_balancing_loss(logits: Tensor, experts: Tensor, num_experts: int, top_k
     `sequences` [T] (each token's sequence id): the same per sequence (its own T), averaged over them
     (seq_aux_loss)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    routed = F.one_hot(experts, num_experts).sum(dim=1).to(probs.dtype)      # [T, E] 0/1
+    routed = probs.new_zeros(probs.shape).scatter_(1, experts, 1.0)           # [T, E] 0/1 (top-k: distinct)
     if sequences is None:
         t = probs.shape[0]
         return (probs.sum(0) * routed.sum(0)).sum() * num_experts / (top_k * t * t)
@@ -168,13 +168,23 @@ def aux_losses(routing: Routing, real: Tensor, sequences: Tensor, *, aux_coeff: 
 
 
 # --- metrics --------------------------------------------------------------------------------------
+def expert_counts(applied: Tensor, num_experts: int) -> Tensor:
+    """[L, E] float32: how many of the positions' top-k picks in `applied` [n, L, k] went to each expert, per
+    layer. One scatter-add: a one-hot of the picks would be an [n, L, k, E] int64 tensor (1.6 GB for 16k positions
+    of the 12-layer Qwen3-30B-A3B cut, 128 experts, top-8)."""
+    layers = applied.shape[1]
+    flat = applied.transpose(0, 1).reshape(layers, -1)                   # [L, n * k]
+    return torch.zeros(layers, num_experts, device=applied.device).scatter_add_(
+        1, flat, torch.ones(flat.shape, device=applied.device))
+
+
 @dataclass
 class RoutingStats:
     """Sums over a rollout's trainer forwards (on the model's device; read once by `metrics`)."""
 
     tokens: Tensor | None = None          # [L, E] tokens routed to each expert
     entropy: Tensor | None = None         # summed router entropy over tokens and layers
-    positions: int = 0                    # real positions x layers the entropy covers (host count)
+    positions: Tensor | int = 0           # real positions x layers the entropy covers (a device sum until read)
     compared: Tensor | None = None        # positions with rollout routing (x layers)
     differ: Tensor | None = None          # of them, those where the router's own top-k differs from the rollout's
     compared_tokens: Tensor | None = None
@@ -185,12 +195,11 @@ class RoutingStats:
         """One forward's routing: `real` [N] bool, `rollout` [N, L, k] (-1: none) the rollout's experts."""
         with torch.no_grad():
             applied, own = routing.applied()[real], routing.own()[real]
-            counts = F.one_hot(applied, routing.num_experts).sum(dim=(0, 2)).float()          # [L, E]
-            self.tokens = counts if self.tokens is None else self.tokens + counts
+            self._sum("tokens", expert_counts(applied, routing.num_experts))
             ent = sum(-(lp.exp() * lp).sum() for lp in (torch.log_softmax(r.logits.detach()[real], dim=-1)
                                                          for r in routing.records))
             self._sum("entropy", ent)
-            self.positions += int(real.sum()) * len(routing.layers)
+            self._sum("positions", real.sum() * len(routing.layers))     # no host read per forward
             if rollout is not None:
                 ref = rollout[real].long()
                 has = ref[:, :, 0] >= 0                                                      # [n, L]
@@ -209,7 +218,7 @@ class RoutingStats:
         tokens = self.tokens.tolist() if self.tokens is not None else [[0.0] * experts for _ in range(layers)]
         out = {f"tokens/{i}/{e}": float(v) for i, row in enumerate(tokens) for e, v in enumerate(row)}
         out.update({name: 0.0 if getattr(self, name) is None else float(getattr(self, name)) for name in self._SCALARS})
-        out["positions"] = float(self.positions)
+        out["positions"] = float(self.positions)      # one read, with the others
         return out
 
     @classmethod
@@ -235,8 +244,8 @@ class RoutingStats:
                 out[f"moe/layer{i}/tokens_per_expert_max"] = mx
                 out[f"moe/layer{i}/tokens_per_expert_mean"] = mean
             out["moe/expert_load_max_over_mean"] = float((per_layer_max / per_layer_mean.clamp(min=1e-9)).mean())
-        if self.entropy is not None and self.positions:
-            out["moe/router_entropy"] = float(self.entropy) / self.positions
+        if self.entropy is not None and float(self.positions):
+            out["moe/router_entropy"] = float(self.entropy) / float(self.positions)
         if self.compared is not None and int(self.compared) > 0:
             out["moe/routing_mismatch"] = float(self.differ) / float(self.compared)
             out["moe/routing_mismatch_tokens"] = float(self.differ_tokens) / max(float(self.compared_tokens), 1.0)

@@ -346,6 +346,15 @@ def test_router_losses_match_hand_derived_numbers():
     assert z_loss(logits).item() == pytest.approx(2.5 * math.log(2.0) ** 2)
 
 
+def test_expert_counts_are_the_picks_per_layer_and_expert():
+    from miles.training.moe import expert_counts
+
+    applied = torch.tensor([[[0, 2], [1, 3]], [[2, 3], [1, 0]]])       # 2 positions, 2 layers, top-2 of 4
+    assert expert_counts(applied, 4).tolist() == [[1, 0, 2, 1], [1, 2, 0, 1]]
+    picks = torch.stack([torch.randperm(16)[:4] for _ in range(300 * 3)]).view(300, 3, 4)
+    want = torch.nn.functional.one_hot(picks, 16).sum(dim=(0, 2)).float()
+    assert torch.equal(expert_counts(picks, 16), want)
+
 def test_the_aux_and_z_losses_enter_the_step_and_train_the_router(moe_path):
     engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
     samples = samples_of(PROMPTS, engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)))
