@@ -274,7 +274,7 @@ class TrainerMoe:
         self.stats = RoutingStats()
         self.counting = True            # False: a data-parallel rank's padding micro-batch (no stats, no loss terms)
         self._losses: dict[str, Tensor] = {}
-        self._loss_sums: dict[str, float] = {name: 0.0 for name in self._loss_names()}
+        self._loss_sums: dict[str, Tensor | float] = {name: 0.0 for name in self._loss_names()}
         self._loss_count = 0
 
     def _loss_names(self) -> list[str]:
@@ -325,9 +325,9 @@ class TrainerMoe:
         micro-batches is the step's); None when off."""
         if not self._losses:
             return None
-        if self.counting:
+        if self.counting:             # summed on the device; `metrics` reads them once
             for name, value in self._losses.items():
-                self._loss_sums[name] += float(value.detach())
+                self._loss_sums[name] = self._loss_sums[name] + value.detach()
             self._loss_count += 1
         return sum(self._losses.values()) / micro_batches
 
@@ -351,7 +351,8 @@ class TrainerMoe:
         """The rollout's routing metrics (`moe/...`) and router losses (mean per micro-batch); then reset.
         `reduce` sums the raw counts over data-parallel ranks (every rank calls it, with the same keys)."""
         raw = self.stats.raw(len(self.routing.layers), self.routing.num_experts)
-        raw.update({f"loss/{name}": total for name, total in self._loss_sums.items()}, loss_count=float(self._loss_count))
+        raw.update({f"loss/{name}": float(total) for name, total in self._loss_sums.items()},
+                   loss_count=float(self._loss_count))
         if reduce is not None:
             raw = reduce(raw)
         out = RoutingStats.from_raw(raw, len(self.routing.layers), self.routing.num_experts).metrics()
