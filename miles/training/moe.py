@@ -168,14 +168,17 @@ def aux_losses(routing: Routing, real: Tensor, sequences: Tensor, *, aux_coeff: 
 
 
 # --- metrics --------------------------------------------------------------------------------------
-def expert_counts(applied: Tensor, num_experts: int) -> Tensor:
+def expert_counts(applied: Tensor, num_experts: int, weight: Tensor | None = None) -> Tensor:
     """[L, E] float32: how many of the positions' top-k picks in `applied` [n, L, k] went to each expert, per
-    layer. One scatter-add: a one-hot of the picks would be an [n, L, k, E] int64 tensor (1.6 GB for 16k positions
-    of the 12-layer Qwen3-30B-A3B cut, 128 experts, top-8)."""
-    layers = applied.shape[1]
+    layer (each position's picks counted `weight` [n] times: 0 leaves a padding position out). One scatter-add:
+    a one-hot of the picks would be an [n, L, k, E] int64 tensor (1.6 GB for 16k positions of the 12-layer
+    Qwen3-30B-A3B cut, 128 experts, top-8)."""
+    n, layers, k = applied.shape
     flat = applied.transpose(0, 1).reshape(layers, -1)                   # [L, n * k]
+    ones = torch.ones((n, layers, k), device=applied.device) if weight is None else \
+        weight.float()[:, None, None].expand(n, layers, k)
     return torch.zeros(layers, num_experts, device=applied.device).scatter_add_(
-        1, flat, torch.ones(flat.shape, device=applied.device))
+        1, flat, ones.transpose(0, 1).reshape(layers, -1))
 
 
 @dataclass
@@ -192,17 +195,20 @@ class RoutingStats:
     replayed: Tensor | None = None        # positions x layers that ran replayed experts
 
     def add(self, routing: Routing, real: Tensor, rollout: Tensor | None, replayed: bool) -> None:
-        """One forward's routing: `real` [N] bool, `rollout` [N, L, k] (-1: none) the rollout's experts."""
+        """One forward's routing: `real` [N] bool, `rollout` [N, L, k] (-1: none) the rollout's experts. Masked
+        sums, not boolean indexing: an index by a mask reads its count back to the host (a sync), and this runs
+        after every forward of an MoE model."""
         with torch.no_grad():
-            applied, own = routing.applied()[real], routing.own()[real]
-            self._sum("tokens", expert_counts(applied, routing.num_experts))
-            ent = sum(-(lp.exp() * lp).sum() for lp in (torch.log_softmax(r.logits.detach()[real], dim=-1)
-                                                         for r in routing.records))
+            applied, own = routing.applied(), routing.own()
+            weight = real.float()
+            self._sum("tokens", expert_counts(applied, routing.num_experts, weight))
+            ent = sum((-(lp.exp() * lp).sum(-1) * weight).sum() for lp in (torch.log_softmax(r.logits.detach(), dim=-1)
+                                                                            for r in routing.records))
             self._sum("entropy", ent)
-            self._sum("positions", real.sum() * len(routing.layers))     # no host read per forward
+            self._sum("positions", real.sum() * len(routing.layers))
             if rollout is not None:
-                ref = rollout[real].long()
-                has = ref[:, :, 0] >= 0                                                      # [n, L]
+                ref = rollout.long()
+                has = (ref[:, :, 0] >= 0) & real[:, None]                                   # [N, L]
                 differ = (own.sort(-1).values != ref.sort(-1).values).any(-1) & has
                 self._sum("compared", has.sum())
                 self._sum("differ", differ.sum())

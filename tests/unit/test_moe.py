@@ -355,6 +355,43 @@ def test_expert_counts_are_the_picks_per_layer_and_expert():
     want = torch.nn.functional.one_hot(picks, 16).sum(dim=(0, 2)).float()
     assert torch.equal(expert_counts(picks, 16), want)
 
+def test_routing_stats_leave_padding_positions_out_without_indexing_by_the_mask():
+    # add() sums under the real-position mask (no boolean index: a host sync per forward); every statistic must
+    # be what the real positions alone give, whatever the padding rows were routed to
+    from types import SimpleNamespace
+
+    from miles.training.moe import RoutingStats
+
+    g = torch.Generator().manual_seed(0)
+    n, layers, k, experts = 40, 3, 2, 8
+
+    def pick():
+        return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n * layers)]).view(n, layers, k)
+
+    applied, rollout = pick(), pick()
+    logits = [torch.randn(n, experts, generator=g) for _ in range(layers)]
+    real = torch.rand(n, generator=g) > 0.3
+    own = rollout.clone()                            # the router agrees with the rollout but at 4 real positions
+    own[real.nonzero()[:4, 0]] = pick()[:4]          # (and at padding, if it were counted: its own picks differ)
+    own[~real] = pick()[~real]
+    rollout[(~real).nonzero()[::2, 0]] = -1          # half the padding -1, half with experts: the mask decides
+    rollout[:5, 1] = -1                              # a layer with no recorded routing for some real positions
+    routing = SimpleNamespace(applied=lambda: applied, own=lambda: own, num_experts=experts, layers=list(range(layers)),
+                              records=[SimpleNamespace(logits=lg) for lg in logits])
+    stats = RoutingStats()
+    stats.add(routing, real, rollout, replayed=True)
+    got = stats.metrics()
+    a, o, r = applied[real], own[real], rollout[real]
+    counts = torch.nn.functional.one_hot(a, experts).sum(dim=(0, 2)).float()
+    ent = sum(-(torch.log_softmax(lg[real], -1).exp() * torch.log_softmax(lg[real], -1)).sum() for lg in logits)
+    has = r[:, :, 0] >= 0
+    differ = (o.sort(-1).values != r.sort(-1).values).any(-1) & has
+    assert torch.equal(stats.tokens, counts)
+    assert got["moe/router_entropy"] == pytest.approx(float(ent) / (int(real.sum()) * layers), rel=1e-6)
+    assert got["moe/routing_mismatch"] == pytest.approx(float(differ.sum()) / float(has.sum()))
+    assert got["moe/routing_mismatch_tokens"] == pytest.approx(float(differ.any(-1).sum()) / float(has.any(-1).sum()))
+    assert got["moe/routing_replayed"] == 1.0
+
 def test_the_aux_and_z_losses_enter_the_step_and_train_the_router(moe_path):
     engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
     samples = samples_of(PROMPTS, engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)))
