@@ -128,42 +128,57 @@ class Routing:
 
 # --- the trainer's losses -------------------------------------------------------------------------
 def load_balancing_loss(logits: Tensor, experts: Tensor, num_experts: int, top_k: int,
-                        sequences: Tensor | None = None) -> Tensor:
-    """Megatron's switch load-balancing loss (without its coefficient) of one layer: logits [T, E] of
-    the real tokens, the experts they were routed to [T, k]; E / (k T^2) x sum_e P_e n_e. With
-    `sequences` [T] (each token's sequence id): the same per sequence (its own T), averaged over them
-    (seq_aux_loss)."""
+                        sequences: Tensor | None = None, weight: Tensor | None = None,
+                        num_sequences: int | None = None) -> Tensor:
+    """Megatron's switch load-balancing loss (without its coefficient) of one layer: logits [T, E], the experts
+    the tokens were routed to [T, k]; E / (k T^2) x sum_e P_e n_e. With `sequences` [T] (each token's sequence
+    id): the same per sequence (its own T), averaged over the sequences that have tokens (seq_aux_loss).
+    `weight` [T] 0/1 counts only the positions it marks (the real tokens, padding 0), by masked sums; with
+    `num_sequences` (the ids are 0..num_sequences-1) nothing reads a count back to the host."""
     probs = torch.softmax(logits.float(), dim=-1)
     routed = probs.new_zeros(probs.shape).scatter_(1, experts, 1.0)           # [T, E] 0/1 (top-k: distinct)
+    w = probs.new_ones(probs.shape[0]) if weight is None else weight.to(probs.dtype)
+    probs, routed = probs * w[:, None], routed * w[:, None]
     if sequences is None:
-        t = probs.shape[0]
+        t = w.sum()
         return (probs.sum(0) * routed.sum(0)).sum() * num_experts / (top_k * t * t)
-    ids, seq = torch.unique(sequences, return_inverse=True)
-    p = probs.new_zeros(len(ids), num_experts).index_add_(0, seq, probs)
-    n = probs.new_zeros(len(ids), num_experts).index_add_(0, seq, routed)
-    t = torch.bincount(seq, minlength=len(ids)).to(probs.dtype)
-    return ((p * n).sum(1) * num_experts / (top_k * t * t)).mean()
+    if num_sequences is None:
+        ids, seq = torch.unique(sequences, return_inverse=True)
+        num_sequences = len(ids)
+    else:
+        seq = sequences
+    p = probs.new_zeros(num_sequences, num_experts).index_add_(0, seq, probs)
+    n = probs.new_zeros(num_sequences, num_experts).index_add_(0, seq, routed)
+    t = probs.new_zeros(num_sequences).index_add_(0, seq, w)
+    has = (t > 0).to(probs.dtype)
+    return ((p * n).sum(1) * num_experts / (top_k * t.clamp(min=1) ** 2) * has).sum() / has.sum()
 
 
-def z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE's router z-loss (without its coefficient) of one layer: mean_t logsumexp(logits_t)^2."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(logits: Tensor, weight: Tensor | None = None) -> Tensor:
+    """ST-MoE's router z-loss (without its coefficient) of one layer: mean_t logsumexp(logits_t)^2 (over the
+    positions `weight` [T] 0/1 marks, when given)."""
+    lse2 = torch.logsumexp(logits.float(), dim=-1).square()
+    if weight is None:
+        return lse2.mean()
+    w = weight.to(lse2.dtype)
+    return (lse2 * w).sum() / w.sum()
 
 
 def aux_losses(routing: Routing, real: Tensor, sequences: Tensor, *, aux_coeff: float, balancing: str,
-               z_coeff: float | None) -> dict[str, Tensor]:
+               z_coeff: float | None, num_sequences: int | None = None) -> dict[str, Tensor]:
     """The router losses of the last forward, summed over the MoE layers and scaled by their coefficients:
     `moe_aux_loss` (when aux_coeff > 0 and a balancing type other than none), `moe_z_loss` (z_coeff > 0).
-    `real` [N] bool: the positions that are tokens (not padding); `sequences` [N]: their sequence ids."""
+    `real` [N] bool: the positions that are tokens (not padding); `sequences` [N]: their sequence ids, 0 to
+    `num_sequences` - 1 (the rows). Masked sums over all N positions: no boolean index (a host sync a layer)."""
     out: dict[str, Tensor] = {}
     use_aux = aux_coeff > 0 and balancing != "none"
     if use_aux:
-        seq = sequences[real] if balancing == "seq_aux_loss" else None
+        seq = sequences if balancing == "seq_aux_loss" else None
         out["moe_aux_loss"] = aux_coeff * sum(
-            load_balancing_loss(r.logits[real], r.applied[real], routing.num_experts, routing.top_k, seq)
+            load_balancing_loss(r.logits, r.applied, routing.num_experts, routing.top_k, seq, real, num_sequences)
             for r in routing.records)
     if z_coeff:
-        out["moe_z_loss"] = z_coeff * sum(z_loss(r.logits[real]) for r in routing.records)
+        out["moe_z_loss"] = z_coeff * sum(z_loss(r.logits, real) for r in routing.records)
     return out
 
 
@@ -322,7 +337,8 @@ class TrainerMoe:
             if training:
                 rows = torch.arange(mb.tokens.shape[0], device=real.device).repeat_interleave(mb.tokens.shape[1])
                 self._losses = aux_losses(self.routing, real, rows, aux_coeff=self.aux_coeff,
-                                          balancing=self.balancing, z_coeff=self.z_coeff)
+                                          balancing=self.balancing, z_coeff=self.z_coeff,
+                                          num_sequences=mb.tokens.shape[0])
             return out
         return routed_forward
 

@@ -392,6 +392,25 @@ def test_routing_stats_leave_padding_positions_out_without_indexing_by_the_mask(
     assert got["moe/routing_mismatch_tokens"] == pytest.approx(float(differ.any(-1).sum()) / float(has.any(-1).sum()))
     assert got["moe/routing_replayed"] == 1.0
 
+@pytest.mark.parametrize("seq_aux", [False, True])
+def test_router_losses_under_the_real_position_mask_equal_them_over_the_real_positions_alone(seq_aux):
+    # aux_losses computes over every position with the padding weighted 0 (no boolean index: a host sync per
+    # layer); the losses and their gradients must be those of the real positions alone. Row 2 is all padding.
+    g = torch.Generator().manual_seed(1)
+    rows, width, experts, k = 4, 6, 8, 2
+    logits = torch.randn(rows * width, experts, generator=g, requires_grad=True)
+    picked = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows * width)])
+    real = torch.rand(rows * width, generator=g) > 0.3
+    real[2 * width:3 * width] = False
+    seqs = torch.arange(rows).repeat_interleave(width)
+    masked = load_balancing_loss(logits, picked, experts, k, seqs if seq_aux else None, real, rows) + z_loss(logits, real)
+    (grad_masked,) = torch.autograd.grad(masked, logits)
+    alone = load_balancing_loss(logits[real], picked[real], experts, k, seqs[real] if seq_aux else None) + \
+        z_loss(logits[real])
+    (grad_alone,) = torch.autograd.grad(alone, logits)
+    assert masked.item() == pytest.approx(alone.item(), rel=1e-6)
+    assert torch.allclose(grad_masked, grad_alone, atol=1e-7) and (grad_masked[~real] == 0).all()
+
 def test_the_aux_and_z_losses_enter_the_step_and_train_the_router(moe_path):
     engine = EmbeddedEngine(moe_path, device="cpu", seed=0)
     samples = samples_of(PROMPTS, engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)))
