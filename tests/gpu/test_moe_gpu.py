@@ -1,6 +1,7 @@
 """Qwen3-MoE on one GPU (docs/moe.md). The fast engine's experts: the grouped matmuls equal the per-expert
 loop in bf16, a CUDA-graph decode gives the eager decode's tokens and routing, an fp32 engine (the loop,
-decode eager) equals transformers. Then as a user runs it: the CLI, no layout flags (the run colocates),
+decode eager) equals transformers. The trainer's layers compiled (--trainer-compile, opt-in for MoE) replay and step
+as eager ones do. Then as a user runs it: the CLI, no layout flags (the run colocates),
 the tiny MoE arithmetic model on `--rollout-engine embedded`, which on CUDA is the fast engine, and the
 torch trainer in bf16, with R3: every response token replayed, the router losses on, the weights synced
 and checked, and the recipe's bar met in 10 rollouts. Skipped without CUDA.
@@ -108,6 +109,45 @@ def test_fp32_engine_runs_the_loop_eagerly_and_equals_transformers(grouped_model
         assert max(abs(a - b) for a, b in zip(g.logprobs, lp.squeeze(-1).tolist())) < 1e-4
         hf = routing.applied()[len(prompt) - 1:-1]
         assert lists(g.routed_experts) == hf.tolist()
+
+
+def test_compiled_moe_layers_replay_and_train_as_eager_ones_on_the_gpu():
+    # --trainer-compile on an MoE model (opt-in; eager by default): inductor-compiled layers with the routing
+    # hooks inside replay every token's rollout experts exactly, and the step agrees with the eager trainer's
+    # in bf16 (tests/unit/test_moe.py checks the same on the CPU with dynamo's counting backend)
+    from miles.config import AlgorithmConfig, RolloutConfig, TrainConfig
+    from miles.rollout.engines.fast.engine import FastEngine
+    from miles.training.batch import make_train_batch
+    from miles.training.torch.trainer import Trainer
+    from miles.types import SamplingParams
+    from tests.unit.test_moe import samples_of
+
+    model = str(ROOT / "examples/arithmetic/base_model_qwen3_moe")
+    engine = FastEngine(model, device="cuda", seed=0)
+    prompts = PROMPTS * 2
+    samples = samples_of(prompts, engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)))
+    engine.dispose()
+    runs = []
+    for compiled in (False, True):
+        t = Trainer(model, train=TrainConfig(lr=1e-3, micro_batch_size=8, use_rollout_routing_replay=True,
+                                             compile_layers=compiled),
+                    algorithm=AlgorithmConfig(loss_agg_mode="token_mean"),
+                    rollout=RolloutConfig(batch_size=len(prompts) // 2, n_samples_per_prompt=2), device="cuda")
+        assert t._compiled_layers is compiled
+        batch = make_train_batch(samples, t.pad_id).to("cuda")
+        with torch.no_grad():
+            t._forward(t.model, batch, False, False)
+        replayed = (batch.routed_experts[..., 0, 0] >= 0).reshape(-1).cpu()     # the response tokens
+        applied = t._moe.routing.applied().cpu()[replayed]
+        rollout = batch.routed_experts.reshape(-1, *batch.routed_experts.shape[2:]).cpu()[replayed]
+        assert torch.equal(applied, rollout)             # every response token routed as the rollout was
+        metrics = t.train(samples, rollout_id=0)
+        runs.append(metrics)
+    metrics, c_metrics = runs
+    assert c_metrics["moe/routing_replayed"] == metrics["moe/routing_replayed"] == 1.0
+    assert c_metrics["layer_compiles"] > 0 and metrics["layer_compiles"] == 0
+    assert c_metrics["loss"] == pytest.approx(metrics["loss"], rel=2e-2, abs=2e-3)
+    assert c_metrics["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=5e-2)
 
 
 def test_qwen3_moe_learns_on_one_gpu_with_rollout_routing_replay(tmp_path):
