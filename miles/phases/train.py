@@ -34,9 +34,11 @@ async def train(ctx: TrainingContext) -> str:
     ctx.c.metrics.log(rid, ctx.last_metrics)
     ctx.metrics_history.append(dict(ctx.last_metrics))
     extra = watch_reward_variance(ctx, ctx.last_metrics)
+    # graphs the trainer compiled in this phase (a new kind of micro-batch, mid-run): `trace show` notes them
+    compiles = {"layer_compiles": ctx.last_metrics["layer_compiles"]} if ctx.last_metrics.get("layer_compiles") else {}
     ctx.tracer.emit("metrics", rollout_id=rid, **{k: v for k, v in ctx.last_metrics.items()
                                                   if k in ("reward_mean", "loss", "kl", "grad_norm", "train_tokens")},
-                    **extra)
+                    **compiles, **extra)
     ci_checks(ctx, rid, ctx.last_metrics)
     return "next"
 

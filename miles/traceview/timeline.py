@@ -194,21 +194,25 @@ def _lane_order(start: TraceEvent | None, events: list[TraceEvent]) -> list[str]
 def _spans(events: list[TraceEvent], t0: float, last_mono: float) -> list[PhaseSpan]:
     spans: list[PhaseSpan] = []
     open_: TraceEvent | None = None
+    note = ""            # of the open phase: a train phase whose passes compiled graphs (its `metrics` event)
     for e in events:
         if e.event == "phase_start":
-            open_ = e
+            open_, note = e, ""
+        elif e.event == "metrics" and open_ is not None and e.get("layer_compiles"):
+            note = f"compiled {e.get('layer_compiles'):g} graphs"
         elif e.event == "stop_honoured" and spans and spans[-1].state == e.state:
             # the phase's span was closed by its phase_end; the runner fired `stop` instead
             last = spans[-1]
+            stopped = f"returned {e.get('ignored_trigger')}; stop requested"
             spans[-1] = PhaseSpan(last.state, last.rollout_id, last.start_s, last.duration_s, "stop",
-                                  last.outcome, last.seq, f"returned {e.get('ignored_trigger')}; stop requested")
+                                  last.outcome, last.seq, f"{stopped}; {last.note}" if last.note else stopped)
         elif open_ is not None and e.event in ("phase_end", "error") and e.state == open_.state:
             failed = e.event == "error"
             rid = e.rollout_id if e.rollout_id is not None else open_.rollout_id
             dur = e.duration_s if not failed and e.duration_s is not None else e.mono - open_.mono
             outcome = ("cancelled" if e.get("cancelled") else "error") if failed else "ok"
             spans.append(PhaseSpan(open_.state or "?", rid, open_.mono - t0, max(dur, 0.0),
-                                   "fail" if failed else e.trigger, outcome, open_.seq))
+                                   "fail" if failed else e.trigger, outcome, open_.seq, note))
             open_ = None
     if open_ is not None:
         spans.append(PhaseSpan(open_.state or "?", _open_rollout(events, open_), open_.mono - t0,

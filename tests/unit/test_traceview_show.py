@@ -156,6 +156,51 @@ def test_a_honoured_stop_request_shows_and_conforms(tmp_path, capsys):
     assert "stop  (returned next; stop requested)" in capsys.readouterr().out
 
 
+def test_a_train_phase_that_compiled_layer_graphs_says_so(tmp_path, capsys):
+    # the train phase's `metrics` event carries the trainer's layer_compiles when it compiled (a micro-batch of
+    # a new kind, mid-run: seconds on a GPU); show notes it on that phase's row, and only there
+    runner, ctx = make_stub_run("sync", tmp_path / "trace.jsonl", num_rollout=3)
+
+    async def train(c):
+        rid = c.rollout_id
+        c.tracer.emit("metrics", rollout_id=rid, loss=0.0, **({"layer_compiles": 2.0} if rid == 1 else {}))
+        return await stub_phase(c)
+
+    runner.handlers["train"] = train
+    asyncio.run(runner.run())
+    train_spans = [s for s in build_timeline(read_trace(tmp_path)).spans if s.state == "train"]
+    assert [s.note for s in train_spans] == ["", "compiled 2 graphs", ""]
+    main(["show", str(tmp_path), "--format", "plain"])
+    out = capsys.readouterr().out
+    assert out.count("compiled 2 graphs") == 1
+
+
+def test_the_train_phase_traces_its_layer_compiles_only_when_it_compiled(tmp_path):
+    from miles.phases import train as train_phase
+    from tests.unit.test_restarted_engine_weights import FakeTrainer, context
+
+    class Metrics:
+        def log(self, step, row):
+            pass
+
+    ctx = context(tmp_path, check=False)
+    for rid, compiles in ((3, 2.0), (4, 0.0)):
+        ctx.next_rollout = ctx.rollout_id = rid
+        ctx.batch_ref = "batch"
+        trainer = FakeTrainer(version=rid)
+        trainer.step_done.set()
+        step = trainer._step
+
+        async def counted(step=step, compiles=compiles):
+            return dict(await step(), layer_compiles=compiles)
+
+        trainer._step = counted
+        ctx.c.trainer, ctx.c.metrics = type("Resource", (), {"handle": trainer})(), Metrics()
+        asyncio.run(train_phase.train(ctx))
+    ctx.tracer.close()
+    events = [e for e in read_trace(tmp_path).of("metrics")]
+    assert [(e.rollout_id, e.get("layer_compiles")) for e in events] == [(3, 2.0), (4, None)]
+
 # ---- a resumed segment: where it resumed from, what stopped it, what the stop saved -------------
 
 def write_events(path: Path, events: list[dict]) -> Path:
