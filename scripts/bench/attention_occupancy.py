@@ -81,18 +81,21 @@ def compile_launch(kernel, args, cache: str, block: int, warps: int, stages: int
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from miles.rollout.engines.fast.attention import padded_group
+
     cache_type, _ = CACHE_TYPES[cache]
     names = list(kernel.arg_names)
     ints = call_values(args, page)
     group = args.group
-    consts = dict(G=group, G_PAD=max(16, 1 << (group - 1).bit_length()), D=args.head_dim, BLOCK=block,
+    consts = dict(G=group, G_PAD=padded_group(group), D=args.head_dim, BLOCK=block,
                   PRECISION="tf32", PAGED=bool(page), PAGE=page or 1, V_A=v_a)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in POINTERS:
-            sig[name] = {"K": f"*{cache_type}", "V": f"*{cache_type}", "POS": "*i64", "TABLE": "*i64"}.get(name, "*bf16")
+            sig[name] = {"K": f"*{cache_type}", "V": f"*{cache_type}", "POS": "*i64",
+                         "TABLE": "*i64"}.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]          # torch's allocations are 256-byte aligned
         elif name == "scale":
             sig[name] = "fp32"
@@ -155,7 +158,8 @@ def _line(r: dict) -> str:
     return (f"{r['cache']:>4} block={r['block']:<3} warps={r['warps']} stages={r['stages']!s:<7}"
             f"{' v_as_a' if r['v_as_a'] else ''} regs={r['registers']:<3} byte_loads={r['byte_shared_loads']:<3} "
             f"spill={r['spilled_bytes']:<3} smem={r['shared_bytes']:<6} pipelined={r['pipelined']!s:<5} "
-            f"programs/SM={r['programs']} ({','.join(r['limited_by'])}) kv/iter/SM={r['kv_bytes_per_iteration_per_sm'] >> 10} KiB")
+            f"programs/SM={r['programs']} ({','.join(r['limited_by'])}) "
+            f"kv/iter/SM={r['kv_bytes_per_iteration_per_sm'] >> 10} KiB")
 
 
 def _stages(text: str) -> list[int | None]:

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import emit, hbm_gbs  # noqa: E402
 
 import torch  # noqa: E402
+from miles.rollout.engines.fast.attention import dot_precision, padded_group  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}      # the cache's dtype (None: the compute dtype)
@@ -164,14 +165,6 @@ def split_kernels():
     return split_attention_kernel, split_reduce_kernel
 
 
-def _g_pad(group: int) -> int:
-    return max(16, 1 << (group - 1).bit_length())
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"     # as attention.decode_attention chooses
-
-
 def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: int, stages: int | None,
                          table=None, v_a: bool = False) -> None:
     """`attention.decode_attention`'s launch, with BLOCK, num_warps and num_stages as given (`table`: a paged
@@ -183,8 +176,8 @@ def launch_engine_kernel(q, kc, vc, pos, out, scale: float, block: int, warps: i
     paged = table is not None
     _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3], *kc.stride()[:3],
                              *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0, G=group,
-                             G_PAD=_g_pad(group), D=dim, BLOCK=block, PRECISION=_precision(q.dtype), PAGED=paged,
-                             PAGE=kc.shape[2] if paged else 1, V_A=v_a, num_warps=warps, **extra)
+                             G_PAD=padded_group(group), D=dim, BLOCK=block, PRECISION=dot_precision(q.dtype),
+                             PAGED=paged, PAGE=kc.shape[2] if paged else 1, V_A=v_a, num_warps=warps, **extra)
 
 
 def to_pages(c, page: int, gen):
@@ -218,10 +211,10 @@ class SplitK:
         extra = {} if stages is None else dict(num_stages=stages)
         split[(b, kv_heads, self.splits)](q, kc, vc, self.mid_o, self.mid_ml, pos, scale, *q.stride()[:3],
                                           *kc.stride()[:3], *vc.stride()[:3], kv_heads, self.splits, G=group,
-                                          G_PAD=_g_pad(group), D=dim, BLOCK=block, CHUNK=self.chunk,
-                                          PRECISION=_precision(q.dtype), num_warps=warps, **extra)
+                                          G_PAD=padded_group(group), D=dim, BLOCK=block, CHUNK=self.chunk,
+                                          PRECISION=dot_precision(q.dtype), num_warps=warps, **extra)
         reduce[(b, kv_heads)](self.mid_o, self.mid_ml, out, pos, *out.stride()[:3], kv_heads, self.splits, G=group,
-                              G_PAD=_g_pad(group), D=dim, CHUNK=self.chunk, num_warps=4)
+                              G_PAD=padded_group(group), D=dim, CHUNK=self.chunk, num_warps=4)
 
 
 def span_mask(pos, span: int, dtype: torch.dtype):

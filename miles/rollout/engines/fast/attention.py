@@ -108,6 +108,18 @@ def usable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
+def padded_group(group: int) -> int:
+    """The kernel's G_PAD: a KV head's query group padded to a power of two of at least 16 rows (tl.dot's least)."""
+    return max(16, 1 << (group - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernel's PRECISION: float32 operands in IEEE precision, not Triton's default TF32 (a 10-bit mantissa),
+    so the kernel computes what it says for every dtype it takes (the engine runs it in bf16/fp16 only, where
+    this choice has no effect)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float,
                      table: Tensor | None = None) -> Tensor:
     """q [B, kv_heads, group, D]; kc, vc [slots >= B, kv_heads, max_len, D]; slot b attends over its
@@ -116,15 +128,10 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: floa
     b, kv_heads, group, dim = q.shape
     paged = table is not None
     out = torch.empty_like(q)
-    g_pad = max(16, 1 << (group - 1).bit_length())
-    # float32 operands in IEEE precision, not Triton's default TF32 (a 10-bit mantissa), so the kernel
-    # computes what it says for every dtype it takes (the engine runs it in bf16/fp16 only, where
-    # this choice has no effect; "tf32" is the default it had before)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _kernel()[(b, kv_heads)](q, kc, vc, out, pos, table if paged else pos, scale, *q.stride()[:3],
                              *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], table.stride(0) if paged else 0,
-                             G=group, G_PAD=g_pad, D=dim, BLOCK=BLOCK_N, PRECISION=precision, PAGED=paged,
-                             PAGE=kc.shape[2] if paged else 1, num_warps=4)
+                             G=group, G_PAD=padded_group(group), D=dim, BLOCK=BLOCK_N, PRECISION=dot_precision(q.dtype),
+                             PAGED=paged, PAGE=kc.shape[2] if paged else 1, num_warps=4)
     return out
 
 
